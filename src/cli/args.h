@@ -1,0 +1,30 @@
+// Command-line options of the form `--name value` and `--flag`; anything unexpected is an error.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace spindle {
+
+class Args {
+ public:
+  // `options` take a value, `flags` do not.
+  Args(const std::string& command, const std::vector<std::string>& argv, const std::set<std::string>& options,
+       const std::set<std::string>& flags = {});
+
+  std::string required(const std::string& name) const;
+  std::optional<std::string> optional(const std::string& name) const;
+  std::string value_or(const std::string& name, const std::string& fallback) const;
+  int64_t int_or(const std::string& name, int64_t fallback) const;
+  bool flag(const std::string& name) const { return flags_.count(name) != 0; }
+
+ private:
+  std::string command_;
+  std::map<std::string, std::string> values_;
+  std::set<std::string> flags_;
+};
+
+}  // namespace spindle

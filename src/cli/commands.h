@@ -1,0 +1,13 @@
+// The subcommands of `spindle`, one file each under cli/commands/.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace spindle {
+
+int run_info(const std::vector<std::string>& args);
+int run_init(const std::vector<std::string>& args);
+int run_logprobs(const std::vector<std::string>& args);
+
+}  // namespace spindle

@@ -1,0 +1,48 @@
+// spindle: train and evaluate hybrid linear/sparse-attention MoE models on long sequences.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace {
+
+const char* kUsage = R"(usage: spindle <command> [options]
+
+commands:
+  info      --model DIR                         layer plan, parameter counts, bytes
+  init      --config FILE --out DIR [--seed N] [--dtype f32|bf16|f64]
+                                                random weights (transformers' init), saved loadable
+  logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
+                                                log p(token_i | tokens before i), one line per i >= 1
+  help                                          this text
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << kUsage;
+    return 2;
+  }
+  const std::string command = argv[1];
+  const std::vector<std::string> args(argv + 2, argv + argc);
+  try {
+    if (command == "info") return spindle::run_info(args);
+    if (command == "init") return spindle::run_init(args);
+    if (command == "logprobs") return spindle::run_logprobs(args);
+    if (command == "help" || command == "--help" || command == "-h") {
+      std::cout << kUsage;
+      return 0;
+    }
+    std::cerr << "spindle: unknown command '" << command << "'\n" << kUsage;
+    return 2;
+  } catch (const spindle::Error& e) {
+    std::cerr << "spindle: error: " << e.what() << '\n';
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "spindle: internal error: " << e.what() << '\n';
+    return 3;
+  }
+}

@@ -1,0 +1,38 @@
+// Host memory for tensors: aligned allocations with statistics per category.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace spindle {
+
+enum class MemoryCategory : uint8_t { Weights, Gradients, Optimizer, Activations, Workspace, Other };
+constexpr int kMemoryCategories = 6;
+const char* memory_category_name(MemoryCategory category);
+
+struct MemoryStats {
+  std::array<int64_t, kMemoryCategories> current{};
+  std::array<int64_t, kMemoryCategories> peak{};
+  int64_t current_total = 0;
+  int64_t peak_total = 0;
+};
+
+// Every host tensor allocation goes through here, so peaks are known per category.
+class HostAllocator {
+ public:
+  static HostAllocator& instance();
+  void* allocate(size_t bytes, MemoryCategory category);
+  void release(void* pointer, size_t bytes, MemoryCategory category);
+  const MemoryStats& stats() const { return stats_; }
+  std::string report() const;
+
+ private:
+  MemoryStats stats_;
+};
+
+// Peak resident set size of this process in bytes (from the kernel), for memory checks.
+int64_t peak_rss_bytes();
+
+}  // namespace spindle

@@ -1,0 +1,172 @@
+#include "core/tensor.h"
+
+#include <cstring>
+#include <sstream>
+
+namespace spindle {
+
+const char* device_name(Device device) { return device == Device::CPU ? "cpu" : "cuda"; }
+
+std::string shape_string(const Shape& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  return strides;
+}
+
+Storage::~Storage() {
+  if (owned && data != nullptr) HostAllocator::instance().release(data, bytes, category);
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, MemoryCategory category) {
+  for (int64_t d : shape) check(d >= 0, "tensor shape ", shape_string(shape), " has a negative dimension");
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  t.storage_->data = HostAllocator::instance().allocate(t.storage_->bytes, category);
+  t.storage_->category = category;
+  t.storage_->owned = true;
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, MemoryCategory category) {
+  Tensor t = empty(shape, dtype, category);
+  t.fill_zero();
+  return t;
+}
+
+Tensor Tensor::borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype) {
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->data = const_cast<void*>(data);
+  t.storage_->bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  t.storage_->keep_alive = std::move(owner);
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
+int64_t Tensor::dim(int index) const {
+  const int n = ndim();
+  const int i = index < 0 ? index + n : index;
+  check(i >= 0 && i < n, "dimension ", index, " out of range for tensor ", describe());
+  return shape_[static_cast<size_t>(i)];
+}
+
+bool Tensor::is_contiguous() const { return strides_ == contiguous_strides(shape_); }
+
+std::string Tensor::describe() const { return std::string(dtype_name(dtype_)) + shape_string(shape_); }
+
+void Tensor::check_access(DType requested) const {
+  check(defined(), "access to an undefined tensor");
+  check(requested == dtype_, "tensor ", describe(), " accessed as ", dtype_name(requested));
+}
+
+Tensor Tensor::block(int64_t offset, const Shape& shape) const {
+  check(is_contiguous(), "block() of a non-contiguous tensor ", describe());
+  check(offset >= 0 && offset + shape_numel(shape) <= numel(), "block of ", shape_string(shape), " at ", offset,
+        " lies outside tensor ", describe());
+  Tensor t = *this;
+  t.offset_ = offset_ + offset;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
+Tensor Tensor::select(int64_t i) const {
+  check(ndim() >= 1 && i >= 0 && i < shape_[0], "select(", i, ") out of range for ", describe());
+  Shape rest(shape_.begin() + 1, shape_.end());
+  return block(i * shape_numel(rest), rest);
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  check(shape_numel(shape) == numel(), "cannot reshape ", describe(), " to ", shape_string(shape));
+  return block(0, shape);
+}
+
+namespace {
+
+double load_as_double(const void* base, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::F32: return static_cast<const float*>(base)[i];
+    case DType::F64: return static_cast<const double*>(base)[i];
+    case DType::BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::F16: return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::I32: return static_cast<const int32_t*>(base)[i];
+    case DType::I64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+  }
+  return 0.0;
+}
+
+void store_from_double(void* base, DType dtype, int64_t i, double v) {
+  switch (dtype) {
+    case DType::F32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case DType::F64: static_cast<double*>(base)[i] = v; break;
+    case DType::BF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(v)); break;
+    case DType::F16: static_cast<uint16_t*>(base)[i] = float_to_f16(static_cast<float>(v)); break;
+    case DType::I32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
+    case DType::I64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
+  }
+}
+
+}  // namespace
+
+void Tensor::copy_from(const Tensor& source) {
+  check(source.numel() == numel(), "copy of ", source.describe(), " into ", describe(), ": sizes differ");
+  check(is_contiguous() && source.is_contiguous(), "copy between non-contiguous tensors");
+  if (source.dtype_ == dtype_) {
+    std::memcpy(raw(), source.raw(), nbytes());
+    return;
+  }
+  const bool integer_to_integer = !is_floating(dtype_) && !is_floating(source.dtype_);
+  const int64_t n = numel();
+  if (integer_to_integer) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = source.dtype_ == DType::I32 ? static_cast<const int32_t*>(source.raw())[i]
+                                                    : static_cast<const int64_t*>(source.raw())[i];
+      if (dtype_ == DType::I32) static_cast<int32_t*>(raw())[i] = static_cast<int32_t>(v);
+      else static_cast<int64_t*>(raw())[i] = v;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
+}
+
+Tensor Tensor::to(DType dtype, MemoryCategory category) const {
+  Tensor out = empty(shape_, dtype, category);
+  out.copy_from(*this);
+  return out;
+}
+
+void Tensor::fill_zero() {
+  check(is_contiguous(), "fill_zero of a non-contiguous tensor");
+  std::memset(raw(), 0, nbytes());
+}
+
+double Tensor::item_as_double(int64_t i) const {
+  check(i >= 0 && i < numel(), "element ", i, " out of range for ", describe());
+  return load_as_double(raw(), dtype_, i);
+}
+
+}  // namespace spindle

@@ -1,0 +1,125 @@
+#include "kernels/cpu/dsa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "core/parallel.h"
+
+namespace spindle::cpu {
+
+template <class T>
+void indexer_pool_keys(const IndexerShape& s, const T* keys, const T* gate, const T* ape, T* pool_keys) {
+  const int64_t d = s.head_dim, kp = s.kpool;
+  parallel_for(s.complete_pools(), 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> logits(static_cast<size_t>(kp));
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < d; ++c) {
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < kp; ++j) {
+          const T l = gate[(p * kp + j) * d + c] + ape[j * d + c];
+          logits[static_cast<size_t>(j)] = l;
+          mx = std::max(mx, l);
+        }
+        T sum = 0;
+        for (int64_t j = 0; j < kp; ++j) sum += (logits[static_cast<size_t>(j)] = std::exp(logits[static_cast<size_t>(j)] - mx));
+        T acc = 0;
+        for (int64_t j = 0; j < kp; ++j) acc += logits[static_cast<size_t>(j)] / sum * keys[(p * kp + j) * d + c];
+        pool_keys[p * d + c] = acc;
+      }
+    }
+  });
+}
+
+template <class T>
+void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights, int32_t* selected) {
+  const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
+  const int64_t pools = s.complete_pools();
+  const int64_t select_pools = std::min(s.topk / kp, pools);
+  const T scale = T(1) / std::sqrt(T(d));
+  // Each thread scores one query at a time against its visible pools: memory is O(pools).
+  parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<T, int64_t>> scored(static_cast<size_t>(pools));
+    for (int64_t t = begin; t < end; ++t) {
+      int32_t* out = selected + t * width;
+      std::fill(out, out + width, -1);
+      const int64_t visible = std::min(pools, (t + 1) / kp);
+      for (int64_t p = 0; p < visible; ++p) {
+        T score = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const T* qh = q + (t * H + h) * d;
+          const T* k = pool_keys + p * d;
+          T dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += qh[c] * k[c];
+          score += head_weights[t * H + h] * std::max(T(0), dot * scale);
+        }
+        scored[static_cast<size_t>(p)] = {score, p};
+      }
+      const int64_t chosen = std::min(select_pools, visible);
+      auto higher = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      if (chosen < visible) {
+        std::nth_element(scored.begin(), scored.begin() + chosen, scored.begin() + visible, higher);
+      }
+      std::sort(scored.begin(), scored.begin() + chosen, [](const auto& a, const auto& b) { return a.second < b.second; });
+      int64_t n = 0;
+      for (int64_t i = 0; i < chosen; ++i) {
+        const int64_t first = scored[static_cast<size_t>(i)].second * kp;
+        for (int64_t j = 0; j < kp; ++j) out[n++] = static_cast<int32_t>(first + j);
+      }
+      if (s.select_tail && kp > 1) {
+        const int64_t tail = (t + 1) % kp;
+        for (int64_t j = 0; j < tail; ++j) out[s.topk + j] = static_cast<int32_t>(t + 1 - tail + j);
+      }
+    }
+  });
+}
+
+template <class T>
+void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected, T* out) {
+  const int64_t H = s.heads, dq = s.qk_dim, dv = s.v_dim, stride = dq + dv;
+  parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(static_cast<size_t>(s.width));
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t* idx = selected + t * s.width;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* qh = q + (t * H + h) * dq;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          const T* k = kv + (idx[i] * H + h) * stride;
+          T dot = 0;
+          for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
+          p[static_cast<size_t>(i)] = dot * T(s.scale);
+          mx = std::max(mx, p[static_cast<size_t>(i)]);
+        }
+        T sum = 0;
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
+        }
+        T* o = out + (t * H + h) * dv;
+        for (int64_t c = 0; c < dv; ++c) o[c] = 0;
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          const T w = p[static_cast<size_t>(i)] / sum;
+          const T* v = kv + (idx[i] * H + h) * stride + dq;
+          for (int64_t c = 0; c < dv; ++c) o[c] += w * v[c];
+        }
+      }
+    }
+  });
+}
+
+#define SPINDLE_INSTANTIATE(T)                                                                        \
+  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);          \
+  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);       \
+  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);
+SPINDLE_INSTANTIATE(float)
+SPINDLE_INSTANTIATE(double)
+#undef SPINDLE_INSTANTIATE
+
+}  // namespace spindle::cpu

@@ -1,0 +1,51 @@
+// DeepSeek Sparse Attention on the CPU: the k-pool indexer that picks, for every query, which
+// earlier tokens it may attend to, and attention restricted to those tokens. Nothing here is
+// tokens x tokens: the indexer scores queries in blocks against pooled keys, attention visits
+// only the selected indices.
+#pragma once
+
+#include <cstdint>
+
+namespace spindle::cpu {
+
+struct IndexerShape {
+  int64_t tokens;
+  int64_t heads;      // index_n_heads
+  int64_t head_dim;   // index_head_dim
+  int64_t kpool;      // tokens per pool
+  int64_t topk;       // index_topk (tokens; topk / kpool pools are chosen)
+  bool select_tail;   // index_kpool_always_select_tail
+  int64_t width() const { return topk + (select_tail ? kpool - 1 : 0); }
+  int64_t complete_pools() const { return tokens / kpool; }
+};
+
+// Pooled keys of the complete pools: pool_keys[p, c] = sum_j softmax_j(gate[p*kp + j, c] + ape[j, c])
+// * keys[p*kp + j, c]. keys, gate: [tokens, head_dim]; ape: [kpool, head_dim]; pool_keys:
+// [complete_pools, head_dim].
+template <class T>
+void indexer_pool_keys(const IndexerShape& s, const T* keys, const T* gate, const T* ape, T* pool_keys);
+
+// For each query t, the token indices it attends to, [tokens, width], -1 where unused:
+// the top topk/kpool visible complete pools by score (pool p is visible when its last token is
+// <= t), ties to the lower pool, expanded to their tokens; then, with select_tail, the tokens of
+// the incomplete pool that ends at t. Score: sum_h w[t, h] * relu(q[t, h] . pool_key[p] / sqrt(d)).
+// q: [tokens, heads, head_dim]; head_weights: [tokens, heads] (already scaled by heads^-0.5).
+template <class T>
+void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights, int32_t* selected);
+
+struct SparseAttentionShape {
+  int64_t tokens;
+  int64_t heads;
+  int64_t qk_dim;  // per-head query/key width
+  int64_t v_dim;   // per-head value width
+  int64_t width;   // selected indices per query
+  double scale;    // softmax scale
+};
+
+// out[t, h] = sum_{s in selected[t]} softmax_s(q[t, h] . k[s, h] * scale) v[s, h].
+// q: [tokens, heads, qk_dim]; kv: [tokens, heads, qk_dim + v_dim] (key then value per head, as
+// kv_b_proj lays them out); selected: [tokens, width] with -1 for unused; out: [tokens, heads, v_dim].
+template <class T>
+void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected, T* out);
+
+}  // namespace spindle::cpu

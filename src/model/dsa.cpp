@@ -1,0 +1,69 @@
+#include <cmath>
+
+#include "kernels/cpu/dsa.h"
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/norms.h"
+#include "model/modules.h"
+
+namespace spindle {
+
+namespace {
+
+template <class T>
+void run_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, const T* q_resid, int64_t L,
+                 std::vector<int32_t>& selection) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
+  const IndexerShape shape{L, Hi, d, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
+  std::vector<T> q(static_cast<size_t>(L * Hi * d)), keys(static_cast<size_t>(L * d)), gate(static_cast<size_t>(L * d));
+  linear(q_resid, w.wq_b.data<T>(), q.data(), L, c.q_lora_rank, Hi * d);
+  linear(x, w.wk.data<T>(), gate.data(), L, D, d);
+  layer_norm(gate.data(), w.k_norm_weight.data<T>(), w.k_norm_bias.data<T>(), keys.data(), L, d, 1e-6);
+  linear(x, w.compress_gate.data<T>(), gate.data(), L, D, d);
+  std::vector<T> pool_keys(static_cast<size_t>(shape.complete_pools() * d));
+  indexer_pool_keys(shape, keys.data(), gate.data(), w.compress_ape.data<T>(), pool_keys.data());
+  std::vector<T> head_weights(static_cast<size_t>(L * Hi));
+  linear(x, w.weights_proj.data<T>(), head_weights.data(), L, D, Hi);
+  const T head_scale = T(1) / std::sqrt(T(Hi));
+  for (T& hw : head_weights) hw *= head_scale;
+  selection.assign(static_cast<size_t>(L * shape.width()), -1);
+  indexer_select(shape, q.data(), pool_keys.data(), head_weights.data(), selection.data());
+}
+
+}  // namespace
+
+template <class T>
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L, std::vector<int32_t>& selection,
+                 T* y) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
+  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
+
+  std::vector<T> q_low(static_cast<size_t>(L * qr)), q_resid(static_cast<size_t>(L * qr));
+  linear(x, w.q_a_proj.data<T>(), q_low.data(), L, D, qr);
+  rms_norm(q_low.data(), w.q_a_layernorm.data<T>(), q_resid.data(), L, qr, c.rms_norm_eps);
+  std::vector<T> q(static_cast<size_t>(L * H * dqk));
+  linear(q_resid.data(), w.q_b_proj.data<T>(), q.data(), L, qr, H * dqk);
+
+  std::vector<T> kv_low(static_cast<size_t>(L * kr)), kv_normed(static_cast<size_t>(L * kr));
+  linear(x, w.kv_a_proj.data<T>(), kv_low.data(), L, D, kr);
+  rms_norm(kv_low.data(), w.kv_a_layernorm.data<T>(), kv_normed.data(), L, kr, c.rms_norm_eps);
+  std::vector<T> kv(static_cast<size_t>(L * H * (dqk + dv)));
+  linear(kv_normed.data(), w.kv_b_proj.data<T>(), kv.data(), L, kr, H * (dqk + dv));
+
+  if (w.has_indexer) run_indexer(c, w.indexer, x, q_resid.data(), L, selection);
+  const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
+  check(static_cast<int64_t>(selection.size()) == L * width, "DSA layer without a selection to share");
+
+  std::vector<T> attended(static_cast<size_t>(L * H * dv));
+  sparse_attention<T>({L, H, dqk, dv, width, 1.0 / std::sqrt(static_cast<double>(dqk))}, q.data(), kv.data(),
+                      selection.data(), attended.data());
+  linear(attended.data(), w.o_proj.data<T>(), y, L, H * dv, D);
+}
+
+template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t, std::vector<int32_t>&,
+                                 float*);
+template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
+                                  std::vector<int32_t>&, double*);
+
+}  // namespace spindle

@@ -1,0 +1,95 @@
+#include "model/forward.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/mhc.h"
+#include "kernels/cpu/norms.h"
+#include "model/modules.h"
+
+namespace spindle {
+
+namespace {
+
+// One residual site: collapse the streams with mHC, normalise, run the sublayer, spread back.
+template <class T, class Sublayer>
+void hyper_connected(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm, int64_t L,
+                     std::vector<T>& streams, Sublayer sublayer) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  const cpu::HcShape shape{L, H, D, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
+  std::vector<T> pre(static_cast<size_t>(L * H)), post(static_cast<size_t>(L * H)), comb(static_cast<size_t>(L * H * H));
+  std::vector<T> collapsed(static_cast<size_t>(L * D)), normed(static_cast<size_t>(L * D));
+  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(), pre.data(),
+                       post.data(), comb.data(), collapsed.data());
+  cpu::rms_norm(collapsed.data(), norm.data<T>(), normed.data(), L, D, c.rms_norm_eps);
+  sublayer(normed.data(), collapsed.data());  // output into `collapsed`
+  std::vector<T> next(streams.size());
+  cpu::hc_combine(shape, streams.data(), collapsed.data(), post.data(), comb.data(), next.data());
+  streams.swap(next);
+}
+
+}  // namespace
+
+template <class T>
+std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
+                                  const ForwardOptions& options) {
+  check(w.dtype == dtype_of<T>(), "forward pass in ", dtype_name(dtype_of<T>()), " over weights stored in ",
+        dtype_name(w.dtype));
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  check(L >= 2, "a sequence needs at least 2 tokens to have next-token log-probs, got ", L);
+  for (int64_t i = 0; i < L; ++i) {
+    const int32_t id = tokens[static_cast<size_t>(i)];
+    check(id >= 0 && id < V, "token id ", id, " at position ", i, " is outside the vocabulary [0, ", V, ")");
+  }
+
+  // Every stream starts as the token embedding.
+  std::vector<T> streams(static_cast<size_t>(L * H * D));
+  const T* embed = w.embed_tokens.data<T>();
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      std::copy(embed + tokens[static_cast<size_t>(t)] * D, embed + (tokens[static_cast<size_t>(t)] + 1) * D,
+                streams.begin() + (t * H + h) * D);
+
+  std::vector<int32_t> selection;  // the last DSA selection, for a following shared layer
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& layer = w.layers[i];
+    hyper_connected<T>(c, layer.attn_hc, layer.input_layernorm, L, streams, [&](const T* x, T* y) {
+      if (layer.attention == AttentionKind::Kda) kda_forward(c, layer.kda, x, L, y);
+      else dsa_forward(c, layer.dsa, x, L, selection, y);
+    });
+    hyper_connected<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
+      if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+      else moe_forward(c, layer.moe, x, L, y);
+    });
+    if (options.on_layer) options.on_layer(static_cast<int64_t>(i));
+  }
+
+  // Exit: mean over streams, final norm, then the head block by block.
+  std::vector<T> mean(static_cast<size_t>(L * D), T(0)), hidden(static_cast<size_t>(L * D));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)];
+  for (T& m : mean) m /= T(H);
+  streams.clear();
+  streams.shrink_to_fit();
+  cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), L, D, c.rms_norm_eps);
+
+  std::vector<T> log_probs(static_cast<size_t>(L - 1));
+  const int64_t block = std::max<int64_t>(1, options.head_block);
+  std::vector<T> logits(static_cast<size_t>(std::min(block, L - 1) * V));
+  for (int64_t start = 0; start < L - 1; start += block) {
+    const int64_t rows = std::min(block, L - 1 - start);
+    cpu::linear(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(), rows, D, V);
+    cpu::target_log_probs(logits.data(), tokens.data() + start + 1, log_probs.data() + start, rows, V);
+  }
+  return log_probs;
+}
+
+template std::vector<float> sequence_log_probs<float>(const ModelConfig&, const ModelWeights&,
+                                                      const std::vector<int32_t>&, const ForwardOptions&);
+template std::vector<double> sequence_log_probs<double>(const ModelConfig&, const ModelWeights&,
+                                                        const std::vector<int32_t>&, const ForwardOptions&);
+
+}  // namespace spindle

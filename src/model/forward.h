@@ -1,0 +1,26 @@
+// The whole model's forward pass on the CPU reference path, for one sequence of token ids.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace spindle {
+
+struct ForwardOptions {
+  // Tokens per block of the lm_head + log-softmax: bounds the logits buffer to block x vocab.
+  int64_t head_block = 1024;
+  // Called after each layer with its index (progress on long sequences).
+  std::function<void(int64_t layer)> on_layer;
+};
+
+// log p(tokens[i] | tokens[<i]) for i = 1 .. n-1, computed in T (float or double). The weights
+// must be stored in T's dtype.
+template <class T>
+std::vector<T> sequence_log_probs(const ModelConfig& config, const ModelWeights& weights,
+                                  const std::vector<int32_t>& tokens, const ForwardOptions& options = {});
+
+}  // namespace spindle

@@ -1,0 +1,31 @@
+// Forward passes of the model's sublayers on the CPU reference path, for one sequence.
+// Inputs are [tokens, hidden] rows (the normalised sublayer input); outputs likewise.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace spindle {
+
+// Kimi Delta Attention: projections, short conv, gates, delta rule, gated norm, output.
+template <class T>
+void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, T* y);
+
+// MLA + DSA. `selection` ([tokens, width]) is written when the layer has its own indexer and
+// read when it shares the previous layer's.
+template <class T>
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens, std::vector<int32_t>& selection,
+                 T* y);
+
+// SwiGLU with GLM's clamps: down(silu(min(gate x, lim)) * clamp(up x, -lim, lim)).
+template <class T>
+void mlp_forward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, T* y);
+
+// Routed experts (sigmoid router, group-limited top-k) plus the shared expert.
+template <class T>
+void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, T* y);
+
+}  // namespace spindle

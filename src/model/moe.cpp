@@ -1,0 +1,55 @@
+#include <algorithm>
+
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/moe.h"
+#include "model/modules.h"
+
+namespace spindle {
+
+template <class T>
+void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, T* y) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size, k = c.num_experts_per_tok;
+
+  std::vector<T> logits(static_cast<size_t>(L * E)), weight(static_cast<size_t>(L * k));
+  std::vector<int32_t> expert(static_cast<size_t>(L * k));
+  linear(x, w.router.data<T>(), logits.data(), L, D, E);
+  route_tokens<T>({L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor}, logits.data(),
+                  w.correction_bias.data<T>(), expert.data(), weight.data());
+
+  // The shared expert writes y; each routed expert adds its weighted output to its tokens.
+  mlp_forward(w.shared, c.swiglu_limit, x, L, y);
+
+  // Tokens of each expert, in token order.
+  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
+  for (int64_t i = 0; i < L * k; ++i) slots[static_cast<size_t>(expert[static_cast<size_t>(i)])].push_back(i);
+  std::vector<T> gathered, gate, up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& list = slots[static_cast<size_t>(e)];
+    const auto n = static_cast<int64_t>(list.size());
+    if (n == 0) continue;
+    gathered.resize(static_cast<size_t>(n * D));
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t token = list[static_cast<size_t>(r)] / k;
+      std::copy(x + token * D, x + (token + 1) * D, gathered.begin() + r * D);
+    }
+    gate.resize(static_cast<size_t>(n * I));
+    up.resize(static_cast<size_t>(n * I));
+    down.resize(static_cast<size_t>(n * D));
+    linear(gathered.data(), w.experts_gate.data<T>() + e * I * D, gate.data(), n, D, I);
+    linear(gathered.data(), w.experts_up.data<T>() + e * I * D, up.data(), n, D, I);
+    clamped_swiglu(gate.data(), up.data(), gate.data(), n * I, c.swiglu_limit);
+    linear(gate.data(), w.experts_down.data<T>() + e * D * I, down.data(), n, I, D);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t slot = list[static_cast<size_t>(r)];
+      const int64_t token = slot / k;
+      const T scale = weight[static_cast<size_t>(slot)];
+      for (int64_t d = 0; d < D; ++d) y[token * D + d] += scale * down[static_cast<size_t>(r * D + d)];
+    }
+  }
+}
+
+template void moe_forward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, float*);
+template void moe_forward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, double*);
+
+}  // namespace spindle

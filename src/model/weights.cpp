@@ -1,0 +1,175 @@
+#include "model/weights.h"
+
+namespace spindle {
+
+namespace {
+
+Tensor make(const Shape& shape, DType dtype) { return Tensor::empty(shape, dtype, MemoryCategory::Weights); }
+
+HyperConnectionWeights make_hc(const ModelConfig& c, DType dtype) {
+  const int64_t mix = (2 + c.hc_mult) * c.hc_mult;
+  return {make({mix, c.hc_mult * c.hidden_size}, dtype), make({mix}, dtype), make({3}, dtype)};
+}
+
+MlpWeights make_mlp(int64_t hidden, int64_t intermediate, DType dtype) {
+  return {make({intermediate, hidden}, dtype), make({intermediate, hidden}, dtype), make({hidden, intermediate}, dtype)};
+}
+
+}  // namespace
+
+ModelWeights allocate_weights(const ModelConfig& c, DType dtype) {
+  ModelWeights w;
+  w.dtype = dtype;
+  const int64_t D = c.hidden_size;
+  w.embed_tokens = make({c.vocab_size, D}, dtype);
+  w.norm = make({D}, dtype);
+  w.lm_head = c.tie_word_embeddings ? w.embed_tokens : make({c.vocab_size, D}, dtype);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerWeights l;
+    l.attention = c.layer_types[static_cast<size_t>(i)];
+    l.mlp = c.mlp_layer_types[static_cast<size_t>(i)];
+    l.attn_hc = make_hc(c, dtype);
+    l.ffn_hc = make_hc(c, dtype);
+    l.input_layernorm = make({D}, dtype);
+    l.post_attention_layernorm = make({D}, dtype);
+    if (l.attention == AttentionKind::Kda) {
+      const int64_t qkv = c.linear_qkv_dim(), hd = c.linear_head_dim, K = c.linear_conv_kernel_dim;
+      KdaWeights& k = l.kda;
+      k.q_proj = make({qkv, D}, dtype);
+      k.k_proj = make({qkv, D}, dtype);
+      k.v_proj = make({qkv, D}, dtype);
+      k.q_conv = make({qkv, 1, K}, dtype);
+      k.k_conv = make({qkv, 1, K}, dtype);
+      k.v_conv = make({qkv, 1, K}, dtype);
+      k.f_a_proj = make({hd, D}, dtype);
+      k.f_b_proj = make({qkv, hd}, dtype);
+      k.dt_bias = make({qkv}, dtype);
+      k.A_log = make({c.linear_num_heads}, dtype);
+      k.b_proj = make({c.linear_num_heads, D}, dtype);
+      k.g_a_proj = make({hd, D}, dtype);
+      k.g_b_proj = make({qkv, hd}, dtype);
+      k.o_norm = make({hd}, dtype);
+      k.o_proj = make({D, qkv}, dtype);
+    } else {
+      DsaWeights& a = l.dsa;
+      const int64_t H = c.num_attention_heads;
+      a.q_a_proj = make({c.q_lora_rank, D}, dtype);
+      a.q_a_layernorm = make({c.q_lora_rank}, dtype);
+      a.q_b_proj = make({H * c.qk_head_dim(), c.q_lora_rank}, dtype);
+      a.kv_a_proj = make({c.kv_lora_rank + c.qk_rope_head_dim, D}, dtype);
+      a.kv_a_layernorm = make({c.kv_lora_rank}, dtype);
+      a.kv_b_proj = make({H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, dtype);
+      a.o_proj = make({D, H * c.v_head_dim}, dtype);
+      a.has_indexer = c.indexer_types[static_cast<size_t>(i)] == IndexerKind::Full;
+      if (a.has_indexer) {
+        IndexerWeights& x = a.indexer;
+        const int64_t id = c.index_head_dim;
+        x.wq_b = make({c.index_n_heads * id, c.q_lora_rank}, dtype);
+        x.wk = make({id, D}, dtype);
+        x.k_norm_weight = make({id}, dtype);
+        x.k_norm_bias = make({id}, dtype);
+        x.weights_proj = make({c.index_n_heads, D}, dtype);
+        x.compress_ape = make({c.index_kpool, id}, dtype);
+        x.compress_gate = make({id, D}, dtype);
+      }
+    }
+    if (l.mlp == MlpKind::Dense) {
+      l.dense = make_mlp(D, c.intermediate_size, dtype);
+    } else {
+      MoeWeights& m = l.moe;
+      const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
+      m.router = make({E, D}, dtype);
+      m.correction_bias = make({E}, dtype);
+      m.experts_gate = make({E, I, D}, dtype);
+      m.experts_up = make({E, I, D}, dtype);
+      m.experts_down = make({E, D, I}, dtype);
+      m.shared = make_mlp(D, I * c.n_shared_experts, dtype);
+    }
+    w.layers.push_back(std::move(l));
+  }
+  return w;
+}
+
+std::vector<Param> parameter_table(const ModelConfig& c, ModelWeights& w) {
+  std::vector<Param> table;
+  const std::string text = kTextPrefix;
+  auto add = [&](const std::string& name, const Tensor& t, ParamRole role) { table.push_back({name, t, role}); };
+  auto add_mlp = [&](const std::string& p, const MlpWeights& m) {
+    add(p + "gate_proj.weight", m.gate_proj, ParamRole::Matrix);
+    add(p + "up_proj.weight", m.up_proj, ParamRole::Matrix);
+    add(p + "down_proj.weight", m.down_proj, ParamRole::Matrix);
+  };
+  auto add_hc = [&](const std::string& p, const HyperConnectionWeights& h) {
+    add(p + "_fn", h.fn, ParamRole::HcFn);
+    add(p + "_base", h.base, ParamRole::HcBase);
+    add(p + "_scale", h.scale, ParamRole::HcScale);
+  };
+
+  add(text + "embed_tokens.weight", w.embed_tokens, ParamRole::Embedding);
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = text + "layers." + std::to_string(i) + ".";
+    add_hc(p + "hc_attn", l.attn_hc);
+    add_hc(p + "hc_ffn", l.ffn_hc);
+    add(p + "input_layernorm.weight", l.input_layernorm, ParamRole::Norm);
+    add(p + "post_attention_layernorm.weight", l.post_attention_layernorm, ParamRole::Norm);
+    const std::string a = p + "self_attn.";
+    if (l.attention == AttentionKind::Kda) {
+      const KdaWeights& k = l.kda;
+      add(a + "q_proj.weight", k.q_proj, ParamRole::Matrix);
+      add(a + "k_proj.weight", k.k_proj, ParamRole::Matrix);
+      add(a + "v_proj.weight", k.v_proj, ParamRole::Matrix);
+      add(a + "q_conv1d.weight", k.q_conv, ParamRole::Matrix);
+      add(a + "k_conv1d.weight", k.k_conv, ParamRole::Matrix);
+      add(a + "v_conv1d.weight", k.v_conv, ParamRole::Matrix);
+      add(a + "f_a_proj.weight", k.f_a_proj, ParamRole::Matrix);
+      add(a + "f_b_proj.weight", k.f_b_proj, ParamRole::Matrix);
+      add(a + "dt_bias", k.dt_bias, ParamRole::DtBias);
+      add(a + "A_log", k.A_log, ParamRole::ALog);
+      add(a + "b_proj.weight", k.b_proj, ParamRole::Matrix);
+      add(a + "g_a_proj.weight", k.g_a_proj, ParamRole::Matrix);
+      add(a + "g_b_proj.weight", k.g_b_proj, ParamRole::Matrix);
+      add(a + "o_norm.weight", k.o_norm, ParamRole::Norm);
+      add(a + "o_proj.weight", k.o_proj, ParamRole::Matrix);
+    } else {
+      const DsaWeights& d = l.dsa;
+      add(a + "q_a_proj.weight", d.q_a_proj, ParamRole::Matrix);
+      add(a + "q_a_layernorm.weight", d.q_a_layernorm, ParamRole::Norm);
+      add(a + "q_b_proj.weight", d.q_b_proj, ParamRole::Matrix);
+      add(a + "kv_a_proj_with_mqa.weight", d.kv_a_proj, ParamRole::Matrix);
+      add(a + "kv_a_layernorm.weight", d.kv_a_layernorm, ParamRole::Norm);
+      add(a + "kv_b_proj.weight", d.kv_b_proj, ParamRole::Matrix);
+      add(a + "o_proj.weight", d.o_proj, ParamRole::Matrix);
+      if (d.has_indexer) {
+        const IndexerWeights& x = d.indexer;
+        const std::string n = a + "indexer.";
+        add(n + "wq_b.weight", x.wq_b, ParamRole::Matrix);
+        add(n + "wk.weight", x.wk, ParamRole::Matrix);
+        add(n + "k_norm.weight", x.k_norm_weight, ParamRole::Norm);
+        add(n + "k_norm.bias", x.k_norm_bias, ParamRole::NormBias);
+        add(n + "weights_proj.weight", x.weights_proj, ParamRole::Matrix);
+        add(n + "index_kpool_compress_ape", x.compress_ape, ParamRole::CompressApe);
+        add(n + "index_kpool_compress_gate", x.compress_gate, ParamRole::CompressGate);
+      }
+    }
+    if (l.mlp == MlpKind::Dense) {
+      add_mlp(p + "mlp.", l.dense);
+    } else {
+      const MoeWeights& m = l.moe;
+      add(p + "mlp.gate.weight", m.router, ParamRole::Matrix);
+      add(p + "mlp.gate.e_score_correction_bias", m.correction_bias, ParamRole::RouterBias);
+      for (int64_t e = 0; e < c.n_routed_experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        add(x + "gate_proj.weight", m.experts_gate.select(e), ParamRole::Matrix);
+        add(x + "up_proj.weight", m.experts_up.select(e), ParamRole::Matrix);
+        add(x + "down_proj.weight", m.experts_down.select(e), ParamRole::Matrix);
+      }
+      add_mlp(p + "mlp.shared_experts.", m.shared);
+    }
+  }
+  add(text + "norm.weight", w.norm, ParamRole::Norm);
+  if (!c.tie_word_embeddings) add("lm_head.weight", w.lm_head, ParamRole::Matrix);
+  return table;
+}
+
+}  // namespace spindle

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Bad input to the spindle CLI: each case must fail with a non-zero exit and a message that
+# names what is wrong.
+set -u
+spindle=$1
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+expect_failure() {  # expect_failure NAME PATTERN command...
+  local name=$1 pattern=$2
+  shift 2
+  local output status
+  output=$("$@" 2>&1)
+  status=$?
+  if [ $status -eq 0 ]; then
+    echo "FAIL $name: exit 0"; failures=$((failures + 1))
+  elif ! grep -qiE "$pattern" <<<"$output"; then
+    echo "FAIL $name: message does not match /$pattern/: $output"; failures=$((failures + 1))
+  else
+    echo "ok   $name: $(head -c 200 <<<"$output" | tr '\n' ' ')"
+  fi
+}
+
+"$spindle" init --config "$here/configs/tiny.json" --out "$work/model" --seed 3 || { echo "FAIL: init"; exit 1; }
+echo "1 2 3 4 5 6 7 8" > "$work/tokens.txt"
+"$spindle" logprobs --model "$work/model" --tokens "$work/tokens.txt" --out "$work/ok.txt" || { echo "FAIL: logprobs"; exit 1; }
+
+echo "1 2 99 4" > "$work/big.txt"
+expect_failure token-out-of-range "token id 99.*vocabulary" "$spindle" logprobs --model "$work/model" --tokens "$work/big.txt"
+echo "1 2 x 4" > "$work/word.txt"
+expect_failure token-not-integer "line 1: 'x'" "$spindle" logprobs --model "$work/model" --tokens "$work/word.txt"
+expect_failure token-file-missing "cannot read token file" "$spindle" logprobs --model "$work/model" --tokens "$work/none.txt"
+expect_failure bad-dtype-option "dtype" "$spindle" logprobs --model "$work/model" --tokens "$work/tokens.txt" --dtype f8
+expect_failure unknown-option "unknown option '--tokenz'" "$spindle" logprobs --model "$work/model" --tokenz x
+
+cp -r "$work/model" "$work/truncated"
+size=$(stat -c %s "$work/truncated/model.safetensors")
+truncate -s $((size / 2)) "$work/truncated/model.safetensors"
+expect_failure truncated-safetensors "truncat|shorter" "$spindle" logprobs --model "$work/truncated" --tokens "$work/tokens.txt"
+
+cp -r "$work/model" "$work/badjson"
+echo '{"vocab_size": 16,' > "$work/badjson/config.json"
+expect_failure malformed-config "config.json" "$spindle" logprobs --model "$work/badjson" --tokens "$work/tokens.txt"
+
+cp -r "$work/model" "$work/unknown"
+sed -i 's/"vocab_size"/"vocab_sizes"/' "$work/unknown/config.json"
+expect_failure unknown-config-field "vocab_sizes" "$spindle" info --model "$work/unknown"
+
+cp -r "$work/model" "$work/shape"
+sed -i 's/"hidden_size": 32/"hidden_size": 40/' "$work/shape/config.json"
+expect_failure wrong-shape "expected shape|expected \[" "$spindle" logprobs --model "$work/shape" --tokens "$work/tokens.txt"
+
+cp -r "$work/model" "$work/more_layers"
+sed -i 's/"num_hidden_layers": 4/"num_hidden_layers": 5/' "$work/more_layers/config.json"
+sed -i '/"layer_types"/,/\]/d; /"mlp_layer_types"/,/\]/d; /"indexer_types"/,/\]/d' "$work/more_layers/config.json"
+expect_failure missing-tensor "missing tensor 'model.language_model.layers.4" "$spindle" logprobs --model "$work/more_layers" --tokens "$work/tokens.txt"
+
+expect_failure missing-model-dir "config.json|no such|cannot" "$spindle" info --model "$work/nowhere"
+
+if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
+echo "all bad-input cases fail cleanly"
