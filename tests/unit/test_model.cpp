@@ -1,0 +1,182 @@
+// Checkpoint names (on-disk and in-memory forms), save/load round trips, and the forward pass
+// in float against double on a random model.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "core/random.h"
+#include "io/safetensors.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+#include "model/init.h"
+
+namespace spindle {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kTiny = std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json";
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("spindle_model_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// A model whose every parameter is random (not at its neutral init), saved in f32.
+Model random_model(const fs::path& dir, nlohmann::json overrides = {}) {
+  nlohmann::json j;
+  std::ifstream(kTiny) >> j;
+  for (auto& [k, v] : overrides.items()) j[k] = v;
+  ModelConfig config = parse_model_config(j, "tiny");
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 1);
+  Random rng(2);
+  for (Param& p : parameter_table(config, weights)) {
+    float* v = p.tensor.data<float>();
+    for (int64_t i = 0; i < p.tensor.numel(); ++i) v[i] += static_cast<float>(0.05 * rng.normal());
+  }
+  save_model(dir.string(), config, weights, DType::F32);
+  return {config, std::move(weights)};
+}
+
+void expect_same_weights(Model& a, Model& b) {
+  auto ta = parameter_table(a.config, a.weights), tb = parameter_table(b.config, b.weights);
+  ASSERT_EQ(ta.size(), tb.size());
+  for (size_t i = 0; i < ta.size(); ++i) {
+    ASSERT_EQ(ta[i].name, tb[i].name);
+    for (int64_t k = 0; k < ta[i].tensor.numel(); ++k)
+      ASSERT_EQ(ta[i].tensor.item_as_double(k), tb[i].tensor.item_as_double(k)) << ta[i].name;
+  }
+}
+
+TEST(Model, SaveLoadRoundTrip) {
+  const fs::path dir = fresh_dir("roundtrip");
+  Model saved = random_model(dir);
+  Model loaded = load_model(dir.string(), DType::F32);
+  expect_same_weights(saved, loaded);
+  fs::remove_all(dir);
+}
+
+// transformers' in-memory names (fused experts, fused conv, attn_hc.fn, forget_gate.*) and the
+// short "model." prefix load to the same weights as the on-disk names.
+TEST(Model, InMemoryNamesLoadLikeOnDiskNames) {
+  const fs::path dir = fresh_dir("inmemory");
+  Model saved = random_model(dir);
+  const ModelConfig& c = saved.config;
+  const SafetensorsReader on_disk = SafetensorsReader::open(dir.string());
+  NamedTensors renamed;
+  const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size, D = c.hidden_size;
+  const int64_t qkv = c.linear_qkv_dim(), K = c.linear_conv_kernel_dim;
+  static const std::regex expert(R"(^(.*mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$)");
+  static const std::regex conv(R"(^(.*self_attn\.)([qkv])_conv1d\.weight$)");
+  std::map<std::string, Tensor> fused;
+  for (const std::string& name : on_disk.names()) {
+    const Tensor& t = on_disk.get(name);
+    std::smatch m;
+    if (std::regex_match(name, m, expert)) {
+      const int64_t e = std::stoll(m[2].str());
+      const std::string kind = m[3].str();
+      if (kind == "down") {
+        auto& dst = fused[m[1].str() + "down_proj"];
+        if (!dst.defined()) dst = Tensor::empty({E, D, I}, DType::F32);
+        dst.select(e).copy_from(t);
+      } else {
+        auto& dst = fused[m[1].str() + "gate_up_proj"];
+        if (!dst.defined()) dst = Tensor::empty({E, 2 * I, D}, DType::F32);
+        dst.block(e * 2 * I * D + (kind == "up" ? I * D : 0), {I, D}).copy_from(t);
+      }
+    } else if (std::regex_match(name, m, conv)) {
+      auto& dst = fused[m[1].str() + "conv1d.weight"];
+      if (!dst.defined()) dst = Tensor::empty({3 * qkv, 1, K}, DType::F32);
+      const int64_t part = std::string("qkv").find(m[2].str()[0]);
+      dst.block(part * qkv * K, {qkv, 1, K}).copy_from(t);
+    } else {
+      std::string n = std::regex_replace(name, std::regex(R"(\.hc_(attn|ffn)_(fn|base|scale)$)"), ".$1_hc.$2");
+      n = std::regex_replace(n, std::regex(R"(self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log))"),
+                             "self_attn.forget_gate.$1");
+      n = std::regex_replace(n, std::regex("^model\\.language_model\\."), "model.");
+      renamed.emplace_back(n, t);
+    }
+  }
+  for (auto& [n, t] : fused) renamed.emplace_back(std::regex_replace(n, std::regex("^model\\.language_model\\."), "model."), t);
+  const fs::path other = fresh_dir("inmemory_renamed");
+  fs::copy_file(dir / "config.json", other / "config.json");
+  write_safetensors(other / "model.safetensors", renamed);
+  Model loaded = load_model(other.string(), DType::F32);
+  expect_same_weights(saved, loaded);
+  fs::remove_all(dir);
+  fs::remove_all(other);
+}
+
+TEST(Model, IntegerWeightIsRejected) {
+  const fs::path dir = fresh_dir("intweight");
+  Model saved = random_model(dir);
+  const SafetensorsReader reader = SafetensorsReader::open(dir.string());
+  NamedTensors tensors;
+  for (const std::string& name : reader.names()) {
+    const Tensor& t = reader.get(name);
+    tensors.emplace_back(name, name == "model.language_model.norm.weight" ? t.to(DType::I32) : t);
+  }
+  write_safetensors(dir / "model.safetensors", tensors);
+  try {
+    load_model(dir.string(), DType::F32);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("norm.weight' has dtype i32"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Model, TiedEmbeddingsSaveNoHead) {
+  const fs::path dir = fresh_dir("tied");
+  Model saved = random_model(dir, {{"tie_word_embeddings", true}});
+  const SafetensorsReader reader = SafetensorsReader::open(dir.string());
+  EXPECT_FALSE(reader.contains("lm_head.weight"));
+  Model loaded = load_model(dir.string(), DType::F64);
+  EXPECT_EQ(loaded.weights.lm_head.raw(), loaded.weights.embed_tokens.raw());
+  fs::remove_all(dir);
+}
+
+// The same model run in float and in double: the float pass is a rounding of the double one.
+TEST(Model, FloatForwardTracksDouble) {
+  const fs::path dir = fresh_dir("precision");
+  random_model(dir);
+  Model m32 = load_model(dir.string(), DType::F32);
+  Model m64 = load_model(dir.string(), DType::F64);
+  Random rng(9);
+  std::vector<int32_t> tokens(150);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
+  const auto lp32 = sequence_log_probs<float>(m32.config, m32.weights, tokens);
+  const auto lp64 = sequence_log_probs<double>(m64.config, m64.weights, tokens);
+  ASSERT_EQ(lp32.size(), tokens.size() - 1);
+  double worst = 0;
+  for (size_t i = 0; i < lp32.size(); ++i) worst = std::max(worst, std::abs(double(lp32[i]) - lp64[i]));
+  EXPECT_LT(worst, 1e-4);
+  for (double v : lp64) EXPECT_TRUE(std::isfinite(v) && v < 0);
+  fs::remove_all(dir);
+}
+
+// The log-probs of the first n tokens do not depend on what follows them (causality), including
+// through the DSA selection and the MoE.
+TEST(Model, ForwardIsCausal) {
+  const fs::path dir = fresh_dir("causal");
+  random_model(dir);
+  Model m = load_model(dir.string(), DType::F64);
+  Random rng(10);
+  std::vector<int32_t> tokens(120);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
+  const auto full = sequence_log_probs<double>(m.config, m.weights, tokens);
+  std::vector<int32_t> prefix(tokens.begin(), tokens.begin() + 77);
+  const auto part = sequence_log_probs<double>(m.config, m.weights, prefix);
+  for (size_t i = 0; i < part.size(); ++i) EXPECT_NEAR(part[i], full[i], 1e-12) << i;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace spindle
