@@ -40,7 +40,7 @@ def main():
     worst_at = diffs.index(worst) + 1
     mean_bound, max_bound = BOUNDS[dtype]
     ok = mean <= mean_bound and worst <= max_bound
-    print(f"{os.path.basename(case_dir)} {dtype}: {len(diffs)} positions, mean |diff| {mean:.3e} (bound {mean_bound:g}), "
+    print(f"{os.path.basename(os.path.normpath(case_dir))} {dtype}: {len(diffs)} positions, mean |diff| {mean:.3e} (bound {mean_bound:g}), "
           f"max |diff| {worst:.3e} at position {worst_at} (bound {max_bound:g}): {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -25,7 +25,7 @@ def main():
     print("unexpected:", info["unexpected_keys"])
     print("mismatched:", info["mismatched_keys"])
     vocab = model.config.text_config.vocab_size
-    tokens = torch.randint(0, vocab, (300,), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, vocab, (30,), generator=torch.Generator().manual_seed(5))
     token_file = os.path.join(work, "tokens.txt")
     with open(token_file, "w") as f:
         f.write(" ".join(map(str, tokens.tolist())))

@@ -1,6 +1,7 @@
 // Parses the GLM-5.3-Flash configuration the way transformers 5.17 does (Glm5NextTextConfig and
 // Glm5NextConfig in models/glm5_next/configuration_glm5_next.py), then adds the checks Spindle's
-// kernels rely on. Anything transformers would silently ignore or misread is an error here.
+// kernels rely on. What transformers would silently ignore or misread is, where it could matter, an
+// error here.
 #include "model/config.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <variant>
 
 #include "core/error.h"
+#include "core/log.h"
 
 namespace spindle {
 namespace {
@@ -391,9 +393,8 @@ void validate(const ModelConfig& c) {
         c.layer_types[i - 1] == AttentionKind::Dsa && c.indexer_types[i - 1] == IndexerKind::Full;
     check(previous_full_dsa, c.source, ": layer ", i,
           " is a DSA layer with indexer_types \"shared\", so layer ", i - 1,
-          " must be a DSA layer with indexer_types \"full\" (transformers hands the top-k selection only to "
-          "the "
-          "next layer), but layer ",
+          " must be a DSA layer with indexer_types \"full\" (transformers hands the top-k selection "
+          "only to the next layer), but layer ",
           i - 1, " is ", attention_kind_name(c.layer_types[i - 1]), " with indexer_types \"",
           indexer_kind_name(c.indexer_types[i - 1]), "\"");
   }
@@ -402,8 +403,7 @@ void validate(const ModelConfig& c) {
 // Refuses what Spindle cannot read; returns whether `key` should be ignored.
 bool check_key(const Where& where, const std::string& key) {
   check(key != "quantization_config", where.source, ": ", where.prefix,
-        "quantization_config is present: quantized checkpoints are not supported (Spindle trains bf16/f32 "
-        "weights)");
+        "quantization_config is present: quantized checkpoints are not supported");
   if (is_text_key(key)) return false;
   if (key == "model_type" || in_list(kIgnoredFields, key)) return true;
   fail(where.source, ": unknown field '", where.prefix, key,
@@ -592,11 +592,14 @@ ModelConfig parse_model_config(const json& json_config, const std::string& sourc
   if (!text.is_object()) type_error(top, "text_config", text, "an object");
   ModelConfig c = parse_text(text, Where{source, "text_config."});
 
+  // Glm5NextForConditionalGeneration ties by the top-level field alone; text_config's copy has no
+  // effect, and transformers itself saves a flat tied config with text_config's left false.
   const bool tie = top_tie.value_or(false);
-  check(!text.contains("tie_word_embeddings") || c.tie_word_embeddings == tie, source,
-        ": text_config.tie_word_embeddings (", c.tie_word_embeddings ? "true" : "false",
-        ") contradicts the top-level tie_word_embeddings (", tie ? "true" : "false",
-        top_tie ? "" : ", the default", "), which is the one transformers' Glm5NextConfig uses");
+  if (c.tie_word_embeddings && !tie) {
+    log_warn(source, ": text_config.tie_word_embeddings is true but the top-level tie_word_embeddings is ",
+             top_tie ? "false" : "absent (false)",
+             "; like transformers, Spindle does not tie the embeddings");
+  }
   c.tie_word_embeddings = tie;
 
   // With a text_config present transformers reads no text field from the top level (it only keeps

@@ -370,16 +370,44 @@ TEST(Config, TopLevelTextFieldsMustAgreeWithTextConfig) {
   EXPECT_ERROR(j, "not_a_field", "unknown");
   j.erase("not_a_field");
 
-  // The model ties embeddings by Glm5NextConfig's own tie_word_embeddings.
+  // The model ties embeddings by Glm5NextConfig's own tie_word_embeddings; text_config's copy is
+  // inert (transformers saves a flat tied config as top-level true, text_config false).
   j["tie_word_embeddings"] = true;
   EXPECT_TRUE(parse(j).tie_word_embeddings);
   j["text_config"]["tie_word_embeddings"] = false;
-  EXPECT_ERROR(j, "tie_word_embeddings", "contradicts");
+  EXPECT_TRUE(parse(j).tie_word_embeddings);
   j.erase("tie_word_embeddings");
   j["text_config"]["tie_word_embeddings"] = true;
-  EXPECT_ERROR(j, "tie_word_embeddings", "default");
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(parse(j).tie_word_embeddings);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("does not tie"), std::string::npos);
   json flat = {{"model_type", "glm5_next"}, {"tie_word_embeddings", true}};
   EXPECT_TRUE(parse(flat).tie_word_embeddings);
+}
+
+TEST(Config, AcceptsWhatTransformersSaves) {
+  // Glm5NextConfig.from_dict(flat).to_diff_dict() in transformers 5.17: the flat fields stay at the top
+  // level (head_dim unnormalised) beside a full text_config with derived fields.
+  const json flat = {{"model_type", "glm5_next"},
+                     {"hidden_size", 1024},
+                     {"index_topk_pattern", std::string(45, 'F')},
+                     {"head_dim", 64},
+                     {"tie_word_embeddings", true}};
+  json saved = flat;
+  saved["text_config"] = model_config_to_json(parse(flat))["text_config"];
+  saved["text_config"]["tie_word_embeddings"] = false;
+  saved["text_config"]["qk_head_dim"] = 256;
+  saved["text_config"]["use_cache"] = true;
+  saved["text_config"]["output_router_logits"] = false;
+  saved["text_config"]["index_topk_pattern"] = std::string(45, 'F');
+  saved["vision_config"] = {{"depth", 24}, {"rope_parameters", {{"rope_type", "axial"}}}};
+  saved["image_token_id"] = 154854;
+  saved["transformers_version"] = "5.17.0";
+  saved["dtype"] = "bfloat16";
+  const ModelConfig c = parse(saved);
+  expect_same(c, parse(flat));
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.hidden_size, 1024);
 }
 
 TEST(Config, ValidationErrorsNameTheField) {
