@@ -11,12 +11,18 @@ namespace spindle {
 
 const char* memory_category_name(MemoryCategory category) {
   switch (category) {
-    case MemoryCategory::Weights: return "weights";
-    case MemoryCategory::Gradients: return "gradients";
-    case MemoryCategory::Optimizer: return "optimizer";
-    case MemoryCategory::Activations: return "activations";
-    case MemoryCategory::Workspace: return "workspace";
-    case MemoryCategory::Other: return "other";
+    case MemoryCategory::Weights:
+      return "weights";
+    case MemoryCategory::Gradients:
+      return "gradients";
+    case MemoryCategory::Optimizer:
+      return "optimizer";
+    case MemoryCategory::Activations:
+      return "activations";
+    case MemoryCategory::Workspace:
+      return "workspace";
+    case MemoryCategory::Other:
+      return "other";
   }
   return "?";
 }

@@ -85,8 +85,8 @@ void Tensor::check_access(DType requested) const {
 
 Tensor Tensor::block(int64_t offset, const Shape& shape) const {
   check(is_contiguous(), "block() of a non-contiguous tensor ", describe());
-  check(offset >= 0 && offset + shape_numel(shape) <= numel(), "block of ", shape_string(shape), " at ", offset,
-        " lies outside tensor ", describe());
+  check(offset >= 0 && offset + shape_numel(shape) <= numel(), "block of ", shape_string(shape), " at ",
+        offset, " lies outside tensor ", describe());
   Tensor t = *this;
   t.offset_ = offset_ + offset;
   t.shape_ = shape;
@@ -109,24 +109,42 @@ namespace {
 
 double load_as_double(const void* base, DType dtype, int64_t i) {
   switch (dtype) {
-    case DType::F32: return static_cast<const float*>(base)[i];
-    case DType::F64: return static_cast<const double*>(base)[i];
-    case DType::BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::F16: return f16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::I32: return static_cast<const int32_t*>(base)[i];
-    case DType::I64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DType::F32:
+      return static_cast<const float*>(base)[i];
+    case DType::F64:
+      return static_cast<const double*>(base)[i];
+    case DType::BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::F16:
+      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::I32:
+      return static_cast<const int32_t*>(base)[i];
+    case DType::I64:
+      return static_cast<double>(static_cast<const int64_t*>(base)[i]);
   }
   return 0.0;
 }
 
 void store_from_double(void* base, DType dtype, int64_t i, double v) {
   switch (dtype) {
-    case DType::F32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
-    case DType::F64: static_cast<double*>(base)[i] = v; break;
-    case DType::BF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(v)); break;
-    case DType::F16: static_cast<uint16_t*>(base)[i] = float_to_f16(static_cast<float>(v)); break;
-    case DType::I32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
-    case DType::I64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
+    case DType::F32:
+      static_cast<float*>(base)[i] = static_cast<float>(v);
+      break;
+    case DType::F64:
+      static_cast<double*>(base)[i] = v;
+      break;
+    case DType::BF16:
+      static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(v));
+      break;
+    case DType::F16:
+      static_cast<uint16_t*>(base)[i] = float_to_f16(static_cast<float>(v));
+      break;
+    case DType::I32:
+      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::I64:
+      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v);
+      break;
   }
 }
 
@@ -145,12 +163,15 @@ void Tensor::copy_from(const Tensor& source) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t v = source.dtype_ == DType::I32 ? static_cast<const int32_t*>(source.raw())[i]
                                                     : static_cast<const int64_t*>(source.raw())[i];
-      if (dtype_ == DType::I32) static_cast<int32_t*>(raw())[i] = static_cast<int32_t>(v);
-      else static_cast<int64_t*>(raw())[i] = v;
+      if (dtype_ == DType::I32)
+        static_cast<int32_t*>(raw())[i] = static_cast<int32_t>(v);
+      else
+        static_cast<int64_t*>(raw())[i] = v;
     }
     return;
   }
-  for (int64_t i = 0; i < n; ++i) store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
+  for (int64_t i = 0; i < n; ++i)
+    store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
 }
 
 Tensor Tensor::to(DType dtype, MemoryCategory category) const {

@@ -21,8 +21,8 @@ std::vector<int32_t> read_token_text(const std::string& path) {
       bool digits = !word.empty() && word.size() <= 10;
       for (char ch : word) digits = digits && ch >= '0' && ch <= '9';
       const long long value = digits ? std::stoll(word) : -1;
-      check(digits && value <= std::numeric_limits<int32_t>::max(), "token file '", path, "' line ", line_number,
-            ": '", word, "' is not a token id (a non-negative integer)");
+      check(digits && value <= std::numeric_limits<int32_t>::max(), "token file '", path, "' line ",
+            line_number, ": '", word, "' is not a token id (a non-negative integer)");
       tokens.push_back(static_cast<int32_t>(value));
     }
   }

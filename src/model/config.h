@@ -3,17 +3,16 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 namespace spindle {
 
-enum class AttentionKind { Kda, Dsa };      // "linear_attention", "deepseek_sparse_attention"
-enum class MlpKind { Dense, Sparse };       // "dense", "sparse" (MoE)
-enum class IndexerKind { Full, Shared };    // "full", "shared"
+enum class AttentionKind { Kda, Dsa };    // "linear_attention", "deepseek_sparse_attention"
+enum class MlpKind { Dense, Sparse };     // "dense", "sparse" (MoE)
+enum class IndexerKind { Full, Shared };  // "full", "shared"
 
 struct ModelConfig {
   int64_t vocab_size = 154880;

@@ -1,6 +1,7 @@
+#include "kernels/cpu/dsa.h"
+
 #include <cmath>
 
-#include "kernels/cpu/dsa.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norms.h"
 #include "model/modules.h"
@@ -15,7 +16,8 @@ void run_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, cons
   using namespace cpu;
   const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
   const IndexerShape shape{L, Hi, d, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
-  std::vector<T> q(static_cast<size_t>(L * Hi * d)), keys(static_cast<size_t>(L * d)), gate(static_cast<size_t>(L * d));
+  std::vector<T> q(static_cast<size_t>(L * Hi * d)), keys(static_cast<size_t>(L * d)),
+      gate(static_cast<size_t>(L * d));
   linear(q_resid, w.wq_b.data<T>(), q.data(), L, c.q_lora_rank, Hi * d);
   linear(x, w.wk.data<T>(), gate.data(), L, D, d);
   layer_norm(gate.data(), w.k_norm_weight.data<T>(), w.k_norm_bias.data<T>(), keys.data(), L, d, 1e-6);
@@ -33,8 +35,8 @@ void run_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, cons
 }  // namespace
 
 template <class T>
-void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L, std::vector<int32_t>& selection,
-                 T* y) {
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
+                 std::vector<int32_t>& selection, T* y) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
@@ -61,8 +63,8 @@ void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t 
   linear(attended.data(), w.o_proj.data<T>(), y, L, H * dv, D);
 }
 
-template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t, std::vector<int32_t>&,
-                                 float*);
+template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
+                                 std::vector<int32_t>&, float*);
 template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
                                   std::vector<int32_t>&, double*);
 

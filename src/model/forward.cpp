@@ -18,10 +18,11 @@ void hyper_connected(const ModelConfig& c, const HyperConnectionWeights& hc, con
                      std::vector<T>& streams, Sublayer sublayer) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape{L, H, D, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
-  std::vector<T> pre(static_cast<size_t>(L * H)), post(static_cast<size_t>(L * H)), comb(static_cast<size_t>(L * H * H));
+  std::vector<T> pre(static_cast<size_t>(L * H)), post(static_cast<size_t>(L * H)),
+      comb(static_cast<size_t>(L * H * H));
   std::vector<T> collapsed(static_cast<size_t>(L * D)), normed(static_cast<size_t>(L * D));
-  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(), pre.data(),
-                       post.data(), comb.data(), collapsed.data());
+  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(),
+                       pre.data(), post.data(), comb.data(), collapsed.data());
   cpu::rms_norm(collapsed.data(), norm.data<T>(), normed.data(), L, D, c.rms_norm_eps);
   sublayer(normed.data(), collapsed.data());  // output into `collapsed`
   std::vector<T> next(streams.size());
@@ -32,8 +33,8 @@ void hyper_connected(const ModelConfig& c, const HyperConnectionWeights& hc, con
 }  // namespace
 
 template <class T>
-std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
-                                  const ForwardOptions& options) {
+std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
+                                  const std::vector<int32_t>& tokens, const ForwardOptions& options) {
   check(w.dtype == dtype_of<T>(), "forward pass in ", dtype_name(dtype_of<T>()), " over weights stored in ",
         dtype_name(w.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
@@ -56,12 +57,16 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w, c
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& layer = w.layers[i];
     hyper_connected<T>(c, layer.attn_hc, layer.input_layernorm, L, streams, [&](const T* x, T* y) {
-      if (layer.attention == AttentionKind::Kda) kda_forward(c, layer.kda, x, L, y);
-      else dsa_forward(c, layer.dsa, x, L, selection, y);
+      if (layer.attention == AttentionKind::Kda)
+        kda_forward(c, layer.kda, x, L, y);
+      else
+        dsa_forward(c, layer.dsa, x, L, selection, y);
     });
     hyper_connected<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
-      if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
-      else moe_forward(c, layer.moe, x, L, y);
+      if (layer.mlp == MlpKind::Dense)
+        mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+      else
+        moe_forward(c, layer.moe, x, L, y);
     });
     if (options.on_layer) options.on_layer(static_cast<int64_t>(i));
   }
@@ -70,7 +75,8 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w, c
   std::vector<T> mean(static_cast<size_t>(L * D), T(0)), hidden(static_cast<size_t>(L * D));
   for (int64_t t = 0; t < L; ++t)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d) mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)];
+      for (int64_t d = 0; d < D; ++d)
+        mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)];
   for (T& m : mean) m /= T(H);
   streams.clear();
   streams.shrink_to_fit();

@@ -36,7 +36,9 @@ void init_weights(const ModelConfig& c, ModelWeights& w, uint64_t seed) {
   Random rng(seed);
   for (Param& p : parameter_table(c, w)) {
     switch (p.role) {
-      case ParamRole::Matrix: fill(p.tensor, rng, draw_normal, c); break;
+      case ParamRole::Matrix:
+        fill(p.tensor, rng, draw_normal, c);
+        break;
       case ParamRole::Embedding: {
         fill(p.tensor, rng, draw_normal, c);
         if (c.pad_token_id && *c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size) {
@@ -45,16 +47,26 @@ void init_weights(const ModelConfig& c, ModelWeights& w, uint64_t seed) {
         }
         break;
       }
-      case ParamRole::HcFn: fill(p.tensor, rng, draw_normal_002, c); break;
+      case ParamRole::HcFn:
+        fill(p.tensor, rng, draw_normal_002, c);
+        break;
       case ParamRole::Norm:
       case ParamRole::HcScale:
-      case ParamRole::CompressGate: fill(p.tensor, rng, draw_one, c); break;
+      case ParamRole::CompressGate:
+        fill(p.tensor, rng, draw_one, c);
+        break;
       case ParamRole::NormBias:
       case ParamRole::HcBase:
       case ParamRole::CompressApe:
-      case ParamRole::RouterBias: fill(p.tensor, rng, draw_zero, c); break;
-      case ParamRole::ALog: fill(p.tensor, rng, draw_a_log, c); break;
-      case ParamRole::DtBias: fill(p.tensor, rng, draw_dt_bias, c); break;
+      case ParamRole::RouterBias:
+        fill(p.tensor, rng, draw_zero, c);
+        break;
+      case ParamRole::ALog:
+        fill(p.tensor, rng, draw_a_log, c);
+        break;
+      case ParamRole::DtBias:
+        fill(p.tensor, rng, draw_dt_bias, c);
+        break;
     }
   }
 }

@@ -1,6 +1,7 @@
+#include "kernels/cpu/kda.h"
+
 #include <cmath>
 
-#include "kernels/cpu/kda.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norms.h"
 #include "model/modules.h"
@@ -35,7 +36,8 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
       for (int64_t i = 0; i < dh; ++i) {
         T& gi = g[static_cast<size_t>(t * qkv + h * dh + i)];
         const T pre = gi + dt_bias[h * dh + i];
-        gi = c.linear_lower_bound ? T(*c.linear_lower_bound) * sigmoid(rate * pre) : -rate * softplus_thresholded(pre);
+        gi = c.linear_lower_bound ? T(*c.linear_lower_bound) * sigmoid(rate * pre)
+                                  : -rate * softplus_thresholded(pre);
       }
     }
   }
@@ -49,7 +51,8 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
   for (T& value : q) value *= scale;
 
   std::vector<T> state(static_cast<size_t>(H * dh * dh), T(0)), core(n);
-  kda_recurrence<T>({L, H, dh, dh}, q.data(), k.data(), v.data(), g.data(), beta.data(), core.data(), state.data());
+  kda_recurrence<T>({L, H, dh, dh}, q.data(), k.data(), v.data(), g.data(), beta.data(), core.data(),
+                    state.data());
 
   // Output: RMSNorm per head gated by sigmoid(g_b(g_a x)), then o_proj.
   std::vector<T> gate(n);

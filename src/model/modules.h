@@ -17,8 +17,8 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
 // MLA + DSA. `selection` ([tokens, width]) is written when the layer has its own indexer and
 // read when it shares the previous layer's.
 template <class T>
-void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens, std::vector<int32_t>& selection,
-                 T* y);
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
+                 std::vector<int32_t>& selection, T* y);
 
 // SwiGLU with GLM's clamps: down(silu(min(gate x, lim)) * clamp(up x, -lim, lim)).
 template <class T>

@@ -1,7 +1,8 @@
+#include "kernels/cpu/moe.h"
+
 #include <algorithm>
 
 #include "kernels/cpu/linear.h"
-#include "kernels/cpu/moe.h"
 #include "model/modules.h"
 
 namespace spindle {
@@ -9,13 +10,14 @@ namespace spindle {
 template <class T>
 void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, T* y) {
   using namespace cpu;
-  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size, k = c.num_experts_per_tok;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
+                k = c.num_experts_per_tok;
 
   std::vector<T> logits(static_cast<size_t>(L * E)), weight(static_cast<size_t>(L * k));
   std::vector<int32_t> expert(static_cast<size_t>(L * k));
   linear(x, w.router.data<T>(), logits.data(), L, D, E);
-  route_tokens<T>({L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor}, logits.data(),
-                  w.correction_bias.data<T>(), expert.data(), weight.data());
+  route_tokens<T>({L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor},
+                  logits.data(), w.correction_bias.data<T>(), expert.data(), weight.data());
 
   // The shared expert writes y; each routed expert adds its weighted output to its tokens.
   mlp_forward(w.shared, c.swiglu_limit, x, L, y);

@@ -12,7 +12,8 @@ HyperConnectionWeights make_hc(const ModelConfig& c, DType dtype) {
 }
 
 MlpWeights make_mlp(int64_t hidden, int64_t intermediate, DType dtype) {
-  return {make({intermediate, hidden}, dtype), make({intermediate, hidden}, dtype), make({hidden, intermediate}, dtype)};
+  return {make({intermediate, hidden}, dtype), make({intermediate, hidden}, dtype),
+          make({hidden, intermediate}, dtype)};
 }
 
 }  // namespace
@@ -93,7 +94,9 @@ ModelWeights allocate_weights(const ModelConfig& c, DType dtype) {
 std::vector<Param> parameter_table(const ModelConfig& c, ModelWeights& w) {
   std::vector<Param> table;
   const std::string text = kTextPrefix;
-  auto add = [&](const std::string& name, const Tensor& t, ParamRole role) { table.push_back({name, t, role}); };
+  auto add = [&](const std::string& name, const Tensor& t, ParamRole role) {
+    table.push_back({name, t, role});
+  };
   auto add_mlp = [&](const std::string& p, const MlpWeights& m) {
     add(p + "gate_proj.weight", m.gate_proj, ParamRole::Matrix);
     add(p + "up_proj.weight", m.up_proj, ParamRole::Matrix);

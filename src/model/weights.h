@@ -17,17 +17,17 @@ struct HyperConnectionWeights {
 };
 
 struct KdaWeights {
-  Tensor q_proj, k_proj, v_proj;     // [heads * head_dim, hidden]
-  Tensor q_conv, k_conv, v_conv;     // [heads * head_dim, 1, kernel]
-  Tensor f_a_proj;                   // [head_dim, hidden]
-  Tensor f_b_proj;                   // [heads * head_dim, head_dim]
-  Tensor dt_bias;                    // [heads * head_dim]
-  Tensor A_log;                      // [heads]
-  Tensor b_proj;                     // [heads, hidden]
-  Tensor g_a_proj;                   // [head_dim, hidden]
-  Tensor g_b_proj;                   // [heads * head_dim, head_dim]
-  Tensor o_norm;                     // [head_dim]
-  Tensor o_proj;                     // [hidden, heads * head_dim]
+  Tensor q_proj, k_proj, v_proj;  // [heads * head_dim, hidden]
+  Tensor q_conv, k_conv, v_conv;  // [heads * head_dim, 1, kernel]
+  Tensor f_a_proj;                // [head_dim, hidden]
+  Tensor f_b_proj;                // [heads * head_dim, head_dim]
+  Tensor dt_bias;                 // [heads * head_dim]
+  Tensor A_log;                   // [heads]
+  Tensor b_proj;                  // [heads, hidden]
+  Tensor g_a_proj;                // [head_dim, hidden]
+  Tensor g_b_proj;                // [heads * head_dim, head_dim]
+  Tensor o_norm;                  // [head_dim]
+  Tensor o_proj;                  // [hidden, heads * head_dim]
 };
 
 struct IndexerWeights {
@@ -87,18 +87,18 @@ struct ModelWeights {
 
 // What kind of value a parameter holds: decides its initialisation and, later, weight decay.
 enum class ParamRole {
-  Matrix,          // projection weights, experts, conv kernels
-  Embedding,       // token embedding
-  Norm,            // RMSNorm / LayerNorm weights (initialised to one)
-  NormBias,        // LayerNorm bias (zero)
-  HcFn,            // mHC projection (normal 0.02)
-  HcBase,          // mHC bias (zero)
-  HcScale,         // mHC scales (one)
-  ALog,            // KDA decay rate
-  DtBias,          // KDA gate bias
-  CompressApe,     // indexer k-pool position embedding (zero)
-  CompressGate,    // indexer k-pool gate (one)
-  RouterBias,      // e_score_correction_bias: a buffer updated outside gradient descent
+  Matrix,        // projection weights, experts, conv kernels
+  Embedding,     // token embedding
+  Norm,          // RMSNorm / LayerNorm weights (initialised to one)
+  NormBias,      // LayerNorm bias (zero)
+  HcFn,          // mHC projection (normal 0.02)
+  HcBase,        // mHC bias (zero)
+  HcScale,       // mHC scales (one)
+  ALog,          // KDA decay rate
+  DtBias,        // KDA gate bias
+  CompressApe,   // indexer k-pool position embedding (zero)
+  CompressGate,  // indexer k-pool gate (one)
+  RouterBias,    // e_score_correction_bias: a buffer updated outside gradient descent
 };
 
 struct Param {

@@ -44,7 +44,8 @@ TEST(Kernels, LinearMatchesTripleLoop) {
 
 TEST(Kernels, NormsMatchFormulas) {
   const int64_t R = 5, D = 12;
-  auto x = random_vector(R * D, 3), w = random_vector(D, 4), b = random_vector(D, 5), g = random_vector(R * D, 6);
+  auto x = random_vector(R * D, 3), w = random_vector(D, 4), b = random_vector(D, 5),
+       g = random_vector(R * D, 6);
   std::vector<double> rms(R * D), ln(R * D), gated(R * D), l2 = x;
   rms_norm(x.data(), w.data(), rms.data(), R, D, 1e-5);
   layer_norm(x.data(), w.data(), b.data(), ln.data(), R, D, 1e-6);
@@ -68,11 +69,12 @@ TEST(Kernels, NormsMatchFormulas) {
 TEST(Kernels, HyperConnectionCoefficients) {
   const int64_t T = 3, H = 4, D = 6, mix = (2 + H) * H;
   const HcShape s{T, H, D, 1e-5, 1e-6, 20};
-  auto streams = random_vector(T * H * D, 7), fn = random_vector(mix * H * D, 8, 0.3), base = random_vector(mix, 9);
+  auto streams = random_vector(T * H * D, 7), fn = random_vector(mix * H * D, 8, 0.3),
+       base = random_vector(mix, 9);
   std::vector<double> scale = {0.7, 1.3, 0.9};
   std::vector<double> pre(T * H), post(T * H), comb(T * H * H), collapsed(T * D);
-  hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
-                  collapsed.data());
+  hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                  comb.data(), collapsed.data());
   for (int64_t t = 0; t < T; ++t) {
     const double* x = streams.data() + t * H * D;
     double ss = 0;
@@ -101,8 +103,8 @@ TEST(Kernels, HyperConnectionCoefficients) {
   // A single iteration is exactly: row softmax + eps, then one column normalisation.
   const HcShape one{1, H, D, 1e-5, 1e-6, 1};
   std::vector<double> comb1(H * H);
-  hc_coefficients(one, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb1.data(),
-                  collapsed.data());
+  hc_coefficients(one, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                  comb1.data(), collapsed.data());
   std::vector<double> ref(H * H);
   {
     const double* x = streams.data();
@@ -156,13 +158,15 @@ TEST(Kernels, CausalConvMatchesFormula) {
 // written independently of the kernel, must give the kernel's token-by-token result.
 TEST(Kernels, KdaRecurrenceMatchesChunkedForm) {
   const int64_t L = 21, H = 2, dk = 4, dv = 3, C = 8;
-  auto q = random_vector(L * H * dk, 13, 0.5), k = random_vector(L * H * dk, 14), v = random_vector(L * H * dv, 15);
+  auto q = random_vector(L * H * dk, 13, 0.5), k = random_vector(L * H * dk, 14),
+       v = random_vector(L * H * dv, 15);
   auto g = random_vector(L * H * dk, 16, 0.3), beta = random_vector(L * H, 17);
   for (double& x : g) x = -std::abs(x);
   for (double& b : beta) b = sig(b);
   l2_normalize(k.data(), L * H, dk, 1e-6);
   std::vector<double> out(L * H * dv), state(H * dk * dv, 0.0);
-  kda_recurrence<double>({L, H, dk, dv}, q.data(), k.data(), v.data(), g.data(), beta.data(), out.data(), state.data());
+  kda_recurrence<double>({L, H, dk, dv}, q.data(), k.data(), v.data(), g.data(), beta.data(), out.data(),
+                         state.data());
 
   for (int64_t h = 0; h < H; ++h) {
     std::vector<double> S(dk * dv, 0.0);
@@ -298,7 +302,8 @@ TEST(Kernels, SparseAttentionMatchesMaskedDenseAttention) {
       for (double l : logits) z += std::exp(l - mx);
       for (int64_t c = 0; c < dv; ++c) {
         double ref = 0;
-        for (int64_t s = 0; s < L; ++s) ref += std::exp(logits[s] - mx) / z * kv[(s * H + h) * (dq + dv) + dq + c];
+        for (int64_t s = 0; s < L; ++s)
+          ref += std::exp(logits[s] - mx) / z * kv[(s * H + h) * (dq + dv) + dq + c];
         EXPECT_NEAR(out[(t * H + h) * dv + c], ref, 1e-12);
       }
     }
@@ -310,7 +315,8 @@ TEST(Kernels, RouterMatchesBruteForceGroupLimitedTopK) {
   for (bool normalize : {true, false}) {
     std::vector<int32_t> expert(T * K);
     std::vector<double> weight(T * K);
-    route_tokens<double>({T, E, G, TG, K, normalize, 2.5}, logits.data(), bias.data(), expert.data(), weight.data());
+    route_tokens<double>({T, E, G, TG, K, normalize, 2.5}, logits.data(), bias.data(), expert.data(),
+                         weight.data());
     for (int64_t t = 0; t < T; ++t) {
       // Try every pair of groups; the chosen pair has the largest sum of per-group top-2 scores.
       std::vector<double> choice(E), score(E);

@@ -22,7 +22,8 @@ namespace fs = std::filesystem;
 const std::string kTiny = std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json";
 
 fs::path fresh_dir(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("spindle_model_" + name + "_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("spindle_model_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
@@ -97,14 +98,16 @@ TEST(Model, InMemoryNamesLoadLikeOnDiskNames) {
       const int64_t part = std::string("qkv").find(m[2].str()[0]);
       dst.block(part * qkv * K, {qkv, 1, K}).copy_from(t);
     } else {
-      std::string n = std::regex_replace(name, std::regex(R"(\.hc_(attn|ffn)_(fn|base|scale)$)"), ".$1_hc.$2");
+      std::string n =
+          std::regex_replace(name, std::regex(R"(\.hc_(attn|ffn)_(fn|base|scale)$)"), ".$1_hc.$2");
       n = std::regex_replace(n, std::regex(R"(self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log))"),
                              "self_attn.forget_gate.$1");
       n = std::regex_replace(n, std::regex("^model\\.language_model\\."), "model.");
       renamed.emplace_back(n, t);
     }
   }
-  for (auto& [n, t] : fused) renamed.emplace_back(std::regex_replace(n, std::regex("^model\\.language_model\\."), "model."), t);
+  for (auto& [n, t] : fused)
+    renamed.emplace_back(std::regex_replace(n, std::regex("^model\\.language_model\\."), "model."), t);
   const fs::path other = fresh_dir("inmemory_renamed");
   fs::copy_file(dir / "config.json", other / "config.json");
   write_safetensors(other / "model.safetensors", renamed);

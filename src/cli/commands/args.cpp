@@ -4,8 +4,8 @@
 
 namespace spindle {
 
-Args::Args(const std::string& command, const std::vector<std::string>& argv, const std::set<std::string>& options,
-           const std::set<std::string>& flags)
+Args::Args(const std::string& command, const std::vector<std::string>& argv,
+           const std::set<std::string>& options, const std::set<std::string>& flags)
     : command_(command) {
   for (size_t i = 0; i < argv.size(); ++i) {
     const std::string& a = argv[i];
@@ -48,7 +48,8 @@ int64_t Args::int_or(const std::string& name, int64_t fallback) const {
   } catch (const std::exception&) {
     used = 0;
   }
-  check(used == v->size() && !v->empty(), "spindle ", command_, ": --", name, " expects an integer, got '", *v, "'");
+  check(used == v->size() && !v->empty(), "spindle ", command_, ": --", name, " expects an integer, got '",
+        *v, "'");
   return parsed;
 }
 

@@ -34,8 +34,10 @@ int run_info(const std::vector<std::string>& argv) {
 
   int64_t total = 0, buffers = 0, routed = 0;
   for (const Param& p : table) {
-    if (p.role == ParamRole::RouterBias) buffers += p.tensor.numel();
-    else total += p.tensor.numel();
+    if (p.role == ParamRole::RouterBias)
+      buffers += p.tensor.numel();
+    else
+      total += p.tensor.numel();
     if (p.name.find(".mlp.experts.") != std::string::npos) routed += p.tensor.numel();
   }
   int64_t moe_layers = 0;
@@ -54,8 +56,9 @@ int run_info(const std::vector<std::string>& argv) {
                 dsa ? indexer_kind_name(config.indexer_types[u]) : "-",
                 config.mlp_layer_types[u] == MlpKind::Dense ? "dense" : "MoE");
   }
-  std::cout << "parameters: " << total << " total, " << active << " active per token (" << config.num_experts_per_tok
-            << " of " << config.n_routed_experts << " routed experts), " << buffers << " buffer values\n";
+  std::cout << "parameters: " << total << " total, " << active << " active per token ("
+            << config.num_experts_per_tok << " of " << config.n_routed_experts << " routed experts), "
+            << buffers << " buffer values\n";
   std::cout << "bytes: " << human_bytes(2.0 * static_cast<double>(total)) << " in bf16, "
             << human_bytes(4.0 * static_cast<double>(total)) << " in f32\n";
   return 0;

@@ -1,10 +1,11 @@
+#include "model/init.h"
+
 #include <iostream>
 
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/log.h"
 #include "model/checkpoint.h"
-#include "model/init.h"
 
 namespace spindle {
 

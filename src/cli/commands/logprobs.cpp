@@ -37,7 +37,8 @@ int run_logprobs(const std::vector<std::string>& argv) {
   const std::string dir = args.required("model");
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
   const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
-  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ", dtype_name(dtype));
+  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
+        dtype_name(dtype));
 
   std::vector<double> values;
   if (dtype == DType::F64) {

@@ -24,9 +24,11 @@ void indexer_pool_keys(const IndexerShape& s, const T* keys, const T* gate, cons
           mx = std::max(mx, l);
         }
         T sum = 0;
-        for (int64_t j = 0; j < kp; ++j) sum += (logits[static_cast<size_t>(j)] = std::exp(logits[static_cast<size_t>(j)] - mx));
+        for (int64_t j = 0; j < kp; ++j)
+          sum += (logits[static_cast<size_t>(j)] = std::exp(logits[static_cast<size_t>(j)] - mx));
         T acc = 0;
-        for (int64_t j = 0; j < kp; ++j) acc += logits[static_cast<size_t>(j)] / sum * keys[(p * kp + j) * d + c];
+        for (int64_t j = 0; j < kp; ++j)
+          acc += logits[static_cast<size_t>(j)] / sum * keys[(p * kp + j) * d + c];
         pool_keys[p * d + c] = acc;
       }
     }
@@ -34,7 +36,8 @@ void indexer_pool_keys(const IndexerShape& s, const T* keys, const T* gate, cons
 }
 
 template <class T>
-void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights, int32_t* selected) {
+void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
+                    int32_t* selected) {
   const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
   const int64_t pools = s.complete_pools();
   const int64_t select_pools = std::min(s.topk / kp, pools);
@@ -64,7 +67,8 @@ void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const
       if (chosen < visible) {
         std::nth_element(scored.begin(), scored.begin() + chosen, scored.begin() + visible, higher);
       }
-      std::sort(scored.begin(), scored.begin() + chosen, [](const auto& a, const auto& b) { return a.second < b.second; });
+      std::sort(scored.begin(), scored.begin() + chosen,
+                [](const auto& a, const auto& b) { return a.second < b.second; });
       int64_t n = 0;
       for (int64_t i = 0; i < chosen; ++i) {
         const int64_t first = scored[static_cast<size_t>(i)].second * kp;
@@ -79,7 +83,8 @@ void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const
 }
 
 template <class T>
-void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected, T* out) {
+void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
+                      T* out) {
   const int64_t H = s.heads, dq = s.qk_dim, dv = s.v_dim, stride = dq + dv;
   parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> p(static_cast<size_t>(s.width));
@@ -114,9 +119,9 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                        \
-  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);          \
-  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);       \
+#define SPINDLE_INSTANTIATE(T)                                                                  \
+  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);    \
+  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*); \
   template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)

@@ -10,11 +10,11 @@ namespace spindle::cpu {
 
 struct IndexerShape {
   int64_t tokens;
-  int64_t heads;      // index_n_heads
-  int64_t head_dim;   // index_head_dim
-  int64_t kpool;      // tokens per pool
-  int64_t topk;       // index_topk (tokens; topk / kpool pools are chosen)
-  bool select_tail;   // index_kpool_always_select_tail
+  int64_t heads;     // index_n_heads
+  int64_t head_dim;  // index_head_dim
+  int64_t kpool;     // tokens per pool
+  int64_t topk;      // index_topk (tokens; topk / kpool pools are chosen)
+  bool select_tail;  // index_kpool_always_select_tail
   int64_t width() const { return topk + (select_tail ? kpool - 1 : 0); }
   int64_t complete_pools() const { return tokens / kpool; }
 };
@@ -31,7 +31,8 @@ void indexer_pool_keys(const IndexerShape& s, const T* keys, const T* gate, cons
 // the incomplete pool that ends at t. Score: sum_h w[t, h] * relu(q[t, h] . pool_key[p] / sqrt(d)).
 // q: [tokens, heads, head_dim]; head_weights: [tokens, heads] (already scaled by heads^-0.5).
 template <class T>
-void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights, int32_t* selected);
+void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
+                    int32_t* selected);
 
 struct SparseAttentionShape {
   int64_t tokens;
@@ -46,6 +47,7 @@ struct SparseAttentionShape {
 // q: [tokens, heads, qk_dim]; kv: [tokens, heads, qk_dim + v_dim] (key then value per head, as
 // kv_b_proj lays them out); selected: [tokens, width] with -1 for unused; out: [tokens, heads, v_dim].
 template <class T>
-void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected, T* out);
+void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
+                      T* out);
 
 }  // namespace spindle::cpu

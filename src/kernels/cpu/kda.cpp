@@ -46,7 +46,8 @@ void kda_recurrence(const KdaShape& s, const T* q, const T* k, const T* v, const
         for (int64_t j = 0; j < dv; ++j) kv[static_cast<size_t>(j)] = 0;
         for (int64_t i = 0; i < dk; ++i)
           for (int64_t j = 0; j < dv; ++j) kv[static_cast<size_t>(j)] += S[i * dv + j] * kt[i];
-        for (int64_t j = 0; j < dv; ++j) kv[static_cast<size_t>(j)] = (vt[j] - kv[static_cast<size_t>(j)]) * b;
+        for (int64_t j = 0; j < dv; ++j)
+          kv[static_cast<size_t>(j)] = (vt[j] - kv[static_cast<size_t>(j)]) * b;
         for (int64_t i = 0; i < dk; ++i)
           for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += kt[i] * kv[static_cast<size_t>(j)];
         T* ot = out + (t * H + h) * dv;
@@ -58,7 +59,7 @@ void kda_recurrence(const KdaShape& s, const T* q, const T* k, const T* v, const
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                      \
+#define SPINDLE_INSTANTIATE(T)                                                          \
   template void causal_conv_silu<T>(const T*, const T*, T*, int64_t, int64_t, int64_t); \
   template void kda_recurrence<T>(const KdaShape&, const T*, const T*, const T*, const T*, const T*, T*, T*);
 SPINDLE_INSTANTIATE(float)

@@ -37,8 +37,10 @@ void linear_impl(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
           T* yr = y + r * N;
           for (int64_t c = c0; c < c1; ++c) {
             const T v = dot(xr, w + c * K, K);
-            if constexpr (kAccumulate) yr[c] += v;
-            else yr[c] = v;
+            if constexpr (kAccumulate)
+              yr[c] += v;
+            else
+              yr[c] = v;
           }
         }
       }

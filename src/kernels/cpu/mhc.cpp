@@ -9,8 +9,8 @@
 namespace spindle::cpu {
 
 template <class T>
-void hc_coefficients(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale, T* pre, T* post,
-                     T* comb, T* collapsed) {
+void hc_coefficients(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale, T* pre,
+                     T* post, T* comb, T* collapsed) {
   const int64_t H = s.streams, D = s.hidden, flat = H * D, mix = (2 + H) * H;
   const T eps = T(s.hc_eps);
   parallel_for(s.tokens, 64, [&](int64_t begin, int64_t end) {
@@ -93,7 +93,7 @@ void hc_combine(const HcShape& s, const T* streams, const T* y, const T* post, c
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                                    \
+#define SPINDLE_INSTANTIATE(T)                                                                              \
   template void hc_coefficients<T>(const HcShape&, const T*, const T*, const T*, const T*, T*, T*, T*, T*); \
   template void hc_combine<T>(const HcShape&, const T*, const T*, const T*, const T*, T*);
 SPINDLE_INSTANTIATE(float)

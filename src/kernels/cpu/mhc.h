@@ -22,8 +22,8 @@ struct HcShape {
 // streams [tokens, H, D] -> pre [tokens, H], post [tokens, H], comb [tokens, H, H],
 // collapsed [tokens, D] = sum_h pre[h] * streams[h].
 template <class T>
-void hc_coefficients(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale, T* pre, T* post,
-                     T* comb, T* collapsed);
+void hc_coefficients(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale, T* pre,
+                     T* post, T* comb, T* collapsed);
 
 // out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :]
 template <class T>

@@ -8,11 +8,11 @@ namespace spindle::cpu {
 struct RouterShape {
   int64_t tokens;
   int64_t experts;
-  int64_t groups;        // n_group
-  int64_t topk_groups;   // topk_group
-  int64_t topk;          // num_experts_per_tok
-  bool normalize;        // norm_topk_prob
-  double scaling;        // routed_scaling_factor
+  int64_t groups;       // n_group
+  int64_t topk_groups;  // topk_group
+  int64_t topk;         // num_experts_per_tok
+  bool normalize;       // norm_topk_prob
+  double scaling;       // routed_scaling_factor
 };
 
 // DeepSeek-V3 routing: scores = sigmoid(logits); choice = scores + bias; keep the topk_groups

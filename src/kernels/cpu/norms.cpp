@@ -55,8 +55,8 @@ void l2_normalize(T* x, int64_t rows, int64_t D, double eps) {
 }
 
 #define SPINDLE_INSTANTIATE(T)                                                                 \
-  template void rms_norm<T>(const T*, const T*, T*, int64_t, int64_t, double);                \
-  template void layer_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);    \
+  template void rms_norm<T>(const T*, const T*, T*, int64_t, int64_t, double);                 \
+  template void layer_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);     \
   template void gated_rms_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double); \
   template void l2_normalize<T>(T*, int64_t, int64_t, double);
 SPINDLE_INSTANTIATE(float)
