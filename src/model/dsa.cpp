@@ -63,9 +63,54 @@ void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t 
   linear(attended.data(), w.o_proj.data<T>(), y, L, H * dv, D);
 }
 
+template <class T>
+void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
+  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
+  const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
+  check(static_cast<int64_t>(selection.size()) == L * width, "DSA backward without the forward selection");
+  auto buffer = [](int64_t size) { return std::vector<T>(static_cast<size_t>(size), T(0)); };
+
+  std::vector<T> q_low = buffer(L * qr), q_resid = buffer(L * qr), q = buffer(L * H * dqk);
+  linear(x, w.q_a_proj.data<T>(), q_low.data(), L, D, qr);
+  rms_norm(q_low.data(), w.q_a_layernorm.data<T>(), q_resid.data(), L, qr, c.rms_norm_eps);
+  linear(q_resid.data(), w.q_b_proj.data<T>(), q.data(), L, qr, H * dqk);
+  std::vector<T> kv_low = buffer(L * kr), kv_normed = buffer(L * kr), kv = buffer(L * H * (dqk + dv));
+  linear(x, w.kv_a_proj.data<T>(), kv_low.data(), L, D, kr);
+  rms_norm(kv_low.data(), w.kv_a_layernorm.data<T>(), kv_normed.data(), L, kr, c.rms_norm_eps);
+  linear(kv_normed.data(), w.kv_b_proj.data<T>(), kv.data(), L, kr, H * (dqk + dv));
+  const SparseAttentionShape shape{L, H, dqk, dv, width, 1.0 / std::sqrt(static_cast<double>(dqk))};
+  std::vector<T> attended = buffer(L * H * dv);
+  sparse_attention<T>(shape, q.data(), kv.data(), selection.data(), attended.data());
+
+  std::vector<T> d_attended = buffer(L * H * dv), dq = buffer(L * H * dqk), dkv = buffer(L * H * (dqk + dv));
+  linear_backward(attended.data(), w.o_proj.data<T>(), dy, d_attended.data(), grad.o_proj.data<T>(), L, H * dv, D);
+  sparse_attention_backward<T>(shape, q.data(), kv.data(), selection.data(), d_attended.data(), dq.data(), dkv.data());
+
+  std::vector<T> d_normed = buffer(L * kr), d_low = buffer(L * kr);
+  linear_backward(kv_normed.data(), w.kv_b_proj.data<T>(), dkv.data(), d_normed.data(), grad.kv_b_proj.data<T>(), L,
+                  kr, H * (dqk + dv));
+  rms_norm_backward(kv_low.data(), w.kv_a_layernorm.data<T>(), d_normed.data(), d_low.data(),
+                    grad.kv_a_layernorm.data<T>(), L, kr, c.rms_norm_eps);
+  linear_backward(x, w.kv_a_proj.data<T>(), d_low.data(), dx, grad.kv_a_proj.data<T>(), L, D, kr);
+
+  std::vector<T> d_resid = buffer(L * qr), dq_low = buffer(L * qr);
+  linear_backward(q_resid.data(), w.q_b_proj.data<T>(), dq.data(), d_resid.data(), grad.q_b_proj.data<T>(), L, qr,
+                  H * dqk);
+  rms_norm_backward(q_low.data(), w.q_a_layernorm.data<T>(), d_resid.data(), dq_low.data(),
+                    grad.q_a_layernorm.data<T>(), L, qr, c.rms_norm_eps);
+  linear_backward(x, w.q_a_proj.data<T>(), dq_low.data(), dx, grad.q_a_proj.data<T>(), L, D, qr);
+}
+
 template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
                                  std::vector<int32_t>&, float*);
 template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
                                   std::vector<int32_t>&, double*);
+template void dsa_backward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
+                                  const std::vector<int32_t>&, const float*, float*, DsaWeights&);
+template void dsa_backward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
+                                   const std::vector<int32_t>&, const double*, double*, DsaWeights&);
 
 }  // namespace spindle

@@ -4,33 +4,12 @@
 
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/loss.h"
-#include "kernels/cpu/mhc.h"
 #include "kernels/cpu/norms.h"
 #include "model/modules.h"
+#include "model/residual.h"
 
 namespace spindle {
 
-namespace {
-
-// One residual site: collapse the streams with mHC, normalise, run the sublayer, spread back.
-template <class T, class Sublayer>
-void hyper_connected(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm, int64_t L,
-                     std::vector<T>& streams, Sublayer sublayer) {
-  const int64_t H = c.hc_mult, D = c.hidden_size;
-  const cpu::HcShape shape{L, H, D, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
-  std::vector<T> pre(static_cast<size_t>(L * H)), post(static_cast<size_t>(L * H)),
-      comb(static_cast<size_t>(L * H * H));
-  std::vector<T> collapsed(static_cast<size_t>(L * D)), normed(static_cast<size_t>(L * D));
-  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(),
-                       pre.data(), post.data(), comb.data(), collapsed.data());
-  cpu::rms_norm(collapsed.data(), norm.data<T>(), normed.data(), L, D, c.rms_norm_eps);
-  sublayer(normed.data(), collapsed.data());  // output into `collapsed`
-  std::vector<T> next(streams.size());
-  cpu::hc_combine(shape, streams.data(), collapsed.data(), post.data(), comb.data(), next.data());
-  streams.swap(next);
-}
-
-}  // namespace
 
 template <class T>
 std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
@@ -56,13 +35,13 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
   std::vector<int32_t> selection;  // the last DSA selection, for a following shared layer
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& layer = w.layers[i];
-    hyper_connected<T>(c, layer.attn_hc, layer.input_layernorm, L, streams, [&](const T* x, T* y) {
+    residual_site_forward<T>(c, layer.attn_hc, layer.input_layernorm, L, streams, [&](const T* x, T* y) {
       if (layer.attention == AttentionKind::Kda)
         kda_forward(c, layer.kda, x, L, y);
       else
         dsa_forward(c, layer.dsa, x, L, selection, y);
     });
-    hyper_connected<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
+    residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
       if (layer.mlp == MlpKind::Dense)
         mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
       else

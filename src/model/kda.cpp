@@ -1,5 +1,6 @@
 #include "kernels/cpu/kda.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/linear.h"
@@ -62,7 +63,121 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
   linear(projected.data(), w.o_proj.data<T>(), y, L, qkv, D);
 }
 
+template <class T>
+void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t L, const T* dy, T* dx,
+                  KdaWeights& grad) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
+  const int64_t K = c.linear_conv_kernel_dim;
+  const auto n = static_cast<size_t>(L * qkv);
+  auto buffer = [](size_t size) { return std::vector<T>(size, T(0)); };
+
+  // Recompute the forward pass, keeping what the backward pass reads.
+  std::vector<T> qp = buffer(n), kp = buffer(n), vp = buffer(n), qc = buffer(n), kc = buffer(n), vc = buffer(n);
+  linear(x, w.q_proj.data<T>(), qp.data(), L, D, qkv);
+  linear(x, w.k_proj.data<T>(), kp.data(), L, D, qkv);
+  linear(x, w.v_proj.data<T>(), vp.data(), L, D, qkv);
+  causal_conv_silu(qp.data(), w.q_conv.data<T>(), qc.data(), L, qkv, K);
+  causal_conv_silu(kp.data(), w.k_conv.data<T>(), kc.data(), L, qkv, K);
+  causal_conv_silu(vp.data(), w.v_conv.data<T>(), vc.data(), L, qkv, K);
+  std::vector<T> f_low = buffer(static_cast<size_t>(L * dh)), pre = buffer(n), g = buffer(n);
+  linear(x, w.f_a_proj.data<T>(), f_low.data(), L, D, dh);
+  linear(f_low.data(), w.f_b_proj.data<T>(), pre.data(), L, dh, qkv);
+  const T* dt_bias = w.dt_bias.data<T>();
+  const T* A_log = w.A_log.data<T>();
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t i = 0; i < qkv; ++i) {
+      const auto at = static_cast<size_t>(t * qkv + i);
+      pre[at] += dt_bias[i];
+      const T rate = std::exp(A_log[i / dh]);
+      g[at] = c.linear_lower_bound ? T(*c.linear_lower_bound) * sigmoid(rate * pre[at])
+                                   : -rate * softplus_thresholded(pre[at]);
+    }
+  std::vector<T> beta = buffer(static_cast<size_t>(L * H));
+  linear(x, w.b_proj.data<T>(), beta.data(), L, D, H);
+  for (T& b : beta) b = sigmoid(b);
+  std::vector<T> qn = qc, kn = kc;
+  l2_normalize(qn.data(), L * H, dh, 1e-6);
+  l2_normalize(kn.data(), L * H, dh, 1e-6);
+  const T scale = T(1) / std::sqrt(T(dh));
+  for (T& value : qn) value *= scale;
+  std::vector<T> core = buffer(n), state = buffer(static_cast<size_t>(H * dh * dh));
+  kda_recurrence<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), core.data(), state.data());
+  std::vector<T> gate_low = buffer(static_cast<size_t>(L * dh)), gate = buffer(n), z = buffer(n);
+  linear(x, w.g_a_proj.data<T>(), gate_low.data(), L, D, dh);
+  linear(gate_low.data(), w.g_b_proj.data<T>(), gate.data(), L, dh, qkv);
+  gated_rms_norm(core.data(), w.o_norm.data<T>(), gate.data(), z.data(), L * H, dh, c.rms_norm_eps);
+
+  // Output projection and gated norm.
+  std::vector<T> dz = buffer(n), dcore = buffer(n), dgate = buffer(n);
+  linear_backward(z.data(), w.o_proj.data<T>(), dy, dz.data(), grad.o_proj.data<T>(), L, qkv, D);
+  gated_rms_norm_backward(core.data(), w.o_norm.data<T>(), gate.data(), dz.data(), dcore.data(), dgate.data(),
+                          grad.o_norm.data<T>(), L * H, dh, c.rms_norm_eps);
+  std::vector<T> d_low = buffer(static_cast<size_t>(L * dh));
+  linear_backward(gate_low.data(), w.g_b_proj.data<T>(), dgate.data(), d_low.data(), grad.g_b_proj.data<T>(), L, dh,
+                  qkv);
+  linear_backward(x, w.g_a_proj.data<T>(), d_low.data(), dx, grad.g_a_proj.data<T>(), L, D, dh);
+
+  // The delta rule, walked in reverse.
+  std::vector<T> dqn = buffer(n), dkn = buffer(n), dvc = buffer(n), dg = buffer(n), dbeta = buffer(static_cast<size_t>(L * H));
+  kda_recurrence_backward<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), dcore.data(),
+                             dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data());
+
+  // Gates: beta = sigmoid(b_proj x); g from the forget gate.
+  for (size_t i = 0; i < dbeta.size(); ++i) dbeta[i] *= beta[i] * (T(1) - beta[i]);
+  linear_backward(x, w.b_proj.data<T>(), dbeta.data(), dx, grad.b_proj.data<T>(), L, D, H);
+  T* d_dt_bias = grad.dt_bias.data<T>();
+  T* d_A_log = grad.A_log.data<T>();
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t i = 0; i < qkv; ++i) {
+      const auto at = static_cast<size_t>(t * qkv + i);
+      const T rate = std::exp(A_log[i / dh]);
+      T dpre, drate;
+      if (c.linear_lower_bound) {
+        const T s = sigmoid(rate * pre[at]);
+        const T du = dg[at] * T(*c.linear_lower_bound) * s * (T(1) - s);
+        dpre = du * rate;
+        drate = du * pre[at];
+      } else {
+        const T slope = pre[at] > T(20) ? T(1) : sigmoid(pre[at]);
+        dpre = -rate * slope * dg[at];
+        drate = -softplus_thresholded(pre[at]) * dg[at];
+      }
+      d_A_log[i / dh] += drate * rate;
+      d_dt_bias[i] += dpre;
+      dg[at] = dpre;  // reused as the gradient of f_b's output
+    }
+  std::fill(d_low.begin(), d_low.end(), T(0));
+  linear_backward(f_low.data(), w.f_b_proj.data<T>(), dg.data(), d_low.data(), grad.f_b_proj.data<T>(), L, dh, qkv);
+  linear_backward(x, w.f_a_proj.data<T>(), d_low.data(), dx, grad.f_a_proj.data<T>(), L, D, dh);
+
+  // l2 norms (with the query scale), convs, projections.
+  for (T& value : dqn) value *= scale;
+  std::vector<T> dqc = buffer(n), dkc = buffer(n), dproj = buffer(n);
+  l2_normalize_backward(qc.data(), dqn.data(), dqc.data(), L * H, dh, 1e-6);
+  l2_normalize_backward(kc.data(), dkn.data(), dkc.data(), L * H, dh, 1e-6);
+  struct Branch {
+    const std::vector<T>& projected;
+    const std::vector<T>& dconv;
+    const Tensor& conv;
+    Tensor& dconv_w;
+    const Tensor& proj;
+    Tensor& dproj_w;
+  };
+  for (const Branch& b : {Branch{qp, dqc, w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
+                          Branch{kp, dkc, w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
+                          Branch{vp, dvc, w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}}) {
+    causal_conv_silu_backward(b.projected.data(), b.conv.template data<T>(), b.dconv.data(), dproj.data(),
+                              b.dconv_w.template data<T>(), L, qkv, K);
+    linear_backward(x, b.proj.template data<T>(), dproj.data(), dx, b.dproj_w.template data<T>(), L, D, qkv);
+  }
+}
+
 template void kda_forward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, float*);
 template void kda_forward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, double*);
+template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*, float*,
+                                  KdaWeights&);
+template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, const double*,
+                                   double*, KdaWeights&);
 
 }  // namespace spindle

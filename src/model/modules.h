@@ -28,4 +28,23 @@ void mlp_forward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t t
 template <class T>
 void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, T* y);
 
+// Backward passes. Each recomputes its sublayer's forward from the input x, then accumulates the
+// input gradient into dx and the parameter gradients into `grad` (same layout as the weights).
+template <class T>
+void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
+                  KdaWeights& grad);
+
+// `selection` is the one the forward pass used (the layer's own, or the shared one).
+template <class T>
+void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad);
+
+template <class T>
+void mlp_backward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, const T* dy, T* dx,
+                  MlpWeights& grad);
+
+template <class T>
+void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
+                  MoeWeights& grad);
+
 }  // namespace spindle

@@ -51,7 +51,73 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t 
   }
 }
 
+template <class T>
+void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, const T* dy, T* dx,
+                  MoeWeights& grad) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size, k = c.num_experts_per_tok;
+  const RouterShape shape{L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor};
+  std::vector<T> logits(static_cast<size_t>(L * E)), weight(static_cast<size_t>(L * k));
+  std::vector<T> dweight(static_cast<size_t>(L * k), T(0));
+  std::vector<int32_t> expert(static_cast<size_t>(L * k));
+  linear(x, w.router.data<T>(), logits.data(), L, D, E);
+  route_tokens<T>(shape, logits.data(), w.correction_bias.data<T>(), expert.data(), weight.data());
+
+  mlp_backward(w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+
+  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
+  for (int64_t i = 0; i < L * k; ++i) slots[static_cast<size_t>(expert[static_cast<size_t>(i)])].push_back(i);
+  std::vector<T> gathered, gate, up, hidden, out, dout, dhidden, dgate, dup, dgathered;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& list = slots[static_cast<size_t>(e)];
+    const auto n = static_cast<int64_t>(list.size());
+    if (n == 0) continue;
+    auto sized = [](std::vector<T>& v, int64_t size) { v.assign(static_cast<size_t>(size), T(0)); };
+    sized(gathered, n * D);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t token = list[static_cast<size_t>(r)] / k;
+      std::copy(x + token * D, x + (token + 1) * D, gathered.begin() + r * D);
+    }
+    sized(gate, n * I), sized(up, n * I), sized(hidden, n * I), sized(out, n * D);
+    const T* wg = w.experts_gate.data<T>() + e * I * D;
+    const T* wu = w.experts_up.data<T>() + e * I * D;
+    const T* wd = w.experts_down.data<T>() + e * D * I;
+    linear(gathered.data(), wg, gate.data(), n, D, I);
+    linear(gathered.data(), wu, up.data(), n, D, I);
+    clamped_swiglu(gate.data(), up.data(), hidden.data(), n * I, c.swiglu_limit);
+    linear(hidden.data(), wd, out.data(), n, I, D);
+    // y[token] += weight * out: the weight's gradient is dy . out, out's is weight * dy.
+    sized(dout, n * D);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t slot = list[static_cast<size_t>(r)], token = slot / k;
+      T dot = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += dy[token * D + d] * out[static_cast<size_t>(r * D + d)];
+        dout[static_cast<size_t>(r * D + d)] = weight[static_cast<size_t>(slot)] * dy[token * D + d];
+      }
+      dweight[static_cast<size_t>(slot)] = dot;
+    }
+    sized(dhidden, n * I), sized(dgate, n * I), sized(dup, n * I), sized(dgathered, n * D);
+    linear_backward(hidden.data(), wd, dout.data(), dhidden.data(), grad.experts_down.data<T>() + e * D * I, n, I, D);
+    clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), n * I, c.swiglu_limit);
+    linear_backward(gathered.data(), wg, dgate.data(), dgathered.data(), grad.experts_gate.data<T>() + e * I * D, n, D,
+                    I);
+    linear_backward(gathered.data(), wu, dup.data(), dgathered.data(), grad.experts_up.data<T>() + e * I * D, n, D, I);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t token = list[static_cast<size_t>(r)] / k;
+      for (int64_t d = 0; d < D; ++d) dx[token * D + d] += dgathered[static_cast<size_t>(r * D + d)];
+    }
+  }
+  std::vector<T> dlogits(static_cast<size_t>(L * E));
+  route_weights_backward<T>(shape, logits.data(), expert.data(), dweight.data(), dlogits.data());
+  linear_backward(x, w.router.data<T>(), dlogits.data(), dx, grad.router.data<T>(), L, D, E);
+}
+
 template void moe_forward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, float*);
 template void moe_forward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, double*);
+template void moe_backward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, const float*, float*,
+                                  MoeWeights&);
+template void moe_backward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, const double*,
+                                   double*, MoeWeights&);
 
 }  // namespace spindle

@@ -119,10 +119,65 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
   });
 }
 
+template <class T>
+void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
+                               const T* dout, T* dq, T* dkv) {
+  const int64_t H = s.heads, dqk = s.qk_dim, dv = s.v_dim, stride = dqk + dv;
+  // Heads write disjoint slices of dkv, so threads split the heads.
+  parallel_for(H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<T> p(static_cast<size_t>(s.width)), dp(static_cast<size_t>(s.width));
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t t = 0; t < s.tokens; ++t) {
+        const int32_t* idx = selected + t * s.width;
+        const T* qh = q + (t * H + h) * dqk;
+        const T* go = dout + (t * H + h) * dv;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          const T* k = kv + (idx[i] * H + h) * stride;
+          T dot = 0;
+          for (int64_t c = 0; c < dqk; ++c) dot += qh[c] * k[c];
+          p[static_cast<size_t>(i)] = dot * T(s.scale);
+          mx = std::max(mx, p[static_cast<size_t>(i)]);
+        }
+        T sum = 0;
+        for (int64_t i = 0; i < s.width; ++i)
+          if (idx[i] >= 0) sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
+        T weighted = 0;  // sum_s p_s dp_s
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          p[static_cast<size_t>(i)] /= sum;
+          const T* v = kv + (idx[i] * H + h) * stride + dqk;
+          T d = 0;
+          for (int64_t c = 0; c < dv; ++c) d += go[c] * v[c];
+          dp[static_cast<size_t>(i)] = d;
+          weighted += p[static_cast<size_t>(i)] * d;
+        }
+        T* dqh = dq + (t * H + h) * dqk;
+        for (int64_t c = 0; c < dqk; ++c) dqh[c] = 0;
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          const T pi = p[static_cast<size_t>(i)];
+          const T ds = pi * (dp[static_cast<size_t>(i)] - weighted) * T(s.scale);
+          const T* k = kv + (idx[i] * H + h) * stride;
+          T* dk = dkv + (idx[i] * H + h) * stride;
+          for (int64_t c = 0; c < dqk; ++c) {
+            dqh[c] += ds * k[c];
+            dk[c] += ds * qh[c];
+          }
+          for (int64_t c = 0; c < dv; ++c) dk[dqk + c] += pi * go[c];
+        }
+      }
+    }
+  });
+}
+
 #define SPINDLE_INSTANTIATE(T)                                                                  \
   template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);    \
   template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*); \
-  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);
+  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);        \
+  template void sparse_attention_backward<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*,     \
+                                             const T*, T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

@@ -50,4 +50,10 @@ template <class T>
 void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
                       T* out);
 
+// Backward of sparse_attention: dq written; dkv (same layout as kv) accumulated. The selection is
+// a discrete choice and gets no gradient.
+template <class T>
+void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
+                               const T* dout, T* dq, T* dkv);
+
 }  // namespace spindle::cpu

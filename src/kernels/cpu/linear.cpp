@@ -60,9 +60,46 @@ void linear_accumulate(const T* x, const T* w, T* y, int64_t M, int64_t K, int64
   linear_impl<T, true>(x, w, y, M, K, N);
 }
 
+template <class T>
+void linear_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t M, int64_t K, int64_t N) {
+  if (dx != nullptr) {
+    parallel_for(M, 32, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* dxr = dx + r * K;
+        const T* dyr = dy + r * N;
+        for (int64_t n = 0; n < N; ++n) {
+          const T g = dyr[n];
+          if (g == T(0)) continue;
+          const T* wn = w + n * K;
+          for (int64_t k = 0; k < K; ++k) dxr[k] += g * wn[k];
+        }
+      }
+    });
+  }
+  if (dw != nullptr) {
+    // Each thread owns a band of weight rows, so no two threads write the same gradient.
+    parallel_for(N, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = 0; r < M; ++r) {
+        const T* xr = x + r * K;
+        const T* dyr = dy + r * N;
+        for (int64_t n = begin; n < end; ++n) {
+          const T g = dyr[n];
+          if (g == T(0)) continue;
+          T* dwn = dw + n * K;
+          for (int64_t k = 0; k < K; ++k) dwn[k] += g * xr[k];
+        }
+      }
+    });
+  }
+}
+
 template void linear<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
 template void linear<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
 template void linear_accumulate<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
 template void linear_accumulate<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
+template void linear_backward<float>(const float*, const float*, const float*, float*, float*, int64_t, int64_t,
+                                     int64_t);
+template void linear_backward<double>(const double*, const double*, const double*, double*, double*, int64_t,
+                                      int64_t, int64_t);
 
 }  // namespace spindle::cpu

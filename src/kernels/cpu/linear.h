@@ -14,4 +14,9 @@ void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N);
 template <class T>
 void linear_accumulate(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N);
 
+// Backward of y = x w^T: dx[M, K] += dy[M, N] w[N, K] and dw[N, K] += dy^T x. Either output may be
+// null when its gradient is not needed.
+template <class T>
+void linear_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t M, int64_t K, int64_t N);
+
 }  // namespace spindle::cpu

@@ -29,4 +29,17 @@ void hc_coefficients(const HcShape& s, const T* streams, const T* fn, const T* b
 template <class T>
 void hc_combine(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb, T* out);
 
+// Backward of hc_coefficients (including the collapse): given d_pre, d_post [tokens, H], d_comb
+// [tokens, H, H] and d_collapsed [tokens, D], accumulates into dstreams [tokens, H, D] and into the
+// parameter gradients dfn, dbase, dscale.
+template <class T>
+void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale,
+                              const T* d_pre, const T* d_post, const T* d_comb, const T* d_collapsed, T* dstreams,
+                              T* dfn, T* dbase, T* dscale);
+
+// Backward of hc_combine: accumulates into dstreams; writes dy [tokens, D], d_post, d_comb.
+template <class T>
+void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb, const T* dout,
+                         T* dstreams, T* dy, T* d_post, T* d_comb);
+
 }  // namespace spindle::cpu

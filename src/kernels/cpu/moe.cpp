@@ -69,9 +69,47 @@ void clamped_swiglu(const T* gate, const T* up, T* out, int64_t n, double limit)
   for (int64_t i = 0; i < n; ++i) out[i] = silu(std::min(gate[i], lim)) * std::clamp(up[i], -lim, lim);
 }
 
+template <class T>
+void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n, double limit) {
+  const T lim = T(limit);
+  for (int64_t i = 0; i < n; ++i) {
+    const T g = std::min(gate[i], lim), u = std::clamp(up[i], -lim, lim);
+    const T sg = sigmoid(g);
+    // torch.clamp passes the gradient where the input lies inside [min, max], bounds included.
+    dgate[i] = gate[i] <= lim ? dout[i] * u * sg * (T(1) + g * (T(1) - sg)) : T(0);
+    dup[i] = (up[i] >= -lim && up[i] <= lim) ? dout[i] * g * sg : T(0);
+  }
+}
+
+template <class T>
+void route_weights_backward(const RouterShape& s, const T* logits, const int32_t* expert, const T* dweight,
+                            T* dlogits) {
+  const int64_t E = s.experts, K = s.topk;
+  for (int64_t i = 0; i < s.tokens * E; ++i) dlogits[i] = 0;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    T sum = 0, dot = 0;
+    for (int64_t i = 0; i < K; ++i) {
+      const T sc = sigmoid(logits[t * E + expert[t * K + i]]);
+      sum += sc;
+      dot += dweight[t * K + i] * sc;
+    }
+    const T z = s.normalize ? sum + T(1e-20) : T(1);
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t e = expert[t * K + i];
+      const T sc = sigmoid(logits[t * E + e]);
+      // weight_i = scaling * s_i / z: ds_i = scaling * (dw_i / z - sum_j dw_j s_j / z^2) when normalised.
+      T ds = T(s.scaling) * dweight[t * K + i] / z;
+      if (s.normalize) ds -= T(s.scaling) * dot / (z * z);
+      dlogits[t * E + e] += ds * sc * (T(1) - sc);
+    }
+  }
+}
+
 #define SPINDLE_INSTANTIATE(T)                                                         \
   template void route_tokens<T>(const RouterShape&, const T*, const T*, int32_t*, T*); \
-  template void clamped_swiglu<T>(const T*, const T*, T*, int64_t, double);
+  template void clamped_swiglu<T>(const T*, const T*, T*, int64_t, double);                                 \
+  template void clamped_swiglu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, double);           \
+  template void route_weights_backward<T>(const RouterShape&, const T*, const int32_t*, const T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

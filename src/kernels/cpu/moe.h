@@ -26,4 +26,14 @@ void route_tokens(const RouterShape& s, const T* logits, const T* bias, int32_t*
 template <class T>
 void clamped_swiglu(const T* gate, const T* up, T* out, int64_t n, double limit);
 
+// Backward of clamped_swiglu: dgate and dup written (zero where a clamp held the input).
+template <class T>
+void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n, double limit);
+
+// Backward of the routing weights with respect to the router logits, for the chosen experts
+// (the choice itself is discrete): dlogits [tokens, experts] written.
+template <class T>
+void route_weights_backward(const RouterShape& s, const T* logits, const int32_t* expert, const T* dweight,
+                            T* dlogits);
+
 }  // namespace spindle::cpu

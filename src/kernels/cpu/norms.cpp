@@ -1,5 +1,7 @@
 #include "kernels/cpu/norms.h"
 
+#include <vector>
+
 #include "core/parallel.h"
 
 namespace spindle::cpu {
@@ -54,11 +56,64 @@ void l2_normalize(T* x, int64_t rows, int64_t D, double eps) {
   }
 }
 
+template <class T>
+void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D, double eps) {
+  // dx = r (w dy) - x r^3 sum(w dy x) / D with r = 1 / sqrt(mean(x^2) + eps).
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * D;
+    const T* dyr = dy + r * D;
+    T sum = 0;
+    for (int64_t i = 0; i < D; ++i) sum += xr[i] * xr[i];
+    const T inv = T(1) / std::sqrt(sum / T(D) + T(eps));
+    T dot = 0;
+    for (int64_t i = 0; i < D; ++i) dot += (weight ? weight[i] : T(1)) * dyr[i] * xr[i];
+    for (int64_t i = 0; i < D; ++i) {
+      const T wi = weight ? weight[i] : T(1);
+      dx[r * D + i] = inv * wi * dyr[i] - xr[i] * inv * inv * inv * dot / T(D);
+      if (dw != nullptr) dw[i] += dyr[i] * xr[i] * inv;
+    }
+  }
+}
+
+template <class T>
+void gated_rms_norm_backward(const T* x, const T* weight, const T* gate, const T* dy, T* dx, T* dgate, T* dw,
+                             int64_t rows, int64_t D, double eps) {
+  std::vector<T> normed(static_cast<size_t>(D)), dnormed(static_cast<size_t>(D));
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_norm(x + r * D, weight, normed.data(), 1, D, eps);
+    for (int64_t i = 0; i < D; ++i) {
+      const T s = sigmoid(gate[r * D + i]);
+      dnormed[static_cast<size_t>(i)] = dy[r * D + i] * s;
+      dgate[r * D + i] = dy[r * D + i] * normed[static_cast<size_t>(i)] * s * (T(1) - s);
+    }
+    rms_norm_backward(x + r * D, weight, dnormed.data(), dx + r * D, dw, 1, D, eps);
+  }
+}
+
+template <class T>
+void l2_normalize_backward(const T* x, const T* dy, T* dx, int64_t rows, int64_t D, double eps) {
+  // y = x / n with n = sqrt(sum x^2 + eps): dx = (dy - y (y . dy)) / n.
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * D;
+    const T* dyr = dy + r * D;
+    T sum = 0;
+    for (int64_t i = 0; i < D; ++i) sum += xr[i] * xr[i];
+    const T n = std::sqrt(sum + T(eps));
+    T dot = 0;
+    for (int64_t i = 0; i < D; ++i) dot += xr[i] / n * dyr[i];
+    for (int64_t i = 0; i < D; ++i) dx[r * D + i] = (dyr[i] - xr[i] / n * dot) / n;
+  }
+}
+
 #define SPINDLE_INSTANTIATE(T)                                                                 \
   template void rms_norm<T>(const T*, const T*, T*, int64_t, int64_t, double);                 \
   template void layer_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);     \
   template void gated_rms_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double); \
-  template void l2_normalize<T>(T*, int64_t, int64_t, double);
+  template void l2_normalize<T>(T*, int64_t, int64_t, double);                                   \
+  template void rms_norm_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double); \
+  template void gated_rms_norm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, \
+                                           double);                                               \
+  template void l2_normalize_backward<T>(const T*, const T*, T*, int64_t, int64_t, double);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

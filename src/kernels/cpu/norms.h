@@ -22,6 +22,19 @@ void gated_rms_norm(const T* x, const T* weight, const T* gate, T* y, int64_t ro
 template <class T>
 void l2_normalize(T* x, int64_t rows, int64_t D, double eps);
 
+// Backward of rms_norm: dx (written) and, when weight is given, dw (accumulated).
+template <class T>
+void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D, double eps);
+
+// Backward of gated_rms_norm: dx and dgate (written), dw (accumulated).
+template <class T>
+void gated_rms_norm_backward(const T* x, const T* weight, const T* gate, const T* dy, T* dx, T* dgate, T* dw,
+                             int64_t rows, int64_t D, double eps);
+
+// Backward of l2_normalize given the input x (before normalising): dx written.
+template <class T>
+void l2_normalize_backward(const T* x, const T* dy, T* dx, int64_t rows, int64_t D, double eps);
+
 template <class T>
 inline T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));

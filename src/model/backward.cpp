@@ -1,0 +1,137 @@
+#include "model/backward.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/loss.h"
+#include "model/modules.h"
+#include "model/residual.h"
+
+namespace spindle {
+
+ModelWeights zero_gradients(const ModelConfig& config, DType dtype) {
+  ModelWeights grads = allocate_weights(config, dtype);
+  for (Param& p : parameter_table(config, grads)) p.tensor.fill_zero();
+  if (!config.tie_word_embeddings) grads.lm_head.fill_zero();
+  return grads;
+}
+
+template <class T>
+double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
+                          ModelWeights& g, const LossOptions& options) {
+  check(w.dtype == dtype_of<T>() && g.dtype == dtype_of<T>(), "loss_and_gradients in ", dtype_name(dtype_of<T>()),
+        " over weights in ", dtype_name(w.dtype), " and gradients in ", dtype_name(g.dtype));
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  check(L >= 2, "a training sequence needs at least 2 tokens, got ", L);
+  for (int64_t i = 0; i < L; ++i) {
+    const int32_t id = tokens[static_cast<size_t>(i)];
+    check(id >= 0 && id < V, "token id ", id, " at position ", i, " is outside the vocabulary [0, ", V, ")");
+  }
+
+  // Forward, keeping the input of every residual site and every DSA layer's selection.
+  std::vector<T> streams(static_cast<size_t>(L * H * D));
+  const T* embed = w.embed_tokens.data<T>();
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      std::copy(embed + tokens[static_cast<size_t>(t)] * D, embed + (tokens[static_cast<size_t>(t)] + 1) * D,
+                streams.begin() + (t * H + h) * D);
+  const size_t layers = w.layers.size();
+  std::vector<std::vector<T>> site_inputs(2 * layers);
+  std::vector<std::vector<int32_t>> selections(layers);
+  std::vector<int32_t> selection;
+  for (size_t i = 0; i < layers; ++i) {
+    const LayerWeights& layer = w.layers[i];
+    site_inputs[2 * i] = streams;
+    residual_site_forward<T>(c, layer.attn_hc, layer.input_layernorm, L, streams, [&](const T* x, T* y) {
+      if (layer.attention == AttentionKind::Kda) {
+        kda_forward(c, layer.kda, x, L, y);
+      } else {
+        dsa_forward(c, layer.dsa, x, L, selection, y);
+        selections[i] = selection;
+      }
+    });
+    site_inputs[2 * i + 1] = streams;
+    residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
+      if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+      else moe_forward(c, layer.moe, x, L, y);
+    });
+  }
+
+  // Exit and head: mean over streams, final norm, lm_head + softmax cross-entropy by blocks.
+  std::vector<T> mean(static_cast<size_t>(L * D), T(0)), hidden(static_cast<size_t>(L * D));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)] / T(H);
+  cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), L, D, c.rms_norm_eps);
+  const int64_t targets = L - 1;
+  const T scale = T(options.scale) / T(targets);
+  std::vector<T> dhidden(static_cast<size_t>(L * D), T(0));
+  const int64_t block = std::max<int64_t>(1, options.head_block);
+  std::vector<T> logits(static_cast<size_t>(std::min(block, targets) * V));
+  double log_prob_sum = 0;
+  for (int64_t start = 0; start < targets; start += block) {
+    const int64_t rows = std::min(block, targets - start);
+    cpu::linear(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(), rows, D, V);
+    log_prob_sum += cpu::target_log_probs_backward(logits.data(), tokens.data() + start + 1, rows, V, scale);
+    cpu::linear_backward(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(), dhidden.data() + start * D,
+                         g.lm_head.data<T>(), rows, D, V);
+  }
+  std::vector<T> dmean(static_cast<size_t>(L * D));
+  cpu::rms_norm_backward(mean.data(), w.norm.data<T>(), dhidden.data(), dmean.data(), g.norm.data<T>(), L, D,
+                         c.rms_norm_eps);
+  std::vector<T> dstreams(static_cast<size_t>(L * H * D));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        dstreams[static_cast<size_t>((t * H + h) * D + d)] = dmean[static_cast<size_t>(t * D + d)] / T(H);
+
+  // Layers in reverse: the feed-forward site, then the attention site.
+  for (size_t i = layers; i-- > 0;) {
+    const LayerWeights& layer = w.layers[i];
+    LayerWeights& grad = g.layers[i];
+    residual_site_backward<T>(
+        c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1], dstreams, grad.ffn_hc,
+        grad.post_attention_layernorm,
+        [&](const T* x, T* y) {
+          if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+          else moe_forward(c, layer.moe, x, L, y);
+        },
+        [&](const T* x, const T* dy, T* dx) {
+          if (layer.mlp == MlpKind::Dense) mlp_backward(layer.dense, c.swiglu_limit, x, L, dy, dx, grad.dense);
+          else moe_backward(c, layer.moe, x, L, dy, dx, grad.moe);
+        });
+    site_inputs[2 * i + 1].clear();
+    site_inputs[2 * i + 1].shrink_to_fit();
+    residual_site_backward<T>(
+        c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i], dstreams, grad.attn_hc, grad.input_layernorm,
+        [&](const T* x, T* y) {
+          if (layer.attention == AttentionKind::Kda) kda_forward(c, layer.kda, x, L, y);
+          else dsa_forward(c, layer.dsa, x, L, selections[i], y);
+        },
+        [&](const T* x, const T* dy, T* dx) {
+          if (layer.attention == AttentionKind::Kda) kda_backward(c, layer.kda, x, L, dy, dx, grad.kda);
+          else dsa_backward(c, layer.dsa, x, L, selections[i], dy, dx, grad.dsa);
+        });
+    site_inputs[2 * i].clear();
+    site_inputs[2 * i].shrink_to_fit();
+  }
+
+  // Embedding: every stream started as the token's row.
+  T* dembed = g.embed_tokens.data<T>();
+  for (int64_t t = 0; t < L; ++t) {
+    const int32_t id = tokens[static_cast<size_t>(t)];
+    if (c.pad_token_id && id == *c.pad_token_id) continue;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
+  }
+  return -log_prob_sum / static_cast<double>(targets);
+}
+
+template double loss_and_gradients<float>(const ModelConfig&, const ModelWeights&, const std::vector<int32_t>&,
+                                          ModelWeights&, const LossOptions&);
+template double loss_and_gradients<double>(const ModelConfig&, const ModelWeights&, const std::vector<int32_t>&,
+                                           ModelWeights&, const LossOptions&);
+
+}  // namespace spindle
