@@ -1,6 +1,8 @@
 #include "model/backward.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/loss.h"
@@ -16,11 +18,70 @@ ModelWeights zero_gradients(const ModelConfig& config, DType dtype) {
   return grads;
 }
 
+namespace {
+
+// transformers' load_balancing_loss_func over all MoE layers at once: with p = softmax(logits),
+// f_e the share of top-k picks (of p, not of the biased grouped routing) and P_e the mean p_e,
+// aux = E * sum_e f_e P_e. Writes d(coef * aux)/dlogits per layer; returns aux.
 template <class T>
-double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
-                          ModelWeights& g, const LossOptions& options) {
-  check(w.dtype == dtype_of<T>() && g.dtype == dtype_of<T>(), "loss_and_gradients in ", dtype_name(dtype_of<T>()),
-        " over weights in ", dtype_name(w.dtype), " and gradients in ", dtype_name(g.dtype));
+double balance_loss(const ModelConfig& c, const std::vector<std::vector<T>>& logits, double coef,
+                    std::vector<std::vector<T>>& dlogits) {
+  const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
+  std::vector<double> counts(static_cast<size_t>(E), 0.0), prob_sum(static_cast<size_t>(E), 0.0);
+  double rows = 0;
+  std::vector<double> p(static_cast<size_t>(E));
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  auto softmax_row = [&](const T* l) {
+    double mx = -INFINITY, z = 0;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(l[e]));
+    for (int64_t e = 0; e < E; ++e)
+      z += (p[static_cast<size_t>(e)] = std::exp(static_cast<double>(l[e]) - mx));
+    for (double& v : p) v /= z;
+  };
+  for (const auto& layer : logits) {
+    if (layer.empty()) continue;
+    const auto L = static_cast<int64_t>(layer.size()) / E;
+    for (int64_t t = 0; t < L; ++t) {
+      softmax_row(layer.data() + t * E);
+      for (int64_t e = 0; e < E; ++e) prob_sum[static_cast<size_t>(e)] += p[static_cast<size_t>(e)];
+      std::iota(order.begin(), order.end(), int64_t{0});
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)];
+      });
+      for (int64_t i = 0; i < k; ++i) counts[static_cast<size_t>(order[static_cast<size_t>(i)])] += 1;
+    }
+    rows += static_cast<double>(L);
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < E; ++e)
+    aux += counts[static_cast<size_t>(e)] / rows * prob_sum[static_cast<size_t>(e)] / rows;
+  aux *= static_cast<double>(E);
+  dlogits.assign(logits.size(), {});
+  for (size_t l = 0; l < logits.size(); ++l) {
+    if (logits[l].empty()) continue;
+    const auto L = static_cast<int64_t>(logits[l].size()) / E;
+    dlogits[l].assign(logits[l].size(), T(0));
+    for (int64_t t = 0; t < L; ++t) {
+      softmax_row(logits[l].data() + t * E);
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += p[static_cast<size_t>(e)] * counts[static_cast<size_t>(e)];
+      const double factor = coef * static_cast<double>(E) / (rows * rows);
+      for (int64_t e = 0; e < E; ++e)
+        dlogits[l][static_cast<size_t>(t * E + e)] =
+            static_cast<T>(factor * p[static_cast<size_t>(e)] * (counts[static_cast<size_t>(e)] - dot));
+    }
+  }
+  return aux;
+}
+
+}  // namespace
+
+template <class T>
+LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
+                              ModelWeights& g, const LossOptions& options) {
+  check(w.dtype == dtype_of<T>() && g.dtype == dtype_of<T>(), "loss_and_gradients in ",
+        dtype_name(dtype_of<T>()), " over weights in ", dtype_name(w.dtype), " and gradients in ",
+        dtype_name(g.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
   check(L >= 2, "a training sequence needs at least 2 tokens, got ", L);
@@ -40,6 +101,9 @@ double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std
   std::vector<std::vector<T>> site_inputs(2 * layers);
   std::vector<std::vector<int32_t>> selections(layers);
   std::vector<int32_t> selection;
+  LossResult result;
+  result.expert_load.resize(layers);
+  std::vector<std::vector<T>> router_logits(layers);
   for (size_t i = 0; i < layers; ++i) {
     const LayerWeights& layer = w.layers[i];
     site_inputs[2 * i] = streams;
@@ -52,11 +116,19 @@ double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std
       }
     });
     site_inputs[2 * i + 1] = streams;
-    residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
-      if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
-      else moe_forward(c, layer.moe, x, L, y);
-    });
+    residual_site_forward<T>(
+        c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
+          if (layer.mlp == MlpKind::Dense)
+            mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+          else
+            moe_forward(c, layer.moe, x, L, y, &result.expert_load[i], &router_logits[i]);
+        });
   }
+  std::vector<std::vector<T>> aux_dlogits(layers);
+  if (options.aux_loss_coef > 0)
+    result.aux_loss = balance_loss(c, router_logits, options.aux_loss_coef * options.scale, aux_dlogits);
+  router_logits.clear();
+  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale};
 
   // Exit and head: mean over streams, final norm, lm_head + softmax cross-entropy by blocks.
   std::vector<T> mean(static_cast<size_t>(L * D), T(0)), hidden(static_cast<size_t>(L * D));
@@ -75,8 +147,8 @@ double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std
     const int64_t rows = std::min(block, targets - start);
     cpu::linear(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(), rows, D, V);
     log_prob_sum += cpu::target_log_probs_backward(logits.data(), tokens.data() + start + 1, rows, V, scale);
-    cpu::linear_backward(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(), dhidden.data() + start * D,
-                         g.lm_head.data<T>(), rows, D, V);
+    cpu::linear_backward(hidden.data() + start * D, w.lm_head.data<T>(), logits.data(),
+                         dhidden.data() + start * D, g.lm_head.data<T>(), rows, D, V);
   }
   std::vector<T> dmean(static_cast<size_t>(L * D));
   cpu::rms_norm_backward(mean.data(), w.norm.data<T>(), dhidden.data(), dmean.data(), g.norm.data<T>(), L, D,
@@ -95,24 +167,34 @@ double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std
         c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1], dstreams, grad.ffn_hc,
         grad.post_attention_layernorm,
         [&](const T* x, T* y) {
-          if (layer.mlp == MlpKind::Dense) mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
-          else moe_forward(c, layer.moe, x, L, y);
+          if (layer.mlp == MlpKind::Dense)
+            mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+          else
+            moe_forward(c, layer.moe, x, L, y);
         },
         [&](const T* x, const T* dy, T* dx) {
-          if (layer.mlp == MlpKind::Dense) mlp_backward(layer.dense, c.swiglu_limit, x, L, dy, dx, grad.dense);
-          else moe_backward(c, layer.moe, x, L, dy, dx, grad.moe);
+          if (layer.mlp == MlpKind::Dense)
+            mlp_backward(layer.dense, c.swiglu_limit, x, L, dy, dx, grad.dense);
+          else
+            moe_backward(c, layer.moe, x, L, dy, dx, grad.moe,
+                         aux_dlogits[i].empty() ? nullptr : aux_dlogits[i].data());
         });
     site_inputs[2 * i + 1].clear();
     site_inputs[2 * i + 1].shrink_to_fit();
     residual_site_backward<T>(
-        c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i], dstreams, grad.attn_hc, grad.input_layernorm,
+        c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i], dstreams, grad.attn_hc,
+        grad.input_layernorm,
         [&](const T* x, T* y) {
-          if (layer.attention == AttentionKind::Kda) kda_forward(c, layer.kda, x, L, y);
-          else dsa_forward(c, layer.dsa, x, L, selections[i], y);
+          if (layer.attention == AttentionKind::Kda)
+            kda_forward(c, layer.kda, x, L, y);
+          else
+            dsa_forward(c, layer.dsa, x, L, selections[i], y);
         },
         [&](const T* x, const T* dy, T* dx) {
-          if (layer.attention == AttentionKind::Kda) kda_backward(c, layer.kda, x, L, dy, dx, grad.kda);
-          else dsa_backward(c, layer.dsa, x, L, selections[i], dy, dx, grad.dsa);
+          if (layer.attention == AttentionKind::Kda)
+            kda_backward(c, layer.kda, x, L, dy, dx, grad.kda);
+          else
+            dsa_backward(c, layer.dsa, x, L, selections[i], dy, dx, grad.dsa, &indexer_loss);
         });
     site_inputs[2 * i].clear();
     site_inputs[2 * i].shrink_to_fit();
@@ -124,14 +206,19 @@ double loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std
     const int32_t id = tokens[static_cast<size_t>(t)];
     if (c.pad_token_id && id == *c.pad_token_id) continue;
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d) dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
+      for (int64_t d = 0; d < D; ++d)
+        dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
   }
-  return -log_prob_sum / static_cast<double>(targets);
+  result.loss = -log_prob_sum / static_cast<double>(targets);
+  if (indexer_loss.layers > 0)
+    result.indexer_kl = indexer_loss.kl_sum / static_cast<double>(indexer_loss.layers);
+  return result;
 }
 
-template double loss_and_gradients<float>(const ModelConfig&, const ModelWeights&, const std::vector<int32_t>&,
-                                          ModelWeights&, const LossOptions&);
-template double loss_and_gradients<double>(const ModelConfig&, const ModelWeights&, const std::vector<int32_t>&,
-                                           ModelWeights&, const LossOptions&);
+template LossResult loss_and_gradients<float>(const ModelConfig&, const ModelWeights&,
+                                              const std::vector<int32_t>&, ModelWeights&, const LossOptions&);
+template LossResult loss_and_gradients<double>(const ModelConfig&, const ModelWeights&,
+                                               const std::vector<int32_t>&, ModelWeights&,
+                                               const LossOptions&);
 
 }  // namespace spindle

@@ -12,18 +12,29 @@
 namespace spindle {
 
 struct LossOptions {
-  int64_t head_block = 1024;  // tokens per lm_head + softmax block
-  double scale = 1.0;         // gradients of scale * loss are accumulated (micro-batch averaging)
+  int64_t head_block = 1024;     // tokens per lm_head + softmax block
+  double scale = 1.0;            // gradients of scale * loss are accumulated (micro-batch averaging)
+  double indexer_kl_coef = 0.0;  // > 0: train each indexer on KL(attention || indexer)
+  double aux_loss_coef = 0.0;    // > 0: add transformers' router load-balancing loss
 };
 
-// Returns the mean over positions 1..n-1 of -log p(token_i | tokens before i) and accumulates the
-// gradient of scale * that loss into `grads` (allocated like the weights, same dtype T). The
-// indexer is not differentiated (its choice is discrete; its own loss is separate), nor is the
-// router's correction bias (a buffer). The padding token's embedding row gets no gradient, as in
-// torch's nn.Embedding(padding_idx).
+struct LossResult {
+  double loss = 0.0;        // mean next-token loss (nats)
+  double indexer_kl = 0.0;  // mean over indexer layers of the mean KL over queries (when trained)
+  double aux_loss = 0.0;    // the balance loss before its coefficient (when enabled)
+  std::vector<std::vector<int64_t>> expert_load;  // per layer: tokens routed to each expert (MoE layers)
+};
+
+// The mean over positions 1..n-1 of -log p(token_i | tokens before i); accumulates into `grads`
+// (allocated like the weights, same dtype T) the gradient of scale * (loss + aux_loss_coef * aux)
+// for the model and of scale * indexer_kl_coef * KL for the indexers. The indexer gets no
+// gradient from the language-model loss (its choice is discrete), the model none from the KL;
+// the router's correction bias is a buffer (no gradient). The padding token's embedding row gets
+// no gradient, as in torch's nn.Embedding(padding_idx).
 template <class T>
-double loss_and_gradients(const ModelConfig& config, const ModelWeights& weights, const std::vector<int32_t>& tokens,
-                          ModelWeights& grads, const LossOptions& options = {});
+LossResult loss_and_gradients(const ModelConfig& config, const ModelWeights& weights,
+                              const std::vector<int32_t>& tokens, ModelWeights& grads,
+                              const LossOptions& options = {});
 
 // Allocates gradient buffers shaped like the weights, zero-filled.
 ModelWeights zero_gradients(const ModelConfig& config, DType dtype);

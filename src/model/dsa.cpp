@@ -32,6 +32,48 @@ void run_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, cons
   indexer_select(shape, q.data(), pool_keys.data(), head_weights.data(), selection.data());
 }
 
+// The indexer learns from KL(attention || indexer) on its own selection; its inputs are
+// detached, so nothing flows back into the model from here.
+template <class T>
+void train_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, const T* q_resid, int64_t L,
+                   const std::vector<int32_t>& selection, const T* mass, IndexerLoss& loss,
+                   IndexerWeights& grad) {
+  using namespace cpu;
+  const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
+  const IndexerShape shape{L, Hi, d, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
+  auto buffer = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n), T(0)); };
+  std::vector<T> q = buffer(L * Hi * d), raw = buffer(L * d), keys = buffer(L * d), gate = buffer(L * d);
+  linear(q_resid, w.wq_b.data<T>(), q.data(), L, c.q_lora_rank, Hi * d);
+  linear(x, w.wk.data<T>(), raw.data(), L, D, d);
+  layer_norm(raw.data(), w.k_norm_weight.data<T>(), w.k_norm_bias.data<T>(), keys.data(), L, d, 1e-6);
+  linear(x, w.compress_gate.data<T>(), gate.data(), L, D, d);
+  std::vector<T> pool_keys = buffer(shape.complete_pools() * d), head_weights = buffer(L * Hi);
+  indexer_pool_keys(shape, keys.data(), gate.data(), w.compress_ape.data<T>(), pool_keys.data());
+  linear(x, w.weights_proj.data<T>(), head_weights.data(), L, D, Hi);
+  const T head_scale = T(1) / std::sqrt(T(Hi));
+  for (T& hw : head_weights) hw *= head_scale;
+
+  std::vector<T> dq = buffer(L * Hi * d), dpool = buffer(shape.complete_pools() * d), dhw = buffer(L * Hi);
+  const double kl =
+      indexer_kl_backward(shape, q.data(), pool_keys.data(), head_weights.data(), selection.data(), mass,
+                          loss.coef / static_cast<double>(L), dq.data(), dpool.data(), dhw.data());
+  loss.kl_sum += kl / static_cast<double>(L);
+  loss.layers += 1;
+
+  for (T& g : dhw) g *= head_scale;
+  linear_backward<T>(x, w.weights_proj.data<T>(), dhw.data(), nullptr, grad.weights_proj.data<T>(), L, D, Hi);
+  linear_backward<T>(q_resid, w.wq_b.data<T>(), dq.data(), nullptr, grad.wq_b.data<T>(), L, c.q_lora_rank,
+                     Hi * d);
+  std::vector<T> dkeys = buffer(L * d), dgate = buffer(L * d), draw = buffer(L * d);
+  indexer_pool_keys_backward(shape, keys.data(), gate.data(), w.compress_ape.data<T>(), dpool.data(),
+                             dkeys.data(), dgate.data(), grad.compress_ape.data<T>());
+  linear_backward<T>(x, w.compress_gate.data<T>(), dgate.data(), nullptr, grad.compress_gate.data<T>(), L, D,
+                     d);
+  layer_norm_backward(raw.data(), w.k_norm_weight.data<T>(), dkeys.data(), draw.data(),
+                      grad.k_norm_weight.data<T>(), grad.k_norm_bias.data<T>(), L, d, 1e-6);
+  linear_backward<T>(x, w.wk.data<T>(), draw.data(), nullptr, grad.wk.data<T>(), L, D, d);
+}
+
 }  // namespace
 
 template <class T>
@@ -65,7 +107,8 @@ void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t 
 
 template <class T>
 void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
-                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad) {
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
@@ -85,20 +128,28 @@ void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t
   std::vector<T> attended = buffer(L * H * dv);
   sparse_attention<T>(shape, q.data(), kv.data(), selection.data(), attended.data());
 
+  if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
+    std::vector<T> mass = buffer(L * width);
+    attention_mass<T>(shape, q.data(), kv.data(), selection.data(), mass.data());
+    train_indexer(c, w.indexer, x, q_resid.data(), L, selection, mass.data(), *indexer_loss, grad.indexer);
+  }
+
   std::vector<T> d_attended = buffer(L * H * dv), dq = buffer(L * H * dqk), dkv = buffer(L * H * (dqk + dv));
-  linear_backward(attended.data(), w.o_proj.data<T>(), dy, d_attended.data(), grad.o_proj.data<T>(), L, H * dv, D);
-  sparse_attention_backward<T>(shape, q.data(), kv.data(), selection.data(), d_attended.data(), dq.data(), dkv.data());
+  linear_backward(attended.data(), w.o_proj.data<T>(), dy, d_attended.data(), grad.o_proj.data<T>(), L,
+                  H * dv, D);
+  sparse_attention_backward<T>(shape, q.data(), kv.data(), selection.data(), d_attended.data(), dq.data(),
+                               dkv.data());
 
   std::vector<T> d_normed = buffer(L * kr), d_low = buffer(L * kr);
-  linear_backward(kv_normed.data(), w.kv_b_proj.data<T>(), dkv.data(), d_normed.data(), grad.kv_b_proj.data<T>(), L,
-                  kr, H * (dqk + dv));
+  linear_backward(kv_normed.data(), w.kv_b_proj.data<T>(), dkv.data(), d_normed.data(),
+                  grad.kv_b_proj.data<T>(), L, kr, H * (dqk + dv));
   rms_norm_backward(kv_low.data(), w.kv_a_layernorm.data<T>(), d_normed.data(), d_low.data(),
                     grad.kv_a_layernorm.data<T>(), L, kr, c.rms_norm_eps);
   linear_backward(x, w.kv_a_proj.data<T>(), d_low.data(), dx, grad.kv_a_proj.data<T>(), L, D, kr);
 
   std::vector<T> d_resid = buffer(L * qr), dq_low = buffer(L * qr);
-  linear_backward(q_resid.data(), w.q_b_proj.data<T>(), dq.data(), d_resid.data(), grad.q_b_proj.data<T>(), L, qr,
-                  H * dqk);
+  linear_backward(q_resid.data(), w.q_b_proj.data<T>(), dq.data(), d_resid.data(), grad.q_b_proj.data<T>(), L,
+                  qr, H * dqk);
   rms_norm_backward(q_low.data(), w.q_a_layernorm.data<T>(), d_resid.data(), dq_low.data(),
                     grad.q_a_layernorm.data<T>(), L, qr, c.rms_norm_eps);
   linear_backward(x, w.q_a_proj.data<T>(), dq_low.data(), dx, grad.q_a_proj.data<T>(), L, D, qr);
@@ -109,8 +160,10 @@ template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const fl
 template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
                                   std::vector<int32_t>&, double*);
 template void dsa_backward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
-                                  const std::vector<int32_t>&, const float*, float*, DsaWeights&);
+                                  const std::vector<int32_t>&, const float*, float*, DsaWeights&,
+                                  IndexerLoss*);
 template void dsa_backward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
-                                   const std::vector<int32_t>&, const double*, double*, DsaWeights&);
+                                   const std::vector<int32_t>&, const double*, double*, DsaWeights&,
+                                   IndexerLoss*);
 
 }  // namespace spindle

@@ -10,7 +10,6 @@
 
 namespace spindle {
 
-
 template <class T>
 std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
                                   const std::vector<int32_t>& tokens, const ForwardOptions& options) {
@@ -41,12 +40,13 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
       else
         dsa_forward(c, layer.dsa, x, L, selection, y);
     });
-    residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams, [&](const T* x, T* y) {
-      if (layer.mlp == MlpKind::Dense)
-        mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
-      else
-        moe_forward(c, layer.moe, x, L, y);
-    });
+    residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, L, streams,
+                             [&](const T* x, T* y) {
+                               if (layer.mlp == MlpKind::Dense)
+                                 mlp_forward(layer.dense, c.swiglu_limit, x, L, y);
+                               else
+                                 moe_forward(c, layer.moe, x, L, y);
+                             });
     if (options.on_layer) options.on_layer(static_cast<int64_t>(i));
   }
 

@@ -73,7 +73,8 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   auto buffer = [](size_t size) { return std::vector<T>(size, T(0)); };
 
   // Recompute the forward pass, keeping what the backward pass reads.
-  std::vector<T> qp = buffer(n), kp = buffer(n), vp = buffer(n), qc = buffer(n), kc = buffer(n), vc = buffer(n);
+  std::vector<T> qp = buffer(n), kp = buffer(n), vp = buffer(n), qc = buffer(n), kc = buffer(n),
+                 vc = buffer(n);
   linear(x, w.q_proj.data<T>(), qp.data(), L, D, qkv);
   linear(x, w.k_proj.data<T>(), kp.data(), L, D, qkv);
   linear(x, w.v_proj.data<T>(), vp.data(), L, D, qkv);
@@ -102,7 +103,8 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   const T scale = T(1) / std::sqrt(T(dh));
   for (T& value : qn) value *= scale;
   std::vector<T> core = buffer(n), state = buffer(static_cast<size_t>(H * dh * dh));
-  kda_recurrence<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), core.data(), state.data());
+  kda_recurrence<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), core.data(),
+                    state.data());
   std::vector<T> gate_low = buffer(static_cast<size_t>(L * dh)), gate = buffer(n), z = buffer(n);
   linear(x, w.g_a_proj.data<T>(), gate_low.data(), L, D, dh);
   linear(gate_low.data(), w.g_b_proj.data<T>(), gate.data(), L, dh, qkv);
@@ -114,14 +116,15 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   gated_rms_norm_backward(core.data(), w.o_norm.data<T>(), gate.data(), dz.data(), dcore.data(), dgate.data(),
                           grad.o_norm.data<T>(), L * H, dh, c.rms_norm_eps);
   std::vector<T> d_low = buffer(static_cast<size_t>(L * dh));
-  linear_backward(gate_low.data(), w.g_b_proj.data<T>(), dgate.data(), d_low.data(), grad.g_b_proj.data<T>(), L, dh,
-                  qkv);
+  linear_backward(gate_low.data(), w.g_b_proj.data<T>(), dgate.data(), d_low.data(), grad.g_b_proj.data<T>(),
+                  L, dh, qkv);
   linear_backward(x, w.g_a_proj.data<T>(), d_low.data(), dx, grad.g_a_proj.data<T>(), L, D, dh);
 
   // The delta rule, walked in reverse.
-  std::vector<T> dqn = buffer(n), dkn = buffer(n), dvc = buffer(n), dg = buffer(n), dbeta = buffer(static_cast<size_t>(L * H));
-  kda_recurrence_backward<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), dcore.data(),
-                             dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data());
+  std::vector<T> dqn = buffer(n), dkn = buffer(n), dvc = buffer(n), dg = buffer(n),
+                 dbeta = buffer(static_cast<size_t>(L * H));
+  kda_recurrence_backward<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(),
+                             dcore.data(), dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data());
 
   // Gates: beta = sigmoid(b_proj x); g from the forget gate.
   for (size_t i = 0; i < dbeta.size(); ++i) dbeta[i] *= beta[i] * (T(1) - beta[i]);
@@ -148,7 +151,8 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
       dg[at] = dpre;  // reused as the gradient of f_b's output
     }
   std::fill(d_low.begin(), d_low.end(), T(0));
-  linear_backward(f_low.data(), w.f_b_proj.data<T>(), dg.data(), d_low.data(), grad.f_b_proj.data<T>(), L, dh, qkv);
+  linear_backward(f_low.data(), w.f_b_proj.data<T>(), dg.data(), d_low.data(), grad.f_b_proj.data<T>(), L, dh,
+                  qkv);
   linear_backward(x, w.f_a_proj.data<T>(), d_low.data(), dx, grad.f_a_proj.data<T>(), L, D, dh);
 
   // l2 norms (with the query scale), convs, projections.
@@ -175,9 +179,9 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
 
 template void kda_forward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, float*);
 template void kda_forward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, double*);
-template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*, float*,
-                                  KdaWeights&);
-template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, const double*,
-                                   double*, KdaWeights&);
+template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*,
+                                  float*, KdaWeights&);
+template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t,
+                                   const double*, double*, KdaWeights&);
 
 }  // namespace spindle

@@ -25,8 +25,10 @@ void mlp_backward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t 
   linear(x, w.gate_proj.data<T>(), gate.data(), L, D, I);
   linear(x, w.up_proj.data<T>(), up.data(), L, D, I);
   clamped_swiglu(gate.data(), up.data(), hidden.data(), L * I, swiglu_limit);
-  linear_backward(hidden.data(), w.down_proj.data<T>(), dy, dhidden.data(), grad.down_proj.data<T>(), L, I, D);
-  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), L * I, swiglu_limit);
+  linear_backward(hidden.data(), w.down_proj.data<T>(), dy, dhidden.data(), grad.down_proj.data<T>(), L, I,
+                  D);
+  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), L * I,
+                          swiglu_limit);
   linear_backward(x, w.gate_proj.data<T>(), dgate.data(), dx, grad.gate_proj.data<T>(), L, D, I);
   linear_backward(x, w.up_proj.data<T>(), dup.data(), dx, grad.up_proj.data<T>(), L, D, I);
 }

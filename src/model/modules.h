@@ -24,9 +24,18 @@ void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t 
 template <class T>
 void mlp_forward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, T* y);
 
-// Routed experts (sigmoid router, group-limited top-k) plus the shared expert.
+// Routed experts (sigmoid router, group-limited top-k) plus the shared expert. When `load` is
+// given, it receives the number of tokens routed to each expert; `router_logits`, the logits.
 template <class T>
-void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, T* y);
+void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, T* y,
+                 std::vector<int64_t>* load = nullptr, std::vector<T>* router_logits = nullptr);
+
+// The indexer's own training loss (KL to the main attention), accumulated over DSA layers.
+struct IndexerLoss {
+  double coef = 0.0;    // the loss weight; gradients of coef * mean KL go to the indexer only
+  double kl_sum = 0.0;  // sum over layers of the mean KL over queries
+  int64_t layers = 0;   // layers that contributed
+};
 
 // Backward passes. Each recomputes its sublayer's forward from the input x, then accumulates the
 // input gradient into dx and the parameter gradients into `grad` (same layout as the weights).
@@ -34,17 +43,21 @@ template <class T>
 void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
                   KdaWeights& grad);
 
-// `selection` is the one the forward pass used (the layer's own, or the shared one).
+// `selection` is the one the forward pass used (the layer's own, or the shared one). With
+// `indexer_loss`, a layer with its own indexer also trains it (inputs detached).
 template <class T>
 void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
-                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad);
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss = nullptr);
 
 template <class T>
 void mlp_backward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, const T* dy, T* dx,
                   MlpWeights& grad);
 
+// `extra_dlogits` ([tokens, experts], may be null) is a further gradient on the router logits
+// (the auxiliary balance loss).
 template <class T>
 void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
-                  MoeWeights& grad);
+                  MoeWeights& grad, const T* extra_dlogits = nullptr);
 
 }  // namespace spindle

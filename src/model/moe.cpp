@@ -8,7 +8,8 @@
 namespace spindle {
 
 template <class T>
-void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, T* y) {
+void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, T* y,
+                 std::vector<int64_t>* load, std::vector<T>* router_logits) {
   using namespace cpu;
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok;
@@ -18,6 +19,12 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t 
   linear(x, w.router.data<T>(), logits.data(), L, D, E);
   route_tokens<T>({L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor},
                   logits.data(), w.correction_bias.data<T>(), expert.data(), weight.data());
+
+  if (load != nullptr) {
+    load->assign(static_cast<size_t>(E), 0);
+    for (int32_t e : expert) ++(*load)[static_cast<size_t>(e)];
+  }
+  if (router_logits != nullptr) *router_logits = logits;
 
   // The shared expert writes y; each routed expert adds its weighted output to its tokens.
   mlp_forward(w.shared, c.swiglu_limit, x, L, y);
@@ -53,9 +60,10 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t 
 
 template <class T>
 void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t L, const T* dy, T* dx,
-                  MoeWeights& grad) {
+                  MoeWeights& grad, const T* extra_dlogits) {
   using namespace cpu;
-  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size, k = c.num_experts_per_tok;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
+                k = c.num_experts_per_tok;
   const RouterShape shape{L, E, c.n_group, c.topk_group, k, c.norm_topk_prob, c.routed_scaling_factor};
   std::vector<T> logits(static_cast<size_t>(L * E)), weight(static_cast<size_t>(L * k));
   std::vector<T> dweight(static_cast<size_t>(L * k), T(0));
@@ -98,11 +106,14 @@ void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t
       dweight[static_cast<size_t>(slot)] = dot;
     }
     sized(dhidden, n * I), sized(dgate, n * I), sized(dup, n * I), sized(dgathered, n * D);
-    linear_backward(hidden.data(), wd, dout.data(), dhidden.data(), grad.experts_down.data<T>() + e * D * I, n, I, D);
-    clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), n * I, c.swiglu_limit);
-    linear_backward(gathered.data(), wg, dgate.data(), dgathered.data(), grad.experts_gate.data<T>() + e * I * D, n, D,
-                    I);
-    linear_backward(gathered.data(), wu, dup.data(), dgathered.data(), grad.experts_up.data<T>() + e * I * D, n, D, I);
+    linear_backward(hidden.data(), wd, dout.data(), dhidden.data(), grad.experts_down.data<T>() + e * D * I,
+                    n, I, D);
+    clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), n * I,
+                            c.swiglu_limit);
+    linear_backward(gathered.data(), wg, dgate.data(), dgathered.data(),
+                    grad.experts_gate.data<T>() + e * I * D, n, D, I);
+    linear_backward(gathered.data(), wu, dup.data(), dgathered.data(), grad.experts_up.data<T>() + e * I * D,
+                    n, D, I);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t token = list[static_cast<size_t>(r)] / k;
       for (int64_t d = 0; d < D; ++d) dx[token * D + d] += dgathered[static_cast<size_t>(r * D + d)];
@@ -110,14 +121,18 @@ void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t
   }
   std::vector<T> dlogits(static_cast<size_t>(L * E));
   route_weights_backward<T>(shape, logits.data(), expert.data(), dweight.data(), dlogits.data());
+  if (extra_dlogits != nullptr)
+    for (size_t i = 0; i < dlogits.size(); ++i) dlogits[i] += extra_dlogits[i];
   linear_backward(x, w.router.data<T>(), dlogits.data(), dx, grad.router.data<T>(), L, D, E);
 }
 
-template void moe_forward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, float*);
-template void moe_forward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, double*);
-template void moe_backward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, const float*, float*,
-                                  MoeWeights&);
-template void moe_backward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, const double*,
-                                   double*, MoeWeights&);
+template void moe_forward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, float*,
+                                 std::vector<int64_t>*, std::vector<float>*);
+template void moe_forward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t, double*,
+                                  std::vector<int64_t>*, std::vector<double>*);
+template void moe_backward<float>(const ModelConfig&, const MoeWeights&, const float*, int64_t, const float*,
+                                  float*, MoeWeights&, const float*);
+template void moe_backward<double>(const ModelConfig&, const MoeWeights&, const double*, int64_t,
+                                   const double*, double*, MoeWeights&, const double*);
 
 }  // namespace spindle

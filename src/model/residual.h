@@ -19,15 +19,15 @@ inline cpu::HcShape hc_shape(const ModelConfig& c, int64_t tokens) {
 
 // Runs one site in place on `streams` [tokens, H, D]. sublayer(normed, out) writes out [tokens, D].
 template <class T, class Sublayer>
-void residual_site_forward(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm, int64_t L,
-                           std::vector<T>& streams, Sublayer sublayer) {
+void residual_site_forward(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
+                           int64_t L, std::vector<T>& streams, Sublayer sublayer) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   std::vector<T> pre(static_cast<size_t>(L * H)), post(static_cast<size_t>(L * H));
   std::vector<T> comb(static_cast<size_t>(L * H * H)), collapsed(static_cast<size_t>(L * D));
   std::vector<T> normed(static_cast<size_t>(L * D));
-  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(), pre.data(),
-                       post.data(), comb.data(), collapsed.data());
+  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(),
+                       pre.data(), post.data(), comb.data(), collapsed.data());
   cpu::rms_norm(collapsed.data(), norm.data<T>(), normed.data(), L, D, c.rms_norm_eps);
   sublayer(normed.data(), collapsed.data());  // the sublayer output reuses `collapsed`
   std::vector<T> next(streams.size());
@@ -39,26 +39,29 @@ void residual_site_forward(const ModelConfig& c, const HyperConnectionWeights& h
 // output on entry and of its input on return. sublayer(normed, out) recomputes the sublayer;
 // sublayer_backward(normed, dy, dnormed) accumulates into dnormed and the sublayer's gradients.
 template <class T, class Sublayer, class SublayerBackward>
-void residual_site_backward(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm, int64_t L,
-                            const std::vector<T>& streams, std::vector<T>& dstreams, HyperConnectionWeights& ghc,
-                            Tensor& gnorm, Sublayer sublayer, SublayerBackward sublayer_backward) {
+void residual_site_backward(const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
+                            int64_t L, const std::vector<T>& streams, std::vector<T>& dstreams,
+                            HyperConnectionWeights& ghc, Tensor& gnorm, Sublayer sublayer,
+                            SublayerBackward sublayer_backward) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   auto buffer = [](int64_t n) { return std::vector<T>(static_cast<size_t>(n), T(0)); };
-  std::vector<T> pre = buffer(L * H), post = buffer(L * H), comb = buffer(L * H * H), collapsed = buffer(L * D);
+  std::vector<T> pre = buffer(L * H), post = buffer(L * H), comb = buffer(L * H * H),
+                 collapsed = buffer(L * D);
   std::vector<T> normed = buffer(L * D), y = buffer(L * D);
-  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(), pre.data(),
-                       post.data(), comb.data(), collapsed.data());
+  cpu::hc_coefficients(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(),
+                       pre.data(), post.data(), comb.data(), collapsed.data());
   cpu::rms_norm(collapsed.data(), norm.data<T>(), normed.data(), L, D, c.rms_norm_eps);
   sublayer(normed.data(), y.data());
 
-  std::vector<T> d_in = buffer(L * H * D), dy = buffer(L * D), d_post = buffer(L * H), d_comb = buffer(L * H * H);
-  cpu::hc_combine_backward(shape, streams.data(), y.data(), post.data(), comb.data(), dstreams.data(), d_in.data(),
-                           dy.data(), d_post.data(), d_comb.data());
+  std::vector<T> d_in = buffer(L * H * D), dy = buffer(L * D), d_post = buffer(L * H),
+                 d_comb = buffer(L * H * H);
+  cpu::hc_combine_backward(shape, streams.data(), y.data(), post.data(), comb.data(), dstreams.data(),
+                           d_in.data(), dy.data(), d_post.data(), d_comb.data());
   std::vector<T> d_normed = buffer(L * D), d_collapsed = buffer(L * D), d_pre = buffer(L * H);
   sublayer_backward(normed.data(), dy.data(), d_normed.data());
-  cpu::rms_norm_backward(collapsed.data(), norm.data<T>(), d_normed.data(), d_collapsed.data(), gnorm.data<T>(), L, D,
-                         c.rms_norm_eps);
+  cpu::rms_norm_backward(collapsed.data(), norm.data<T>(), d_normed.data(), d_collapsed.data(),
+                         gnorm.data<T>(), L, D, c.rms_norm_eps);
   cpu::hc_coefficients_backward(shape, streams.data(), hc.fn.data<T>(), hc.base.data<T>(), hc.scale.data<T>(),
                                 d_pre.data(), d_post.data(), d_comb.data(), d_collapsed.data(), d_in.data(),
                                 ghc.fn.data<T>(), ghc.base.data<T>(), ghc.scale.data<T>());

@@ -38,8 +38,8 @@ double dot(const Vec& a, const Vec& b) {
 
 // Compares `analytic` (d objective / d input) with central differences of `objective` over
 // every element of `input` (or a strided sample of large ones).
-void expect_gradient(const char* what, Vec& input, const Vec& analytic, const std::function<double()>& objective,
-                     double tolerance = 1e-6) {
+void expect_gradient(const char* what, Vec& input, const Vec& analytic,
+                     const std::function<double()>& objective, double tolerance = 1e-6) {
   ASSERT_EQ(input.size(), analytic.size()) << what;
   const size_t stride = input.size() > 400 ? input.size() / 200 : 1;
   for (size_t i = 0; i < input.size(); i += stride) {
@@ -50,7 +50,8 @@ void expect_gradient(const char* what, Vec& input, const Vec& analytic, const st
     const double down = objective();
     input[i] = saved;
     const double numeric = (up - down) / (2 * h);
-    EXPECT_NEAR(analytic[i], numeric, tolerance * std::max(1.0, std::abs(numeric))) << what << " element " << i;
+    EXPECT_NEAR(analytic[i], numeric, tolerance * std::max(1.0, std::abs(numeric)))
+        << what << " element " << i;
   }
 }
 
@@ -84,8 +85,8 @@ TEST(GradCheck, Norms) {
   }
   {
     Vec dx(R * D), dgate(R * D), dw(D, 0.0);
-    cpu::gated_rms_norm_backward(x.data(), w.data(), gate.data(), r.data(), dx.data(), dgate.data(), dw.data(), R, D,
-                                 1e-5);
+    cpu::gated_rms_norm_backward(x.data(), w.data(), gate.data(), r.data(), dx.data(), dgate.data(),
+                                 dw.data(), R, D, 1e-5);
     auto f = [&] {
       Vec y(R * D);
       cpu::gated_rms_norm(x.data(), w.data(), gate.data(), y.data(), R, D, 1e-5);
@@ -110,27 +111,28 @@ TEST(GradCheck, Norms) {
 TEST(GradCheck, HyperConnection) {
   const int64_t T = 3, H = 4, D = 5, mix = (2 + H) * H;
   const cpu::HcShape s{T, H, D, 1e-5, 1e-6, 6};
-  Vec streams = random_vec(T * H * D, 8), fn = random_vec(mix * H * D, 9, 0.3), base = random_vec(mix, 10, 0.5);
+  Vec streams = random_vec(T * H * D, 8), fn = random_vec(mix * H * D, 9, 0.3),
+      base = random_vec(mix, 10, 0.5);
   Vec scale = {0.8, 1.2, 0.9}, y = random_vec(T * D, 11);
   Vec r_out = random_vec(T * H * D, 12), r_collapsed = random_vec(T * D, 13);
   // Objective: r_out . combine(streams, y, post, comb) + r_collapsed . collapsed.
   auto f = [&] {
     Vec pre(T * H), post(T * H), comb(T * H * H), collapsed(T * D), out(T * H * D);
-    cpu::hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
-                         collapsed.data());
+    cpu::hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                         comb.data(), collapsed.data());
     cpu::hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data());
     return dot(out, r_out) + dot(collapsed, r_collapsed);
   };
   Vec pre(T * H), post(T * H), comb(T * H * H), collapsed(T * D);
-  cpu::hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
-                       collapsed.data());
+  cpu::hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                       comb.data(), collapsed.data());
   Vec dstreams(T * H * D, 0.0), dy(T * D), d_post(T * H), d_comb(T * H * H), d_pre(T * H, 0.0);
-  cpu::hc_combine_backward(s, streams.data(), y.data(), post.data(), comb.data(), r_out.data(), dstreams.data(),
-                           dy.data(), d_post.data(), d_comb.data());
+  cpu::hc_combine_backward(s, streams.data(), y.data(), post.data(), comb.data(), r_out.data(),
+                           dstreams.data(), dy.data(), d_post.data(), d_comb.data());
   Vec dfn(mix * H * D, 0.0), dbase(mix, 0.0), dscale(3, 0.0);
-  cpu::hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(), d_post.data(),
-                                d_comb.data(), r_collapsed.data(), dstreams.data(), dfn.data(), dbase.data(),
-                                dscale.data());
+  cpu::hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
+                                d_post.data(), d_comb.data(), r_collapsed.data(), dstreams.data(), dfn.data(),
+                                dbase.data(), dscale.data());
   expect_gradient("hc streams", streams, dstreams, f);
   expect_gradient("hc y", y, dy, f);
   expect_gradient("hc fn", fn, dfn, f);
@@ -152,13 +154,14 @@ TEST(GradCheck, ConvAndDeltaRule) {
   expect_gradient("conv dw", w, dw, conv);
 
   const int64_t T = 13, H = 2, dk = 3, dv = 4;
-  Vec q = random_vec(T * H * dk, 17, 0.5), k = random_vec(T * H * dk, 18, 0.5), v = random_vec(T * H * dv, 19);
+  Vec q = random_vec(T * H * dk, 17, 0.5), k = random_vec(T * H * dk, 18, 0.5),
+      v = random_vec(T * H * dv, 19);
   Vec g = random_vec(T * H * dk, 20, 0.3), beta = random_vec(T * H, 21), ro = random_vec(T * H * dv, 22);
   for (double& b : beta) b = 1 / (1 + std::exp(-b));
   auto rule = [&] {
     Vec out(T * H * dv), state(H * dk * dv, 0.0);
-    cpu::kda_recurrence<double>({T, H, dk, dv}, q.data(), k.data(), v.data(), g.data(), beta.data(), out.data(),
-                                state.data());
+    cpu::kda_recurrence<double>({T, H, dk, dv}, q.data(), k.data(), v.data(), g.data(), beta.data(),
+                                out.data(), state.data());
     return dot(out, ro);
   };
   for (int64_t checkpoint : {1, 4, 64}) {
@@ -182,7 +185,8 @@ TEST(GradCheck, SparseAttention) {
     for (int64_t i = 0; i <= std::min<int64_t>(t, width - 1); ++i) sel[t * width + i] = int32_t(t - i);
   const cpu::SparseAttentionShape s{L, H, dq, dv, width, 0.6};
   Vec dqv(q.size()), dkv(kv.size(), 0.0);
-  cpu::sparse_attention_backward<double>(s, q.data(), kv.data(), sel.data(), r.data(), dqv.data(), dkv.data());
+  cpu::sparse_attention_backward<double>(s, q.data(), kv.data(), sel.data(), r.data(), dqv.data(),
+                                         dkv.data());
   auto f = [&] {
     Vec out(L * H * dv);
     cpu::sparse_attention<double>(s, q.data(), kv.data(), sel.data(), out.data());
@@ -259,7 +263,7 @@ TEST(GradCheck, WholeModel) {
   std::vector<int32_t> tokens(37);
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
   ModelWeights g = zero_gradients(c, DType::F64);
-  const double loss = loss_and_gradients<double>(c, w, tokens, g);
+  const double loss = loss_and_gradients<double>(c, w, tokens, g).loss;
   const auto lp = sequence_log_probs<double>(c, w, tokens);
   double mean = 0;
   for (double v : lp) mean -= v / static_cast<double>(lp.size());
@@ -288,7 +292,61 @@ TEST(GradCheck, WholeModel) {
       v[k] = saved;
       // The indexer only chooses (no gradient): its finite difference is zero unless a choice flips.
       const double numeric = indexer ? 0.0 : (up - down) / (2 * h);
-      EXPECT_NEAR(d[k], numeric, 1e-6 * std::max(1.0, std::abs(numeric))) << params[i].name << "[" << k << "]";
+      EXPECT_NEAR(d[k], numeric, 1e-6 * std::max(1.0, std::abs(numeric)))
+          << params[i].name << "[" << k << "]";
+    }
+  }
+}
+
+// The indexer's KL loss reaches only the indexer; the balance loss reaches the router (and,
+// through the routing weights, nothing else): both against central differences.
+TEST(GradCheck, IndexerAndBalanceLosses) {
+  nlohmann::json j;
+  std::ifstream(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json") >> j;
+  j["index_topk"] = 16;  // 2 pools of 8 per query: a real choice and a real distribution
+  const ModelConfig c = parse_model_config(j, "gradcheck");
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 7);
+  Random rng(8);
+  for (Param& p : parameter_table(c, w)) {
+    double* v = p.tensor.data<double>();
+    for (int64_t i = 0; i < p.tensor.numel(); ++i) v[i] += 0.1 * rng.normal();
+  }
+  std::vector<int32_t> tokens(45);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
+  LossOptions options;
+  options.indexer_kl_coef = 1.0;
+  options.aux_loss_coef = 0.5;
+  ModelWeights g = zero_gradients(c, DType::F64);
+  const LossResult result = loss_and_gradients<double>(c, w, tokens, g, options);
+  EXPECT_GT(result.indexer_kl, 0.0);
+  EXPECT_GT(result.aux_loss, 0.0);
+  auto evaluate = [&] {
+    ModelWeights scratch = zero_gradients(c, DType::F64);
+    return loss_and_gradients<double>(c, w, tokens, scratch, options);
+  };
+  auto params = parameter_table(c, w);
+  auto grads = parameter_table(c, g);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i].name;
+    const bool indexer = name.find(".indexer.") != std::string::npos;
+    if (!indexer && name.find(".mlp.gate.weight") == std::string::npos &&
+        name.find("norm.weight") == std::string::npos)
+      continue;
+    double* v = params[i].tensor.data<double>();
+    const double* d = grads[i].tensor.data<double>();
+    const int64_t n = params[i].tensor.numel();
+    for (int64_t k = 0; k < n; k += std::max<int64_t>(1, n / 4)) {
+      const double saved = v[k], h = 1e-6;
+      v[k] = saved + h;
+      const LossResult up = evaluate();
+      v[k] = saved - h;
+      const LossResult down = evaluate();
+      v[k] = saved;
+      const double numeric = indexer
+                                 ? (up.indexer_kl - down.indexer_kl) / (2 * h)
+                                 : (up.loss + 0.5 * up.aux_loss - down.loss - 0.5 * down.aux_loss) / (2 * h);
+      EXPECT_NEAR(d[k], numeric, 1e-6 * std::max(1.0, std::abs(numeric))) << name << "[" << k << "]";
     }
   }
 }

@@ -16,7 +16,7 @@ template <class T>
 void write_gradients(const std::string& dir, const std::vector<int32_t>& tokens, const std::string& out) {
   Model model = load_model(dir, dtype_of<T>());
   ModelWeights grads = zero_gradients(model.config, dtype_of<T>());
-  const double loss = loss_and_gradients<T>(model.config, model.weights, tokens, grads);
+  const double loss = loss_and_gradients<T>(model.config, model.weights, tokens, grads).loss;
   NamedTensors named;
   for (Param& p : parameter_table(model.config, grads)) {
     if (p.role == ParamRole::RouterBias) continue;  // a buffer: no gradient
@@ -24,7 +24,8 @@ void write_gradients(const std::string& dir, const std::vector<int32_t>& tokens,
   }
   char text[40];
   std::snprintf(text, sizeof text, "%.17g", loss);
-  write_safetensors(out, named, {{"format", "pt"}, {"loss", text}, {"tokens", std::to_string(tokens.size())}});
+  write_safetensors(out, named,
+                    {{"format", "pt"}, {"loss", text}, {"tokens", std::to_string(tokens.size())}});
   std::cout << "loss " << text << "\n";
   log_info("wrote ", named.size(), " gradient tensors to ", out);
 }
@@ -37,9 +38,12 @@ int run_grads(const std::vector<std::string>& argv) {
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
   const std::string out = args.required("out");
   const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
-  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ", dtype_name(dtype));
-  if (dtype == DType::F64) write_gradients<double>(dir, tokens, out);
-  else write_gradients<float>(dir, tokens, out);
+  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
+        dtype_name(dtype));
+  if (dtype == DType::F64)
+    write_gradients<double>(dir, tokens, out);
+  else
+    write_gradients<float>(dir, tokens, out);
   return 0;
 }
 

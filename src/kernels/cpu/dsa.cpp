@@ -120,8 +120,8 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
 }
 
 template <class T>
-void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
-                               const T* dout, T* dq, T* dkv) {
+void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv,
+                               const int32_t* selected, const T* dout, T* dq, T* dkv) {
   const int64_t H = s.heads, dqk = s.qk_dim, dv = s.v_dim, stride = dqk + dv;
   // Heads write disjoint slices of dkv, so threads split the heads.
   parallel_for(H, 1, [&](int64_t h0, int64_t h1) {
@@ -172,12 +172,143 @@ void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const 
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                  \
-  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);    \
-  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*); \
-  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);        \
-  template void sparse_attention_backward<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*,     \
-                                             const T*, T*, T*);
+template <class T>
+void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
+                    T* mass) {
+  const int64_t H = s.heads, dq = s.qk_dim, stride = s.qk_dim + s.v_dim;
+  parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(static_cast<size_t>(s.width));
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t* idx = selected + t * s.width;
+      T* m = mass + t * s.width;
+      std::fill(m, m + s.width, T(0));
+      for (int64_t h = 0; h < H; ++h) {
+        const T* qh = q + (t * H + h) * dq;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t i = 0; i < s.width; ++i) {
+          if (idx[i] < 0) continue;
+          const T* k = kv + (idx[i] * H + h) * stride;
+          T dot = 0;
+          for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
+          p[static_cast<size_t>(i)] = dot * T(s.scale);
+          mx = std::max(mx, p[static_cast<size_t>(i)]);
+        }
+        T sum = 0;
+        for (int64_t i = 0; i < s.width; ++i)
+          if (idx[i] >= 0) sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
+        for (int64_t i = 0; i < s.width; ++i)
+          if (idx[i] >= 0) m[i] += p[static_cast<size_t>(i)] / sum;
+      }
+    }
+  });
+}
+
+template <class T>
+double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
+                           const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
+                           T* dhead_weights) {
+  const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
+  const T score_scale = T(1) / std::sqrt(T(d));
+  double total = 0;
+  std::vector<int64_t> pools;
+  std::vector<T> target, score;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    std::fill(dq + t * H * d, dq + (t + 1) * H * d, T(0));
+    std::fill(dhead_weights + t * H, dhead_weights + (t + 1) * H, T(0));
+    // The chosen complete pools: runs of kpool slots at the front of the selection.
+    pools.clear();
+    target.clear();
+    T target_sum = 0;
+    for (int64_t i = 0; i + kp <= s.topk; i += kp) {
+      const int32_t first = selected[t * width + i];
+      if (first < 0) continue;
+      T m = 0;
+      for (int64_t j = 0; j < kp; ++j) m += mass[t * width + i + j];
+      pools.push_back(first / kp);
+      target.push_back(m);
+      target_sum += m;
+    }
+    if (pools.size() < 2 || target_sum <= T(0)) continue;  // one pool: nothing to learn
+    score.assign(pools.size(), T(0));
+    T mx = -std::numeric_limits<T>::infinity();
+    for (size_t p = 0; p < pools.size(); ++p) {
+      for (int64_t h = 0; h < H; ++h) {
+        T z = 0;
+        for (int64_t c = 0; c < d; ++c) z += q[(t * H + h) * d + c] * pool_keys[pools[p] * d + c];
+        score[p] += head_weights[t * H + h] * std::max(T(0), z * score_scale);
+      }
+      mx = std::max(mx, score[p]);
+    }
+    T z_sum = 0;
+    for (T& v : score) z_sum += (v = std::exp(v - mx));
+    for (size_t p = 0; p < pools.size(); ++p) {
+      const T rho = score[p] / z_sum, pi = target[p] / target_sum;
+      if (pi > T(0)) total += static_cast<double>(pi * (std::log(pi) - std::log(rho)));
+      const T dscore = (rho - pi) * T(scale);
+      for (int64_t h = 0; h < H; ++h) {
+        const T* qh = q + (t * H + h) * d;
+        const T* k = pool_keys + pools[p] * d;
+        T z = 0;
+        for (int64_t c = 0; c < d; ++c) z += qh[c] * k[c];
+        z *= score_scale;
+        if (z <= T(0)) continue;
+        dhead_weights[t * H + h] += dscore * z;
+        const T g = dscore * head_weights[t * H + h] * score_scale;
+        for (int64_t c = 0; c < d; ++c) {
+          dq[(t * H + h) * d + c] += g * k[c];
+          dpool_keys[pools[p] * d + c] += g * qh[c];
+        }
+      }
+    }
+  }
+  return total;
+}
+
+template <class T>
+void indexer_pool_keys_backward(const IndexerShape& s, const T* keys, const T* gate, const T* ape,
+                                const T* dpool_keys, T* dkeys, T* dgate, T* dape) {
+  const int64_t d = s.head_dim, kp = s.kpool;
+  std::fill(dkeys, dkeys + s.tokens * d, T(0));
+  std::fill(dgate, dgate + s.tokens * d, T(0));
+  std::vector<T> alpha(static_cast<size_t>(kp));
+  for (int64_t p = 0; p < s.complete_pools(); ++p) {
+    for (int64_t c = 0; c < d; ++c) {
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < kp; ++j) {
+        alpha[static_cast<size_t>(j)] = gate[(p * kp + j) * d + c] + ape[j * d + c];
+        mx = std::max(mx, alpha[static_cast<size_t>(j)]);
+      }
+      T sum = 0;
+      for (T& a : alpha) sum += (a = std::exp(a - mx));
+      const T g = dpool_keys[p * d + c];
+      T weighted = 0;  // sum_j alpha_j * dalpha_j with dalpha_j = g * k_j
+      for (int64_t j = 0; j < kp; ++j) {
+        alpha[static_cast<size_t>(j)] /= sum;
+        weighted += alpha[static_cast<size_t>(j)] * g * keys[(p * kp + j) * d + c];
+      }
+      for (int64_t j = 0; j < kp; ++j) {
+        const T a = alpha[static_cast<size_t>(j)];
+        const int64_t at = (p * kp + j) * d + c;
+        dkeys[at] = g * a;
+        const T dlogit = a * (g * keys[at] - weighted);
+        dgate[at] = dlogit;
+        dape[j * d + c] += dlogit;
+      }
+    }
+  }
+}
+
+#define SPINDLE_INSTANTIATE(T)                                                                              \
+  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);                \
+  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);             \
+  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);   \
+  template void sparse_attention_backward<T>(const SparseAttentionShape&, const T*, const T*,               \
+                                             const int32_t*, const T*, T*, T*);                             \
+  template void attention_mass<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);     \
+  template double indexer_kl_backward<T>(const IndexerShape&, const T*, const T*, const T*, const int32_t*, \
+                                         const T*, double, T*, T*, T*);                                     \
+  template void indexer_pool_keys_backward<T>(const IndexerShape&, const T*, const T*, const T*, const T*,  \
+                                              T*, T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

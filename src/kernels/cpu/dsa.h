@@ -53,7 +53,27 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
 // Backward of sparse_attention: dq written; dkv (same layout as kv) accumulated. The selection is
 // a discrete choice and gets no gradient.
 template <class T>
-void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
-                               const T* dout, T* dq, T* dkv);
+void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv,
+                               const int32_t* selected, const T* dout, T* dq, T* dkv);
+
+// The main attention's probabilities summed over heads, per selected slot: mass [tokens, width]
+// (zero where the slot is unused). The indexer's training target.
+template <class T>
+void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected, T* mass);
+
+// The indexer's loss as in DeepSeek-V3.2's sparse stage, adapted to k-pools: for each query, over
+// the complete pools it selected, the target is the attention mass of each pool's tokens
+// normalised over those pools, and the indexer's distribution is the softmax of its pool scores;
+// the loss is KL(target || indexer) times `scale` (summed over queries). Writes dq and
+// dhead_weights, accumulates dpool_keys; returns the unscaled sum of KL over queries.
+template <class T>
+double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
+                           const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
+                           T* dhead_weights);
+
+// Backward of indexer_pool_keys: dkeys and dgate written, dape accumulated.
+template <class T>
+void indexer_pool_keys_backward(const IndexerShape& s, const T* keys, const T* gate, const T* ape,
+                                const T* dpool_keys, T* dkeys, T* dgate, T* dape);
 
 }  // namespace spindle::cpu

@@ -1,7 +1,7 @@
 #include "kernels/cpu/kda.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/parallel.h"
@@ -61,8 +61,8 @@ void kda_recurrence(const KdaShape& s, const T* q, const T* k, const T* v, const
 }
 
 template <class T>
-void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t tokens, int64_t channels,
-                               int64_t kernel) {
+void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t tokens,
+                               int64_t channels, int64_t kernel) {
   // Pre-activation gradient first: da = dy * silu'(a).
   std::vector<T> da(static_cast<size_t>(tokens * channels));
   parallel_for(tokens, 256, [&](int64_t begin, int64_t end) {
@@ -86,7 +86,8 @@ void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw
           const int64_t out = t + (kernel - 1) - j;  // the output that read x[t] through tap j
           if (out < tokens) acc += da[static_cast<size_t>(out * channels + c)] * w[c * kernel + j];
           const int64_t src = t - (kernel - 1) + j;
-          if (src >= 0) dw[c * kernel + j] += da[static_cast<size_t>(t * channels + c)] * x[src * channels + c];
+          if (src >= 0)
+            dw[c * kernel + j] += da[static_cast<size_t>(t * channels + c)] * x[src * channels + c];
         }
         dx[t * channels + c] = acc;
       }
@@ -138,7 +139,8 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
         // Recompute the segment's states: states[n] is the state after token t0 + n - 1.
         std::copy(starts.begin() + seg * SS, starts.begin() + (seg + 1) * SS, states.begin());
         for (int64_t t = t0; t < t1; ++t)
-          step(t, h, states.data() + (t - t0) * SS, states.data() + (t - t0 + 1) * SS, kv.data(), delta.data());
+          step(t, h, states.data() + (t - t0) * SS, states.data() + (t - t0 + 1) * SS, kv.data(),
+               delta.data());
         for (int64_t t = t1 - 1; t >= t0; --t) {
           const T* prev = states.data() + (t - t0) * SS;
           const T* cur = states.data() + (t - t0 + 1) * SS;
@@ -161,7 +163,8 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
           // Recover the decayed state, kv and delta of this step.
           for (int64_t i = 0; i < dk_; ++i) {
             const T decay = std::exp(gt[i]);
-            for (int64_t j = 0; j < dv_; ++j) decayed[static_cast<size_t>(i * dv_ + j)] = prev[i * dv_ + j] * decay;
+            for (int64_t j = 0; j < dv_; ++j)
+              decayed[static_cast<size_t>(i * dv_ + j)] = prev[i * dv_ + j] * decay;
           }
           for (int64_t j = 0; j < dv_; ++j) {
             T acc = 0;
@@ -178,7 +181,8 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
           }
           for (int64_t i = 0; i < dk_; ++i) {
             T acc = 0;
-            for (int64_t j = 0; j < dv_; ++j) acc += dS[static_cast<size_t>(i * dv_ + j)] * delta[static_cast<size_t>(j)];
+            for (int64_t j = 0; j < dv_; ++j)
+              acc += dS[static_cast<size_t>(i * dv_ + j)] * delta[static_cast<size_t>(j)];
             dkt[i] = acc;
           }
           // delta = beta (v - kv).
@@ -216,12 +220,14 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                          \
-  template void causal_conv_silu<T>(const T*, const T*, T*, int64_t, int64_t, int64_t); \
-  template void kda_recurrence<T>(const KdaShape&, const T*, const T*, const T*, const T*, const T*, T*, T*);     \
-  template void causal_conv_silu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, int64_t);    \
-  template void kda_recurrence_backward<T>(const KdaShape&, const T*, const T*, const T*, const T*, const T*,     \
-                                           const T*, T*, T*, T*, T*, T*, int64_t);
+#define SPINDLE_INSTANTIATE(T)                                                                           \
+  template void causal_conv_silu<T>(const T*, const T*, T*, int64_t, int64_t, int64_t);                  \
+  template void kda_recurrence<T>(const KdaShape&, const T*, const T*, const T*, const T*, const T*, T*, \
+                                  T*);                                                                   \
+  template void causal_conv_silu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t,     \
+                                             int64_t);                                                   \
+  template void kda_recurrence_backward<T>(const KdaShape&, const T*, const T*, const T*, const T*,      \
+                                           const T*, const T*, T*, T*, T*, T*, T*, int64_t);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

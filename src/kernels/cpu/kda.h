@@ -28,8 +28,8 @@ void kda_recurrence(const KdaShape& s, const T* q, const T* k, const T* v, const
 
 // Backward of causal_conv_silu: dx written, dw accumulated.
 template <class T>
-void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t tokens, int64_t channels,
-                               int64_t kernel);
+void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t tokens,
+                               int64_t channels, int64_t kernel);
 
 // Backward of kda_recurrence from a zero initial state: walks the sequence in reverse carrying
 // the state gradient. States are kept only every `checkpoint` tokens and recomputed within each

@@ -97,8 +97,8 @@ template void linear<float>(const float*, const float*, float*, int64_t, int64_t
 template void linear<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
 template void linear_accumulate<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
 template void linear_accumulate<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
-template void linear_backward<float>(const float*, const float*, const float*, float*, float*, int64_t, int64_t,
-                                     int64_t);
+template void linear_backward<float>(const float*, const float*, const float*, float*, float*, int64_t,
+                                     int64_t, int64_t);
 template void linear_backward<double>(const double*, const double*, const double*, double*, double*, int64_t,
                                       int64_t, int64_t);
 

@@ -1,7 +1,7 @@
 #include "kernels/cpu/mhc.h"
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "core/parallel.h"
@@ -96,8 +96,8 @@ void hc_combine(const HcShape& s, const T* streams, const T* y, const T* post, c
 
 template <class T>
 void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale,
-                              const T* d_pre, const T* d_post, const T* d_comb, const T* d_collapsed, T* dstreams,
-                              T* dfn, T* dbase, T* dscale) {
+                              const T* d_pre, const T* d_post, const T* d_comb, const T* d_collapsed,
+                              T* dstreams, T* dfn, T* dbase, T* dscale) {
   const int64_t H = s.streams, D = s.hidden, flat = H * D, mix = (2 + H) * H, HH = H * H;
   const T eps = T(s.hc_eps);
   const int64_t passes = 2 * s.sinkhorn_iters - 1;  // one column pass, then row + column pairs
@@ -111,9 +111,11 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
     std::vector<T>& gsmall = part_small[slot];  // dbase [mix] then dscale [3]
     gfn.assign(static_cast<size_t>(mix * flat), T(0));
     gsmall.assign(static_cast<size_t>(mix + 3), T(0));
-    std::vector<T> normed(static_cast<size_t>(flat)), m(static_cast<size_t>(mix)), dm(static_cast<size_t>(mix));
+    std::vector<T> normed(static_cast<size_t>(flat)), m(static_cast<size_t>(mix)),
+        dm(static_cast<size_t>(mix));
     std::vector<T> stages(static_cast<size_t>((passes + 1) * HH)), sums(static_cast<size_t>(passes * H));
-    std::vector<T> p(static_cast<size_t>(HH)), dc(static_cast<size_t>(HH)), dnormed(static_cast<size_t>(flat));
+    std::vector<T> p(static_cast<size_t>(HH)), dc(static_cast<size_t>(HH)),
+        dnormed(static_cast<size_t>(flat));
     std::vector<T> dflat(static_cast<size_t>(flat));
     for (int64_t t = begin; t < end; ++t) {
       const T* x = streams + t * flat;
@@ -127,11 +129,13 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
       for (int64_t i = 0; i < H; ++i) {
         T mx = -INFINITY;
         for (int64_t j = 0; j < H; ++j) {
-          p[static_cast<size_t>(i * H + j)] = m[static_cast<size_t>(2 * H + i * H + j)] * scale[2] + base[2 * H + i * H + j];
+          p[static_cast<size_t>(i * H + j)] =
+              m[static_cast<size_t>(2 * H + i * H + j)] * scale[2] + base[2 * H + i * H + j];
           mx = std::max(mx, p[static_cast<size_t>(i * H + j)]);
         }
         T z = 0;
-        for (int64_t j = 0; j < H; ++j) z += (p[static_cast<size_t>(i * H + j)] = std::exp(p[static_cast<size_t>(i * H + j)] - mx));
+        for (int64_t j = 0; j < H; ++j)
+          z += (p[static_cast<size_t>(i * H + j)] = std::exp(p[static_cast<size_t>(i * H + j)] - mx));
         for (int64_t j = 0; j < H; ++j) {
           p[static_cast<size_t>(i * H + j)] /= z;
           stages[static_cast<size_t>(i * H + j)] = p[static_cast<size_t>(i * H + j)] + eps;
@@ -172,7 +176,8 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
       // Row softmax backward, then the affine maps to the mix logits.
       for (int64_t i = 0; i < H; ++i) {
         T dot = 0;
-        for (int64_t j = 0; j < H; ++j) dot += p[static_cast<size_t>(i * H + j)] * dc[static_cast<size_t>(i * H + j)];
+        for (int64_t j = 0; j < H; ++j)
+          dot += p[static_cast<size_t>(i * H + j)] * dc[static_cast<size_t>(i * H + j)];
         for (int64_t j = 0; j < H; ++j) {
           const T dl = p[static_cast<size_t>(i * H + j)] * (dc[static_cast<size_t>(i * H + j)] - dot);
           const auto o = static_cast<size_t>(2 * H + i * H + j);
@@ -230,8 +235,8 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
 }
 
 template <class T>
-void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb, const T* dout,
-                         T* dstreams, T* dy, T* d_post, T* d_comb) {
+void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb,
+                         const T* dout, T* dstreams, T* dy, T* d_post, T* d_comb) {
   const int64_t H = s.streams, D = s.hidden;
   parallel_for(s.tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -264,13 +269,13 @@ void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T
   });
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                              \
-  template void hc_coefficients<T>(const HcShape&, const T*, const T*, const T*, const T*, T*, T*, T*, T*); \
-  template void hc_combine<T>(const HcShape&, const T*, const T*, const T*, const T*, T*);                  \
-  template void hc_coefficients_backward<T>(const HcShape&, const T*, const T*, const T*, const T*, const T*,     \
-                                            const T*, const T*, const T*, T*, T*, T*, T*);                       \
-  template void hc_combine_backward<T>(const HcShape&, const T*, const T*, const T*, const T*, const T*, T*, T*,  \
-                                       T*, T*);
+#define SPINDLE_INSTANTIATE(T)                                                                               \
+  template void hc_coefficients<T>(const HcShape&, const T*, const T*, const T*, const T*, T*, T*, T*, T*);  \
+  template void hc_combine<T>(const HcShape&, const T*, const T*, const T*, const T*, T*);                   \
+  template void hc_coefficients_backward<T>(const HcShape&, const T*, const T*, const T*, const T*,          \
+                                            const T*, const T*, const T*, const T*, T*, T*, T*, T*);         \
+  template void hc_combine_backward<T>(const HcShape&, const T*, const T*, const T*, const T*, const T*, T*, \
+                                       T*, T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

@@ -34,12 +34,12 @@ void hc_combine(const HcShape& s, const T* streams, const T* y, const T* post, c
 // parameter gradients dfn, dbase, dscale.
 template <class T>
 void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, const T* base, const T* scale,
-                              const T* d_pre, const T* d_post, const T* d_comb, const T* d_collapsed, T* dstreams,
-                              T* dfn, T* dbase, T* dscale);
+                              const T* d_pre, const T* d_post, const T* d_comb, const T* d_collapsed,
+                              T* dstreams, T* dfn, T* dbase, T* dscale);
 
 // Backward of hc_combine: accumulates into dstreams; writes dy [tokens, D], d_post, d_comb.
 template <class T>
-void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb, const T* dout,
-                         T* dstreams, T* dy, T* d_post, T* d_comb);
+void hc_combine_backward(const HcShape& s, const T* streams, const T* y, const T* post, const T* comb,
+                         const T* dout, T* dstreams, T* dy, T* d_post, T* d_comb);
 
 }  // namespace spindle::cpu

@@ -70,7 +70,8 @@ void clamped_swiglu(const T* gate, const T* up, T* out, int64_t n, double limit)
 }
 
 template <class T>
-void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n, double limit) {
+void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n,
+                             double limit) {
   const T lim = T(limit);
   for (int64_t i = 0; i < n; ++i) {
     const T g = std::min(gate[i], lim), u = std::clamp(up[i], -lim, lim);
@@ -105,10 +106,10 @@ void route_weights_backward(const RouterShape& s, const T* logits, const int32_t
   }
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                         \
-  template void route_tokens<T>(const RouterShape&, const T*, const T*, int32_t*, T*); \
-  template void clamped_swiglu<T>(const T*, const T*, T*, int64_t, double);                                 \
-  template void clamped_swiglu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, double);           \
+#define SPINDLE_INSTANTIATE(T)                                                                     \
+  template void route_tokens<T>(const RouterShape&, const T*, const T*, int32_t*, T*);             \
+  template void clamped_swiglu<T>(const T*, const T*, T*, int64_t, double);                        \
+  template void clamped_swiglu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, double); \
   template void route_weights_backward<T>(const RouterShape&, const T*, const int32_t*, const T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)

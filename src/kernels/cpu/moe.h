@@ -28,7 +28,8 @@ void clamped_swiglu(const T* gate, const T* up, T* out, int64_t n, double limit)
 
 // Backward of clamped_swiglu: dgate and dup written (zero where a clamp held the input).
 template <class T>
-void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n, double limit);
+void clamped_swiglu_backward(const T* gate, const T* up, const T* dout, T* dgate, T* dup, int64_t n,
+                             double limit);
 
 // Backward of the routing weights with respect to the router logits, for the chosen experts
 // (the choice itself is discrete): dlogits [tokens, experts] written.

@@ -57,7 +57,8 @@ void l2_normalize(T* x, int64_t rows, int64_t D, double eps) {
 }
 
 template <class T>
-void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D, double eps) {
+void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D,
+                       double eps) {
   // dx = r (w dy) - x r^3 sum(w dy x) / D with r = 1 / sqrt(mean(x^2) + eps).
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * D;
@@ -91,6 +92,36 @@ void gated_rms_norm_backward(const T* x, const T* weight, const T* gate, const T
 }
 
 template <class T>
+void layer_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, T* db, int64_t rows,
+                         int64_t D, double eps) {
+  // With xhat = (x - mean) r: dx = r (g - mean(g) - xhat mean(g xhat)), g = w dy.
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * D;
+    const T* dyr = dy + r * D;
+    T mean = 0;
+    for (int64_t i = 0; i < D; ++i) mean += xr[i];
+    mean /= T(D);
+    T var = 0;
+    for (int64_t i = 0; i < D; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    const T inv = T(1) / std::sqrt(var / T(D) + T(eps));
+    T g_mean = 0, gx_mean = 0;
+    for (int64_t i = 0; i < D; ++i) {
+      const T xhat = (xr[i] - mean) * inv;
+      g_mean += weight[i] * dyr[i];
+      gx_mean += weight[i] * dyr[i] * xhat;
+      dw[i] += dyr[i] * xhat;
+      db[i] += dyr[i];
+    }
+    g_mean /= T(D);
+    gx_mean /= T(D);
+    for (int64_t i = 0; i < D; ++i) {
+      const T xhat = (xr[i] - mean) * inv;
+      dx[r * D + i] = inv * (weight[i] * dyr[i] - g_mean - xhat * gx_mean);
+    }
+  }
+}
+
+template <class T>
 void l2_normalize_backward(const T* x, const T* dy, T* dx, int64_t rows, int64_t D, double eps) {
   // y = x / n with n = sqrt(sum x^2 + eps): dx = (dy - y (y . dy)) / n.
   for (int64_t r = 0; r < rows; ++r) {
@@ -105,15 +136,16 @@ void l2_normalize_backward(const T* x, const T* dy, T* dx, int64_t rows, int64_t
   }
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                 \
-  template void rms_norm<T>(const T*, const T*, T*, int64_t, int64_t, double);                 \
-  template void layer_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);     \
-  template void gated_rms_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double); \
-  template void l2_normalize<T>(T*, int64_t, int64_t, double);                                   \
-  template void rms_norm_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double); \
-  template void gated_rms_norm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, \
-                                           double);                                               \
-  template void l2_normalize_backward<T>(const T*, const T*, T*, int64_t, int64_t, double);
+#define SPINDLE_INSTANTIATE(T)                                                                          \
+  template void rms_norm<T>(const T*, const T*, T*, int64_t, int64_t, double);                          \
+  template void layer_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);              \
+  template void gated_rms_norm<T>(const T*, const T*, const T*, T*, int64_t, int64_t, double);          \
+  template void l2_normalize<T>(T*, int64_t, int64_t, double);                                          \
+  template void rms_norm_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, double);   \
+  template void gated_rms_norm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, \
+                                           int64_t, double);                                            \
+  template void l2_normalize_backward<T>(const T*, const T*, T*, int64_t, int64_t, double);             \
+  template void layer_norm_backward<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

@@ -24,12 +24,18 @@ void l2_normalize(T* x, int64_t rows, int64_t D, double eps);
 
 // Backward of rms_norm: dx (written) and, when weight is given, dw (accumulated).
 template <class T>
-void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D, double eps);
+void rms_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, int64_t rows, int64_t D,
+                       double eps);
 
 // Backward of gated_rms_norm: dx and dgate (written), dw (accumulated).
 template <class T>
 void gated_rms_norm_backward(const T* x, const T* weight, const T* gate, const T* dy, T* dx, T* dgate, T* dw,
                              int64_t rows, int64_t D, double eps);
+
+// Backward of layer_norm: dx written, dw and db accumulated.
+template <class T>
+void layer_norm_backward(const T* x, const T* weight, const T* dy, T* dx, T* dw, T* db, int64_t rows,
+                         int64_t D, double eps);
 
 // Backward of l2_normalize given the input x (before normalising): dx written.
 template <class T>
