@@ -9,5 +9,9 @@ namespace spindle {
 int run_info(const std::vector<std::string>& args);
 int run_init(const std::vector<std::string>& args);
 int run_logprobs(const std::vector<std::string>& args);
+int run_eval(const std::vector<std::string>& args);
+int run_data(const std::vector<std::string>& args);
+int run_grads(const std::vector<std::string>& args);
+int run_train(const std::vector<std::string>& args);
 
 }  // namespace spindle

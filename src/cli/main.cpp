@@ -16,6 +16,17 @@ commands:
                                                 random weights (transformers' init), saved loadable
   logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
                                                 log p(token_i | tokens before i), one line per i >= 1
+  eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
+            [--max-n-fraction F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
+                                                held-out loss per position bucket: table, PREFIX.csv/.svg
+  grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64]
+                                                gradient of the mean next-token loss, on-disk names
+  data      get [--dir DIR] [--only chr22,chrX,chr20]
+                                                fetch reference DNA from Debian packages (checked)
+  data      info --input FILE [--format F] [--names A,B] [--vocab N]
+                                                sequences, lengths and N runs of a data file
+  train     --config RUN.toml [--resume] [--stop-after N]
+                                                train (see README: RUN.toml), checkpoints, metrics
   help                                          this text
 )";
 
@@ -32,6 +43,10 @@ int main(int argc, char** argv) {
     if (command == "info") return spindle::run_info(args);
     if (command == "init") return spindle::run_init(args);
     if (command == "logprobs") return spindle::run_logprobs(args);
+    if (command == "eval") return spindle::run_eval(args);
+    if (command == "data") return spindle::run_data(args);
+    if (command == "grads") return spindle::run_grads(args);
+    if (command == "train") return spindle::run_train(args);
     if (command == "help" || command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;

@@ -2,6 +2,7 @@
 // normal draws, so that `--seed N` gives the same weights on every platform and library.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 
@@ -28,6 +29,12 @@ class Random {
   // Uniform in [0, 1) with 53 random bits.
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
   double uniform(double low, double high) { return low + (high - low) * uniform(); }
+
+  // The four state words, so that a training checkpoint resumes the exact sequence.
+  std::array<uint64_t, 4> state() const { return {state_[0], state_[1], state_[2], state_[3]}; }
+  void set_state(const std::array<uint64_t, 4>& words) {
+    for (size_t i = 0; i < 4; ++i) state_[i] = words[i];
+  }
 
   // Standard normal by Box-Muller (one draw per call; simple and exact enough for init).
   double normal() {

@@ -1,6 +1,7 @@
 #include "kernels/cpu/mhc.h"
 
-#include <atomic>
+#include <algorithm>
+#include <mutex>
 #include <cmath>
 #include <vector>
 
@@ -103,10 +104,19 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
   const int64_t passes = 2 * s.sinkhorn_iters - 1;  // one column pass, then row + column pairs
   const int workers = worker_count();
   // Per-thread parameter gradients, summed at the end (many tokens share one fn).
+  // Partials are keyed by the first token of their range and summed in token order, so the result
+  // does not depend on which thread finished first (resumed runs must be bit-exact).
   std::vector<std::vector<T>> part_fn(static_cast<size_t>(workers)), part_small(static_cast<size_t>(workers));
-  std::atomic<int> next_slot{0};
+  std::vector<int64_t> part_begin(static_cast<size_t>(workers), -1);
+  std::mutex slot_mutex;
+  int next_slot = 0;
   parallel_for(s.tokens, 64, [&](int64_t begin, int64_t end) {
-    const auto slot = static_cast<size_t>(next_slot++);
+    size_t slot;
+    {
+      std::lock_guard<std::mutex> lock(slot_mutex);
+      slot = static_cast<size_t>(next_slot++);
+      part_begin[slot] = begin;
+    }
     std::vector<T>& gfn = part_fn[slot];
     std::vector<T>& gsmall = part_small[slot];  // dbase [mix] then dscale [3]
     gfn.assign(static_cast<size_t>(mix * flat), T(0));
@@ -226,8 +236,11 @@ void hc_coefficients_backward(const HcShape& s, const T* streams, const T* fn, c
       for (int64_t i = 0; i < flat; ++i) dx[i] += dflat[static_cast<size_t>(i)];
     }
   });
-  for (size_t w = 0; w < part_fn.size(); ++w) {
-    if (part_fn[w].empty()) continue;
+  std::vector<size_t> order;
+  for (size_t w = 0; w < part_fn.size(); ++w)
+    if (!part_fn[w].empty()) order.push_back(w);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return part_begin[a] < part_begin[b]; });
+  for (size_t w : order) {
     for (int64_t i = 0; i < mix * flat; ++i) dfn[i] += part_fn[w][static_cast<size_t>(i)];
     for (int64_t i = 0; i < mix; ++i) dbase[i] += part_small[w][static_cast<size_t>(i)];
     for (int64_t i = 0; i < 3; ++i) dscale[i] += part_small[w][static_cast<size_t>(mix + i)];

@@ -1,0 +1,20 @@
+#include <iostream>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "train/trainer.h"
+
+namespace spindle {
+
+int run_train(const std::vector<std::string>& argv) {
+  const Args args("train", argv, {"config", "stop-after"}, {"resume"});
+  const RunConfig run = load_run_config(args.required("config"));
+  TrainOptions options;
+  options.resume = args.flag("resume");
+  options.stop_after = args.int_or("stop-after", -1);
+  const std::string dir = train(run, options);
+  std::cout << "final checkpoint: " << dir << "\n";
+  return 0;
+}
+
+}  // namespace spindle

@@ -1,0 +1,112 @@
+#include "train/adamw.h"
+
+#include <cmath>
+
+#include "core/parallel.h"
+#include "train/float_dispatch.h"
+
+namespace spindle {
+
+namespace {
+
+constexpr int64_t kGrain = int64_t{1} << 15;
+
+// The trained entries of `table`, in order: the slots of the optimizer line up with these.
+std::vector<Param> trained(std::vector<Param> table) {
+  std::vector<Param> out;
+  for (Param& p : table)
+    if (role_trained(p.role)) out.push_back(std::move(p));
+  return out;
+}
+
+}  // namespace
+
+void validate_adamw_options(const AdamWOptions& o) {
+  check(std::isfinite(o.lr) && o.lr >= 0, "AdamW: lr must be finite and >= 0, got ", o.lr);
+  check(o.beta1 >= 0 && o.beta1 < 1, "AdamW: beta1 must be in [0, 1), got ", o.beta1);
+  check(o.beta2 >= 0 && o.beta2 < 1, "AdamW: beta2 must be in [0, 1), got ", o.beta2);
+  check(std::isfinite(o.eps) && o.eps > 0, "AdamW: eps must be finite and > 0, got ", o.eps);
+  check(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+        "AdamW: weight_decay must be finite and >= 0, got ", o.weight_decay);
+}
+
+bool role_decays(ParamRole role) { return role == ParamRole::Matrix || role == ParamRole::Embedding; }
+
+bool role_trained(ParamRole role) { return role != ParamRole::RouterBias; }
+
+AdamW::AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options)
+    : config_(config), options_(options) {
+  validate_adamw_options(options_);
+  for (Param& p : trained(parameter_table(config, weights))) {
+    check(p.tensor.is_contiguous(), "AdamW: parameter ", p.name, " is not contiguous");
+    Slot slot{p.name, p.role, role_decays(p.role), false, p.tensor, {}, {}, {}};
+    slot.master = p.tensor.to(DType::F32, MemoryCategory::Optimizer);
+    slot.exp_avg = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    slot.exp_avg_sq = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    slots_.push_back(std::move(slot));
+  }
+}
+
+void AdamW::set_steps(int64_t steps) {
+  check(steps >= 0, "AdamW: step count must be >= 0, got ", steps);
+  steps_ = steps;
+}
+
+void AdamW::set_options(const AdamWOptions& options) {
+  validate_adamw_options(options);
+  options_ = options;
+}
+
+void AdamW::step(ModelWeights& grads) { step(grads, options_.lr); }
+
+void AdamW::step(ModelWeights& grads, double lr) {
+  check(std::isfinite(lr) && lr >= 0, "AdamW: learning rate must be finite and >= 0, got ", lr);
+  const std::vector<Param> table = trained(parameter_table(config_, grads));
+  check(table.size() == slots_.size(), "AdamW: the gradients list ", table.size(),
+        " trained parameters, the optimizer ", slots_.size(), " (allocated for a different config?)");
+  // Validate every gradient before touching any state, so a bad call changes nothing.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    check(table[i].name == slots_[i].name, "AdamW: gradient ", i, " is ", table[i].name, ", expected ",
+          slots_[i].name);
+    check(table[i].tensor.shape() == slots_[i].master.shape(), "AdamW: gradient ", table[i].name,
+          " has shape ", shape_string(table[i].tensor.shape()), ", expected ",
+          shape_string(slots_[i].master.shape()));
+    check(table[i].tensor.is_contiguous(), "AdamW: gradient ", table[i].name, " is not contiguous");
+  }
+
+  ++steps_;
+  const double t = static_cast<double>(steps_);
+  const double b1 = options_.beta1, b2 = options_.beta2, eps = options_.eps;
+  const double step_size = lr / (1.0 - std::pow(b1, t));
+  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, t));
+
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (s.frozen) continue;
+    const double decay = s.decays ? 1.0 - lr * options_.weight_decay : 1.0;
+    float* p = s.master.data<float>();
+    float* m = s.exp_avg.data<float>();
+    float* v = s.exp_avg_sq.data<float>();
+    dispatch_float(table[i].tensor.dtype(), "AdamW: gradient " + s.name, [&]<class G>(G) {
+      const G* g = table[i].tensor.data<G>();
+      parallel_for(s.master.numel(), kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) {
+          const double gk = static_cast<double>(g[k]);
+          const double mk = b1 * m[k] + (1.0 - b1) * gk;
+          const double vk = b2 * v[k] + (1.0 - b2) * gk * gk;
+          const double pk = decay * p[k] - step_size * mk / (std::sqrt(vk) / bc2_sqrt + eps);
+          m[k] = static_cast<float>(mk);
+          v[k] = static_cast<float>(vk);
+          p[k] = static_cast<float>(pk);
+        }
+      });
+    });
+  }
+  write_weights();
+}
+
+void AdamW::write_weights() {
+  for (Slot& s : slots_) s.weight.copy_from(s.master);
+}
+
+}  // namespace spindle

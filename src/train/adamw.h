@@ -1,0 +1,85 @@
+// AdamW with fp32 master weights and fp32 moments for every trained parameter, whatever dtype
+// the model stores its weights in (f32 or f64 on the CPU path, bf16 later on the GPU): the
+// update reads the masters, never the rounded model weights, and writes the model from them.
+//
+// Semantics are PyTorch's torch.optim.AdamW (decoupled weight decay, bias correction, eps added
+// to sqrt(v_hat)). For update number t (1-based), learning rate lr and gradient g:
+//   p <- p - lr * wd * p                    (only roles that decay: Matrix, Embedding)
+//   m <- beta1 * m + (1 - beta1) * g
+//   v <- beta2 * v + (1 - beta2) * g^2
+//   p <- p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+// Each element is computed in double and its state stored in fp32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace spindle {
+
+struct AdamWOptions {
+  double lr = 3e-4;  // used by step(grads); a schedule passes its own lr to step(grads, lr)
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+};
+
+// Checks ranges (lr >= 0, betas in [0, 1), eps > 0, weight_decay >= 0), naming the option.
+void validate_adamw_options(const AdamWOptions& options);
+
+// Only matrices and the embedding decay; norms, biases, gates, KDA decay parameters and the
+// mHC projection/bias/scales do not.
+bool role_decays(ParamRole role);
+// Everything but RouterBias (e_score_correction_bias), which a separate rule updates.
+bool role_trained(ParamRole role);
+
+class AdamW {
+ public:
+  // One trained parameter: a view of the model's weight and its fp32 optimizer state.
+  struct Slot {
+    std::string name;  // on-disk name, as parameter_table() gives it
+    ParamRole role;
+    bool decays;
+    bool frozen = false;  // a frozen slot is skipped by step() (state kept as is)
+    Tensor weight;        // view into the model's weights (any floating dtype)
+    Tensor master;        // f32 copy of the weight, the value the update works on
+    Tensor exp_avg;       // f32 first moment m
+    Tensor exp_avg_sq;    // f32 second moment v
+  };
+
+  // Takes the trained parameters of `weights` (which must outlive the optimizer: the slots view
+  // its storage), copies them to fp32 masters and zeroes the moments.
+  AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options = {});
+
+  // One update with `grads` (allocated for the same config; any floating dtype) at options().lr
+  // or at `lr`. Then writes the model weights from the masters.
+  void step(ModelWeights& grads);
+  void step(ModelWeights& grads, double lr);
+
+  // Writes every slot's master into its model weight, converted to the weight's dtype.
+  void write_weights();
+
+  // Updates taken so far (t of the bias correction); restored from a checkpoint.
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t steps);
+
+  const AdamWOptions& options() const { return options_; }
+  void set_options(const AdamWOptions& options);
+
+  std::vector<Slot>& slots() { return slots_; }
+  const std::vector<Slot>& slots() const { return slots_; }
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+  AdamWOptions options_;
+  std::vector<Slot> slots_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace spindle

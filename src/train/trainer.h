@@ -1,0 +1,22 @@
+// `spindle train`: the training loop a person runs and resumes. Everything a run needs comes
+// from RUN.toml (RunConfig); the loop is written out plainly:
+//   for each step: micro-batches of windows -> loss and gradients (CPU reference path) ->
+//   clip -> AdamW at the scheduled lr -> MoE bias update -> metrics, progress, checkpoints, eval.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "train/run_config.h"
+
+namespace spindle {
+
+struct TrainOptions {
+  bool resume = false;      // continue from the newest checkpoint in checkpoint.dir
+  int64_t stop_after = -1;  // stop (with a checkpoint) once this many steps are done, < 0: run all
+};
+
+// Runs the training; returns the directory of the final checkpoint.
+std::string train(const RunConfig& run, const TrainOptions& options);
+
+}  // namespace spindle
