@@ -57,6 +57,21 @@ sed -i 's/"num_hidden_layers": 4/"num_hidden_layers": 5/' "$work/more_layers/con
 sed -i '/"layer_types"/,/\]/d; /"mlp_layer_types"/,/\]/d; /"indexer_types"/,/\]/d' "$work/more_layers/config.json"
 expect_failure missing-tensor "missing tensor 'model.language_model.layers.4" "$spindle" logprobs --model "$work/more_layers" --tokens "$work/tokens.txt"
 
+train_toml() {  # train_toml DATA SEQ_LEN CONFIG
+  printf '[model]\nconfig = "%s"\n[data]\ntrain = "%s"\n[train]\nseq_len = %s\nsteps = 2\n[checkpoint]\ndir = "%s"\n' \
+    "$3" "$1" "$2" "$work/run"
+}
+train_toml "$work/none.fa" 64 "$here/configs/tiny.json" > "$work/missing.toml"
+expect_failure train-missing-fasta "not found.*none.fa" "$spindle" train --config "$work/missing.toml"
+train_toml "$here/data/chr22_256.fa" 4096 "$here/configs/tiny.json" > "$work/long.toml"
+expect_failure train-window-too-long "seq_len = 4096.*longer" "$spindle" train --config "$work/long.toml"
+sed 's/"vocab_size": 16/"vocab_size": 8/' "$here/configs/tiny.json" > "$work/small_vocab.json"
+train_toml "$here/data/chr22_256.fa" 64 "$work/small_vocab.json" > "$work/vocab.toml"
+expect_failure train-vocab-too-small "vocab_size \\(8\\).*nucleotide" "$spindle" train --config "$work/vocab.toml"
+train_toml "$here/data/chr22_256.fa" 64 "$here/configs/tiny.json" | sed 's/steps = 2/stepz = 2/' > "$work/typo.toml"
+expect_failure train-unknown-key "unknown key 'stepz'" "$spindle" train --config "$work/typo.toml"
+[ ! -e "$work/run/latest" ] || { echo "FAIL: a failed run left a checkpoint"; failures=$((failures + 1)); }
+
 expect_failure missing-model-dir "config.json|no such|cannot" "$spindle" info --model "$work/nowhere"
 
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi

@@ -17,7 +17,7 @@ commands:
   logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
                                                 log p(token_i | tokens before i), one line per i >= 1
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
-            [--max-n-fraction F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
+            [--max-n-fraction F] [--holdout F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
                                                 held-out loss per position bucket: table, PREFIX.csv/.svg
   grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64]
                                                 gradient of the mean next-token loss, on-disk names

@@ -7,6 +7,7 @@
 // windows drawn so far determine every later window, so a run resumes with seek(position()).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -48,6 +49,9 @@ class WindowSampler {
   void seek(int64_t position);
 
   const WindowPolicy& policy() const { return policy_; }
+  // The generator's state: with the seed and position() it pins down the data stream, so a
+  // resumed run can check that it reads the same data.
+  std::array<uint64_t, 4> random_state() const { return random_.state(); }
   uint64_t seed() const { return seed_; }
 
  private:

@@ -173,6 +173,10 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                config_hash(run), ")");
     state.config_hash = config_hash(run);
     sampler.seek(static_cast<int64_t>(state.data_position));
+    check(sampler.random_state() == state.rng, *existing,
+          ": the training data or its settings changed since this "
+          "checkpoint (the window sampler does not reach the saved state at position ",
+          state.data_position, ")");
     log_info("resumed from ", *existing, " at step ", state.step);
   } else {
     check(!existing.has_value(), run.checkpoint.dir, " already holds checkpoint ", existing.value_or(""),
@@ -186,6 +190,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
 
   auto checkpoint = [&] {
     state.data_position = static_cast<uint64_t>(sampler.position());
+    state.rng = sampler.random_state();
     const std::string dir = save_checkpoint(writer, state, optimizer, [&](const std::string& tmp) {
       save_model(tmp, config, model.weights, dtype);
     });

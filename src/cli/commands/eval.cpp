@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "data/sequence_range.h"
 #include "data/sequence_source.h"
 #include "data/window_sampler.h"
 #include "eval/evaluate.h"
@@ -134,7 +135,7 @@ BucketLoss evaluate_model(const std::string& dir, const std::string& label, cons
 int run_eval(const std::vector<std::string>& argv) {
   const Args args("eval", argv,
                   {"model", "data", "seq-len", "bucket", "windows", "chromosomes", "max-n-fraction",
-                   "compare", "out", "dtype"});
+                   "compare", "out", "dtype", "holdout"});
   const std::string model_dir = args.required("model");
   const std::string data_path = args.required("data");
   args.required("seq-len");
@@ -160,7 +161,13 @@ int run_eval(const std::vector<std::string>& argv) {
 
   SequenceOptions data_options;
   if (auto names = args.optional("chromosomes")) data_options.names = split_names(*names);
-  const std::unique_ptr<TokenSequences> data = open_sequences(data_path, data_options);
+  const std::unique_ptr<TokenSequences> file = open_sequences(data_path, data_options);
+  // --holdout F: only the last F of each sequence, the part `spindle train` held out with data.holdout.
+  const double holdout = parse_fraction(args.value_or("holdout", "1"));
+  check(holdout > 0, "--holdout must be in (0, 1], got ", holdout);
+  const std::unique_ptr<TokenSequences> held_out =
+      holdout < 1 ? sequence_range(*file, 1 - holdout, 1) : nullptr;
+  const TokenSequences* data = held_out ? held_out.get() : file.get();
   const std::vector<Window> windows = evaluation_windows(*data, seq_len, count, max_n_fraction);
   const auto n = static_cast<int64_t>(windows.size());
   for (int64_t k = 0; k < n; ++k) {
@@ -187,6 +194,7 @@ int run_eval(const std::vector<std::string>& argv) {
       make_report(loss_a, model_dir, compare_dir ? &loss_b : nullptr, compare_dir.value_or(""));
   std::string where = std::filesystem::path(data_path).filename().string();
   if (!data_options.names.empty()) where += " (" + args.value_or("chromosomes", "") + ")";
+  if (held_out) where += ", last " + args.value_or("holdout", "") + " of each sequence";
   std::cout << "held-out next-token loss by position: " << where << ", " << n << " windows of " << seq_len
             << " tokens, buckets of " << bucket << ", " << dtype_name(dtype) << "\n"
             << format_table(report);

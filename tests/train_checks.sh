@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Training checks through the CLI, on real DNA (a chr22 snippet from Debian's hisat2 example):
+#   overfit:  the loss on one 256-token window falls by at least 85% within 20 steps;
+#   resume:   10 steps straight == 5 steps + checkpoint + --resume + 5 steps, bit for bit;
+#   refusal:  an existing checkpoint directory is never overwritten without --resume.
+set -u
+spindle=$1
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL $*"; failures=$((failures + 1)); }
+
+# --- overfit
+cat > "$work/overfit.toml" <<TOML
+[model]
+config = "$here/configs/overfit-dna.json"
+seed = 1
+[data]
+train = "$here/data/chr22_256.fa"
+[train]
+seq_len = 256
+steps = 20
+[optim]
+lr = 3e-3
+min_lr = 3e-3
+warmup = 1
+weight_decay = 0.0
+[checkpoint]
+dir = "$work/overfit"
+TOML
+"$spindle" train --config "$work/overfit.toml" > "$work/overfit.log" 2>&1 || { cat "$work/overfit.log"; fail "overfit run"; }
+python3 - "$work/overfit/metrics.jsonl" <<'PY' || failures=$((failures + 1))
+import json, sys
+losses = [json.loads(line)["loss"] for line in open(sys.argv[1])]
+first, last = losses[0], losses[-1]
+fall = 1 - last / first
+print(f"overfit: loss {first:.4f} -> {last:.4f} in {len(losses)} steps ({100 * fall:.1f}% fall, need >= 85%)")
+sys.exit(0 if len(losses) == 20 and fall >= 0.85 else 1)
+PY
+
+# --- resume
+run_toml() {  # run_toml NAME
+  cat <<TOML
+[model]
+config = "$here/configs/tiny.json"
+seed = 2
+[data]
+train = "$here/data/chr22_8k.fa"
+[train]
+seq_len = 300
+batch = 2
+accumulate = 2
+steps = 10
+seed = 7
+[optim]
+lr = 2e-3
+warmup = 3
+[indexer]
+kl_coef = 0.5
+[moe]
+aux_loss_coef = 0.01
+[checkpoint]
+dir = "$work/$1"
+every = 3
+TOML
+}
+run_toml straight > "$work/straight.toml"
+run_toml resumed > "$work/resumed.toml"
+"$spindle" train --config "$work/straight.toml" > "$work/straight.log" 2>&1 || { cat "$work/straight.log"; fail "straight run"; }
+"$spindle" train --config "$work/resumed.toml" --stop-after 5 > "$work/first.log" 2>&1 || { cat "$work/first.log"; fail "first half"; }
+[ -d "$work/resumed/step-000005" ] || fail "no checkpoint at step 5"
+"$spindle" train --config "$work/resumed.toml" --resume > "$work/second.log" 2>&1 || { cat "$work/second.log"; fail "resumed half"; }
+for f in model.safetensors optimizer.safetensors; do
+  if cmp -s "$work/straight/step-000010/$f" "$work/resumed/step-000010/$f"; then
+    echo "resume: $f identical after 10 steps"
+  else
+    fail "resume: $f differs between the straight and the resumed run"
+  fi
+done
+python3 - "$work/straight/metrics.jsonl" "$work/resumed/metrics.jsonl" <<'PY' || failures=$((failures + 1))
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+print(f"resume: losses straight {a[-1]!r}, resumed {b[-1]!r}, {len(a)} and {len(b)} steps")
+sys.exit(0 if a == b and len(a) == 10 else 1)
+PY
+
+# --- never overwrite
+before=$(cat "$work/straight/latest")
+if "$spindle" train --config "$work/straight.toml" > "$work/again.log" 2>&1; then
+  fail "a second run into the same checkpoint directory was accepted"
+elif ! grep -q "pass --resume" "$work/again.log"; then
+  fail "refusal message: $(cat "$work/again.log")"
+elif [ "$(cat "$work/straight/latest")" != "$before" ]; then
+  fail "the refused run changed the checkpoint pointer"
+else
+  echo "refusal: $(grep -o 'already holds.*' "$work/again.log" | head -c 150)"
+fi
+
+# --- SIGKILL at random moments of a run that checkpoints every step: the newest complete
+# checkpoint must always load and the run must resume from it.
+run_toml killed | sed -e 's/steps = 10/steps = 400/' -e 's/every = 3/every = 1/' > "$work/killed.toml"
+for attempt in 1 2 3 4 5; do
+  "$spindle" train --config "$work/killed.toml" $([ -e "$work/killed/latest" ] && echo --resume) > "$work/killed.log" 2>&1 &
+  pid=$!
+  sleep "0.$((RANDOM % 8 + 3))"
+  kill -9 $pid 2>/dev/null
+  wait $pid 2>/dev/null
+done
+if [ -e "$work/killed/latest" ]; then
+  if "$spindle" train --config "$work/killed.toml" --resume --stop-after 1 > "$work/after_kill.log" 2>&1; then
+    echo "sigkill: 5 kills, then $(grep -o 'resumed from .*' "$work/after_kill.log")"
+  else
+    fail "sigkill: resume after kills: $(tail -3 "$work/after_kill.log")"
+  fi
+  leftovers=$(find "$work/killed" -maxdepth 1 -name '*.tmp-*' | wc -l)
+  [ "$leftovers" -eq 0 ] || fail "sigkill: $leftovers temporary checkpoint directories left after the resume"
+else
+  fail "sigkill: no checkpoint was completed before the kills"
+fi
+
+if [ $failures -ne 0 ]; then echo "$failures training check(s) failed"; exit 1; fi
+echo "training checks passed"
