@@ -117,6 +117,23 @@ TEST(Model, InMemoryNamesLoadLikeOnDiskNames) {
   fs::remove_all(other);
 }
 
+// The vision tower and the multi-token-prediction layer (index num_hidden_layers) are ignored.
+TEST(Model, VisionAndMtpTensorsAreIgnored) {
+  const fs::path dir = fresh_dir("ignored");
+  Model saved = random_model(dir);
+  const SafetensorsReader reader = SafetensorsReader::open(dir.string());
+  NamedTensors tensors;
+  for (const std::string& name : reader.names()) tensors.emplace_back(name, reader.get(name));
+  const std::string mtp = "model.language_model.layers." + std::to_string(saved.config.num_hidden_layers);
+  tensors.emplace_back(mtp + ".eh_proj.weight", Tensor::zeros({4, 4}, DType::F32));
+  tensors.emplace_back(mtp + ".shared_head.norm.weight", Tensor::zeros({4}, DType::F32));
+  tensors.emplace_back("model.visual.blocks.0.attn.qkv.weight", Tensor::zeros({3, 3}, DType::BF16));
+  write_safetensors(dir / "model.safetensors", tensors);
+  Model loaded = load_model(dir.string(), DType::F32);
+  expect_same_weights(saved, loaded);
+  fs::remove_all(dir);
+}
+
 TEST(Model, IntegerWeightIsRejected) {
   const fs::path dir = fresh_dir("intweight");
   Model saved = random_model(dir);

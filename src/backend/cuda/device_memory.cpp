@@ -1,0 +1,100 @@
+#include "backend/cuda/device_memory.h"
+
+#include <cuda_bf16.h>
+
+#include <sstream>
+
+#include "backend/cuda/check.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+// Sizes round up to 512 bytes (the allocation granule worth matching), never to powers of two:
+// a 1.1 GB activation must not take 2 GB.
+size_t rounded(size_t bytes) { return (std::max<size_t>(bytes, 1) + 511) / 512 * 512; }
+
+}  // namespace
+
+DeviceAllocator& DeviceAllocator::instance() {
+  static DeviceAllocator allocator;
+  return allocator;
+}
+
+void* DeviceAllocator::allocate(size_t bytes, MemoryCategory category) {
+  const size_t size = rounded(bytes);
+  void* pointer = nullptr;
+  if (auto it = free_.find(size); it != free_.end()) {
+    pointer = it->second;
+    free_.erase(it);
+    cached_bytes_ -= static_cast<int64_t>(size);
+  } else {
+    cudaError_t status = cudaMalloc(&pointer, size);
+    if (status == cudaErrorMemoryAllocation && cached_bytes_ > 0) {
+      (void)cudaGetLastError();
+      empty_cache();
+      status = cudaMalloc(&pointer, size);
+    }
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail("out of device memory: could not allocate ", size, " bytes for ", memory_category_name(category), " (",
+           report(), ")");
+    }
+  }
+  live_[pointer] = {size, category};
+  const int c = static_cast<int>(category);
+  stats_.current[c] += static_cast<int64_t>(size);
+  stats_.current_total += static_cast<int64_t>(size);
+  stats_.peak[c] = std::max(stats_.peak[c], stats_.current[c]);
+  stats_.peak_total = std::max(stats_.peak_total, stats_.current_total);
+  return pointer;
+}
+
+void DeviceAllocator::release(void* pointer) {
+  auto it = live_.find(pointer);
+  check(it != live_.end(), "device release of a pointer this allocator did not give out");
+  const Block block = it->second;
+  live_.erase(it);
+  const int c = static_cast<int>(block.category);
+  stats_.current[c] -= static_cast<int64_t>(block.bytes);
+  stats_.current_total -= static_cast<int64_t>(block.bytes);
+  free_.emplace(block.bytes, pointer);
+  cached_bytes_ += static_cast<int64_t>(block.bytes);
+}
+
+void DeviceAllocator::empty_cache() {
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  for (auto& [size, pointer] : free_) SPINDLE_CUDA(cudaFree(pointer));
+  free_.clear();
+  cached_bytes_ = 0;
+}
+
+std::string DeviceAllocator::report() const {
+  std::ostringstream out;
+  out << "device memory now " << stats_.current_total << " B, peak " << stats_.peak_total << " B, cached "
+      << cached_bytes_ << " B";
+  for (int c = 0; c < kMemoryCategories; ++c) {
+    if (stats_.peak[c] == 0) continue;
+    out << "; " << memory_category_name(static_cast<MemoryCategory>(c)) << " peak " << stats_.peak[c] << " B";
+  }
+  return out.str();
+}
+
+template <class T>
+void DeviceBuffer<T>::upload(const std::vector<T>& host) {
+  check(host.size() == count_, "upload of ", host.size(), " elements into a device buffer of ", count_);
+  SPINDLE_CUDA(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+template <class T>
+std::vector<T> DeviceBuffer<T>::download() const {
+  std::vector<T> host(count_);
+  SPINDLE_CUDA(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+template class DeviceBuffer<float>;
+template class DeviceBuffer<__nv_bfloat16>;
+template class DeviceBuffer<int32_t>;
+
+}  // namespace spindle::cuda

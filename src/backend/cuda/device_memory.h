@@ -1,0 +1,70 @@
+// Device memory from one caching allocator: blocks are kept per exact size class after release
+// and reused, so steady-state training makes no cudaMalloc calls. Statistics per category
+// (weights, gradients, optimizer, activations, workspace): current, peak, cached.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+
+namespace spindle::cuda {
+
+class DeviceAllocator {
+ public:
+  static DeviceAllocator& instance();
+
+  void* allocate(size_t bytes, MemoryCategory category);
+  void release(void* pointer);
+  // Returns every cached block to the driver.
+  void empty_cache();
+
+  const MemoryStats& stats() const { return stats_; }
+  int64_t cached_bytes() const { return cached_bytes_; }
+  std::string report() const;
+
+ private:
+  struct Block {
+    size_t bytes;
+    MemoryCategory category;
+  };
+  MemoryStats stats_;
+  int64_t cached_bytes_ = 0;
+  std::map<void*, Block> live_;
+  std::multimap<size_t, void*> free_;  // by rounded size
+};
+
+// A typed device buffer owned by the caching allocator.
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(size_t count, MemoryCategory category)
+      : data_(static_cast<T*>(DeviceAllocator::instance().allocate(count * sizeof(T), category))), count_(count) {}
+  ~DeviceBuffer() {
+    if (data_) DeviceAllocator::instance().release(data_);
+  }
+  DeviceBuffer(DeviceBuffer&& other) noexcept : data_(other.data_), count_(other.count_) { other.data_ = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return count_; }
+  void upload(const std::vector<T>& host);
+  std::vector<T> download() const;
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+}  // namespace spindle::cuda

@@ -1,0 +1,44 @@
+// Fused AdamW: one pass over master, moments and gradient, writing the bf16 weight.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/check.h"
+#include "kernels/cuda/ops.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+__global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, const float* grad,
+                             __nv_bfloat16* weight, int64_t n, AdamWStep s, float step_size, float root_correction) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float p = master[i];
+    const float g = grad[i];
+    p -= s.lr * s.weight_decay * p;
+    const float m = s.beta1 * exp_avg[i] + (1.0f - s.beta1) * g;
+    const float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
+    p -= step_size * m / (sqrtf(v) / root_correction + s.eps);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    master[i] = p;
+    weight[i] = __float2bfloat16(p);
+  }
+}
+
+}  // namespace
+
+void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float* grad, __nv_bfloat16* weight,
+                  int64_t n, const AdamWStep& step, cudaStream_t stream) {
+  if (n == 0) return;
+  const double t = static_cast<double>(step.step);
+  const float step_size = static_cast<float>(step.lr / (1.0 - std::pow(static_cast<double>(step.beta1), t)));
+  const float root_correction = static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step.beta2), t)));
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
+  adamw_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(master, exp_avg, exp_avg_sq, grad, weight, n,
+                                                                      step, step_size, root_correction);
+  SPINDLE_LAUNCHED("adamw_kernel");
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,164 @@
+// Every CUDA kernel against the CPU reference on fresh random inputs: relative error within
+// bf16 bounds, no NaN, every output element written (outputs are poisoned with NaN first).
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/norms.h"
+#include "kernels/cuda/ops.h"
+
+namespace spindle::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// Fresh inputs every run (the seed is printed so a failure can be replayed).
+std::mt19937_64& rng() {
+  static std::mt19937_64 engine = [] {
+    const uint64_t seed = std::random_device{}();
+    std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
+    return std::mt19937_64(seed);
+  }();
+  return engine;
+}
+
+std::vector<float> random_floats(size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng());
+  return v;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+// The values the GPU actually sees, back in float (inputs are rounded to bf16 first).
+std::vector<float> rounded(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
+  return out;
+}
+
+template <class T>
+DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
+  DeviceBuffer<T> buffer(host.size(), category);
+  buffer.upload(host);
+  return buffer;
+}
+
+template <class T>
+DeviceBuffer<T> poisoned(size_t n) {
+  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32
+  return buffer;
+}
+
+// ||got - want|| / ||want||, and no non-finite value in `got`.
+template <class T>
+double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double g;
+    if constexpr (std::is_same_v<T, bf16>) g = __bfloat162float(got[i]);
+    else g = got[i];
+    if (!std::isfinite(g)) return INFINITY;
+    diff += (g - want[i]) * (g - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+TEST(CudaKernels, RmsNormForwardAndBackward) {
+  for (int64_t D : {64, 1000, 4096}) {
+    const int64_t rows = 333;
+    const auto x = rounded(random_floats(rows * D)), w = rounded(random_floats(D, 0.5f));
+    const auto dy = rounded(random_floats(rows * D));
+    const auto dx_gpu = [&] {
+      Stream stream;
+      auto dxb = device(to_bf16(x)), dwb = device(to_bf16(w)), dyb = device(to_bf16(dy));
+      auto y = poisoned<bf16>(rows * D), dx = poisoned<bf16>(rows * D);
+      DeviceBuffer<float> dweight(D, MemoryCategory::Gradients);
+      SPINDLE_CUDA(cudaMemset(dweight.data(), 0, D * sizeof(float)));
+      rms_norm_forward(dxb.data(), dwb.data(), y.data(), rows, D, 1e-5f, stream.get());
+      rms_norm_backward(dxb.data(), dwb.data(), dyb.data(), dx.data(), dweight.data(), rows, D, 1e-5f, stream.get());
+      stream.synchronize();
+      return std::make_tuple(y.download(), dx.download(), dweight.download());
+    }();
+    // Reference in double on the same bf16-rounded inputs.
+    std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end()), dyd(dy.begin(), dy.end());
+    std::vector<double> y_ref(rows * D), dx_ref(rows * D), dw_ref(D, 0.0);
+    cpu::rms_norm(xd.data(), wd.data(), y_ref.data(), rows, D, 1e-5);
+    cpu::rms_norm_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), rows, D, 1e-5);
+    EXPECT_LT(relative_error(std::get<0>(dx_gpu), y_ref), 8e-3) << "forward, D=" << D;
+    EXPECT_LT(relative_error(std::get<1>(dx_gpu), dx_ref), 8e-3) << "backward dx, D=" << D;
+    EXPECT_LT(relative_error(std::get<2>(dx_gpu), dw_ref), 1e-4) << "backward dweight, D=" << D;
+  }
+}
+
+TEST(CudaKernels, AdamWMatchesTheFormula) {
+  const int64_t n = 100003;
+  auto master = random_floats(n), m = random_floats(n, 0.1f), v = random_floats(n, 0.1f), g = random_floats(n);
+  for (float& x : v) x = x * x;
+  const AdamWStep s{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7};
+  Stream stream;
+  auto dmaster = device(master, MemoryCategory::Optimizer), dm = device(m, MemoryCategory::Optimizer);
+  auto dv = device(v, MemoryCategory::Optimizer), dg = device(g, MemoryCategory::Gradients);
+  auto weight = poisoned<bf16>(n);
+  adamw_update(dmaster.data(), dm.data(), dv.data(), dg.data(), weight.data(), n, s, stream.get());
+  stream.synchronize();
+  const auto got_master = dmaster.download();
+  const auto got_weight = weight.download();
+  std::vector<double> want(n);
+  for (int64_t i = 0; i < n; ++i) {
+    double p = master[i];
+    p -= 1e-3 * 0.1 * p;
+    const double mi = 0.9 * m[i] + 0.1 * g[i], vi = 0.95 * v[i] + 0.05 * double(g[i]) * g[i];
+    p -= 1e-3 / (1 - std::pow(0.9, 7)) * mi / (std::sqrt(vi) / std::sqrt(1 - std::pow(0.95, 7)) + 1e-8);
+    want[i] = p;
+  }
+  EXPECT_LT(relative_error(got_master, want), 1e-6);
+  EXPECT_LT(relative_error(got_weight, want), 4e-3);
+}
+
+TEST(CudaKernels, GemmMatchesTheCpuProduct) {
+  Gemm gemm;
+  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 64, 8}, {257, 320, 96}, {2048, 1024, 1536}}) {
+    const auto x = rounded(random_floats(M * K)), w = rounded(random_floats(N * K, 0.05f));
+    Stream stream;
+    auto dx = device(to_bf16(x)), dw = device(to_bf16(w), MemoryCategory::Weights);
+    auto y16 = poisoned<bf16>(M * N);
+    auto y32 = poisoned<float>(M * N);
+    gemm.linear(dx.data(), dw.data(), y16.data(), nullptr, M, K, N, stream.get());
+    gemm.linear(dx.data(), dw.data(), nullptr, y32.data(), M, K, N, stream.get());
+    stream.synchronize();
+    std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end()), ref(M * N);
+    cpu::linear(xd.data(), wd.data(), ref.data(), M, K, N);
+    EXPECT_LT(relative_error(y16.download(), ref), 6e-3) << M << "x" << K << "x" << N;
+    EXPECT_LT(relative_error(y32.download(), ref), 1e-4) << M << "x" << K << "x" << N;
+  }
+}
+
+TEST(CudaKernels, AllocatorCachesAndCounts) {
+  auto& allocator = DeviceAllocator::instance();
+  const int64_t before = allocator.stats().current_total;
+  {
+    DeviceBuffer<float> a(1000, MemoryCategory::Workspace);
+    EXPECT_GE(allocator.stats().current_total - before, 4000);
+  }
+  EXPECT_EQ(allocator.stats().current_total, before);
+  EXPECT_GE(allocator.cached_bytes(), 4000);
+  DeviceBuffer<float> again(1000, MemoryCategory::Workspace);  // served from the cache
+  EXPECT_GE(allocator.stats().peak[static_cast<int>(MemoryCategory::Workspace)], 4000);
+}
+
+}  // namespace
+}  // namespace spindle::cuda
