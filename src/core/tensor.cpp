@@ -55,6 +55,15 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, MemoryCategory category) {
   return t;
 }
 
+Tensor Tensor::meta(const Shape& shape, DType dtype) {
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>();
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
 Tensor Tensor::borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype) {
   Tensor t;
   t.storage_ = std::make_shared<Storage>();
@@ -80,6 +89,7 @@ std::string Tensor::describe() const { return std::string(dtype_name(dtype_)) + 
 
 void Tensor::check_access(DType requested) const {
   check(defined(), "access to an undefined tensor");
+  check(!is_meta(), "access to the data of a shape-only tensor ", describe());
   check(requested == dtype_, "tensor ", describe(), " accessed as ", dtype_name(requested));
 }
 

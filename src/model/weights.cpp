@@ -4,87 +4,95 @@ namespace spindle {
 
 namespace {
 
-Tensor make(const Shape& shape, DType dtype) { return Tensor::empty(shape, dtype, MemoryCategory::Weights); }
+// Makes the weight tensors of one model: real memory, or shapes only.
+struct WeightMaker {
+  DType dtype;
+  bool shapes_only;
+  Tensor operator()(const Shape& shape) const {
+    return shapes_only ? Tensor::meta(shape, dtype) : Tensor::empty(shape, dtype, MemoryCategory::Weights);
+  }
+};
 
-HyperConnectionWeights make_hc(const ModelConfig& c, DType dtype) {
+HyperConnectionWeights make_hc(const ModelConfig& c, const WeightMaker& make) {
   const int64_t mix = (2 + c.hc_mult) * c.hc_mult;
-  return {make({mix, c.hc_mult * c.hidden_size}, dtype), make({mix}, dtype), make({3}, dtype)};
+  return {make({mix, c.hc_mult * c.hidden_size}), make({mix}), make({3})};
 }
 
-MlpWeights make_mlp(int64_t hidden, int64_t intermediate, DType dtype) {
-  return {make({intermediate, hidden}, dtype), make({intermediate, hidden}, dtype),
-          make({hidden, intermediate}, dtype)};
+MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightMaker& make) {
+  return {make({intermediate, hidden}), make({intermediate, hidden}),
+          make({hidden, intermediate})};
 }
 
 }  // namespace
 
-ModelWeights allocate_weights(const ModelConfig& c, DType dtype) {
+ModelWeights allocate_weights(const ModelConfig& c, DType dtype, bool shapes_only) {
+  const WeightMaker make{dtype, shapes_only};
   ModelWeights w;
   w.dtype = dtype;
   const int64_t D = c.hidden_size;
-  w.embed_tokens = make({c.vocab_size, D}, dtype);
-  w.norm = make({D}, dtype);
-  w.lm_head = c.tie_word_embeddings ? w.embed_tokens : make({c.vocab_size, D}, dtype);
+  w.embed_tokens = make({c.vocab_size, D});
+  w.norm = make({D});
+  w.lm_head = c.tie_word_embeddings ? w.embed_tokens : make({c.vocab_size, D});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     LayerWeights l;
     l.attention = c.layer_types[static_cast<size_t>(i)];
     l.mlp = c.mlp_layer_types[static_cast<size_t>(i)];
-    l.attn_hc = make_hc(c, dtype);
-    l.ffn_hc = make_hc(c, dtype);
-    l.input_layernorm = make({D}, dtype);
-    l.post_attention_layernorm = make({D}, dtype);
+    l.attn_hc = make_hc(c, make);
+    l.ffn_hc = make_hc(c, make);
+    l.input_layernorm = make({D});
+    l.post_attention_layernorm = make({D});
     if (l.attention == AttentionKind::Kda) {
       const int64_t qkv = c.linear_qkv_dim(), hd = c.linear_head_dim, K = c.linear_conv_kernel_dim;
       KdaWeights& k = l.kda;
-      k.q_proj = make({qkv, D}, dtype);
-      k.k_proj = make({qkv, D}, dtype);
-      k.v_proj = make({qkv, D}, dtype);
-      k.q_conv = make({qkv, 1, K}, dtype);
-      k.k_conv = make({qkv, 1, K}, dtype);
-      k.v_conv = make({qkv, 1, K}, dtype);
-      k.f_a_proj = make({hd, D}, dtype);
-      k.f_b_proj = make({qkv, hd}, dtype);
-      k.dt_bias = make({qkv}, dtype);
-      k.A_log = make({c.linear_num_heads}, dtype);
-      k.b_proj = make({c.linear_num_heads, D}, dtype);
-      k.g_a_proj = make({hd, D}, dtype);
-      k.g_b_proj = make({qkv, hd}, dtype);
-      k.o_norm = make({hd}, dtype);
-      k.o_proj = make({D, qkv}, dtype);
+      k.q_proj = make({qkv, D});
+      k.k_proj = make({qkv, D});
+      k.v_proj = make({qkv, D});
+      k.q_conv = make({qkv, 1, K});
+      k.k_conv = make({qkv, 1, K});
+      k.v_conv = make({qkv, 1, K});
+      k.f_a_proj = make({hd, D});
+      k.f_b_proj = make({qkv, hd});
+      k.dt_bias = make({qkv});
+      k.A_log = make({c.linear_num_heads});
+      k.b_proj = make({c.linear_num_heads, D});
+      k.g_a_proj = make({hd, D});
+      k.g_b_proj = make({qkv, hd});
+      k.o_norm = make({hd});
+      k.o_proj = make({D, qkv});
     } else {
       DsaWeights& a = l.dsa;
       const int64_t H = c.num_attention_heads;
-      a.q_a_proj = make({c.q_lora_rank, D}, dtype);
-      a.q_a_layernorm = make({c.q_lora_rank}, dtype);
-      a.q_b_proj = make({H * c.qk_head_dim(), c.q_lora_rank}, dtype);
-      a.kv_a_proj = make({c.kv_lora_rank + c.qk_rope_head_dim, D}, dtype);
-      a.kv_a_layernorm = make({c.kv_lora_rank}, dtype);
-      a.kv_b_proj = make({H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, dtype);
-      a.o_proj = make({D, H * c.v_head_dim}, dtype);
+      a.q_a_proj = make({c.q_lora_rank, D});
+      a.q_a_layernorm = make({c.q_lora_rank});
+      a.q_b_proj = make({H * c.qk_head_dim(), c.q_lora_rank});
+      a.kv_a_proj = make({c.kv_lora_rank + c.qk_rope_head_dim, D});
+      a.kv_a_layernorm = make({c.kv_lora_rank});
+      a.kv_b_proj = make({H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
+      a.o_proj = make({D, H * c.v_head_dim});
       a.has_indexer = c.indexer_types[static_cast<size_t>(i)] == IndexerKind::Full;
       if (a.has_indexer) {
         IndexerWeights& x = a.indexer;
         const int64_t id = c.index_head_dim;
-        x.wq_b = make({c.index_n_heads * id, c.q_lora_rank}, dtype);
-        x.wk = make({id, D}, dtype);
-        x.k_norm_weight = make({id}, dtype);
-        x.k_norm_bias = make({id}, dtype);
-        x.weights_proj = make({c.index_n_heads, D}, dtype);
-        x.compress_ape = make({c.index_kpool, id}, dtype);
-        x.compress_gate = make({id, D}, dtype);
+        x.wq_b = make({c.index_n_heads * id, c.q_lora_rank});
+        x.wk = make({id, D});
+        x.k_norm_weight = make({id});
+        x.k_norm_bias = make({id});
+        x.weights_proj = make({c.index_n_heads, D});
+        x.compress_ape = make({c.index_kpool, id});
+        x.compress_gate = make({id, D});
       }
     }
     if (l.mlp == MlpKind::Dense) {
-      l.dense = make_mlp(D, c.intermediate_size, dtype);
+      l.dense = make_mlp(D, c.intermediate_size, make);
     } else {
       MoeWeights& m = l.moe;
       const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
-      m.router = make({E, D}, dtype);
-      m.correction_bias = make({E}, dtype);
-      m.experts_gate = make({E, I, D}, dtype);
-      m.experts_up = make({E, I, D}, dtype);
-      m.experts_down = make({E, D, I}, dtype);
-      m.shared = make_mlp(D, I * c.n_shared_experts, dtype);
+      m.router = make({E, D});
+      m.correction_bias = make({E});
+      m.experts_gate = make({E, I, D});
+      m.experts_up = make({E, I, D});
+      m.experts_down = make({E, D, I});
+      m.shared = make_mlp(D, I * c.n_shared_experts, make);
     }
     w.layers.push_back(std::move(l));
   }

@@ -109,8 +109,9 @@ struct Param {
 
 constexpr const char* kTextPrefix = "model.language_model.";
 
-// Allocates every weight of `config` (uninitialised) in `dtype`.
-ModelWeights allocate_weights(const ModelConfig& config, DType dtype);
+// Allocates every weight of `config` (uninitialised) in `dtype`. With `shapes_only`, the tensors
+// have shapes but no memory (parameter counts of models too large for this machine).
+ModelWeights allocate_weights(const ModelConfig& config, DType dtype, bool shapes_only = false);
 
 // Every parameter in on-disk order and naming. Per-expert entries are views into the 3-D
 // expert tensors. A tied lm_head is not listed (it is the embedding).

@@ -28,8 +28,8 @@ int run_info(const std::vector<std::string>& argv) {
   const std::string dir = args.required("model");
   const ModelConfig config = load_model_config(dir);
   check_supported(config);
-  // Shapes only: allocate in bf16 to keep memory small, nothing is read from the safetensors.
-  ModelWeights weights = allocate_weights(config, DType::BF16);
+  // Shapes only: no memory is taken and nothing is read from the safetensors.
+  ModelWeights weights = allocate_weights(config, DType::BF16, /*shapes_only=*/true);
   const std::vector<Param> table = parameter_table(config, weights);
 
   int64_t total = 0, buffers = 0, routed = 0;
