@@ -12,8 +12,8 @@ KernelRecord& KernelRecord::instance() {
   return record;
 }
 
-void KernelRecord::record(int64_t layer, const std::string& op, const std::string& implementation, KernelPath path,
-                          const std::string& why) {
+void KernelRecord::record(int64_t layer, const std::string& op, const std::string& implementation,
+                          KernelPath path, const std::string& why) {
   const std::string where = layer >= 0 ? "layer " + std::to_string(layer) + " " + op : op;
   if (path == KernelPath::Fallback) {
     check(!strict_, "--strict-kernels: ", where, " would run the fallback ", implementation, ": ", why);
@@ -21,7 +21,8 @@ void KernelRecord::record(int64_t layer, const std::string& op, const std::strin
   Entry& entry = entries_[{layer, op}];
   if (entry.calls == 0 && path == KernelPath::Fallback) {
     ++fallbacks_;
-    log_warn(where, " runs the FALLBACK ", implementation, " (", why, "); --strict-kernels makes this an error");
+    log_warn(where, " runs the FALLBACK ", implementation, " (", why,
+             "); --strict-kernels makes this an error");
   }
   entry.implementation = implementation;
   entry.path = path;
@@ -31,9 +32,9 @@ void KernelRecord::record(int64_t layer, const std::string& op, const std::strin
 std::string KernelRecord::report() const {
   std::ostringstream out;
   for (const auto& [key, entry] : entries_) {
-    out << (key.first >= 0 ? "layer " + std::to_string(key.first) : std::string("model")) << "  " << key.second << "  "
-        << entry.implementation << (entry.path == KernelPath::Fallback ? "  FALLBACK" : "") << "  x" << entry.calls
-        << "\n";
+    out << (key.first >= 0 ? "layer " + std::to_string(key.first) : std::string("model")) << "  "
+        << key.second << "  " << entry.implementation
+        << (entry.path == KernelPath::Fallback ? "  FALLBACK" : "") << "  x" << entry.calls << "\n";
   }
   return out.str();
 }

@@ -68,8 +68,10 @@ double relative_error(const std::vector<T>& got, const std::vector<double>& want
   double diff = 0, norm = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     double g;
-    if constexpr (std::is_same_v<T, bf16>) g = __bfloat162float(got[i]);
-    else g = got[i];
+    if constexpr (std::is_same_v<T, bf16>)
+      g = __bfloat162float(got[i]);
+    else
+      g = got[i];
     if (!std::isfinite(g)) return INFINITY;
     diff += (g - want[i]) * (g - want[i]);
     norm += want[i] * want[i];
@@ -89,7 +91,8 @@ TEST(CudaKernels, RmsNormForwardAndBackward) {
       DeviceBuffer<float> dweight(D, MemoryCategory::Gradients);
       SPINDLE_CUDA(cudaMemset(dweight.data(), 0, D * sizeof(float)));
       rms_norm_forward(dxb.data(), dwb.data(), y.data(), rows, D, 1e-5f, stream.get());
-      rms_norm_backward(dxb.data(), dwb.data(), dyb.data(), dx.data(), dweight.data(), rows, D, 1e-5f, stream.get());
+      rms_norm_backward(dxb.data(), dwb.data(), dyb.data(), dx.data(), dweight.data(), rows, D, 1e-5f,
+                        stream.get());
       stream.synchronize();
       return std::make_tuple(y.download(), dx.download(), dweight.download());
     }();
@@ -106,7 +109,8 @@ TEST(CudaKernels, RmsNormForwardAndBackward) {
 
 TEST(CudaKernels, AdamWMatchesTheFormula) {
   const int64_t n = 100003;
-  auto master = random_floats(n), m = random_floats(n, 0.1f), v = random_floats(n, 0.1f), g = random_floats(n);
+  auto master = random_floats(n), m = random_floats(n, 0.1f), v = random_floats(n, 0.1f),
+       g = random_floats(n);
   for (float& x : v) x = x * x;
   const AdamWStep s{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7};
   Stream stream;
@@ -131,7 +135,8 @@ TEST(CudaKernels, AdamWMatchesTheFormula) {
 
 TEST(CudaKernels, GemmMatchesTheCpuProduct) {
   Gemm gemm;
-  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{1, 64, 8}, {257, 320, 96}, {2048, 1024, 1536}}) {
+  for (auto [M, K, N] :
+       {std::tuple<int64_t, int64_t, int64_t>{1, 64, 8}, {257, 320, 96}, {2048, 1024, 1536}}) {
     const auto x = rounded(random_floats(M * K)), w = rounded(random_floats(N * K, 0.05f));
     Stream stream;
     auto dx = device(to_bf16(x)), dw = device(to_bf16(w), MemoryCategory::Weights);

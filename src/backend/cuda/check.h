@@ -10,11 +10,14 @@
 namespace spindle::cuda {
 
 inline void check_cuda(cudaError_t status, const char* call, const char* file, int line) {
-  if (status != cudaSuccess) fail("CUDA error ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ") in ", call, " at ", file, ":", line);
+  if (status != cudaSuccess)
+    fail("CUDA error ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ") in ", call, " at ",
+         file, ":", line);
 }
 
 inline void check_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
-  if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS error ", static_cast<int>(status), " in ", call, " at ", file, ":", line);
+  if (status != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLAS error ", static_cast<int>(status), " in ", call, " at ", file, ":", line);
 }
 
 }  // namespace spindle::cuda

@@ -37,8 +37,8 @@ void* DeviceAllocator::allocate(size_t bytes, MemoryCategory category) {
     }
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
-      fail("out of device memory: could not allocate ", size, " bytes for ", memory_category_name(category), " (",
-           report(), ")");
+      fail("out of device memory: could not allocate ", size, " bytes for ", memory_category_name(category),
+           " (", report(), ")");
     }
   }
   live_[pointer] = {size, category};

@@ -43,11 +43,14 @@ class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   DeviceBuffer(size_t count, MemoryCategory category)
-      : data_(static_cast<T*>(DeviceAllocator::instance().allocate(count * sizeof(T), category))), count_(count) {}
+      : data_(static_cast<T*>(DeviceAllocator::instance().allocate(count * sizeof(T), category))),
+        count_(count) {}
   ~DeviceBuffer() {
     if (data_) DeviceAllocator::instance().release(data_);
   }
-  DeviceBuffer(DeviceBuffer&& other) noexcept : data_(other.data_), count_(other.count_) { other.data_ = nullptr; }
+  DeviceBuffer(DeviceBuffer&& other) noexcept : data_(other.data_), count_(other.count_) {
+    other.data_ = nullptr;
+  }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
     std::swap(data_, other.data_);
     std::swap(count_, other.count_);

@@ -40,8 +40,8 @@ __global__ void rms_norm_forward_kernel(const __nv_bfloat16* x, const __nv_bfloa
 }
 
 __global__ void rms_norm_backward_kernel(const __nv_bfloat16* x, const __nv_bfloat16* weight,
-                                         const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dweight, int64_t D,
-                                         float eps) {
+                                         const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dweight,
+                                         int64_t D, float eps) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* xr = x + row * D;
@@ -64,17 +64,19 @@ __global__ void rms_norm_backward_kernel(const __nv_bfloat16* x, const __nv_bflo
 
 }  // namespace
 
-void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows, int64_t D,
-                      float eps, cudaStream_t stream) {
+void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows,
+                      int64_t D, float eps, cudaStream_t stream) {
   if (rows == 0) return;
   rms_norm_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, weight, y, D, eps);
   SPINDLE_LAUNCHED("rms_norm_forward_kernel");
 }
 
 void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,
-                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
+                       cudaStream_t stream) {
   if (rows == 0) return;
-  rms_norm_backward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, weight, dy, dx, dweight, D, eps);
+  rms_norm_backward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, weight, dy, dx, dweight,
+                                                                                 D, eps);
   SPINDLE_LAUNCHED("rms_norm_backward_kernel");
 }
 

@@ -11,12 +11,13 @@
 namespace spindle::cuda {
 
 // y = weight * x / sqrt(mean(x^2) + eps) per row of D; x, y, weight in bf16, math in fp32.
-void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows, int64_t D,
-                      float eps, cudaStream_t stream);
+void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows,
+                      int64_t D, float eps, cudaStream_t stream);
 
 // dx (bf16, written) and dweight (fp32, accumulated) of rms_norm_forward.
 void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,
-                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps, cudaStream_t stream);
+                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
+                       cudaStream_t stream);
 
 struct AdamWStep {
   float lr, beta1, beta2, eps, weight_decay;

@@ -10,7 +10,8 @@ namespace spindle::cuda {
 namespace {
 
 __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, const float* grad,
-                             __nv_bfloat16* weight, int64_t n, AdamWStep s, float step_size, float root_correction) {
+                             __nv_bfloat16* weight, int64_t n, AdamWStep s, float step_size,
+                             float root_correction) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float p = master[i];
@@ -33,11 +34,12 @@ void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float*
   if (n == 0) return;
   const double t = static_cast<double>(step.step);
   const float step_size = static_cast<float>(step.lr / (1.0 - std::pow(static_cast<double>(step.beta1), t)));
-  const float root_correction = static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step.beta2), t)));
+  const float root_correction =
+      static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step.beta2), t)));
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
-  adamw_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(master, exp_avg, exp_avg_sq, grad, weight, n,
-                                                                      step, step_size, root_correction);
+  adamw_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      master, exp_avg, exp_avg_sq, grad, weight, n, step, step_size, root_correction);
   SPINDLE_LAUNCHED("adamw_kernel");
 }
 

@@ -1,0 +1,23 @@
+// Depthwise causal convolution + SiLU (the KDA short conv) on the GPU: activations in bf16
+// [tokens, channels], weights in fp32 [channels, K] with K <= 8, math in fp32. CPU reference:
+// cpu::causal_conv_silu and cpu::causal_conv_silu_backward (kernels/cpu/kda.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace spindle::cuda {
+
+// y[t, c] = silu(sum_j w[c, j] * x[t - (K - 1) + j, c]), zeros before the first token.
+void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
+                      int64_t channels, int64_t kernel, cudaStream_t stream);
+
+// Backward: dx (bf16, written) and dw (fp32 [channels, K], accumulated: the caller zeroes it
+// once per step). dw is reduced over a tile of tokens per thread before one atomic per tap.
+void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
+                               __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
+                               cudaStream_t stream);
+
+}  // namespace spindle::cuda

@@ -1,0 +1,87 @@
+// The lm_head fused with cross-entropy, in vocabulary chunks: never an L x V logits buffer.
+//
+// hidden [L, D] bf16, head weight [V, D] bf16, targets [L] int32 (-1, or any negative value,
+// = ignored). The tokens are taken in blocks of at most `token_block` rows and, inside a block,
+// the vocabulary in chunks of at most `vocab_chunk` rows of the weight:
+//   forward:  logits[Lb, C] (fp32) = hidden_block * W_chunk^T (cuBLASLt, bf16 in, fp32 accumulate);
+//             an online max / sum-exp per row and the target's logit are kept across chunks;
+//             logprob[r] = logit[r, target[r]] - logsumexp(logits[r, :]).
+//   backward: the chunk's logits are recomputed, dlogits = (softmax - onehot) * scale in bf16,
+//             dhidden_block (fp32) += dlogits * W_chunk, dW_chunk (fp32, the caller's buffer)
+//             += dlogits^T * hidden_block; dhidden is written in bf16 after the last chunk.
+// Workspace (owned, grown on demand, category Workspace), with Lb = min(L, token_block) and
+// C = min(V, vocab_chunk):
+//   forward:  Lb*C*4 (fp32 logits) + Lb*12 bytes (running max, sum, target logit);
+//   backward: Lb*C*(4 + 2) (fp32 logits + bf16 dlogits) + Lb*D*4 (fp32 dhidden) bytes;
+//   plus cuBLASLt's own 32 MiB. Example: Lb 4096, C 16384, D 4096: 384 MiB + 64 MiB.
+// Matches cpu::target_log_probs, cpu::target_log_probs_backward and cpu::linear_backward.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/device_memory.h"
+
+namespace spindle::cuda {
+
+class LmHeadLoss {
+ public:
+  explicit LmHeadLoss(int64_t vocab_chunk = 16384, int64_t token_block = 4096);
+  ~LmHeadLoss();
+  LmHeadLoss(const LmHeadLoss&) = delete;
+  LmHeadLoss& operator=(const LmHeadLoss&) = delete;
+
+  int64_t vocab_chunk() const { return vocab_chunk_; }
+  int64_t token_block() const { return token_block_; }
+  // Device bytes forward / backward need besides cuBLASLt's workspace (see above).
+  size_t forward_workspace_bytes(int64_t L, int64_t V) const;
+  size_t backward_workspace_bytes(int64_t L, int64_t D, int64_t V) const;
+
+  // logprob [L] (fp32, written; 0 at ignored positions); lse [L] (fp32, written, may be null):
+  // each row's log-sum-exp, which backward can reuse instead of a second pass; loss (fp32
+  // device scalar, may be null): mean of -logprob over the positions not ignored (0 if none).
+  void forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
+               float* logprob, float* lse, float* loss, int64_t L, int64_t D, int64_t V, cudaStream_t stream);
+
+  // Gradients of -scale * sum_r logprob[r] (scale = 1 / number of targets for the mean loss):
+  // dhidden [L, D] bf16 written; dweight [V, D] fp32 accumulated (may be null). lse from
+  // forward; when null it is recomputed here (one more pass over the vocabulary).
+  void backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
+                const float* lse, float scale, __nv_bfloat16* dhidden, float* dweight, int64_t L, int64_t D,
+                int64_t V, cudaStream_t stream);
+
+ private:
+  void ensure_workspace(size_t bytes);
+  // out[M, N] (type out_type, ld ldc) = alpha * op(A) op(B) + beta * out, column-major view.
+  void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+              const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float beta,
+              cudaStream_t stream);
+
+  int64_t vocab_chunk_, token_block_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* cublas_workspace_ = nullptr;
+  size_t cublas_workspace_bytes_ = 32u << 20;
+  DeviceBuffer<float> workspace_;
+};
+
+// Kernels of lm_loss.cu (launch wrappers; rows of `logits` are ld floats apart).
+namespace lm_loss_detail {
+// Folds a chunk [c0, c0 + C) of rows' logits into the running max / sum-exp / target logit;
+// first: initialise; last: write lse and logprob (and the mean loss when loss is non-null
+// and this is the final token block, see forward).
+void fold_chunk(const float* logits, int64_t ld, const int32_t* target, int64_t rows, int64_t c0, int64_t C,
+                float* run_max, float* run_sum, float* target_logit, bool first, bool last, float* logprob,
+                float* lse, cudaStream_t stream);
+// dlogits[r, j] (bf16) = (exp(logits[r, j] - lse[r]) - [c0 + j == target[r]]) * scale; 0 for ignored rows.
+void softmax_grad(const float* logits, int64_t ld, const int32_t* target, const float* lse, int64_t rows,
+                  int64_t c0, int64_t C, float scale, __nv_bfloat16* dlogits, cudaStream_t stream);
+void to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
+// loss = mean of -logprob over targets >= 0 (0 when none).
+void mean_loss(const float* logprob, const int32_t* target, int64_t L, float* loss, cudaStream_t stream);
+}  // namespace lm_loss_detail
+
+}  // namespace spindle::cuda

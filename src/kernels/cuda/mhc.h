@@ -1,0 +1,44 @@
+// mHC hyper-connections on the GPU, fused per token. Streams and collapsed/sublayer activations
+// in bf16; fn [(2 + H) H, H D], base [(2 + H) H], scale [3] and the coefficients pre [tokens, H],
+// post [tokens, H], comb [tokens, H, H] in fp32; all math in fp32. H = hc_mult (1 to 8).
+// Gradients of the streams are kept in fp32 [tokens, H, D] (dstreams, dout): the residual
+// gradient is a sum over every later sublayer, and fp32 keeps it from drifting in bf16.
+// CPU reference: kernels/cpu/mhc.h (same names, same argument order).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/mhc.h"
+
+namespace spindle::cuda {
+
+// pre, post, comb (exact Sinkhorn of cpu::hc_coefficients) and collapsed = sum_h pre[h] streams[h]
+// (bf16 [tokens, D]); all written.
+void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
+                     const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
+                     cudaStream_t stream);
+
+// out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :] (bf16, written).
+void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                const float* post, const float* comb, __nv_bfloat16* out, cudaStream_t stream);
+
+// Backward of hc_combine: dstreams (fp32) accumulated; dy (bf16), d_post, d_comb (fp32) written.
+void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                         const float* post, const float* comb, const float* dout, float* dstreams,
+                         __nv_bfloat16* dy, float* d_post, float* d_comb, cudaStream_t stream);
+
+// Floats of workspace hc_coefficients_backward needs: tokens * (2 (2 + H) H + 1).
+int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s);
+
+// Backward of hc_coefficients (with the collapse): d_pre (may be null: zero), d_post, d_comb fp32,
+// d_collapsed bf16. dstreams, dfn, dbase, dscale (fp32) accumulated. `workspace` holds
+// hc_coefficients_backward_workspace(s) floats, used by this call only.
+void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
+                              const float* base, const float* scale, const float* d_pre, const float* d_post,
+                              const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
+                              float* dfn, float* dbase, float* dscale, float* workspace, cudaStream_t stream);
+
+}  // namespace spindle::cuda

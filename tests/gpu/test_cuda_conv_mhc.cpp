@@ -1,0 +1,267 @@
+// The KDA short conv and the mHC hyper-connection kernels against the CPU reference (double, on
+// the same bf16-rounded inputs), on fresh random inputs: written outputs are poisoned with NaN
+// first (every element must be written); accumulated outputs start from random values and the
+// increment (got - start) is compared with the reference.
+// Bounds: bf16 outputs 1e-2 (one bf16 rounding is ~3e-3 relative; fp32 math adds far less);
+// fp32 outputs and gradients 1e-3: the inputs are the same rounded values on both sides, so only
+// fp32 arithmetic differs (expected ~1e-6 .. 1e-5, Sinkhorn's 39 passes included); 1e-3 leaves
+// headroom for the fp32 atomics' summation order and cancellation in the small sums (dscale).
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "kernels/cpu/kda.h"
+#include "kernels/cpu/mhc.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/mhc.h"
+
+namespace spindle::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr double kBf16Bound = 1e-2;
+constexpr double kFp32Bound = 1e-3;
+
+// Fresh inputs every run (the seed is printed so a failure can be replayed).
+std::mt19937_64& rng() {
+  static std::mt19937_64 engine = [] {
+    const uint64_t seed = std::random_device{}();
+    std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
+    return std::mt19937_64(seed);
+  }();
+  return engine;
+}
+
+std::vector<float> random_floats(size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng());
+  return v;
+}
+
+std::vector<float> random_uniform(size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> uniform(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(rng());
+  return v;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+// The values the GPU actually sees, back in float (inputs are rounded to bf16 first).
+std::vector<float> rounded(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
+  return out;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+template <class T>
+DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
+  DeviceBuffer<T> buffer(host.size(), category);
+  buffer.upload(host);
+  return buffer;
+}
+
+template <class T>
+DeviceBuffer<T> poisoned(size_t n) {
+  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32
+  return buffer;
+}
+
+// ||got - want|| / ||want||, and no non-finite value in `got`.
+template <class T>
+double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double g;
+    if constexpr (std::is_same_v<T, bf16>)
+      g = __bfloat162float(got[i]);
+    else
+      g = got[i];
+    if (!std::isfinite(g)) return INFINITY;
+    diff += (g - want[i]) * (g - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// The same for an accumulated output: compares got - start with the reference increment.
+double increment_error(const std::vector<float>& got, const std::vector<float>& start,
+                       const std::vector<double>& want) {
+  std::vector<double> delta(got.size());
+  for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(start[i]);
+  return relative_error(delta, want);
+}
+
+TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
+  // (tokens, channels, K): tokens not a multiple of the 64-token tile, channels not a multiple of
+  // 128 (or of 8), fewer tokens than taps.
+  for (auto [T, C, K] : {std::tuple<int64_t, int64_t, int64_t>{1000, 256, 4},
+                         {333, 100, 3},
+                         {70, 1031, 4},
+                         {2, 64, 4},
+                         {130, 40, 8},
+                         {65, 129, 1}}) {
+    const auto x = rounded(random_floats(T * C)), dy = rounded(random_floats(T * C));
+    const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
+    Stream stream;
+    auto xb = device(to_bf16(x)), dyb = device(to_bf16(dy));
+    auto wb = device(w, MemoryCategory::Weights);
+    auto dwb = device(dw0, MemoryCategory::Gradients);
+    auto y = poisoned<bf16>(T * C), dx = poisoned<bf16>(T * C);
+    causal_conv_silu(xb.data(), wb.data(), y.data(), T, C, K, stream.get());
+    causal_conv_silu_backward(xb.data(), wb.data(), dyb.data(), dx.data(), dwb.data(), T, C, K, stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
+    std::vector<double> y_ref(T * C), dx_ref(T * C), dw_ref(C * K, 0.0);
+    cpu::causal_conv_silu(xd.data(), wd.data(), y_ref.data(), T, C, K);
+    cpu::causal_conv_silu_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), T, C, K);
+    EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "y, T=" << T << " C=" << C << " K=" << K;
+    EXPECT_LT(relative_error(dx.download(), dx_ref), kBf16Bound) << "dx, T=" << T << " C=" << C << " K=" << K;
+    EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound)
+        << "dw, T=" << T << " C=" << C << " K=" << K;
+  }
+}
+
+struct HcCase {
+  int64_t tokens, H, D;
+};
+
+// (tokens, H, D): tokens not a multiple of 64, D not a multiple of 8 or of the 256 threads.
+const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61}, {19, 8, 40}, {1, 4, 12}};
+
+cpu::HcShape shape_of(const HcCase& c) { return cpu::HcShape{c.tokens, c.H, c.D, 1e-6, 1e-6, 20}; }
+
+// Random parameters with mix logits of order one: fn ~ N(0, 1 / sqrt(H D)).
+struct HcParams {
+  std::vector<float> fn, base, scale;
+  explicit HcParams(const HcCase& c)
+      : fn(random_floats(static_cast<size_t>((2 + c.H) * c.H * c.H * c.D),
+                         1.0f / std::sqrt(float(c.H * c.D)))),
+        base(random_floats(static_cast<size_t>((2 + c.H) * c.H), 0.5f)),
+        scale(random_uniform(3, 0.3f, 1.5f)) {}
+};
+
+TEST(CudaConvMhc, HcCoefficientsForward) {
+  for (const HcCase& c : kHcCases) {
+    const cpu::HcShape s = shape_of(c);
+    const int64_t T = c.tokens, H = c.H, D = c.D;
+    const HcParams p(c);
+    const auto x = rounded(random_floats(T * H * D));
+    Stream stream;
+    auto xb = device(to_bf16(x));
+    auto fn = device(p.fn, MemoryCategory::Weights);
+    auto base = device(p.base, MemoryCategory::Weights), scale = device(p.scale, MemoryCategory::Weights);
+    auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
+    auto collapsed = poisoned<bf16>(T * D);
+    hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
+                    collapsed.data(), stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
+               scaled = to_double(p.scale);
+    std::vector<double> pre_ref(T * H), post_ref(T * H), comb_ref(T * H * H), col_ref(T * D);
+    cpu::hc_coefficients(s, xd.data(), fnd.data(), based.data(), scaled.data(), pre_ref.data(),
+                         post_ref.data(), comb_ref.data(), col_ref.data());
+    const std::string where =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    EXPECT_LT(relative_error(pre.download(), pre_ref), kFp32Bound) << "pre" << where;
+    EXPECT_LT(relative_error(post.download(), post_ref), kFp32Bound) << "post" << where;
+    EXPECT_LT(relative_error(comb.download(), comb_ref), kFp32Bound) << "comb" << where;
+    EXPECT_LT(relative_error(collapsed.download(), col_ref), kBf16Bound) << "collapsed" << where;
+  }
+}
+
+TEST(CudaConvMhc, HcCombineForwardAndBackward) {
+  for (const HcCase& c : kHcCases) {
+    const cpu::HcShape s = shape_of(c);
+    const int64_t T = c.tokens, H = c.H, D = c.D;
+    const auto x = rounded(random_floats(T * H * D)), y = rounded(random_floats(T * D));
+    const auto post = random_uniform(T * H, 0.0f, 2.0f), comb = random_uniform(T * H * H, 0.0f, 1.0f);
+    const auto dout = random_floats(T * H * D), ds0 = random_floats(T * H * D);
+    Stream stream;
+    auto xb = device(to_bf16(x)), yb = device(to_bf16(y));
+    auto postb = device(post), combb = device(comb);
+    auto doutb = device(dout, MemoryCategory::Gradients), dsb = device(ds0, MemoryCategory::Gradients);
+    auto out = poisoned<bf16>(T * H * D), dy = poisoned<bf16>(T * D);
+    auto d_post = poisoned<float>(T * H), d_comb = poisoned<float>(T * H * H);
+    hc_combine(s, xb.data(), yb.data(), postb.data(), combb.data(), out.data(), stream.get());
+    hc_combine_backward(s, xb.data(), yb.data(), postb.data(), combb.data(), doutb.data(), dsb.data(),
+                        dy.data(), d_post.data(), d_comb.data(), stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), yd = to_double(y), postd = to_double(post), combd = to_double(comb);
+    const auto doutd = to_double(dout);
+    std::vector<double> out_ref(T * H * D), ds_ref(T * H * D, 0.0), dy_ref(T * D), dpost_ref(T * H),
+        dcomb_ref(T * H * H);
+    cpu::hc_combine(s, xd.data(), yd.data(), postd.data(), combd.data(), out_ref.data());
+    cpu::hc_combine_backward(s, xd.data(), yd.data(), postd.data(), combd.data(), doutd.data(), ds_ref.data(),
+                             dy_ref.data(), dpost_ref.data(), dcomb_ref.data());
+    const std::string where =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    EXPECT_LT(relative_error(out.download(), out_ref), kBf16Bound) << "out" << where;
+    EXPECT_LT(relative_error(dy.download(), dy_ref), kBf16Bound) << "dy" << where;
+    EXPECT_LT(relative_error(d_post.download(), dpost_ref), kFp32Bound) << "d_post" << where;
+    EXPECT_LT(relative_error(d_comb.download(), dcomb_ref), kFp32Bound) << "d_comb" << where;
+    EXPECT_LT(increment_error(dsb.download(), ds0, ds_ref), kFp32Bound) << "dstreams" << where;
+  }
+}
+
+TEST(CudaConvMhc, HcCoefficientsBackward) {
+  for (const HcCase& c : kHcCases) {
+    const cpu::HcShape s = shape_of(c);
+    const int64_t T = c.tokens, H = c.H, D = c.D, M = (2 + H) * H;
+    const HcParams p(c);
+    const auto x = rounded(random_floats(T * H * D)), dcol = rounded(random_floats(T * D));
+    const auto d_pre = random_floats(T * H), d_post = random_floats(T * H), d_comb = random_floats(T * H * H);
+    const auto ds0 = random_floats(T * H * D), dfn0 = random_floats(M * H * D, 0.01f);
+    const auto dbase0 = random_floats(M), dscale0 = random_floats(3);
+    Stream stream;
+    auto xb = device(to_bf16(x)), dcolb = device(to_bf16(dcol));
+    auto fn = device(p.fn, MemoryCategory::Weights);
+    auto base = device(p.base, MemoryCategory::Weights), scale = device(p.scale, MemoryCategory::Weights);
+    auto d_preb = device(d_pre), d_postb = device(d_post), d_combb = device(d_comb);
+    auto dsb = device(ds0, MemoryCategory::Gradients), dfnb = device(dfn0, MemoryCategory::Gradients);
+    auto dbaseb = device(dbase0, MemoryCategory::Gradients),
+         dscaleb = device(dscale0, MemoryCategory::Gradients);
+    auto workspace = poisoned<float>(static_cast<size_t>(hc_coefficients_backward_workspace(s)));
+    hc_coefficients_backward(s, xb.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
+                             d_postb.data(), d_combb.data(), dcolb.data(), dsb.data(), dfnb.data(),
+                             dbaseb.data(), dscaleb.data(), workspace.data(), stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
+               scaled = to_double(p.scale);
+    const auto dpred = to_double(d_pre), dpostd = to_double(d_post), dcombd = to_double(d_comb);
+    const auto dcold = to_double(dcol);
+    std::vector<double> ds_ref(T * H * D, 0.0), dfn_ref(M * H * D, 0.0), dbase_ref(M, 0.0),
+        dscale_ref(3, 0.0);
+    cpu::hc_coefficients_backward(s, xd.data(), fnd.data(), based.data(), scaled.data(), dpred.data(),
+                                  dpostd.data(), dcombd.data(), dcold.data(), ds_ref.data(), dfn_ref.data(),
+                                  dbase_ref.data(), dscale_ref.data());
+    const std::string where =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    EXPECT_LT(increment_error(dsb.download(), ds0, ds_ref), kFp32Bound) << "dstreams" << where;
+    EXPECT_LT(increment_error(dfnb.download(), dfn0, dfn_ref), kFp32Bound) << "dfn" << where;
+    EXPECT_LT(increment_error(dbaseb.download(), dbase0, dbase_ref), kFp32Bound) << "dbase" << where;
+    EXPECT_LT(increment_error(dscaleb.download(), dscale0, dscale_ref), kFp32Bound) << "dscale" << where;
+  }
+}
+
+}  // namespace
+}  // namespace spindle::cuda

@@ -1,0 +1,341 @@
+// The chunked lm_head loss and the MoE kernels against the CPU references on fresh random
+// inputs (seed printed): inputs rounded to bf16 where the GPU stores bf16, the reference run
+// in double on those values, relative error within bf16 (or fp32) bounds, outputs poisoned
+// with NaN first so every element must be written.
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/moe.h"
+#include "kernels/cuda/lm_loss.h"
+#include "kernels/cuda/moe_ops.h"
+
+namespace spindle::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 engine = [] {
+    const uint64_t seed = std::random_device{}();
+    std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
+    return std::mt19937_64(seed);
+  }();
+  return engine;
+}
+
+std::vector<float> random_floats(size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng());
+  return v;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+std::vector<float> rounded(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
+  return out;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+template <class T>
+DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
+  DeviceBuffer<T> buffer(host.size(), category);
+  buffer.upload(host);
+  return buffer;
+}
+
+template <class T>
+DeviceBuffer<T> poisoned(size_t n) {
+  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32, -1 in int32
+  return buffer;
+}
+
+template <class T>
+double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double g;
+    if constexpr (std::is_same_v<T, bf16>)
+      g = __bfloat162float(got[i]);
+    else
+      g = got[i];
+    if (!std::isfinite(g)) return INFINITY;
+    diff += (g - want[i]) * (g - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// ---------------------------------------------------------------- lm_head + cross-entropy
+
+struct LossCase {
+  int64_t L, D, V, chunk, block;
+};
+
+TEST(CudaLossMoe, ChunkedLmHeadLossMatchesTheCpu) {
+  // V not a multiple of the chunk, L not a multiple of the token block, one chunk / one block,
+  // V below one chunk and not a multiple of 8; about 15% of the targets ignored.
+  for (const LossCase& c :
+       {LossCase{37, 64, 1000, 256, 16}, LossCase{300, 128, 5003, 1024, 128}, LossCase{5, 96, 77, 64, 8},
+        LossCase{64, 64, 100, 128, 64}, LossCase{513, 256, 32000, 8192, 200}}) {
+    const auto [L, D, V, chunk, block] = c;
+    const auto h = rounded(random_floats(L * D)),
+               w = rounded(random_floats(V * D, 2.0f / std::sqrt(float(D))));
+    std::vector<int32_t> target(L);
+    std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(V - 1));
+    std::uniform_real_distribution<double> u(0, 1);
+    int64_t valid = 0;
+    for (auto& t : target) {
+      t = u(rng()) < 0.15 ? -1 : pick(rng());
+      valid += t >= 0;
+    }
+    if (valid == 0) {
+      target[0] = 0;
+      valid = 1;
+    }
+    const float scale = 1.0f / static_cast<float>(valid);
+
+    Stream stream;
+    LmHeadLoss loss_op(chunk, block);
+    auto dh = device(to_bf16(h)), dw = device(to_bf16(w), MemoryCategory::Weights);
+    auto dt = device(target);
+    auto logprob = poisoned<float>(L), lse = poisoned<float>(L), loss = poisoned<float>(1);
+    auto dhidden = poisoned<bf16>(L * D), dhidden2 = poisoned<bf16>(L * D);
+    DeviceBuffer<float> dweight(V * D, MemoryCategory::Gradients);
+    SPINDLE_CUDA(cudaMemset(dweight.data(), 0, V * D * sizeof(float)));
+    loss_op.forward(dh.data(), dw.data(), dt.data(), logprob.data(), lse.data(), loss.data(), L, D, V,
+                    stream.get());
+    loss_op.backward(dh.data(), dw.data(), dt.data(), lse.data(), scale, dhidden.data(), dweight.data(), L, D,
+                     V, stream.get());
+    // Without the saved log-sum-exp (recomputed inside) and without the weight gradient.
+    loss_op.backward(dh.data(), dw.data(), dt.data(), nullptr, scale, dhidden2.data(), nullptr, L, D, V,
+                     stream.get());
+    stream.synchronize();
+
+    // Reference in double: the full logits, log-probs, (softmax - onehot) * scale, linear_backward.
+    const auto hd = to_double(h), wd = to_double(w);
+    std::vector<double> logits(L * V);
+    cpu::linear(hd.data(), wd.data(), logits.data(), L, D, V);
+    std::vector<int32_t> safe_target(target);
+    for (auto& t : safe_target) t = std::max(t, 0);
+    std::vector<double> lp_ref(L);
+    cpu::target_log_probs(logits.data(), safe_target.data(), lp_ref.data(), L, V);
+    double loss_ref = 0;
+    for (int64_t r = 0; r < L; ++r) {
+      if (target[r] < 0) lp_ref[r] = 0;
+      loss_ref -= lp_ref[r] / static_cast<double>(valid);
+    }
+    cpu::target_log_probs_backward(logits.data(), safe_target.data(), L, V, static_cast<double>(scale));
+    for (int64_t r = 0; r < L; ++r)
+      if (target[r] < 0) std::fill(logits.begin() + r * V, logits.begin() + (r + 1) * V, 0.0);
+    std::vector<double> dx_ref(L * D, 0.0), dw_ref(V * D, 0.0);
+    cpu::linear_backward(hd.data(), wd.data(), logits.data(), dx_ref.data(), dw_ref.data(), L, D, V);
+
+    const std::string where = "L=" + std::to_string(L) + " D=" + std::to_string(D) +
+                              " V=" + std::to_string(V) + " chunk=" + std::to_string(chunk) +
+                              " block=" + std::to_string(block);
+    EXPECT_LT(relative_error(logprob.download(), lp_ref), 1e-4) << "log-probs, " << where;
+    EXPECT_LT(relative_error(loss.download(), std::vector<double>{loss_ref}), 1e-4) << "loss, " << where;
+    const auto lp_got = logprob.download();
+    for (int64_t r = 0; r < L; ++r)
+      if (target[r] < 0) {
+        EXPECT_EQ(lp_got[r], 0.0f) << "ignored row " << r << ", " << where;
+      }
+    EXPECT_LT(relative_error(dhidden.download(), dx_ref), 8e-3) << "dhidden, " << where;
+    EXPECT_LT(relative_error(dhidden2.download(), dx_ref), 8e-3) << "dhidden (lse recomputed), " << where;
+    EXPECT_LT(relative_error(dweight.download(), dw_ref), 8e-3) << "dweight, " << where;
+  }
+}
+
+// ---------------------------------------------------------------- clamped SwiGLU
+
+TEST(CudaLossMoe, ClampedSwigluForwardAndBackward) {
+  const int64_t n = 100003;
+  const float limit = 7.0f;
+  // Wide enough that both clamps hold often; a few inputs exactly at the bounds (gradient passes there).
+  auto gate = rounded(random_floats(n, 5.0f)), up = rounded(random_floats(n, 5.0f));
+  const auto dout = rounded(random_floats(n));
+  for (int64_t i = 0; i < n; i += 997) {
+    gate[i] = limit;
+    up[i] = (i / 997) % 2 ? limit : -limit;
+  }
+  Stream stream;
+  auto dg = device(to_bf16(gate)), du = device(to_bf16(up)), dd = device(to_bf16(dout));
+  auto out = poisoned<bf16>(n), dgate = poisoned<bf16>(n), dup = poisoned<bf16>(n);
+  clamped_swiglu_forward(dg.data(), du.data(), out.data(), n, limit, stream.get());
+  clamped_swiglu_backward(dg.data(), du.data(), dd.data(), dgate.data(), dup.data(), n, limit, stream.get());
+  stream.synchronize();
+  const auto gd = to_double(gate), ud = to_double(up), dod = to_double(dout);
+  std::vector<double> out_ref(n), dgate_ref(n), dup_ref(n);
+  cpu::clamped_swiglu(gd.data(), ud.data(), out_ref.data(), n, limit);
+  cpu::clamped_swiglu_backward(gd.data(), ud.data(), dod.data(), dgate_ref.data(), dup_ref.data(), n, limit);
+  EXPECT_LT(relative_error(out.download(), out_ref), 8e-3);
+  EXPECT_LT(relative_error(dgate.download(), dgate_ref), 8e-3);
+  EXPECT_LT(relative_error(dup.download(), dup_ref), 8e-3);
+  // Zero exactly where a clamp held the input.
+  const auto dgate_got = dgate.download(), dup_got = dup.download();
+  for (int64_t i = 0; i < n; ++i) {
+    if (gate[i] > limit) {
+      EXPECT_EQ(__bfloat162float(dgate_got[i]), 0.0f) << i;
+    }
+    if (up[i] < -limit || up[i] > limit) {
+      EXPECT_EQ(__bfloat162float(dup_got[i]), 0.0f) << i;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- router
+
+// Logits and bias with well-separated choices (score + bias), so that fp32 on the GPU and
+// double on the CPU cannot order them differently: the choices of a token are a random
+// permutation of levels 0.05 + 0.9 * (rank + j) / (E + 1), j uniform in [0, 0.5), so any two
+// differ by at least 0.45 / (E + 1) (>= 1.5e-3 for E = 288); the bias is uniform in
+// [-0.04, 0.04] and the score = choice - bias lies in (0.01, 0.99). A token whose group scores
+// (sums of two choices) come within 1e-4 of each other at the cut between kept and dropped
+// groups is drawn again, so no tie or near-tie can decide the result.
+void separated_router_inputs(const cpu::RouterShape& s, std::vector<float>& logits,
+                             std::vector<float>& bias) {
+  const int64_t E = s.experts, G = s.groups, per_group = E / G;
+  // A group is scored by its two best experts (the config requires at least two per group);
+  // with one, every group would tie and the redraw below would never end.
+  ASSERT_GE(per_group, 2) << "test shape with fewer than 2 experts per group";
+  std::uniform_real_distribution<double> u(0, 1);
+  bias.resize(E);
+  for (auto& b : bias) b = static_cast<float>(-0.04 + 0.08 * u(rng()));
+  logits.resize(s.tokens * E);
+  std::vector<int64_t> rank(E);
+  std::vector<double> choice(E), group(G);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    for (bool good = false; !good;) {
+      std::iota(rank.begin(), rank.end(), int64_t{0});
+      std::shuffle(rank.begin(), rank.end(), rng());
+      for (int64_t e = 0; e < E; ++e) {
+        const double c =
+            0.05 + 0.9 * (static_cast<double>(rank[e]) + 0.5 * u(rng())) / static_cast<double>(E + 1);
+        const double score = c - bias[e];
+        logits[t * E + e] = static_cast<float>(std::log(score / (1 - score)));
+        // The choice as the stored (fp32) values give it.
+        choice[e] = 1 / (1 + std::exp(-static_cast<double>(logits[t * E + e]))) + bias[e];
+      }
+      good = true;
+      if (s.topk_groups < G) {
+        for (int64_t g = 0; g < G; ++g) {
+          std::vector<double> c(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group);
+          std::sort(c.rbegin(), c.rend());
+          group[g] = c[0] + (per_group > 1 ? c[1] : -INFINITY);
+        }
+        std::sort(group.rbegin(), group.rend());
+        good = group[s.topk_groups - 1] - group[s.topk_groups] > 1e-4;
+      }
+    }
+  }
+}
+
+TEST(CudaLossMoe, RouterMatchesTheCpuExactly) {
+  // tokens, experts, groups, topk_groups, topk, normalize, scaling
+  for (const cpu::RouterShape& s :
+       {cpu::RouterShape{100, 8, 1, 1, 2, true, 1.0}, cpu::RouterShape{257, 64, 8, 4, 6, true, 2.5},
+        cpu::RouterShape{130, 288, 1, 1, 8, true, 2.5}, cpu::RouterShape{77, 256, 8, 4, 8, true, 1.8},
+        cpu::RouterShape{50, 288, 16, 3, 8, false, 1.5}, cpu::RouterShape{33, 32, 16, 4, 4, true, 1.0},
+        cpu::RouterShape{1000, 128, 4, 2, 3, true, 2.0}}) {
+    const std::string where = "tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) +
+                              " groups " + std::to_string(s.groups) + "/" + std::to_string(s.topk_groups) +
+                              " topk " + std::to_string(s.topk);
+    const int64_t T = s.tokens, E = s.experts, K = s.topk;
+    std::vector<float> logits, bias;
+    separated_router_inputs(s, logits, bias);
+    Stream stream;
+    auto dl = device(logits), db = device(bias);
+    auto expert = poisoned<int32_t>(T * K);
+    auto weight = poisoned<float>(T * K);
+    route_tokens(s, dl.data(), db.data(), expert.data(), weight.data(), stream.get());
+    auto counts = poisoned<int32_t>(E), offsets = poisoned<int32_t>(E + 1), perm = poisoned<int32_t>(T * K);
+    ExpertPermutation permutation;
+    permutation.build(expert.data(), T * K, E, counts.data(), offsets.data(), perm.data(), stream.get());
+    stream.synchronize();
+
+    const auto ld = to_double(logits), bd = to_double(bias);
+    std::vector<int32_t> expert_ref(T * K);
+    std::vector<double> weight_ref(T * K);
+    cpu::route_tokens(s, ld.data(), bd.data(), expert_ref.data(), weight_ref.data());
+    const auto expert_got = expert.download();
+    EXPECT_EQ(expert_got, expert_ref) << "expert indices, " << where;
+    EXPECT_LT(relative_error(weight.download(), weight_ref), 1e-5) << "weights, " << where;
+
+    // Counts, offsets and the stable expert-sorted permutation, from the reference choice.
+    std::vector<int32_t> counts_ref(E, 0), offsets_ref(E + 1, 0), perm_ref(T * K);
+    for (int32_t e : expert_ref) ++counts_ref[e];
+    for (int64_t e = 0; e < E; ++e) offsets_ref[e + 1] = offsets_ref[e] + counts_ref[e];
+    std::iota(perm_ref.begin(), perm_ref.end(), 0);
+    std::stable_sort(perm_ref.begin(), perm_ref.end(),
+                     [&](int32_t a, int32_t b) { return expert_ref[a] < expert_ref[b]; });
+    EXPECT_EQ(counts.download(), counts_ref) << "counts, " << where;
+    EXPECT_EQ(offsets.download(), offsets_ref) << "offsets, " << where;
+    EXPECT_EQ(perm.download(), perm_ref) << "permutation, " << where;
+
+    // Weight backward on fresh logits (any values: the choice is given) and upstream gradients.
+    const auto logits2 = random_floats(T * E, 2.0f), dweight = random_floats(T * K);
+    auto dl2 = device(logits2), ddw = device(dweight);
+    auto dexp = device(expert_ref);
+    auto dlogits = poisoned<float>(T * E);
+    route_weights_backward(s, dl2.data(), dexp.data(), ddw.data(), dlogits.data(), stream.get());
+    stream.synchronize();
+    const auto l2d = to_double(logits2), dwd = to_double(dweight);
+    std::vector<double> dlogits_ref(T * E);
+    cpu::route_weights_backward(s, l2d.data(), expert_ref.data(), dwd.data(), dlogits_ref.data());
+    EXPECT_LT(relative_error(dlogits.download(), dlogits_ref), 1e-5) << "route_weights_backward, " << where;
+  }
+}
+
+TEST(CudaLossMoe, ExpertPermutationOnUnevenLoads) {
+  // Skewed loads (the busiest expert several times the mean) and experts with no tokens.
+  const int64_t T = 5000, K = 8, E = 288;
+  std::vector<int32_t> expert(T * K);
+  std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(E - 1)), hot(0, 7);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> row;
+    while (static_cast<int64_t>(row.size()) < K) {
+      const int32_t e = u(rng()) < 0.5 ? hot(rng()) : any(rng()) / 2 * 2;  // odd experts get none
+      if (std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
+    }
+    std::copy(row.begin(), row.end(), expert.begin() + t * K);
+  }
+  Stream stream;
+  auto dexp = device(expert);
+  auto counts = poisoned<int32_t>(E), offsets = poisoned<int32_t>(E + 1), perm = poisoned<int32_t>(T * K);
+  ExpertPermutation permutation;
+  permutation.build(dexp.data(), T * K, E, counts.data(), offsets.data(), perm.data(), stream.get());
+  stream.synchronize();
+  std::vector<int32_t> counts_ref(E, 0), offsets_ref(E + 1, 0), perm_ref(T * K);
+  for (int32_t e : expert) ++counts_ref[e];
+  for (int64_t e = 0; e < E; ++e) offsets_ref[e + 1] = offsets_ref[e] + counts_ref[e];
+  std::iota(perm_ref.begin(), perm_ref.end(), 0);
+  std::stable_sort(perm_ref.begin(), perm_ref.end(),
+                   [&](int32_t a, int32_t b) { return expert[a] < expert[b]; });
+  EXPECT_EQ(counts.download(), counts_ref);
+  EXPECT_EQ(offsets.download(), offsets_ref);
+  EXPECT_EQ(perm.download(), perm_ref);
+}
+
+}  // namespace
+}  // namespace spindle::cuda

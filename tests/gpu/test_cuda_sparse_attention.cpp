@@ -1,0 +1,259 @@
+// DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
+// sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
+// selection widths (32, 64+15, 2048+15), selections built like the indexer's; the indexer's
+// pooling (relative error) and selection (exact, on inputs built without near-ties); outputs
+// poisoned with NaN before the launch; references in double on the bf16-rounded inputs.
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "kernels/cpu/dsa.h"
+#include "kernels/cuda/indexer.h"
+#include "kernels/cuda/sparse_attention.h"
+
+namespace spindle::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 engine = [] {
+    const uint64_t seed = std::random_device{}();
+    std::printf("random seed %llu (sparse attention tests)\n", static_cast<unsigned long long>(seed));
+    return std::mt19937_64(seed);
+  }();
+  return engine;
+}
+
+std::vector<float> random_floats(size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng());
+  return v;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+std::vector<float> rounded(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
+  return out;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+template <class T>
+DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
+  DeviceBuffer<T> buffer(host.size(), category);
+  buffer.upload(host);
+  return buffer;
+}
+
+template <class T>
+DeviceBuffer<T> poisoned(size_t n) {
+  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32
+  return buffer;
+}
+
+template <class T>
+double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double g;
+    if constexpr (std::is_same_v<T, bf16>)
+      g = __bfloat162float(got[i]);
+    else
+      g = got[i];
+    if (!std::isfinite(g)) return INFINITY;
+    diff += (g - want[i]) * (g - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// Selections like the indexer's: distinct indices <= t, -1 for unused slots. Rows vary: full
+// (min(t + 1, width) indices), a single index (every 7th row), one row with none (t = 2), random
+// counts; half the rows compact and ascending with -1 padding at the end (the indexer's layout),
+// half scattered over the slots.
+std::vector<int32_t> make_selection(int64_t L, int64_t width) {
+  std::vector<int32_t> sel(static_cast<size_t>(L * width), -1);
+  std::vector<int32_t> candidates, slots(static_cast<size_t>(width));
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t most = std::min<int64_t>(t + 1, width);
+    int64_t n;
+    if (t == 2)
+      n = 0;
+    else if (t % 7 == 3)
+      n = 1;
+    else if (t % 3 == 0)
+      n = most;
+    else
+      n = std::uniform_int_distribution<int64_t>(1, most)(rng());
+    candidates.resize(static_cast<size_t>(t + 1));
+    std::iota(candidates.begin(), candidates.end(), 0);
+    for (int64_t i = 0; i < n; ++i)
+      std::swap(candidates[static_cast<size_t>(i)],
+                candidates[static_cast<size_t>(std::uniform_int_distribution<int64_t>(i, t)(rng()))]);
+    int32_t* row = sel.data() + t * width;
+    if (t % 2 == 0) {
+      std::sort(candidates.begin(), candidates.begin() + n);
+      std::copy(candidates.begin(), candidates.begin() + n, row);
+    } else {
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng());
+      for (int64_t i = 0; i < n; ++i) row[slots[static_cast<size_t>(i)]] = candidates[static_cast<size_t>(i)];
+    }
+  }
+  return sel;
+}
+
+TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
+  struct Case {
+    int64_t dqk, dv, width, tokens, heads;
+  };
+  const Case cases[] = {
+      {16, 16, 32, 300, 3},   {16, 16, 79, 300, 5},   {16, 16, 2063, 2100, 2},
+      {192, 128, 32, 200, 3}, {192, 128, 79, 300, 2}, {192, 128, 2063, 2100, 1},
+      {256, 256, 32, 200, 2}, {256, 256, 79, 200, 2}, {256, 256, 2063, 2080, 1},
+  };
+  for (const Case& c : cases) {
+    const int64_t L = c.tokens, H = c.heads;
+    const cpu::SparseAttentionShape s{L,    H,       c.dqk,
+                                      c.dv, c.width, 1.0 / std::sqrt(static_cast<double>(c.dqk))};
+    const auto q = rounded(random_floats(L * H * c.dqk)), kv = rounded(random_floats(L * H * (c.dqk + c.dv)));
+    const auto dout = rounded(random_floats(L * H * c.dv));
+    const auto dkv0 = random_floats(L * H * (c.dqk + c.dv), 0.1f);  // dkv accumulates onto this
+    const auto sel = make_selection(L, c.width);
+
+    Stream stream;
+    auto dq_in = device(to_bf16(q)), dkv_in = device(to_bf16(kv)), ddout = device(to_bf16(dout));
+    auto dsel = device(sel);
+    auto out = poisoned<bf16>(L * H * c.dv), dq = poisoned<bf16>(L * H * c.dqk);
+    auto dkv = device(dkv0, MemoryCategory::Gradients);
+    sparse_attention_forward(s, dq_in.data(), dkv_in.data(), dsel.data(), out.data(), stream.get());
+    sparse_attention_backward(s, dq_in.data(), dkv_in.data(), dsel.data(), ddout.data(), dq.data(),
+                              dkv.data(), stream.get());
+    stream.synchronize();
+
+    const auto qd = widen(q), kvd = widen(kv), doutd = widen(dout);
+    std::vector<double> out_ref(static_cast<size_t>(L * H * c.dv)),
+        dq_ref(static_cast<size_t>(L * H * c.dqk));
+    std::vector<double> dkv_ref = widen(dkv0);
+    cpu::sparse_attention<double>(s, qd.data(), kvd.data(), sel.data(), out_ref.data());
+    cpu::sparse_attention_backward<double>(s, qd.data(), kvd.data(), sel.data(), doutd.data(), dq_ref.data(),
+                                           dkv_ref.data());
+    const std::string what = "dqk " + std::to_string(c.dqk) + " dv " + std::to_string(c.dv) + " width " +
+                             std::to_string(c.width) + " tokens " + std::to_string(L) + " heads " +
+                             std::to_string(H);
+    // bf16 outputs: one rounding (~2^-9 relative) on top of fp32 arithmetic; dkv stays fp32.
+    EXPECT_LT(relative_error(out.download(), out_ref), 8e-3) << "out, " << what;
+    EXPECT_LT(relative_error(dq.download(), dq_ref), 8e-3) << "dq, " << what;
+    EXPECT_LT(relative_error(dkv.download(), dkv_ref), 1e-4) << "dkv, " << what;
+  }
+}
+
+TEST(CudaIndexer, PoolKeysMatchTheCpu) {
+  for (auto [L, d, kp] : {std::tuple<int64_t, int64_t, int64_t>{1000, 64, 4}, {1027, 128, 16}, {37, 32, 1}}) {
+    const cpu::IndexerShape s{L, 1, d, kp, 0, false};
+    const auto keys = rounded(random_floats(L * d)), gate = rounded(random_floats(L * d)),
+               ape = rounded(random_floats(kp * d, 0.5f));
+    Stream stream;
+    auto dk = device(to_bf16(keys)), dg = device(to_bf16(gate)), da = device(to_bf16(ape));
+    auto pooled = poisoned<bf16>(s.complete_pools() * d);
+    indexer_pool_keys(s, dk.data(), dg.data(), da.data(), pooled.data(), stream.get());
+    stream.synchronize();
+    const auto kd = widen(keys), gd = widen(gate), ad = widen(ape);
+    std::vector<double> ref(static_cast<size_t>(s.complete_pools() * d));
+    cpu::indexer_pool_keys<double>(s, kd.data(), gd.data(), ad.data(), ref.data());
+    EXPECT_LT(relative_error(pooled.download(), ref), 8e-3) << "L " << L << " d " << d << " kpool " << kp;
+  }
+}
+
+// Selection must match the CPU exactly, so the inputs have no near-ties by construction: every
+// pooled key is a_p * v with v[c] in {+-1, +-0.5, +-0.25} and a_p = bf16(2^u), u uniform in [-3, 3]
+// (so a_p * v is exact in bf16), every head weight is positive, and each query head has
+// |q_h . v| >= 0.5 (all heads positive but the last, which is negative and so cut by the relu).
+// Then score_p = a_p * C_t with C_t > 0 in exact arithmetic: distinct a_p differ by at least one
+// bf16 step (2^-8 relative), far above fp32 rounding of the dot products (~1e-5 here), and
+// equal a_p give bit-identical rows and scores on both sides: exact ties (there are many among
+// ~768 distinct values), which test the ties-to-the-lower-pool rule.
+TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
+  struct Case {
+    int64_t tokens, heads, head_dim, kpool, topk;
+    bool tail;
+    int64_t query_block;  // workspace rows: several launches per call
+  };
+  const Case cases[] = {{1500, 4, 64, 4, 64, true, 300},
+                        {4099, 4, 64, 4, 2048, true, 1000},
+                        {777, 3, 32, 16, 128, false, 100},
+                        {500, 2, 64, 1, 32, true, 64},
+                        {50, 2, 32, 4, 64, true, 7}};
+  for (const Case& c : cases) {
+    const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
+    const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools();
+    std::vector<float> v(static_cast<size_t>(d));
+    const float magnitudes[] = {1.0f, 0.5f, 0.25f};
+    for (float& x : v)
+      x = magnitudes[std::uniform_int_distribution<int>(0, 2)(rng())] *
+          (std::uniform_int_distribution<int>(0, 1)(rng()) ? 1.0f : -1.0f);
+    std::vector<float> pool_keys(static_cast<size_t>(P * d));
+    std::uniform_real_distribution<float> exponent(-3.0f, 3.0f);
+    for (int64_t p = 0; p < P; ++p) {
+      const float a = __bfloat162float(__float2bfloat16(std::exp2(exponent(rng()))));
+      for (int64_t ch = 0; ch < d; ++ch) pool_keys[p * d + ch] = a * v[ch];
+    }
+    std::vector<float> q(static_cast<size_t>(L * H * d)), w(static_cast<size_t>(L * H));
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float* qh = q.data() + (t * H + h) * d;
+        double dot = 0;
+        do {
+          const auto r = rounded(random_floats(d));
+          std::copy(r.begin(), r.end(), qh);
+          dot = 0;
+          for (int64_t ch = 0; ch < d; ++ch) dot += double(qh[ch]) * v[ch];
+        } while (std::abs(dot) < 0.5);
+        if ((dot < 0) != (h == H - 1))
+          for (int64_t ch = 0; ch < d; ++ch) qh[ch] = -qh[ch];
+        w[t * H + h] = __bfloat162float(__float2bfloat16(std::abs(random_floats(1)[0]) + 0.1f));
+      }
+    Stream stream;
+    auto dq = device(to_bf16(q)), dk = device(to_bf16(pool_keys)), dw = device(to_bf16(w));
+    auto sel = poisoned<int32_t>(L * s.width());
+    const size_t workspace_bytes = indexer_select_workspace_bytes(s, c.query_block);
+    DeviceBuffer<float> workspace(std::max<size_t>(workspace_bytes / sizeof(float), 1),
+                                  MemoryCategory::Workspace);
+    indexer_select(s, dq.data(), dk.data(), dw.data(), sel.data(), workspace.data(), workspace_bytes,
+                   stream.get());
+    stream.synchronize();
+    const auto qd = widen(q), kd = widen(pool_keys), wd = widen(w);
+    std::vector<int32_t> ref(static_cast<size_t>(L * s.width()));
+    cpu::indexer_select<double>(s, qd.data(), kd.data(), wd.data(), ref.data());
+    const auto got = sel.download();
+    int64_t mismatched_rows = 0, first = -1;
+    for (int64_t t = 0; t < L; ++t)
+      if (!std::equal(got.begin() + t * s.width(), got.begin() + (t + 1) * s.width(),
+                      ref.begin() + t * s.width())) {
+        if (first < 0) first = t;
+        ++mismatched_rows;
+      }
+    EXPECT_EQ(mismatched_rows, 0) << "tokens " << L << " kpool " << c.kpool << " topk " << c.topk << " tail "
+                                  << c.tail << ": first mismatched query " << first;
+  }
+}
+
+}  // namespace
+}  // namespace spindle::cuda
