@@ -101,10 +101,16 @@ fi
 # --- SIGKILL at random moments of a run that checkpoints every step: the newest complete
 # checkpoint must always load and the run must resume from it.
 run_toml killed | sed -e 's/steps = 10/steps = 400/' -e 's/every = 3/every = 1/' > "$work/killed.toml"
+# First let one checkpoint complete (however loaded the machine is), then kill at random moments.
+"$spindle" train --config "$work/killed.toml" > "$work/killed.log" 2>&1 &
+pid=$!
+for _ in $(seq 600); do [ -e "$work/killed/latest" ] && break; sleep 0.1; done
+kill -9 $pid 2>/dev/null
+wait $pid 2>/dev/null
 for attempt in 1 2 3 4 5; do
-  "$spindle" train --config "$work/killed.toml" $([ -e "$work/killed/latest" ] && echo --resume) > "$work/killed.log" 2>&1 &
+  "$spindle" train --config "$work/killed.toml" --resume > "$work/killed.log" 2>&1 &
   pid=$!
-  sleep "0.$((RANDOM % 8 + 3))"
+  sleep "0.$((RANDOM % 8 + 2))"
   kill -9 $pid 2>/dev/null
   wait $pid 2>/dev/null
 done

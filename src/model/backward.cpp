@@ -84,19 +84,10 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
         dtype_name(g.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
-  check(L >= 2, "a training sequence needs at least 2 tokens, got ", L);
-  for (int64_t i = 0; i < L; ++i) {
-    const int32_t id = tokens[static_cast<size_t>(i)];
-    check(id >= 0 && id < V, "token id ", id, " at position ", i, " is outside the vocabulary [0, ", V, ")");
-  }
+  check_sequence(tokens, V);
 
   // Forward, keeping the input of every residual site and every DSA layer's selection.
-  std::vector<T> streams(static_cast<size_t>(L * H * D));
-  const T* embed = w.embed_tokens.data<T>();
-  for (int64_t t = 0; t < L; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      std::copy(embed + tokens[static_cast<size_t>(t)] * D, embed + (tokens[static_cast<size_t>(t)] + 1) * D,
-                streams.begin() + (t * H + h) * D);
+  std::vector<T> streams = embedded_streams<T>(c, w, tokens);
   const size_t layers = w.layers.size();
   std::vector<std::vector<T>> site_inputs(2 * layers);
   std::vector<std::vector<int32_t>> selections(layers);

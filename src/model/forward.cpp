@@ -17,19 +17,8 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
         dtype_name(w.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
-  check(L >= 2, "a sequence needs at least 2 tokens to have next-token log-probs, got ", L);
-  for (int64_t i = 0; i < L; ++i) {
-    const int32_t id = tokens[static_cast<size_t>(i)];
-    check(id >= 0 && id < V, "token id ", id, " at position ", i, " is outside the vocabulary [0, ", V, ")");
-  }
-
-  // Every stream starts as the token embedding.
-  std::vector<T> streams(static_cast<size_t>(L * H * D));
-  const T* embed = w.embed_tokens.data<T>();
-  for (int64_t t = 0; t < L; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      std::copy(embed + tokens[static_cast<size_t>(t)] * D, embed + (tokens[static_cast<size_t>(t)] + 1) * D,
-                streams.begin() + (t * H + h) * D);
+  check_sequence(tokens, V);
+  std::vector<T> streams = embedded_streams<T>(c, w, tokens);
 
   std::vector<int32_t> selection;  // the last DSA selection, for a following shared layer
   for (size_t i = 0; i < w.layers.size(); ++i) {

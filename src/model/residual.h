@@ -3,6 +3,7 @@
 //   streams' = post * y + comb^T streams
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -12,6 +13,30 @@
 #include "model/weights.h"
 
 namespace spindle {
+
+// Token ids must index the vocabulary; a sequence needs two tokens for one prediction.
+inline void check_sequence(const std::vector<int32_t>& tokens, int64_t vocab) {
+  check(tokens.size() >= 2, "a sequence needs at least 2 tokens to have a next-token loss, got ",
+        tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    check(tokens[i] >= 0 && tokens[i] < vocab, "token id ", tokens[i], " at position ", i,
+          " is outside the vocabulary [0, ", vocab, ")");
+  }
+}
+
+// The residual streams at the model's entry: every stream is the token's embedding row.
+template <class T>
+std::vector<T> embedded_streams(const ModelConfig& c, const ModelWeights& w,
+                                const std::vector<int32_t>& tokens) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  std::vector<T> streams(tokens.size() * static_cast<size_t>(H * D));
+  const T* embed = w.embed_tokens.data<T>();
+  for (size_t t = 0; t < tokens.size(); ++t)
+    for (int64_t h = 0; h < H; ++h)
+      std::copy(embed + tokens[t] * D, embed + (tokens[t] + 1) * D,
+                streams.begin() + (static_cast<int64_t>(t) * H + h) * D);
+  return streams;
+}
 
 inline cpu::HcShape hc_shape(const ModelConfig& c, int64_t tokens) {
   return {tokens, c.hc_mult, c.hidden_size, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};

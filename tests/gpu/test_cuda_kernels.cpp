@@ -9,75 +9,13 @@
 
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/stream.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norms.h"
 #include "kernels/cuda/ops.h"
 
 namespace spindle::cuda {
 namespace {
-
-using bf16 = __nv_bfloat16;
-
-// Fresh inputs every run (the seed is printed so a failure can be replayed).
-std::mt19937_64& rng() {
-  static std::mt19937_64 engine = [] {
-    const uint64_t seed = std::random_device{}();
-    std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
-    return std::mt19937_64(seed);
-  }();
-  return engine;
-}
-
-std::vector<float> random_floats(size_t n, float scale = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng());
-  return v;
-}
-
-std::vector<bf16> to_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
-  return out;
-}
-
-// The values the GPU actually sees, back in float (inputs are rounded to bf16 first).
-std::vector<float> rounded(const std::vector<float>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
-  return out;
-}
-
-template <class T>
-DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
-  DeviceBuffer<T> buffer(host.size(), category);
-  buffer.upload(host);
-  return buffer;
-}
-
-template <class T>
-DeviceBuffer<T> poisoned(size_t n) {
-  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
-  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32
-  return buffer;
-}
-
-// ||got - want|| / ||want||, and no non-finite value in `got`.
-template <class T>
-double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    double g;
-    if constexpr (std::is_same_v<T, bf16>)
-      g = __bfloat162float(got[i]);
-    else
-      g = got[i];
-    if (!std::isfinite(g)) return INFINITY;
-    diff += (g - want[i]) * (g - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
 
 TEST(CudaKernels, RmsNormForwardAndBackward) {
   for (int64_t D : {64, 1000, 4096}) {

@@ -15,74 +15,13 @@
 
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/stream.h"
+#include "gpu_test_util.h"
 #include "kernels/cpu/dsa.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/sparse_attention.h"
 
 namespace spindle::cuda {
 namespace {
-
-using bf16 = __nv_bfloat16;
-
-std::mt19937_64& rng() {
-  static std::mt19937_64 engine = [] {
-    const uint64_t seed = std::random_device{}();
-    std::printf("random seed %llu (sparse attention tests)\n", static_cast<unsigned long long>(seed));
-    return std::mt19937_64(seed);
-  }();
-  return engine;
-}
-
-std::vector<float> random_floats(size_t n, float scale = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng());
-  return v;
-}
-
-std::vector<bf16> to_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
-  return out;
-}
-
-std::vector<float> rounded(const std::vector<float>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(__float2bfloat16(v[i]));
-  return out;
-}
-
-std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
-
-template <class T>
-DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
-  DeviceBuffer<T> buffer(host.size(), category);
-  buffer.upload(host);
-  return buffer;
-}
-
-template <class T>
-DeviceBuffer<T> poisoned(size_t n) {
-  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
-  SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));  // NaN in bf16 and fp32
-  return buffer;
-}
-
-template <class T>
-double relative_error(const std::vector<T>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    double g;
-    if constexpr (std::is_same_v<T, bf16>)
-      g = __bfloat162float(got[i]);
-    else
-      g = got[i];
-    if (!std::isfinite(g)) return INFINITY;
-    diff += (g - want[i]) * (g - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
 
 // Selections like the indexer's: distinct indices <= t, -1 for unused slots. Rows vary: full
 // (min(t + 1, width) indices), a single index (every 7th row), one row with none (t = 2), random
@@ -148,10 +87,10 @@ TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
                               dkv.data(), stream.get());
     stream.synchronize();
 
-    const auto qd = widen(q), kvd = widen(kv), doutd = widen(dout);
+    const auto qd = to_double(q), kvd = to_double(kv), doutd = to_double(dout);
     std::vector<double> out_ref(static_cast<size_t>(L * H * c.dv)),
         dq_ref(static_cast<size_t>(L * H * c.dqk));
-    std::vector<double> dkv_ref = widen(dkv0);
+    std::vector<double> dkv_ref = to_double(dkv0);
     cpu::sparse_attention<double>(s, qd.data(), kvd.data(), sel.data(), out_ref.data());
     cpu::sparse_attention_backward<double>(s, qd.data(), kvd.data(), sel.data(), doutd.data(), dq_ref.data(),
                                            dkv_ref.data());
@@ -175,7 +114,7 @@ TEST(CudaIndexer, PoolKeysMatchTheCpu) {
     auto pooled = poisoned<bf16>(s.complete_pools() * d);
     indexer_pool_keys(s, dk.data(), dg.data(), da.data(), pooled.data(), stream.get());
     stream.synchronize();
-    const auto kd = widen(keys), gd = widen(gate), ad = widen(ape);
+    const auto kd = to_double(keys), gd = to_double(gate), ad = to_double(ape);
     std::vector<double> ref(static_cast<size_t>(s.complete_pools() * d));
     cpu::indexer_pool_keys<double>(s, kd.data(), gd.data(), ad.data(), ref.data());
     EXPECT_LT(relative_error(pooled.download(), ref), 8e-3) << "L " << L << " d " << d << " kpool " << kp;
@@ -239,7 +178,7 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     indexer_select(s, dq.data(), dk.data(), dw.data(), sel.data(), workspace.data(), workspace_bytes,
                    stream.get());
     stream.synchronize();
-    const auto qd = widen(q), kd = widen(pool_keys), wd = widen(w);
+    const auto qd = to_double(q), kd = to_double(pool_keys), wd = to_double(w);
     std::vector<int32_t> ref(static_cast<size_t>(L * s.width()));
     cpu::indexer_select<double>(s, qd.data(), kd.data(), wd.data(), ref.data());
     const auto got = sel.download();
