@@ -82,6 +82,33 @@ void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const
   });
 }
 
+namespace {
+
+// Attention probabilities of query head (t, h) over its selected slots, normalised, into p
+// (unused slots untouched). The one softmax the forward, the backward and the indexer target share.
+template <class T>
+void selected_softmax(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* idx, int64_t t,
+                      int64_t h, T* p) {
+  const int64_t H = s.heads, dq = s.qk_dim, stride = s.qk_dim + s.v_dim;
+  const T* qh = q + (t * H + h) * dq;
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < s.width; ++i) {
+    if (idx[i] < 0) continue;
+    const T* k = kv + (idx[i] * H + h) * stride;
+    T dot = 0;
+    for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
+    p[i] = dot * T(s.scale);
+    mx = std::max(mx, p[i]);
+  }
+  T sum = 0;
+  for (int64_t i = 0; i < s.width; ++i)
+    if (idx[i] >= 0) sum += (p[i] = std::exp(p[i] - mx));
+  for (int64_t i = 0; i < s.width; ++i)
+    if (idx[i] >= 0) p[i] /= sum;
+}
+
+}  // namespace
+
 template <class T>
 void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
                       T* out) {
@@ -91,26 +118,12 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
     for (int64_t t = begin; t < end; ++t) {
       const int32_t* idx = selected + t * s.width;
       for (int64_t h = 0; h < H; ++h) {
-        const T* qh = q + (t * H + h) * dq;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t i = 0; i < s.width; ++i) {
-          if (idx[i] < 0) continue;
-          const T* k = kv + (idx[i] * H + h) * stride;
-          T dot = 0;
-          for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
-          p[static_cast<size_t>(i)] = dot * T(s.scale);
-          mx = std::max(mx, p[static_cast<size_t>(i)]);
-        }
-        T sum = 0;
-        for (int64_t i = 0; i < s.width; ++i) {
-          if (idx[i] < 0) continue;
-          sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
-        }
+        selected_softmax(s, q, kv, idx, t, h, p.data());
         T* o = out + (t * H + h) * dv;
         for (int64_t c = 0; c < dv; ++c) o[c] = 0;
         for (int64_t i = 0; i < s.width; ++i) {
           if (idx[i] < 0) continue;
-          const T w = p[static_cast<size_t>(i)] / sum;
+          const T w = p[static_cast<size_t>(i)];
           const T* v = kv + (idx[i] * H + h) * stride + dq;
           for (int64_t c = 0; c < dv; ++c) o[c] += w * v[c];
         }
@@ -131,22 +144,10 @@ void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const 
         const int32_t* idx = selected + t * s.width;
         const T* qh = q + (t * H + h) * dqk;
         const T* go = dout + (t * H + h) * dv;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t i = 0; i < s.width; ++i) {
-          if (idx[i] < 0) continue;
-          const T* k = kv + (idx[i] * H + h) * stride;
-          T dot = 0;
-          for (int64_t c = 0; c < dqk; ++c) dot += qh[c] * k[c];
-          p[static_cast<size_t>(i)] = dot * T(s.scale);
-          mx = std::max(mx, p[static_cast<size_t>(i)]);
-        }
-        T sum = 0;
-        for (int64_t i = 0; i < s.width; ++i)
-          if (idx[i] >= 0) sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
+        selected_softmax(s, q, kv, idx, t, h, p.data());
         T weighted = 0;  // sum_s p_s dp_s
         for (int64_t i = 0; i < s.width; ++i) {
           if (idx[i] < 0) continue;
-          p[static_cast<size_t>(i)] /= sum;
           const T* v = kv + (idx[i] * H + h) * stride + dqk;
           T d = 0;
           for (int64_t c = 0; c < dv; ++c) d += go[c] * v[c];
@@ -175,29 +176,16 @@ void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const 
 template <class T>
 void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
                     T* mass) {
-  const int64_t H = s.heads, dq = s.qk_dim, stride = s.qk_dim + s.v_dim;
   parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> p(static_cast<size_t>(s.width));
     for (int64_t t = begin; t < end; ++t) {
       const int32_t* idx = selected + t * s.width;
       T* m = mass + t * s.width;
       std::fill(m, m + s.width, T(0));
-      for (int64_t h = 0; h < H; ++h) {
-        const T* qh = q + (t * H + h) * dq;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t i = 0; i < s.width; ++i) {
-          if (idx[i] < 0) continue;
-          const T* k = kv + (idx[i] * H + h) * stride;
-          T dot = 0;
-          for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
-          p[static_cast<size_t>(i)] = dot * T(s.scale);
-          mx = std::max(mx, p[static_cast<size_t>(i)]);
-        }
-        T sum = 0;
+      for (int64_t h = 0; h < s.heads; ++h) {
+        selected_softmax(s, q, kv, idx, t, h, p.data());
         for (int64_t i = 0; i < s.width; ++i)
-          if (idx[i] >= 0) sum += (p[static_cast<size_t>(i)] = std::exp(p[static_cast<size_t>(i)] - mx));
-        for (int64_t i = 0; i < s.width; ++i)
-          if (idx[i] >= 0) m[i] += p[static_cast<size_t>(i)] / sum;
+          if (idx[i] >= 0) m[i] += p[static_cast<size_t>(i)];
       }
     }
   });
