@@ -23,7 +23,7 @@ T dot(const T* a, const T* b, int64_t n) {
   return (s0 + s1) + (s2 + s3);
 }
 
-template <class T, bool kAccumulate>
+template <class T>
 void linear_impl(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
   // Blocks of rows times blocks of weight rows keep both operands in cache.
   constexpr int64_t kRows = 32, kCols = 64;
@@ -35,13 +35,7 @@ void linear_impl(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
         for (int64_t r = r0; r < r1; ++r) {
           const T* xr = x + r * K;
           T* yr = y + r * N;
-          for (int64_t c = c0; c < c1; ++c) {
-            const T v = dot(xr, w + c * K, K);
-            if constexpr (kAccumulate)
-              yr[c] += v;
-            else
-              yr[c] = v;
-          }
+          for (int64_t c = c0; c < c1; ++c) yr[c] = dot(xr, w + c * K, K);
         }
       }
     }
@@ -52,12 +46,7 @@ void linear_impl(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) 
 
 template <class T>
 void linear(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
-  linear_impl<T, false>(x, w, y, M, K, N);
-}
-
-template <class T>
-void linear_accumulate(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N) {
-  linear_impl<T, true>(x, w, y, M, K, N);
+  linear_impl<T>(x, w, y, M, K, N);
 }
 
 template <class T>
@@ -95,8 +84,6 @@ void linear_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t 
 
 template void linear<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
 template void linear<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
-template void linear_accumulate<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
-template void linear_accumulate<double>(const double*, const double*, double*, int64_t, int64_t, int64_t);
 template void linear_backward<float>(const float*, const float*, const float*, float*, float*, int64_t,
                                      int64_t, int64_t);
 template void linear_backward<double>(const double*, const double*, const double*, double*, double*, int64_t,

@@ -1,0 +1,42 @@
+// Kimi Delta Attention (the gated delta rule) on the GPU, chunked over C = 64 tokens. CPU
+// reference: cpu::kda_recurrence and cpu::kda_recurrence_backward (kernels/cpu/kda.h); the
+// chunked restatement implemented here is test KdaRecurrenceMatchesChunkedForm
+// (tests/unit/test_kernels.cpp). Activations bf16, log decays, betas, states and all math fp32.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace spindle::cuda {
+
+constexpr int64_t kKdaChunk = 64;   // tokens per chunk
+constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
+
+inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }
+
+// Forward from a zero initial state. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k
+// l2-normalised); v: [tokens, heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta:
+// [tokens, heads]; out: [tokens, heads, dv]. chunk_states: fp32 [chunks + 1, heads, dk, dv], the
+// state entering each chunk (entry 0 is zero, entry `chunks` the final state), kept for the
+// backward.
+void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
+                         const float* beta, __nv_bfloat16* out, float* chunk_states, int64_t tokens,
+                         int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
+
+// fp32 scratch the backward needs: heads x (C + 1) states of dk x dv.
+inline int64_t kda_backward_workspace_floats(int64_t heads, int64_t dk, int64_t dv) {
+  return heads * (kKdaChunk + 1) * dk * dv;
+}
+
+// Backward from chunk_states (as kda_chunked_forward wrote them) and dout (bf16 [tokens, heads,
+// dv]); no gradient flows into the final state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32
+// [tokens, heads, dv]; dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; all written.
+// workspace: kda_backward_workspace_floats(heads, dk, dv) floats.
+void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
+                          const float* beta, const __nv_bfloat16* dout, const float* chunk_states, float* dq,
+                          float* dk_out, float* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
+                          int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
+
+}  // namespace spindle::cuda
