@@ -39,8 +39,7 @@ constexpr int kC = static_cast<int>(kKdaChunk);
 
 size_t forward_smem_bytes(int dk, int dv) {
   const int kp = dk + 1;  // padded row stride of the [C, dk] tiles: conflict-free column walks
-  return sizeof(float) *
-         static_cast<size_t>(dk * dv + 3 * kC * kp + kC * dv + 2 * kC * kC + kC + dk);
+  return sizeof(float) * static_cast<size_t>(dk * dv + 3 * kC * kp + kC * dv + 2 * kC * kC + kC + dk);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -50,23 +49,23 @@ __global__ void __launch_bounds__(kThreads)
                        float* __restrict__ chunk_states, int64_t tokens, int heads, int dk, int dv) {
   extern __shared__ float smem[];
   const int h = blockIdx.x, tid = threadIdx.x, kp = dk + 1, SS = dk * dv;
-  float* S = smem;             // [dk, dv]
-  float* kb = S + SS;          // [C, kp]: k, then exp(G_t) k_t
-  float* qb = kb + kC * kp;    // [C, kp]: q, then exp(G_t) q_t
-  float* Gb = qb + kC * kp;    // [C, kp]: G, then exp(G_last - G_t) k_t
-  float* u = Gb + kC * kp;     // [C, dv]
-  float* A = u + kC * dv;      // [C, C]
-  float* Aq = A + kC * kC;     // [C, C]
-  float* bt = Aq + kC * kC;    // [C]
-  float* gl = bt + kC;         // [dk]: G of the chunk's last token
+  float* S = smem;           // [dk, dv]
+  float* kb = S + SS;        // [C, kp]: k, then exp(G_t) k_t
+  float* qb = kb + kC * kp;  // [C, kp]: q, then exp(G_t) q_t
+  float* Gb = qb + kC * kp;  // [C, kp]: G, then exp(G_last - G_t) k_t
+  float* u = Gb + kC * kp;   // [C, dv]
+  float* A = u + kC * dv;    // [C, C]
+  float* Aq = A + kC * kC;   // [C, C]
+  float* bt = Aq + kC * kC;  // [C]
+  float* gl = bt + kC;       // [dk]: G of the chunk's last token
   for (int idx = tid; idx < SS; idx += kThreads) S[idx] = 0.0f;
   __syncthreads();
-  const int64_t chunks = kda_chunks(tokens);
+  const int64_t chunks = (tokens + kC - 1) / kC;
   for (int64_t c = 0; c < chunks; ++c) {
     float* state_out = chunk_states + (c * heads + h) * SS;
     for (int idx = tid; idx < SS; idx += kThreads) state_out[idx] = S[idx];
     const int64_t t0 = c * kC;
-    const int n = static_cast<int>(min<int64_t>(kC, tokens - t0));
+    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
     for (int idx = tid; idx < n * dk; idx += kThreads) {
       const int t = idx / dk, i = idx - t * dk;
       const int64_t src = ((t0 + t) * heads + h) * dk + i;
@@ -157,29 +156,30 @@ __global__ void __launch_bounds__(kThreads)
     kda_backward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
-                        const float* __restrict__ chunk_states, float* __restrict__ dq, float* __restrict__ dk_out,
-                        float* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
-                        float* workspace, int64_t tokens, int heads, int dk, int dv) {
+                        const float* __restrict__ chunk_states, float* __restrict__ dq,
+                        float* __restrict__ dk_out, float* __restrict__ dv_out, float* __restrict__ dg,
+                        float* __restrict__ dbeta, float* workspace, int64_t tokens, int heads, int dk,
+                        int dv) {
   extern __shared__ float smem[];
   const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, SS = dk * dv;
-  float* dS = smem;             // [dk, dv]
-  float* qs = dS + SS;          // [dk]
-  float* ks = qs + dk;          // [dk]
-  float* es = ks + dk;          // [dk]: exp(g_t)
-  float* gs = es + dk;          // [dk] (spare: keeps g_t for clarity of the layout)
-  float* vs = gs + dk;          // [dv]
-  float* dos = vs + dv;         // [dv]
-  float* delta = dos + dv;      // [dv]
-  float* dkv = delta + dv;      // [dv]
-  float* kv = dkv + dv;         // [dv]
-  float* red = kv + dv;         // [dv]: ddelta_j (v_j - kv_j), summed into dbeta
-  float* bsh = red + dv;        // [1]
+  float* dS = smem;         // [dk, dv]
+  float* qs = dS + SS;      // [dk]
+  float* ks = qs + dk;      // [dk]
+  float* es = ks + dk;      // [dk]: exp(g_t)
+  float* gs = es + dk;      // [dk]: g_t
+  float* vs = gs + dk;      // [dv]
+  float* dos = vs + dv;     // [dv]
+  float* delta = dos + dv;  // [dv]
+  float* dkv = delta + dv;  // [dv]
+  float* kv = dkv + dv;     // [dv]
+  float* red = kv + dv;     // [dv]: ddelta_j (v_j - kv_j), summed into dbeta
+  float* bsh = red + dv;    // [1]
   float* states = workspace + static_cast<int64_t>(h) * (kC + 1) * SS;  // [C + 1, dk, dv]
   for (int idx = tid; idx < SS; idx += kThreads) dS[idx] = 0.0f;
-  const int64_t chunks = kda_chunks(tokens);
+  const int64_t chunks = (tokens + kC - 1) / kC;
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t t0 = c * kC;
-    const int n = static_cast<int>(min<int64_t>(kC, tokens - t0));
+    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
     const float* entry = chunk_states + (c * heads + h) * SS;
     for (int idx = tid; idx < SS; idx += kThreads) states[idx] = entry[idx];
     __syncthreads();
@@ -289,9 +289,9 @@ void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, in
 
 }  // namespace
 
-void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
-                         const float* beta, __nv_bfloat16* out, float* chunk_states, int64_t tokens,
-                         int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
+void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
+                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
   const size_t smem = forward_smem_bytes(static_cast<int>(dk), static_cast<int>(dv));
@@ -303,10 +303,11 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
   SPINDLE_LAUNCHED("kda_forward_kernel");
 }
 
-void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
-                          const float* beta, const __nv_bfloat16* dout, const float* chunk_states, float* dq,
-                          float* dk_out, float* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
-                          int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
+void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                          const float* g, const float* beta, const __nv_bfloat16* dout,
+                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
+                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
+                          int64_t dv, cudaStream_t stream) {
   check_shape("kda_chunked_backward", tokens, heads, dk, dv);
   if (heads == 0 || tokens == 0) return;
   const size_t smem = backward_smem_bytes(static_cast<int>(dk), static_cast<int>(dv));

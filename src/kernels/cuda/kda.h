@@ -11,7 +11,7 @@
 
 namespace spindle::cuda {
 
-constexpr int64_t kKdaChunk = 64;   // tokens per chunk
+constexpr int64_t kKdaChunk = 64;    // tokens per chunk
 constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
 
 inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }
@@ -21,9 +21,9 @@ inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kK
 // [tokens, heads]; out: [tokens, heads, dv]. chunk_states: fp32 [chunks + 1, heads, dk, dv], the
 // state entering each chunk (entry 0 is zero, entry `chunks` the final state), kept for the
 // backward.
-void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
-                         const float* beta, __nv_bfloat16* out, float* chunk_states, int64_t tokens,
-                         int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
+void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
+                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
 
 // fp32 scratch the backward needs: heads x (C + 1) states of dk x dv.
 inline int64_t kda_backward_workspace_floats(int64_t heads, int64_t dk, int64_t dv) {
@@ -34,9 +34,10 @@ inline int64_t kda_backward_workspace_floats(int64_t heads, int64_t dk, int64_t 
 // dv]); no gradient flows into the final state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32
 // [tokens, heads, dv]; dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; all written.
 // workspace: kda_backward_workspace_floats(heads, dk, dv) floats.
-void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const float* g,
-                          const float* beta, const __nv_bfloat16* dout, const float* chunk_states, float* dq,
-                          float* dk_out, float* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
-                          int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
+void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                          const float* g, const float* beta, const __nv_bfloat16* dout,
+                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
+                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
+                          int64_t dv, cudaStream_t stream);
 
 }  // namespace spindle::cuda
