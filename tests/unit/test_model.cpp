@@ -200,3 +200,38 @@ TEST(Model, ForwardIsCausal) {
 
 }  // namespace
 }  // namespace spindle
+
+namespace spindle {
+namespace {
+
+int64_t parameter_count(const ModelConfig& c) {
+  ModelWeights shapes = allocate_weights(c, DType::BF16, /*shapes_only=*/true);
+  int64_t total = 0;
+  for (const Param& p : parameter_table(c, shapes))
+    if (p.role != ParamRole::RouterBias) total += p.tensor.numel();
+  return total;
+}
+
+// The reference configs: the real GLM-5.3-Flash text config, and the shape that fits one H200
+// with its optimizer (issue 5): 45 layers, 34 KDA + 11 DSA in the same order, MoE from layer 3.
+TEST(Model, ReferenceConfigs) {
+  const std::string dir = std::string(SPINDLE_TEST_DATA) + "/../configs/";
+  for (const char* name : {"glm53-flash.json", "glm53-flash-4b.json"}) {
+    const ModelConfig c = load_model_config(dir + name);
+    int64_t dsa = 0;
+    for (AttentionKind k : c.layer_types) dsa += k == AttentionKind::Dsa;
+    EXPECT_EQ(c.num_hidden_layers, 45) << name;
+    EXPECT_EQ(dsa, 11) << name;
+    EXPECT_EQ(c.vocab_size, 154880) << name;
+    EXPECT_EQ(c.hc_mult, 4) << name;
+    for (int64_t i = 0; i < 45; ++i)
+      EXPECT_EQ(c.mlp_layer_types[static_cast<size_t>(i)], i < 3 ? MlpKind::Dense : MlpKind::Sparse) << name;
+  }
+  EXPECT_GT(parameter_count(load_model_config(dir + "glm53-flash.json")), int64_t{300'000'000'000});
+  const ModelConfig small = load_model_config(dir + "glm53-flash-4b.json");
+  EXPECT_EQ(small.hidden_size, 2048);
+  EXPECT_GE(parameter_count(small), int64_t{4'000'000'000});
+}
+
+}  // namespace
+}  // namespace spindle
