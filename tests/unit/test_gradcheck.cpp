@@ -241,6 +241,27 @@ TEST(GradCheck, SwigluRouterAndLoss) {
   expect_gradient("loss logits", lg, grad, loss);
 }
 
+// A model from `json` with every parameter moved off its init, and random tokens, in double.
+struct RandomModel {
+  ModelConfig config;
+  ModelWeights weights;
+  std::vector<int32_t> tokens;
+};
+
+RandomModel random_model(const nlohmann::json& json, uint64_t seed, int64_t length) {
+  RandomModel m{parse_model_config(json, "gradcheck"), {}, {}};
+  m.weights = allocate_weights(m.config, DType::F64);
+  init_weights(m.config, m.weights, seed);
+  Random rng(seed + 1);
+  for (Param& p : parameter_table(m.config, m.weights)) {
+    double* v = p.tensor.data<double>();
+    for (int64_t i = 0; i < p.tensor.numel(); ++i) v[i] += 0.1 * rng.normal();
+  }
+  m.tokens.resize(static_cast<size_t>(length));
+  for (int32_t& t : m.tokens) t = static_cast<int32_t>(rng.next() % 16);
+  return m;
+}
+
 // The whole model: every parameter tensor, sampled, against central differences of the loss.
 TEST(GradCheck, WholeModel) {
   nlohmann::json j;
@@ -252,16 +273,10 @@ TEST(GradCheck, WholeModel) {
                       "linear_attention"};
   j["n_group"] = 2;
   j["topk_group"] = 1;
-  const ModelConfig c = parse_model_config(j, "gradcheck");
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 5);
-  Random rng(6);
-  for (Param& p : parameter_table(c, w)) {
-    double* v = p.tensor.data<double>();
-    for (int64_t i = 0; i < p.tensor.numel(); ++i) v[i] += 0.1 * rng.normal();
-  }
-  std::vector<int32_t> tokens(37);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
+  RandomModel m = random_model(j, 5, 37);
+  const ModelConfig& c = m.config;
+  ModelWeights& w = m.weights;
+  const std::vector<int32_t>& tokens = m.tokens;
   ModelWeights g = zero_gradients(c, DType::F64);
   const double loss = loss_and_gradients<double>(c, w, tokens, g).loss;
   const auto lp = sequence_log_probs<double>(c, w, tokens);
@@ -304,16 +319,10 @@ TEST(GradCheck, IndexerAndBalanceLosses) {
   nlohmann::json j;
   std::ifstream(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json") >> j;
   j["index_topk"] = 16;  // 2 pools of 8 per query: a real choice and a real distribution
-  const ModelConfig c = parse_model_config(j, "gradcheck");
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 7);
-  Random rng(8);
-  for (Param& p : parameter_table(c, w)) {
-    double* v = p.tensor.data<double>();
-    for (int64_t i = 0; i < p.tensor.numel(); ++i) v[i] += 0.1 * rng.normal();
-  }
-  std::vector<int32_t> tokens(45);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng.next() % 16);
+  RandomModel m = random_model(j, 7, 45);
+  const ModelConfig& c = m.config;
+  ModelWeights& w = m.weights;
+  const std::vector<int32_t>& tokens = m.tokens;
   LossOptions options;
   options.indexer_kl_coef = 1.0;
   options.aux_loss_coef = 0.5;

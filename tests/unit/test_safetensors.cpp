@@ -15,27 +15,15 @@
 #include <vector>
 
 #include "io/safetensors.h"
+#include "scratch_dir.h"
 
 namespace spindle {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory per test, removed afterwards.
-class Safetensors : public ::testing::Test {
+class Safetensors : public ScratchDirTest {
  protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("spindle_safetensors_" + std::string(info->name()) + "_" +
-                                        std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
   std::string file(const std::string& name) const { return (dir_ / name).string(); }
   std::vector<std::string> listing() const {
     std::vector<std::string> names;
@@ -43,8 +31,6 @@ class Safetensors : public ::testing::Test {
     std::sort(names.begin(), names.end());
     return names;
   }
-
-  fs::path dir_;
 };
 
 // Random bit patterns that are valid values of `dtype` (finite floats, any integers).

@@ -23,6 +23,7 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/init.h"
+#include "scratch_dir.h"
 #include "train/adamw.h"
 #include "train/checkpoint_dir.h"
 #include "train/grad_accum.h"
@@ -45,23 +46,7 @@ ModelConfig tiny_config(const nlohmann::json& overrides = {}) {
   return parse_model_config(j, "tiny");
 }
 
-// A fresh directory per test, removed afterwards.
-class TrainDir : public ::testing::Test {
- protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("spindle_train_" + std::string(info->name()) + "_" +
-                                        std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  fs::path dir_;
-};
+class TrainDir : public ScratchDirTest {};
 
 // The message of the error `body` raises; fails the test if it raises none.
 template <class Body>
@@ -887,7 +872,8 @@ TEST_F(TrainStateTest, SurvivesSigkillAtRandomMoments) {
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
         << "the child stopped by itself: " << status;
     ++kills;
-    for (const std::string& name : listing(dir_)) mid_write += name.find(".tmp-") != std::string::npos ? 1 : 0;
+    for (const std::string& name : listing(dir_))
+      mid_write += name.find(".tmp-") != std::string::npos ? 1 : 0;
 
     ModelWeights loaded_weights = allocate_weights(config, DType::F32);
     zero_grads(config, loaded_weights);
