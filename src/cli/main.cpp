@@ -6,6 +6,10 @@
 #include "cli/commands.h"
 #include "core/error.h"
 
+#ifdef SPINDLE_HAVE_CUDA
+#include "backend/cuda/register.h"
+#endif
+
 namespace {
 
 const char* kUsage = R"(usage: spindle <command> [options]
@@ -15,7 +19,9 @@ commands:
   init      --config FILE --out DIR [--seed N] [--dtype f32|bf16|f64]
                                                 random weights (transformers' init), saved loadable
   logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
+            [--device cpu|cuda] [--strict-kernels]
                                                 log p(token_i | tokens before i), one line per i >= 1
+                                                (cuda: bf16 weights and activations, fp32 math)
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
             [--max-n-fraction F] [--holdout F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
                                                 held-out loss per position bucket: table, PREFIX.csv/.svg
@@ -25,8 +31,12 @@ commands:
                                                 fetch reference DNA from Debian packages (checked)
   data      info --input FILE [--format F] [--names A,B] [--vocab N]
                                                 sequences, lengths and N runs of a data file
-  train     --config RUN.toml [--resume] [--stop-after N]
+  train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels]
                                                 train (see README: RUN.toml), checkpoints, metrics
+  bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
+            [--random-tokens] [--strict-kernels] [--out FILE.json]
+                                                GPU forward+backward+AdamW steps: JSON with tokens/s,
+                                                time by layer kind, peak memory by category, MFU
   help                                          this text
 )";
 
@@ -37,6 +47,9 @@ int main(int argc, char** argv) {
     std::cerr << kUsage;
     return 2;
   }
+#ifdef SPINDLE_HAVE_CUDA
+  spindle::cuda::register_backend();
+#endif
   const std::string command = argv[1];
   const std::vector<std::string> args(argv + 2, argv + argc);
   try {
@@ -47,6 +60,7 @@ int main(int argc, char** argv) {
     if (command == "data") return spindle::run_data(args);
     if (command == "grads") return spindle::run_grads(args);
     if (command == "train") return spindle::run_train(args);
+    if (command == "bench") return spindle::run_bench(args);
     if (command == "help" || command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;

@@ -64,10 +64,12 @@ Tensor Tensor::meta(const Shape& shape, DType dtype) {
   return t;
 }
 
-Tensor Tensor::borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype) {
+Tensor Tensor::borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype,
+                      Device device) {
   Tensor t;
   t.storage_ = std::make_shared<Storage>();
   t.storage_->data = const_cast<void*>(data);
+  t.storage_->device = device;
   t.storage_->bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   t.storage_->keep_alive = std::move(owner);
   t.dtype_ = dtype;

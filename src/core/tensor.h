@@ -44,7 +44,8 @@ class Tensor {
   static Tensor meta(const Shape& shape, DType dtype);
   bool is_meta() const { return storage_ && storage_->data == nullptr && storage_->bytes == 0 && numel() > 0; }
   // Views memory owned elsewhere (e.g. a mapped file), kept alive by `owner`.
-  static Tensor borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype);
+  static Tensor borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype,
+                       Device device = Device::CPU);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }

@@ -27,7 +27,13 @@ BucketLoss evaluate_bucket_loss(const Model& model, int64_t count,
     ForwardOptions forward;
     if (options.on_layer) forward.on_layer = [&](int64_t layer) { options.on_layer(k, layer); };
     const auto start = std::chrono::steady_clock::now();
-    const std::vector<T> log_probs = sequence_log_probs<T>(model.config, model.weights, tokens, forward);
+    std::vector<T> log_probs;
+    if (options.device != nullptr) {
+      const std::vector<float> values = options.device->log_probs(tokens);
+      log_probs.assign(values.begin(), values.end());
+    } else {
+      log_probs = sequence_log_probs<T>(model.config, model.weights, tokens, forward);
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     loss.add_window(std::span<const T>(log_probs));
 

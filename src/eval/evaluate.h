@@ -5,6 +5,7 @@
 #include <functional>
 #include <vector>
 
+#include "backend/device_model.h"
 #include "eval/bucket_loss.h"
 #include "model/checkpoint.h"
 
@@ -25,6 +26,8 @@ struct BucketEvalOptions {
   // Called after each window; long windows also report each layer (window, layer), 0-based.
   std::function<void(const WindowProgress&)> on_window;
   std::function<void(int64_t window, int64_t layer)> on_layer;
+  // When set, the forward passes run on this device model (T must be float) instead of the CPU.
+  DeviceModel* device = nullptr;
 };
 
 // Evaluates windows 0 .. count-1, fetched one at a time from `window` so that only one long

@@ -4,21 +4,16 @@ namespace spindle {
 
 namespace {
 
-// Makes the weight tensors of one model: real memory, or shapes only.
-struct WeightMaker {
-  DType dtype;
-  bool shapes_only;
-  Tensor operator()(const Shape& shape) const {
-    return shapes_only ? Tensor::meta(shape, dtype) : Tensor::empty(shape, dtype, MemoryCategory::Weights);
-  }
-};
+constexpr WeightPrecision kFp32 = WeightPrecision::Fp32;
 
-HyperConnectionWeights make_hc(const ModelConfig& c, const WeightMaker& make) {
+HyperConnectionWeights make_hc(const ModelConfig& c, const WeightFactory& make_tensor) {
   const int64_t mix = (2 + c.hc_mult) * c.hc_mult;
-  return {make({mix, c.hc_mult * c.hidden_size}), make({mix}), make({3})};
+  return {make_tensor({mix, c.hc_mult * c.hidden_size}, kFp32), make_tensor({mix}, kFp32),
+          make_tensor({3}, kFp32)};
 }
 
-MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightMaker& make) {
+MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightFactory& make_tensor) {
+  const auto make = [&](const Shape& shape) { return make_tensor(shape, WeightPrecision::Compute); };
   return {make({intermediate, hidden}), make({intermediate, hidden}),
           make({hidden, intermediate})};
 }
@@ -26,7 +21,13 @@ MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightMaker& mak
 }  // namespace
 
 ModelWeights allocate_weights(const ModelConfig& c, DType dtype, bool shapes_only) {
-  const WeightMaker make{dtype, shapes_only};
+  return build_weights(c, dtype, [&](const Shape& shape, WeightPrecision) {
+    return shapes_only ? Tensor::meta(shape, dtype) : Tensor::empty(shape, dtype, MemoryCategory::Weights);
+  });
+}
+
+ModelWeights build_weights(const ModelConfig& c, DType dtype, const WeightFactory& make_tensor) {
+  const auto make = [&](const Shape& shape) { return make_tensor(shape, WeightPrecision::Compute); };
   ModelWeights w;
   w.dtype = dtype;
   const int64_t D = c.hidden_size;
@@ -37,8 +38,8 @@ ModelWeights allocate_weights(const ModelConfig& c, DType dtype, bool shapes_onl
     LayerWeights l;
     l.attention = c.layer_types[static_cast<size_t>(i)];
     l.mlp = c.mlp_layer_types[static_cast<size_t>(i)];
-    l.attn_hc = make_hc(c, make);
-    l.ffn_hc = make_hc(c, make);
+    l.attn_hc = make_hc(c, make_tensor);
+    l.ffn_hc = make_hc(c, make_tensor);
     l.input_layernorm = make({D});
     l.post_attention_layernorm = make({D});
     if (l.attention == AttentionKind::Kda) {
@@ -47,13 +48,13 @@ ModelWeights allocate_weights(const ModelConfig& c, DType dtype, bool shapes_onl
       k.q_proj = make({qkv, D});
       k.k_proj = make({qkv, D});
       k.v_proj = make({qkv, D});
-      k.q_conv = make({qkv, 1, K});
-      k.k_conv = make({qkv, 1, K});
-      k.v_conv = make({qkv, 1, K});
+      k.q_conv = make_tensor({qkv, 1, K}, kFp32);
+      k.k_conv = make_tensor({qkv, 1, K}, kFp32);
+      k.v_conv = make_tensor({qkv, 1, K}, kFp32);
       k.f_a_proj = make({hd, D});
       k.f_b_proj = make({qkv, hd});
-      k.dt_bias = make({qkv});
-      k.A_log = make({c.linear_num_heads});
+      k.dt_bias = make_tensor({qkv}, kFp32);
+      k.A_log = make_tensor({c.linear_num_heads}, kFp32);
       k.b_proj = make({c.linear_num_heads, D});
       k.g_a_proj = make({hd, D});
       k.g_b_proj = make({qkv, hd});
@@ -83,16 +84,16 @@ ModelWeights allocate_weights(const ModelConfig& c, DType dtype, bool shapes_onl
       }
     }
     if (l.mlp == MlpKind::Dense) {
-      l.dense = make_mlp(D, c.intermediate_size, make);
+      l.dense = make_mlp(D, c.intermediate_size, make_tensor);
     } else {
       MoeWeights& m = l.moe;
       const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
       m.router = make({E, D});
-      m.correction_bias = make({E});
+      m.correction_bias = make_tensor({E}, kFp32);
       m.experts_gate = make({E, I, D});
       m.experts_up = make({E, I, D});
       m.experts_down = make({E, D, I});
-      m.shared = make_mlp(D, I * c.n_shared_experts, make);
+      m.shared = make_mlp(D, I * c.n_shared_experts, make_tensor);
     }
     w.layers.push_back(std::move(l));
   }

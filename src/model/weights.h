@@ -2,6 +2,7 @@
 // names each parameter as it is stored on disk (what transformers' save_pretrained writes).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,14 @@ struct Param {
 };
 
 constexpr const char* kTextPrefix = "model.language_model.";
+
+// The storage a backend gives a parameter. The mixed-precision GPU path keeps the small
+// parameters that feed fp32 math (mHC, conv taps, decay rate and bias, router bias) in fp32.
+enum class WeightPrecision { Compute, Fp32 };
+using WeightFactory = std::function<Tensor(const Shape& shape, WeightPrecision precision)>;
+
+// Builds the weights of `config` from tensors made by `make`; `dtype` is the compute dtype.
+ModelWeights build_weights(const ModelConfig& config, DType dtype, const WeightFactory& make);
 
 // Allocates every weight of `config` (uninitialised) in `dtype`. With `shapes_only`, the tensors
 // have shapes but no memory (parameter counts of models too large for this machine).

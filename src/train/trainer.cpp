@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "backend/device_model.h"
 #include "core/log.h"
 #include "data/nucleotide_tokenizer.h"
 #include "data/sequence_range.h"
@@ -110,12 +111,13 @@ void update_router_bias(ModelWeights& weights, const std::vector<std::vector<int
 
 template <class T>
 void evaluate_and_report(const RunConfig& run, const Model& model, const TokenSequences& eval, int64_t step,
-                         const std::string& out_dir) {
+                         const std::string& out_dir, DeviceModel* device) {
   const auto windows = evaluation_windows(eval, run.train.seq_len, run.eval.windows, run.data.max_n_fraction);
   check(!windows.empty(), run.source, ": no held-out window of ", run.train.seq_len, " tokens in ",
         eval.source());
   BucketEvalOptions options;
   options.bucket_size = run.eval.bucket;
+  options.device = device;
   const BucketLoss loss = evaluate_bucket_loss<T>(
       model, static_cast<int64_t>(windows.size()),
       [&](int64_t i) {
@@ -183,12 +185,22 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           ": pass --resume to continue it, or choose another checkpoint.dir (nothing was overwritten)");
   }
 
+  // On a GPU the weights, gradients and optimizer state live there; the host copies are
+  // refreshed for checkpoints.
+  std::unique_ptr<DeviceModel> device;
+  if (options.device != Device::CPU) {
+    device = open_device_model(options.device, config, model.weights, {options.strict_kernels});
+    device->load_optimizer(optimizer);
+    log_info("training on ", device->device_name(), " (bf16 weights, fp32 gradients and optimizer state)");
+  }
+
   const std::string metrics_path = run.checkpoint.dir + "/metrics.jsonl";
   std::ofstream metrics(metrics_path, std::ios::app);
   check(metrics.good(), "cannot write ", metrics_path);
   std::cout << describe(run) << std::flush;
 
   auto checkpoint = [&] {
+    if (device) device->save_optimizer(optimizer);
     state.data_position = static_cast<uint64_t>(sampler.position());
     state.rng = sampler.random_state();
     const std::string dir = save_checkpoint(writer, state, optimizer, [&](const std::string& tmp) {
@@ -201,8 +213,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   const int64_t micro_batches = run.train.batch * run.train.accumulate;
   const int64_t last_step =
       options.stop_after >= 0 ? std::min(run.train.steps, state.step + options.stop_after) : run.train.steps;
-  ModelWeights grads = zero_gradients(config, dtype);
-  ModelWeights micro = zero_gradients(config, dtype);
+  ModelWeights grads = device ? ModelWeights{} : zero_gradients(config, dtype);
+  ModelWeights micro = device ? ModelWeights{} : zero_gradients(config, dtype);
   std::vector<int32_t> tokens(static_cast<size_t>(run.train.seq_len));
   LossOptions loss_options;
   loss_options.indexer_kl_coef = run.indexer.freeze ? 0.0 : run.indexer.kl_coef;
@@ -211,14 +223,24 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   const int64_t first_step = state.step;
   for (int64_t step = state.step; step < last_step; ++step) {
     const auto step_start = Clock::now();
-    zero_grads(config, grads);
+    if (device)
+      device->zero_gradients();
+    else
+      zero_grads(config, grads);
     double loss = 0, kl = 0, aux = 0;
     std::vector<std::vector<int64_t>> load(config.layer_types.size());
     for (int64_t m = 0; m < micro_batches; ++m) {
       sampler.next(tokens.data());
-      zero_grads(config, micro);
-      const LossResult r = loss_and_gradients<T>(config, model.weights, tokens, micro, loss_options);
-      add_grads(config, grads, micro, 1.0 / static_cast<double>(micro_batches));
+      LossResult r;
+      if (device) {
+        LossOptions scaled = loss_options;
+        scaled.scale = 1.0 / static_cast<double>(micro_batches);
+        r = device->loss_and_gradients(tokens, scaled);
+      } else {
+        zero_grads(config, micro);
+        r = loss_and_gradients<T>(config, model.weights, tokens, micro, loss_options);
+        add_grads(config, grads, micro, 1.0 / static_cast<double>(micro_batches));
+      }
       loss += r.loss / static_cast<double>(micro_batches);
       kl += r.indexer_kl / static_cast<double>(micro_batches);
       aux += r.aux_loss / static_cast<double>(micro_batches);
@@ -229,12 +251,18 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
       }
     }
-    const double norm = clip_grad_norm(config, grads, run.optim.clip);
+    const double norm = device ? device->clip_gradients(run.optim.clip) : clip_grad_norm(config, grads, run.optim.clip);
     check(std::isfinite(loss) && std::isfinite(norm), "step ", step + 1, ": loss ", loss, ", gradient norm ",
           norm, " is not finite; stopping (the last checkpoint is intact)");
     const double lr = schedule.lr(step);
-    optimizer.step(grads, lr);
+    if (device) {
+      optimizer.set_steps(optimizer.steps() + 1);
+      device->optimizer_step(optimizer.options(), lr, optimizer.steps());
+    } else {
+      optimizer.step(grads, lr);
+    }
     update_router_bias<T>(model.weights, load, run.moe.bias_update_rate);
+    if (device) device->set_router_biases(model.weights);
     state.step = state.schedule_step = step + 1;
     state.loss_history.push_back(loss);
     if (state.loss_history.size() > 100) state.loss_history.erase(state.loss_history.begin());
@@ -266,17 +294,22 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
       checkpoint();
     if (data.eval != nullptr && run.eval.every > 0 && completed % run.eval.every == 0 &&
         completed < last_step)
-      evaluate_and_report<T>(run, model, *data.eval, completed, run.checkpoint.dir);
+      evaluate_and_report<T>(run, model, *data.eval, completed, run.checkpoint.dir, device.get());
   }
   const std::string final_dir = checkpoint();
   if (data.eval != nullptr && state.step == run.train.steps)
-    evaluate_and_report<T>(run, model, *data.eval, state.step, run.checkpoint.dir);
+    evaluate_and_report<T>(run, model, *data.eval, state.step, run.checkpoint.dir, device.get());
   return final_dir;
 }
 
 }  // namespace
 
 std::string train(const RunConfig& run, const TrainOptions& options) {
+  if (options.device != Device::CPU) {
+    check(run.train.dtype == DType::F32, run.source, ": --device ", device_name(options.device),
+          " trains from f32 masters (bf16 weights on the device); set train.dtype = \"f32\"");
+    return run_training<float>(run, options);
+  }
   if (run.train.dtype == DType::F64) return run_training<double>(run, options);
   check(run.train.dtype == DType::F32, run.source, ": train.dtype must be f32 or f64 on the CPU");
   return run_training<float>(run, options);

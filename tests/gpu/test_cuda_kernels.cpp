@@ -12,6 +12,8 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norms.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norms.h"
 #include "kernels/cuda/ops.h"
 
 namespace spindle::cuda {
@@ -80,13 +82,34 @@ TEST(CudaKernels, GemmMatchesTheCpuProduct) {
     auto dx = device(to_bf16(x)), dw = device(to_bf16(w), MemoryCategory::Weights);
     auto y16 = poisoned<bf16>(M * N);
     auto y32 = poisoned<float>(M * N);
-    gemm.linear(dx.data(), dw.data(), y16.data(), nullptr, M, K, N, stream.get());
-    gemm.linear(dx.data(), dw.data(), nullptr, y32.data(), M, K, N, stream.get());
+    gemm.linear(dx.data(), dw.data(), y16.data(), M, K, N, stream.get());
+    gemm.linear(dx.data(), dw.data(), y32.data(), M, K, N, stream.get());
     stream.synchronize();
     std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end()), ref(M * N);
     cpu::linear(xd.data(), wd.data(), ref.data(), M, K, N);
     EXPECT_LT(relative_error(y16.download(), ref), 6e-3) << M << "x" << K << "x" << N;
     EXPECT_LT(relative_error(y32.download(), ref), 1e-4) << M << "x" << K << "x" << N;
+
+    // The backward products: dx = dy w (bf16, and fp32 accumulated onto a prior value) and
+    // dw += dy^T x, with dy starting one row in (an operand that is not 256-byte aligned).
+    const auto dy = rounded(random_floats((M + 1) * N));
+    auto ddy = device(to_bf16(dy));
+    const bf16* dy_rows = ddy.data() + N;
+    const auto prior_dx = random_floats(M * K), prior_dw = random_floats(N * K);
+    auto dx16 = poisoned<bf16>(M * K);
+    auto dx32 = device(prior_dx);
+    auto dw32 = device(prior_dw, MemoryCategory::Gradients);
+    gemm.linear_backward_input(dy_rows, dw.data(), dx16.data(), M, K, N, stream.get());
+    gemm.linear_backward_input(dy_rows, dw.data(), dx32.data(), M, K, N, 1.0f, stream.get());
+    gemm.linear_backward_weight(dy_rows, dx.data(), dw32.data(), M, K, N, stream.get());
+    stream.synchronize();
+    std::vector<double> dyd(dy.begin() + N, dy.end()), ref_dx(M * K, 0.0), ref_dw(N * K, 0.0);
+    cpu::linear_backward(xd.data(), wd.data(), dyd.data(), ref_dx.data(), ref_dw.data(), M, K, N);
+    EXPECT_LT(relative_error(dx16.download(), ref_dx), 6e-3) << M << "x" << K << "x" << N;
+    for (int64_t i = 0; i < M * K; ++i) ref_dx[i] += prior_dx[i];
+    for (int64_t i = 0; i < N * K; ++i) ref_dw[i] += prior_dw[i];
+    EXPECT_LT(relative_error(dx32.download(), ref_dx), 1e-4) << M << "x" << K << "x" << N;
+    EXPECT_LT(relative_error(dw32.download(), ref_dw), 1e-4) << M << "x" << K << "x" << N;
   }
 }
 

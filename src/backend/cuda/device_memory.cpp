@@ -62,6 +62,11 @@ void DeviceAllocator::release(void* pointer) {
   cached_bytes_ += static_cast<int64_t>(block.bytes);
 }
 
+void DeviceAllocator::reset_peak() {
+  stats_.peak = stats_.current;
+  stats_.peak_total = stats_.current_total;
+}
+
 void DeviceAllocator::empty_cache() {
   SPINDLE_CUDA(cudaDeviceSynchronize());
   for (auto& [size, pointer] : free_) SPINDLE_CUDA(cudaFree(pointer));
@@ -96,5 +101,6 @@ std::vector<T> DeviceBuffer<T>::download() const {
 template class DeviceBuffer<float>;
 template class DeviceBuffer<__nv_bfloat16>;
 template class DeviceBuffer<int32_t>;
+template class DeviceBuffer<double>;
 
 }  // namespace spindle::cuda

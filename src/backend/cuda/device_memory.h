@@ -23,6 +23,8 @@ class DeviceAllocator {
   void empty_cache();
 
   const MemoryStats& stats() const { return stats_; }
+  // Peaks restart from the current use (to measure one phase).
+  void reset_peak();
   int64_t cached_bytes() const { return cached_bytes_; }
   std::string report() const;
 

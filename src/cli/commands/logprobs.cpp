@@ -2,6 +2,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/allocator.h"
@@ -30,18 +31,37 @@ std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& token
   return sequence_log_probs<T>(model.config, model.weights, tokens, options);
 }
 
+// On the GPU: the checkpoint is read in f32 and uploaded (bf16 matrices, fp32 small parameters).
+std::vector<float> compute_on_device(const std::string& dir, const std::vector<int32_t>& tokens,
+                                     bool strict_kernels) {
+  const Model model = load_model(dir, DType::F32);
+  auto device = open_device_model(Device::CUDA, model.config, model.weights, {strict_kernels});
+  std::vector<float> values = device->log_probs(tokens);
+  log_info("kernels on ", device->device_name(), ":\n", device->kernel_report());
+  log_info("device memory peak ", device->memory().peak_total / (1024 * 1024), " MiB");
+  return values;
+}
+
 }  // namespace
 
 int run_logprobs(const std::vector<std::string>& argv) {
-  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out"});
+  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out", "device"}, {"strict-kernels"});
   const std::string dir = args.required("model");
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
-  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
-  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
-        dtype_name(dtype));
+  const Device device = parse_device(args.value_or("device", "cpu"), "--device");
+  const DType dtype = parse_dtype(args.value_or("dtype", device == Device::CUDA ? "bf16" : "f32"), "--dtype");
+  if (device == Device::CUDA)
+    check(dtype == DType::BF16, "--device cuda computes in bf16 (fp32 accumulation); --dtype ", dtype_name(dtype),
+          " is for the CPU");
+  else
+    check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
+          dtype_name(dtype));
+  check(device == Device::CUDA || !args.flag("strict-kernels"), "--strict-kernels applies to --device cuda");
 
   std::vector<double> values;
-  if (dtype == DType::F64) {
+  if (device == Device::CUDA) {
+    for (float v : compute_on_device(dir, tokens, args.flag("strict-kernels"))) values.push_back(v);
+  } else if (dtype == DType::F64) {
     for (double v : compute<double>(dir, tokens)) values.push_back(v);
   } else {
     for (float v : compute<float>(dir, tokens)) values.push_back(v);

@@ -1,5 +1,6 @@
 #include <iostream>
 
+#include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "train/trainer.h"
@@ -7,11 +8,14 @@
 namespace spindle {
 
 int run_train(const std::vector<std::string>& argv) {
-  const Args args("train", argv, {"config", "stop-after"}, {"resume"});
+  const Args args("train", argv, {"config", "stop-after", "device"}, {"resume", "strict-kernels"});
   const RunConfig run = load_run_config(args.required("config"));
   TrainOptions options;
   options.resume = args.flag("resume");
   options.stop_after = args.int_or("stop-after", -1);
+  options.device = parse_device(args.value_or("device", "cpu"), "--device");
+  options.strict_kernels = args.flag("strict-kernels");
+  check(options.device == Device::CUDA || !options.strict_kernels, "--strict-kernels applies to --device cuda");
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";
   return 0;

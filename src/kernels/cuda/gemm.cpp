@@ -1,9 +1,21 @@
-// Dense products through cuBLASLt. Row-major y = x w^T is column-major y^T = w x^T, so the
-// call multiplies w (op T) by x (op N) in cuBLAS's column-major view.
+#include "kernels/cuda/gemm.h"
+
 #include "backend/cuda/check.h"
-#include "kernels/cuda/ops.h"
 
 namespace spindle::cuda {
+
+namespace {
+
+// The largest power of two (at most 256) dividing the address: cuBLASLt assumes 256-byte
+// aligned operands unless told otherwise, and row offsets into a matrix are not.
+uint32_t alignment_of(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t align = 256;
+  while (align > 1 && address % align != 0) align /= 2;
+  return align;
+}
+
+}  // namespace
 
 Gemm::Gemm() {
   SPINDLE_CUBLAS(cublasLtCreate(&handle_));
@@ -11,45 +23,97 @@ Gemm::Gemm() {
 }
 
 Gemm::~Gemm() {
+  for (auto& [key, p] : plans_) {
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatmulDescDestroy(p.op);
+  }
   cudaFree(workspace_);
   cublasLtDestroy(handle_);
 }
 
-void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y_bf16, float* y_f32,
-                  int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
-  check((y_bf16 == nullptr) != (y_f32 == nullptr), "Gemm::linear needs exactly one output");
-  cublasLtMatmulDesc_t op = nullptr;
-  SPINDLE_CUBLAS(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t transpose = CUBLAS_OP_T, plain = CUBLAS_OP_N;
+const Gemm::Plan& Gemm::plan(const PlanKey& key) {
+  auto found = plans_.find(key);
+  if (found != plans_.end()) return found->second;
+  const auto [transpose_a, transpose_b, m, n, k, lda, ldb, ldc, c_type, align_a, align_b, align_c] = key;
+  Plan p;
+  SPINDLE_CUBLAS(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
+  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
   SPINDLE_CUBLAS(
-      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose));
-  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &plain, sizeof plain));
-  // Column-major: A = w as [K, N] (ld K) transposed, B = x as [K, M] (ld K), C = y^T as [N, M].
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  const cudaDataType_t out_type = y_bf16 ? CUDA_R_16BF : CUDA_R_32F;
+      cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, u(transpose_a ? k : m), u(transpose_a ? m : k), lda));
   SPINDLE_CUBLAS(
-      cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, static_cast<uint64_t>(K), static_cast<uint64_t>(N), K));
-  SPINDLE_CUBLAS(
-      cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, static_cast<uint64_t>(K), static_cast<uint64_t>(M), K));
-  SPINDLE_CUBLAS(
-      cublasLtMatrixLayoutCreate(&c, out_type, static_cast<uint64_t>(N), static_cast<uint64_t>(M), N));
+      cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, u(transpose_b ? n : k), u(transpose_b ? k : n), ldb));
+  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, static_cast<cudaDataType_t>(c_type), u(m), u(n), ldc));
   cublasLtMatmulPreference_t preference = nullptr;
   SPINDLE_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
   SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &workspace_bytes_, sizeof workspace_bytes_));
+  const cublasLtMatmulPreferenceAttributes_t alignments[] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  const uint32_t values[] = {align_a, align_b, align_c, align_c};
+  for (int i = 0; i < 4; ++i)
+    SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, alignments[i], &values[i], sizeof values[i]));
   cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  SPINDLE_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, op, a, b, c, c, preference, 1, &heuristic, &found));
-  check(found > 0, "cuBLASLt has no algorithm for a ", M, "x", K, "x", N, " bf16 product");
-  const float alpha = 1.0f, beta = 0.0f;
-  void* y = y_bf16 ? static_cast<void*>(y_bf16) : static_cast<void*>(y_f32);
-  SPINDLE_CUBLAS(cublasLtMatmul(handle_, op, &alpha, w, a, x, b, &beta, y, c, y, c, &heuristic.algo,
-                                workspace_, workspace_bytes_, stream));
+  int found_count = 0;
+  SPINDLE_CUBLAS(
+      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference, 1, &heuristic, &found_count));
   cublasLtMatmulPreferenceDestroy(preference);
-  cublasLtMatrixLayoutDestroy(c);
-  cublasLtMatrixLayoutDestroy(b);
-  cublasLtMatrixLayoutDestroy(a);
-  cublasLtMatmulDescDestroy(op);
+  check(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product");
+  p.algo = heuristic.algo;
+  return plans_.emplace(key, p).first->second;
+}
+
+void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
+                  int64_t lda, const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc,
+                  float alpha, float beta, cudaStream_t stream) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum: cuBLASLt refuses k = 0, the answer is beta * c
+    check(beta == 1.0f || beta == 0.0f, "Gemm: k = 0 with beta ", beta);
+    if (beta == 0.0f) {
+      const size_t element = c_type == CUDA_R_32F ? 4 : 2;
+      SPINDLE_CUDA(cudaMemset2DAsync(c, static_cast<size_t>(ldc) * element, 0, static_cast<size_t>(m) * element,
+                                     static_cast<size_t>(n), stream));
+    }
+    return;
+  }
+  const Plan& p = plan({transpose_a, transpose_b, m, n, k, lda, ldb, ldc, static_cast<int>(c_type),
+                        alignment_of(a), alignment_of(b), alignment_of(c)});
+  SPINDLE_CUBLAS(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo,
+                                workspace_, workspace_bytes_, stream));
+}
+
+// y^T[N, M] = w^T (w stored [K, N] column-major, op T) x^T ([K, M], op N).
+void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t M, int64_t K,
+                  int64_t N, cudaStream_t stream, float alpha) {
+  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_16BF, N, alpha, 0.0f, stream);
+}
+
+void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int64_t M, int64_t K, int64_t N,
+                  cudaStream_t stream, float alpha, float beta) {
+  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_32F, N, alpha, beta, stream);
+}
+
+// dx^T[K, M] = w ([K, N] column-major, op N) dy^T ([N, M], op N).
+void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx, int64_t M,
+                                 int64_t K, int64_t N, cudaStream_t stream) {
+  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, K, 1.0f, 0.0f, stream);
+}
+
+void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, float* dx, int64_t M,
+                                 int64_t K, int64_t N, float beta, cudaStream_t stream) {
+  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_32F, K, 1.0f, beta, stream);
+}
+
+// dw^T[K, N] += x^T ([K, M], op N) dy ([N, M] stored, op T).
+void Gemm::linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M,
+                                  int64_t K, int64_t N, cudaStream_t stream, float alpha) {
+  matmul(false, true, K, N, M, x, K, dy, N, dw, CUDA_R_32F, K, alpha, 1.0f, stream);
 }
 
 }  // namespace spindle::cuda

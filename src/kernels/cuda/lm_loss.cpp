@@ -18,15 +18,6 @@ size_t round_up(size_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlig
 // Row stride of the logits chunk: a multiple of 8 elements keeps bf16 and fp32 rows 16-byte aligned.
 int64_t chunk_ld(int64_t V, int64_t vocab_chunk) { return (std::min(V, vocab_chunk) + 7) / 8 * 8; }
 
-// The largest power of two (at most 256) dividing the address: cuBLASLt's heuristic assumes
-// 256-byte aligned operands unless told otherwise, and chunk offsets are not.
-uint32_t alignment_of(const void* pointer) {
-  const auto address = reinterpret_cast<uintptr_t>(pointer);
-  uint32_t align = 256;
-  while (align > 1 && address % align != 0) align /= 2;
-  return align;
-}
-
 }  // namespace
 
 LmHeadLoss::LmHeadLoss(int64_t vocab_chunk, int64_t token_block)
@@ -34,13 +25,6 @@ LmHeadLoss::LmHeadLoss(int64_t vocab_chunk, int64_t token_block)
   check(vocab_chunk > 0 && vocab_chunk % 8 == 0,
         "LmHeadLoss: vocab_chunk must be a positive multiple of 8, got ", vocab_chunk);
   check(token_block > 0, "LmHeadLoss: token_block must be positive, got ", token_block);
-  SPINDLE_CUBLAS(cublasLtCreate(&handle_));
-  SPINDLE_CUDA(cudaMalloc(&cublas_workspace_, cublas_workspace_bytes_));
-}
-
-LmHeadLoss::~LmHeadLoss() {
-  cudaFree(cublas_workspace_);
-  cublasLtDestroy(handle_);
 }
 
 size_t LmHeadLoss::forward_workspace_bytes(int64_t L, int64_t V) const {
@@ -64,54 +48,6 @@ void LmHeadLoss::ensure_workspace(size_t bytes) {
   }
 }
 
-void LmHeadLoss::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
-                        int64_t lda, const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc,
-                        float beta, cudaStream_t stream) {
-  cublasLtMatmulDesc_t op = nullptr;
-  SPINDLE_CUBLAS(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                          op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
-  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
-  // Stored shapes (column-major): A is m x k (k x m when transposed), B is k x n (n x k).
-  const uint64_t a_rows = static_cast<uint64_t>(transpose_a ? k : m),
-                 a_cols = static_cast<uint64_t>(transpose_a ? m : k);
-  const uint64_t b_rows = static_cast<uint64_t>(transpose_b ? n : k),
-                 b_cols = static_cast<uint64_t>(transpose_b ? k : n);
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, a_rows, a_cols, lda));
-  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, b_rows, b_cols, ldb));
-  SPINDLE_CUBLAS(
-      cublasLtMatrixLayoutCreate(&lc, c_type, static_cast<uint64_t>(m), static_cast<uint64_t>(n), ldc));
-  cublasLtMatmulPreference_t preference = nullptr;
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &cublas_workspace_bytes_,
-                                                      sizeof cublas_workspace_bytes_));
-  const uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_c = alignment_of(c);
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                      &align_a, sizeof align_a));
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                      &align_b, sizeof align_b));
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                      &align_c, sizeof align_c));
-  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                      &align_c, sizeof align_c));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  SPINDLE_CUBLAS(
-      cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, preference, 1, &heuristic, &found));
-  check(found > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product (lm_loss)");
-  const float alpha = 1.0f;
-  SPINDLE_CUBLAS(cublasLtMatmul(handle_, op, &alpha, a, la, b, lb, &beta, c, lc, c, lc, &heuristic.algo,
-                                cublas_workspace_, cublas_workspace_bytes_, stream));
-  cublasLtMatmulPreferenceDestroy(preference);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatmulDescDestroy(op);
-}
-
 void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
                          float* logprob, float* lse, float* loss, int64_t L, int64_t D, int64_t V,
                          cudaStream_t stream) {
@@ -132,7 +68,7 @@ void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weigh
       const int64_t C = std::min(vocab_chunk_, V - c0);
       // logits[Lb, C] row-major (ld C_max) = h W_c^T; column-major: [C, Lb] = W_c^T(op T on [D, C]) * h^T([D,
       // Lb]).
-      matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 0.0f,
+      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 1.0f, 0.0f,
              stream);
       lm_loss_detail::fold_chunk(logits, C_max, target + r0, Lb, c0, C, run_max, run_sum, target_logit,
                                  c0 == 0, c0 + C >= V, logprob + r0, lse ? lse + r0 : nullptr, stream);
@@ -162,17 +98,17 @@ void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weig
     const int64_t Lb = std::min(token_block_, L - r0);
     for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
       const int64_t C = std::min(vocab_chunk_, V - c0);
-      matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 0.0f,
+      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 1.0f, 0.0f,
              stream);
       lm_loss_detail::softmax_grad(logits, C_max, target + r0, lse + r0, Lb, c0, C, scale, dlogits, stream);
       // dh[Lb, D] (+)= dl[Lb, C] W_c[C, D]; column-major: [D, Lb] = W_c^T([D, C], op N) * dl^T([C, Lb], op
       // N).
-      matmul(false, false, D, Lb, C, weight + c0 * D, D, dlogits, C_max, dh, CUDA_R_32F, D,
-             c0 == 0 ? 0.0f : 1.0f, stream);
+      gemm_.matmul(false, false, D, Lb, C, weight + c0 * D, D, dlogits, C_max, dh, CUDA_R_32F, D, 1.0f,
+                   c0 == 0 ? 0.0f : 1.0f, stream);
       // dW_c[C, D] += dl^T h; column-major: [D, C] = h^T([D, Lb], op N) * dl([C, Lb] stored, op T).
       if (dweight)
-        matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F, D,
-               1.0f, stream);
+        gemm_.matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F, D,
+                     1.0f, 1.0f, stream);
     }
     lm_loss_detail::to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
   }

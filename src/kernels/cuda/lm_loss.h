@@ -17,7 +17,6 @@
 // Matches cpu::target_log_probs, cpu::target_log_probs_backward and cpu::linear_backward.
 #pragma once
 
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,13 +24,13 @@
 #include <cstdint>
 
 #include "backend/cuda/device_memory.h"
+#include "kernels/cuda/gemm.h"
 
 namespace spindle::cuda {
 
 class LmHeadLoss {
  public:
   explicit LmHeadLoss(int64_t vocab_chunk = 16384, int64_t token_block = 4096);
-  ~LmHeadLoss();
   LmHeadLoss(const LmHeadLoss&) = delete;
   LmHeadLoss& operator=(const LmHeadLoss&) = delete;
 
@@ -56,15 +55,9 @@ class LmHeadLoss {
 
  private:
   void ensure_workspace(size_t bytes);
-  // out[M, N] (type out_type, ld ldc) = alpha * op(A) op(B) + beta * out, column-major view.
-  void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
-              const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float beta,
-              cudaStream_t stream);
 
   int64_t vocab_chunk_, token_block_;
-  cublasLtHandle_t handle_ = nullptr;
-  void* cublas_workspace_ = nullptr;
-  size_t cublas_workspace_bytes_ = 32u << 20;
+  Gemm gemm_;
   DeviceBuffer<float> workspace_;
 };
 

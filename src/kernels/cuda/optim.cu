@@ -23,11 +23,49 @@ __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, c
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     master[i] = p;
-    weight[i] = __float2bfloat16(p);
+    if (weight != nullptr) weight[i] = __float2bfloat16(p);
   }
 }
 
+// A grid-stride sum per thread, a warp then block reduction, one double atomic per block.
+__global__ void sum_squares_kernel(const float* x, int64_t n, double* sum) {
+  double local = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    local += static_cast<double>(x[i]) * x[i];
+  for (int offset = 16; offset > 0; offset /= 2) local += __shfl_down_sync(0xffffffffu, local, offset);
+  __shared__ double warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = local;
+  __syncthreads();
+  if (warp == 0) {
+    local = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0.0;
+    for (int offset = 16; offset > 0; offset /= 2) local += __shfl_down_sync(0xffffffffu, local, offset);
+    if (lane == 0) atomicAdd(sum, local);
+  }
+}
+
+__global__ void scale_kernel(float* x, int64_t n, float factor) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] *= factor;
+}
+
+int64_t grid_for(int64_t n, int threads) { return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 132 * 8)); }
+
 }  // namespace
+
+void sum_squares(const float* x, int64_t n, double* sum, cudaStream_t stream) {
+  if (n == 0) return;
+  sum_squares_kernel<<<static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream>>>(x, n, sum);
+  SPINDLE_LAUNCHED("sum_squares_kernel");
+}
+
+void scale_values(float* x, int64_t n, float factor, cudaStream_t stream) {
+  if (n == 0) return;
+  scale_kernel<<<static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream>>>(x, n, factor);
+  SPINDLE_LAUNCHED("scale_kernel");
+}
 
 void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float* grad, __nv_bfloat16* weight,
                   int64_t n, const AdamWStep& step, cudaStream_t stream) {

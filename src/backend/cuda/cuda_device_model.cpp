@@ -1,0 +1,193 @@
+// The CUDA backend behind spindle::DeviceModel: the GPU model (model/cuda) plus the optimizer
+// state on the device (fp32 masters for bf16 weights; fp32 weights are their own masters).
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/register.h"
+#include "backend/device_model.h"
+#include "kernels/cuda/convert.h"
+#include "kernels/cuda/ops.h"
+#include "model/cuda/model.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+class CudaDeviceModel final : public DeviceModel {
+ public:
+  CudaDeviceModel(const ModelConfig& config, const ModelWeights& host, const DeviceModelOptions& options)
+      : model_(config, host, options.strict_kernels) {}
+
+  std::vector<float> log_probs(const std::vector<int32_t>& tokens) override { return model_.log_probs(tokens); }
+
+  LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) override {
+    return model_.loss_and_gradients(tokens, options);
+  }
+
+  void zero_gradients() override { model_.grads().zero(stream()); }
+
+  double clip_gradients(double max_norm) override {
+    DeviceWeights& grads = model_.grads();
+    auto* values = static_cast<float*>(grads.tensors().embed_tokens.raw());  // the arena's first tensor
+    const auto n = static_cast<int64_t>(grads.bytes() / sizeof(float));
+    DeviceBuffer<double> sum(1, MemoryCategory::Workspace);
+    SPINDLE_CUDA(cudaMemsetAsync(sum.data(), 0, sizeof(double), stream()));
+    sum_squares(values, n, sum.data(), stream());
+    const double norm = std::sqrt(sum.download()[0]);
+    if (max_norm > 0 && std::isfinite(norm)) {
+      const double factor = max_norm / (norm + 1e-6);
+      if (factor < 1.0) scale_values(values, n, static_cast<float>(factor), stream());
+    }
+    return norm;
+  }
+
+  void download_gradients(ModelWeights& host) override {
+    model_.context().synchronize();
+    model_.grads().download(host);
+  }
+
+  void load_optimizer(const AdamW& host) override {
+    model_.context().synchronize();
+    std::map<std::string, Tensor> device_params;
+    for (Param& p : parameter_table(model_.config(), model_.weights().tensors())) device_params[p.name] = p.tensor;
+    std::map<std::string, Tensor> device_grads;
+    for (Param& p : parameter_table(model_.config(), model_.grads().tensors())) device_grads[p.name] = p.tensor;
+    slots_.clear();
+    for (const AdamW::Slot& h : host.slots()) {
+      Slot s;
+      s.frozen = h.frozen;
+      s.decays = h.decays;
+      s.weight = device_params.at(h.name);
+      s.grad = device_grads.at(h.name);
+      const auto n = static_cast<size_t>(h.master.numel());
+      s.master = DeviceBuffer<float>(s.weight.dtype() == DType::F32 ? 0 : n, MemoryCategory::Optimizer);
+      s.exp_avg = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
+      s.exp_avg_sq = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
+      const auto copy = [&](float* device, const Tensor& tensor) {
+        SPINDLE_CUDA(cudaMemcpy(device, tensor.raw(), n * sizeof(float), cudaMemcpyHostToDevice));
+      };
+      copy(s.weight.dtype() == DType::F32 ? static_cast<float*>(s.weight.raw()) : s.master.data(), h.master);
+      copy(s.exp_avg.data(), h.exp_avg);
+      copy(s.exp_avg_sq.data(), h.exp_avg_sq);
+      // The bf16 weight rounds its master, as the host's write_weights() would.
+      if (s.weight.dtype() == DType::BF16)
+        f32_to_bf16(s.master.data(), static_cast<__nv_bfloat16*>(s.weight.raw()), s.weight.numel(), stream());
+      slots_.push_back(std::move(s));
+    }
+  }
+
+  void optimizer_step(const AdamWOptions& options, double lr, int64_t step) override {
+    for (Slot& s : slots_) {
+      if (s.frozen) continue;
+      const bool own_master = s.weight.dtype() == DType::F32;
+      float* master = own_master ? static_cast<float*>(s.weight.raw()) : s.master.data();
+      __nv_bfloat16* weight = own_master ? nullptr : static_cast<__nv_bfloat16*>(s.weight.raw());
+      const AdamWStep update{static_cast<float>(lr),          static_cast<float>(options.beta1),
+                             static_cast<float>(options.beta2), static_cast<float>(options.eps),
+                             static_cast<float>(s.decays ? options.weight_decay : 0.0), step};
+      adamw_update(master, s.exp_avg.data(), s.exp_avg_sq.data(), static_cast<const float*>(s.grad.raw()), weight,
+                   s.weight.numel(), update, stream());
+    }
+  }
+
+  void save_optimizer(AdamW& host) override {
+    model_.context().synchronize();
+    check(host.slots().size() == slots_.size(), "save_optimizer: the host optimizer has ", host.slots().size(),
+          " slots, the device ", slots_.size());
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      AdamW::Slot& h = host.slots()[i];
+      const auto bytes = static_cast<size_t>(h.master.numel()) * sizeof(float);
+      const float* master = s.weight.dtype() == DType::F32 ? static_cast<const float*>(s.weight.raw()) : s.master.data();
+      SPINDLE_CUDA(cudaMemcpy(h.master.raw(), master, bytes, cudaMemcpyDeviceToHost));
+      SPINDLE_CUDA(cudaMemcpy(h.exp_avg.raw(), s.exp_avg.data(), bytes, cudaMemcpyDeviceToHost));
+      SPINDLE_CUDA(cudaMemcpy(h.exp_avg_sq.raw(), s.exp_avg_sq.data(), bytes, cudaMemcpyDeviceToHost));
+    }
+    host.write_weights();
+  }
+
+  void init_optimizer() override {
+    slots_.clear();
+    std::vector<Param> grads = parameter_table(model_.config(), model_.grads().tensors());
+    std::vector<Param> params = parameter_table(model_.config(), model_.weights().tensors());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!role_trained(params[i].role)) continue;
+      Slot s;
+      s.decays = role_decays(params[i].role);
+      s.weight = params[i].tensor;
+      s.grad = grads[i].tensor;
+      const auto n = static_cast<size_t>(s.weight.numel());
+      s.exp_avg = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
+      s.exp_avg_sq = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
+      SPINDLE_CUDA(cudaMemsetAsync(s.exp_avg.data(), 0, n * sizeof(float), stream()));
+      SPINDLE_CUDA(cudaMemsetAsync(s.exp_avg_sq.data(), 0, n * sizeof(float), stream()));
+      if (s.weight.dtype() == DType::BF16) {
+        s.master = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
+        bf16_to_f32(static_cast<const __nv_bfloat16*>(s.weight.raw()), s.master.data(), s.weight.numel(), stream());
+      }
+      slots_.push_back(std::move(s));
+    }
+  }
+
+  void set_router_biases(const ModelWeights& host) override {
+    model_.context().synchronize();
+    ModelWeights& device = model_.weights().tensors();
+    for (size_t l = 0; l < device.layers.size(); ++l) {
+      if (device.layers[l].mlp != MlpKind::Sparse) continue;
+      const Tensor staged = host.layers[l].moe.correction_bias.to(DType::F32);
+      SPINDLE_CUDA(cudaMemcpy(device.layers[l].moe.correction_bias.raw(), staged.raw(), staged.nbytes(),
+                              cudaMemcpyHostToDevice));
+    }
+  }
+
+  std::string kernel_report() const override {
+    std::ostringstream out;
+    for (const auto& [site, e] : const_cast<CudaModel&>(model_).context().record.entries())
+      out << site << ": " << e.implementation << (e.fallback ? " (FALLBACK)" : "") << " x" << e.calls << '\n';
+    return out.str();
+  }
+  bool any_fallback() const override { return const_cast<CudaModel&>(model_).context().record.any_fallback(); }
+  MemoryStats memory() const override { return DeviceAllocator::instance().stats(); }
+  void reset_memory_peak() override { DeviceAllocator::instance().reset_peak(); }
+  void set_timing(bool on) override { model_.set_timer(on ? &timer_ : nullptr); }
+  std::map<std::string, double> collect_timing() override {
+    std::map<std::string, double> ms;
+    timer_.collect(ms);
+    return ms;
+  }
+  void synchronize() override { model_.context().synchronize(); }
+  std::string device_name() const override {
+    cudaDeviceProp properties{};
+    int device = 0;
+    SPINDLE_CUDA(cudaGetDevice(&device));
+    SPINDLE_CUDA(cudaGetDeviceProperties(&properties, device));
+    return properties.name;
+  }
+
+  CudaModel& model() { return model_; }
+
+ private:
+  struct Slot {
+    bool frozen = false, decays = false;
+    Tensor weight, grad;  // device views
+    DeviceBuffer<float> master, exp_avg, exp_avg_sq;
+  };
+  cudaStream_t stream() { return model_.context().stream(); }
+
+  CudaModel model_;
+  std::vector<Slot> slots_;
+  KindTimer timer_;
+};
+
+}  // namespace
+
+void register_backend() {
+  register_device_backend(Device::CUDA, [](const ModelConfig& config, const ModelWeights& host,
+                                           const DeviceModelOptions& options) -> std::unique_ptr<DeviceModel> {
+    return std::make_unique<CudaDeviceModel>(config, host, options);
+  });
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,81 @@
+// A model held by an accelerator backend: what the CLI and the trainer ask of it. The CUDA
+// backend registers its factory from main() when Spindle is built with nvcc; asking for a
+// device nobody registered fails with a message that says so (never a silent CPU run).
+// Weights, gradients and optimizer state stay on the device; the host copies are written back on
+// request (checkpoints, evaluation).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/tensor.h"
+#include "model/backward.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "train/adamw.h"
+
+namespace spindle {
+
+struct DeviceModelOptions {
+  bool strict_kernels = false;  // fail if any op falls back to a slow or dense path
+};
+
+class DeviceModel {
+ public:
+  virtual ~DeviceModel() = default;
+
+  // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1 (bf16 weights and activations, fp32 math).
+  virtual std::vector<float> log_probs(const std::vector<int32_t>& tokens) = 0;
+
+  // As spindle::loss_and_gradients, accumulating into the device's fp32 gradients.
+  virtual LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) = 0;
+  virtual void zero_gradients() = 0;
+  // torch's clip_grad_norm_ over the trained gradients; returns the norm before clipping.
+  virtual double clip_gradients(double max_norm) = 0;
+  // The gradients, converted into `host` (allocated for the same config).
+  virtual void download_gradients(ModelWeights& host) = 0;
+
+  // The optimizer: masters and moments copied from `host`'s slots (frozen slots are skipped by
+  // step); step() takes update number `step` (1-based) at `lr`; save() writes the state back
+  // into the host slots and the host model weights.
+  virtual void load_optimizer(const AdamW& host) = 0;
+  virtual void optimizer_step(const AdamWOptions& options, double lr, int64_t step) = 0;
+  virtual void save_optimizer(AdamW& host) = 0;
+  // A fresh optimizer without a host copy (benchmarks): masters from the device weights, zero moments.
+  virtual void init_optimizer() = 0;
+
+  // Copies every MoE layer's router correction bias from `host` (updated outside gradient descent).
+  virtual void set_router_biases(const ModelWeights& host) = 0;
+
+  // Which implementation ran for each op, and device memory (current/peak by category).
+  virtual std::string kernel_report() const = 0;
+  virtual bool any_fallback() const = 0;
+  virtual MemoryStats memory() const = 0;
+  virtual void reset_memory_peak() = 0;
+  virtual std::string device_name() const = 0;
+
+  // Device time by layer kind ("kda", "dsa", "mlp", "moe", "head"): recorded while timing is on,
+  // summed in milliseconds and cleared by collect_timing().
+  virtual void set_timing(bool on) = 0;
+  virtual std::map<std::string, double> collect_timing() = 0;
+  virtual void synchronize() = 0;
+};
+
+using DeviceModelFactory = std::function<std::unique_ptr<DeviceModel>(
+    const ModelConfig& config, const ModelWeights& host_weights, const DeviceModelOptions& options)>;
+
+void register_device_backend(Device device, DeviceModelFactory factory);
+
+// Uploads `host_weights` (any float dtype) to a new device model.
+std::unique_ptr<DeviceModel> open_device_model(Device device, const ModelConfig& config,
+                                               const ModelWeights& host_weights,
+                                               const DeviceModelOptions& options = {});
+
+// "cpu" or "cuda".
+Device parse_device(const std::string& text, const std::string& option);
+
+}  // namespace spindle

@@ -1,0 +1,149 @@
+// spindle bench: forward + backward + optimizer steps of a model on the GPU at given sequence
+// lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so).
+// Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
+// by category and MFU from the analytic FLOP count (model/flops.h).
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "backend/device_model.h"
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/log.h"
+#include "io/token_text.h"
+#include "model/checkpoint.h"
+#include "model/flops.h"
+#include "model/init.h"
+
+namespace spindle {
+
+namespace {
+
+constexpr double kH200PeakBf16 = 989e12;  // dense bf16 tensor-core FLOP/s of an H100/H200 SXM
+
+std::vector<int64_t> parse_lengths(const std::string& text) {
+  std::vector<int64_t> lengths;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long long value = std::strtoll(item.c_str(), &end, 10);
+    check(!item.empty() && *end == '\0' && value >= 2, "--seq-len takes lengths >= 2 separated by commas, got '",
+          text, "'");
+    lengths.push_back(value);
+  }
+  return lengths;
+}
+
+Model bench_model(const std::string& source) {
+  if (source.size() > 5 && source.substr(source.size() - 5) == ".json") {
+    Model model;
+    model.config = load_model_config(source);
+    model.weights = allocate_weights(model.config, DType::F32);
+    log_info("initialising random weights for ", source);
+    init_weights(model.config, model.weights, 1);
+    return model;
+  }
+  return load_model(source, DType::F32);
+}
+
+nlohmann::json memory_json(const MemoryStats& stats) {
+  nlohmann::json out = {{"peak_total_bytes", stats.peak_total}};
+  for (int c = 0; c < kMemoryCategories; ++c)
+    if (stats.peak[c] > 0) out[memory_category_name(static_cast<MemoryCategory>(c))] = stats.peak[c];
+  return out;
+}
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& argv) {
+  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out"},
+                  {"random-tokens", "strict-kernels"});
+  const std::string source = args.required("model");
+  const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
+  const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
+  check(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
+  const bool random_tokens = args.flag("random-tokens");
+  const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
+  check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
+
+  const Model model = bench_model(source);
+  const ModelConfig& config = model.config;
+  std::vector<int32_t> dna;
+  if (!random_tokens) {
+    dna = read_token_text(token_file);
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    check(static_cast<int64_t>(dna.size()) >= longest, token_file, " has ", dna.size(), " tokens, --seq-len ",
+          longest, " needs more (give a longer --tokens file, or --random-tokens)");
+  }
+  auto device = open_device_model(Device::CUDA, config, model.weights, {args.flag("strict-kernels")});
+  device->init_optimizer();
+  AdamWOptions adam;
+
+  std::ofstream file;
+  if (const auto out = args.optional("out")) {
+    file.open(*out, std::ios::app);
+    check(file.good(), "cannot write --out file '", *out, "'");
+  }
+  for (const int64_t L : lengths) {
+    std::vector<int32_t> tokens(static_cast<size_t>(L));
+    if (random_tokens) {
+      std::mt19937_64 engine(static_cast<uint64_t>(L));
+      std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(config.vocab_size - 1));
+      for (int32_t& t : tokens) t = id(engine);
+    } else {
+      std::copy(dna.begin(), dna.begin() + L, tokens.begin());
+    }
+    device->reset_memory_peak();
+    std::vector<double> seconds;
+    std::map<std::string, double> kind_ms;
+    double loss = 0;
+    for (int64_t step = 0; step < warmup + steps; ++step) {
+      const bool timed = step >= warmup;
+      device->set_timing(timed);
+      const auto start = std::chrono::steady_clock::now();
+      device->zero_gradients();
+      loss = device->loss_and_gradients(tokens, {}).loss;
+      device->clip_gradients(1.0);
+      device->optimizer_step(adam, 1e-5, step + 1);
+      device->synchronize();
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timed) seconds.push_back(elapsed);
+      log_info("bench L=", L, " step ", step + 1, "/", warmup + steps, timed ? "" : " (warm-up)", ": ", elapsed,
+               " s, loss ", loss);
+    }
+    kind_ms = device->collect_timing();
+    std::sort(seconds.begin(), seconds.end());
+    const double median = seconds[seconds.size() / 2];
+    const ModelFlops flops = model_flops(config, L);
+    nlohmann::json by_kind;
+    for (const auto& [kind, ms] : kind_ms) by_kind[kind] = ms / 1000.0 / static_cast<double>(steps);
+    const nlohmann::json result = {
+        {"engine", "spindle"},
+        {"model", source},
+        {"device", device->device_name()},
+        {"seq_len", L},
+        {"tokens", random_tokens ? "random ids (--random-tokens)" : "real DNA (" + token_file + ")"},
+        {"steps", steps},
+        {"warmup", warmup},
+        {"step_seconds_median", median},
+        {"step_seconds", seconds},
+        {"tokens_per_second", static_cast<double>(L) / median},
+        {"seconds_by_layer_kind", by_kind},
+        {"peak_memory", memory_json(device->memory())},
+        {"model_tflops_per_step", flops.training() / 1e12},
+        {"mfu", flops.training() / median / kH200PeakBf16},
+        {"final_loss", loss},
+        {"kernel_fallbacks", device->any_fallback()}};
+    std::cout << result.dump() << std::endl;
+    if (file.is_open()) file << result.dump() << '\n' << std::flush;
+  }
+  log_info("kernels:\n", device->kernel_report());
+  return 0;
+}
+
+}  // namespace spindle

@@ -1,0 +1,63 @@
+// Dense products through cuBLASLt: bf16 operands, fp32 accumulation, bf16 or fp32 results.
+//
+// Row-major names for the three products of a linear layer y = x w^T (x [M, K], w [N, K]):
+//   linear:                 y[M, N]  = alpha x w^T + beta y
+//   linear_backward_input:  dx[M, K] = dy w + beta dx        (beta 1 accumulates several branches)
+//   linear_backward_weight: dw[N, K] += alpha dy^T x         (fp32 gradients)
+// matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
+// the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
+// leading dimensions, output type and operand alignment, so a training step queries cuBLASLt once
+// per distinct product.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace spindle::cuda {
+
+class Gemm {
+ public:
+  Gemm();
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t M, int64_t K, int64_t N,
+              cudaStream_t stream, float alpha = 1.0f);
+  void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int64_t M, int64_t K, int64_t N,
+              cudaStream_t stream, float alpha = 1.0f, float beta = 0.0f);
+  void linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx, int64_t M,
+                             int64_t K, int64_t N, cudaStream_t stream);
+  void linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, float* dx, int64_t M, int64_t K,
+                             int64_t N, float beta, cudaStream_t stream);
+  void linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M, int64_t K,
+                              int64_t N, cudaStream_t stream, float alpha = 1.0f);
+
+  // Column-major c[m, n] (ldc) = alpha op(a) op(b) + beta c; a is m x k (stored k x m when
+  // transposed, ld lda), b is k x n (stored n x k when transposed, ld ldb); a and b bf16.
+  void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+              const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float alpha, float beta,
+              cudaStream_t stream);
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  using PlanKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t,
+                             uint32_t, uint32_t>;
+  const Plan& plan(const PlanKey& key);
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 32u << 20;
+  std::map<PlanKey, Plan> plans_;
+};
+
+}  // namespace spindle::cuda

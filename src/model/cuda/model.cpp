@@ -1,0 +1,271 @@
+#include "model/cuda/model.h"
+
+#include <utility>
+
+#include "kernels/cuda/balance_loss.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/norms.h"
+#include "model/cuda/modules.h"
+#include "model/cuda/residual.h"
+#include "model/residual.h"
+
+namespace spindle::cuda {
+
+void KindTimer::begin(const std::string& kind, cudaStream_t stream) {
+  Span span{kind, nullptr, nullptr};
+  SPINDLE_CUDA(cudaEventCreate(&span.start));
+  SPINDLE_CUDA(cudaEventCreate(&span.stop));
+  SPINDLE_CUDA(cudaEventRecord(span.start, stream));
+  spans_.push_back(span);
+}
+
+void KindTimer::end(cudaStream_t stream) { SPINDLE_CUDA(cudaEventRecord(spans_.back().stop, stream)); }
+
+void KindTimer::collect(std::map<std::string, double>& ms) {
+  for (Span& span : spans_) {
+    SPINDLE_CUDA(cudaEventSynchronize(span.stop));
+    float elapsed = 0;
+    SPINDLE_CUDA(cudaEventElapsedTime(&elapsed, span.start, span.stop));
+    ms[span.kind] += elapsed;
+    cudaEventDestroy(span.start);
+    cudaEventDestroy(span.stop);
+  }
+  spans_.clear();
+}
+
+namespace {
+
+const char* attention_kind(const LayerWeights& layer) {
+  return layer.attention == AttentionKind::Kda ? "kda" : "dsa";
+}
+const char* mlp_kind(const LayerWeights& layer) { return layer.mlp == MlpKind::Dense ? "mlp" : "moe"; }
+
+DeviceBuffer<int32_t> device_ints(const std::vector<int32_t>& host) {
+  DeviceBuffer<int32_t> buffer(host.size(), MemoryCategory::Activations);
+  buffer.upload(host);
+  return buffer;
+}
+
+// Next-token targets: position i predicts tokens[i + 1]; the last position predicts nothing (-1).
+std::vector<int32_t> next_token_targets(const std::vector<int32_t>& tokens) {
+  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
+  targets.push_back(-1);
+  return targets;
+}
+
+}  // namespace
+
+CudaModel::CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels)
+    : config_(config),
+      ctx_(strict_kernels),
+      weights_(config, DeviceWeights::Kind::Weights),
+      grads_(config, DeviceWeights::Kind::Gradients) {
+  weights_.upload(host_weights);
+  grads_.zero(ctx_.stream());
+  ctx_.synchronize();
+}
+
+void CudaModel::begin(const char* kind) {
+  if (timer_) timer_->begin(kind, ctx_.stream());
+}
+void CudaModel::end() {
+  if (timer_) timer_->end(ctx_.stream());
+}
+
+std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
+  const ModelConfig& c = config_;
+  const ModelWeights& w = weights_.tensors();
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  check_sequence(tokens, V);
+  const cudaStream_t s = ctx_.stream();
+  const DeviceBuffer<int32_t> token_ids = device_ints(tokens);
+  DeviceBuffer<bf16> streams = activations(L * H * D), next = activations(L * H * D);
+  embed_streams(token_ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
+
+  DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
+  for (const LayerWeights& layer : w.layers) {
+    residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, L, streams.data(), next.data(),
+                          [&](const bf16* x, bf16* y) {
+                            begin(attention_kind(layer));
+                            if (layer.attention == AttentionKind::Kda)
+                              kda_forward(ctx_, c, layer.kda, x, L, y);
+                            else
+                              dsa_forward(ctx_, c, layer.dsa, x, L, selection, y);
+                            end();
+                          });
+    std::swap(streams, next);
+    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, streams.data(), next.data(),
+                          [&](const bf16* x, bf16* y) {
+                            begin(mlp_kind(layer));
+                            if (layer.mlp == MlpKind::Dense)
+                              mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
+                            else
+                              moe_forward(ctx_, c, layer.moe, x, L, y);
+                            end();
+                          });
+    std::swap(streams, next);
+  }
+
+  begin("head");
+  DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
+  stream_mean(streams.data(), mean.data(), L, H, D, s);
+  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps), s);
+  const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
+  DeviceBuffer<float> log_prob = activations_f32(L);
+  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), nullptr, nullptr, L, D, V,
+                    s);
+  end();
+  ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
+  std::vector<float> result = log_prob.download();
+  result.pop_back();
+  return result;
+}
+
+LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) {
+  const ModelConfig& c = config_;
+  const ModelWeights& w = weights_.tensors();
+  ModelWeights& g = grads_.tensors();
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, E = c.n_routed_experts;
+  check_sequence(tokens, V);
+  const cudaStream_t s = ctx_.stream();
+  const DeviceBuffer<int32_t> token_ids = device_ints(tokens);
+  const size_t layers = w.layers.size();
+
+  // Forward, keeping the input of every residual site and every DSA layer's selection.
+  std::vector<DeviceBuffer<bf16>> site_inputs(2 * layers);
+  DeviceBuffer<bf16> streams = activations(L * H * D);
+  embed_streams(token_ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
+  std::vector<std::shared_ptr<DeviceBuffer<int32_t>>> selections(layers);
+  std::shared_ptr<DeviceBuffer<int32_t>> selection;
+  LossResult result;
+  result.expert_load.resize(layers);
+  const bool balance = options.aux_loss_coef > 0;
+  DeviceBuffer<double> balance_stats(balance ? static_cast<size_t>(2 * E) : 0, MemoryCategory::Workspace);
+  if (balance) SPINDLE_CUDA(cudaMemsetAsync(balance_stats.data(), 0, 2 * E * sizeof(double), s));
+  double balance_rows = 0;
+
+  const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
+                            const SublayerForward& sublayer) {
+    DeviceBuffer<bf16> next = activations(L * H * D);
+    residual_site_forward(ctx_, c, hc, norm, L, streams.data(), next.data(), sublayer);
+    site_inputs[index] = std::move(streams);
+    streams = std::move(next);
+  };
+  for (size_t i = 0; i < layers; ++i) {
+    const LayerWeights& layer = w.layers[i];
+    run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
+      begin(attention_kind(layer));
+      if (layer.attention == AttentionKind::Kda) {
+        kda_forward(ctx_, c, layer.kda, x, L, y);
+      } else {
+        if (layer.dsa.has_indexer || !selection) selection = std::make_shared<DeviceBuffer<int32_t>>();
+        dsa_forward(ctx_, c, layer.dsa, x, L, *selection, y);
+        selections[i] = selection;
+      }
+      end();
+    });
+    run_site(2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm, [&](const bf16* x, bf16* y) {
+      begin(mlp_kind(layer));
+      if (layer.mlp == MlpKind::Dense) {
+        mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
+      } else {
+        DeviceBuffer<float> logits = activations_f32(balance ? L * E : 0);
+        moe_forward(ctx_, c, layer.moe, x, L, y, &result.expert_load[i], balance ? logits.data() : nullptr);
+        if (balance) {
+          balance_statistics(logits.data(), L, E, c.num_experts_per_tok, balance_stats.data(),
+                             balance_stats.data() + E, s);
+          balance_rows += static_cast<double>(L);
+        }
+      }
+      end();
+    });
+  }
+  BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
+  if (balance) {
+    const std::vector<double> stats = balance_stats.download();
+    result.aux_loss = balance_loss_value(stats.data(), stats.data() + E, E, balance_rows);
+  }
+
+  // Exit and head: mean over streams, final norm, the fused lm_head + cross-entropy.
+  begin("head");
+  DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
+  stream_mean(streams.data(), mean.data(), L, H, D, s);
+  streams = DeviceBuffer<bf16>();
+  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps), s);
+  const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
+  DeviceBuffer<float> log_prob = activations_f32(L), lse = activations_f32(L), loss = activations_f32(1);
+  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), lse.data(), loss.data(), L,
+                    D, V, s);
+  DeviceBuffer<bf16> dhidden = activations(L * D), dmean = activations(L * D);
+  ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), targets.data(), lse.data(),
+                     static_cast<float>(options.scale / static_cast<double>(L - 1)), dhidden.data(),
+                     f32_data(g.lm_head), L, D, V, s);
+  rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), L, D,
+                    static_cast<float>(c.rms_norm_eps), s);
+  DeviceBuffer<float> dstreams = activations_f32(L * H * D);
+  stream_mean_backward(dmean.data(), dstreams.data(), L, H, D, s);
+  end();
+  ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
+
+  // Layers in reverse: the feed-forward site, then the attention site.
+  DeviceBuffer<double> indexer_kl(1, MemoryCategory::Workspace);
+  SPINDLE_CUDA(cudaMemsetAsync(indexer_kl.data(), 0, sizeof(double), s));
+  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale, &indexer_kl, 0};
+  for (size_t i = layers; i-- > 0;) {
+    const LayerWeights& layer = w.layers[i];
+    LayerWeights& grad = g.layers[i];
+    residual_site_backward(
+        ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1].data(), dstreams,
+        grad.ffn_hc, grad.post_attention_layernorm,
+        [&](const bf16* x, bf16* y) {
+          begin(mlp_kind(layer));
+          if (layer.mlp == MlpKind::Dense)
+            mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
+          else
+            moe_forward(ctx_, c, layer.moe, x, L, y);
+          end();
+        },
+        [&](const bf16* x, const bf16* dy, float* dx) {
+          begin(mlp_kind(layer));
+          if (layer.mlp == MlpKind::Dense)
+            mlp_backward(ctx_, layer.dense, c.swiglu_limit, x, L, dy, dx, grad.dense);
+          else
+            moe_backward(ctx_, c, layer.moe, x, L, dy, dx, grad.moe, balance ? &balance_loss : nullptr);
+          end();
+        });
+    site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
+    residual_site_backward(
+        ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
+        grad.input_layernorm,
+        [&](const bf16* x, bf16* y) {
+          begin(attention_kind(layer));
+          if (layer.attention == AttentionKind::Kda)
+            kda_forward(ctx_, c, layer.kda, x, L, y);
+          else
+            dsa_forward(ctx_, c, layer.dsa, x, L, *selections[i], y, true);
+          end();
+        },
+        [&](const bf16* x, const bf16* dy, float* dx) {
+          begin(attention_kind(layer));
+          if (layer.attention == AttentionKind::Kda)
+            kda_backward(ctx_, c, layer.kda, x, L, dy, dx, grad.kda);
+          else
+            dsa_backward(ctx_, c, layer.dsa, x, L, selections[i]->data(), dy, dx, grad.dsa, &indexer_loss);
+          end();
+        });
+    site_inputs[2 * i] = DeviceBuffer<bf16>();
+  }
+
+  // Embedding: every stream started as the token's row.
+  embed_backward(token_ids.data(), dstreams.data(), f32_data(g.embed_tokens), L, H, D,
+                 c.pad_token_id && *c.pad_token_id < V ? static_cast<int32_t>(*c.pad_token_id) : -1, s);
+  result.loss = static_cast<double>(loss.download()[0]);
+  if (indexer_loss.layers > 0)
+    result.indexer_kl =
+        indexer_kl.download()[0] / static_cast<double>(L) / static_cast<double>(indexer_loss.layers);
+  return result;
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,60 @@
+// The whole model on one GPU for one sequence: bf16 weights (fp32 for the small parameters),
+// fp32 gradients, the same passes as the CPU reference (model/forward.cpp, model/backward.cpp):
+// the forward keeps each residual site's input streams, the backward recomputes each sublayer.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/backward.h"
+#include "model/config.h"
+#include "model/cuda/context.h"
+#include "model/cuda/device_weights.h"
+#include "model/weights.h"
+
+namespace spindle::cuda {
+
+// GPU time (ms) per layer kind ("kda", "dsa", "mlp", "moe", "head") over the passes it watched.
+class KindTimer {
+ public:
+  void begin(const std::string& kind, cudaStream_t stream);
+  void end(cudaStream_t stream);
+  // Waits for the recorded work and adds its times to `ms`; clears the events.
+  void collect(std::map<std::string, double>& ms);
+
+ private:
+  struct Span {
+    std::string kind;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Span> spans_;
+};
+
+class CudaModel {
+ public:
+  CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false);
+
+  const ModelConfig& config() const { return config_; }
+  Context& context() { return ctx_; }
+  DeviceWeights& weights() { return weights_; }
+  DeviceWeights& grads() { return grads_; }
+  void set_timer(KindTimer* timer) { timer_ = timer; }
+
+  // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1.
+  std::vector<float> log_probs(const std::vector<int32_t>& tokens);
+
+  // As spindle::loss_and_gradients: accumulates the gradients into grads().
+  LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options = {});
+
+ private:
+  void begin(const char* kind);
+  void end();
+
+  ModelConfig config_;
+  Context ctx_;
+  DeviceWeights weights_, grads_;
+  KindTimer* timer_ = nullptr;
+};
+
+}  // namespace spindle::cuda

@@ -1,0 +1,197 @@
+// The feed-forward sublayers on the GPU: the dense SwiGLU MLP and the routed experts (router,
+// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, weighted
+// deterministic combine) plus the shared expert. CPU reference: model/mlp.cpp, model/moe.cpp.
+#include "kernels/cuda/balance_loss.h"
+#include "kernels/cuda/convert.h"
+#include "kernels/cuda/moe_dispatch.h"
+#include "kernels/cuda/moe_ops.h"
+#include "model/cuda/device_weights.h"
+#include "model/cuda/modules.h"
+
+namespace spindle::cuda {
+
+void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y) {
+  const int64_t I = w.gate_proj.dim(0), D = w.gate_proj.dim(1);
+  const cudaStream_t s = ctx.stream();
+  DeviceBuffer<bf16> gate = activations(L * I), up = activations(L * I);
+  ctx.gemm.linear(x, bf16_data(w.gate_proj), gate.data(), L, D, I, s);
+  ctx.gemm.linear(x, bf16_data(w.up_proj), up.data(), L, D, I, s);
+  clamped_swiglu_forward(gate.data(), up.data(), gate.data(), L * I, static_cast<float>(swiglu_limit), s);
+  ctx.gemm.linear(gate.data(), bf16_data(w.down_proj), y, L, I, D, s);
+  ctx.record.note("mlp/swiglu", "cublaslt bf16 + cuda clamped swiglu");
+}
+
+void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,
+                  const bf16* dy, float* dx, MlpWeights& grad) {
+  const int64_t I = w.gate_proj.dim(0), D = w.gate_proj.dim(1);
+  const cudaStream_t s = ctx.stream();
+  const auto limit = static_cast<float>(swiglu_limit);
+  Gemm& gemm = ctx.gemm;
+  DeviceBuffer<bf16> gate = activations(L * I), up = activations(L * I), hidden = activations(L * I);
+  gemm.linear(x, bf16_data(w.gate_proj), gate.data(), L, D, I, s);
+  gemm.linear(x, bf16_data(w.up_proj), up.data(), L, D, I, s);
+  clamped_swiglu_forward(gate.data(), up.data(), hidden.data(), L * I, limit, s);
+  DeviceBuffer<bf16>& dhidden = hidden;  // written after its last read below
+  gemm.linear_backward_weight(dy, hidden.data(), f32_data(grad.down_proj), L, I, D, s);
+  gemm.linear_backward_input(dy, bf16_data(w.down_proj), dhidden.data(), L, I, D, s);
+  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), gate.data(), up.data(), L * I, limit, s);
+  gemm.linear_backward_input(gate.data(), bf16_data(w.gate_proj), dx, L, D, I, 1.0f, s);
+  gemm.linear_backward_weight(gate.data(), x, f32_data(grad.gate_proj), L, D, I, s);
+  gemm.linear_backward_input(up.data(), bf16_data(w.up_proj), dx, L, D, I, 1.0f, s);
+  gemm.linear_backward_weight(up.data(), x, f32_data(grad.up_proj), L, D, I, s);
+}
+
+namespace {
+
+cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
+  return {L, c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
+          c.routed_scaling_factor};
+}
+
+// Routing and the expert-sorted rows: what both passes start from.
+struct Routing {
+  DeviceBuffer<float> logits, weight;
+  DeviceBuffer<int32_t> expert, counts, offsets, permutation, inverse;
+  std::vector<int32_t> host_offsets;  // [experts + 1]
+  DeviceBuffer<bf16> rows;            // [assignments, hidden]: the gathered inputs
+};
+
+Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
+  const cudaStream_t s = ctx.stream();
+  Routing r;
+  r.logits = activations_f32(L * E);
+  r.weight = activations_f32(n);
+  const auto ints = [](int64_t count) {
+    return DeviceBuffer<int32_t>(static_cast<size_t>(count), MemoryCategory::Activations);
+  };
+  r.expert = ints(n);
+  r.counts = ints(E);
+  r.offsets = ints(E + 1);
+  r.permutation = ints(n);
+  r.inverse = ints(n);
+  ctx.gemm.linear(x, bf16_data(w.router), r.logits.data(), L, D, E, s);
+  route_tokens(router_shape(c, L), r.logits.data(), f32_data(w.correction_bias), r.expert.data(),
+               r.weight.data(), s);
+  ctx.permutation.build(r.expert.data(), n, E, r.counts.data(), r.offsets.data(), r.permutation.data(), s);
+  invert_permutation(r.permutation.data(), r.inverse.data(), n, s);
+  r.rows = activations(n * D);
+  gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), s);
+  // The per-expert products need the row counts on the host.
+  r.host_offsets.resize(static_cast<size_t>(E + 1));
+  SPINDLE_CUDA(cudaMemcpyAsync(r.host_offsets.data(), r.offsets.data(), (E + 1) * sizeof(int32_t),
+                               cudaMemcpyDeviceToHost, s));
+  SPINDLE_CUDA(cudaStreamSynchronize(s));
+  ctx.record.note("moe/experts", "cublaslt per expert over sorted rows");
+  return r;
+}
+
+// gate, up and hidden = swiglu(gate, up) of every assignment row, and the experts' outputs.
+struct ExpertActivations {
+  DeviceBuffer<bf16> gate, up, hidden, out;
+};
+
+ExpertActivations run_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
+                              int64_t n) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size, E = c.n_routed_experts;
+  const cudaStream_t s = ctx.stream();
+  ExpertActivations a{activations(n * I), activations(n * I), activations(n * I), activations(n * D)};
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
+    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
+    if (rows == 0) continue;
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D, a.gate.data() + first * I,
+                    rows, D, I, s);
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I, rows,
+                    D, I, s);
+  }
+  clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I, static_cast<float>(c.swiglu_limit),
+                         s);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
+    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
+    if (rows == 0) continue;
+    ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I, a.out.data() + first * D,
+                    rows, I, D, s);
+  }
+  return a;
+}
+
+}  // namespace
+
+void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L, bf16* y,
+                 std::vector<int64_t>* load, float* router_logits) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
+  const cudaStream_t s = ctx.stream();
+  Routing r = route(ctx, c, w, x, L);
+  if (load != nullptr) {
+    load->assign(static_cast<size_t>(E), 0);
+    for (int64_t e = 0; e < E; ++e)
+      (*load)[static_cast<size_t>(e)] = r.host_offsets[static_cast<size_t>(e + 1)] - r.host_offsets[static_cast<size_t>(e)];
+  }
+  if (router_logits != nullptr)
+    SPINDLE_CUDA(cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  ExpertActivations a = run_experts(ctx, c, w, r, n);
+  DeviceBuffer<bf16> shared = activations(L * D);
+  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
+  combine_expert_rows(a.out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
+}
+
+void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
+                  const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
+                k = c.num_experts_per_tok, n = L * k;
+  const cudaStream_t s = ctx.stream();
+  const auto limit = static_cast<float>(c.swiglu_limit);
+  Gemm& gemm = ctx.gemm;
+  Routing r = route(ctx, c, w, x, L);
+  ExpertActivations a = run_experts(ctx, c, w, r, n);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+
+  // y[t] += weight * out: the weights' gradient is dy . out, the outputs' is weight * dy.
+  DeviceBuffer<bf16> dout = activations(n * D);
+  DeviceBuffer<float> dweight = activations_f32(n);
+  combine_expert_rows_backward(a.out.data(), r.inverse.data(), r.weight.data(), dy, L, k, D, dout.data(),
+                               dweight.data(), s);
+  DeviceBuffer<bf16>& dhidden = a.hidden;
+  DeviceBuffer<float> drows = activations_f32(n * D);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
+    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
+    if (rows == 0) continue;
+    gemm.linear_backward_weight(dout.data() + first * D, a.hidden.data() + first * I,
+                                f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
+    gemm.linear_backward_input(dout.data() + first * D, bf16_data(w.experts_down) + e * D * I,
+                               dhidden.data() + first * I, rows, I, D, s);
+  }
+  clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I, limit, s);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
+    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
+    if (rows == 0) continue;
+    const bf16* x_rows = r.rows.data() + first * D;
+    gemm.linear_backward_input(a.gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
+                               drows.data() + first * D, rows, D, I, 0.0f, s);
+    gemm.linear_backward_input(a.up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
+                               drows.data() + first * D, rows, D, I, 1.0f, s);
+    gemm.linear_backward_weight(a.gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D, rows,
+                                D, I, s);
+    gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows, D,
+                                I, s);
+  }
+  DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
+  f32_to_bf16(drows.data(), drows16.data(), n * D, s);
+  scatter_expert_rows_backward(drows16.data(), r.inverse.data(), L, k, D, dx, s);
+
+  // The router: through the routing weights, plus the balance loss.
+  DeviceBuffer<float> dlogits = activations_f32(L * E);
+  route_weights_backward(router_shape(c, L), r.logits.data(), r.expert.data(), dweight.data(), dlogits.data(), s);
+  if (balance != nullptr && balance->coef > 0)
+    balance_loss_backward(r.logits.data(), balance->counts, L, E, balance->rows, balance->coef, dlogits.data(), s);
+  DeviceBuffer<bf16> dlogits16 = activations(L * E);
+  f32_to_bf16(dlogits.data(), dlogits16.data(), L * E, s);
+  gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
+  gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,77 @@
+#include "model/cuda/residual.h"
+
+#include "kernels/cuda/convert.h"
+#include "kernels/cuda/mhc.h"
+#include "kernels/cuda/norms.h"
+#include "model/cuda/device_weights.h"
+#include "model/cuda/modules.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+cpu::HcShape hc_shape(const ModelConfig& c, int64_t L) {
+  return {L, c.hc_mult, c.hidden_size, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
+}
+
+// The site's coefficients, collapsed input and normalised sublayer input.
+struct SiteActivations {
+  DeviceBuffer<float> pre, post, comb;
+  DeviceBuffer<bf16> collapsed, normed;
+};
+
+SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
+                            const Tensor& norm, int64_t L, const bf16* streams) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  SiteActivations a{activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H),
+                    activations(L * D), activations(L * D)};
+  hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
+                  a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+  rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D, static_cast<float>(c.rms_norm_eps),
+                   ctx.stream());
+  ctx.record.note("mhc", "cuda fused per token (Sinkhorn in fp32)");
+  return a;
+}
+
+}  // namespace
+
+void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
+                           int64_t L, const bf16* streams, bf16* next, const SublayerForward& sublayer) {
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
+  sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
+  hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
+}
+
+void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
+                            const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<float>& dstreams,
+                            HyperConnectionWeights& ghc, Tensor& gnorm, const SublayerForward& sublayer,
+                            const SublayerBackward& sublayer_backward) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  const cpu::HcShape shape = hc_shape(c, L);
+  const cudaStream_t s = ctx.stream();
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
+  DeviceBuffer<bf16> y = activations(L * D);
+  sublayer(a.normed.data(), y.data());
+
+  DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
+                      d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
+  SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
+  SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
+  DeviceBuffer<bf16> dy = activations(L * D);
+  hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
+                      d_post.data(), d_comb.data(), s);
+  sublayer_backward(a.normed.data(), dy.data(), d_normed.data());
+
+  DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
+  DeviceBuffer<bf16>& d_collapsed = dy;
+  f32_to_bf16(d_normed.data(), d_normed16.data(), L * D, s);
+  rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed16.data(), d_collapsed.data(), f32_data(gnorm), L,
+                    D, static_cast<float>(c.rms_norm_eps), s);
+  DeviceBuffer<float> workspace = activations_f32(hc_coefficients_backward_workspace(shape));
+  hc_coefficients_backward(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), nullptr,
+                           d_post.data(), d_comb.data(), d_collapsed.data(), d_in.data(), f32_data(ghc.fn),
+                           f32_data(ghc.base), f32_data(ghc.scale), workspace.data(), s);
+  dstreams = std::move(d_in);
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,33 @@
+// The mHC residual around each sublayer on the GPU (the CPU's model/residual.h):
+//   pre, post, comb, collapsed = hc(streams);  y = sublayer(rms_norm(collapsed));
+//   streams' = post * y + comb^T streams
+// Streams are bf16 [tokens, H, D]; their gradients fp32.
+#pragma once
+
+#include <functional>
+
+#include "backend/cuda/device_memory.h"
+#include "model/config.h"
+#include "model/cuda/context.h"
+#include "model/weights.h"
+
+namespace spindle::cuda {
+
+using SublayerForward = std::function<void(const __nv_bfloat16* normed, __nv_bfloat16* y)>;
+// Accumulates the input gradient into dnormed (fp32) and the sublayer's parameter gradients.
+using SublayerBackward =
+    std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy, float* dnormed)>;
+
+// streams (input) -> next (output), both [tokens, H, D].
+void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
+                           int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
+                           const SublayerForward& sublayer);
+
+// `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
+// input on return.
+void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
+                            const Tensor& norm, int64_t L, const __nv_bfloat16* streams,
+                            DeviceBuffer<float>& dstreams, HyperConnectionWeights& ghc, Tensor& gnorm,
+                            const SublayerForward& sublayer, const SublayerBackward& sublayer_backward);
+
+}  // namespace spindle::cuda

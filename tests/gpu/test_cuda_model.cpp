@@ -1,0 +1,144 @@
+// The whole model on the GPU (bf16 weights and activations, fp32 math and gradients) against
+// the CPU reference in fp32 and against transformers' log-probs (the golden cases).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/register.h"
+#include "backend/device_model.h"
+#include "io/token_text.h"
+#include "model/backward.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+#include "model/init.h"
+
+namespace spindle {
+namespace {
+
+const std::string kTests = SPINDLE_TEST_DATA;
+
+std::unique_ptr<DeviceModel> on_gpu(const ModelConfig& config, const ModelWeights& weights) {
+  cuda::register_backend();
+  return open_device_model(Device::CUDA, config, weights, {true});
+}
+
+std::vector<double> read_numbers(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> values;
+  for (double v; in >> v;) values.push_back(v);
+  return values;
+}
+
+double mean_abs_diff(const std::vector<float>& got, const std::vector<double>& want) {
+  double sum = 0;
+  for (size_t i = 0; i < got.size(); ++i) sum += std::abs(got[i] - want[i]);
+  return sum / static_cast<double>(got.size());
+}
+
+// Issue bound: bf16 log-probs within a mean |diff| of 0.02 nats of the fp32 reference.
+constexpr double kMeanBound = 0.02;
+
+TEST(CudaModel, LogProbsMatchTransformersOnTheGoldenCases) {
+  int cases = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kTests + "/golden")) {
+    const std::string dir = entry.path().string();
+    const Model model = load_model(dir, DType::F32);
+    const std::vector<int32_t> tokens = read_token_text(dir + "/tokens.txt");
+    const std::vector<double> want = read_numbers(dir + "/logprobs.txt");
+    const std::vector<float> got = on_gpu(model.config, model.weights)->log_probs(tokens);
+    ASSERT_EQ(got.size(), want.size()) << dir;
+    const double mean = mean_abs_diff(got, want);
+    std::printf("%s: %zu positions, mean |diff| %.3e\n", entry.path().filename().c_str(), got.size(), mean);
+    EXPECT_LE(mean, kMeanBound) << dir;
+    ++cases;
+  }
+  EXPECT_GE(cases, 3);
+}
+
+// A small DNA model over 32768 real tokens (chr22). Weights are drawn wider than the usual 0.02
+// so that the predictions are far from uniform and the comparison has something to miss.
+TEST(CudaModel, LogProbsMatchTheCpuOn32kTokensOfDna) {
+  ModelConfig config = load_model_config(kTests + "/../configs/small-dna.json");
+  config.initializer_range = 0.1;
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 11);
+  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
+  ASSERT_GE(tokens.size(), 32768u);
+  tokens.resize(32768);
+  const std::vector<float> cpu = sequence_log_probs<float>(config, weights, tokens);
+  const std::vector<float> gpu = on_gpu(config, weights)->log_probs(tokens);
+  ASSERT_EQ(gpu.size(), cpu.size());
+  double mean_lp = 0, spread = 0;
+  for (float v : cpu) mean_lp += v / static_cast<double>(cpu.size());
+  for (float v : cpu) spread += std::abs(v - mean_lp) / static_cast<double>(cpu.size());
+  const double mean = mean_abs_diff(gpu, std::vector<double>(cpu.begin(), cpu.end()));
+  std::printf("32768 DNA tokens: mean |diff| %.3e, mean log-prob %.3f, mean spread %.3f\n", mean, mean_lp, spread);
+  EXPECT_GT(spread, 0.05) << "the reference predictions are nearly uniform: the test would prove little";
+  EXPECT_LE(mean, kMeanBound);
+}
+
+// One training step's loss, auxiliary losses and gradients against the CPU in fp32. The
+// indexer's top-k covers the whole sequence here, so that the GPU and CPU attend to the same keys
+// (selection itself is checked exactly by the kernel tests) and the KL training runs on both.
+TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
+  ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
+  config.index_topk = 512;
+  config.initializer_range = 0.1;
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 5);
+  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
+  tokens.resize(300);
+  LossOptions options;
+  options.indexer_kl_coef = 0.5;
+  options.aux_loss_coef = 0.01;
+
+  ModelWeights cpu_grads = zero_gradients(config, DType::F32);
+  const LossResult cpu = loss_and_gradients<float>(config, weights, tokens, cpu_grads, options);
+  auto device = on_gpu(config, weights);
+  const LossResult gpu = device->loss_and_gradients(tokens, options);
+  ModelWeights gpu_grads = zero_gradients(config, DType::F32);
+  device->download_gradients(gpu_grads);
+
+  std::printf("loss cpu %.6f gpu %.6f; indexer KL cpu %.6f gpu %.6f; aux cpu %.6f gpu %.6f\n", cpu.loss, gpu.loss,
+              cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
+  EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss);
+  EXPECT_NEAR(gpu.indexer_kl, cpu.indexer_kl, 5e-2 * cpu.indexer_kl + 1e-4);
+  EXPECT_NEAR(gpu.aux_loss, cpu.aux_loss, 5e-2 * cpu.aux_loss);
+  ASSERT_EQ(gpu.expert_load.size(), cpu.expert_load.size());
+
+  auto cpu_table = parameter_table(config, cpu_grads);
+  auto gpu_table = parameter_table(config, gpu_grads);
+  double cpu_sq = 0, gpu_sq = 0, dot = 0;
+  int checked = 0;
+  for (size_t i = 0; i < cpu_table.size(); ++i) {
+    const Tensor& a = cpu_table[i].tensor;
+    const Tensor& b = gpu_table[i].tensor;
+    double ab = 0, aa = 0, bb = 0;
+    for (int64_t j = 0; j < a.numel(); ++j) {
+      const double x = a.item_as_double(j), y = b.item_as_double(j);
+      ASSERT_TRUE(std::isfinite(y)) << gpu_table[i].name << " element " << j;
+      ab += x * y, aa += x * x, bb += y * y;
+    }
+    cpu_sq += aa, gpu_sq += bb, dot += ab;
+    if (std::sqrt(aa) < 1e-6) continue;  // buffers and gradients that are zero on both
+    const double cosine = ab / std::sqrt(aa * bb);
+    EXPECT_GT(cosine, 0.97) << cpu_table[i].name << ": |cpu| " << std::sqrt(aa) << " |gpu| " << std::sqrt(bb);
+    EXPECT_NEAR(std::sqrt(bb), std::sqrt(aa), 0.1 * std::sqrt(aa)) << cpu_table[i].name;
+    ++checked;
+  }
+  const double cpu_norm = std::sqrt(cpu_sq), gpu_norm = std::sqrt(gpu_sq);
+  std::printf("gradient norm cpu %.6f gpu %.6f, cosine %.6f over %d tensors\n", cpu_norm, gpu_norm,
+              dot / (cpu_norm * gpu_norm), checked);
+  EXPECT_NEAR(gpu_norm, cpu_norm, 2e-2 * cpu_norm);
+  EXPECT_GT(dot / (cpu_norm * gpu_norm), 0.995);
+  EXPECT_GT(checked, 30);
+  EXPECT_NEAR(device->clip_gradients(0.0), gpu_norm, 1e-3 * gpu_norm);
+}
+
+}  // namespace
+}  // namespace spindle
