@@ -1,0 +1,204 @@
+// The DSA indexer's training on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh
+// random inputs: the attention mass (head widths 32 to 576, 1 to 66 heads, selection widths 32 to
+// 4096 + 3), the KL backward (up to 64 heads x 128) and the pooling backward. Selections are made
+// by cpu::indexer_select, then given -1 holes; written outputs are poisoned with NaN, accumulated
+// ones pre-filled (their increments are compared); references in double on the bf16-rounded inputs.
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "gpu_test_util.h"
+#include "kernels/cpu/dsa.h"
+#include "kernels/cuda/indexer_training.h"
+
+namespace spindle::cuda {
+namespace {
+
+// The indexer's selection for these inputs, then holes its contract allows beyond the trailing
+// -1 it pads with: from t = 1 every 5th row loses one whole chosen run, from t = 2 one slot after
+// a run's first, from t = 3 a run's first slot (the run then names no pool; its other slots stay).
+std::vector<int32_t> select_with_holes(const cpu::IndexerShape& s, const std::vector<float>& q,
+                                       const std::vector<float>& pool_keys,
+                                       const std::vector<float>& weights) {
+  const int64_t width = s.width(), kp = s.kpool;
+  const auto qd = to_double(q), kd = to_double(pool_keys), wd = to_double(weights);
+  std::vector<int32_t> sel(static_cast<size_t>(s.tokens * width));
+  cpu::indexer_select<double>(s, qd.data(), kd.data(), wd.data(), sel.data());
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    int32_t* row = sel.data() + t * width;
+    int64_t used = 0;
+    while ((used + 1) * kp <= s.topk && row[used * kp] >= 0) ++used;
+    if (used == 0) continue;
+    int32_t* run = row + std::uniform_int_distribution<int64_t>(0, used - 1)(rng()) * kp;
+    if (t % 5 == 1)
+      std::fill(run, run + kp, -1);
+    else if (t % 5 == 2 && kp > 1)
+      run[std::uniform_int_distribution<int64_t>(1, kp - 1)(rng())] = -1;
+    else if (t % 5 == 3)
+      run[0] = -1;
+  }
+  return sel;
+}
+
+TEST(CudaIndexerTraining, AttentionMassMatchesTheCpu) {
+  struct Case {
+    int64_t tokens, heads, qk_dim, v_dim, kpool, topk;
+    bool tail;
+  };
+  const Case cases[] = {
+      {300, 4, 64, 32, 4, 32, true},      {300, 8, 64, 64, 4, 32, false},   {300, 66, 32, 16, 4, 32, true},
+      {500, 3, 32, 32, 16, 64, true},     {200, 3, 576, 512, 4, 64, true},  {2100, 5, 64, 64, 4, 2048, true},
+      {2100, 1, 576, 512, 4, 2048, true}, {4200, 3, 64, 16, 4, 4096, true},  // fewer warps per CTA
+  };
+  for (const Case& c : cases) {
+    const int64_t L = c.tokens, H = c.heads;
+    // Selections from a small random indexer; the attention's own inputs are independent of it.
+    const cpu::IndexerShape is{L, 2, 16, c.kpool, c.topk, c.tail};
+    const auto sel = select_with_holes(is, rounded(random_floats(L * 2 * 16)),
+                                       rounded(random_floats(is.complete_pools() * 16)),
+                                       rounded(random_floats(L * 2, 0.5f)));
+    const int64_t width = is.width();
+    const cpu::SparseAttentionShape s{L,       H,     c.qk_dim,
+                                      c.v_dim, width, 1.0 / std::sqrt(static_cast<double>(c.qk_dim))};
+    const auto q = rounded(random_floats(L * H * c.qk_dim)),
+               kv = rounded(random_floats(L * H * (c.qk_dim + c.v_dim)));
+
+    Stream stream;
+    auto dq = device(to_bf16(q)), dkv = device(to_bf16(kv));
+    auto dsel = device(sel);
+    auto mass = poisoned<float>(L * width);
+    attention_mass(s, dq.data(), dkv.data(), dsel.data(), mass.data(), stream.get());
+    stream.synchronize();
+
+    const auto qd = to_double(q), kvd = to_double(kv);
+    std::vector<double> ref(static_cast<size_t>(L * width));
+    cpu::attention_mass<double>(s, qd.data(), kvd.data(), sel.data(), ref.data());
+    // fp32 output: only fp32 dot products, exponentials and sums stand between it and the reference.
+    EXPECT_LT(relative_error(mass.download(), ref), 1e-5)
+        << "tokens " << L << " heads " << H << " qk_dim " << c.qk_dim << " width " << width;
+  }
+}
+
+TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
+  struct Case {
+    int64_t tokens, heads, head_dim, kpool, topk;
+    bool tail;
+  };
+  const Case cases[] = {{300, 4, 32, 4, 32, true},
+                        {300, 8, 64, 4, 32, false},
+                        {777, 3, 32, 16, 128, false},
+                        {600, 64, 128, 4, 256, true}};  // shared memory past 48 KiB
+  const float scale = 0.37f;
+  for (const Case& c : cases) {
+    const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
+    const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools(), width = s.width();
+    const auto q = rounded(random_floats(L * H * d)), pool_keys = rounded(random_floats(P * d)),
+               weights = rounded(random_floats(L * H, 1.0f / std::sqrt(static_cast<float>(H))));
+    const auto sel = select_with_holes(s, q, pool_keys, weights);
+    // Attention mass: zero on unused slots (as attention_mass writes it), on whole rows (t = 4
+    // mod 11: nothing to learn) and on a row's first run (t = 5 mod 7: a chosen pool of target 0).
+    std::vector<float> mass(static_cast<size_t>(L * width));
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t i = 0; i < width; ++i) {
+        const bool zero = sel[t * width + i] < 0 || t % 11 == 4 || (t % 7 == 5 && i < c.kpool);
+        mass[t * width + i] = zero ? 0.0f : uniform(rng());
+      }
+    const auto dpool0 = random_floats(P * d, 0.01f);
+    const double kl0 = 1.25;
+
+    Stream stream;
+    auto dq_in = device(to_bf16(q)), dk_in = device(to_bf16(pool_keys)), dw_in = device(to_bf16(weights));
+    auto dsel = device(sel);
+    auto dmass = device(mass);
+    auto dq = poisoned<bf16>(L * H * d), dhw = poisoned<bf16>(L * H);
+    auto dpool = device(dpool0, MemoryCategory::Gradients);
+    DeviceBuffer<double> kl(1, MemoryCategory::Gradients);
+    SPINDLE_CUDA(cudaMemcpy(kl.data(), &kl0, sizeof(double), cudaMemcpyHostToDevice));
+    indexer_kl_backward(s, dq_in.data(), dk_in.data(), dw_in.data(), dsel.data(), dmass.data(), scale,
+                        dq.data(), dpool.data(), dhw.data(), kl.data(), stream.get());
+    stream.synchronize();
+    double kl_got = 0;
+    SPINDLE_CUDA(cudaMemcpy(&kl_got, kl.data(), sizeof(double), cudaMemcpyDeviceToHost));
+
+    const auto qd = to_double(q), kd = to_double(pool_keys), wd = to_double(weights), md = to_double(mass);
+    std::vector<double> dq_ref(static_cast<size_t>(L * H * d)), dhw_ref(static_cast<size_t>(L * H)),
+        dpool_ref(static_cast<size_t>(P * d), 0.0);
+    const double kl_ref =
+        cpu::indexer_kl_backward<double>(s, qd.data(), kd.data(), wd.data(), sel.data(), md.data(), scale,
+                                         dq_ref.data(), dpool_ref.data(), dhw_ref.data());
+    const auto dq_got = dq.download(), dhw_got = dhw.download();
+    const auto dpool_got = dpool.download();
+    std::vector<double> dpool_added(dpool_got.size());
+    for (size_t i = 0; i < dpool_got.size(); ++i) dpool_added[i] = double(dpool_got[i]) - double(dpool0[i]);
+    // Queries with nothing to learn get exact zeros.
+    int64_t nonzero_rows = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      const auto zero = [](double x) { return x == 0.0; };
+      if (!std::all_of(dq_ref.begin() + t * H * d, dq_ref.begin() + (t + 1) * H * d, zero) ||
+          !std::all_of(dhw_ref.begin() + t * H, dhw_ref.begin() + (t + 1) * H, zero))
+        continue;
+      const auto bf16_zero = [](bf16 x) { return __bfloat162float(x) == 0.0f; };
+      if (!std::all_of(dq_got.begin() + t * H * d, dq_got.begin() + (t + 1) * H * d, bf16_zero) ||
+          !std::all_of(dhw_got.begin() + t * H, dhw_got.begin() + (t + 1) * H, bf16_zero))
+        ++nonzero_rows;
+    }
+    const std::string what = "tokens " + std::to_string(L) + " heads " + std::to_string(H) + " head_dim " +
+                             std::to_string(d) + " kpool " + std::to_string(c.kpool) + " topk " +
+                             std::to_string(c.topk) + " tail " + std::to_string(c.tail);
+    ASSERT_GT(kl_ref, 0.0) << what;
+    // bf16 outputs: one rounding (~2^-9 relative) on top of fp32 arithmetic; dpool and the KL fp32.
+    EXPECT_LT(relative_error(dq_got, dq_ref), 8e-3) << "dq, " << what;
+    EXPECT_LT(relative_error(dhw_got, dhw_ref), 8e-3) << "dhead_weights, " << what;
+    EXPECT_LT(relative_error(dpool_added, dpool_ref), 1e-4) << "dpool_keys, " << what;
+    EXPECT_LT(std::abs((kl_got - kl0) - kl_ref) / kl_ref, 1e-5)
+        << "kl_sum " << kl_got - kl0 << " vs " << kl_ref << ", " << what;
+    EXPECT_EQ(nonzero_rows, 0) << "queries with nothing to learn, " << what;
+  }
+}
+
+// kpool 1 is left out: its gate gradients are exactly zero on the CPU and rounding noise on the
+// GPU, which a relative error cannot judge.
+TEST(CudaIndexerTraining, PoolKeysBackwardMatchesTheCpu) {
+  for (auto [L, d, kp] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 64, 4}, {302, 32, 4}, {1027, 128, 16}, {3, 32, 4}}) {
+    const cpu::IndexerShape s{L, 1, d, kp, 0, false};
+    const int64_t P = s.complete_pools();
+    const auto keys = rounded(random_floats(L * d)), gate = rounded(random_floats(L * d)),
+               ape = rounded(random_floats(kp * d, 0.5f));
+    const auto dpool = random_floats(P * d), dape0 = random_floats(kp * d, 0.1f);
+    Stream stream;
+    auto dk = device(to_bf16(keys)), dg = device(to_bf16(gate)), da = device(to_bf16(ape));
+    auto dp = device(dpool, MemoryCategory::Gradients);
+    auto dkeys = poisoned<bf16>(L * d), dgate = poisoned<bf16>(L * d);
+    auto dape = device(dape0, MemoryCategory::Gradients);
+    indexer_pool_keys_backward(s, dk.data(), dg.data(), da.data(), dp.data(), dkeys.data(), dgate.data(),
+                               dape.data(), stream.get());
+    stream.synchronize();
+
+    const auto kd = to_double(keys), gd = to_double(gate), ad = to_double(ape), pd = to_double(dpool);
+    std::vector<double> dkeys_ref(static_cast<size_t>(L * d)), dgate_ref(static_cast<size_t>(L * d)),
+        dape_ref(static_cast<size_t>(kp * d), 0.0);
+    cpu::indexer_pool_keys_backward<double>(s, kd.data(), gd.data(), ad.data(), pd.data(), dkeys_ref.data(),
+                                            dgate_ref.data(), dape_ref.data());
+    const auto dape_got = dape.download();
+    std::vector<double> dape_added(dape_got.size());
+    for (size_t i = 0; i < dape_got.size(); ++i) dape_added[i] = double(dape_got[i]) - double(dape0[i]);
+    const std::string what =
+        "tokens " + std::to_string(L) + " head_dim " + std::to_string(d) + " kpool " + std::to_string(kp);
+    EXPECT_LT(relative_error(dkeys.download(), dkeys_ref), 8e-3) << "dkeys, " << what;
+    EXPECT_LT(relative_error(dgate.download(), dgate_ref), 8e-3) << "dgate, " << what;
+    EXPECT_LT(relative_error(dape_added, dape_ref), 1e-5) << "dape, " << what;
+  }
+}
+
+}  // namespace
+}  // namespace spindle::cuda
