@@ -1,0 +1,284 @@
+// MoE dispatch kernels, all memory-bound: one warp per sorted row (gather) or per token (combine,
+// its backward, the scatter backward), its lanes striding over the row in pieces of N bf16
+// (N = 8, 2 or 1, a template argument). A token's topk row addresses and weights sit in registers
+// (the slot loop is unrolled to 8), so its rows' loads are independent and issue together.
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
+#include "backend/cuda/check.h"
+#include "kernels/cuda/moe_dispatch.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTopk = 8;
+constexpr int64_t kMaxBlocks = 65536;
+
+// The type that moves N bf16 in one access.
+template <int N>
+using Piece = std::conditional_t<N == 8, uint4, std::conditional_t<N == 2, uint32_t, uint16_t>>;
+
+template <int N>
+__device__ void load(const bf16* p, float (&out)[N]) {
+  const Piece<N> raw = *reinterpret_cast<const Piece<N>*>(p);
+  bf16 h[N];
+  memcpy(h, &raw, sizeof(raw));
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = __bfloat162float(h[j]);
+}
+
+template <int N>
+__device__ void store(bf16* p, const float (&in)[N]) {
+  bf16 h[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) h[j] = __float2bfloat16(in[j]);
+  Piece<N> raw;
+  memcpy(&raw, h, sizeof(raw));
+  *reinterpret_cast<Piece<N>*>(p) = raw;
+}
+
+// fp32 pieces of N: float, float2 or two float4.
+template <int N>
+using FloatPiece = std::conditional_t<N == 1, float, std::conditional_t<N == 2, float2, float4>>;
+
+template <int N>
+__device__ void load(const float* p, float (&out)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; j += static_cast<int>(sizeof(FloatPiece<N>) / sizeof(float))) {
+    const FloatPiece<N> raw = *reinterpret_cast<const FloatPiece<N>*>(p + j);
+    memcpy(out + j, &raw, sizeof(raw));
+  }
+}
+
+template <int N>
+__device__ void store(float* p, const float (&in)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; j += static_cast<int>(sizeof(FloatPiece<N>) / sizeof(float))) {
+    FloatPiece<N> raw;
+    memcpy(&raw, in + j, sizeof(raw));
+    *reinterpret_cast<FloatPiece<N>*>(p + j) = raw;
+  }
+}
+
+__device__ int64_t warp_index() { return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; }
+
+__device__ int64_t warp_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x / 32; }
+
+__device__ float warp_sum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__global__ void invert_kernel(const int32_t* permutation, int32_t* inverse, int64_t n) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    inverse[permutation[r]] = static_cast<int32_t>(r);
+}
+
+template <int N>
+__global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ permutation,
+                              int64_t assignments, int64_t topk, int64_t D, bf16* __restrict__ rows) {
+  const int lane = threadIdx.x % 32;
+  const int64_t pieces = D / N;
+  for (int64_t r = warp_index(); r < assignments; r += warp_count()) {
+    const auto* src = reinterpret_cast<const Piece<N>*>(x + permutation[r] / topk * D);
+    auto* dst = reinterpret_cast<Piece<N>*>(rows + r * D);
+    for (int64_t i = lane; i < pieces; i += 32) dst[i] = src[i];
+  }
+}
+
+// `shared` and `y` may be the same buffer: each lane reads its piece before writing it.
+template <int N>
+__global__ void combine_kernel(const bf16* __restrict__ rows, const int32_t* __restrict__ inverse,
+                               const float* __restrict__ weight, const bf16* shared, int64_t tokens, int topk,
+                               int64_t D, bf16* y) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
+    const bf16* src[kMaxTopk] = {};
+    float w[kMaxTopk] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      if (k < topk) {
+        src[k] = rows + inverse[t * topk + k] * D;
+        w[k] = weight[t * topk + k];
+      }
+    for (int64_t i = lane * N; i < D; i += 32 * N) {
+      float acc[N], r[N];
+      load(shared + t * D + i, acc);
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (k < topk) {
+          load(src[k] + i, r);
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[j] += w[k] * r[j];
+        }
+      store(y + t * D + i, acc);
+    }
+  }
+}
+
+template <int N>
+__global__ void combine_backward_kernel(const bf16* __restrict__ rows, const int32_t* __restrict__ inverse,
+                                        const float* __restrict__ weight, const bf16* __restrict__ dy,
+                                        int64_t tokens, int topk, int64_t D, bf16* __restrict__ drows,
+                                        float* __restrict__ dweight) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
+    int64_t row[kMaxTopk] = {};
+    float w[kMaxTopk] = {}, dot[kMaxTopk] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      if (k < topk) {
+        row[k] = inverse[t * topk + k] * D;
+        w[k] = weight[t * topk + k];
+      }
+    for (int64_t i = lane * N; i < D; i += 32 * N) {
+      float g[N], r[N], out[N];
+      load(dy + t * D + i, g);
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (k < topk) {
+          load(rows + row[k] + i, r);
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            dot[k] += g[j] * r[j];
+            out[j] = w[k] * g[j];
+          }
+          store(drows + row[k] + i, out);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      if (k < topk) {
+        const float total = warp_sum(dot[k]);
+        if (lane == 0) dweight[t * topk + k] = total;
+      }
+  }
+}
+
+template <int N>
+__global__ void scatter_backward_kernel(const bf16* __restrict__ drows, const int32_t* __restrict__ inverse,
+                                        int64_t tokens, int topk, int64_t D, float* __restrict__ dx) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
+    const bf16* src[kMaxTopk] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      if (k < topk) src[k] = drows + inverse[t * topk + k] * D;
+    for (int64_t i = lane * N; i < D; i += 32 * N) {
+      float sum[N] = {}, r[N], acc[N];
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (k < topk) {
+          load(src[k] + i, r);
+#pragma unroll
+          for (int j = 0; j < N; ++j) sum[j] += r[j];
+        }
+      load(dx + t * D + i, acc);
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc[j] += sum[j];
+      store(dx + t * D + i, acc);
+    }
+  }
+}
+
+// The widest piece (8, 2 or 1 elements) that D splits into and every pointer is aligned for.
+int piece_width(int64_t D, std::initializer_list<const void*> pointers) {
+  auto aligned = [&](uintptr_t bytes) {
+    for (const void* p : pointers)
+      if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+    return true;
+  };
+  if (D % 8 == 0 && aligned(16)) return 8;
+  if (D % 2 == 0 && aligned(8)) return 2;
+  return 1;
+}
+
+// Calls launch(std::integral_constant<int, N>) for the piece width N.
+template <class Launch>
+void with_piece_width(int width, Launch&& launch) {
+  if (width == 8)
+    launch(std::integral_constant<int, 8>{});
+  else if (width == 2)
+    launch(std::integral_constant<int, 2>{});
+  else
+    launch(std::integral_constant<int, 1>{});
+}
+
+unsigned warp_blocks(int64_t warps) {
+  return static_cast<unsigned>(std::min<int64_t>((warps + kWarps - 1) / kWarps, kMaxBlocks));
+}
+
+void check_shape(const char* what, int64_t assignments, int64_t topk, int64_t D) {
+  check(topk >= 1 && topk <= kMaxTopk, what, ": topk ", topk, " must be in 1..", kMaxTopk);
+  check(assignments >= 0 && assignments < INT_MAX, what, ": ", assignments, " assignments (int32 limit)");
+  check(D > 0, what, ": D must be positive, got ", D);
+}
+
+}  // namespace
+
+void invert_permutation(const int32_t* permutation, int32_t* inverse, int64_t assignments,
+                        cudaStream_t stream) {
+  check(assignments >= 0 && assignments < INT_MAX, "invert_permutation: ", assignments,
+        " assignments (int32 limit)");
+  if (assignments == 0) return;
+  const auto blocks =
+      static_cast<unsigned>(std::min<int64_t>((assignments + kThreads - 1) / kThreads, kMaxBlocks));
+  invert_kernel<<<blocks, kThreads, 0, stream>>>(permutation, inverse, assignments);
+  SPINDLE_LAUNCHED("invert_kernel");
+}
+
+void gather_expert_rows(const bf16* x, const int32_t* permutation, int64_t assignments, int64_t topk,
+                        int64_t D, bf16* rows, cudaStream_t stream) {
+  check_shape("gather_expert_rows", assignments, topk, D);
+  if (assignments == 0) return;
+  with_piece_width(piece_width(D, {x, rows}), [&](auto n) {
+    gather_kernel<decltype(n)::value>
+        <<<warp_blocks(assignments), kThreads, 0, stream>>>(x, permutation, assignments, topk, D, rows);
+  });
+  SPINDLE_LAUNCHED("gather_kernel");
+}
+
+void combine_expert_rows(const bf16* rows, const int32_t* inverse, const float* weight, const bf16* shared,
+                         int64_t tokens, int64_t topk, int64_t D, bf16* y, cudaStream_t stream) {
+  check_shape("combine_expert_rows", tokens * topk, topk, D);
+  if (tokens == 0) return;
+  with_piece_width(piece_width(D, {rows, shared, y}), [&](auto n) {
+    combine_kernel<decltype(n)::value><<<warp_blocks(tokens), kThreads, 0, stream>>>(
+        rows, inverse, weight, shared, tokens, static_cast<int>(topk), D, y);
+  });
+  SPINDLE_LAUNCHED("combine_kernel");
+}
+
+void combine_expert_rows_backward(const bf16* rows, const int32_t* inverse, const float* weight,
+                                  const bf16* dy, int64_t tokens, int64_t topk, int64_t D, bf16* drows,
+                                  float* dweight, cudaStream_t stream) {
+  check_shape("combine_expert_rows_backward", tokens * topk, topk, D);
+  if (tokens == 0) return;
+  with_piece_width(piece_width(D, {rows, dy, drows}), [&](auto n) {
+    combine_backward_kernel<decltype(n)::value><<<warp_blocks(tokens), kThreads, 0, stream>>>(
+        rows, inverse, weight, dy, tokens, static_cast<int>(topk), D, drows, dweight);
+  });
+  SPINDLE_LAUNCHED("combine_backward_kernel");
+}
+
+void scatter_expert_rows_backward(const bf16* drows, const int32_t* inverse, int64_t tokens, int64_t topk,
+                                  int64_t D, float* dx, cudaStream_t stream) {
+  check_shape("scatter_expert_rows_backward", tokens * topk, topk, D);
+  if (tokens == 0) return;
+  with_piece_width(piece_width(D, {drows, dx}), [&](auto n) {
+    scatter_backward_kernel<decltype(n)::value>
+        <<<warp_blocks(tokens), kThreads, 0, stream>>>(drows, inverse, tokens, static_cast<int>(topk), D, dx);
+  });
+  SPINDLE_LAUNCHED("scatter_backward_kernel");
+}
+
+}  // namespace spindle::cuda
