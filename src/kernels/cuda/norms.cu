@@ -1,83 +1,484 @@
-// RMSNorm forward and backward: one block of 256 threads per row, fp32 sums reduced across
-// warps in shared memory. Memory-bound: one read of x (and dy) and one write per element.
+// Row normalisations. A row goes to one warp when 32 threads can hold it (D <= 512 elements), else
+// to a block of up to 512 threads; each thread keeps its (up to 16) elements of the row in
+// registers, so x is read once, with vector accesses where D and the pointers allow. The grid
+// holds as many blocks as the GPU runs at once and strides over the rows; weight gradients are
+// summed in registers over a thread's rows and added with one atomic per element per block (a
+// block of warp rows combines its warps in shared memory first).
+#include <algorithm>
+
 #include "backend/cuda/check.h"
-#include "kernels/cuda/ops.h"
+#include "core/error.h"
+#include "kernels/cuda/memory_bound.cuh"
+#include "kernels/cuda/norms.h"
 
 namespace spindle::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
+using bf16 = __nv_bfloat16;
 
-__device__ float block_sum(float value, float* shared) {
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) shared[warp] = value;
-  __syncthreads();
-  value = lane < kThreads / 32 ? shared[lane] : 0.0f;
-  if (warp == 0)
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  if (threadIdx.x == 0) shared[0] = value;
-  __syncthreads();
-  const float total = shared[0];
-  __syncthreads();
-  return total;
+constexpr int kPerThread = 16;                     // row elements a thread holds
+constexpr int kMaxBlock = kMaxNormD / kPerThread;  // threads on a row, at most
+constexpr int kWarpRowsBlock = 256;                // a block of 8 warps, each on its own rows
+constexpr int kMaxWarpD = 32 * kPerThread;
+
+// A thread's place: its index among the `group` threads of its row, its first row and the step
+// to its next one. kGroup: 32 (a warp per row), kMaxBlock, or 0 for a block of blockDim.x; a
+// compile-time group keeps the offsets of a thread's C vectors immediate, out of registers.
+struct RowSlot {
+  int lane, group;
+  int64_t row, stride;
+};
+
+template <int kGroup>
+__device__ RowSlot row_slot() {
+  const int group = kGroup != 0 ? kGroup : static_cast<int>(blockDim.x);
+  const int rows_per_block = static_cast<int>(blockDim.x) / group;
+  return {static_cast<int>(threadIdx.x) % group, group,
+          static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / group,
+          static_cast<int64_t>(gridDim.x) * rows_per_block};
 }
 
-__global__ void rms_norm_forward_kernel(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y,
-                                        int64_t D, float eps) {
-  __shared__ float shared[32];
-  const __nv_bfloat16* xr = x + blockIdx.x * D;
-  __nv_bfloat16* yr = y + blockIdx.x * D;
+// First element of the thread's c-th vector of V; vectors at or past D are not the thread's.
+__device__ __forceinline__ int element(const RowSlot& s, int c, int V) { return (c * s.group + s.lane) * V; }
+
+// The thread's elements of a row (or of the weight) into registers; zeros past D, so that sums
+// over the registers need no check.
+template <int V, int C, class T>
+__device__ void load_row(const T* row, const RowSlot& s, int D, float* out) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = element(s, c, V);
+    if (e < D) {
+      load<V>(row + e, out + c * V);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[c * V + j] = 0.0f;
+    }
+  }
+}
+
+template <int V, int C>
+__device__ void store_row(bf16* row, const RowSlot& s, int D, const float* in) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = element(s, c, V);
+    if (e < D) store<V>(row + e, in + c * V);
+  }
+}
+
+// v -= m on the thread's elements of the row; the zeros past D stay zero.
+template <int V, int C>
+__device__ void center_row(float* v, float m, const RowSlot& s, int D) {
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+    if (element(s, c, V) < D)
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[c * V + j] -= m;
+}
+
+template <int E>
+__device__ __forceinline__ float register_sum(const float (&v)[E]) {
   float sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) {
-    const float v = __bfloat162float(xr[i]);
-    sum += v * v;
-  }
-  const float inv = rsqrtf(block_sum(sum, shared) / static_cast<float>(D) + eps);
-  for (int64_t i = threadIdx.x; i < D; i += kThreads)
-    yr[i] = __float2bfloat16(__bfloat162float(weight[i]) * (__bfloat162float(xr[i]) * inv));
+#pragma unroll
+  for (int i = 0; i < E; ++i) sum += v[i];
+  return sum;
 }
 
-__global__ void rms_norm_backward_kernel(const __nv_bfloat16* x, const __nv_bfloat16* weight,
-                                         const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dweight,
-                                         int64_t D, float eps) {
+// Sums N values over the row's threads; every thread gets the totals (in the same order, so the
+// same values). A block row reduces its warps through `shared` (32 N floats).
+template <int N>
+__device__ void row_sum(float (&v)[N], int group, float* shared) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+    for (int offset = 16; offset > 0; offset /= 2) v[n] += __shfl_xor_sync(0xffffffffu, v[n], offset);
+  if (group == 32) return;
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int n = 0; n < N; ++n) shared[n * 32 + warp] = v[n];
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    v[n] = 0.0f;
+    for (int w = 0; w < group / 32; ++w) v[n] += shared[n * 32 + w];
+  }
+  __syncthreads();  // the next sum reuses `shared`
+}
+
+// grad (fp32, global) += the thread's per-element sums. Every thread of the block calls it.
+template <int V, int C>
+__device__ void add_gradient(const float* sums, float* grad, const RowSlot& s, int D, float* combine) {
+  if (s.group > 32) {  // the block is one row's threads: each element has one owner
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int e = element(s, c, V);
+      if (e < D)
+#pragma unroll
+        for (int j = 0; j < V; ++j) atomicAdd(grad + e + j, sums[c * V + j]);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) combine[i] = 0.0f;
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = element(s, c, V);
+    if (e < D)
+#pragma unroll
+      for (int j = 0; j < V; ++j) atomicAdd(combine + e + j, sums[c * V + j]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < D; i += blockDim.x) atomicAdd(grad + i, combine[i]);
+  __syncthreads();  // the next call reuses `combine`
+}
+
+__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// The kernels take V-wide vectors, C of them per thread and row (E = C V elements); weights are
+// read again for every row, from L1: registers hold only the row and the gradient sums.
+
+// RMSNorm, gated by sigmoid(gate) when kGated.
+template <int V, int C, int kGroup, bool kGated>
+__global__ void __launch_bounds__(kMaxBlock)
+    rms_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* gate, bf16* y, int64_t rows, int D,
+                            float eps) {
+  constexpr int E = C * V;
   __shared__ float shared[32];
-  const int64_t row = blockIdx.x;
-  const __nv_bfloat16* xr = x + row * D;
-  const __nv_bfloat16* gr = dy + row * D;
-  float sum = 0.0f, dot = 0.0f;
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) {
-    const float v = __bfloat162float(xr[i]);
-    sum += v * v;
-    dot += __bfloat162float(weight[i]) * __bfloat162float(gr[i]) * v;
+  const RowSlot s = row_slot<kGroup>();
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E], w[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    float sum[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
+    row_sum(sum, s.group, shared);
+    const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
+    load_row<V, C>(weight, s, D, w);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] = w[i] * (v[i] * inv);
+    if constexpr (kGated) {
+      load_row<V, C>(gate + r * D, s, D, w);
+#pragma unroll
+      for (int i = 0; i < E; ++i) v[i] *= sigmoid(w[i]);
+    }
+    store_row<V, C>(y + r * D, s, D, v);
   }
-  const float inv = rsqrtf(block_sum(sum, shared) / static_cast<float>(D) + eps);
-  dot = block_sum(dot, shared);
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) {
-    const float v = __bfloat162float(xr[i]), g = __bfloat162float(gr[i]);
-    dx[row * D + i] = __float2bfloat16(inv * __bfloat162float(weight[i]) * g - v * inv * inv * inv * dot / D);
-    // Rows add into one weight gradient; the atomics are few next to the row's reads.
-    atomicAdd(dweight + i, g * v * inv);
+}
+
+// With dn = dy * sigmoid(gate), the gradient of the normed row: dx = inv w dn - x inv^3
+// sum(w dn x) / D, dweight += dn x inv, dgate = dn (1 - sigmoid(gate)) w x inv.
+template <int V, int C, int kGroup, bool kGated>
+__global__ void __launch_bounds__(kMaxBlock)
+    rms_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* gate, const bf16* dy, bf16* dx,
+                             bf16* dgate, float* dweight, int64_t rows, int D, float eps) {
+  constexpr int E = C * V;
+  __shared__ float shared[64];
+  __shared__ float combine[kMaxWarpD];
+  const RowSlot s = row_slot<kGroup>();
+  float dw[E] = {};
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E], w[E], dn[E], sg[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    load_row<V, C>(weight, s, D, w);
+    load_row<V, C>(dy + r * D, s, D, dn);
+    if constexpr (kGated) {
+      load_row<V, C>(gate + r * D, s, D, sg);
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        sg[i] = sigmoid(sg[i]);
+        dn[i] *= sg[i];
+      }
+    }
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      sums[0] += v[i] * v[i];
+      sums[1] += w[i] * dn[i] * v[i];
+    }
+    row_sum(sums, s.group, shared);
+    const float inv = rsqrtf(sums[0] / static_cast<float>(D) + eps);
+    const float coef = inv * inv * inv * sums[1] / static_cast<float>(D);
+    if constexpr (kGated) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) sg[i] = dn[i] * (1.0f - sg[i]) * w[i] * v[i] * inv;
+      store_row<V, C>(dgate + r * D, s, D, sg);
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      dw[i] += dn[i] * v[i] * inv;
+      v[i] = inv * w[i] * dn[i] - v[i] * coef;
+    }
+    store_row<V, C>(dx + r * D, s, D, v);
   }
+  add_gradient<V, C>(dw, dweight, s, D, combine);
+}
+
+template <int V, int C, int kGroup>
+__global__ void __launch_bounds__(kMaxBlock)
+    layer_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* bias, bf16* y, int64_t rows,
+                              int D, float eps) {
+  constexpr int E = C * V;
+  __shared__ float shared[32];
+  const RowSlot s = row_slot<kGroup>();
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E], w[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    // Two passes over the registers (mean, then the centred squares): no cancellation.
+    float sum[1] = {register_sum(v)};
+    row_sum(sum, s.group, shared);
+    center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
+    sum[0] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
+    row_sum(sum, s.group, shared);
+    const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
+    load_row<V, C>(weight, s, D, w);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] *= inv * w[i];
+    load_row<V, C>(bias, s, D, w);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] += w[i];
+    store_row<V, C>(y + r * D, s, D, v);
+  }
+}
+
+// With xhat = (x - mean) inv and g = w dy: dx = inv (g - mean(g) - xhat mean(g xhat)),
+// dweight += dy xhat, dbias += dy.
+template <int V, int C, int kGroup>
+__global__ void __launch_bounds__(kMaxBlock)
+    layer_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
+                               float* dbias, int64_t rows, int D, float eps) {
+  constexpr int E = C * V;
+  __shared__ float shared[64];
+  __shared__ float combine[kMaxWarpD];
+  const RowSlot s = row_slot<kGroup>();
+  float dw[E] = {}, db[E] = {};
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E], g[E], w[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    float sum[1] = {register_sum(v)};
+    row_sum(sum, s.group, shared);
+    center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
+    sum[0] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
+    row_sum(sum, s.group, shared);
+    const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
+    load_row<V, C>(dy + r * D, s, D, g);
+    load_row<V, C>(weight, s, D, w);
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      v[i] *= inv;  // xhat
+      dw[i] += g[i] * v[i];
+      db[i] += g[i];
+      g[i] *= w[i];
+      sums[0] += g[i];
+      sums[1] += g[i] * v[i];
+    }
+    row_sum(sums, s.group, shared);
+    const float g_mean = sums[0] / static_cast<float>(D), gx_mean = sums[1] / static_cast<float>(D);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] = inv * (g[i] - g_mean - v[i] * gx_mean);
+    store_row<V, C>(dx + r * D, s, D, v);
+  }
+  add_gradient<V, C>(dw, dweight, s, D, combine);
+  add_gradient<V, C>(db, dbias, s, D, combine);
+}
+
+template <int V, int C, int kGroup>
+__global__ void __launch_bounds__(kMaxBlock)
+    l2_normalize_forward_kernel(const bf16* x, bf16* y, int64_t rows, int D, float eps, float scale) {
+  constexpr int E = C * V;
+  __shared__ float shared[32];
+  const RowSlot s = row_slot<kGroup>();
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    float sum[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
+    row_sum(sum, s.group, shared);
+    const float factor = scale * rsqrtf(sum[0] + eps);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] *= factor;
+    store_row<V, C>(y + r * D, s, D, v);
+  }
+}
+
+// With inv = 1 / sqrt(sum x^2 + eps): dx = scale inv (dy - x inv^2 sum(x dy)).
+template <int V, int C, int kGroup>
+__global__ void __launch_bounds__(kMaxBlock)
+    l2_normalize_backward_kernel(const bf16* x, const float* dy, bf16* dx, int64_t rows, int D, float eps,
+                                 float scale) {
+  constexpr int E = C * V;
+  __shared__ float shared[64];
+  const RowSlot s = row_slot<kGroup>();
+  for (int64_t r = s.row; r < rows; r += s.stride) {
+    float v[E], g[E];
+    load_row<V, C>(x + r * D, s, D, v);
+    load_row<V, C>(dy + r * D, s, D, g);
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      sums[0] += v[i] * v[i];
+      sums[1] += v[i] * g[i];
+    }
+    row_sum(sums, s.group, shared);
+    const float inv = rsqrtf(sums[0] + eps);
+    const float coef = inv * inv * sums[1];
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] = scale * inv * (g[i] - v[i] * coef);
+    store_row<V, C>(dx + r * D, s, D, v);
+  }
+}
+
+// How a call covers its rows: vector width V, vectors per thread C (1 or kPerThread / V),
+// threads per row (`group`), block size and grid.
+struct RowPlan {
+  int vec, chunks, group, threads;
+  unsigned blocks;
+};
+
+RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_list<Access> accesses) {
+  check(D >= 1 && D <= kMaxNormD, name, ": row length ", D, " (expected 1 to ", kMaxNormD, ")");
+  RowPlan p{};
+  p.vec = vector_width(accesses, D, 32);
+  const int64_t vectors = D / p.vec, most = kPerThread / p.vec;
+  if (vectors <= 32 * most) {  // a warp per row, 8 rows per block
+    p.chunks = vectors <= 32 ? 1 : static_cast<int>(most);
+    p.group = 32;
+    p.threads = kWarpRowsBlock;
+  } else if (vectors <= kMaxBlock) {  // a block per row, one vector per thread
+    p.chunks = 1;
+    p.group = p.threads = static_cast<int>((vectors + 31) / 32 * 32);
+  } else {
+    p.chunks = static_cast<int>(most);
+    p.group = p.threads = kMaxBlock;
+  }
+  const int64_t rows_per_block = p.threads / p.group;
+  p.blocks = static_cast<unsigned>(std::max<int64_t>(
+      1, std::min((rows + rows_per_block - 1) / rows_per_block, resident_blocks(p.threads))));
+  return p;
+}
+
+template <int V>
+using Width = std::integral_constant<int, V>;
+
+// Calls launch(V, C, kGroup), each a std::integral_constant, for the plan (kGroup 0: the block).
+template <class Launch>
+void with_plan(const RowPlan& p, Launch&& launch) {
+  with_width(p.vec, [&](auto width) {
+    constexpr int most = kPerThread / decltype(width)::value;
+    if (p.group == 32 && p.chunks == 1)
+      launch(width, Width<1>{}, Width<32>{});
+    else if (p.group == 32)
+      launch(width, Width<most>{}, Width<32>{});
+    else if (p.chunks == 1)
+      launch(width, Width<1>{}, Width<0>{});
+    else
+      launch(width, Width<most>{}, Width<kMaxBlock>{});
+  });
+}
+
+constexpr size_t kB = sizeof(bf16), kF = sizeof(float);
+
+template <bool kGated>
+void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight, const bf16* gate, bf16* y,
+                             int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  const RowPlan p = plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}});
+  if (rows == 0) return;
+  with_plan(p, [&](auto V, auto C, auto G) {
+    rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>
+        <<<p.blocks, p.threads, 0, stream>>>(x, weight, gate, y, rows, static_cast<int>(D), eps);
+  });
+  SPINDLE_LAUNCHED(name);
+}
+
+template <bool kGated>
+void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weight, const bf16* gate,
+                              const bf16* dy, bf16* dx, bf16* dgate, float* dweight, int64_t rows, int64_t D,
+                              float eps, cudaStream_t stream) {
+  const RowPlan p =
+      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, kB}, {dx, kB}, {dgate, kB}});
+  if (rows == 0) return;
+  with_plan(p, [&](auto V, auto C, auto G) {
+    rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>
+        <<<p.blocks, p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,
+                                             static_cast<int>(D), eps);
+  });
+  SPINDLE_LAUNCHED(name);
 }
 
 }  // namespace
 
-void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows,
-                      int64_t D, float eps, cudaStream_t stream) {
-  if (rows == 0) return;
-  rms_norm_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, weight, y, D, eps);
-  SPINDLE_LAUNCHED("rms_norm_forward_kernel");
+void rms_norm_forward(const bf16* x, const bf16* weight, bf16* y, int64_t rows, int64_t D, float eps,
+                      cudaStream_t stream) {
+  launch_rms_norm_forward<false>("rms_norm_forward", x, weight, nullptr, y, rows, D, eps, stream);
 }
 
-void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,
-                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
-                       cudaStream_t stream) {
+void rms_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
+                       int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  launch_rms_norm_backward<false>("rms_norm_backward", x, weight, nullptr, dy, dx, nullptr, dweight, rows, D,
+                                  eps, stream);
+}
+
+void gated_rms_norm_forward(const bf16* x, const bf16* weight, const bf16* gate, bf16* y, int64_t rows,
+                            int64_t D, float eps, cudaStream_t stream) {
+  launch_rms_norm_forward<true>("gated_rms_norm_forward", x, weight, gate, y, rows, D, eps, stream);
+}
+
+void gated_rms_norm_backward(const bf16* x, const bf16* weight, const bf16* gate, const bf16* dy, bf16* dx,
+                             bf16* dgate, float* dweight, int64_t rows, int64_t D, float eps,
+                             cudaStream_t stream) {
+  launch_rms_norm_backward<true>("gated_rms_norm_backward", x, weight, gate, dy, dx, dgate, dweight, rows, D,
+                                 eps, stream);
+}
+
+void layer_norm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf16* y, int64_t rows, int64_t D,
+                        float eps, cudaStream_t stream) {
+  const RowPlan p = plan_rows("layer_norm_forward", rows, D, {{x, kB}, {weight, kB}, {bias, kB}, {y, kB}});
   if (rows == 0) return;
-  rms_norm_backward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, weight, dy, dx, dweight,
-                                                                                 D, eps);
-  SPINDLE_LAUNCHED("rms_norm_backward_kernel");
+  with_plan(p, [&](auto V, auto C, auto G) {
+    layer_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
+        <<<p.blocks, p.threads, 0, stream>>>(x, weight, bias, y, rows, static_cast<int>(D), eps);
+  });
+  SPINDLE_LAUNCHED("layer_norm_forward");
+}
+
+void layer_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
+                         float* dbias, int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  const RowPlan p = plan_rows("layer_norm_backward", rows, D, {{x, kB}, {weight, kB}, {dy, kB}, {dx, kB}});
+  if (rows == 0) return;
+  with_plan(p, [&](auto V, auto C, auto G) {
+    layer_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
+        <<<p.blocks, p.threads, 0, stream>>>(x, weight, dy, dx, dweight, dbias, rows, static_cast<int>(D),
+                                             eps);
+  });
+  SPINDLE_LAUNCHED("layer_norm_backward");
+}
+
+void l2_normalize_forward(const bf16* x, bf16* y, int64_t rows, int64_t D, float eps, float scale,
+                          cudaStream_t stream) {
+  const RowPlan p = plan_rows("l2_normalize_forward", rows, D, {{x, kB}, {y, kB}});
+  if (rows == 0) return;
+  with_plan(p, [&](auto V, auto C, auto G) {
+    l2_normalize_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
+        <<<p.blocks, p.threads, 0, stream>>>(x, y, rows, static_cast<int>(D), eps, scale);
+  });
+  SPINDLE_LAUNCHED("l2_normalize_forward");
+}
+
+void l2_normalize_backward(const bf16* x, const float* dy, bf16* dx, int64_t rows, int64_t D, float eps,
+                           float scale, cudaStream_t stream) {
+  const RowPlan p = plan_rows("l2_normalize_backward", rows, D, {{x, kB}, {dy, kF}, {dx, kB}});
+  if (rows == 0) return;
+  with_plan(p, [&](auto V, auto C, auto G) {
+    l2_normalize_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
+        <<<p.blocks, p.threads, 0, stream>>>(x, dy, dx, rows, static_cast<int>(D), eps, scale);
+  });
+  SPINDLE_LAUNCHED("l2_normalize_backward");
 }
 
 }  // namespace spindle::cuda
