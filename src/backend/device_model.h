@@ -36,8 +36,10 @@ class DeviceModel {
   virtual void zero_gradients() = 0;
   // torch's clip_grad_norm_ over the trained gradients; returns the norm before clipping.
   virtual double clip_gradients(double max_norm) = 0;
-  // The gradients, converted into `host` (allocated for the same config).
+  // The gradients or the weights (as the device holds them), converted into `host` (allocated
+  // for the same config).
   virtual void download_gradients(ModelWeights& host) = 0;
+  virtual void download_weights(ModelWeights& host) = 0;
 
   // The optimizer: masters and moments copied from `host`'s slots (frozen slots are skipped by
   // step); step() takes update number `step` (1-based) at `lr`; save() writes the state back

@@ -63,6 +63,8 @@ template <class T>
 DeviceBuffer<T> poisoned(size_t n) {
   DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
   SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));
+  // cudaMemset is asynchronous on the legacy stream; the kernels under test run on their own.
+  SPINDLE_CUDA(cudaStreamSynchronize(cudaStreamLegacy));
   return buffer;
 }
 

@@ -48,6 +48,11 @@ class CudaDeviceModel final : public DeviceModel {
     model_.grads().download(host);
   }
 
+  void download_weights(ModelWeights& host) override {
+    model_.context().synchronize();
+    model_.weights().download(host);
+  }
+
   void load_optimizer(const AdamW& host) override {
     model_.context().synchronize();
     std::map<std::string, Tensor> device_params;
@@ -66,7 +71,7 @@ class CudaDeviceModel final : public DeviceModel {
       s.exp_avg = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
       s.exp_avg_sq = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
       const auto copy = [&](float* device, const Tensor& tensor) {
-        SPINDLE_CUDA(cudaMemcpy(device, tensor.raw(), n * sizeof(float), cudaMemcpyHostToDevice));
+        copy_to_device(device, tensor.raw(), n * sizeof(float));
       };
       copy(s.weight.dtype() == DType::F32 ? static_cast<float*>(s.weight.raw()) : s.master.data(), h.master);
       copy(s.exp_avg.data(), h.exp_avg);
@@ -137,8 +142,7 @@ class CudaDeviceModel final : public DeviceModel {
     for (size_t l = 0; l < device.layers.size(); ++l) {
       if (device.layers[l].mlp != MlpKind::Sparse) continue;
       const Tensor staged = host.layers[l].moe.correction_bias.to(DType::F32);
-      SPINDLE_CUDA(cudaMemcpy(device.layers[l].moe.correction_bias.raw(), staged.raw(), staged.nbytes(),
-                              cudaMemcpyHostToDevice));
+      copy_to_device(device.layers[l].moe.correction_bias.raw(), staged.raw(), staged.nbytes());
     }
   }
 

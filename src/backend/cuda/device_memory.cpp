@@ -85,10 +85,15 @@ std::string DeviceAllocator::report() const {
   return out.str();
 }
 
+void copy_to_device(void* device, const void* host, size_t bytes) {
+  SPINDLE_CUDA(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+  SPINDLE_CUDA(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 template <class T>
 void DeviceBuffer<T>::upload(const std::vector<T>& host) {
   check(host.size() == count_, "upload of ", host.size(), " elements into a device buffer of ", count_);
-  SPINDLE_CUDA(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice));
+  copy_to_device(data_, host.data(), count_ * sizeof(T));
 }
 
 template <class T>

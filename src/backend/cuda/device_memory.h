@@ -39,6 +39,11 @@ class DeviceAllocator {
   std::multimap<size_t, void*> free_;  // by rounded size
 };
 
+// A host-to-device copy that has landed when it returns. A plain cudaMemcpy from pageable memory
+// may return before its last DMA completes, and kernels on a non-blocking stream do not wait
+// for it; so this waits for the legacy stream too.
+void copy_to_device(void* device, const void* host, size_t bytes);
+
 // A typed device buffer owned by the caching allocator.
 template <class T>
 class DeviceBuffer {

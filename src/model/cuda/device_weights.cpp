@@ -52,7 +52,7 @@ void DeviceWeights::upload(const ModelWeights& host) {
     const Tensor staged = source[i].tensor.to(target[i].tensor.dtype());
     check(staged.numel() == target[i].tensor.numel(), "upload: ", source[i].name, " has shape ",
           source[i].tensor.describe(), ", the device expects ", target[i].tensor.describe());
-    SPINDLE_CUDA(cudaMemcpy(target[i].tensor.raw(), staged.raw(), staged.nbytes(), cudaMemcpyHostToDevice));
+    copy_to_device(target[i].tensor.raw(), staged.raw(), staged.nbytes());
   }
 }
 
