@@ -11,6 +11,7 @@
 #include "core/random.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/flops.h"
 #include "model/forward.h"
 #include "model/init.h"
 
@@ -231,6 +232,39 @@ TEST(Model, ReferenceConfigs) {
   const ModelConfig small = load_model_config(dir + "glm53-flash-4b.json");
   EXPECT_EQ(small.hidden_size, 2048);
   EXPECT_GE(parameter_count(small), int64_t{4'000'000'000});
+}
+
+}  // namespace
+}  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// The analytic count's projections equal 2 x the multiply-adds of every weight matrix a token
+// passes through, counted here from the parameter table instead: experts weighted by the
+// share a token uses (k of E), conv taps and vectors left out, the tied head counted once more.
+TEST(ModelFlops, ProjectionsAreTwiceTheMatricesATokenUses) {
+  const ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  ModelWeights shapes = allocate_weights(c, DType::F32, true);
+  double per_token = 0;
+  for (const Param& p : parameter_table(c, shapes)) {
+    const bool matrix = p.role == ParamRole::Matrix || p.role == ParamRole::CompressGate;
+    if (!matrix || p.tensor.ndim() != 2) continue;  // conv taps are [channels, 1, K]
+    double share = 1.0;
+    if (p.name.find(".mlp.experts.") != std::string::npos)
+      share = static_cast<double>(c.num_experts_per_tok) / static_cast<double>(c.n_routed_experts);
+    per_token += 2.0 * static_cast<double>(p.tensor.numel()) * share;
+  }
+  for (const Param& p : parameter_table(c, shapes))
+    if (p.role == ParamRole::HcFn) per_token += 2.0 * static_cast<double>(p.tensor.numel());
+  if (c.tie_word_embeddings) per_token += 2.0 * static_cast<double>(c.vocab_size * c.hidden_size);
+  const int64_t L = 1000;
+  const ModelFlops f = model_flops(c, L);
+  EXPECT_NEAR(f.projections, per_token * L, 1e-9 * per_token * L);
+  EXPECT_GT(f.kda, 0);
+  EXPECT_GT(f.attention, 0);
+  EXPECT_GT(f.indexer, 0);
+  EXPECT_DOUBLE_EQ(f.training(), 3 * (f.projections + f.kda + f.attention + f.indexer));
 }
 
 }  // namespace
