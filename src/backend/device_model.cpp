@@ -13,10 +13,13 @@ std::map<Device, DeviceModelFactory>& registry() {
 
 }  // namespace
 
-void register_device_backend(Device device, DeviceModelFactory factory) { registry()[device] = std::move(factory); }
+void register_device_backend(Device device, DeviceModelFactory factory) {
+  registry()[device] = std::move(factory);
+}
 
 std::unique_ptr<DeviceModel> open_device_model(Device device, const ModelConfig& config,
-                                               const ModelWeights& host_weights, const DeviceModelOptions& options) {
+                                               const ModelWeights& host_weights,
+                                               const DeviceModelOptions& options) {
   const auto found = registry().find(device);
   check(found != registry().end(), "this spindle was built without the ", device_name(device),
         " backend (nvcc was not found when it was configured); rebuild on a machine with the CUDA toolkit");

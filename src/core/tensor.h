@@ -42,7 +42,9 @@ class Tensor {
   static Tensor zeros(const Shape& shape, DType dtype, MemoryCategory category = MemoryCategory::Other);
   // Shape and dtype only, no memory: for counting parameters of models too large to allocate.
   static Tensor meta(const Shape& shape, DType dtype);
-  bool is_meta() const { return storage_ && storage_->data == nullptr && storage_->bytes == 0 && numel() > 0; }
+  bool is_meta() const {
+    return storage_ && storage_->data == nullptr && storage_->bytes == 0 && numel() > 0;
+  }
   // Views memory owned elsewhere (e.g. a mapped file), kept alive by `owner`.
   static Tensor borrow(std::shared_ptr<void> owner, const void* data, const Shape& shape, DType dtype,
                        Device device = Device::CPU);

@@ -17,9 +17,9 @@ ModelFlops model_flops(const ModelConfig& c, int64_t tokens) {
       per_token += 2 * (3 * D * qkv + D * dh + dh * qkv + D * heads + D * dh + dh * qkv + qkv * D);
       f.kda += L * heads * 6 * dh * dh;
     } else {
-      const double heads = static_cast<double>(c.num_attention_heads), qk = static_cast<double>(c.qk_head_dim()),
-                   v = static_cast<double>(c.v_head_dim), qr = static_cast<double>(c.q_lora_rank),
-                   kr = static_cast<double>(c.kv_lora_rank);
+      const double heads = static_cast<double>(c.num_attention_heads),
+                   qk = static_cast<double>(c.qk_head_dim()), v = static_cast<double>(c.v_head_dim),
+                   qr = static_cast<double>(c.q_lora_rank), kr = static_cast<double>(c.kv_lora_rank);
       per_token += 2 * (D * qr + qr * heads * qk + D * kr + kr * heads * (qk + v) + heads * v * D);
       const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
       // sum over t of min(width, t + 1) keys

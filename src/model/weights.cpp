@@ -14,8 +14,7 @@ HyperConnectionWeights make_hc(const ModelConfig& c, const WeightFactory& make_t
 
 MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightFactory& make_tensor) {
   const auto make = [&](const Shape& shape) { return make_tensor(shape, WeightPrecision::Compute); };
-  return {make({intermediate, hidden}), make({intermediate, hidden}),
-          make({hidden, intermediate})};
+  return {make({intermediate, hidden}), make({intermediate, hidden}), make({hidden, intermediate})};
 }
 
 }  // namespace

@@ -251,7 +251,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
       }
     }
-    const double norm = device ? device->clip_gradients(run.optim.clip) : clip_grad_norm(config, grads, run.optim.clip);
+    const double norm =
+        device ? device->clip_gradients(run.optim.clip) : clip_grad_norm(config, grads, run.optim.clip);
     check(std::isfinite(loss) && std::isfinite(norm), "step ", step + 1, ": loss ", loss, ", gradient norm ",
           norm, " is not finite; stopping (the last checkpoint is intact)");
     const double lr = schedule.lr(step);

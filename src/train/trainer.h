@@ -13,10 +13,10 @@
 namespace spindle {
 
 struct TrainOptions {
-  bool resume = false;      // continue from the newest checkpoint in checkpoint.dir
-  int64_t stop_after = -1;  // stop (with a checkpoint) once this many steps are done, < 0: run all
-  Device device = Device::CPU;   // cuda: bf16 weights, fp32 gradients and optimizer on the GPU
-  bool strict_kernels = false;   // cuda: fail if an op falls back to a slow or dense path
+  bool resume = false;          // continue from the newest checkpoint in checkpoint.dir
+  int64_t stop_after = -1;      // stop (with a checkpoint) once this many steps are done, < 0: run all
+  Device device = Device::CPU;  // cuda: bf16 weights, fp32 gradients and optimizer on the GPU
+  bool strict_kernels = false;  // cuda: fail if an op falls back to a slow or dense path
 };
 
 // Runs the training; returns the directory of the final checkpoint.

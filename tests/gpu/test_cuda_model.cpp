@@ -49,7 +49,7 @@ ModelWeights as_on_gpu(const ModelConfig& config, const ModelWeights& weights) {
   auto kind = parameter_table(config, precision);
   for (size_t i = 0; i < source.size(); ++i)
     target[i].tensor.copy_from(kind[i].tensor.dtype() == DType::BF16 ? source[i].tensor.to(DType::BF16)
-                                                                      : source[i].tensor);
+                                                                     : source[i].tensor);
   return rounded;
 }
 
@@ -81,9 +81,10 @@ TEST(CudaModel, LogProbsMatchTransformersOnTheGoldenCases) {
     const std::vector<float> got = on_gpu(model.config, model.weights)->log_probs(tokens);
     ASSERT_EQ(got.size(), transformers.size()) << dir;
     const double mean = mean_abs_diff(got, std::vector<double>(reference.begin(), reference.end()));
-    std::printf("%s: %zu positions, mean |diff| %.3e to the fp32 reference on the same weights, %.3e to "
-                "transformers (fp32 weights)\n",
-                entry.path().filename().c_str(), got.size(), mean, mean_abs_diff(got, transformers));
+    std::printf(
+        "%s: %zu positions, mean |diff| %.3e to the fp32 reference on the same weights, %.3e to "
+        "transformers (fp32 weights)\n",
+        entry.path().filename().c_str(), got.size(), mean, mean_abs_diff(got, transformers));
     const std::string name = entry.path().filename().string();
     ASSERT_TRUE(kTransformersBf16Drift.count(name)) << "no transformers bf16 drift measured for " << name;
     EXPECT_LE(mean, std::max(kMeanBound, kTransformersBf16Drift.at(name))) << dir;
@@ -115,7 +116,8 @@ TEST(CudaModel, LogProbsMatchTheCpuOn32kTokensOfDna) {
     device->optimizer_step(adam, 3e-3, step + 1);
   }
   std::printf("training on the GPU: loss %.4f -> %.4f\n", first_loss, last_loss);
-  EXPECT_LT(last_loss, first_loss - 0.1) << "the model did not learn: the comparison would be of a random model";
+  EXPECT_LT(last_loss, first_loss - 0.1)
+      << "the model did not learn: the comparison would be of a random model";
   device->download_weights(weights);  // exactly the GPU's weights (bf16 matrices)
 
   const std::vector<int32_t> tokens(dna.begin() + 32768, dna.begin() + 65536);
@@ -126,7 +128,8 @@ TEST(CudaModel, LogProbsMatchTheCpuOn32kTokensOfDna) {
   for (float v : cpu) mean_lp += v / static_cast<double>(cpu.size());
   for (float v : cpu) spread += std::abs(v - mean_lp) / static_cast<double>(cpu.size());
   const double mean = mean_abs_diff(gpu, std::vector<double>(cpu.begin(), cpu.end()));
-  std::printf("32768 DNA tokens: mean |diff| %.3e, mean log-prob %.3f, mean spread %.3f\n", mean, mean_lp, spread);
+  std::printf("32768 DNA tokens: mean |diff| %.3e, mean log-prob %.3f, mean spread %.3f\n", mean, mean_lp,
+              spread);
   EXPECT_GT(spread, 0.05) << "the reference predictions are nearly uniform: the test would prove little";
   EXPECT_LE(mean, kMeanBound);
 }
@@ -147,14 +150,15 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
   options.aux_loss_coef = 0.01;
 
   ModelWeights cpu_grads = zero_gradients(config, DType::F32);
-  const LossResult cpu = loss_and_gradients<float>(config, as_on_gpu(config, weights), tokens, cpu_grads, options);
+  const LossResult cpu =
+      loss_and_gradients<float>(config, as_on_gpu(config, weights), tokens, cpu_grads, options);
   auto device = on_gpu(config, weights);
   const LossResult gpu = device->loss_and_gradients(tokens, options);
   ModelWeights gpu_grads = zero_gradients(config, DType::F32);
   device->download_gradients(gpu_grads);
 
-  std::printf("loss cpu %.6f gpu %.6f; indexer KL cpu %.6f gpu %.6f; aux cpu %.6f gpu %.6f\n", cpu.loss, gpu.loss,
-              cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
+  std::printf("loss cpu %.6f gpu %.6f; indexer KL cpu %.6f gpu %.6f; aux cpu %.6f gpu %.6f\n", cpu.loss,
+              gpu.loss, cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
   EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss);
   EXPECT_NEAR(gpu.indexer_kl, cpu.indexer_kl, 5e-2 * cpu.indexer_kl + 1e-4);
   EXPECT_NEAR(gpu.aux_loss, cpu.aux_loss, 5e-2 * cpu.aux_loss);

@@ -20,7 +20,9 @@ class CudaDeviceModel final : public DeviceModel {
   CudaDeviceModel(const ModelConfig& config, const ModelWeights& host, const DeviceModelOptions& options)
       : model_(config, host, options.strict_kernels) {}
 
-  std::vector<float> log_probs(const std::vector<int32_t>& tokens) override { return model_.log_probs(tokens); }
+  std::vector<float> log_probs(const std::vector<int32_t>& tokens) override {
+    return model_.log_probs(tokens);
+  }
 
   LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) override {
     return model_.loss_and_gradients(tokens, options);
@@ -56,9 +58,11 @@ class CudaDeviceModel final : public DeviceModel {
   void load_optimizer(const AdamW& host) override {
     model_.context().synchronize();
     std::map<std::string, Tensor> device_params;
-    for (Param& p : parameter_table(model_.config(), model_.weights().tensors())) device_params[p.name] = p.tensor;
+    for (Param& p : parameter_table(model_.config(), model_.weights().tensors()))
+      device_params[p.name] = p.tensor;
     std::map<std::string, Tensor> device_grads;
-    for (Param& p : parameter_table(model_.config(), model_.grads().tensors())) device_grads[p.name] = p.tensor;
+    for (Param& p : parameter_table(model_.config(), model_.grads().tensors()))
+      device_grads[p.name] = p.tensor;
     slots_.clear();
     for (const AdamW::Slot& h : host.slots()) {
       Slot s;
@@ -89,23 +93,27 @@ class CudaDeviceModel final : public DeviceModel {
       const bool own_master = s.weight.dtype() == DType::F32;
       float* master = own_master ? static_cast<float*>(s.weight.raw()) : s.master.data();
       __nv_bfloat16* weight = own_master ? nullptr : static_cast<__nv_bfloat16*>(s.weight.raw());
-      const AdamWStep update{static_cast<float>(lr),          static_cast<float>(options.beta1),
-                             static_cast<float>(options.beta2), static_cast<float>(options.eps),
-                             static_cast<float>(s.decays ? options.weight_decay : 0.0), step};
-      adamw_update(master, s.exp_avg.data(), s.exp_avg_sq.data(), static_cast<const float*>(s.grad.raw()), weight,
-                   s.weight.numel(), update, stream());
+      const AdamWStep update{static_cast<float>(lr),
+                             static_cast<float>(options.beta1),
+                             static_cast<float>(options.beta2),
+                             static_cast<float>(options.eps),
+                             static_cast<float>(s.decays ? options.weight_decay : 0.0),
+                             step};
+      adamw_update(master, s.exp_avg.data(), s.exp_avg_sq.data(), static_cast<const float*>(s.grad.raw()),
+                   weight, s.weight.numel(), update, stream());
     }
   }
 
   void save_optimizer(AdamW& host) override {
     model_.context().synchronize();
-    check(host.slots().size() == slots_.size(), "save_optimizer: the host optimizer has ", host.slots().size(),
-          " slots, the device ", slots_.size());
+    check(host.slots().size() == slots_.size(), "save_optimizer: the host optimizer has ",
+          host.slots().size(), " slots, the device ", slots_.size());
     for (size_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
       AdamW::Slot& h = host.slots()[i];
       const auto bytes = static_cast<size_t>(h.master.numel()) * sizeof(float);
-      const float* master = s.weight.dtype() == DType::F32 ? static_cast<const float*>(s.weight.raw()) : s.master.data();
+      const float* master =
+          s.weight.dtype() == DType::F32 ? static_cast<const float*>(s.weight.raw()) : s.master.data();
       SPINDLE_CUDA(cudaMemcpy(h.master.raw(), master, bytes, cudaMemcpyDeviceToHost));
       SPINDLE_CUDA(cudaMemcpy(h.exp_avg.raw(), s.exp_avg.data(), bytes, cudaMemcpyDeviceToHost));
       SPINDLE_CUDA(cudaMemcpy(h.exp_avg_sq.raw(), s.exp_avg_sq.data(), bytes, cudaMemcpyDeviceToHost));
@@ -130,7 +138,8 @@ class CudaDeviceModel final : public DeviceModel {
       SPINDLE_CUDA(cudaMemsetAsync(s.exp_avg_sq.data(), 0, n * sizeof(float), stream()));
       if (s.weight.dtype() == DType::BF16) {
         s.master = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-        bf16_to_f32(static_cast<const __nv_bfloat16*>(s.weight.raw()), s.master.data(), s.weight.numel(), stream());
+        bf16_to_f32(static_cast<const __nv_bfloat16*>(s.weight.raw()), s.master.data(), s.weight.numel(),
+                    stream());
       }
       slots_.push_back(std::move(s));
     }
@@ -152,7 +161,9 @@ class CudaDeviceModel final : public DeviceModel {
       out << site << ": " << e.implementation << (e.fallback ? " (FALLBACK)" : "") << " x" << e.calls << '\n';
     return out.str();
   }
-  bool any_fallback() const override { return const_cast<CudaModel&>(model_).context().record.any_fallback(); }
+  bool any_fallback() const override {
+    return const_cast<CudaModel&>(model_).context().record.any_fallback();
+  }
   MemoryStats memory() const override { return DeviceAllocator::instance().stats(); }
   void reset_memory_peak() override { DeviceAllocator::instance().reset_peak(); }
   void set_timing(bool on) override { model_.set_timer(on ? &timer_ : nullptr); }
@@ -188,10 +199,11 @@ class CudaDeviceModel final : public DeviceModel {
 }  // namespace
 
 void register_backend() {
-  register_device_backend(Device::CUDA, [](const ModelConfig& config, const ModelWeights& host,
-                                           const DeviceModelOptions& options) -> std::unique_ptr<DeviceModel> {
-    return std::make_unique<CudaDeviceModel>(config, host, options);
-  });
+  register_device_backend(Device::CUDA,
+                          [](const ModelConfig& config, const ModelWeights& host,
+                             const DeviceModelOptions& options) -> std::unique_ptr<DeviceModel> {
+                            return std::make_unique<CudaDeviceModel>(config, host, options);
+                          });
 }
 
 }  // namespace spindle::cuda

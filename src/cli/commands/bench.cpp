@@ -32,8 +32,8 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
   while (std::getline(in, item, ',')) {
     char* end = nullptr;
     const long long value = std::strtoll(item.c_str(), &end, 10);
-    check(!item.empty() && *end == '\0' && value >= 2, "--seq-len takes lengths >= 2 separated by commas, got '",
-          text, "'");
+    check(!item.empty() && *end == '\0' && value >= 2,
+          "--seq-len takes lengths >= 2 separated by commas, got '", text, "'");
     lengths.push_back(value);
   }
   return lengths;
@@ -113,8 +113,8 @@ int run_bench(const std::vector<std::string>& argv) {
       device->synchronize();
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (timed) seconds.push_back(elapsed);
-      log_info("bench L=", L, " step ", step + 1, "/", warmup + steps, timed ? "" : " (warm-up)", ": ", elapsed,
-               " s, loss ", loss);
+      log_info("bench L=", L, " step ", step + 1, "/", warmup + steps, timed ? "" : " (warm-up)", ": ",
+               elapsed, " s, loss ", loss);
     }
     kind_ms = device->collect_timing();
     std::sort(seconds.begin(), seconds.end());

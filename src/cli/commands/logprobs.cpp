@@ -51,8 +51,8 @@ int run_logprobs(const std::vector<std::string>& argv) {
   const Device device = parse_device(args.value_or("device", "cpu"), "--device");
   const DType dtype = parse_dtype(args.value_or("dtype", device == Device::CUDA ? "bf16" : "f32"), "--dtype");
   if (device == Device::CUDA)
-    check(dtype == DType::BF16, "--device cuda computes in bf16 (fp32 accumulation); --dtype ", dtype_name(dtype),
-          " is for the CPU");
+    check(dtype == DType::BF16, "--device cuda computes in bf16 (fp32 accumulation); --dtype ",
+          dtype_name(dtype), " is for the CPU");
   else
     check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
           dtype_name(dtype));

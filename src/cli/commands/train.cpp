@@ -15,7 +15,8 @@ int run_train(const std::vector<std::string>& argv) {
   options.stop_after = args.int_or("stop-after", -1);
   options.device = parse_device(args.value_or("device", "cpu"), "--device");
   options.strict_kernels = args.flag("strict-kernels");
-  check(options.device == Device::CUDA || !options.strict_kernels, "--strict-kernels applies to --device cuda");
+  check(options.device == Device::CUDA || !options.strict_kernels,
+        "--strict-kernels applies to --device cuda");
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";
   return 0;

@@ -58,11 +58,12 @@ const Gemm::Plan& Gemm::plan(const PlanKey& key) {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   const uint32_t values[] = {align_a, align_b, align_c, align_c};
   for (int i = 0; i < 4; ++i)
-    SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, alignments[i], &values[i], sizeof values[i]));
+    SPINDLE_CUBLAS(
+        cublasLtMatmulPreferenceSetAttribute(preference, alignments[i], &values[i], sizeof values[i]));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found_count = 0;
-  SPINDLE_CUBLAS(
-      cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference, 1, &heuristic, &found_count));
+  SPINDLE_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference, 1, &heuristic,
+                                                &found_count));
   cublasLtMatmulPreferenceDestroy(preference);
   check(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product");
   p.algo = heuristic.algo;
@@ -77,8 +78,8 @@ void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int6
     check(beta == 1.0f || beta == 0.0f, "Gemm: k = 0 with beta ", beta);
     if (beta == 0.0f) {
       const size_t element = c_type == CUDA_R_32F ? 4 : 2;
-      SPINDLE_CUDA(cudaMemset2DAsync(c, static_cast<size_t>(ldc) * element, 0, static_cast<size_t>(m) * element,
-                                     static_cast<size_t>(n), stream));
+      SPINDLE_CUDA(cudaMemset2DAsync(c, static_cast<size_t>(ldc) * element, 0,
+                                     static_cast<size_t>(m) * element, static_cast<size_t>(n), stream));
     }
     return;
   }
@@ -100,8 +101,8 @@ void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int6
 }
 
 // dx^T[K, M] = w ([K, N] column-major, op N) dy^T ([N, M], op N).
-void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx, int64_t M,
-                                 int64_t K, int64_t N, cudaStream_t stream) {
+void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx,
+                                 int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
   matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, K, 1.0f, 0.0f, stream);
 }
 

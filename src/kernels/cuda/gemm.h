@@ -27,22 +27,22 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t M, int64_t K, int64_t N,
-              cudaStream_t stream, float alpha = 1.0f);
+  void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t M, int64_t K,
+              int64_t N, cudaStream_t stream, float alpha = 1.0f);
   void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int64_t M, int64_t K, int64_t N,
               cudaStream_t stream, float alpha = 1.0f, float beta = 0.0f);
   void linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx, int64_t M,
                              int64_t K, int64_t N, cudaStream_t stream);
   void linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, float* dx, int64_t M, int64_t K,
                              int64_t N, float beta, cudaStream_t stream);
-  void linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M, int64_t K,
-                              int64_t N, cudaStream_t stream, float alpha = 1.0f);
+  void linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M,
+                              int64_t K, int64_t N, cudaStream_t stream, float alpha = 1.0f);
 
   // Column-major c[m, n] (ldc) = alpha op(a) op(b) + beta c; a is m x k (stored k x m when
   // transposed, ld lda), b is k x n (stored n x k when transposed, ld ldb); a and b bf16.
   void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
-              const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float alpha, float beta,
-              cudaStream_t stream);
+              const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float alpha,
+              float beta, cudaStream_t stream);
 
  private:
   struct Plan {

@@ -68,8 +68,8 @@ void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weigh
       const int64_t C = std::min(vocab_chunk_, V - c0);
       // logits[Lb, C] row-major (ld C_max) = h W_c^T; column-major: [C, Lb] = W_c^T(op T on [D, C]) * h^T([D,
       // Lb]).
-      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 1.0f, 0.0f,
-             stream);
+      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max,
+                   1.0f, 0.0f, stream);
       lm_loss_detail::fold_chunk(logits, C_max, target + r0, Lb, c0, C, run_max, run_sum, target_logit,
                                  c0 == 0, c0 + C >= V, logprob + r0, lse ? lse + r0 : nullptr, stream);
     }
@@ -98,8 +98,8 @@ void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weig
     const int64_t Lb = std::min(token_block_, L - r0);
     for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
       const int64_t C = std::min(vocab_chunk_, V - c0);
-      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max, 1.0f, 0.0f,
-             stream);
+      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max,
+                   1.0f, 0.0f, stream);
       lm_loss_detail::softmax_grad(logits, C_max, target + r0, lse + r0, Lb, c0, C, scale, dlogits, stream);
       // dh[Lb, D] (+)= dl[Lb, C] W_c[C, D]; column-major: [D, Lb] = W_c^T([D, C], op N) * dl^T([C, Lb], op
       // N).
@@ -107,8 +107,8 @@ void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weig
                    c0 == 0 ? 0.0f : 1.0f, stream);
       // dW_c[C, D] += dl^T h; column-major: [D, C] = h^T([D, Lb], op N) * dl([C, Lb] stored, op T).
       if (dweight)
-        gemm_.matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F, D,
-                     1.0f, 1.0f, stream);
+        gemm_.matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F,
+                     D, 1.0f, 1.0f, stream);
     }
     lm_loss_detail::to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
   }

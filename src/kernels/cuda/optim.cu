@@ -51,7 +51,9 @@ __global__ void scale_kernel(float* x, int64_t n, float factor) {
     x[i] *= factor;
 }
 
-int64_t grid_for(int64_t n, int threads) { return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 132 * 8)); }
+int64_t grid_for(int64_t n, int threads) {
+  return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 132 * 8));
+}
 
 }  // namespace
 

@@ -19,7 +19,8 @@ constexpr float kIndexerNormEps = 1e-6f;
 constexpr size_t kSelectWorkspaceBytes = size_t{1} << 30;  // the score tile of a query block
 
 cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t L) {
-  return {L, c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
+  return {
+      L, c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
 }
 
 int64_t selection_width(const ModelConfig& c) { return indexer_shape(c, 0).width(); }
@@ -35,8 +36,11 @@ IndexerActivations indexer_activations(Context& ctx, const ModelConfig& c, const
   const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
   const cpu::IndexerShape shape = indexer_shape(c, L);
   const cudaStream_t s = ctx.stream();
-  IndexerActivations a{activations(L * Hi * d), activations(L * d),  activations(L * d),
-                       activations(L * d),      activations(std::max<int64_t>(1, shape.complete_pools() * d)),
+  IndexerActivations a{activations(L * Hi * d),
+                       activations(L * d),
+                       activations(L * d),
+                       activations(L * d),
+                       activations(std::max<int64_t>(1, shape.complete_pools() * d)),
                        activations(L * Hi)};
   ctx.gemm.linear(q_resid, bf16_data(w.wq_b), a.q.data(), L, c.q_lora_rank, Hi * d, s);
   ctx.gemm.linear(x, bf16_data(w.wk), a.raw.data(), L, D, d, s);
@@ -54,7 +58,8 @@ void run_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, co
   const cpu::IndexerShape shape = indexer_shape(c, L);
   IndexerActivations a = indexer_activations(ctx, c, w, x, q_resid, L);
   const size_t row_bytes = indexer_select_workspace_bytes(shape, 1);
-  const size_t bytes = std::max(row_bytes, std::min(kSelectWorkspaceBytes, row_bytes * static_cast<size_t>(L)));
+  const size_t bytes =
+      std::max(row_bytes, std::min(kSelectWorkspaceBytes, row_bytes * static_cast<size_t>(L)));
   DeviceBuffer<float> workspace((bytes + 3) / 4, MemoryCategory::Workspace);
   if (selection.size() != static_cast<size_t>(L * shape.width()))
     selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
@@ -75,8 +80,8 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   DeviceBuffer<float> dpool = activations_f32(std::max<int64_t>(1, shape.complete_pools() * d));
   SPINDLE_CUDA(cudaMemsetAsync(dpool.data(), 0, dpool.size() * sizeof(float), s));
   indexer_kl_backward(shape, a.q.data(), a.pool_keys.data(), a.head_weights.data(), selection, mass,
-                      static_cast<float>(loss.coef / static_cast<double>(L)), dq.data(), dpool.data(), dhw.data(),
-                      loss.kl->data(), s);
+                      static_cast<float>(loss.coef / static_cast<double>(L)), dq.data(), dpool.data(),
+                      dhw.data(), loss.kl->data(), s);
   loss.layers += 1;
   ctx.gemm.linear_backward_weight(dhw.data(), x, f32_data(grad.weights_proj), L, D, Hi, s,
                                   1.0f / std::sqrt(static_cast<float>(Hi)));
@@ -97,7 +102,11 @@ struct MlaActivations {
 };
 
 cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L) {
-  return {L, c.num_attention_heads, c.qk_head_dim(), c.v_head_dim, selection_width(c),
+  return {L,
+          c.num_attention_heads,
+          c.qk_head_dim(),
+          c.v_head_dim,
+          selection_width(c),
           1.0 / std::sqrt(static_cast<double>(c.qk_head_dim()))};
 }
 
@@ -108,8 +117,9 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
-  MlaActivations a{activations(L * qr), activations(L * qr), activations(L * H * dqk), activations(L * kr),
-                   activations(L * kr), activations(L * H * (dqk + dv)), activations(L * H * dv)};
+  MlaActivations a{activations(L * qr),    activations(L * qr), activations(L * H * dqk),
+                   activations(L * kr),    activations(L * kr), activations(L * H * (dqk + dv)),
+                   activations(L * H * dv)};
   ctx.gemm.linear(x, bf16_data(w.q_a_proj), a.q_low.data(), L, D, qr, s);
   rms_norm_forward(a.q_low.data(), bf16_data(w.q_a_layernorm), a.q_resid.data(), L, qr, eps, s);
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
@@ -132,7 +142,8 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
   MlaActivations a = mla_projections(ctx, c, w, x, L);
   if (w.has_indexer && !reuse_selection) run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection);
-  check(selection.size() == static_cast<size_t>(L * selection_width(c)), "DSA layer without a selection to share");
+  check(selection.size() == static_cast<size_t>(L * selection_width(c)),
+        "DSA layer without a selection to share");
   attend(ctx, c, L, a, selection.data());
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
@@ -162,14 +173,15 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), d_attended.data(), L, H * dv, D, s);
   gemm.linear_backward_weight(dy, a.attended.data(), f32_data(grad.o_proj), L, H * dv, D, s);
   SPINDLE_CUDA(cudaMemsetAsync(dkv.data(), 0, dkv.size() * sizeof(float), s));
-  sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended.data(), dq.data(), dkv.data(), s);
+  sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended.data(), dq.data(),
+                            dkv.data(), s);
 
   DeviceBuffer<bf16>& dkv16 = a.kv;  // the keys/values are not read again
   f32_to_bf16(dkv.data(), dkv16.data(), L * H * (dqk + dv), s);
   DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
   gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_normed.data(), L, kr, H * (dqk + dv), s);
-  gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr, H * (dqk + dv),
-                              s);
+  gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr,
+                              H * (dqk + dv), s);
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
   gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 1.0f, s);

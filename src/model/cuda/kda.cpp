@@ -1,10 +1,11 @@
 // Kimi Delta Attention on the GPU: the CPU module's steps (model/kda.cpp) with bf16
 // activations, fp32 gates, decays and recurrent state.
+#include "kernels/cuda/kda.h"
+
 #include <cmath>
 
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/convert.h"
-#include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_gates.h"
 #include "kernels/cuda/norms.h"
 #include "model/cuda/device_weights.h"
@@ -32,7 +33,8 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   check(dh <= kKdaMaxDim, "KDA head_dim ", dh, " exceeds the CUDA kernel's limit ", kKdaMaxDim);
   const cudaStream_t s = ctx.stream();
   KdaActivations a;
-  for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qc, &a.kc, &a.vc, &a.q, &a.k, &a.gate, &a.core}) *b = activations(L * qkv);
+  for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qc, &a.kc, &a.vc, &a.q, &a.k, &a.gate, &a.core})
+    *b = activations(L * qkv);
   a.f_low = activations(L * dh);
   a.gate_low = activations(L * dh);
   a.f = activations_f32(L * qkv);
@@ -46,7 +48,8 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   causal_conv_silu(a.qp.data(), f32_data(w.q_conv), a.qc.data(), L, qkv, K, s);
   causal_conv_silu(a.kp.data(), f32_data(w.k_conv), a.kc.data(), L, qkv, K, s);
   causal_conv_silu(a.vp.data(), f32_data(w.v_conv), a.vc.data(), L, qkv, K, s);
-  l2_normalize_forward(a.qc.data(), a.q.data(), L * H, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)), s);
+  l2_normalize_forward(a.qc.data(), a.q.data(), L * H, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)),
+                       s);
   l2_normalize_forward(a.kc.data(), a.k.data(), L * H, dh, 1e-6f, 1.0f, s);
 
   ctx.gemm.linear(x, bf16_data(w.f_a_proj), a.f_low.data(), L, D, dh, s);
@@ -100,8 +103,9 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
   gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // The delta rule.
-  DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv), dv = activations_f32(L * qkv),
-                      dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
+  DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
+                      dv = activations_f32(L * qkv), dg = activations_f32(L * qkv),
+                      dbeta = activations_f32(L * H),
                       workspace = activations_f32(kda_backward_workspace_floats(H, dh, dh));
   kda_chunked_backward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), dcore.data(),
                        a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
@@ -139,8 +143,8 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
   for (const Branch& b : {Branch{a.qp.data(), dqc.data(), w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
                           Branch{a.kp.data(), dkc.data(), w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
                           Branch{a.vp.data(), dvc.data(), w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}}) {
-    causal_conv_silu_backward(b.projected, f32_data(b.conv), b.dconv, dproj.data(), f32_data(b.dconv_w), L, qkv,
-                              K, s);
+    causal_conv_silu_backward(b.projected, f32_data(b.conv), b.dconv, dproj.data(), f32_data(b.dconv_w), L,
+                              qkv, K, s);
     gemm.linear_backward_input(dproj.data(), bf16_data(b.proj), dx, L, D, qkv, 1.0f, s);
     gemm.linear_backward_weight(dproj.data(), x, f32_data(b.dproj_w), L, D, qkv, s);
   }

@@ -95,8 +95,8 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
                             end();
                           });
     std::swap(streams, next);
-    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, streams.data(), next.data(),
-                          [&](const bf16* x, bf16* y) {
+    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, streams.data(),
+                          next.data(), [&](const bf16* x, bf16* y) {
                             begin(mlp_kind(layer));
                             if (layer.mlp == MlpKind::Dense)
                               mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
@@ -110,11 +110,12 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
   begin("head");
   DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
   stream_mean(streams.data(), mean.data(), L, H, D, s);
-  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps), s);
+  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps),
+                   s);
   const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
   DeviceBuffer<float> log_prob = activations_f32(L);
-  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), nullptr, nullptr, L, D, V,
-                    s);
+  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), nullptr, nullptr, L,
+                    D, V, s);
   end();
   ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
   std::vector<float> result = log_prob.download();
@@ -193,11 +194,12 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
   stream_mean(streams.data(), mean.data(), L, H, D, s);
   streams = DeviceBuffer<bf16>();
-  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps), s);
+  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps),
+                   s);
   const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
   DeviceBuffer<float> log_prob = activations_f32(L), lse = activations_f32(L), loss = activations_f32(1);
-  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), lse.data(), loss.data(), L,
-                    D, V, s);
+  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), lse.data(),
+                    loss.data(), L, D, V, s);
   DeviceBuffer<bf16> dhidden = activations(L * D), dmean = activations(L * D);
   ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), targets.data(), lse.data(),
                      static_cast<float>(options.scale / static_cast<double>(L - 1)), dhidden.data(),

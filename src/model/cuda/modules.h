@@ -24,8 +24,8 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
 
 // The indexer's KL training, accumulated over DSA layers on the device.
 struct IndexerLoss {
-  double coef = 0.0;                    // gradients of coef * mean KL go to the indexer only
-  DeviceBuffer<double>* kl = nullptr;   // one value: the sum over layers of sum_q KL_q (device)
+  double coef = 0.0;                   // gradients of coef * mean KL go to the indexer only
+  DeviceBuffer<double>* kl = nullptr;  // one value: the sum over layers of sum_q KL_q (device)
   int64_t layers = 0;
 };
 

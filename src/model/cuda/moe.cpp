@@ -44,7 +44,12 @@ void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const 
 namespace {
 
 cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
-  return {L, c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
+  return {L,
+          c.n_routed_experts,
+          c.n_group,
+          c.topk_group,
+          c.num_experts_per_tok,
+          c.norm_topk_prob,
           c.routed_scaling_factor};
 }
 
@@ -100,19 +105,19 @@ ExpertActivations run_experts(Context& ctx, const ModelConfig& c, const MoeWeigh
     const int64_t first = r.host_offsets[static_cast<size_t>(e)];
     const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
     if (rows == 0) continue;
-    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D, a.gate.data() + first * I,
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D,
+                    a.gate.data() + first * I, rows, D, I, s);
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I,
                     rows, D, I, s);
-    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I, rows,
-                    D, I, s);
   }
-  clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I, static_cast<float>(c.swiglu_limit),
-                         s);
+  clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I,
+                         static_cast<float>(c.swiglu_limit), s);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = r.host_offsets[static_cast<size_t>(e)];
     const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
     if (rows == 0) continue;
-    ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I, a.out.data() + first * D,
-                    rows, I, D, s);
+    ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I,
+                    a.out.data() + first * D, rows, I, D, s);
   }
   return a;
 }
@@ -127,10 +132,12 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   if (load != nullptr) {
     load->assign(static_cast<size_t>(E), 0);
     for (int64_t e = 0; e < E; ++e)
-      (*load)[static_cast<size_t>(e)] = r.host_offsets[static_cast<size_t>(e + 1)] - r.host_offsets[static_cast<size_t>(e)];
+      (*load)[static_cast<size_t>(e)] =
+          r.host_offsets[static_cast<size_t>(e + 1)] - r.host_offsets[static_cast<size_t>(e)];
   }
   if (router_logits != nullptr)
-    SPINDLE_CUDA(cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    SPINDLE_CUDA(
+        cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
   ExpertActivations a = run_experts(ctx, c, w, r, n);
   DeviceBuffer<bf16> shared = activations(L * D);
   mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
@@ -164,7 +171,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
     gemm.linear_backward_input(dout.data() + first * D, bf16_data(w.experts_down) + e * D * I,
                                dhidden.data() + first * I, rows, I, D, s);
   }
-  clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I, limit, s);
+  clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I,
+                          limit, s);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = r.host_offsets[static_cast<size_t>(e)];
     const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
@@ -174,10 +182,10 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                                drows.data() + first * D, rows, D, I, 0.0f, s);
     gemm.linear_backward_input(a.up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
                                drows.data() + first * D, rows, D, I, 1.0f, s);
-    gemm.linear_backward_weight(a.gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D, rows,
+    gemm.linear_backward_weight(a.gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D,
+                                rows, D, I, s);
+    gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows,
                                 D, I, s);
-    gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows, D,
-                                I, s);
   }
   DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
   f32_to_bf16(drows.data(), drows16.data(), n * D, s);
@@ -185,9 +193,11 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
 
   // The router: through the routing weights, plus the balance loss.
   DeviceBuffer<float> dlogits = activations_f32(L * E);
-  route_weights_backward(router_shape(c, L), r.logits.data(), r.expert.data(), dweight.data(), dlogits.data(), s);
+  route_weights_backward(router_shape(c, L), r.logits.data(), r.expert.data(), dweight.data(), dlogits.data(),
+                         s);
   if (balance != nullptr && balance->coef > 0)
-    balance_loss_backward(r.logits.data(), balance->counts, L, E, balance->rows, balance->coef, dlogits.data(), s);
+    balance_loss_backward(r.logits.data(), balance->counts, L, E, balance->rows, balance->coef,
+                          dlogits.data(), s);
   DeviceBuffer<bf16> dlogits16 = activations(L * E);
   f32_to_bf16(dlogits.data(), dlogits16.data(), L * E, s);
   gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);

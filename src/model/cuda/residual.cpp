@@ -25,18 +25,19 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   const int64_t H = c.hc_mult, D = c.hidden_size;
   SiteActivations a{activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H),
                     activations(L * D), activations(L * D)};
-  hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
-                  a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
-  rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D, static_cast<float>(c.rms_norm_eps),
-                   ctx.stream());
+  hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
+                  a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+  rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
+                   static_cast<float>(c.rms_norm_eps), ctx.stream());
   ctx.record.note("mhc", "cuda fused per token (Sinkhorn in fp32)");
   return a;
 }
 
 }  // namespace
 
-void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
-                           int64_t L, const bf16* streams, bf16* next, const SublayerForward& sublayer) {
+void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
+                           const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
+                           const SublayerForward& sublayer) {
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
@@ -58,15 +59,15 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
   SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
   DeviceBuffer<bf16> dy = activations(L * D);
-  hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
-                      d_post.data(), d_comb.data(), s);
+  hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(),
+                      dy.data(), d_post.data(), d_comb.data(), s);
   sublayer_backward(a.normed.data(), dy.data(), d_normed.data());
 
   DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
   DeviceBuffer<bf16>& d_collapsed = dy;
   f32_to_bf16(d_normed.data(), d_normed16.data(), L * D, s);
-  rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed16.data(), d_collapsed.data(), f32_data(gnorm), L,
-                    D, static_cast<float>(c.rms_norm_eps), s);
+  rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed16.data(), d_collapsed.data(),
+                    f32_data(gnorm), L, D, static_cast<float>(c.rms_norm_eps), s);
   DeviceBuffer<float> workspace = activations_f32(hc_coefficients_backward_workspace(shape));
   hc_coefficients_backward(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), nullptr,
                            d_post.data(), d_comb.data(), d_collapsed.data(), d_in.data(), f32_data(ghc.fn),

@@ -19,8 +19,8 @@ using SublayerBackward =
     std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy, float* dnormed)>;
 
 // streams (input) -> next (output), both [tokens, H, D].
-void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc, const Tensor& norm,
-                           int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
+void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
+                           const Tensor& norm, int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
                            const SublayerForward& sublayer);
 
 // `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
