@@ -72,6 +72,25 @@ void CudaModel::end() {
   if (timer_) timer_->end(ctx_.stream());
 }
 
+void CudaModel::attention_forward(const LayerWeights& layer, const bf16* x, int64_t L,
+                                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
+  begin(attention_kind(layer));
+  if (layer.attention == AttentionKind::Kda)
+    kda_forward(ctx_, config_, layer.kda, x, L, y);
+  else
+    dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection);
+  end();
+}
+
+void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L, bf16* y) {
+  begin(mlp_kind(layer));
+  if (layer.mlp == MlpKind::Dense)
+    mlp_forward(ctx_, layer.dense, config_.swiglu_limit, x, L, y);
+  else
+    moe_forward(ctx_, config_, layer.moe, x, L, y);
+  end();
+}
+
 std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
@@ -85,25 +104,12 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
 
   DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
   for (const LayerWeights& layer : w.layers) {
-    residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, L, streams.data(), next.data(),
-                          [&](const bf16* x, bf16* y) {
-                            begin(attention_kind(layer));
-                            if (layer.attention == AttentionKind::Kda)
-                              kda_forward(ctx_, c, layer.kda, x, L, y);
-                            else
-                              dsa_forward(ctx_, c, layer.dsa, x, L, selection, y);
-                            end();
-                          });
+    residual_site_forward(
+        ctx_, c, layer.attn_hc, layer.input_layernorm, L, streams.data(), next.data(),
+        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, selection, y, false); });
     std::swap(streams, next);
     residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, streams.data(),
-                          next.data(), [&](const bf16* x, bf16* y) {
-                            begin(mlp_kind(layer));
-                            if (layer.mlp == MlpKind::Dense)
-                              mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
-                            else
-                              moe_forward(ctx_, c, layer.moe, x, L, y);
-                            end();
-                          });
+                          next.data(), [&](const bf16* x, bf16* y) { ffn_forward(layer, x, L, y); });
     std::swap(streams, next);
   }
 
@@ -221,14 +227,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
     residual_site_backward(
         ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1].data(), dstreams,
         grad.ffn_hc, grad.post_attention_layernorm,
-        [&](const bf16* x, bf16* y) {
-          begin(mlp_kind(layer));
-          if (layer.mlp == MlpKind::Dense)
-            mlp_forward(ctx_, layer.dense, c.swiglu_limit, x, L, y);
-          else
-            moe_forward(ctx_, c, layer.moe, x, L, y);
-          end();
-        },
+        [&](const bf16* x, bf16* y) { ffn_forward(layer, x, L, y); },
         [&](const bf16* x, const bf16* dy, float* dx) {
           begin(mlp_kind(layer));
           if (layer.mlp == MlpKind::Dense)
@@ -241,14 +240,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
     residual_site_backward(
         ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
         grad.input_layernorm,
-        [&](const bf16* x, bf16* y) {
-          begin(attention_kind(layer));
-          if (layer.attention == AttentionKind::Kda)
-            kda_forward(ctx_, c, layer.kda, x, L, y);
-          else
-            dsa_forward(ctx_, c, layer.dsa, x, L, *selections[i], y, true);
-          end();
-        },
+        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, *selections[i], y, true); },
         [&](const bf16* x, const bf16* dy, float* dx) {
           begin(attention_kind(layer));
           if (layer.attention == AttentionKind::Kda)

@@ -50,6 +50,10 @@ class CudaModel {
  private:
   void begin(const char* kind);
   void end();
+  // One sublayer's forward, timed under its layer kind.
+  void attention_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L,
+                         DeviceBuffer<int32_t>& selection, __nv_bfloat16* y, bool reuse_selection);
+  void ffn_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L, __nv_bfloat16* y);
 
   ModelConfig config_;
   Context ctx_;

@@ -91,6 +91,15 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   return r;
 }
 
+// Calls f(expert, first row, rows) for every expert with at least one row.
+template <class F>
+void for_each_expert(const Routing& r, F f) {
+  for (size_t e = 0; e + 1 < r.host_offsets.size(); ++e) {
+    const int64_t first = r.host_offsets[e], rows = r.host_offsets[e + 1] - first;
+    if (rows > 0) f(static_cast<int64_t>(e), first, rows);
+  }
+}
+
 // gate, up and hidden = swiglu(gate, up) of every assignment row, and the experts' outputs.
 struct ExpertActivations {
   DeviceBuffer<bf16> gate, up, hidden, out;
@@ -98,27 +107,21 @@ struct ExpertActivations {
 
 ExpertActivations run_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
                               int64_t n) {
-  const int64_t D = c.hidden_size, I = c.moe_intermediate_size, E = c.n_routed_experts;
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const cudaStream_t s = ctx.stream();
   ExpertActivations a{activations(n * I), activations(n * I), activations(n * I), activations(n * D)};
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
-    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
-    if (rows == 0) continue;
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D,
                     a.gate.data() + first * I, rows, D, I, s);
     ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I,
                     rows, D, I, s);
-  }
+  });
   clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I,
                          static_cast<float>(c.swiglu_limit), s);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
-    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
-    if (rows == 0) continue;
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I,
                     a.out.data() + first * D, rows, I, D, s);
-  }
+  });
   return a;
 }
 
@@ -162,21 +165,15 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                                dweight.data(), s);
   DeviceBuffer<bf16>& dhidden = a.hidden;
   DeviceBuffer<float> drows = activations_f32(n * D);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
-    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
-    if (rows == 0) continue;
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     gemm.linear_backward_weight(dout.data() + first * D, a.hidden.data() + first * I,
                                 f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
     gemm.linear_backward_input(dout.data() + first * D, bf16_data(w.experts_down) + e * D * I,
                                dhidden.data() + first * I, rows, I, D, s);
-  }
+  });
   clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I,
                           limit, s);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = r.host_offsets[static_cast<size_t>(e)];
-    const int64_t rows = r.host_offsets[static_cast<size_t>(e + 1)] - first;
-    if (rows == 0) continue;
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     const bf16* x_rows = r.rows.data() + first * D;
     gemm.linear_backward_input(a.gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
                                drows.data() + first * D, rows, D, I, 0.0f, s);
@@ -186,7 +183,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                                 rows, D, I, s);
     gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows,
                                 D, I, s);
-  }
+  });
   DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
   f32_to_bf16(drows.data(), drows16.data(), n * D, s);
   scatter_expert_rows_backward(drows16.data(), r.inverse.data(), L, k, D, dx, s);
