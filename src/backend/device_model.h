@@ -22,6 +22,7 @@ namespace spindle {
 
 struct DeviceModelOptions {
   bool strict_kernels = false;  // fail if any op falls back to a slow or dense path
+  bool absorbed_mla = true;     // DSA attention over the shared latent (false: per-head expanded)
 };
 
 class DeviceModel {

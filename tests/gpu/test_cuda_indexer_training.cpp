@@ -52,11 +52,13 @@ TEST(CudaIndexerTraining, AttentionMassMatchesTheCpu) {
   struct Case {
     int64_t tokens, heads, qk_dim, v_dim, kpool, topk;
     bool tail;
+    int64_t kv_heads = 0;  // 1: MLA's absorbed form, one shared latent per token
   };
   const Case cases[] = {
       {300, 4, 64, 32, 4, 32, true},      {300, 8, 64, 64, 4, 32, false},   {300, 66, 32, 16, 4, 32, true},
       {500, 3, 32, 32, 16, 64, true},     {200, 3, 576, 512, 4, 64, true},  {2100, 5, 64, 64, 4, 2048, true},
       {2100, 1, 576, 512, 4, 2048, true}, {4200, 3, 64, 16, 4, 4096, true},  // fewer warps per CTA
+      {300, 8, 512, 512, 4, 64, true, 1},
   };
   for (const Case& c : cases) {
     const int64_t L = c.tokens, H = c.heads;
@@ -66,10 +68,10 @@ TEST(CudaIndexerTraining, AttentionMassMatchesTheCpu) {
                                        rounded(random_floats(is.complete_pools() * 16)),
                                        rounded(random_floats(L * 2, 0.5f)));
     const int64_t width = is.width();
-    const cpu::SparseAttentionShape s{L,       H,     c.qk_dim,
-                                      c.v_dim, width, 1.0 / std::sqrt(static_cast<double>(c.qk_dim))};
+    const cpu::SparseAttentionShape s{
+        L, H, c.qk_dim, c.v_dim, width, 1.0 / std::sqrt(static_cast<double>(c.qk_dim)), c.kv_heads};
     const auto q = rounded(random_floats(L * H * c.qk_dim)),
-               kv = rounded(random_floats(L * H * (c.qk_dim + c.v_dim)));
+               kv = rounded(random_floats(L * s.key_heads() * (c.qk_dim + c.v_dim)));
 
     Stream stream;
     auto dq = device(to_bf16(q)), dkv = device(to_bf16(kv));

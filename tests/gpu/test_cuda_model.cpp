@@ -26,9 +26,10 @@ namespace {
 
 const std::string kTests = SPINDLE_TEST_DATA;
 
-std::unique_ptr<DeviceModel> on_gpu(const ModelConfig& config, const ModelWeights& weights) {
+std::unique_ptr<DeviceModel> on_gpu(const ModelConfig& config, const ModelWeights& weights,
+                                    bool absorbed_mla = true) {
   cuda::register_backend();
-  return open_device_model(Device::CUDA, config, weights, {true});
+  return open_device_model(Device::CUDA, config, weights, {true, absorbed_mla});
 }
 
 std::vector<double> read_numbers(const std::string& path) {
@@ -152,64 +153,69 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
   ModelWeights cpu_grads = zero_gradients(config, DType::F32);
   const LossResult cpu =
       loss_and_gradients<float>(config, as_on_gpu(config, weights), tokens, cpu_grads, options);
-  auto device = on_gpu(config, weights);
-  const LossResult gpu = device->loss_and_gradients(tokens, options);
-  ModelWeights gpu_grads = zero_gradients(config, DType::F32);
-  device->download_gradients(gpu_grads);
+  // Both forms of the DSA attention: over the shared latent (absorbed) and per-head (expanded).
+  for (const bool absorbed : {true, false}) {
+    SCOPED_TRACE(absorbed ? "absorbed MLA" : "expanded MLA");
+    auto device = on_gpu(config, weights, absorbed);
+    const LossResult gpu = device->loss_and_gradients(tokens, options);
+    ModelWeights gpu_grads = zero_gradients(config, DType::F32);
+    device->download_gradients(gpu_grads);
 
-  std::printf("loss cpu %.6f gpu %.6f; indexer KL cpu %.6f gpu %.6f; aux cpu %.6f gpu %.6f\n", cpu.loss,
-              gpu.loss, cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
-  EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss);
-  EXPECT_NEAR(gpu.indexer_kl, cpu.indexer_kl, 5e-2 * cpu.indexer_kl + 1e-4);
-  EXPECT_NEAR(gpu.aux_loss, cpu.aux_loss, 5e-2 * cpu.aux_loss);
-  ASSERT_EQ(gpu.expert_load.size(), cpu.expert_load.size());
+    std::printf("loss cpu %.6f gpu %.6f; indexer KL cpu %.6f gpu %.6f; aux cpu %.6f gpu %.6f\n", cpu.loss,
+                gpu.loss, cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
+    EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss);
+    EXPECT_NEAR(gpu.indexer_kl, cpu.indexer_kl, 5e-2 * cpu.indexer_kl + 1e-4);
+    EXPECT_NEAR(gpu.aux_loss, cpu.aux_loss, 5e-2 * cpu.aux_loss);
+    ASSERT_EQ(gpu.expert_load.size(), cpu.expert_load.size());
 
-  auto cpu_table = parameter_table(config, cpu_grads);
-  auto gpu_table = parameter_table(config, gpu_grads);
-  double cpu_sq = 0, gpu_sq = 0, dot = 0;
-  int checked = 0;
-  std::vector<std::array<double, 3>> norms;  // per tensor: |cpu|^2, |gpu|^2, cpu . gpu
-  for (size_t i = 0; i < cpu_table.size(); ++i) {
-    const Tensor& a = cpu_table[i].tensor;
-    const Tensor& b = gpu_table[i].tensor;
-    double ab = 0, aa = 0, bb = 0;
-    for (int64_t j = 0; j < a.numel(); ++j) {
-      const double x = a.item_as_double(j), y = b.item_as_double(j);
-      ASSERT_TRUE(std::isfinite(y)) << gpu_table[i].name << " element " << j;
-      ab += x * y, aa += x * x, bb += y * y;
+    auto cpu_table = parameter_table(config, cpu_grads);
+    auto gpu_table = parameter_table(config, gpu_grads);
+    double cpu_sq = 0, gpu_sq = 0, dot = 0;
+    int checked = 0;
+    std::vector<std::array<double, 3>> norms;  // per tensor: |cpu|^2, |gpu|^2, cpu . gpu
+    for (size_t i = 0; i < cpu_table.size(); ++i) {
+      const Tensor& a = cpu_table[i].tensor;
+      const Tensor& b = gpu_table[i].tensor;
+      double ab = 0, aa = 0, bb = 0;
+      for (int64_t j = 0; j < a.numel(); ++j) {
+        const double x = a.item_as_double(j), y = b.item_as_double(j);
+        ASSERT_TRUE(std::isfinite(y)) << gpu_table[i].name << " element " << j;
+        ab += x * y, aa += x * x, bb += y * y;
+      }
+      cpu_sq += aa, gpu_sq += bb, dot += ab;
+      norms.push_back({aa, bb, ab});
     }
-    cpu_sq += aa, gpu_sq += bb, dot += ab;
-    norms.push_back({aa, bb, ab});
-  }
-  const double cpu_norm = std::sqrt(cpu_sq), gpu_norm = std::sqrt(gpu_sq);
-  // Each tensor holding at least 1e-3 of the gradient's norm points the same way on both. The
-  // smaller ones (mHC scales and biases: sums over tokens that mostly cancel) are printed.
-  for (size_t i = 0; i < norms.size(); ++i) {
-    const auto [aa, bb, ab] = norms[i];
-    if (std::sqrt(aa) < 1e-9) continue;  // buffers and gradients that are zero on both
-    const double cosine = ab / std::sqrt(aa * bb);
-    if (std::sqrt(aa) < 1e-3 * cpu_norm) {
-      if (cosine < 0.97)
-        std::printf("small gradient %s: |cpu| %.3e |gpu| %.3e cosine %.3f\n", cpu_table[i].name.c_str(),
+    const double cpu_norm = std::sqrt(cpu_sq), gpu_norm = std::sqrt(gpu_sq);
+    // Each tensor holding at least 1e-3 of the gradient's norm points the same way on both. The
+    // smaller ones (mHC scales and biases: sums over tokens that mostly cancel) are printed.
+    for (size_t i = 0; i < norms.size(); ++i) {
+      const auto [aa, bb, ab] = norms[i];
+      if (std::sqrt(aa) < 1e-9) continue;  // buffers and gradients that are zero on both
+      const double cosine = ab / std::sqrt(aa * bb);
+      if (std::sqrt(aa) < 1e-3 * cpu_norm) {
+        if (cosine < 0.97)
+          std::printf("small gradient %s: |cpu| %.3e |gpu| %.3e cosine %.3f\n", cpu_table[i].name.c_str(),
+                      std::sqrt(aa), std::sqrt(bb), cosine);
+        continue;
+      }
+      EXPECT_GT(cosine, 0.97) << cpu_table[i].name << ": |cpu| " << std::sqrt(aa) << " |gpu| "
+                              << std::sqrt(bb);
+      // Magnitudes of tensors with a handful of elements (A_log: one per head) are sums over every
+      // token and channel that mostly cancel; bf16 activations move them by tens of percent.
+      if (cpu_table[i].tensor.numel() >= 64)
+        EXPECT_NEAR(std::sqrt(bb), std::sqrt(aa), 0.1 * std::sqrt(aa)) << cpu_table[i].name;
+      else if (std::abs(std::sqrt(bb) - std::sqrt(aa)) > 0.1 * std::sqrt(aa))
+        std::printf("small tensor %s: |cpu| %.3e |gpu| %.3e cosine %.3f\n", cpu_table[i].name.c_str(),
                     std::sqrt(aa), std::sqrt(bb), cosine);
-      continue;
+      ++checked;
     }
-    EXPECT_GT(cosine, 0.97) << cpu_table[i].name << ": |cpu| " << std::sqrt(aa) << " |gpu| " << std::sqrt(bb);
-    // Magnitudes of tensors with a handful of elements (A_log: one per head) are sums over every
-    // token and channel that mostly cancel; bf16 activations move them by tens of percent.
-    if (cpu_table[i].tensor.numel() >= 64)
-      EXPECT_NEAR(std::sqrt(bb), std::sqrt(aa), 0.1 * std::sqrt(aa)) << cpu_table[i].name;
-    else if (std::abs(std::sqrt(bb) - std::sqrt(aa)) > 0.1 * std::sqrt(aa))
-      std::printf("small tensor %s: |cpu| %.3e |gpu| %.3e cosine %.3f\n", cpu_table[i].name.c_str(),
-                  std::sqrt(aa), std::sqrt(bb), cosine);
-    ++checked;
+    std::printf("gradient norm cpu %.6f gpu %.6f, cosine %.6f over %d tensors\n", cpu_norm, gpu_norm,
+                dot / (cpu_norm * gpu_norm), checked);
+    EXPECT_NEAR(gpu_norm, cpu_norm, 2e-2 * cpu_norm);
+    EXPECT_GT(dot / (cpu_norm * gpu_norm), 0.995);
+    EXPECT_GT(checked, 30);
+    EXPECT_NEAR(device->clip_gradients(0.0), gpu_norm, 1e-3 * gpu_norm);
   }
-  std::printf("gradient norm cpu %.6f gpu %.6f, cosine %.6f over %d tensors\n", cpu_norm, gpu_norm,
-              dot / (cpu_norm * gpu_norm), checked);
-  EXPECT_NEAR(gpu_norm, cpu_norm, 2e-2 * cpu_norm);
-  EXPECT_GT(dot / (cpu_norm * gpu_norm), 0.995);
-  EXPECT_GT(checked, 30);
-  EXPECT_NEAR(device->clip_gradients(0.0), gpu_norm, 1e-3 * gpu_norm);
 }
 
 }  // namespace

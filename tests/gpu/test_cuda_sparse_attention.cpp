@@ -61,20 +61,33 @@ std::vector<int32_t> make_selection(int64_t L, int64_t width) {
 
 TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
   struct Case {
-    int64_t dqk, dv, width, tokens, heads;
+    int64_t dqk, dv, width, tokens, heads, kv_heads;  // kv_heads 0: one key/value head per query head
   };
   const Case cases[] = {
-      {16, 16, 32, 300, 3},   {16, 16, 79, 300, 5},   {16, 16, 2063, 2100, 2},
-      {192, 128, 32, 200, 3}, {192, 128, 79, 300, 2}, {192, 128, 2063, 2100, 1},
-      {256, 256, 32, 200, 2}, {256, 256, 79, 200, 2}, {256, 256, 2063, 2080, 1},
+      {16, 16, 32, 300, 3, 0},
+      {16, 16, 79, 300, 5, 0},
+      {16, 16, 2063, 2100, 2, 0},
+      {192, 128, 32, 200, 3, 0},
+      {192, 128, 79, 300, 2, 0},
+      {192, 128, 2063, 2100, 1, 0},
+      {256, 256, 32, 200, 2, 0},
+      {256, 256, 79, 200, 2, 0},
+      {256, 256, 2063, 2080, 1, 0},
+      // MLA's absorbed form: every head reads one shared latent (GLM-5.3-Flash 512, DeepSeek 576),
+      // and a grouped case.
+      {512, 512, 79, 300, 8, 1},
+      {576, 512, 257, 400, 4, 1},
+      {16, 16, 32, 300, 4, 2},
   };
   for (const Case& c : cases) {
     const int64_t L = c.tokens, H = c.heads;
-    const cpu::SparseAttentionShape s{L,    H,       c.dqk,
-                                      c.dv, c.width, 1.0 / std::sqrt(static_cast<double>(c.dqk))};
-    const auto q = rounded(random_floats(L * H * c.dqk)), kv = rounded(random_floats(L * H * (c.dqk + c.dv)));
+    const cpu::SparseAttentionShape s{
+        L, H, c.dqk, c.dv, c.width, 1.0 / std::sqrt(static_cast<double>(c.dqk)), c.kv_heads};
+    const int64_t KH = s.key_heads();
+    const auto q = rounded(random_floats(L * H * c.dqk)),
+               kv = rounded(random_floats(L * KH * (c.dqk + c.dv)));
     const auto dout = rounded(random_floats(L * H * c.dv));
-    const auto dkv0 = random_floats(L * H * (c.dqk + c.dv), 0.1f);  // dkv accumulates onto this
+    const auto dkv0 = random_floats(L * KH * (c.dqk + c.dv), 0.1f);  // dkv accumulates onto this
     const auto sel = make_selection(L, c.width);
 
     Stream stream;
@@ -96,7 +109,7 @@ TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
                                            dkv_ref.data());
     const std::string what = "dqk " + std::to_string(c.dqk) + " dv " + std::to_string(c.dv) + " width " +
                              std::to_string(c.width) + " tokens " + std::to_string(L) + " heads " +
-                             std::to_string(H);
+                             std::to_string(H) + " kv heads " + std::to_string(KH);
     // bf16 outputs: one rounding (~2^-9 relative) on top of fp32 arithmetic; dkv stays fp32.
     EXPECT_LT(relative_error(out.download(), out_ref), 8e-3) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 8e-3) << "dq, " << what;

@@ -307,6 +307,43 @@ TEST(Kernels, SparseAttentionMatchesMaskedDenseAttention) {
     }
 }
 
+// Shared keys/values (MLA's absorbed form, kv_heads = 1) are the per-head form with the one
+// latent copied into every head: same outputs, same dq, and the shared dkv is the heads' sum.
+TEST(Kernels, SparseAttentionWithSharedKeysEqualsReplicatedHeads) {
+  const int64_t L = 11, H = 3, dq = 5, dv = 4, width = 6;
+  const auto q = random_vector(L * H * dq, 31), latent = random_vector(L * (dq + dv), 32);
+  const auto dout = random_vector(L * H * dv, 33);
+  std::vector<int32_t> sel(L * width, -1);
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t i = 0; i <= std::min<int64_t>(t, width - 1); ++i) sel[t * width + i] = int32_t(t - i);
+  std::vector<double> replicated(L * H * (dq + dv));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      std::copy(latent.begin() + t * (dq + dv), latent.begin() + (t + 1) * (dq + dv),
+                replicated.begin() + (t * H + h) * (dq + dv));
+  const SparseAttentionShape shared{L, H, dq, dv, width, 0.4, 1}, per_head{L, H, dq, dv, width, 0.4};
+  std::vector<double> out1(L * H * dv), out2(L * H * dv), dq1(L * H * dq), dq2(L * H * dq);
+  std::vector<double> dkv1(L * (dq + dv), 0.0), dkv2(L * H * (dq + dv), 0.0), mass1(L * width),
+      mass2(L * width);
+  sparse_attention<double>(shared, q.data(), latent.data(), sel.data(), out1.data());
+  sparse_attention<double>(per_head, q.data(), replicated.data(), sel.data(), out2.data());
+  sparse_attention_backward<double>(shared, q.data(), latent.data(), sel.data(), dout.data(), dq1.data(),
+                                    dkv1.data());
+  sparse_attention_backward<double>(per_head, q.data(), replicated.data(), sel.data(), dout.data(),
+                                    dq2.data(), dkv2.data());
+  attention_mass<double>(shared, q.data(), latent.data(), sel.data(), mass1.data());
+  attention_mass<double>(per_head, q.data(), replicated.data(), sel.data(), mass2.data());
+  for (size_t i = 0; i < out1.size(); ++i) EXPECT_NEAR(out1[i], out2[i], 1e-12);
+  for (size_t i = 0; i < dq1.size(); ++i) EXPECT_NEAR(dq1[i], dq2[i], 1e-12);
+  for (size_t i = 0; i < mass1.size(); ++i) EXPECT_NEAR(mass1[i], mass2[i], 1e-12);
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t c = 0; c < dq + dv; ++c) {
+      double sum = 0;
+      for (int64_t h = 0; h < H; ++h) sum += dkv2[(t * H + h) * (dq + dv) + c];
+      EXPECT_NEAR(dkv1[t * (dq + dv) + c], sum, 1e-12);
+    }
+}
+
 TEST(Kernels, RouterMatchesBruteForceGroupLimitedTopK) {
   const int64_t T = 40, E = 12, G = 4, TG = 2, K = 3;
   auto logits = random_vector(T * E, 26), bias = random_vector(E, 27, 0.1);

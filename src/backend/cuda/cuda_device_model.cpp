@@ -18,7 +18,7 @@ namespace {
 class CudaDeviceModel final : public DeviceModel {
  public:
   CudaDeviceModel(const ModelConfig& config, const ModelWeights& host, const DeviceModelOptions& options)
-      : model_(config, host, options.strict_kernels) {}
+      : model_(config, host, options.strict_kernels, options.absorbed_mla) {}
 
   std::vector<float> log_probs(const std::vector<int32_t>& tokens) override {
     return model_.log_probs(tokens);

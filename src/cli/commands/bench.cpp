@@ -61,7 +61,7 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out"},
+  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla"},
                   {"random-tokens", "strict-kernels"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
@@ -80,7 +80,10 @@ int run_bench(const std::vector<std::string>& argv) {
     check(static_cast<int64_t>(dna.size()) >= longest, token_file, " has ", dna.size(), " tokens, --seq-len ",
           longest, " needs more (give a longer --tokens file, or --random-tokens)");
   }
-  auto device = open_device_model(Device::CUDA, config, model.weights, {args.flag("strict-kernels")});
+  const std::string mla = args.value_or("mla", "absorbed");
+  check(mla == "absorbed" || mla == "expanded", "--mla must be absorbed or expanded, got '", mla, "'");
+  auto device = open_device_model(Device::CUDA, config, model.weights,
+                                  {args.flag("strict-kernels"), mla == "absorbed"});
   device->init_optimizer();
   AdamWOptions adam;
 
@@ -126,6 +129,7 @@ int run_bench(const std::vector<std::string>& argv) {
         {"engine", "spindle"},
         {"model", source},
         {"device", device->device_name()},
+        {"mla", mla},
         {"seq_len", L},
         {"tokens", random_tokens ? "random ids (--random-tokens)" : "real DNA (" + token_file + ")"},
         {"steps", steps},

@@ -89,12 +89,12 @@ namespace {
 template <class T>
 void selected_softmax(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* idx, int64_t t,
                       int64_t h, T* p) {
-  const int64_t H = s.heads, dq = s.qk_dim, stride = s.qk_dim + s.v_dim;
+  const int64_t H = s.heads, KH = s.key_heads(), dq = s.qk_dim, stride = s.qk_dim + s.v_dim;
   const T* qh = q + (t * H + h) * dq;
   T mx = -std::numeric_limits<T>::infinity();
   for (int64_t i = 0; i < s.width; ++i) {
     if (idx[i] < 0) continue;
-    const T* k = kv + (idx[i] * H + h) * stride;
+    const T* k = kv + (idx[i] * KH + h % KH) * stride;
     T dot = 0;
     for (int64_t c = 0; c < dq; ++c) dot += qh[c] * k[c];
     p[i] = dot * T(s.scale);
@@ -112,7 +112,7 @@ void selected_softmax(const SparseAttentionShape& s, const T* q, const T* kv, co
 template <class T>
 void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
                       T* out) {
-  const int64_t H = s.heads, dq = s.qk_dim, dv = s.v_dim, stride = dq + dv;
+  const int64_t H = s.heads, KH = s.key_heads(), dq = s.qk_dim, dv = s.v_dim, stride = dq + dv;
   parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> p(static_cast<size_t>(s.width));
     for (int64_t t = begin; t < end; ++t) {
@@ -124,7 +124,7 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
         for (int64_t i = 0; i < s.width; ++i) {
           if (idx[i] < 0) continue;
           const T w = p[static_cast<size_t>(i)];
-          const T* v = kv + (idx[i] * H + h) * stride + dq;
+          const T* v = kv + (idx[i] * KH + h % KH) * stride + dq;
           for (int64_t c = 0; c < dv; ++c) o[c] += w * v[c];
         }
       }
@@ -135,11 +135,13 @@ void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, co
 template <class T>
 void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const T* kv,
                                const int32_t* selected, const T* dout, T* dq, T* dkv) {
-  const int64_t H = s.heads, dqk = s.qk_dim, dv = s.v_dim, stride = dqk + dv;
-  // Heads write disjoint slices of dkv, so threads split the heads.
-  parallel_for(H, 1, [&](int64_t h0, int64_t h1) {
+  const int64_t H = s.heads, KH = s.key_heads(), dqk = s.qk_dim, dv = s.v_dim, stride = dqk + dv;
+  // Key heads own disjoint slices of dkv, so threads split the key heads (each takes the query
+  // heads that read it).
+  parallel_for(KH, 1, [&](int64_t k0, int64_t k1) {
     std::vector<T> p(static_cast<size_t>(s.width)), dp(static_cast<size_t>(s.width));
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t h = 0; h < H; ++h) {
+      if (h % KH < k0 || h % KH >= k1) continue;
       for (int64_t t = 0; t < s.tokens; ++t) {
         const int32_t* idx = selected + t * s.width;
         const T* qh = q + (t * H + h) * dqk;
@@ -148,7 +150,7 @@ void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const 
         T weighted = 0;  // sum_s p_s dp_s
         for (int64_t i = 0; i < s.width; ++i) {
           if (idx[i] < 0) continue;
-          const T* v = kv + (idx[i] * H + h) * stride + dqk;
+          const T* v = kv + (idx[i] * KH + h % KH) * stride + dqk;
           T d = 0;
           for (int64_t c = 0; c < dv; ++c) d += go[c] * v[c];
           dp[static_cast<size_t>(i)] = d;
@@ -160,8 +162,8 @@ void sparse_attention_backward(const SparseAttentionShape& s, const T* q, const 
           if (idx[i] < 0) continue;
           const T pi = p[static_cast<size_t>(i)];
           const T ds = pi * (dp[static_cast<size_t>(i)] - weighted) * T(s.scale);
-          const T* k = kv + (idx[i] * H + h) * stride;
-          T* dk = dkv + (idx[i] * H + h) * stride;
+          const T* k = kv + (idx[i] * KH + h % KH) * stride;
+          T* dk = dkv + (idx[i] * KH + h % KH) * stride;
           for (int64_t c = 0; c < dqk; ++c) {
             dqh[c] += ds * k[c];
             dk[c] += ds * qh[c];

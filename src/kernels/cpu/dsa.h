@@ -41,11 +41,16 @@ struct SparseAttentionShape {
   int64_t v_dim;   // per-head value width
   int64_t width;   // selected indices per query
   double scale;    // softmax scale
+  // Heads of kv: `heads` (0 means the same), or 1 when every query head reads one shared key and
+  // value per token (MLA's absorbed form: the 512-wide latent).
+  int64_t kv_heads = 0;
+  int64_t key_heads() const { return kv_heads == 0 ? heads : kv_heads; }
 };
 
-// out[t, h] = sum_{s in selected[t]} softmax_s(q[t, h] . k[s, h] * scale) v[s, h].
-// q: [tokens, heads, qk_dim]; kv: [tokens, heads, qk_dim + v_dim] (key then value per head, as
-// kv_b_proj lays them out); selected: [tokens, width] with -1 for unused; out: [tokens, heads, v_dim].
+// out[t, h] = sum_{s in selected[t]} softmax_s(q[t, h] . k[s, h'] * scale) v[s, h'], h' = h mod
+// key_heads(). q: [tokens, heads, qk_dim]; kv: [tokens, key_heads(), qk_dim + v_dim] (key then
+// value per head, as kv_b_proj lays them out); selected: [tokens, width] with -1 for unused; out:
+// [tokens, heads, v_dim].
 template <class T>
 void sparse_attention(const SparseAttentionShape& s, const T* q, const T* kv, const int32_t* selected,
                       T* out);

@@ -10,7 +10,25 @@ struct Identity {
   __device__ float operator()(float x) const { return x; }
 };
 
+__global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows, int64_t half,
+                                      __nv_bfloat16* __restrict__ out) {
+  const int64_t n = rows * half;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / half, c = i % half;
+    out[i] = __float2bfloat16(in[r * 2 * half + c] + in[r * 2 * half + half + c]);
+  }
+}
+
 }  // namespace
+
+void sum_row_halves_to_bf16(const float* in, int64_t rows, int64_t half, __nv_bfloat16* out,
+                            cudaStream_t stream) {
+  if (rows * half == 0) return;
+  sum_row_halves_kernel<<<grid_blocks(rows * half, kMapThreads), kMapThreads, 0, stream>>>(in, rows, half,
+                                                                                           out);
+  SPINDLE_LAUNCHED("sum_row_halves_kernel");
+}
 
 void f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
   launch_map("f32_to_bf16", Identity{}, out, n, stream, in);

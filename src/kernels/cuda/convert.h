@@ -13,4 +13,9 @@ void f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t st
 
 void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t stream);
 
+// out[r, c] = in[r, c] + in[r, half + c] for rows of 2 x half fp32 values, rounded to bf16: the
+// gradient of a row that was used twice (MLA's latent, read as both key and value).
+void sum_row_halves_to_bf16(const float* in, int64_t rows, int64_t half, __nv_bfloat16* out,
+                            cudaStream_t stream);
+
 }  // namespace spindle::cuda

@@ -67,7 +67,7 @@ __device__ __forceinline__ float warp_dot(const float* q, const K* k, int64_t n,
 __global__ void __launch_bounds__(kMassWarps * 32)
     attention_mass_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
                           const int32_t* __restrict__ selected, float* __restrict__ mass, int64_t H,
-                          int64_t dqk, int64_t stride, int64_t width, float scale) {
+                          int64_t KH, int64_t dqk, int64_t stride, int64_t width, float scale) {
   extern __shared__ float smem[];
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kMassWarps * 32)
       for (int j = 0; j < n; ++j) {
         const int32_t sel = __shfl_sync(kFull, mine, j);
         if (sel < 0) continue;  // warp-uniform
-        const float dot = warp_dot(qs, kv + (static_cast<int64_t>(sel) * H + h) * stride, dqk, lane);
+        const float dot = warp_dot(qs, kv + (static_cast<int64_t>(sel) * KH + h % KH) * stride, dqk, lane);
         const float m_new = fmaxf(m, dot);
         l = l * expf(m - m_new) + expf(dot - m_new);
         m = m_new;
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kMassWarps * 32)
       for (int j = 0; j < n; ++j) {
         const int32_t sel = __shfl_sync(kFull, mine, j);
         if (sel < 0) continue;
-        const float dot = warp_dot(qs, kv + (static_cast<int64_t>(sel) * H + h) * stride, dqk, lane);
+        const float dot = warp_dot(qs, kv + (static_cast<int64_t>(sel) * KH + h % KH) * stride, dqk, lane);
         if (lane == j) p_mine = expf(dot - m) * inv_l;
       }
       if (i0 + lane < width) own[i0 + lane] += p_mine;
@@ -294,6 +294,8 @@ void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, 
   check(s.tokens >= 0 && s.heads > 0 && s.qk_dim > 0 && s.v_dim >= 0 && s.width >= 0,
         "attention_mass: expected tokens >= 0, heads, qk_dim > 0, v_dim, width >= 0, got tokens ", s.tokens,
         ", heads ", s.heads, ", qk_dim ", s.qk_dim, ", v_dim ", s.v_dim, ", width ", s.width);
+  check(s.key_heads() > 0 && s.heads % s.key_heads() == 0, "attention_mass: ", s.heads,
+        " query heads cannot share ", s.key_heads(), " key heads");
   if (s.tokens == 0 || s.width == 0) return;
   check(s.tokens < (int64_t{1} << 31), "attention_mass: ", s.tokens,
         " tokens are too many CTAs for one launch");
@@ -305,7 +307,8 @@ void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, 
   allow_shared_memory(attention_mass_kernel, bytes, "attention_mass: width ", s.width, " and qk_dim ",
                       s.qk_dim);
   attention_mass_kernel<<<static_cast<unsigned>(s.tokens), warps * 32, bytes, stream>>>(
-      q, kv, selected, mass, s.heads, s.qk_dim, s.qk_dim + s.v_dim, s.width, static_cast<float>(s.scale));
+      q, kv, selected, mass, s.heads, s.key_heads(), s.qk_dim, s.qk_dim + s.v_dim, s.width,
+      static_cast<float>(s.scale));
   SPINDLE_LAUNCHED("attention_mass_kernel");
 }
 

@@ -39,8 +39,8 @@ __device__ __forceinline__ float warp_sum(float value) {
 __global__ void __launch_bounds__(kMaxWarps * 32)
     sparse_attention_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
                                     const int32_t* __restrict__ selected, __nv_bfloat16* __restrict__ out,
-                                    int64_t H, int64_t dqk, int64_t dv, int64_t width, float scale,
-                                    int warps) {
+                                    int64_t H, int64_t KH, int64_t dqk, int64_t dv, int64_t width,
+                                    float scale, int warps) {
   extern __shared__ float smem[];
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t groups = (H + warps - 1) / warps;
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     for (int j = 0; j < n; ++j) {
       const int32_t sel = __shfl_sync(kFull, mine, j);
       if (sel < 0) continue;  // warp-uniform
-      const __nv_bfloat16* k = kv + (static_cast<int64_t>(sel) * H + h) * stride;
+      const __nv_bfloat16* k = kv + (static_cast<int64_t>(sel) * KH + h % KH) * stride;
       float dot = 0.0f;
       for (int64_t c = lane; c < dqk; c += 32) dot += qs[c] * __bfloat162float(k[c]);
       dot = warp_sum(dot);
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
                                      const __nv_bfloat16* __restrict__ kv,
                                      const int32_t* __restrict__ selected,
                                      const __nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ dq,
-                                     float* __restrict__ dkv, int64_t H, int64_t dqk, int64_t dv,
+                                     float* __restrict__ dkv, int64_t H, int64_t KH, int64_t dqk, int64_t dv,
                                      int64_t width, float scale, int warps) {
   extern __shared__ float smem[];
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     for (int j = 0; j < n; ++j) {
       const int32_t sel = __shfl_sync(kFull, mine, j);
       if (sel < 0) continue;
-      const __nv_bfloat16* k = kv + (static_cast<int64_t>(sel) * H + h) * stride;
+      const __nv_bfloat16* k = kv + (static_cast<int64_t>(sel) * KH + h % KH) * stride;
       float dot = 0.0f, dp = 0.0f;
       for (int64_t c = lane; c < dqk; c += 32) dot += qs[c] * __bfloat162float(k[c]);
       for (int64_t c = lane; c < dv; c += 32) dp += go[c] * __bfloat162float(k[dqk + c]);
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     for (int j = 0; j < n; ++j) {
       const int32_t sel = __shfl_sync(kFull, mine, j);
       if (sel < 0) continue;
-      const int64_t row = (static_cast<int64_t>(sel) * H + h) * stride;
+      const int64_t row = (static_cast<int64_t>(sel) * KH + h % KH) * stride;
       const __nv_bfloat16* k = kv + row;
       float dot = 0.0f, dp = 0.0f;
       for (int64_t c = lane; c < dqk; c += 32) dot += qs[c] * __bfloat162float(k[c]);
@@ -178,6 +178,8 @@ Launch plan_launch(Kernel kernel, const cpu::SparseAttentionShape& s, int64_t fl
   check(s.tokens >= 0 && s.heads > 0 && s.qk_dim > 0 && s.v_dim > 0 && s.width >= 0, name,
         ": expected tokens >= 0, heads, qk_dim, v_dim > 0 and width >= 0, got tokens ", s.tokens, ", heads ",
         s.heads, ", qk_dim ", s.qk_dim, ", v_dim ", s.v_dim, ", width ", s.width);
+  check(s.key_heads() > 0 && s.heads % s.key_heads() == 0, name, ": ", s.heads, " query heads cannot share ",
+        s.key_heads(), " key heads");
   const size_t per_warp = static_cast<size_t>(floats_per_warp) * sizeof(float);
   int warps = kMaxWarps;
   while (warps > 1 && warps * per_warp > (48u << 10)) --warps;
@@ -207,7 +209,8 @@ void sparse_attention_forward(const cpu::SparseAttentionShape& s, const __nv_bfl
       plan_launch(sparse_attention_forward_kernel, s, s.qk_dim + s.v_dim, "sparse_attention_forward");
   if (launch.blocks == 0) return;
   sparse_attention_forward_kernel<<<launch.blocks, launch.warps * 32, launch.shared_bytes, stream>>>(
-      q, kv, selected, out, s.heads, s.qk_dim, s.v_dim, s.width, static_cast<float>(s.scale), launch.warps);
+      q, kv, selected, out, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width, static_cast<float>(s.scale),
+      launch.warps);
   SPINDLE_LAUNCHED("sparse_attention_forward_kernel");
 }
 
@@ -218,8 +221,8 @@ void sparse_attention_backward(const cpu::SparseAttentionShape& s, const __nv_bf
       plan_launch(sparse_attention_backward_kernel, s, 2 * s.qk_dim + s.v_dim, "sparse_attention_backward");
   if (launch.blocks == 0) return;
   sparse_attention_backward_kernel<<<launch.blocks, launch.warps * 32, launch.shared_bytes, stream>>>(
-      q, kv, selected, dout, dq, dkv, s.heads, s.qk_dim, s.v_dim, s.width, static_cast<float>(s.scale),
-      launch.warps);
+      q, kv, selected, dout, dq, dkv, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width,
+      static_cast<float>(s.scale), launch.warps);
   SPINDLE_LAUNCHED("sparse_attention_backward_kernel");
 }
 

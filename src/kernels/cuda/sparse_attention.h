@@ -5,12 +5,13 @@
 //
 // Layouts (row-major, contiguous):
 //   q        [tokens, heads, qk_dim]             bf16
-//   kv       [tokens, heads, qk_dim + v_dim]     bf16 (key then value per head, as kv_b_proj writes it)
+//   kv       [tokens, key_heads, qk_dim + v_dim] bf16 (key then value per head, as kv_b_proj writes
+//                                                 it; key_heads = 1 for MLA's absorbed latent form)
 //   selected [tokens, width]                     int32, each entry in [0, tokens) or negative (unused)
 //   out      [tokens, heads, v_dim]              bf16
 //   dout     [tokens, heads, v_dim]              bf16
 //   dq       [tokens, heads, qk_dim]             bf16, written
-//   dkv      [tokens, heads, qk_dim + v_dim]     fp32, accumulated (zero it first)
+//   dkv      [tokens, key_heads, qk_dim + v_dim] fp32, accumulated (zero it first)
 //
 // Launch shape (version 1, correct first, CUDA cores): one warp per (query, head); a CTA holds
 // up to 4 warps = 4 heads of one query (grid = tokens * ceil(heads / warps)). Each warp walks the

@@ -11,10 +11,14 @@
 namespace spindle::cuda {
 
 struct Context {
-  explicit Context(bool strict_kernels = false) : record(strict_kernels) {}
+  explicit Context(bool strict_kernels = false, bool absorbed = true)
+      : absorbed_mla(absorbed), record(strict_kernels) {}
   cudaStream_t stream() const { return stream_.get(); }
   void synchronize() const { stream_.synchronize(); }
 
+  // DSA attention over the shared kv_lora_rank-wide latent (MLA's absorbed form), or over
+  // per-head keys and values expanded by kv_b_proj first. Same function, different cost.
+  bool absorbed_mla;
   Stream stream_;
   Gemm gemm;
   LmHeadLoss head;

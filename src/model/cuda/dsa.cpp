@@ -97,18 +97,25 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   ctx.record.note("dsa/indexer_kl", "cuda attention mass + KL backward");
 }
 
+// MLA's activations. In the absorbed form (the default) every head attends over the 512-wide
+// latent c itself: the query is absorbed into it (q_lat_h = q_h W_k,h), keys and values are c
+// (kv holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In the
+// expanded form kv_b_proj expands c into per-head keys and values first. Same function.
 struct MlaActivations {
-  DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, kv, attended;
+  DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, kv, q_lat, o_lat, attended;
+  const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
 
-cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L) {
-  return {L,
-          c.num_attention_heads,
-          c.qk_head_dim(),
-          c.v_head_dim,
-          selection_width(c),
-          1.0 / std::sqrt(static_cast<double>(c.qk_head_dim()))};
+cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L, bool absorbed) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_head_dim()));
+  if (absorbed)
+    return {L, c.num_attention_heads, c.kv_lora_rank, c.kv_lora_rank, selection_width(c), scale, 1};
+  return {L, c.num_attention_heads, c.qk_head_dim(), c.v_head_dim, selection_width(c), scale};
 }
+
+// kv_b_proj's rows for head h: W_k,h ([qk_head_dim, kv_lora_rank]) then W_v,h ([v, kv_lora_rank]).
+int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() + c.v_head_dim); }
+int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
 
 // Projections up to the latent queries and keys/values (the selection is made between the two).
 MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x,
@@ -117,23 +124,98 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
-  MlaActivations a{activations(L * qr),    activations(L * qr), activations(L * H * dqk),
-                   activations(L * kr),    activations(L * kr), activations(L * H * (dqk + dv)),
-                   activations(L * H * dv)};
+  MlaActivations a;
+  a.q_low = activations(L * qr);
+  a.q_resid = activations(L * qr);
+  a.q = activations(L * H * dqk);
+  a.kv_low = activations(L * kr);
+  a.kv_normed = activations(L * kr);
+  a.attended = activations(L * H * dv);
   ctx.gemm.linear(x, bf16_data(w.q_a_proj), a.q_low.data(), L, D, qr, s);
   rms_norm_forward(a.q_low.data(), bf16_data(w.q_a_layernorm), a.q_resid.data(), L, qr, eps, s);
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
   ctx.gemm.linear(x, bf16_data(w.kv_a_proj), a.kv_low.data(), L, D, kr, s);
   rms_norm_forward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), a.kv_normed.data(), L, kr, eps, s);
-  ctx.gemm.linear(a.kv_normed.data(), bf16_data(w.kv_b_proj), a.kv.data(), L, kr, H * (dqk + dv), s);
-  ctx.record.note("dsa/projections", "cublaslt bf16");
+  if (!ctx.absorbed_mla) {
+    a.kv = activations(L * H * (dqk + dv));
+    ctx.gemm.linear(a.kv_normed.data(), bf16_data(w.kv_b_proj), a.kv.data(), L, kr, H * (dqk + dv), s);
+    ctx.record.note("dsa/projections", "cublaslt bf16 (expanded keys and values)");
+    return a;
+  }
+  a.q_lat = activations(L * H * kr);
+  a.o_lat = activations(L * H * kr);
+  a.kv = activations(L * 2 * kr);
+  const bf16* wkv = bf16_data(w.kv_b_proj);
+  for (int64_t h = 0; h < H; ++h)  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr]
+    ctx.gemm.matmul(false, false, kr, L, dqk, wkv + key_rows(c, h) * kr, kr, a.q.data() + h * dqk, H * dqk,
+                    a.q_lat.data() + h * kr, CUDA_R_16BF, H * kr, 1.0f, 0.0f, s);
+  for (int64_t half = 0; half < 2; ++half)
+    SPINDLE_CUDA(cudaMemcpy2DAsync(a.kv.data() + half * kr, 2 * kr * sizeof(bf16), a.kv_normed.data(),
+                                   kr * sizeof(bf16), kr * sizeof(bf16), static_cast<size_t>(L),
+                                   cudaMemcpyDeviceToDevice, s));
+  ctx.record.note("dsa/projections", "cublaslt bf16 (queries absorbed into the latent)");
   return a;
 }
 
-void attend(Context& ctx, const ModelConfig& c, int64_t L, MlaActivations& a, const int32_t* selection) {
-  sparse_attention_forward(attention_shape(c, L), a.q.data(), a.kv.data(), selection, a.attended.data(),
-                           ctx.stream());
-  ctx.record.note("dsa/attention", "cuda sparse attention (expanded heads, online softmax)");
+void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
+            const int32_t* selection) {
+  const cudaStream_t s = ctx.stream();
+  if (!ctx.absorbed_mla) {
+    sparse_attention_forward(attention_shape(c, L, false), a.q.data(), a.kv.data(), selection,
+                             a.attended.data(), s);
+    ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
+    return;
+  }
+  const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
+  sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), a.kv.data(), selection,
+                           a.o_lat.data(), s);
+  const bf16* wkv = bf16_data(w.kv_b_proj);
+  for (int64_t h = 0; h < H; ++h)  // attended_h [L, dv] = o_lat_h [L, kr] W_v,h^T
+    ctx.gemm.matmul(true, false, dv, L, kr, wkv + value_rows(c, h) * kr, kr, a.o_lat.data() + h * kr, H * kr,
+                    a.attended.data() + h * dv, CUDA_R_16BF, H * dv, 1.0f, 0.0f, s);
+  ctx.record.note("dsa/attention", "cuda sparse attention over the shared latent (absorbed MLA)");
+}
+
+// From the attention output's gradient to the gradient of the normalised latent c (bf16,
+// written), accumulating kv_b_proj's gradient and writing dq ([L, H, qk_head_dim], bf16).
+void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
+                        const int32_t* selection, const bf16* d_attended, bf16* dq, bf16* d_normed,
+                        DsaWeights& grad) {
+  const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim, kr = c.kv_lora_rank;
+  const cudaStream_t s = ctx.stream();
+  const bool absorbed = ctx.absorbed_mla;
+  const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
+  DeviceBuffer<float> dkv = activations_f32(L * shape.key_heads() * (shape.qk_dim + shape.v_dim));
+  SPINDLE_CUDA(cudaMemsetAsync(dkv.data(), 0, dkv.size() * sizeof(float), s));
+  if (!absorbed) {
+    sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended, dq, dkv.data(), s);
+    DeviceBuffer<bf16>& dkv16 = a.kv;  // the keys/values are not read again
+    f32_to_bf16(dkv.data(), dkv16.data(), L * H * (dqk + dv), s);
+    ctx.gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_normed, L, kr, H * (dqk + dv), s);
+    ctx.gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr,
+                                    H * (dqk + dv), s);
+    return;
+  }
+  const bf16* wkv = bf16_data(w.kv_b_proj);
+  float* gkv = f32_data(grad.kv_b_proj);
+  DeviceBuffer<bf16> d_o_lat = activations(L * H * kr), dq_lat = activations(L * H * kr);
+  for (int64_t h = 0; h < H; ++h) {
+    // d_o_lat_h = d_attended_h W_v,h; dW_v,h += d_attended_h^T o_lat_h.
+    ctx.gemm.matmul(false, false, kr, L, dv, wkv + value_rows(c, h) * kr, kr, d_attended + h * dv, H * dv,
+                    d_o_lat.data() + h * kr, CUDA_R_16BF, H * kr, 1.0f, 0.0f, s);
+    ctx.gemm.matmul(false, true, kr, dv, L, a.o_lat.data() + h * kr, H * kr, d_attended + h * dv, H * dv,
+                    gkv + value_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
+  }
+  sparse_attention_backward(shape, a.q_lat.data(), a.kv.data(), selection, d_o_lat.data(), dq_lat.data(),
+                            dkv.data(), s);
+  for (int64_t h = 0; h < H; ++h) {
+    // dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
+    ctx.gemm.matmul(true, false, dqk, L, kr, wkv + key_rows(c, h) * kr, kr, dq_lat.data() + h * kr, H * kr,
+                    dq + h * dqk, CUDA_R_16BF, H * dqk, 1.0f, 0.0f, s);
+    ctx.gemm.matmul(false, true, kr, dqk, L, dq_lat.data() + h * kr, H * kr, a.q.data() + h * dqk, H * dqk,
+                    gkv + key_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
+  }
+  sum_row_halves_to_bf16(dkv.data(), L, kr, d_normed, s);  // c was both the keys and the values
 }
 
 }  // namespace
@@ -144,7 +226,7 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   if (w.has_indexer && !reuse_selection) run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection);
   check(selection.size() == static_cast<size_t>(L * selection_width(c)),
         "DSA layer without a selection to share");
-  attend(ctx, c, L, a, selection.data());
+  attend(ctx, c, w, L, a, selection.data());
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
 }
@@ -158,30 +240,21 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
   MlaActivations a = mla_projections(ctx, c, w, x, L);
-  attend(ctx, c, L, a, selection);
-  const cpu::SparseAttentionShape shape = attention_shape(c, L);
+  attend(ctx, c, w, L, a, selection);
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
+    const cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
     DeviceBuffer<float> mass = activations_f32(L * shape.width);
-    attention_mass(shape, a.q.data(), a.kv.data(), selection, mass.data(), s);
+    attention_mass(shape, a.attention_query(), a.kv.data(), selection, mass.data(), s);
     train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), *indexer_loss,
                   grad.indexer);
   }
 
   DeviceBuffer<bf16> d_attended = activations(L * H * dv), dq = activations(L * H * dqk);
-  DeviceBuffer<float> dkv = activations_f32(L * H * (dqk + dv));
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), d_attended.data(), L, H * dv, D, s);
   gemm.linear_backward_weight(dy, a.attended.data(), f32_data(grad.o_proj), L, H * dv, D, s);
-  SPINDLE_CUDA(cudaMemsetAsync(dkv.data(), 0, dkv.size() * sizeof(float), s));
-  sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended.data(), dq.data(),
-                            dkv.data(), s);
-
-  DeviceBuffer<bf16>& dkv16 = a.kv;  // the keys/values are not read again
-  f32_to_bf16(dkv.data(), dkv16.data(), L * H * (dqk + dv), s);
   DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
-  gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_normed.data(), L, kr, H * (dqk + dv), s);
-  gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr,
-                              H * (dqk + dv), s);
+  attention_backward(ctx, c, w, L, a, selection, d_attended.data(), dq.data(), d_normed.data(), grad);
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
   gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 1.0f, s);

@@ -55,9 +55,10 @@ std::vector<int32_t> next_token_targets(const std::vector<int32_t>& tokens) {
 
 }  // namespace
 
-CudaModel::CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels)
+CudaModel::CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels,
+                     bool absorbed_mla)
     : config_(config),
-      ctx_(strict_kernels),
+      ctx_(strict_kernels, absorbed_mla),
       weights_(config, DeviceWeights::Kind::Weights),
       grads_(config, DeviceWeights::Kind::Gradients) {
   weights_.upload(host_weights);

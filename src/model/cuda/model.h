@@ -33,7 +33,8 @@ class KindTimer {
 
 class CudaModel {
  public:
-  CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false);
+  CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false,
+            bool absorbed_mla = true);
 
   const ModelConfig& config() const { return config_; }
   Context& context() { return ctx_; }
