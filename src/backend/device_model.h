@@ -22,7 +22,9 @@ namespace spindle {
 
 struct DeviceModelOptions {
   bool strict_kernels = false;  // fail if any op falls back to a slow or dense path
-  bool absorbed_mla = true;     // DSA attention over the shared latent (false: per-head expanded)
+  // DSA attention over the shared latent (MLA's absorbed form) instead of per-head keys and
+  // values; off by default until the attention kernel shares the latent across heads (docs/PERF.md).
+  bool absorbed_mla = false;
 };
 
 class DeviceModel {

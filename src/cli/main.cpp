@@ -34,7 +34,7 @@ commands:
   train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels]
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
-            [--random-tokens] [--strict-kernels] [--mla absorbed|expanded] [--out FILE.json]
+            [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU
   help                                          this text

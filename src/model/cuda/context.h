@@ -11,7 +11,7 @@
 namespace spindle::cuda {
 
 struct Context {
-  explicit Context(bool strict_kernels = false, bool absorbed = true)
+  explicit Context(bool strict_kernels = false, bool absorbed = false)
       : absorbed_mla(absorbed), record(strict_kernels) {}
   cudaStream_t stream() const { return stream_.get(); }
   void synchronize() const { stream_.synchronize(); }

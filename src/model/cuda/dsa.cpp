@@ -97,7 +97,7 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   ctx.record.note("dsa/indexer_kl", "cuda attention mass + KL backward");
 }
 
-// MLA's activations. In the absorbed form (the default) every head attends over the 512-wide
+// MLA's activations. In the absorbed form every head attends over the 512-wide
 // latent c itself: the query is absorbed into it (q_lat_h = q_h W_k,h), keys and values are c
 // (kv holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In the
 // expanded form kv_b_proj expands c into per-head keys and values first. Same function.

@@ -34,7 +34,7 @@ class KindTimer {
 class CudaModel {
  public:
   CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false,
-            bool absorbed_mla = true);
+            bool absorbed_mla = false);
 
   const ModelConfig& config() const { return config_; }
   Context& context() { return ctx_; }
