@@ -34,6 +34,13 @@ inline std::vector<float> random_floats(size_t n, float scale = 1.0f) {
   return v;
 }
 
+inline std::vector<float> random_uniform(size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> uniform(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(rng());
+  return v;
+}
+
 inline std::vector<bf16> to_bf16(const std::vector<float>& v) {
   std::vector<bf16> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
@@ -83,6 +90,14 @@ double relative_error(const std::vector<T>& got, const std::vector<double>& want
     norm += want[i] * want[i];
   }
   return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// The relative error of an accumulated output: got - start against the reference increment.
+inline double increment_error(const std::vector<float>& got, const std::vector<float>& start,
+                              const std::vector<double>& want) {
+  std::vector<double> delta(got.size());
+  for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(start[i]);
+  return relative_error(delta, want);
 }
 
 }  // namespace spindle::cuda

@@ -32,21 +32,6 @@ namespace {
 constexpr double kBf16Bound = 1e-2;
 constexpr double kFp32Bound = 1e-3;
 
-std::vector<float> random_uniform(size_t n, float lo, float hi) {
-  std::uniform_real_distribution<float> uniform(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = uniform(rng());
-  return v;
-}
-
-// The same for an accumulated output: compares got - start with the reference increment.
-double increment_error(const std::vector<float>& got, const std::vector<float>& start,
-                       const std::vector<double>& want) {
-  std::vector<double> delta(got.size());
-  for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(start[i]);
-  return relative_error(delta, want);
-}
-
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile, channels not a multiple of
   // 128 (or of 8), fewer tokens than taps.

@@ -37,21 +37,6 @@ constexpr double kBf16Bound = 1e-2;
 constexpr double kFp32Bound = 1e-3;
 constexpr double kElementwiseBound = 1e-5;
 
-std::vector<float> random_uniform(size_t n, float lo, float hi) {
-  std::uniform_real_distribution<float> uniform(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = uniform(rng());
-  return v;
-}
-
-// The relative error of an accumulated output: got - start against the reference increment.
-double increment_error(const std::vector<float>& got, const std::vector<float>& start,
-                       const std::vector<double>& want) {
-  std::vector<double> delta(got.size());
-  for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(start[i]);
-  return relative_error(delta, want);
-}
-
 // A device copy of `host` placed `offset` elements into its buffer (offset 1 misaligns it).
 template <class T>
 class Placed {
