@@ -10,20 +10,49 @@
 namespace spindle {
 
 template <class T>
+KdaCarry<T>::KdaCarry(const ModelConfig& c)
+    : state(static_cast<size_t>(c.linear_num_heads * c.linear_head_dim * c.linear_head_dim), T(0)),
+      q_tail(static_cast<size_t>((c.linear_conv_kernel_dim - 1) * c.linear_qkv_dim()), T(0)),
+      k_tail(q_tail),
+      v_tail(q_tail) {}
+
+namespace {
+
+// Projection, then the depthwise causal conv + SiLU over the carried window followed by this
+// chunk's rows; the window moves on to this chunk's last kernel - 1 rows.
+template <class T>
+void project_and_convolve(const ModelConfig& c, const T* x, int64_t L, const Tensor& proj, const Tensor& conv,
+                          std::vector<T>& tail, T* out) {
+  const int64_t D = c.hidden_size, qkv = c.linear_qkv_dim(), K = c.linear_conv_kernel_dim;
+  const int64_t rows = K - 1 + L;
+  std::vector<T> window(static_cast<size_t>(rows * qkv)), convolved(window.size());
+  std::copy(tail.begin(), tail.end(), window.begin());
+  cpu::linear(x, proj.data<T>(), window.data() + (K - 1) * qkv, L, D, qkv);
+  cpu::causal_conv_silu(window.data(), conv.data<T>(), convolved.data(), rows, qkv, K);
+  std::copy(convolved.begin() + (K - 1) * qkv, convolved.end(), out);
+  std::copy(window.end() - static_cast<std::ptrdiff_t>(tail.size()), window.end(), tail.begin());
+}
+
+}  // namespace
+
+template <class T>
 void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t L, T* y) {
+  KdaCarry<T> carry(c);
+  kda_forward(c, w, x, L, y, carry);
+}
+
+template <class T>
+void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t L, T* y, KdaCarry<T>& carry) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  const int64_t K = c.linear_conv_kernel_dim;
   const auto n = static_cast<size_t>(L * qkv);
   std::vector<T> projected(n), q(n), k(n), v(n);
 
-  // Projections, each followed by its own depthwise causal conv and SiLU.
-  linear(x, w.q_proj.data<T>(), projected.data(), L, D, qkv);
-  causal_conv_silu(projected.data(), w.q_conv.data<T>(), q.data(), L, qkv, K);
-  linear(x, w.k_proj.data<T>(), projected.data(), L, D, qkv);
-  causal_conv_silu(projected.data(), w.k_conv.data<T>(), k.data(), L, qkv, K);
-  linear(x, w.v_proj.data<T>(), projected.data(), L, D, qkv);
-  causal_conv_silu(projected.data(), w.v_conv.data<T>(), v.data(), L, qkv, K);
+  // Projections, each followed by its own depthwise causal conv and SiLU (zeros before the
+  // sequence: the initial window).
+  project_and_convolve(c, x, L, w.q_proj, w.q_conv, carry.q_tail, q.data());
+  project_and_convolve(c, x, L, w.k_proj, w.k_conv, carry.k_tail, k.data());
+  project_and_convolve(c, x, L, w.v_proj, w.v_conv, carry.v_tail, v.data());
 
   // Per-channel log decay g: lb * sigmoid(exp(A_log) * (f + dt_bias)), or -exp(A_log) * softplus(...).
   std::vector<T> low(static_cast<size_t>(L * dh)), g(n);
@@ -51,9 +80,9 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
   const T scale = T(1) / std::sqrt(T(dh));
   for (T& value : q) value *= scale;
 
-  std::vector<T> state(static_cast<size_t>(H * dh * dh), T(0)), core(n);
+  std::vector<T> core(n);
   kda_recurrence<T>({L, H, dh, dh}, q.data(), k.data(), v.data(), g.data(), beta.data(), core.data(),
-                    state.data());
+                    carry.state.data());
 
   // Output: RMSNorm per head gated by sigmoid(g_b(g_a x)), then o_proj.
   std::vector<T> gate(n);
@@ -177,8 +206,14 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   }
 }
 
+template struct KdaCarry<float>;
+template struct KdaCarry<double>;
 template void kda_forward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, float*);
 template void kda_forward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, double*);
+template void kda_forward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, float*,
+                                 KdaCarry<float>&);
+template void kda_forward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, double*,
+                                  KdaCarry<double>&);
 template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*,
                                   float*, KdaWeights&);
 template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t,

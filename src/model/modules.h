@@ -10,9 +10,22 @@
 
 namespace spindle {
 
-// Kimi Delta Attention: projections, short conv, gates, delta rule, gated norm, output.
+// What a KDA layer carries from one chunk of a sequence to the next (the streaming executor):
+// the delta-rule state [heads, head_dim, head_dim] and the last kernel - 1 rows of each
+// projection [kernel - 1, heads * head_dim] (the causal conv's window). Zero at the start.
+template <class T>
+struct KdaCarry {
+  std::vector<T> state, q_tail, k_tail, v_tail;
+  explicit KdaCarry(const ModelConfig& c);
+};
+
+// Kimi Delta Attention: projections, short conv, gates, delta rule, gated norm, output. The
+// overload with a carry continues a sequence whose earlier tokens left `carry`, and updates it.
 template <class T>
 void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, T* y);
+template <class T>
+void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, T* y,
+                 KdaCarry<T>& carry);
 
 // MLA + DSA. `selection` ([tokens, width]) is written when the layer has its own indexer and
 // read when it shares the previous layer's.

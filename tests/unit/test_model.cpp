@@ -14,6 +14,7 @@
 #include "model/flops.h"
 #include "model/forward.h"
 #include "model/init.h"
+#include "model/modules.h"
 
 namespace spindle {
 namespace {
@@ -265,6 +266,43 @@ TEST(ModelFlops, ProjectionsAreTwiceTheMatricesATokenUses) {
   EXPECT_GT(f.attention, 0);
   EXPECT_GT(f.indexer, 0);
   EXPECT_DOUBLE_EQ(f.training(), 3 * (f.projections + f.kda + f.attention + f.indexer));
+}
+
+}  // namespace
+}  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// The streaming executor's first brick: a KDA layer run chunk by chunk, carrying the delta-rule
+// state and the conv window, equals the layer run over the whole sequence (double). Chunks of
+// 1 and 3 tokens split the 4-tap conv window; 64 is a KDA chunk; 97 is none of these.
+TEST(Streaming, KdaLayerInChunksEqualsTheWholeSequence) {
+  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  c.initializer_range = 0.2;  // large enough that the state matters
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 3);
+  ASSERT_EQ(w.layers[0].attention, AttentionKind::Kda);
+  ASSERT_GT(c.linear_conv_kernel_dim, 1);
+  const int64_t L = 300, D = c.hidden_size;
+  Random rng(4);
+  std::vector<double> x(static_cast<size_t>(L * D)), whole(x.size());
+  for (double& v : x) v = rng.normal();
+  kda_forward(c, w.layers[0].kda, x.data(), L, whole.data());
+  double scale = 0;
+  for (double v : whole) scale = std::max(scale, std::abs(v));
+  ASSERT_GT(scale, 1e-3);
+  for (const int64_t chunk : {1, 3, 64, 97}) {
+    KdaCarry<double> carry(c);
+    std::vector<double> streamed(x.size());
+    for (int64_t start = 0; start < L; start += chunk) {
+      const int64_t n = std::min(chunk, L - start);
+      kda_forward(c, w.layers[0].kda, x.data() + start * D, n, streamed.data() + start * D, carry);
+    }
+    double worst = 0;
+    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
+    EXPECT_LT(worst, 1e-12 * scale) << "chunks of " << chunk;
+  }
 }
 
 }  // namespace
