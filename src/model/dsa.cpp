@@ -10,20 +10,28 @@ namespace spindle {
 
 namespace {
 
+// The indexer over a chunk of L queries that continues `carry`: this chunk's keys and gates join
+// the carried ones, the complete pools of everything so far are pooled, and each query selects
+// among the pools it can see.
 template <class T>
 void run_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, const T* q_resid, int64_t L,
-                 std::vector<int32_t>& selection) {
+                 DsaCarry<T>& carry, std::vector<int32_t>& selection) {
   using namespace cpu;
   const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
-  const IndexerShape shape{L, Hi, d, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
-  std::vector<T> q(static_cast<size_t>(L * Hi * d)), keys(static_cast<size_t>(L * d)),
-      gate(static_cast<size_t>(L * d));
+  const int64_t total = carry.tokens + L;
+  const IndexerShape shape{total,       Hi, d, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail,
+                           carry.tokens};
+  std::vector<T> q(static_cast<size_t>(L * Hi * d)), raw(static_cast<size_t>(L * d));
   linear(q_resid, w.wq_b.data<T>(), q.data(), L, c.q_lora_rank, Hi * d);
-  linear(x, w.wk.data<T>(), gate.data(), L, D, d);
-  layer_norm(gate.data(), w.k_norm_weight.data<T>(), w.k_norm_bias.data<T>(), keys.data(), L, d, 1e-6);
-  linear(x, w.compress_gate.data<T>(), gate.data(), L, D, d);
+  linear(x, w.wk.data<T>(), raw.data(), L, D, d);
+  carry.index_keys.resize(static_cast<size_t>(total * d));
+  carry.index_gate.resize(static_cast<size_t>(total * d));
+  layer_norm(raw.data(), w.k_norm_weight.data<T>(), w.k_norm_bias.data<T>(),
+             carry.index_keys.data() + carry.tokens * d, L, d, 1e-6);
+  linear(x, w.compress_gate.data<T>(), carry.index_gate.data() + carry.tokens * d, L, D, d);
   std::vector<T> pool_keys(static_cast<size_t>(shape.complete_pools() * d));
-  indexer_pool_keys(shape, keys.data(), gate.data(), w.compress_ape.data<T>(), pool_keys.data());
+  indexer_pool_keys(shape, carry.index_keys.data(), carry.index_gate.data(), w.compress_ape.data<T>(),
+                    pool_keys.data());
   std::vector<T> head_weights(static_cast<size_t>(L * Hi));
   linear(x, w.weights_proj.data<T>(), head_weights.data(), L, D, Hi);
   const T head_scale = T(1) / std::sqrt(T(Hi));
@@ -79,9 +87,16 @@ void train_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, co
 template <class T>
 void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
                  std::vector<int32_t>& selection, T* y) {
+  DsaCarry<T> carry;
+  dsa_forward(c, w, x, L, selection, y, carry);
+}
+
+template <class T>
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
+                 std::vector<int32_t>& selection, T* y, DsaCarry<T>& carry) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
-  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
+  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank, row = H * (dqk + dv);
 
   std::vector<T> q_low(static_cast<size_t>(L * qr)), q_resid(static_cast<size_t>(L * qr));
   linear(x, w.q_a_proj.data<T>(), q_low.data(), L, D, qr);
@@ -89,20 +104,23 @@ void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t 
   std::vector<T> q(static_cast<size_t>(L * H * dqk));
   linear(q_resid.data(), w.q_b_proj.data<T>(), q.data(), L, qr, H * dqk);
 
+  // This chunk's keys and values join the earlier tokens'.
   std::vector<T> kv_low(static_cast<size_t>(L * kr)), kv_normed(static_cast<size_t>(L * kr));
   linear(x, w.kv_a_proj.data<T>(), kv_low.data(), L, D, kr);
   rms_norm(kv_low.data(), w.kv_a_layernorm.data<T>(), kv_normed.data(), L, kr, c.rms_norm_eps);
-  std::vector<T> kv(static_cast<size_t>(L * H * (dqk + dv)));
-  linear(kv_normed.data(), w.kv_b_proj.data<T>(), kv.data(), L, kr, H * (dqk + dv));
+  carry.kv.resize(static_cast<size_t>((carry.tokens + L) * row));
+  linear(kv_normed.data(), w.kv_b_proj.data<T>(), carry.kv.data() + carry.tokens * row, L, kr, row);
 
-  if (w.has_indexer) run_indexer(c, w.indexer, x, q_resid.data(), L, selection);
+  if (w.has_indexer) run_indexer(c, w.indexer, x, q_resid.data(), L, carry, selection);
   const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
   check(static_cast<int64_t>(selection.size()) == L * width, "DSA layer without a selection to share");
 
+  // Queries are this chunk's rows; the selection's absolute positions index all keys so far.
   std::vector<T> attended(static_cast<size_t>(L * H * dv));
-  sparse_attention<T>({L, H, dqk, dv, width, 1.0 / std::sqrt(static_cast<double>(dqk))}, q.data(), kv.data(),
-                      selection.data(), attended.data());
+  sparse_attention<T>({L, H, dqk, dv, width, 1.0 / std::sqrt(static_cast<double>(dqk))}, q.data(),
+                      carry.kv.data(), selection.data(), attended.data());
   linear(attended.data(), w.o_proj.data<T>(), y, L, H * dv, D);
+  carry.tokens += L;
 }
 
 template <class T>
@@ -155,6 +173,12 @@ void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t
   linear_backward(x, w.q_a_proj.data<T>(), dq_low.data(), dx, grad.q_a_proj.data<T>(), L, D, qr);
 }
 
+template struct DsaCarry<float>;
+template struct DsaCarry<double>;
+template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
+                                 std::vector<int32_t>&, float*, DsaCarry<float>&);
+template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
+                                  std::vector<int32_t>&, double*, DsaCarry<double>&);
 template void dsa_forward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
                                  std::vector<int32_t>&, float*);
 template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,

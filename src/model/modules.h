@@ -27,11 +27,24 @@ template <class T>
 void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, T* y,
                  KdaCarry<T>& carry);
 
-// MLA + DSA. `selection` ([tokens, width]) is written when the layer has its own indexer and
-// read when it shares the previous layer's.
+// What a DSA layer carries from one chunk of a sequence to the next: every earlier token's keys
+// and values ([tokens, heads, qk_head_dim + v_head_dim]) and, with its own indexer, its keys and
+// pool gates before pooling ([tokens, index_head_dim]: a pool may straddle two chunks).
+template <class T>
+struct DsaCarry {
+  int64_t tokens = 0;
+  std::vector<T> kv, index_keys, index_gate;
+};
+
+// MLA + DSA. `selection` ([tokens, width], absolute positions) is written when the layer has its
+// own indexer and read when it shares the previous layer's. The overload with a carry continues
+// a sequence whose earlier tokens left `carry`, and appends this chunk to it.
 template <class T>
 void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
                  std::vector<int32_t>& selection, T* y);
+template <class T>
+void dsa_forward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
+                 std::vector<int32_t>& selection, T* y, DsaCarry<T>& carry);
 
 // SwiGLU with GLM's clamps: down(silu(min(gate x, lim)) * clamp(up x, -lim, lim)).
 template <class T>

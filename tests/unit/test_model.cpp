@@ -307,3 +307,53 @@ TEST(Streaming, KdaLayerInChunksEqualsTheWholeSequence) {
 
 }  // namespace
 }  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// A DSA layer run chunk by chunk, carrying the earlier tokens' keys/values and indexer keys,
+// selects the same keys and computes the same outputs as over the whole sequence (double).
+// Chunks of 3 and 5 tokens split the 8-token pools; 300 tokens exceed the top-k (32), so the
+// selection matters.
+TEST(Streaming, DsaLayerInChunksEqualsTheWholeSequence) {
+  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 6);
+  size_t layer = 0;
+  while (layer < w.layers.size() && w.layers[layer].attention != AttentionKind::Dsa) ++layer;
+  ASSERT_LT(layer, w.layers.size());
+  const DsaWeights& dsa = w.layers[layer].dsa;
+  ASSERT_TRUE(dsa.has_indexer);
+  const int64_t L = 300, D = c.hidden_size;
+  ASSERT_GT(L, c.index_topk);
+  Random rng(7);
+  std::vector<double> x(static_cast<size_t>(L * D)), whole(x.size());
+  for (double& v : x) v = rng.normal();
+  std::vector<int32_t> whole_selection;
+  dsa_forward(c, dsa, x.data(), L, whole_selection, whole.data());
+  const auto width = static_cast<int64_t>(whole_selection.size()) / L;
+  double scale = 0;
+  for (double v : whole) scale = std::max(scale, std::abs(v));
+  ASSERT_GT(scale, 1e-3);
+  for (const int64_t chunk : {1, 3, 5, 64, 97}) {
+    DsaCarry<double> carry;
+    std::vector<double> streamed(x.size());
+    int64_t differing = 0;
+    for (int64_t start = 0; start < L; start += chunk) {
+      const int64_t n = std::min(chunk, L - start);
+      std::vector<int32_t> selection;
+      dsa_forward(c, dsa, x.data() + start * D, n, selection, streamed.data() + start * D, carry);
+      for (int64_t i = 0; i < n * width; ++i)
+        differing +=
+            selection[static_cast<size_t>(i)] != whole_selection[static_cast<size_t>(start * width + i)];
+    }
+    EXPECT_EQ(differing, 0) << "selected positions that differ, chunks of " << chunk;
+    double worst = 0;
+    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
+    EXPECT_LT(worst, 1e-12 * scale) << "chunks of " << chunk;
+  }
+}
+
+}  // namespace
+}  // namespace spindle

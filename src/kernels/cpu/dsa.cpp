@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "core/parallel.h"
 
 namespace spindle::cpu {
@@ -42,21 +43,25 @@ void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const
   const int64_t pools = s.complete_pools();
   const int64_t select_pools = std::min(s.topk / kp, pools);
   const T scale = T(1) / std::sqrt(T(d));
-  // Each thread scores one query at a time against its visible pools: memory is O(pools).
-  parallel_for(s.tokens, 16, [&](int64_t begin, int64_t end) {
+  check(s.first_query >= 0 && s.first_query <= s.tokens, "indexer_select: first query ", s.first_query,
+        " outside ", s.tokens, " tokens");
+  // Each thread scores one query at a time against its visible pools: memory is O(pools). Row r of
+  // q, head_weights and selected is the query at position t = first_query + r.
+  parallel_for(s.queries(), 16, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<T, int64_t>> scored(static_cast<size_t>(pools));
-    for (int64_t t = begin; t < end; ++t) {
-      int32_t* out = selected + t * width;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = s.first_query + r;
+      int32_t* out = selected + r * width;
       std::fill(out, out + width, -1);
       const int64_t visible = std::min(pools, (t + 1) / kp);
       for (int64_t p = 0; p < visible; ++p) {
         T score = 0;
         for (int64_t h = 0; h < H; ++h) {
-          const T* qh = q + (t * H + h) * d;
+          const T* qh = q + (r * H + h) * d;
           const T* k = pool_keys + p * d;
           T dot = 0;
           for (int64_t c = 0; c < d; ++c) dot += qh[c] * k[c];
-          score += head_weights[t * H + h] * std::max(T(0), dot * scale);
+          score += head_weights[r * H + h] * std::max(T(0), dot * scale);
         }
         scored[static_cast<size_t>(p)] = {score, p};
       }
@@ -198,6 +203,7 @@ double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys
                            const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
                            T* dhead_weights) {
   const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
+  check(s.first_query == 0, "indexer_kl_backward takes whole sequences (first_query 0)");
   const T score_scale = T(1) / std::sqrt(T(d));
   double total = 0;
   std::vector<int64_t> pools;

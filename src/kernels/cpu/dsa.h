@@ -15,8 +15,12 @@ struct IndexerShape {
   int64_t kpool;     // tokens per pool
   int64_t topk;      // index_topk (tokens; topk / kpool pools are chosen)
   bool select_tail;  // index_kpool_always_select_tail
+  // Queries are the tokens from here on (a chunk of a longer sequence: the streaming executor);
+  // keys are all `tokens`. Only indexer_select takes a chunk; the rest need 0.
+  int64_t first_query = 0;
   int64_t width() const { return topk + (select_tail ? kpool - 1 : 0); }
   int64_t complete_pools() const { return tokens / kpool; }
+  int64_t queries() const { return tokens - first_query; }
 };
 
 // Pooled keys of the complete pools: pool_keys[p, c] = sum_j softmax_j(gate[p*kp + j, c] + ape[j, c])

@@ -174,6 +174,8 @@ size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_
 void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int32_t* selected, float* workspace,
                     size_t workspace_bytes, cudaStream_t stream) {
+  check(s.first_query == 0, "indexer_select on the GPU scores whole sequences (first_query 0), got ",
+        s.first_query);
   check(s.kpool > 0 && s.head_dim > 0 && s.heads > 0 && s.topk >= 0 && s.tokens >= 0,
         "indexer_select: expected kpool, head_dim, heads > 0 and topk, tokens >= 0, got kpool ", s.kpool,
         ", head_dim ", s.head_dim, ", heads ", s.heads, ", topk ", s.topk, ", tokens ", s.tokens);

@@ -316,6 +316,7 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
                          const __nv_bfloat16* head_weights, const int32_t* selected, const float* mass,
                          float scale, __nv_bfloat16* dq, float* dpool_keys, __nv_bfloat16* dhead_weights,
                          double* kl_sum, cudaStream_t stream) {
+  check(s.first_query == 0, "indexer_kl_backward takes whole sequences (first_query 0)");
   check(s.tokens >= 0 && s.heads > 0 && s.head_dim > 0 && s.kpool > 0 && s.topk >= 0,
         "indexer_kl_backward: expected tokens, topk >= 0 and heads, head_dim, kpool > 0, got tokens ",
         s.tokens, ", heads ", s.heads, ", head_dim ", s.head_dim, ", kpool ", s.kpool, ", topk ", s.topk);
