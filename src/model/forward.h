@@ -13,8 +13,12 @@ namespace spindle {
 struct ForwardOptions {
   // Tokens per block of the lm_head + log-softmax: bounds the logits buffer to block x vocab.
   int64_t head_block = 1024;
-  // Called after each layer with its index (progress on long sequences).
+  // Called after each layer with its index (progress on long sequences; once per chunk).
   std::function<void(int64_t layer)> on_layer;
+  // Tokens per chunk of the streaming executor: the sequence goes through all layers a chunk at
+  // a time, each layer carrying what later tokens need (KDA state and conv window, DSA keys and
+  // values). 0: the whole sequence as one chunk. The result is the same either way.
+  int64_t chunk_tokens = 0;
 };
 
 // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1, computed in T (float or double). The weights
