@@ -19,7 +19,7 @@ commands:
   init      --config FILE --out DIR [--seed N] [--dtype f32|bf16|f64]
                                                 random weights (transformers' init), saved loadable
   logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
-            [--device cpu|cuda] [--strict-kernels]
+            [--device cpu|cuda] [--strict-kernels] [--chunk N]
                                                 log p(token_i | tokens before i), one line per i >= 1
                                                 (cuda: bf16 weights and activations, fp32 math)
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]

@@ -16,7 +16,7 @@ namespace spindle {
 namespace {
 
 template <class T>
-std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& tokens) {
+std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& tokens, int64_t chunk) {
   Model model = load_model(dir, dtype_of<T>());
   check(static_cast<int64_t>(tokens.size()) >= 2, "need at least 2 tokens, got ", tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
@@ -24,6 +24,7 @@ std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& token
           " is outside the vocabulary of ", model.config.vocab_size);
   }
   ForwardOptions options;
+  options.chunk_tokens = chunk;
   const bool long_run = tokens.size() >= 16384;
   options.on_layer = [&](int64_t layer) {
     if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
@@ -45,7 +46,8 @@ std::vector<float> compute_on_device(const std::string& dir, const std::vector<i
 }  // namespace
 
 int run_logprobs(const std::vector<std::string>& argv) {
-  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out", "device"}, {"strict-kernels"});
+  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out", "device", "chunk"},
+                  {"strict-kernels"});
   const std::string dir = args.required("model");
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
   const Device device = parse_device(args.value_or("device", "cpu"), "--device");
@@ -57,14 +59,17 @@ int run_logprobs(const std::vector<std::string>& argv) {
     check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
           dtype_name(dtype));
   check(device == Device::CUDA || !args.flag("strict-kernels"), "--strict-kernels applies to --device cuda");
+  const int64_t chunk = args.int_or("chunk", 0);
+  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
+  check(device == Device::CPU || chunk == 0, "--chunk (the streaming executor) runs on the CPU so far");
 
   std::vector<double> values;
   if (device == Device::CUDA) {
     for (float v : compute_on_device(dir, tokens, args.flag("strict-kernels"))) values.push_back(v);
   } else if (dtype == DType::F64) {
-    for (double v : compute<double>(dir, tokens)) values.push_back(v);
+    for (double v : compute<double>(dir, tokens, chunk)) values.push_back(v);
   } else {
-    for (float v : compute<float>(dir, tokens)) values.push_back(v);
+    for (float v : compute<float>(dir, tokens, chunk)) values.push_back(v);
   }
 
   const auto out_path = args.optional("out");
