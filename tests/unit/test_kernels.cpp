@@ -401,3 +401,69 @@ TEST(Kernels, ClampedSwigluAndLogProbs) {
 
 }  // namespace
 }  // namespace spindle::cpu
+
+namespace spindle::cpu {
+namespace {
+
+// The delta rule's backward in chunks, last chunk first: each chunk starts from the forward's
+// state at its boundary, receives the state gradient of the chunk after it and hands its own
+// initial state's gradient to the chunk before. Equal to the backward over the whole sequence.
+TEST(Kernels, KdaRecurrenceBackwardInChunksEqualsTheWholeSequence) {
+  const int64_t L = 150, H = 2, dk = 4, dv = 3;
+  const KdaShape whole{L, H, dk, dv};
+  auto q = random_vector(L * H * dk, 41), k = random_vector(L * H * dk, 42),
+       v = random_vector(L * H * dv, 43);
+  auto g = random_vector(L * H * dk, 44, 0.1), beta = random_vector(L * H, 45),
+       dout = random_vector(L * H * dv, 46);
+  for (double& x : g) x = -std::abs(x);
+  for (double& b : beta) b = 1.0 / (1.0 + std::exp(-b));
+  for (size_t i = 0; i < k.size(); i += dk) {  // l2-normalised keys, as the model feeds them
+    double n = 0;
+    for (int64_t c = 0; c < dk; ++c) n += k[i + c] * k[i + c];
+    for (int64_t c = 0; c < dk; ++c) k[i + c] /= std::sqrt(n);
+  }
+  std::vector<double> dq(q.size()), dk_(k.size()), dv_(v.size()), dg(g.size()), db(beta.size());
+  kda_recurrence_backward<double>(whole, q.data(), k.data(), v.data(), g.data(), beta.data(), dout.data(),
+                                  dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), 16);
+  for (const std::vector<int64_t>& bounds : {std::vector<int64_t>{0, 70, 150}, {0, 1, 33, 64, 149, 150}}) {
+    // States at the chunk boundaries, from the forward.
+    const int64_t SS = H * dk * dv;
+    std::vector<std::vector<double>> starts;
+    std::vector<double> state(SS, 0.0), scratch(L * H * dv);
+    for (size_t c = 0; c + 1 < bounds.size(); ++c) {
+      starts.push_back(state);
+      const int64_t t0 = bounds[c], n = bounds[c + 1] - t0;
+      kda_recurrence<double>({n, H, dk, dv}, q.data() + t0 * H * dk, k.data() + t0 * H * dk,
+                             v.data() + t0 * H * dv, g.data() + t0 * H * dk, beta.data() + t0 * H,
+                             scratch.data(), state.data());
+    }
+    std::vector<double> cq(q.size()), ck(k.size()), cv(v.size()), cg(g.size()), cb(beta.size());
+    std::vector<double> d_next(SS, 0.0), d_here(SS);
+    for (size_t c = bounds.size() - 1; c-- > 0;) {
+      const int64_t t0 = bounds[c], n = bounds[c + 1] - t0;
+      const KdaChunkStates<double> chunk{starts[c].data(), d_next.data(), d_here.data()};
+      kda_recurrence_backward<double>({n, H, dk, dv}, q.data() + t0 * H * dk, k.data() + t0 * H * dk,
+                                      v.data() + t0 * H * dv, g.data() + t0 * H * dk, beta.data() + t0 * H,
+                                      dout.data() + t0 * H * dv, cq.data() + t0 * H * dk,
+                                      ck.data() + t0 * H * dk, cv.data() + t0 * H * dv,
+                                      cg.data() + t0 * H * dk, cb.data() + t0 * H, 16, chunk);
+      d_next = d_here;
+    }
+    const auto worst = [](const std::vector<double>& a, const std::vector<double>& b) {
+      double m = 0, scale = 0;
+      for (size_t i = 0; i < a.size(); ++i)
+        m = std::max(m, std::abs(a[i] - b[i])), scale = std::max(scale, std::abs(b[i]));
+      return m / std::max(scale, 1e-300);
+    };
+    const std::string where = "chunks ending at " + std::to_string(bounds[1]) + ".., " +
+                              std::to_string(bounds.size() - 1) + " chunks";
+    EXPECT_LT(worst(cq, dq), 1e-12) << where;
+    EXPECT_LT(worst(ck, dk_), 1e-12) << where;
+    EXPECT_LT(worst(cv, dv_), 1e-12) << where;
+    EXPECT_LT(worst(cg, dg), 1e-12) << where;
+    EXPECT_LT(worst(cb, db), 1e-12) << where;
+  }
+}
+
+}  // namespace
+}  // namespace spindle::cpu

@@ -97,7 +97,8 @@ void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw
 
 template <class T>
 void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T* v, const T* g, const T* beta,
-                             const T* dout, T* dq, T* dk, T* dv, T* dg, T* dbeta, int64_t checkpoint) {
+                             const T* dout, T* dq, T* dk, T* dv, T* dg, T* dbeta, int64_t checkpoint,
+                             const KdaChunkStates<T>& chunk) {
   const int64_t H = s.heads, dk_ = s.key_dim, dv_ = s.value_dim, L = s.tokens, SS = dk_ * dv_;
   const int64_t C = std::max<int64_t>(1, checkpoint);
   const int64_t segments = (L + C - 1) / C;
@@ -124,7 +125,10 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
     };
     for (int64_t h = h0; h < h1; ++h) {
       // Forward once, keeping the state at each segment start.
-      std::fill(states.begin(), states.begin() + SS, T(0));
+      if (chunk.initial != nullptr)
+        std::copy(chunk.initial + h * SS, chunk.initial + (h + 1) * SS, states.begin());
+      else
+        std::fill(states.begin(), states.begin() + SS, T(0));
       for (int64_t seg = 0; seg < segments; ++seg) {
         std::copy(states.begin(), states.begin() + SS, starts.begin() + seg * SS);
         const int64_t t0 = seg * C, t1 = std::min(L, t0 + C);
@@ -133,7 +137,10 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
           std::copy(decayed.begin(), decayed.end(), states.begin());
         }
       }
-      std::fill(dS.begin(), dS.end(), T(0));
+      if (chunk.d_final != nullptr)
+        std::copy(chunk.d_final + h * SS, chunk.d_final + (h + 1) * SS, dS.begin());
+      else
+        std::fill(dS.begin(), dS.end(), T(0));
       for (int64_t seg = segments - 1; seg >= 0; --seg) {
         const int64_t t0 = seg * C, t1 = std::min(L, t0 + C);
         // Recompute the segment's states: states[n] is the state after token t0 + n - 1.
@@ -216,6 +223,8 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
           }
         }
       }
+      // dS is now the gradient of the state before the first token.
+      if (chunk.d_initial != nullptr) std::copy(dS.begin(), dS.end(), chunk.d_initial + h * SS);
     }
   });
 }
@@ -227,7 +236,8 @@ void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T*
   template void causal_conv_silu_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t,     \
                                              int64_t);                                                   \
   template void kda_recurrence_backward<T>(const KdaShape&, const T*, const T*, const T*, const T*,      \
-                                           const T*, const T*, T*, T*, T*, T*, T*, int64_t);
+                                           const T*, const T*, T*, T*, T*, T*, T*, int64_t,              \
+                                           const KdaChunkStates<T>&);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)
 #undef SPINDLE_INSTANTIATE

@@ -31,12 +31,22 @@ template <class T>
 void causal_conv_silu_backward(const T* x, const T* w, const T* dy, T* dx, T* dw, int64_t tokens,
                                int64_t channels, int64_t kernel);
 
-// Backward of kda_recurrence from a zero initial state: walks the sequence in reverse carrying
-// the state gradient. States are kept only every `checkpoint` tokens and recomputed within each
-// segment, so memory is O(tokens / checkpoint + checkpoint) states, never tokens x tokens.
-// Writes dq, dk, dv, dg, dbeta.
+// A chunk of a longer sequence (the streaming executor), each [heads, dk, dv] or null: the state
+// the chunk starts from (null: zero), the gradient reaching its final state from later chunks
+// (null: zero), and where to write the gradient of its initial state (null: not wanted).
+template <class T>
+struct KdaChunkStates {
+  const T* initial = nullptr;
+  const T* d_final = nullptr;
+  T* d_initial = nullptr;
+};
+
+// Backward of kda_recurrence: walks the sequence in reverse carrying the state gradient. States
+// are kept only every `checkpoint` tokens and recomputed within each segment, so memory is
+// O(tokens / checkpoint + checkpoint) states, never tokens x tokens. Writes dq, dk, dv, dg, dbeta.
 template <class T>
 void kda_recurrence_backward(const KdaShape& s, const T* q, const T* k, const T* v, const T* g, const T* beta,
-                             const T* dout, T* dq, T* dk, T* dv, T* dg, T* dbeta, int64_t checkpoint = 64);
+                             const T* dout, T* dq, T* dk, T* dv, T* dg, T* dbeta, int64_t checkpoint = 64,
+                             const KdaChunkStates<T>& chunk = {});
 
 }  // namespace spindle::cpu
