@@ -95,6 +95,14 @@ void kda_forward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t 
 template <class T>
 void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t L, const T* dy, T* dx,
                   KdaWeights& grad) {
+  const KdaCarry<T> start(c);
+  KdaCarry<T> carry_grad(c);
+  kda_backward(c, w, x, L, dy, dx, grad, start, carry_grad);
+}
+
+template <class T>
+void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t L, const T* dy, T* dx,
+                  KdaWeights& grad, const KdaCarry<T>& carry_in, KdaCarry<T>& carry_grad) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim;
@@ -102,14 +110,20 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   auto buffer = [](size_t size) { return std::vector<T>(size, T(0)); };
 
   // Recompute the forward pass, keeping what the backward pass reads.
-  std::vector<T> qp = buffer(n), kp = buffer(n), vp = buffer(n), qc = buffer(n), kc = buffer(n),
-                 vc = buffer(n);
-  linear(x, w.q_proj.data<T>(), qp.data(), L, D, qkv);
-  linear(x, w.k_proj.data<T>(), kp.data(), L, D, qkv);
-  linear(x, w.v_proj.data<T>(), vp.data(), L, D, qkv);
-  causal_conv_silu(qp.data(), w.q_conv.data<T>(), qc.data(), L, qkv, K);
-  causal_conv_silu(kp.data(), w.k_conv.data<T>(), kc.data(), L, qkv, K);
-  causal_conv_silu(vp.data(), w.v_conv.data<T>(), vc.data(), L, qkv, K);
+  // Each projection's window: the carried rows, then this chunk's (the conv reads both).
+  const int64_t rows = K - 1 + L;
+  std::vector<T> qw = carry_in.q_tail, kw = carry_in.k_tail, vw = carry_in.v_tail, qc = buffer(n),
+                 kc = buffer(n), vc = buffer(n);
+  for (auto* window : {&qw, &kw, &vw}) window->resize(static_cast<size_t>(rows * qkv));
+  linear(x, w.q_proj.data<T>(), qw.data() + (K - 1) * qkv, L, D, qkv);
+  linear(x, w.k_proj.data<T>(), kw.data() + (K - 1) * qkv, L, D, qkv);
+  linear(x, w.v_proj.data<T>(), vw.data() + (K - 1) * qkv, L, D, qkv);
+  std::vector<T> convolved = buffer(static_cast<size_t>(rows * qkv));
+  for (auto [window, out] : {std::pair{&qw, &qc}, std::pair{&kw, &kc}, std::pair{&vw, &vc}}) {
+    const Tensor& conv = window == &qw ? w.q_conv : window == &kw ? w.k_conv : w.v_conv;
+    causal_conv_silu(window->data(), conv.data<T>(), convolved.data(), rows, qkv, K);
+    std::copy(convolved.begin() + (K - 1) * qkv, convolved.end(), out->begin());
+  }
   std::vector<T> f_low = buffer(static_cast<size_t>(L * dh)), pre = buffer(n), g = buffer(n);
   linear(x, w.f_a_proj.data<T>(), f_low.data(), L, D, dh);
   linear(f_low.data(), w.f_b_proj.data<T>(), pre.data(), L, dh, qkv);
@@ -131,7 +145,7 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   l2_normalize(kn.data(), L * H, dh, 1e-6);
   const T scale = T(1) / std::sqrt(T(dh));
   for (T& value : qn) value *= scale;
-  std::vector<T> core = buffer(n), state = buffer(static_cast<size_t>(H * dh * dh));
+  std::vector<T> core = buffer(n), state = carry_in.state;
   kda_recurrence<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(), core.data(),
                     state.data());
   std::vector<T> gate_low = buffer(static_cast<size_t>(L * dh)), gate = buffer(n), z = buffer(n);
@@ -152,8 +166,11 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
   // The delta rule, walked in reverse.
   std::vector<T> dqn = buffer(n), dkn = buffer(n), dvc = buffer(n), dg = buffer(n),
                  dbeta = buffer(static_cast<size_t>(L * H));
+  std::vector<T> d_initial_state = buffer(carry_grad.state.size());
   kda_recurrence_backward<T>({L, H, dh, dh}, qn.data(), kn.data(), vc.data(), g.data(), beta.data(),
-                             dcore.data(), dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data());
+                             dcore.data(), dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data(), 64,
+                             {carry_in.state.data(), carry_grad.state.data(), d_initial_state.data()});
+  carry_grad.state = d_initial_state;
 
   // Gates: beta = sigmoid(b_proj x); g from the forget gate.
   for (size_t i = 0; i < dbeta.size(); ++i) dbeta[i] *= beta[i] * (T(1) - beta[i]);
@@ -186,23 +203,34 @@ void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t
 
   // l2 norms (with the query scale), convs, projections.
   for (T& value : dqn) value *= scale;
-  std::vector<T> dqc = buffer(n), dkc = buffer(n), dproj = buffer(n);
+  std::vector<T> dqc = buffer(n), dkc = buffer(n);
   l2_normalize_backward(qc.data(), dqn.data(), dqc.data(), L * H, dh, 1e-6);
   l2_normalize_backward(kc.data(), dkn.data(), dkc.data(), L * H, dh, 1e-6);
   struct Branch {
-    const std::vector<T>& projected;
+    const std::vector<T>& window;
     const std::vector<T>& dconv;
     const Tensor& conv;
     Tensor& dconv_w;
     const Tensor& proj;
     Tensor& dproj_w;
+    std::vector<T>& dtail;  // in: the handed-on window's gradient; out: the carried-in window's
   };
-  for (const Branch& b : {Branch{qp, dqc, w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
-                          Branch{kp, dkc, w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
-                          Branch{vp, dvc, w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}}) {
-    causal_conv_silu_backward(b.projected.data(), b.conv.template data<T>(), b.dconv.data(), dproj.data(),
-                              b.dconv_w.template data<T>(), L, qkv, K);
-    linear_backward(x, b.proj.template data<T>(), dproj.data(), dx, b.dproj_w.template data<T>(), L, D, qkv);
+  // The conv's gradient over the whole window, plus what later chunks sent back for the rows this
+  // chunk handed on; the chunk's own rows go to the projection, the carried rows back to the carry.
+  std::vector<T> dconv_window = buffer(static_cast<size_t>(rows * qkv)),
+                 dwindow = buffer(static_cast<size_t>(rows * qkv));
+  for (const Branch& b : {Branch{qw, dqc, w.q_conv, grad.q_conv, w.q_proj, grad.q_proj, carry_grad.q_tail},
+                          Branch{kw, dkc, w.k_conv, grad.k_conv, w.k_proj, grad.k_proj, carry_grad.k_tail},
+                          Branch{vw, dvc, w.v_conv, grad.v_conv, w.v_proj, grad.v_proj, carry_grad.v_tail}}) {
+    std::copy(b.dconv.begin(), b.dconv.end(), dconv_window.begin() + (K - 1) * qkv);
+    causal_conv_silu_backward(b.window.data(), b.conv.template data<T>(), dconv_window.data(), dwindow.data(),
+                              b.dconv_w.template data<T>(), rows, qkv, K);
+    const auto handed_on = static_cast<std::ptrdiff_t>(dwindow.size() - b.dtail.size());
+    for (size_t i = 0; i < b.dtail.size(); ++i) dwindow[static_cast<size_t>(handed_on) + i] += b.dtail[i];
+    linear_backward(x, b.proj.template data<T>(), dwindow.data() + (K - 1) * qkv, dx,
+                    b.dproj_w.template data<T>(), L, D, qkv);
+    std::copy(dwindow.begin(), dwindow.begin() + static_cast<std::ptrdiff_t>(b.dtail.size()),
+              b.dtail.begin());
   }
 }
 
@@ -214,6 +242,11 @@ template void kda_forward<float>(const ModelConfig&, const KdaWeights&, const fl
                                  KdaCarry<float>&);
 template void kda_forward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t, double*,
                                   KdaCarry<double>&);
+template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*,
+                                  float*, KdaWeights&, const KdaCarry<float>&, KdaCarry<float>&);
+template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t,
+                                   const double*, double*, KdaWeights&, const KdaCarry<double>&,
+                                   KdaCarry<double>&);
 template void kda_backward<float>(const ModelConfig&, const KdaWeights&, const float*, int64_t, const float*,
                                   float*, KdaWeights&);
 template void kda_backward<double>(const ModelConfig&, const KdaWeights&, const double*, int64_t,

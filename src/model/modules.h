@@ -68,6 +68,12 @@ struct IndexerLoss {
 template <class T>
 void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
                   KdaWeights& grad);
+// Backward of a chunk that began from `carry_in` (the carry its forward received). `carry_grad`
+// holds on entry the gradient of the carry the chunk handed on (zero for the last chunk) and on
+// return the gradient of `carry_in`, for the chunk before.
+template <class T>
+void kda_backward(const ModelConfig& c, const KdaWeights& w, const T* x, int64_t tokens, const T* dy, T* dx,
+                  KdaWeights& grad, const KdaCarry<T>& carry_in, KdaCarry<T>& carry_grad);
 
 // `selection` is the one the forward pass used (the layer's own, or the shared one). With
 // `indexer_loss`, a layer with its own indexer also trains it (inputs detached).

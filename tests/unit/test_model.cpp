@@ -10,6 +10,7 @@
 
 #include "core/random.h"
 #include "io/safetensors.h"
+#include "model/backward.h"
 #include "model/checkpoint.h"
 #include "model/flops.h"
 #include "model/forward.h"
@@ -380,6 +381,63 @@ TEST(Streaming, ModelLogProbsInChunksEqualTheWholeSequence) {
     double worst = 0;
     for (size_t i = 0; i < whole.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
     EXPECT_LT(worst, 1e-11) << "chunks of " << chunk;
+  }
+}
+
+}  // namespace
+}  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// A KDA layer's backward in chunks, last chunk first, each starting from the carry its forward
+// received and handing the carry's gradient (state and conv window) to the chunk before: the
+// input and weight gradients equal the whole sequence's (double).
+TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
+  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 12);
+  const KdaWeights& kda = w.layers[0].kda;
+  const int64_t L = 200, D = c.hidden_size;
+  Random rng(13);
+  std::vector<double> x(static_cast<size_t>(L * D)), dy(x.size()), dx_whole(x.size(), 0.0);
+  for (double& v : x) v = rng.normal();
+  for (double& v : dy) v = rng.normal();
+  ModelWeights whole = zero_gradients(c, DType::F64);
+  kda_backward(c, kda, x.data(), L, dy.data(), dx_whole.data(), whole.layers[0].kda);
+  double scale = 0;
+  for (double v : dx_whole) scale = std::max(scale, std::abs(v));
+  ASSERT_GT(scale, 1e-6);
+  for (const int64_t chunk : {1, 2, 64, 77}) {
+    std::vector<KdaCarry<double>> starts;
+    KdaCarry<double> carry(c);
+    std::vector<double> y(x.size());
+    for (int64_t t0 = 0; t0 < L; t0 += chunk) {
+      starts.push_back(carry);
+      kda_forward(c, kda, x.data() + t0 * D, std::min(chunk, L - t0), y.data() + t0 * D, carry);
+    }
+    ModelWeights chunked = zero_gradients(c, DType::F64);
+    std::vector<double> dx(x.size(), 0.0);
+    KdaCarry<double> carry_grad(c);
+    for (size_t k = starts.size(); k-- > 0;) {
+      const int64_t t0 = static_cast<int64_t>(k) * chunk, n = std::min(chunk, L - t0);
+      kda_backward(c, kda, x.data() + t0 * D, n, dy.data() + t0 * D, dx.data() + t0 * D,
+                   chunked.layers[0].kda, starts[k], carry_grad);
+    }
+    double worst = 0;
+    for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
+    EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
+    auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
+    for (size_t p = 0; p < a.size(); ++p) {
+      if (a[p].name.find("layers.0.self_attn.") == std::string::npos) continue;
+      double diff = 0, size = 0;
+      for (int64_t i = 0; i < a[p].tensor.numel(); ++i) {
+        diff = std::max(diff, std::abs(a[p].tensor.item_as_double(i) - b[p].tensor.item_as_double(i)));
+        size = std::max(size, std::abs(b[p].tensor.item_as_double(i)));
+      }
+      EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk;
+    }
   }
 }
 
