@@ -127,40 +127,60 @@ template <class T>
 void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
                   const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss) {
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, kr = c.kv_lora_rank;
+  const int64_t row = H * (c.qk_head_dim() + c.v_head_dim);
+  std::vector<T> kv_low(static_cast<size_t>(L * kr)), kv_normed(kv_low.size()),
+      kv(static_cast<size_t>(L * row));
+  cpu::linear(x, w.kv_a_proj.data<T>(), kv_low.data(), L, D, kr);
+  cpu::rms_norm(kv_low.data(), w.kv_a_layernorm.data<T>(), kv_normed.data(), L, kr, c.rms_norm_eps);
+  cpu::linear(kv_normed.data(), w.kv_b_proj.data<T>(), kv.data(), L, kr, row);
+  std::vector<T> dkv(kv.size(), T(0));
+  dsa_backward(c, w, x, L, selection, dy, dx, grad, indexer_loss, kv, 0, dkv);
+}
+
+template <class T>
+void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t L,
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss, const std::vector<T>& kv, int64_t first, std::vector<T>& dkv) {
   using namespace cpu;
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
-  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
+  const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank, row = H * (dqk + dv);
   const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
   check(static_cast<int64_t>(selection.size()) == L * width, "DSA backward without the forward selection");
+  check(first >= 0 && (first + L) * row <= static_cast<int64_t>(kv.size()) && dkv.size() == kv.size(),
+        "DSA backward: chunk [", first, ", ", first + L, ") outside the key/value cache");
   auto buffer = [](int64_t size) { return std::vector<T>(static_cast<size_t>(size), T(0)); };
 
   std::vector<T> q_low = buffer(L * qr), q_resid = buffer(L * qr), q = buffer(L * H * dqk);
   linear(x, w.q_a_proj.data<T>(), q_low.data(), L, D, qr);
   rms_norm(q_low.data(), w.q_a_layernorm.data<T>(), q_resid.data(), L, qr, c.rms_norm_eps);
   linear(q_resid.data(), w.q_b_proj.data<T>(), q.data(), L, qr, H * dqk);
-  std::vector<T> kv_low = buffer(L * kr), kv_normed = buffer(L * kr), kv = buffer(L * H * (dqk + dv));
+  std::vector<T> kv_low = buffer(L * kr), kv_normed = buffer(L * kr);
   linear(x, w.kv_a_proj.data<T>(), kv_low.data(), L, D, kr);
   rms_norm(kv_low.data(), w.kv_a_layernorm.data<T>(), kv_normed.data(), L, kr, c.rms_norm_eps);
-  linear(kv_normed.data(), w.kv_b_proj.data<T>(), kv.data(), L, kr, H * (dqk + dv));
+  // The chunk's queries against the whole cache (selections are absolute positions).
   const SparseAttentionShape shape{L, H, dqk, dv, width, 1.0 / std::sqrt(static_cast<double>(dqk))};
   std::vector<T> attended = buffer(L * H * dv);
   sparse_attention<T>(shape, q.data(), kv.data(), selection.data(), attended.data());
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
+    check(first == 0 && L * row == static_cast<int64_t>(kv.size()),
+          "the indexer's KL training runs over whole sequences, not chunks (yet)");
     std::vector<T> mass = buffer(L * width);
     attention_mass<T>(shape, q.data(), kv.data(), selection.data(), mass.data());
     train_indexer(c, w.indexer, x, q_resid.data(), L, selection, mass.data(), *indexer_loss, grad.indexer);
   }
 
-  std::vector<T> d_attended = buffer(L * H * dv), dq = buffer(L * H * dqk), dkv = buffer(L * H * (dqk + dv));
+  std::vector<T> d_attended = buffer(L * H * dv), dq = buffer(L * H * dqk);
   linear_backward(attended.data(), w.o_proj.data<T>(), dy, d_attended.data(), grad.o_proj.data<T>(), L,
                   H * dv, D);
   sparse_attention_backward<T>(shape, q.data(), kv.data(), selection.data(), d_attended.data(), dq.data(),
                                dkv.data());
 
+  // This chunk's keys and values have every gradient they will get: later chunks ran first.
   std::vector<T> d_normed = buffer(L * kr), d_low = buffer(L * kr);
-  linear_backward(kv_normed.data(), w.kv_b_proj.data<T>(), dkv.data(), d_normed.data(),
-                  grad.kv_b_proj.data<T>(), L, kr, H * (dqk + dv));
+  linear_backward(kv_normed.data(), w.kv_b_proj.data<T>(), dkv.data() + first * row, d_normed.data(),
+                  grad.kv_b_proj.data<T>(), L, kr, row);
   rms_norm_backward(kv_low.data(), w.kv_a_layernorm.data<T>(), d_normed.data(), d_low.data(),
                     grad.kv_a_layernorm.data<T>(), L, kr, c.rms_norm_eps);
   linear_backward(x, w.kv_a_proj.data<T>(), d_low.data(), dx, grad.kv_a_proj.data<T>(), L, D, kr);
@@ -186,6 +206,12 @@ template void dsa_forward<double>(const ModelConfig&, const DsaWeights&, const d
 template void dsa_backward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
                                   const std::vector<int32_t>&, const float*, float*, DsaWeights&,
                                   IndexerLoss*);
+template void dsa_backward<float>(const ModelConfig&, const DsaWeights&, const float*, int64_t,
+                                  const std::vector<int32_t>&, const float*, float*, DsaWeights&,
+                                  IndexerLoss*, const std::vector<float>&, int64_t, std::vector<float>&);
+template void dsa_backward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
+                                   const std::vector<int32_t>&, const double*, double*, DsaWeights&,
+                                   IndexerLoss*, const std::vector<double>&, int64_t, std::vector<double>&);
 template void dsa_backward<double>(const ModelConfig&, const DsaWeights&, const double*, int64_t,
                                    const std::vector<int32_t>&, const double*, double*, DsaWeights&,
                                    IndexerLoss*);

@@ -81,6 +81,15 @@ template <class T>
 void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
                   const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss = nullptr);
+// Backward of a chunk of queries at positions first .. first + tokens, over the whole sequence's
+// keys and values `kv` (the forward's final DsaCarry::kv). `dkv` (shaped like kv, zero before the
+// last chunk) gathers every chunk's key/value gradients; this chunk's own rows are complete when
+// it runs (later chunks run first) and flow back into dx. The indexer's KL training still needs the
+// whole sequence.
+template <class T>
+void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
+                  const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss, const std::vector<T>& kv, int64_t first, std::vector<T>& dkv);
 
 template <class T>
 void mlp_backward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, const T* dy, T* dx,

@@ -443,3 +443,66 @@ TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
 
 }  // namespace
 }  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// A DSA layer's backward in chunks, last chunk first, over the forward's key/value cache: each
+// chunk adds its queries' key/value gradients to a buffer shaped like the cache and sends its own
+// rows' (complete by then) back through kv_b, its norm and kv_a. Equal to the whole sequence.
+TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
+  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 14);
+  size_t layer = 0;
+  while (w.layers[layer].attention != AttentionKind::Dsa) ++layer;
+  const DsaWeights& dsa = w.layers[layer].dsa;
+  const int64_t L = 200, D = c.hidden_size;
+  Random rng(15);
+  std::vector<double> x(static_cast<size_t>(L * D)), dy(x.size()), dx_whole(x.size(), 0.0), y(x.size());
+  for (double& v : x) v = rng.normal();
+  for (double& v : dy) v = rng.normal();
+  std::vector<int32_t> selection;
+  dsa_forward(c, dsa, x.data(), L, selection, y.data());
+  ModelWeights whole = zero_gradients(c, DType::F64);
+  dsa_backward(c, dsa, x.data(), L, selection, dy.data(), dx_whole.data(), whole.layers[layer].dsa);
+  double scale = 0;
+  for (double v : dx_whole) scale = std::max(scale, std::abs(v));
+  ASSERT_GT(scale, 1e-6);
+  const auto width = static_cast<int64_t>(selection.size()) / L;
+  for (const int64_t chunk : {1, 5, 64, 77}) {
+    DsaCarry<double> cache;  // the forward's, chunk by chunk
+    std::vector<std::vector<int32_t>> selections;
+    for (int64_t t0 = 0; t0 < L; t0 += chunk) {
+      selections.emplace_back();
+      dsa_forward(c, dsa, x.data() + t0 * D, std::min(chunk, L - t0), selections.back(), y.data() + t0 * D,
+                  cache);
+    }
+    ModelWeights chunked = zero_gradients(c, DType::F64);
+    std::vector<double> dx(x.size(), 0.0), dkv(cache.kv.size(), 0.0);
+    for (size_t k = selections.size(); k-- > 0;) {
+      const int64_t t0 = static_cast<int64_t>(k) * chunk, n = std::min(chunk, L - t0);
+      ASSERT_EQ(static_cast<int64_t>(selections[k].size()), n * width);
+      dsa_backward(c, dsa, x.data() + t0 * D, n, selections[k], dy.data() + t0 * D, dx.data() + t0 * D,
+                   chunked.layers[layer].dsa, nullptr, cache.kv, t0, dkv);
+    }
+    double worst = 0;
+    for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
+    EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
+    auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
+    const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
+    for (size_t p = 0; p < a.size(); ++p) {
+      if (a[p].name.find(prefix) == std::string::npos) continue;
+      double diff = 0, size = 0;
+      for (int64_t i = 0; i < a[p].tensor.numel(); ++i) {
+        diff = std::max(diff, std::abs(a[p].tensor.item_as_double(i) - b[p].tensor.item_as_double(i)));
+        size = std::max(size, std::abs(b[p].tensor.item_as_double(i)));
+      }
+      EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace spindle
