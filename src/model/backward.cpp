@@ -8,6 +8,7 @@
 #include "kernels/cpu/loss.h"
 #include "model/modules.h"
 #include "model/residual.h"
+#include "model/streaming.h"
 
 namespace spindle {
 
@@ -85,6 +86,8 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
+  if (options.chunk_tokens > 0 && options.chunk_tokens < L)
+    return streamed_loss_and_gradients<T>(c, w, tokens, g, options);
 
   // Forward, keeping the input of every residual site and every DSA layer's selection.
   std::vector<T> streams = embedded_streams<T>(c, w, tokens);

@@ -16,6 +16,7 @@ struct LossOptions {
   double scale = 1.0;            // gradients of scale * loss are accumulated (micro-batch averaging)
   double indexer_kl_coef = 0.0;  // > 0: train each indexer on KL(attention || indexer)
   double aux_loss_coef = 0.0;    // > 0: add transformers' router load-balancing loss
+  int64_t chunk_tokens = 0;  // > 0: the streaming executor, this many tokens per chunk (model/streaming.h)
 };
 
 struct LossResult {

@@ -1,0 +1,203 @@
+#include "model/streaming.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/norms.h"
+#include "model/modules.h"
+#include "model/residual.h"
+
+namespace spindle {
+
+namespace {
+
+// The DSA cache as it stood before position `first`: what a recomputed chunk attends to.
+template <class T>
+DsaCarry<T> cache_before(const DsaCarry<T>& cache, int64_t first, int64_t row, int64_t index_dim) {
+  DsaCarry<T> prefix;
+  prefix.tokens = first;
+  prefix.kv.assign(cache.kv.begin(), cache.kv.begin() + first * row);
+  if (!cache.index_keys.empty()) {
+    prefix.index_keys.assign(cache.index_keys.begin(), cache.index_keys.begin() + first * index_dim);
+    prefix.index_gate.assign(cache.index_gate.begin(), cache.index_gate.begin() + first * index_dim);
+  }
+  return prefix;
+}
+
+}  // namespace
+
+template <class T>
+LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights& w,
+                                       const std::vector<int32_t>& tokens, ModelWeights& g,
+                                       const LossOptions& options) {
+  check(options.indexer_kl_coef == 0 && options.aux_loss_coef == 0,
+        "the streaming executor does not yet train the indexer's KL or the balance loss in chunks");
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, chunk = options.chunk_tokens;
+  const int64_t row = c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim), index_dim = c.index_head_dim;
+  check_sequence(tokens, V);
+  check(chunk > 0, "chunk_tokens must be positive, got ", chunk);
+  const size_t layers = w.layers.size();
+  const auto chunks = static_cast<size_t>((L + chunk - 1) / chunk);
+  const auto piece = [&](size_t k) {
+    const int64_t start = static_cast<int64_t>(k) * chunk;
+    return std::vector<int32_t>(tokens.begin() + start, tokens.begin() + std::min(L, start + chunk));
+  };
+  LossResult result;
+  result.expert_load.resize(layers);
+
+  // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches.
+  std::vector<KdaCarry<T>> kda(layers, KdaCarry<T>(c));
+  std::vector<DsaCarry<T>> cache(layers);
+  std::vector<std::vector<KdaCarry<T>>> kda_starts;
+  for (size_t k = 0; k < chunks; ++k) {
+    kda_starts.push_back(kda);
+    const std::vector<int32_t> ids = piece(k);
+    const auto n = static_cast<int64_t>(ids.size());
+    std::vector<T> streams = embedded_streams<T>(c, w, ids);
+    std::vector<int32_t> selection;
+    for (size_t i = 0; i < layers; ++i) {
+      const LayerWeights& layer = w.layers[i];
+      residual_site_forward<T>(c, layer.attn_hc, layer.input_layernorm, n, streams, [&](const T* x, T* y) {
+        if (layer.attention == AttentionKind::Kda)
+          kda_forward(c, layer.kda, x, n, y, kda[i]);
+        else
+          dsa_forward(c, layer.dsa, x, n, selection, y, cache[i]);
+      });
+      residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, n, streams,
+                               [&](const T* x, T* y) {
+                                 if (layer.mlp == MlpKind::Dense) {
+                                   mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
+                                 } else {
+                                   std::vector<int64_t> load;
+                                   moe_forward(c, layer.moe, x, n, y, &load);
+                                   auto& total = result.expert_load[i];
+                                   total.resize(load.size(), 0);
+                                   for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+                                 }
+                               });
+    }
+  }
+
+  // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
+  // key/value gradients; everything else is per token.
+  std::vector<KdaCarry<T>> kda_grad(layers, KdaCarry<T>(c));
+  std::vector<std::vector<T>> dkv(layers);
+  for (size_t i = 0; i < layers; ++i) dkv[i].assign(cache[i].kv.size(), T(0));
+  const T scale = T(options.scale) / T(L - 1);
+  double log_prob_sum = 0;
+  for (size_t k = chunks; k-- > 0;) {
+    const std::vector<int32_t> ids = piece(k);
+    const auto n = static_cast<int64_t>(ids.size());
+    const int64_t start = static_cast<int64_t>(k) * chunk;
+
+    // Recompute the chunk through all layers, keeping each site's input and each DSA selection.
+    std::vector<std::vector<T>> site_inputs(2 * layers);
+    std::vector<std::vector<int32_t>> selections(layers);
+    std::vector<T> streams = embedded_streams<T>(c, w, ids);
+    std::vector<int32_t> selection;
+    const auto attention = [&](size_t i, const T* x, T* y) {
+      const LayerWeights& layer = w.layers[i];
+      if (layer.attention == AttentionKind::Kda) {
+        KdaCarry<T> carry = kda_starts[k][i];
+        kda_forward(c, layer.kda, x, n, y, carry);
+      } else {
+        DsaCarry<T> prefix = cache_before(cache[i], start, row, index_dim);
+        std::vector<int32_t> chosen = selection;
+        dsa_forward(c, layer.dsa, x, n, chosen, y, prefix);
+        selections[i] = chosen;
+      }
+    };
+    const auto ffn = [&](size_t i, const T* x, T* y) {
+      const LayerWeights& layer = w.layers[i];
+      if (layer.mlp == MlpKind::Dense)
+        mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
+      else
+        moe_forward(c, layer.moe, x, n, y);
+    };
+    for (size_t i = 0; i < layers; ++i) {
+      const LayerWeights& layer = w.layers[i];
+      site_inputs[2 * i] = streams;
+      residual_site_forward<T>(c, layer.attn_hc, layer.input_layernorm, n, streams,
+                               [&](const T* x, T* y) { attention(i, x, y); });
+      if (!selections[i].empty()) selection = selections[i];
+      site_inputs[2 * i + 1] = streams;
+      residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, n, streams,
+                               [&](const T* x, T* y) { ffn(i, x, y); });
+    }
+
+    // The head over this chunk's rows: row r predicts token start + r + 1, when there is one.
+    std::vector<T> mean(static_cast<size_t>(n * D), T(0)), hidden(mean.size()), dhidden(mean.size(), T(0));
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)] / T(H);
+    cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), n, D, c.rms_norm_eps);
+    const int64_t predictions = std::min(n, L - 1 - start);
+    if (predictions > 0) {
+      std::vector<T> logits(static_cast<size_t>(predictions * V));
+      cpu::linear(hidden.data(), w.lm_head.data<T>(), logits.data(), predictions, D, V);
+      log_prob_sum +=
+          cpu::target_log_probs_backward(logits.data(), tokens.data() + start + 1, predictions, V, scale);
+      cpu::linear_backward(hidden.data(), w.lm_head.data<T>(), logits.data(), dhidden.data(),
+                           g.lm_head.data<T>(), predictions, D, V);
+    }
+    std::vector<T> dmean(mean.size()), dstreams(static_cast<size_t>(n * H * D));
+    cpu::rms_norm_backward(mean.data(), w.norm.data<T>(), dhidden.data(), dmean.data(), g.norm.data<T>(), n,
+                           D, c.rms_norm_eps);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          dstreams[static_cast<size_t>((t * H + h) * D + d)] = dmean[static_cast<size_t>(t * D + d)] / T(H);
+
+    for (size_t i = layers; i-- > 0;) {
+      const LayerWeights& layer = w.layers[i];
+      LayerWeights& grad = g.layers[i];
+      residual_site_backward<T>(
+          c, layer.ffn_hc, layer.post_attention_layernorm, n, site_inputs[2 * i + 1], dstreams, grad.ffn_hc,
+          grad.post_attention_layernorm, [&](const T* x, T* y) { ffn(i, x, y); },
+          [&](const T* x, const T* dy, T* dx) {
+            if (layer.mlp == MlpKind::Dense)
+              mlp_backward(layer.dense, c.swiglu_limit, x, n, dy, dx, grad.dense);
+            else
+              moe_backward(c, layer.moe, x, n, dy, dx, grad.moe);
+          });
+      residual_site_backward<T>(
+          c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i], dstreams, grad.attn_hc,
+          grad.input_layernorm,
+          [&](const T* x, T* y) {
+            if (layer.attention == AttentionKind::Dsa) selection = selections[i];
+            attention(i, x, y);
+          },
+          [&](const T* x, const T* dy, T* dx) {
+            if (layer.attention == AttentionKind::Kda)
+              kda_backward(c, layer.kda, x, n, dy, dx, grad.kda, kda_starts[k][i], kda_grad[i]);
+            else
+              dsa_backward(c, layer.dsa, x, n, selections[i], dy, dx, grad.dsa, nullptr, cache[i].kv, start,
+                           dkv[i]);
+          });
+    }
+
+    // Embedding: every stream started as the token's row.
+    T* dembed = g.embed_tokens.data<T>();
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t id = ids[static_cast<size_t>(t)];
+      if (c.pad_token_id && id == *c.pad_token_id) continue;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
+    }
+  }
+  result.loss = -log_prob_sum / static_cast<double>(L - 1);
+  return result;
+}
+
+template LossResult streamed_loss_and_gradients<float>(const ModelConfig&, const ModelWeights&,
+                                                       const std::vector<int32_t>&, ModelWeights&,
+                                                       const LossOptions&);
+template LossResult streamed_loss_and_gradients<double>(const ModelConfig&, const ModelWeights&,
+                                                        const std::vector<int32_t>&, ModelWeights&,
+                                                        const LossOptions&);
+
+}  // namespace spindle
