@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Runs `spindle grads` on a golden case and compares with transformers' gradients.
 
-    check_grads.py SPINDLE CASE_DIR f64|f32
+    check_grads.py SPINDLE CASE_DIR f64|f32 [EXTRA SPINDLE OPTIONS...]
+
+(e.g. --chunk 37: the streaming executor must meet the same bounds.)
 
 Per tensor: relative error ||spindle - ref|| / ||ref||. Bounds (issue 3) in f64: every tensor
 <= 1e-3, median over tensors <= 1e-5, loss within 1e-6 relative (the log-probs match to ~1e-6). (transformers computes mHC,
@@ -39,10 +41,11 @@ def read_safetensors(path):
 
 def main():
     spindle, case_dir, dtype = sys.argv[1:4]
+    extra = sys.argv[4:]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grads.safetensors")
         result = subprocess.run([spindle, "grads", "--model", case_dir, "--tokens", os.path.join(case_dir, "tokens.txt"),
-                                 "--dtype", dtype, "--out", out], capture_output=True, text=True)
+                                 "--dtype", dtype, "--out", out] + extra, capture_output=True, text=True)
         if result.returncode != 0:
             print(result.stderr)
             print(f"FAIL: spindle exited with {result.returncode}")

@@ -25,7 +25,7 @@ commands:
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
             [--max-n-fraction F] [--holdout F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
                                                 held-out loss per position bucket: table, PREFIX.csv/.svg
-  grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64]
+  grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64] [--chunk N]
                                                 gradient of the mean next-token loss, on-disk names
   data      get [--dir DIR] [--only chr22,chrX,chr20]
                                                 fetch reference DNA from Debian packages (checked)

@@ -13,10 +13,13 @@ namespace spindle {
 namespace {
 
 template <class T>
-void write_gradients(const std::string& dir, const std::vector<int32_t>& tokens, const std::string& out) {
+void write_gradients(const std::string& dir, const std::vector<int32_t>& tokens, const std::string& out,
+                     int64_t chunk) {
   Model model = load_model(dir, dtype_of<T>());
   ModelWeights grads = zero_gradients(model.config, dtype_of<T>());
-  const double loss = loss_and_gradients<T>(model.config, model.weights, tokens, grads).loss;
+  LossOptions options;
+  options.chunk_tokens = chunk;
+  const double loss = loss_and_gradients<T>(model.config, model.weights, tokens, grads, options).loss;
   NamedTensors named;
   for (Param& p : parameter_table(model.config, grads)) {
     if (p.role == ParamRole::RouterBias) continue;  // a buffer: no gradient
@@ -33,17 +36,19 @@ void write_gradients(const std::string& dir, const std::vector<int32_t>& tokens,
 }  // namespace
 
 int run_grads(const std::vector<std::string>& argv) {
-  const Args args("grads", argv, {"model", "tokens", "dtype", "out"});
+  const Args args("grads", argv, {"model", "tokens", "dtype", "out", "chunk"});
   const std::string dir = args.required("model");
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
   const std::string out = args.required("out");
   const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
   check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64 on the CPU, got ",
         dtype_name(dtype));
+  const int64_t chunk = args.int_or("chunk", 0);
+  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
   if (dtype == DType::F64)
-    write_gradients<double>(dir, tokens, out);
+    write_gradients<double>(dir, tokens, out, chunk);
   else
-    write_gradients<float>(dir, tokens, out);
+    write_gradients<float>(dir, tokens, out, chunk);
   return 0;
 }
 
