@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/loss.h"
+#include "model/balance_loss.h"
 #include "model/modules.h"
 #include "model/residual.h"
 #include "model/streaming.h"
@@ -18,64 +18,6 @@ ModelWeights zero_gradients(const ModelConfig& config, DType dtype) {
   if (!config.tie_word_embeddings) grads.lm_head.fill_zero();
   return grads;
 }
-
-namespace {
-
-// transformers' load_balancing_loss_func over all MoE layers at once: with p = softmax(logits),
-// f_e the share of top-k picks (of p, not of the biased grouped routing) and P_e the mean p_e,
-// aux = E * sum_e f_e P_e. Writes d(coef * aux)/dlogits per layer; returns aux.
-template <class T>
-double balance_loss(const ModelConfig& c, const std::vector<std::vector<T>>& logits, double coef,
-                    std::vector<std::vector<T>>& dlogits) {
-  const int64_t E = c.n_routed_experts, k = c.num_experts_per_tok;
-  std::vector<double> counts(static_cast<size_t>(E), 0.0), prob_sum(static_cast<size_t>(E), 0.0);
-  double rows = 0;
-  std::vector<double> p(static_cast<size_t>(E));
-  std::vector<int64_t> order(static_cast<size_t>(E));
-  auto softmax_row = [&](const T* l) {
-    double mx = -INFINITY, z = 0;
-    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, static_cast<double>(l[e]));
-    for (int64_t e = 0; e < E; ++e)
-      z += (p[static_cast<size_t>(e)] = std::exp(static_cast<double>(l[e]) - mx));
-    for (double& v : p) v /= z;
-  };
-  for (const auto& layer : logits) {
-    if (layer.empty()) continue;
-    const auto L = static_cast<int64_t>(layer.size()) / E;
-    for (int64_t t = 0; t < L; ++t) {
-      softmax_row(layer.data() + t * E);
-      for (int64_t e = 0; e < E; ++e) prob_sum[static_cast<size_t>(e)] += p[static_cast<size_t>(e)];
-      std::iota(order.begin(), order.end(), int64_t{0});
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-        return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)];
-      });
-      for (int64_t i = 0; i < k; ++i) counts[static_cast<size_t>(order[static_cast<size_t>(i)])] += 1;
-    }
-    rows += static_cast<double>(L);
-  }
-  double aux = 0;
-  for (int64_t e = 0; e < E; ++e)
-    aux += counts[static_cast<size_t>(e)] / rows * prob_sum[static_cast<size_t>(e)] / rows;
-  aux *= static_cast<double>(E);
-  dlogits.assign(logits.size(), {});
-  for (size_t l = 0; l < logits.size(); ++l) {
-    if (logits[l].empty()) continue;
-    const auto L = static_cast<int64_t>(logits[l].size()) / E;
-    dlogits[l].assign(logits[l].size(), T(0));
-    for (int64_t t = 0; t < L; ++t) {
-      softmax_row(logits[l].data() + t * E);
-      double dot = 0;
-      for (int64_t e = 0; e < E; ++e) dot += p[static_cast<size_t>(e)] * counts[static_cast<size_t>(e)];
-      const double factor = coef * static_cast<double>(E) / (rows * rows);
-      for (int64_t e = 0; e < E; ++e)
-        dlogits[l][static_cast<size_t>(t * E + e)] =
-            static_cast<T>(factor * p[static_cast<size_t>(e)] * (counts[static_cast<size_t>(e)] - dot));
-    }
-  }
-  return aux;
-}
-
-}  // namespace
 
 template <class T>
 LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const std::vector<int32_t>& tokens,
@@ -119,8 +61,19 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
         });
   }
   std::vector<std::vector<T>> aux_dlogits(layers);
-  if (options.aux_loss_coef > 0)
-    result.aux_loss = balance_loss(c, router_logits, options.aux_loss_coef * options.scale, aux_dlogits);
+  if (options.aux_loss_coef > 0) {
+    BalanceStats stats;
+    for (const auto& logits : router_logits)
+      if (!logits.empty())
+        add_balance_stats(c, logits.data(), static_cast<int64_t>(logits.size()) / c.n_routed_experts, stats);
+    result.aux_loss = balance_value(c, stats);
+    for (size_t i = 0; i < layers; ++i) {
+      if (router_logits[i].empty()) continue;
+      aux_dlogits[i].resize(router_logits[i].size());
+      balance_gradient(c, router_logits[i].data(), L, stats, options.aux_loss_coef * options.scale,
+                       aux_dlogits[i].data());
+    }
+  }
   router_logits.clear();
   IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale};
 
