@@ -5,6 +5,7 @@
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/norms.h"
+#include "model/balance_loss.h"
 #include "model/modules.h"
 #include "model/residual.h"
 
@@ -31,8 +32,9 @@ template <class T>
 LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights& w,
                                        const std::vector<int32_t>& tokens, ModelWeights& g,
                                        const LossOptions& options) {
-  check(options.indexer_kl_coef == 0 && options.aux_loss_coef == 0,
-        "the streaming executor does not yet train the indexer's KL or the balance loss in chunks");
+  check(options.indexer_kl_coef == 0, "the streaming executor does not yet train the indexer's KL in chunks");
+  const bool balance = options.aux_loss_coef > 0;
+  BalanceStats stats;  // pooled over every chunk's tokens before any gradient
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, chunk = options.chunk_tokens;
   const int64_t row = c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim), index_dim = c.index_head_dim;
@@ -71,7 +73,9 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
                                    mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
                                  } else {
                                    std::vector<int64_t> load;
-                                   moe_forward(c, layer.moe, x, n, y, &load);
+                                   std::vector<T> logits;
+                                   moe_forward(c, layer.moe, x, n, y, &load, balance ? &logits : nullptr);
+                                   if (balance) add_balance_stats(c, logits.data(), n, stats);
                                    auto& total = result.expert_load[i];
                                    total.resize(load.size(), 0);
                                    for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
@@ -79,6 +83,8 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
                                });
     }
   }
+
+  if (balance) result.aux_loss = balance_value(c, stats);
 
   // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
   // key/value gradients; everything else is per token.
@@ -109,12 +115,13 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
         selections[i] = chosen;
       }
     };
+    std::vector<T> router_logits;  // of the MoE site being recomputed, for the balance loss
     const auto ffn = [&](size_t i, const T* x, T* y) {
       const LayerWeights& layer = w.layers[i];
       if (layer.mlp == MlpKind::Dense)
         mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
       else
-        moe_forward(c, layer.moe, x, n, y);
+        moe_forward(c, layer.moe, x, n, y, nullptr, balance ? &router_logits : nullptr);
     };
     for (size_t i = 0; i < layers; ++i) {
       const LayerWeights& layer = w.layers[i];
@@ -158,10 +165,17 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
           c, layer.ffn_hc, layer.post_attention_layernorm, n, site_inputs[2 * i + 1], dstreams, grad.ffn_hc,
           grad.post_attention_layernorm, [&](const T* x, T* y) { ffn(i, x, y); },
           [&](const T* x, const T* dy, T* dx) {
-            if (layer.mlp == MlpKind::Dense)
+            if (layer.mlp == MlpKind::Dense) {
               mlp_backward(layer.dense, c.swiglu_limit, x, n, dy, dx, grad.dense);
-            else
-              moe_backward(c, layer.moe, x, n, dy, dx, grad.moe);
+              return;
+            }
+            std::vector<T> aux_dlogits;
+            if (balance) {
+              aux_dlogits.resize(router_logits.size());
+              balance_gradient(c, router_logits.data(), n, stats, options.aux_loss_coef * options.scale,
+                               aux_dlogits.data());
+            }
+            moe_backward(c, layer.moe, x, n, dy, dx, grad.moe, balance ? aux_dlogits.data() : nullptr);
           });
       residual_site_backward<T>(
           c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i], dstreams, grad.attn_hc,

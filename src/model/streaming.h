@@ -14,8 +14,9 @@
 
 namespace spindle {
 
-// As loss_and_gradients with options.chunk_tokens tokens per chunk. Not yet in chunks: the
-// indexer's KL training and the balance loss (both need the whole sequence; asking fails).
+// As loss_and_gradients with options.chunk_tokens tokens per chunk. The balance loss pools its
+// statistics over every chunk in the forward before any gradient. Not yet in chunks: the
+// indexer's KL training (asking fails).
 template <class T>
 LossResult streamed_loss_and_gradients(const ModelConfig& config, const ModelWeights& weights,
                                        const std::vector<int32_t>& tokens, ModelWeights& grads,

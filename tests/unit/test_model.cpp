@@ -512,7 +512,7 @@ namespace {
 
 // The streaming executor's loss and gradients equal the plain path's (double), for chunks that
 // split the conv window (1, 3), the 8-token pools (7, 37) and a KDA chunk (64): every parameter,
-// through 3 KDA + 1 DSA layers, MoE and mHC.
+// through 3 KDA + 1 DSA layers, MoE (with the balance loss) and mHC.
 TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
   ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
   c.initializer_range = 0.2;
@@ -521,15 +521,19 @@ TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
   Random rng(17);
   std::vector<int32_t> tokens(160);
   for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  LossOptions plain_options;
+  plain_options.aux_loss_coef = 0.05;  // the balance loss: statistics pooled over all chunks first
   ModelWeights whole = zero_gradients(c, DType::F64);
-  const LossResult plain = loss_and_gradients<double>(c, w, tokens, whole);
+  const LossResult plain = loss_and_gradients<double>(c, w, tokens, whole, plain_options);
+  ASSERT_GT(plain.aux_loss, 0);
   auto b = parameter_table(c, whole);
   for (const int64_t chunk : {1, 3, 7, 37, 64}) {
-    LossOptions options;
+    LossOptions options = plain_options;
     options.chunk_tokens = chunk;
     ModelWeights chunked = zero_gradients(c, DType::F64);
     const LossResult streamed = loss_and_gradients<double>(c, w, tokens, chunked, options);
     EXPECT_NEAR(streamed.loss, plain.loss, 1e-12 * plain.loss) << "chunks of " << chunk;
+    EXPECT_NEAR(streamed.aux_loss, plain.aux_loss, 1e-12 * plain.aux_loss) << "chunks of " << chunk;
     auto a = parameter_table(c, chunked);
     int compared = 0;
     for (size_t p = 0; p < a.size(); ++p) {
