@@ -26,7 +26,7 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
         dtype_name(dtype_of<T>()), " over weights in ", dtype_name(w.dtype), " and gradients in ",
         dtype_name(g.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
   if (options.chunk_tokens > 0 && options.chunk_tokens < L)
     return streamed_loss_and_gradients<T>(c, w, tokens, g, options);
@@ -78,11 +78,8 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
   IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale};
 
   // Exit and head: mean over streams, final norm, lm_head + softmax cross-entropy by blocks.
-  std::vector<T> mean(static_cast<size_t>(L * D), T(0)), hidden(static_cast<size_t>(L * D));
-  for (int64_t t = 0; t < L; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d)
-        mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)] / T(H);
+  const std::vector<T> mean = streams_mean(c, streams, L);
+  std::vector<T> hidden(mean.size());
   cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), L, D, c.rms_norm_eps);
   const int64_t targets = L - 1;
   const T scale = T(options.scale) / T(targets);
@@ -100,11 +97,7 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
   std::vector<T> dmean(static_cast<size_t>(L * D));
   cpu::rms_norm_backward(mean.data(), w.norm.data<T>(), dhidden.data(), dmean.data(), g.norm.data<T>(), L, D,
                          c.rms_norm_eps);
-  std::vector<T> dstreams(static_cast<size_t>(L * H * D));
-  for (int64_t t = 0; t < L; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d)
-        dstreams[static_cast<size_t>((t * H + h) * D + d)] = dmean[static_cast<size_t>(t * D + d)] / T(H);
+  std::vector<T> dstreams = streams_mean_backward(c, dmean, L);
 
   // Layers in reverse: the feed-forward site, then the attention site.
   for (size_t i = layers; i-- > 0;) {
@@ -147,15 +140,7 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
     site_inputs[2 * i].shrink_to_fit();
   }
 
-  // Embedding: every stream started as the token's row.
-  T* dembed = g.embed_tokens.data<T>();
-  for (int64_t t = 0; t < L; ++t) {
-    const int32_t id = tokens[static_cast<size_t>(t)];
-    if (c.pad_token_id && id == *c.pad_token_id) continue;
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d)
-        dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
-  }
+  embedding_backward(c, tokens, dstreams, g);
   result.loss = -log_prob_sum / static_cast<double>(targets);
   if (indexer_loss.layers > 0)
     result.indexer_kl = indexer_loss.kl_sum / static_cast<double>(indexer_loss.layers);

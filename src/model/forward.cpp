@@ -16,7 +16,7 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
   check(w.dtype == dtype_of<T>(), "forward pass in ", dtype_name(dtype_of<T>()), " over weights stored in ",
         dtype_name(w.dtype));
   const auto L = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
   check(options.chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", options.chunk_tokens);
   const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : L;
@@ -52,12 +52,8 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
 
     // Exit: mean over streams, final norm, then the head block by block. Row r predicts token
     // start + r + 1, when there is one.
-    std::vector<T> mean(static_cast<size_t>(n * D), T(0)), hidden(static_cast<size_t>(n * D));
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)];
-    for (T& m : mean) m /= T(H);
+    const std::vector<T> mean = streams_mean(c, streams, n);
+    std::vector<T> hidden(mean.size());
     streams.clear();
     cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), n, D, c.rms_norm_eps);
     const int64_t predictions = std::min(n, L - 1 - start);

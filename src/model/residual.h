@@ -38,6 +38,48 @@ std::vector<T> embedded_streams(const ModelConfig& c, const ModelWeights& w,
   return streams;
 }
 
+// The model's exit: each token's mean over its H streams, [tokens, hidden].
+template <class T>
+std::vector<T> streams_mean(const ModelConfig& c, const std::vector<T>& streams, int64_t L) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  std::vector<T> mean(static_cast<size_t>(L * D), T(0));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)] / T(H);
+  return mean;
+}
+
+// Its backward: every stream gets dmean / H.
+template <class T>
+std::vector<T> streams_mean_backward(const ModelConfig& c, const std::vector<T>& dmean, int64_t L) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  std::vector<T> dstreams(static_cast<size_t>(L * H * D));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        dstreams[static_cast<size_t>((t * H + h) * D + d)] = dmean[static_cast<size_t>(t * D + d)] / T(H);
+  return dstreams;
+}
+
+// The embedding's gradient (accumulated): every stream started as the token's row. The padding
+// token's row gets none, as in torch's nn.Embedding(padding_idx).
+template <class T>
+void embedding_backward(const ModelConfig& c, const std::vector<int32_t>& tokens,
+                        const std::vector<T>& dstreams, ModelWeights& g) {
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  T* dembed = g.embed_tokens.data<T>();
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    const int32_t id = tokens[t];
+    if (c.pad_token_id && id == *c.pad_token_id) continue;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        dembed[id * D + d] +=
+            dstreams[(t * static_cast<size_t>(H) + static_cast<size_t>(h)) * static_cast<size_t>(D) +
+                     static_cast<size_t>(d)];
+  }
+}
+
 inline cpu::HcShape hc_shape(const ModelConfig& c, int64_t tokens) {
   return {tokens, c.hc_mult, c.hidden_size, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
 }

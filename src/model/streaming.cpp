@@ -36,7 +36,7 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
   const bool balance = options.aux_loss_coef > 0;
   BalanceStats stats;  // pooled over every chunk's tokens before any gradient
   const auto L = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, chunk = options.chunk_tokens;
+  const int64_t D = c.hidden_size, V = c.vocab_size, chunk = options.chunk_tokens;
   const int64_t row = c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim), index_dim = c.index_head_dim;
   check_sequence(tokens, V);
   check(chunk > 0, "chunk_tokens must be positive, got ", chunk);
@@ -135,11 +135,8 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
     }
 
     // The head over this chunk's rows: row r predicts token start + r + 1, when there is one.
-    std::vector<T> mean(static_cast<size_t>(n * D), T(0)), hidden(mean.size()), dhidden(mean.size(), T(0));
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          mean[static_cast<size_t>(t * D + d)] += streams[static_cast<size_t>((t * H + h) * D + d)] / T(H);
+    const std::vector<T> mean = streams_mean(c, streams, n);
+    std::vector<T> hidden(mean.size()), dhidden(mean.size(), T(0));
     cpu::rms_norm(mean.data(), w.norm.data<T>(), hidden.data(), n, D, c.rms_norm_eps);
     const int64_t predictions = std::min(n, L - 1 - start);
     if (predictions > 0) {
@@ -150,13 +147,10 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
       cpu::linear_backward(hidden.data(), w.lm_head.data<T>(), logits.data(), dhidden.data(),
                            g.lm_head.data<T>(), predictions, D, V);
     }
-    std::vector<T> dmean(mean.size()), dstreams(static_cast<size_t>(n * H * D));
+    std::vector<T> dmean(mean.size());
     cpu::rms_norm_backward(mean.data(), w.norm.data<T>(), dhidden.data(), dmean.data(), g.norm.data<T>(), n,
                            D, c.rms_norm_eps);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          dstreams[static_cast<size_t>((t * H + h) * D + d)] = dmean[static_cast<size_t>(t * D + d)] / T(H);
+    std::vector<T> dstreams = streams_mean_backward(c, dmean, n);
 
     for (size_t i = layers; i-- > 0;) {
       const LayerWeights& layer = w.layers[i];
@@ -193,15 +187,7 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
           });
     }
 
-    // Embedding: every stream started as the token's row.
-    T* dembed = g.embed_tokens.data<T>();
-    for (int64_t t = 0; t < n; ++t) {
-      const int32_t id = ids[static_cast<size_t>(t)];
-      if (c.pad_token_id && id == *c.pad_token_id) continue;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          dembed[id * D + d] += dstreams[static_cast<size_t>((t * H + h) * D + d)];
-    }
+    embedding_backward(c, ids, dstreams, g);
   }
   result.loss = -log_prob_sum / static_cast<double>(L - 1);
   return result;

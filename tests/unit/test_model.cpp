@@ -390,6 +390,16 @@ TEST(Streaming, ModelLogProbsInChunksEqualTheWholeSequence) {
 namespace spindle {
 namespace {
 
+// The largest |a - b| over two tensors of one shape, and the largest |b| (the scale it is judged by).
+std::pair<double, double> tensor_gap(const Tensor& a, const Tensor& b) {
+  double diff = 0, size = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    diff = std::max(diff, std::abs(a.item_as_double(i) - b.item_as_double(i)));
+    size = std::max(size, std::abs(b.item_as_double(i)));
+  }
+  return {diff, size};
+}
+
 // A KDA layer's backward in chunks, last chunk first, each starting from the carry its forward
 // received and handing the carry's gradient (state and conv window) to the chunk before: the
 // input and weight gradients equal the whole sequence's (double).
@@ -431,11 +441,7 @@ TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
     auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
     for (size_t p = 0; p < a.size(); ++p) {
       if (a[p].name.find("layers.0.self_attn.") == std::string::npos) continue;
-      double diff = 0, size = 0;
-      for (int64_t i = 0; i < a[p].tensor.numel(); ++i) {
-        diff = std::max(diff, std::abs(a[p].tensor.item_as_double(i) - b[p].tensor.item_as_double(i)));
-        size = std::max(size, std::abs(b[p].tensor.item_as_double(i)));
-      }
+      const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
       EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk;
     }
   }
@@ -494,11 +500,7 @@ TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
     const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
     for (size_t p = 0; p < a.size(); ++p) {
       if (a[p].name.find(prefix) == std::string::npos) continue;
-      double diff = 0, size = 0;
-      for (int64_t i = 0; i < a[p].tensor.numel(); ++i) {
-        diff = std::max(diff, std::abs(a[p].tensor.item_as_double(i) - b[p].tensor.item_as_double(i)));
-        size = std::max(size, std::abs(b[p].tensor.item_as_double(i)));
-      }
+      const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
       EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk;
     }
   }
@@ -537,11 +539,7 @@ TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
     auto a = parameter_table(c, chunked);
     int compared = 0;
     for (size_t p = 0; p < a.size(); ++p) {
-      double diff = 0, size = 0;
-      for (int64_t i = 0; i < a[p].tensor.numel(); ++i) {
-        diff = std::max(diff, std::abs(a[p].tensor.item_as_double(i) - b[p].tensor.item_as_double(i)));
-        size = std::max(size, std::abs(b[p].tensor.item_as_double(i)));
-      }
+      const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
       EXPECT_LE(diff, 1e-9 * size + 1e-15) << a[p].name << ", chunks of " << chunk;
       compared += size > 0;
     }

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/convert.h"
 
 namespace spindle::cuda {
 
@@ -110,7 +111,7 @@ void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weig
         gemm_.matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F,
                      D, 1.0f, 1.0f, stream);
     }
-    lm_loss_detail::to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
+    f32_to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
   }
 }
 

@@ -1,7 +1,6 @@
 // Row statistics of the chunked lm_head loss: one block of 256 threads per row of a logits
 // chunk. Each thread keeps an online (max, sum-exp) over its columns in one pass; the pairs are
 // merged across the block and then into the row's running state of the earlier chunks.
-#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
@@ -82,12 +81,6 @@ __global__ void softmax_grad_kernel(const float* logits, int64_t ld, const int32
   }
 }
 
-__global__ void to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16(in[i]);
-}
-
 __global__ void mean_loss_kernel(const float* logprob, const int32_t* target, int64_t L, float* loss) {
   constexpr int kReduceThreads = 1024;
   __shared__ double shared_sum[kReduceThreads / 32];
@@ -134,13 +127,6 @@ void softmax_grad(const float* logits, int64_t ld, const int32_t* target, const 
   softmax_grad_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, ld, target, lse, c0, C,
                                                                             scale, dlogits);
   SPINDLE_LAUNCHED("softmax_grad_kernel");
-}
-
-void to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
-  to_bf16_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, out, n);
-  SPINDLE_LAUNCHED("to_bf16_kernel");
 }
 
 void mean_loss(const float* logprob, const int32_t* target, int64_t L, float* loss, cudaStream_t stream) {

@@ -72,7 +72,6 @@ void fold_chunk(const float* logits, int64_t ld, const int32_t* target, int64_t 
 // dlogits[r, j] (bf16) = (exp(logits[r, j] - lse[r]) - [c0 + j == target[r]]) * scale; 0 for ignored rows.
 void softmax_grad(const float* logits, int64_t ld, const int32_t* target, const float* lse, int64_t rows,
                   int64_t c0, int64_t C, float scale, __nv_bfloat16* dlogits, cudaStream_t stream);
-void to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
 // loss = mean of -logprob over targets >= 0 (0 when none).
 void mean_loss(const float* logprob, const int32_t* target, int64_t L, float* loss, cudaStream_t stream);
 }  // namespace lm_loss_detail
