@@ -25,13 +25,6 @@ namespace {
 constexpr double kBf16Bound = 1e-2;
 constexpr double kFp32Bound = 1e-3;
 
-std::vector<float> uniform_floats(size_t n, float lo, float hi) {
-  std::uniform_real_distribution<float> uniform(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = uniform(rng());
-  return v;
-}
-
 // Rows of `width` scaled to norm `scale`.
 void normalise_rows(std::vector<float>& x, int64_t width, float scale) {
   for (size_t r = 0; r < x.size() / static_cast<size_t>(width); ++r) {
@@ -42,70 +35,96 @@ void normalise_rows(std::vector<float>& x, int64_t width, float scale) {
   }
 }
 
-TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
-  // (tokens, heads, dk, dv): a partial last chunk, non-multiples of 64, the largest head dims, a
-  // single token, and a long sequence.
-  for (auto [T, H, dk, dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 2, 16, 16},
-                              {257, 3, 64, 64},
-                              {64, 1, 128, 128},
-                              {1, 2, 32, 32},
-                              {4096, 2, 64, 64}}) {
-    auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
-    normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
-    normalise_rows(kf, dk, 1.0f);
-    const auto q = rounded(qf), k = rounded(kf), v = rounded(random_floats(T * H * dv));
-    const auto dout = rounded(random_floats(T * H * dv));
-    const auto g = uniform_floats(T * H * dk, -0.5f, 0.0f);
-    const auto beta = uniform_floats(T * H, 1e-3f, 1.0f - 1e-3f);
-    const int64_t chunks = kda_chunks(T), SS = dk * dv;
+// One case: (tokens, heads, dk, dv) and whether the sequence continues a streamed one (an initial
+// state in, the final state's gradient in, the initial state's gradient out).
+void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried, float g_min = -0.5f) {
+  auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
+  normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
+  normalise_rows(kf, dk, 1.0f);
+  const auto q = rounded(qf), k = rounded(kf), v = rounded(random_floats(T * H * dv));
+  const auto dout = rounded(random_floats(T * H * dv));
+  const auto g = random_uniform(T * H * dk, g_min, 0.0f);
+  const auto beta = random_uniform(T * H, 1e-3f, 1.0f - 1e-3f);
+  const int64_t chunks = kda_chunks(T), SS = dk * dv;
+  const auto initial = carried ? random_floats(H * SS, 0.3f) : std::vector<float>(H * SS, 0.0f);
+  const auto d_final = carried ? random_floats(H * SS) : std::vector<float>(H * SS, 0.0f);
 
-    Stream stream;
-    auto qb = device(to_bf16(q)), kb = device(to_bf16(k)), vb = device(to_bf16(v)),
-         dob = device(to_bf16(dout));
-    auto gb = device(g), bb = device(beta);
-    auto out = poisoned<bf16>(T * H * dv);
-    auto states = poisoned<float>((chunks + 1) * H * SS);
-    auto dq = poisoned<float>(T * H * dk), dk_ = poisoned<float>(T * H * dk),
-         dv_ = poisoned<float>(T * H * dv);
-    auto dg = poisoned<float>(T * H * dk), dbeta = poisoned<float>(T * H);
-    DeviceBuffer<float> workspace(kda_backward_workspace_floats(H, dk, dv), MemoryCategory::Activations);
-    SPINDLE_CUDA(cudaDeviceSynchronize());  // the poisoning memsets ran on the legacy stream
-    kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(), T,
-                        H, dk, dv, stream.get());
-    kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), states.data(),
-                         dq.data(), dk_.data(), dv_.data(), dg.data(), dbeta.data(), workspace.data(), T, H,
-                         dk, dv, stream.get());
-    stream.synchronize();
+  Stream stream;
+  auto qb = device(to_bf16(q)), kb = device(to_bf16(k)), vb = device(to_bf16(v)), dob = device(to_bf16(dout));
+  auto gb = device(g), bb = device(beta), initial_b = device(initial), d_final_b = device(d_final);
+  auto out = poisoned<bf16>(T * H * dv);
+  auto states = poisoned<float>((chunks + 1) * H * SS);
+  auto dq = poisoned<float>(T * H * dk), dk_ = poisoned<float>(T * H * dk), dv_ = poisoned<float>(T * H * dv);
+  auto dg = poisoned<float>(T * H * dk), dbeta = poisoned<float>(T * H), d_initial = poisoned<float>(H * SS);
+  kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(), T, H,
+                      dk, dv, stream.get(), carried ? initial_b.data() : nullptr);
+  kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), states.data(),
+                       dq.data(), dk_.data(), dv_.data(), dg.data(), dbeta.data(), T, H, dk, dv, stream.get(),
+                       carried ? d_final_b.data() : nullptr, carried ? d_initial.data() : nullptr);
+  stream.synchronize();
 
-    const auto qd = to_double(q), kd = to_double(k), vd = to_double(v), gd = to_double(g),
-               bd = to_double(beta), dod = to_double(dout);
-    // The reference chunk by chunk (tokens are the outer dimension), keeping each entry state.
-    std::vector<double> out_ref(T * H * dv), state(H * SS, 0.0), states_ref;
-    for (int64_t c = 0; c < chunks; ++c) {
-      states_ref.insert(states_ref.end(), state.begin(), state.end());
-      const int64_t t0 = c * kKdaChunk, n = std::min(kKdaChunk, T - t0);
-      cpu::kda_recurrence<double>({n, H, dk, dv}, qd.data() + t0 * H * dk, kd.data() + t0 * H * dk,
-                                  vd.data() + t0 * H * dv, gd.data() + t0 * H * dk, bd.data() + t0 * H,
-                                  out_ref.data() + t0 * H * dv, state.data());
-    }
+  const auto qd = to_double(q), kd = to_double(k), vd = to_double(v), gd = to_double(g), bd = to_double(beta),
+             dod = to_double(dout), initial_d = to_double(initial), d_final_d = to_double(d_final);
+  // The reference chunk by chunk (tokens are the outer dimension), keeping each entry state.
+  std::vector<double> out_ref(T * H * dv), state = initial_d, states_ref;
+  for (int64_t c = 0; c < chunks; ++c) {
     states_ref.insert(states_ref.end(), state.begin(), state.end());
-    std::vector<double> dq_ref(T * H * dk), dk_ref(T * H * dk), dv_ref(T * H * dv), dg_ref(T * H * dk),
-        dbeta_ref(T * H);
-    cpu::kda_recurrence_backward<double>({T, H, dk, dv}, qd.data(), kd.data(), vd.data(), gd.data(),
-                                         bd.data(), dod.data(), dq_ref.data(), dk_ref.data(), dv_ref.data(),
-                                         dg_ref.data(), dbeta_ref.data());
+    const int64_t t0 = c * kKdaChunk, n = std::min(kKdaChunk, T - t0);
+    cpu::kda_recurrence<double>({n, H, dk, dv}, qd.data() + t0 * H * dk, kd.data() + t0 * H * dk,
+                                vd.data() + t0 * H * dv, gd.data() + t0 * H * dk, bd.data() + t0 * H,
+                                out_ref.data() + t0 * H * dv, state.data());
+  }
+  states_ref.insert(states_ref.end(), state.begin(), state.end());
+  std::vector<double> dq_ref(T * H * dk), dk_ref(T * H * dk), dv_ref(T * H * dv), dg_ref(T * H * dk),
+      dbeta_ref(T * H), d_initial_ref(H * SS);
+  cpu::KdaChunkStates<double> carry;
+  if (carried) carry = {initial_d.data(), d_final_d.data(), d_initial_ref.data()};
+  cpu::kda_recurrence_backward<double>({T, H, dk, dv}, qd.data(), kd.data(), vd.data(), gd.data(), bd.data(),
+                                       dod.data(), dq_ref.data(), dk_ref.data(), dv_ref.data(), dg_ref.data(),
+                                       dbeta_ref.data(), 64, carry);
 
-    const auto where = [&] {
-      return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv;
-    };
+  const auto where = [&] {
+    return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv << " g_min=" << g_min
+                              << (carried ? " carried" : "");
+  };
+  if (T > 0) {
     EXPECT_LT(relative_error(out.download(), out_ref), kBf16Bound) << "out" << where();
-    EXPECT_LT(relative_error(states.download(), states_ref), kFp32Bound) << "chunk states" << where();
     EXPECT_LT(relative_error(dq.download(), dq_ref), kFp32Bound) << "dq" << where();
     EXPECT_LT(relative_error(dk_.download(), dk_ref), kFp32Bound) << "dk" << where();
     EXPECT_LT(relative_error(dv_.download(), dv_ref), kFp32Bound) << "dv" << where();
     EXPECT_LT(relative_error(dg.download(), dg_ref), kFp32Bound) << "dg" << where();
     EXPECT_LT(relative_error(dbeta.download(), dbeta_ref), kFp32Bound) << "dbeta" << where();
   }
+  EXPECT_LT(relative_error(states.download(), states_ref), kFp32Bound) << "chunk states" << where();
+  if (carried) {
+    EXPECT_LT(relative_error(d_initial.download(), d_initial_ref), kFp32Bound) << "d_initial" << where();
+  }
+}
+
+TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
+  // A partial last chunk and sub-chunk, non-multiples of 16 in both head dims, the largest head
+  // dims, a single token, and a long sequence.
+  for (auto [T, H, dk, dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 2, 16, 16},
+                              {257, 3, 64, 64},
+                              {130, 2, 40, 24},
+                              {64, 1, 128, 128},
+                              {1, 2, 32, 32},
+                              {4096, 2, 64, 64}})
+    check_against_recurrence(T, H, dk, dv, false);
+}
+
+TEST(CudaKda, CarriedStatesMatchRecurrence) {
+  // A streamed chunk: the state it starts from and the gradient its final state receives.
+  for (auto [T, H, dk, dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{150, 2, 32, 48},
+                              {77, 1, 128, 128},
+                              {0, 2, 16, 16}})
+    check_against_recurrence(T, H, dk, dv, true);
+}
+
+TEST(CudaKda, StrongDecaysOverALongSequence) {
+  // Log decays down to -5 (a trained model's range): whole chunks decay to nothing.
+  check_against_recurrence(32768, 4, 16, 16, false, -5.0f);
+  check_against_recurrence(2048, 2, 64, 64, true, -5.0f);
 }
 
 }  // namespace

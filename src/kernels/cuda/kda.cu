@@ -1,30 +1,28 @@
-// Kimi Delta Attention, chunked. First step (this file): one CTA of 256 threads per head walks
-// its chunks in order with the fp32 state S [dk, dv] resident in shared memory; within a chunk
-// every stage is spread over the CTA's threads (scalar fp32 FMAs, no tensor cores):
-//   1. load k, q (bf16 -> fp32) and g for the chunk; per-channel prefix sums G_t = sum_{s<=t} g_s;
+// Kimi Delta Attention, chunked. The recurrence is independent per value column (S's column j
+// sees only v[:, j]; k, g and beta are shared), so the grid is heads x value tiles of 16 columns:
+// a CTA of 256 threads owns the [dk, 16] slice of one head's fp32 state and walks the chunks in
+// order (16 heads x dv 128 give 128 CTAs, the width of an H200). Scalar fp32 FMAs, no tensor cores.
+//
+// Forward, per chunk of C = 64 tokens:
+//   1. load k, q (bf16 -> fp32) and g; per-channel prefix sums G_t = sum_{s<=t} g_s;
 //   2. A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq[t][s] likewise with q_t
 //      (s <= t), exponent differences taken directly (always <= 0: no overflow however long the
-//      chunk's cumulative decay);
+//      chunk's cumulative decay). Every value tile of a head computes the same A and Aq;
 //   3. rhs_t = v_t - (exp(G_t) * k_t)^T S;  u_t = beta_t (rhs_t - sum_{s<t} A[t][s] u_s), a unit
-//      lower-triangular forward substitution, one thread per value column (no barrier per row);
+//      lower-triangular forward substitution, 16 lanes per value column (shuffle sums);
 //   4. o_t = (exp(G_t) * q_t)^T S + sum_{s<=t} Aq[t][s] u_s;
 //   5. S = diag(exp(G_last)) S + sum_s (exp(G_last - G_s) * k_s) u_s^T.
-// The backward walks the chunks in reverse with dS [dk, dv] in shared memory; within a chunk it
-// recomputes the per-token states from the stored chunk-entry state into a global workspace
-// (C + 1 states per head, L2-resident) and then runs the token-by-token reverse rule of
-// cpu::kda_recurrence_backward, each token's work spread over the CTA.
+// Backward, chunks in reverse, the state gradient dS in registers (thread (jj, ig) owns column jj
+// and rows ig, ig + 16, ..): the chunk's states are recomputed from its stored entry state, first
+// to the entries of its four 16-token sub-chunks, then per sub-chunk (last first) every token's
+// state into shared memory, and the token-by-token reverse rule of cpu::kda_recurrence_backward
+// runs over them. Sums over the value column (dq, dk, dg, dbeta) are partial per tile and added
+// to the outputs with fp32 atomics.
 //
-// Tensor-core version (next): many CTAs per head are not possible for the state recurrence, so
-// the parallel part moves out: (a) a chunk-parallel kernel (grid chunks x heads) computes, from
-// k, q, g, beta alone, the decayed keys/queries, A and Aq with wgmma (bf16 in, fp32 out: the
-// exp(G_t - G_s) factor is split as exp(G_t - G_ref) and exp(G_ref - G_s) around the chunk's
-// middle token, safe for bounded per-chunk decay) and inverts (I + diag(beta) A) by blocked
-// triangular inversion into T = (I + beta A)^-1 diag(beta), so that u = T (v - Kexp S) and the
-// effective keys W = T Kexp are GEMMs; (b) a thin sequential kernel per (head, dv tile) carries S
-// through the chunks: S_next = diag(exp(G_last)) S + Kdec^T (U - W S), two wgmma GEMMs of
-// [dk, 64] x [64, dv_tile] per chunk, S in registers of a warpgroup, operands by TMA; (c) the
-// outputs o = Qexp S + Aq U as a chunk-parallel GEMM kernel. Splitting dv across CTAs (the
-// recurrence is independent per value column) gives heads x dv/64 CTAs for the sequential part.
+// Tensor-core version (next): a chunk-parallel kernel (grid chunks x heads) computes A, Aq and
+// T = (I + diag(beta) A)^-1 diag(beta) with wgmma, so that u = T (v - Kexp S) and the effective
+// keys W = T Kexp are GEMMs; the sequential kernel then carries S with two [dk, 64] x [64, dv]
+// GEMMs per chunk, and the backward becomes the same in reverse.
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
@@ -36,34 +34,53 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kC = static_cast<int>(kKdaChunk);
+constexpr int kTileV = 16;                             // value columns per CTA
+constexpr int kRowGroups = kThreads / kTileV;          // thread (jj = tid % 16, ig = tid / 16)
+constexpr int kRows = kKdaMaxDim / kRowGroups;         // state rows per thread: ig + 16 r
+constexpr int kSub = 16;                               // backward sub-chunk (tokens)
+constexpr unsigned kFull = 0xffffffffu;
+static_assert(kWarps * 2 == kTileV, "the forward substitution gives each warp two value columns");
+static_assert(kC % kSub == 0, "sub-chunks tile the chunk");
 
-size_t forward_smem_bytes(int dk, int dv) {
+int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
+
+size_t forward_smem_bytes(int dk) {
   const int kp = dk + 1;  // padded row stride of the [C, dk] tiles: conflict-free column walks
-  return sizeof(float) * static_cast<size_t>(dk * dv + 3 * kC * kp + kC * dv + 2 * kC * kC + kC + dk);
+  return sizeof(float) * static_cast<size_t>(dk * kTileV + 3 * kC * kp + kC * kTileV + 2 * kC * kC + kC + dk);
 }
 
 __global__ void __launch_bounds__(kThreads)
     kda_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                        const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                        const float* __restrict__ beta, __nv_bfloat16* __restrict__ out,
-                       float* __restrict__ chunk_states, int64_t tokens, int heads, int dk, int dv) {
+                       float* __restrict__ chunk_states, const float* __restrict__ initial, int64_t tokens,
+                       int heads, int dk, int dv) {
   extern __shared__ float smem[];
-  const int h = blockIdx.x, tid = threadIdx.x, kp = dk + 1, SS = dk * dv;
-  float* S = smem;           // [dk, dv]
-  float* kb = S + SS;        // [C, kp]: k, then exp(G_t) k_t
-  float* qb = kb + kC * kp;  // [C, kp]: q, then exp(G_t) q_t
-  float* Gb = qb + kC * kp;  // [C, kp]: G, then exp(G_last - G_t) k_t
-  float* u = Gb + kC * kp;   // [C, dv]
-  float* A = u + kC * dv;    // [C, C]
-  float* Aq = A + kC * kC;   // [C, C]
-  float* bt = Aq + kC * kC;  // [C]
-  float* gl = bt + kC;       // [dk]: G of the chunk's last token
-  for (int idx = tid; idx < SS; idx += kThreads) S[idx] = 0.0f;
+  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x, kp = dk + 1;
+  const int64_t SS = static_cast<int64_t>(dk) * dv;
+  const int slice = dk * kTileV;
+  float* S = smem;            // [dk, kTileV]: columns j0 .. j0 + 15 of the state
+  float* kb = S + slice;      // [C, kp]: k, then exp(G_t) k_t
+  float* qb = kb + kC * kp;   // [C, kp]: q, then exp(G_t) q_t
+  float* Gb = qb + kC * kp;   // [C, kp]: G, then exp(G_last - G_t) k_t
+  float* u = Gb + kC * kp;    // [C, kTileV]
+  float* A = u + kC * kTileV; // [C, C]
+  float* Aq = A + kC * kC;    // [C, C]
+  float* bt = Aq + kC * kC;   // [C]
+  float* gl = bt + kC;        // [dk]: G of the chunk's last token
+  for (int idx = tid; idx < slice; idx += kThreads) {
+    const int i = idx / kTileV, j = j0 + idx % kTileV;
+    S[idx] = initial != nullptr && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+  }
   __syncthreads();
   const int64_t chunks = (tokens + kC - 1) / kC;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c <= chunks; ++c) {
     float* state_out = chunk_states + (c * heads + h) * SS;
-    for (int idx = tid; idx < SS; idx += kThreads) state_out[idx] = S[idx];
+    for (int idx = tid; idx < slice; idx += kThreads) {
+      const int i = idx / kTileV, j = j0 + idx % kTileV;
+      if (j < dv) state_out[i * dv + j] = S[idx];
+    }
+    if (c == chunks) break;
     const int64_t t0 = c * kC;
     const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
     for (int idx = tid; idx < n * dk; idx += kThreads) {
@@ -105,179 +122,225 @@ __global__ void __launch_bounds__(kThreads)
       kb[t * kp + i] *= e;
     }
     __syncthreads();
-    for (int idx = tid; idx < n * dv; idx += kThreads) {
-      const int t = idx / dv, j = idx - t * dv;
-      float acc = __bfloat162float(v[((t0 + t) * heads + h) * dv + j]);
-      for (int i = 0; i < dk; ++i) acc = fmaf(-kb[t * kp + i], S[i * dv + j], acc);
-      u[t * dv + j] = acc;
+    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
+      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
+      float acc = j < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + j]) : 0.0f;
+      for (int i = 0; i < dk; ++i) acc = fmaf(-kb[t * kp + i], S[i * kTileV + jj], acc);
+      u[t * kTileV + jj] = acc;
     }
     __syncthreads();
-    // Forward substitution: each value column is independent, so one thread walks a column.
-    for (int j = tid; j < dv; j += kThreads) {
+    {
+      // Forward substitution: 16 lanes per value column split each row's sum; a warp owns two
+      // columns, so rows follow each other with only a warp barrier.
+      const int lane = tid & 31, jj = 2 * (tid >> 5) + (lane >> 4), sub = lane & 15;
       for (int t = 0; t < n; ++t) {
-        float acc = u[t * dv + j];
-        for (int s = 0; s < t; ++s) acc = fmaf(-A[t * kC + s], u[s * dv + j], acc);
-        u[t * dv + j] = bt[t] * acc;
+        float acc = 0.0f;
+        for (int s = sub; s < t; s += 16) acc = fmaf(A[t * kC + s], u[s * kTileV + jj], acc);
+        for (int offset = 8; offset > 0; offset >>= 1) acc += __shfl_xor_sync(kFull, acc, offset);
+        if (sub == 0) u[t * kTileV + jj] = bt[t] * (u[t * kTileV + jj] - acc);
+        __syncwarp();
       }
     }
     __syncthreads();
-    for (int idx = tid; idx < n * dv; idx += kThreads) {
-      const int t = idx / dv, j = idx - t * dv;
+    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
+      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
+      if (j >= dv) continue;
       float o = 0.0f;
-      for (int i = 0; i < dk; ++i) o = fmaf(qb[t * kp + i], S[i * dv + j], o);
-      for (int s = 0; s <= t; ++s) o = fmaf(Aq[t * kC + s], u[s * dv + j], o);
+      for (int i = 0; i < dk; ++i) o = fmaf(qb[t * kp + i], S[i * kTileV + jj], o);
+      for (int s = 0; s <= t; ++s) o = fmaf(Aq[t * kC + s], u[s * kTileV + jj], o);
       out[((t0 + t) * heads + h) * dv + j] = __float2bfloat16(o);
     }
     __syncthreads();
-    for (int idx = tid; idx < SS; idx += kThreads) {
-      const int i = idx / dv, j = idx - i * dv;
+    for (int idx = tid; idx < slice; idx += kThreads) {
+      const int i = idx / kTileV, jj = idx - i * kTileV;
       float s_new = expf(gl[i]) * S[idx];
-      for (int s = 0; s < n; ++s) s_new = fmaf(Gb[s * kp + i], u[s * dv + j], s_new);
+      for (int s = 0; s < n; ++s) s_new = fmaf(Gb[s * kp + i], u[s * kTileV + jj], s_new);
       S[idx] = s_new;
     }
     __syncthreads();
   }
-  float* final_state = chunk_states + (chunks * heads + h) * SS;
-  for (int idx = tid; idx < SS; idx += kThreads) final_state[idx] = S[idx];
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// Backward shared memory: the states of one sub-chunk, the entries of a chunk's sub-chunks, the
+// per-row partials of three row sums (dq, dk, dg) and two buffers of column-sum partials.
+size_t backward_smem_bytes(int dk) {
+  const size_t slice = static_cast<size_t>(dk) * kTileV;
+  const size_t row_partials = (3 * static_cast<size_t>(dk) * (kTileV + 1) + 1) / 2 * 2;  // float2-aligned after
+  return sizeof(float) * ((kSub + 1) * slice + (kC / kSub) * slice + row_partials + 2 * 2 * kWarps * kTileV);
+}
+
+// The sum over all state rows of each thread's partials for its value column (two at once).
+// `scratch`: [kWarps, kTileV] float2; callers alternate two of them, so a fast thread's next call
+// never overwrites values a slow thread still reads (the barrier in between orders them).
+__device__ __forceinline__ float2 column_sum(float2 partial, float2* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, jj = threadIdx.x % kTileV;
+  partial.x += __shfl_xor_sync(kFull, partial.x, 16);
+  partial.y += __shfl_xor_sync(kFull, partial.y, 16);
+  if (lane < 16) scratch[warp * kTileV + jj] = partial;
+  __syncthreads();
+  float2 total = make_float2(0.0f, 0.0f);
+  for (int w = 0; w < kWarps; ++w) {
+    const float2 p = scratch[w * kTileV + jj];
+    total.x += p.x;
+    total.y += p.y;
+  }
+  return total;
+}
+
+// One token of the forward recurrence on the thread's own state elements `S`:
+// S = diag(exp g) S + k (beta (v - (exp(g) k)^T S))^T.
+__device__ __forceinline__ void forward_step(float (&S)[kRows], const __nv_bfloat16* __restrict__ k,
+                                             const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
+                                             const float* __restrict__ beta, int64_t row, int dk, int dv,
+                                             int j, int ig, float2* scratch) {
+  float kk[kRows], ee[kRows];
+  float part = 0.0f;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
+  for (int r = 0; r < kRows; ++r) {
+    const int i = ig + kRowGroups * r;
+    kk[r] = i < dk ? __bfloat162float(k[row * dk + i]) : 0.0f;
+    ee[r] = i < dk ? expf(g[row * dk + i]) : 0.0f;
+    part = fmaf(ee[r] * kk[r], S[r], part);
+  }
+  const float vj = j < dv ? __bfloat162float(v[row * dv + j]) : 0.0f;
+  const float kv = column_sum(make_float2(part, 0.0f), scratch).x;
+  const float delta = beta[row] * (vj - kv);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) S[r] = fmaf(kk[r], delta, ee[r] * S[r]);
 }
 
-// Shared memory: dS [dk, dv] plus per-token vectors.
-size_t backward_smem_bytes(int dk, int dv) {
-  return sizeof(float) * static_cast<size_t>(dk * dv + 4 * dk + 6 * dv + 1);
-}
-
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     kda_backward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
-                        const float* __restrict__ chunk_states, float* __restrict__ dq,
-                        float* __restrict__ dk_out, float* __restrict__ dv_out, float* __restrict__ dg,
-                        float* __restrict__ dbeta, float* workspace, int64_t tokens, int heads, int dk,
-                        int dv) {
+                        const float* __restrict__ chunk_states, const float* __restrict__ d_final,
+                        float* __restrict__ d_initial, float* __restrict__ dq, float* __restrict__ dk_out,
+                        float* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
+                        int64_t tokens, int heads, int dk, int dv) {
   extern __shared__ float smem[];
-  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, SS = dk * dv;
-  float* dS = smem;         // [dk, dv]
-  float* qs = dS + SS;      // [dk]
-  float* ks = qs + dk;      // [dk]
-  float* es = ks + dk;      // [dk]: exp(g_t)
-  float* gs = es + dk;      // [dk]: g_t
-  float* vs = gs + dk;      // [dv]
-  float* dos = vs + dv;     // [dv]
-  float* delta = dos + dv;  // [dv]
-  float* dkv = delta + dv;  // [dv]
-  float* kv = dkv + dv;     // [dv]
-  float* red = kv + dv;     // [dv]: ddelta_j (v_j - kv_j), summed into dbeta
-  float* bsh = red + dv;    // [1]
-  float* states = workspace + static_cast<int64_t>(h) * (kC + 1) * SS;  // [C + 1, dk, dv]
-  for (int idx = tid; idx < SS; idx += kThreads) dS[idx] = 0.0f;
+  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, jj = tid % kTileV, ig = tid / kTileV;
+  const int j = blockIdx.y * kTileV + jj;
+  const int64_t SS = static_cast<int64_t>(dk) * dv;
+  const int slice = dk * kTileV;
+  float* states = smem;                                     // [kSub + 1, dk, kTileV]
+  float* entries = states + (kSub + 1) * slice;             // [C / kSub, dk, kTileV]
+  float* rows = entries + (kC / kSub) * slice;              // [3, dk, kTileV + 1]
+  float2* cols = reinterpret_cast<float2*>(rows + (3 * dk * (kTileV + 1) + 1) / 2 * 2);  // [2, kWarps, kTileV]
+  int flip = 0;
+  const auto next_scratch = [&] {
+    flip ^= 1;
+    return cols + flip * kWarps * kTileV;
+  };
+  // Own element r: state row ig + 16 r, column j; its offset in a [dk, kTileV] slice.
+  const auto own = [&](int r) { return (ig + kRowGroups * r) * kTileV + jj; };
+  const auto row_ok = [&](int r) { return ig + kRowGroups * r < dk; };  // else past the slice
+  const auto owned = [&](int r) { return row_ok(r) && j < dv; };
+
+  float dS[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    dS[r] = d_final != nullptr && owned(r) ? d_final[h * SS + (ig + kRowGroups * r) * dv + j] : 0.0f;
+
   const int64_t chunks = (tokens + kC - 1) / kC;
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t t0 = c * kC;
     const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
+    const int subs = (n + kSub - 1) / kSub;
+    // The chunk's entry state, stepped forward to each sub-chunk's entry.
+    float S[kRows];
     const float* entry = chunk_states + (c * heads + h) * SS;
-    for (int idx = tid; idx < SS; idx += kThreads) states[idx] = entry[idx];
-    __syncthreads();
-    // Recompute the chunk's states: states[m + 1] is the state after token t0 + m.
-    for (int m = 0; m < n; ++m) {
-      const int64_t row = (t0 + m) * heads + h;
-      for (int i = tid; i < dk; i += kThreads) {
-        ks[i] = __bfloat162float(k[row * dk + i]);
-        es[i] = expf(g[row * dk + i]);
-      }
-      for (int j = tid; j < dv; j += kThreads) vs[j] = __bfloat162float(v[row * dv + j]);
-      __syncthreads();
-      const float* prev = states + static_cast<int64_t>(m) * SS;
-      float* next = states + static_cast<int64_t>(m + 1) * SS;
-      const float b = beta[row];
-      for (int j = tid; j < dv; j += kThreads) {
-        float acc = 0.0f;
-        for (int i = 0; i < dk; ++i) acc = fmaf(es[i] * ks[i], prev[i * dv + j], acc);
-        delta[j] = b * (vs[j] - acc);
-      }
-      __syncthreads();
-      for (int idx = tid; idx < SS; idx += kThreads) {
-        const int i = idx / dv, j = idx - i * dv;
-        next[idx] = fmaf(ks[i], delta[j], es[i] * prev[idx]);
-      }
-      __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) S[r] = owned(r) ? entry[(ig + kRowGroups * r) * dv + j] : 0.0f;
+    for (int m = 0; m < (subs - 1) * kSub; ++m) {
+      if (m % kSub == 0)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (row_ok(r)) entries[(m / kSub) * slice + own(r)] = S[r];
+      forward_step(S, k, v, g, beta, (t0 + m) * heads + h, dk, dv, j, ig, next_scratch());
     }
-    for (int m = n - 1; m >= 0; --m) {
-      const int64_t row = (t0 + m) * heads + h;
-      for (int i = tid; i < dk; i += kThreads) {
-        qs[i] = __bfloat162float(q[row * dk + i]);
-        ks[i] = __bfloat162float(k[row * dk + i]);
-        gs[i] = g[row * dk + i];
-        es[i] = expf(gs[i]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (row_ok(r)) entries[(subs - 1) * slice + own(r)] = S[r];
+
+    for (int sub = subs - 1; sub >= 0; --sub) {
+      const int m0 = sub * kSub, ns = min(kSub, n - m0);
+      // states[m] is the state before token m0 + m.
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        S[r] = row_ok(r) ? entries[sub * slice + own(r)] : 0.0f;
+        if (row_ok(r)) states[own(r)] = S[r];
       }
-      for (int j = tid; j < dv; j += kThreads) {
-        vs[j] = __bfloat162float(v[row * dv + j]);
-        dos[j] = __bfloat162float(dout[row * dv + j]);
+      for (int m = 0; m < ns; ++m) {
+        forward_step(S, k, v, g, beta, (t0 + m0 + m) * heads + h, dk, dv, j, ig, next_scratch());
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (row_ok(r)) states[(m + 1) * slice + own(r)] = S[r];
       }
-      if (tid == 0) bsh[0] = beta[row];
-      __syncthreads();
-      const float* prev = states + static_cast<int64_t>(m) * SS;
-      const float* cur = states + static_cast<int64_t>(m + 1) * SS;
-      const float b = bsh[0];
-      // o = S_t^T q: dq = S_t do, dS += q do^T. A warp per key row.
-      for (int i = warp; i < dk; i += kWarps) {
-        float acc = 0.0f;
-        for (int j = lane; j < dv; j += 32) {
-          acc = fmaf(cur[i * dv + j], dos[j], acc);
-          dS[i * dv + j] = fmaf(qs[i], dos[j], dS[i * dv + j]);
+      for (int m = ns - 1; m >= 0; --m) {
+        const int64_t row = (t0 + m0 + m) * heads + h;
+        const float* prev = states + m * slice;
+        const float* cur = prev + slice;
+        const float vj = j < dv ? __bfloat162float(v[row * dv + j]) : 0.0f;
+        const float doj = j < dv ? __bfloat162float(dout[row * dv + j]) : 0.0f;
+        const float b = beta[row];
+        float kk[kRows], ee[kRows], pa[kRows], cq[kRows];
+        float2 part = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int i = ig + kRowGroups * r;
+          const float qi = i < dk ? __bfloat162float(q[row * dk + i]) : 0.0f;
+          kk[r] = i < dk ? __bfloat162float(k[row * dk + i]) : 0.0f;
+          ee[r] = i < dk ? expf(g[row * dk + i]) : 0.0f;
+          pa[r] = i < dk ? ee[r] * prev[own(r)] : 0.0f;  // S_a = diag(exp g) S_{t-1}
+          cq[r] = i < dk ? cur[own(r)] * doj : 0.0f;                  // o = S_t^T q: dq = S_t do
+          dS[r] = fmaf(qi, doj, dS[r]);                                // dS += q do^T
+          part.x = fmaf(kk[r], pa[r], part.x);                         // kv = S_a^T k
+          part.y = fmaf(kk[r], dS[r], part.y);                         // ddelta = dS^T k
         }
-        acc = warp_sum(acc);
-        if (lane == 0) dq[row * dk + i] = acc;
-      }
-      __syncthreads();
-      // Per value column: kv = S_a^T k (S_a = diag(exp g) S_{t-1}), delta, ddelta = dS^T k.
-      for (int j = tid; j < dv; j += kThreads) {
-        float a = 0.0f, dd = 0.0f;
-        for (int i = 0; i < dk; ++i) {
-          a = fmaf(es[i] * ks[i], prev[i * dv + j], a);
-          dd = fmaf(ks[i], dS[i * dv + j], dd);
+        const float2 total = column_sum(part, next_scratch());
+        const float delta = b * (vj - total.x), dkv = -b * total.y;
+        if (ig == 0 && j < dv) dv_out[row * dv + j] = b * total.y;
+        // dk = dS delta + S_a dkv; dS += k dkv^T; dg = rowsum(dS o S_a); dS *= exp g.
+        float* rows_k = rows + dk * (kTileV + 1);
+        float* rows_g = rows_k + dk * (kTileV + 1);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int i = ig + kRowGroups * r;
+          float s = dS[r];
+          const float ck = fmaf(s, delta, pa[r] * dkv);
+          s = fmaf(kk[r], dkv, s);
+          if (i < dk) {  // after column_sum's barrier: the previous token's row sums are read
+            rows[i * (kTileV + 1) + jj] = cq[r];
+            rows_k[i * (kTileV + 1) + jj] = ck;
+            rows_g[i * (kTileV + 1) + jj] = s * pa[r];
+          }
+          dS[r] = s * ee[r];
         }
-        kv[j] = a;
-        delta[j] = b * (vs[j] - a);
-        dv_out[row * dv + j] = b * dd;
-        dkv[j] = -b * dd;
-        red[j] = dd * (vs[j] - a);
-      }
-      __syncthreads();
-      // Per key row: dk = dS delta + S_a dkv; dS += k dkv^T; dg = rowsum(dS o S_a); dS *= exp g.
-      for (int i = warp; i < dk; i += kWarps) {
-        float acc_k = 0.0f, acc_g = 0.0f;
-        const float ki = ks[i], ei = es[i];
-        for (int j = lane; j < dv; j += 32) {
-          const float a = ei * prev[i * dv + j];
-          float s = dS[i * dv + j];
-          acc_k = fmaf(s, delta[j], acc_k);
-          acc_k = fmaf(a, dkv[j], acc_k);
-          s = fmaf(ki, dkv[j], s);
-          acc_g = fmaf(s, a, acc_g);
-          dS[i * dv + j] = s * ei;
+        if (tid < 32) {  // dbeta = sum_j ddelta_j (v_j - kv_j): lanes 0..15 hold one column each
+          float red = j < dv ? total.y * (vj - total.x) : 0.0f;
+          for (int offset = 8; offset > 0; offset >>= 1) red += __shfl_xor_sync(kFull, red, offset);
+          if (lane == 0) atomicAdd(dbeta + row, red);
         }
-        acc_k = warp_sum(acc_k);
-        acc_g = warp_sum(acc_g);
-        if (lane == 0) {
-          dk_out[row * dk + i] = acc_k;
-          dg[row * dk + i] = acc_g;
+        __syncthreads();
+        if (tid < dk) {
+          float sq = 0.0f, sk = 0.0f, sg = 0.0f;
+          for (int x = 0; x < kTileV; ++x) {
+            sq += rows[tid * (kTileV + 1) + x];
+            sk += rows_k[tid * (kTileV + 1) + x];
+            sg += rows_g[tid * (kTileV + 1) + x];
+          }
+          atomicAdd(dq + row * dk + tid, sq);
+          atomicAdd(dk_out + row * dk + tid, sk);
+          atomicAdd(dg + row * dk + tid, sg);
         }
+        // The next token's first barrier (in column_sum) orders these reads before its writes.
       }
-      if (warp == kWarps - 1) {
-        float acc = 0.0f;
-        for (int j = lane; j < dv; j += 32) acc += red[j];
-        acc = warp_sum(acc);
-        if (lane == 0) dbeta[row] = acc;
-      }
-      __syncthreads();
     }
   }
+  if (d_initial != nullptr)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (owned(r)) d_initial[h * SS + (ig + kRowGroups * r) * dv + j] = dS[r];
 }
 
 void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {
@@ -291,31 +354,40 @@ void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, in
 
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
-                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream) {
+                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
+                         const float* initial_state) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
-  const size_t smem = forward_smem_bytes(static_cast<int>(dk), static_cast<int>(dv));
+  const size_t smem = forward_smem_bytes(static_cast<int>(dk));
   SPINDLE_CUDA(cudaFuncSetAttribute(kda_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-  kda_forward_kernel<<<static_cast<unsigned>(heads), kThreads, smem, stream>>>(
-      q, k, v, g, beta, out, chunk_states, tokens, static_cast<int>(heads), static_cast<int>(dk),
-      static_cast<int>(dv));
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
+  kda_forward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, out, chunk_states, initial_state,
+                                                       tokens, static_cast<int>(heads), static_cast<int>(dk),
+                                                       static_cast<int>(dv));
   SPINDLE_LAUNCHED("kda_forward_kernel");
 }
 
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,
                           const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
-                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
-                          int64_t dv, cudaStream_t stream) {
+                          float* dbeta, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
+                          cudaStream_t stream, const float* d_final_state, float* d_initial_state) {
   check_shape("kda_chunked_backward", tokens, heads, dk, dv);
-  if (heads == 0 || tokens == 0) return;
-  const size_t smem = backward_smem_bytes(static_cast<int>(dk), static_cast<int>(dv));
+  if (heads == 0) return;
+  // The value tiles add their partial sums into these.
+  SPINDLE_CUDA(cudaMemsetAsync(dq, 0, static_cast<size_t>(tokens * heads * dk) * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(dk_out, 0, static_cast<size_t>(tokens * heads * dk) * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(dg, 0, static_cast<size_t>(tokens * heads * dk) * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(dbeta, 0, static_cast<size_t>(tokens * heads) * sizeof(float), stream));
+  const size_t smem = backward_smem_bytes(static_cast<int>(dk));
   SPINDLE_CUDA(cudaFuncSetAttribute(kda_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-  kda_backward_kernel<<<static_cast<unsigned>(heads), kThreads, smem, stream>>>(
-      q, k, v, g, beta, dout, chunk_states, dq, dk_out, dv_out, dg, dbeta, workspace, tokens,
-      static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv));
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
+  kda_backward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, dout, chunk_states, d_final_state,
+                                                        d_initial_state, dq, dk_out, dv_out, dg, dbeta, tokens,
+                                                        static_cast<int>(heads), static_cast<int>(dk),
+                                                        static_cast<int>(dv));
   SPINDLE_LAUNCHED("kda_backward_kernel");
 }
 

@@ -16,28 +16,27 @@ constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
 
 inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }
 
-// Forward from a zero initial state. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k
-// l2-normalised); v: [tokens, heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta:
-// [tokens, heads]; out: [tokens, heads, dv]. chunk_states: fp32 [chunks + 1, heads, dk, dv], the
-// state entering each chunk (entry 0 is zero, entry `chunks` the final state), kept for the
-// backward.
+// Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,
+// heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta: [tokens, heads]; out: [tokens, heads,
+// dv]. initial_state: fp32 [heads, dk, dv], the state before the first token (a streamed chunk's
+// carry), or null for zero. chunk_states: fp32 [chunks + 1, heads, dk, dv], the state entering
+// each chunk (entry 0 the initial state, entry `chunks` the final state), kept for the backward.
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
-                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream);
-
-// fp32 scratch the backward needs: heads x (C + 1) states of dk x dv.
-inline int64_t kda_backward_workspace_floats(int64_t heads, int64_t dk, int64_t dv) {
-  return heads * (kKdaChunk + 1) * dk * dv;
-}
+                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
+                         const float* initial_state = nullptr);
 
 // Backward from chunk_states (as kda_chunked_forward wrote them) and dout (bf16 [tokens, heads,
-// dv]); no gradient flows into the final state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32
-// [tokens, heads, dv]; dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; all written.
-// workspace: kda_backward_workspace_floats(heads, dk, dv) floats.
+// dv]). d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later
+// chunk of a streamed sequence), or null for none; d_initial_state, if not null, receives the
+// gradient of the initial state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32 [tokens, heads, dv];
+// dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; all written (dq, dk, dg and dbeta are
+// sums over value tiles, accumulated with fp32 atomics: equal within rounding from run to run).
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,
                           const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
-                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
-                          int64_t dv, cudaStream_t stream);
+                          float* dbeta, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
+                          cudaStream_t stream, const float* d_final_state = nullptr,
+                          float* d_initial_state = nullptr);
 
 }  // namespace spindle::cuda

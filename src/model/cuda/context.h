@@ -1,5 +1,5 @@
 // What every GPU module call shares: the stream, the GEMM plans, the fused head, the expert
-// permutation's workspace and the kernel record.
+// permutation's workspace, the kernel record and the timer.
 #pragma once
 
 #include "backend/cuda/stream.h"
@@ -7,6 +7,7 @@
 #include "kernels/cuda/lm_loss.h"
 #include "kernels/cuda/moe_ops.h"
 #include "model/cuda/kernel_record.h"
+#include "model/cuda/kind_timer.h"
 
 namespace spindle::cuda {
 
@@ -24,6 +25,9 @@ struct Context {
   LmHeadLoss head;
   ExpertPermutation permutation;
   KernelRecord record;
+  KindTimer* timer = nullptr;  // GPU time per kind of work, when someone is measuring
+
+  TimedScope timed(const char* kind) { return TimedScope(timer, kind, stream()); }
 };
 
 }  // namespace spindle::cuda

@@ -223,10 +223,16 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
   MlaActivations a = mla_projections(ctx, c, w, x, L);
-  if (w.has_indexer && !reuse_selection) run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection);
+  if (w.has_indexer && !reuse_selection) {
+    const TimedScope timed = ctx.timed("dsa.indexer");
+    run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection);
+  }
   check(selection.size() == static_cast<size_t>(L * selection_width(c)),
         "DSA layer without a selection to share");
-  attend(ctx, c, w, L, a, selection.data());
+  {
+    const TimedScope timed = ctx.timed("dsa.attention");
+    attend(ctx, c, w, L, a, selection.data());
+  }
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
 }
@@ -240,9 +246,13 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
   MlaActivations a = mla_projections(ctx, c, w, x, L);
-  attend(ctx, c, w, L, a, selection);
+  {
+    const TimedScope timed = ctx.timed("dsa.attention");
+    attend(ctx, c, w, L, a, selection);
+  }
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
+    const TimedScope timed = ctx.timed("dsa.indexer_kl");
     const cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
     DeviceBuffer<float> mass = activations_f32(L * shape.width);
     attention_mass(shape, a.attention_query(), a.kv.data(), selection, mass.data(), s);
@@ -254,7 +264,10 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), d_attended.data(), L, H * dv, D, s);
   gemm.linear_backward_weight(dy, a.attended.data(), f32_data(grad.o_proj), L, H * dv, D, s);
   DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
-  attention_backward(ctx, c, w, L, a, selection, d_attended.data(), dq.data(), d_normed.data(), grad);
+  {
+    const TimedScope timed = ctx.timed("dsa.attention_backward");
+    attention_backward(ctx, c, w, L, a, selection, d_attended.data(), dq.data(), d_normed.data(), grad);
+  }
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
   gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 1.0f, s);

@@ -58,8 +58,11 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   ctx.gemm.linear(x, bf16_data(w.b_proj), a.beta.data(), L, D, H, s);
   sigmoid_forward(a.beta.data(), a.beta.data(), L * H, s);
 
-  kda_chunked_forward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), a.core.data(),
-                      a.chunk_states.data(), L, H, dh, dh, s);
+  {
+    const TimedScope timed = ctx.timed("kda.recurrence");
+    kda_chunked_forward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), a.core.data(),
+                        a.chunk_states.data(), L, H, dh, dh, s);
+  }
   ctx.gemm.linear(x, bf16_data(w.g_a_proj), a.gate_low.data(), L, D, dh, s);
   ctx.gemm.linear(a.gate_low.data(), bf16_data(w.g_b_proj), a.gate.data(), L, dh, qkv, s);
   ctx.record.note("kda/projections", "cublaslt bf16");
@@ -105,11 +108,13 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
   // The delta rule.
   DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
                       dv = activations_f32(L * qkv), dg = activations_f32(L * qkv),
-                      dbeta = activations_f32(L * H),
-                      workspace = activations_f32(kda_backward_workspace_floats(H, dh, dh));
-  kda_chunked_backward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), dcore.data(),
-                       a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
-                       workspace.data(), L, H, dh, dh, s);
+                      dbeta = activations_f32(L * H);
+  {
+    const TimedScope timed = ctx.timed("kda.recurrence_backward");
+    kda_chunked_backward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), dcore.data(),
+                         a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), L,
+                         H, dh, dh, s);
+  }
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);

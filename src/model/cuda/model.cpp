@@ -11,28 +11,6 @@
 
 namespace spindle::cuda {
 
-void KindTimer::begin(const std::string& kind, cudaStream_t stream) {
-  Span span{kind, nullptr, nullptr};
-  SPINDLE_CUDA(cudaEventCreate(&span.start));
-  SPINDLE_CUDA(cudaEventCreate(&span.stop));
-  SPINDLE_CUDA(cudaEventRecord(span.start, stream));
-  spans_.push_back(span);
-}
-
-void KindTimer::end(cudaStream_t stream) { SPINDLE_CUDA(cudaEventRecord(spans_.back().stop, stream)); }
-
-void KindTimer::collect(std::map<std::string, double>& ms) {
-  for (Span& span : spans_) {
-    SPINDLE_CUDA(cudaEventSynchronize(span.stop));
-    float elapsed = 0;
-    SPINDLE_CUDA(cudaEventElapsedTime(&elapsed, span.start, span.stop));
-    ms[span.kind] += elapsed;
-    cudaEventDestroy(span.start);
-    cudaEventDestroy(span.stop);
-  }
-  spans_.clear();
-}
-
 namespace {
 
 const char* attention_kind(const LayerWeights& layer) {
@@ -67,10 +45,10 @@ CudaModel::CudaModel(const ModelConfig& config, const ModelWeights& host_weights
 }
 
 void CudaModel::begin(const char* kind) {
-  if (timer_) timer_->begin(kind, ctx_.stream());
+  if (ctx_.timer) ctx_.timer->begin(kind, ctx_.stream());
 }
 void CudaModel::end() {
-  if (timer_) timer_->end(ctx_.stream());
+  if (ctx_.timer) ctx_.timer->end(ctx_.stream());
 }
 
 void CudaModel::attention_forward(const LayerWeights& layer, const bf16* x, int64_t L,

@@ -15,22 +15,6 @@
 
 namespace spindle::cuda {
 
-// GPU time (ms) per layer kind ("kda", "dsa", "mlp", "moe", "head") over the passes it watched.
-class KindTimer {
- public:
-  void begin(const std::string& kind, cudaStream_t stream);
-  void end(cudaStream_t stream);
-  // Waits for the recorded work and adds its times to `ms`; clears the events.
-  void collect(std::map<std::string, double>& ms);
-
- private:
-  struct Span {
-    std::string kind;
-    cudaEvent_t start, stop;
-  };
-  std::vector<Span> spans_;
-};
-
 class CudaModel {
  public:
   CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false,
@@ -40,7 +24,7 @@ class CudaModel {
   Context& context() { return ctx_; }
   DeviceWeights& weights() { return weights_; }
   DeviceWeights& grads() { return grads_; }
-  void set_timer(KindTimer* timer) { timer_ = timer; }
+  void set_timer(KindTimer* timer) { ctx_.timer = timer; }
 
   // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1.
   std::vector<float> log_probs(const std::vector<int32_t>& tokens);
@@ -59,7 +43,6 @@ class CudaModel {
   ModelConfig config_;
   Context ctx_;
   DeviceWeights weights_, grads_;
-  KindTimer* timer_ = nullptr;
 };
 
 }  // namespace spindle::cuda
