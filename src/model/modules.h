@@ -36,6 +36,14 @@ struct DsaCarry {
   std::vector<T> kv, index_keys, index_gate;
 };
 
+// The gradients of a DsaCarry's contents gathered over a backward in chunks (last chunk first),
+// and of the indexer's pooled keys (every complete pool of the carry). Zero to begin with.
+template <class T>
+struct DsaCacheGrad {
+  std::vector<T> kv, pool_keys, index_keys, index_gate;
+  DsaCacheGrad(const ModelConfig& c, const DsaCarry<T>& cache);
+};
+
 // MLA + DSA. `selection` ([tokens, width], absolute positions) is written when the layer has its
 // own indexer and read when it shares the previous layer's. The overload with a carry continues
 // a sequence whose earlier tokens left `carry`, and appends this chunk to it.
@@ -82,14 +90,16 @@ void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t
                   const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss = nullptr);
 // Backward of a chunk of queries at positions first .. first + tokens, over the whole sequence's
-// keys and values `kv` (the forward's final DsaCarry::kv). `dkv` (shaped like kv, zero before the
-// last chunk) gathers every chunk's key/value gradients; this chunk's own rows are complete when
-// it runs (later chunks run first) and flow back into dx. The indexer's KL training still needs the
-// whole sequence.
+// cache `cache` (the forward's final DsaCarry). `cache_grad` (made from that cache before the last
+// chunk) gathers every chunk's gradients of the keys and values and, when the indexer is trained,
+// of its pooled keys, keys and gates; this chunk's own rows are complete when it runs (later chunks
+// run first) and flow back into dx (keys and values) or the indexer's weights. The indexer's loss
+// is normalised by the whole sequence's length, as over the whole sequence at once.
 template <class T>
 void dsa_backward(const ModelConfig& c, const DsaWeights& w, const T* x, int64_t tokens,
                   const std::vector<int32_t>& selection, const T* dy, T* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss, const std::vector<T>& kv, int64_t first, std::vector<T>& dkv);
+                  IndexerLoss* indexer_loss, const DsaCarry<T>& cache, int64_t first,
+                  DsaCacheGrad<T>& cache_grad);
 
 template <class T>
 void mlp_backward(const MlpWeights& w, double swiglu_limit, const T* x, int64_t tokens, const T* dy, T* dx,

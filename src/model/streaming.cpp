@@ -32,7 +32,6 @@ template <class T>
 LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights& w,
                                        const std::vector<int32_t>& tokens, ModelWeights& g,
                                        const LossOptions& options) {
-  check(options.indexer_kl_coef == 0, "the streaming executor does not yet train the indexer's KL in chunks");
   const bool balance = options.aux_loss_coef > 0;
   BalanceStats stats;  // pooled over every chunk's tokens before any gradient
   const auto L = static_cast<int64_t>(tokens.size());
@@ -87,10 +86,12 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
   if (balance) result.aux_loss = balance_value(c, stats);
 
   // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
-  // key/value gradients; everything else is per token.
+  // caches' gradients (keys and values; the indexer's pooled keys, keys and gates); everything
+  // else is per token.
   std::vector<KdaCarry<T>> kda_grad(layers, KdaCarry<T>(c));
-  std::vector<std::vector<T>> dkv(layers);
-  for (size_t i = 0; i < layers; ++i) dkv[i].assign(cache[i].kv.size(), T(0));
+  std::vector<DsaCacheGrad<T>> cache_grad;
+  for (size_t i = 0; i < layers; ++i) cache_grad.emplace_back(c, cache[i]);
+  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale};
   const T scale = T(options.scale) / T(L - 1);
   double log_prob_sum = 0;
   for (size_t k = chunks; k-- > 0;) {
@@ -182,14 +183,16 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
             if (layer.attention == AttentionKind::Kda)
               kda_backward(c, layer.kda, x, n, dy, dx, grad.kda, kda_starts[k][i], kda_grad[i]);
             else
-              dsa_backward(c, layer.dsa, x, n, selections[i], dy, dx, grad.dsa, nullptr, cache[i].kv, start,
-                           dkv[i]);
+              dsa_backward(c, layer.dsa, x, n, selections[i], dy, dx, grad.dsa, &indexer_loss, cache[i],
+                           start, cache_grad[i]);
           });
     }
 
     embedding_backward(c, ids, dstreams, g);
   }
   result.loss = -log_prob_sum / static_cast<double>(L - 1);
+  if (indexer_loss.layers > 0)
+    result.indexer_kl = indexer_loss.kl_sum / static_cast<double>(indexer_loss.layers);
   return result;
 }
 

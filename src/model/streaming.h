@@ -15,8 +15,8 @@
 namespace spindle {
 
 // As loss_and_gradients with options.chunk_tokens tokens per chunk. The balance loss pools its
-// statistics over every chunk in the forward before any gradient. Not yet in chunks: the
-// indexer's KL training (asking fails).
+// statistics over every chunk in the forward before any gradient; the indexer's KL is per query,
+// its pooled keys' gradients gathered over the chunks that see each pool.
 template <class T>
 LossResult streamed_loss_and_gradients(const ModelConfig& config, const ModelWeights& weights,
                                        const std::vector<int32_t>& tokens, ModelWeights& grads,

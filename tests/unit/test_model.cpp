@@ -453,9 +453,11 @@ TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
 namespace spindle {
 namespace {
 
-// A DSA layer's backward in chunks, last chunk first, over the forward's key/value cache: each
-// chunk adds its queries' key/value gradients to a buffer shaped like the cache and sends its own
-// rows' (complete by then) back through kv_b, its norm and kv_a. Equal to the whole sequence.
+// A DSA layer's backward in chunks, last chunk first, over the forward's cache: each chunk adds
+// its queries' key/value gradients (and, training the indexer, its pooled keys' gradients) to
+// buffers shaped like the cache and sends its own rows' (complete by then) back through kv_b, its
+// norm and kv_a (the indexer's key norm, wk and compress_gate). Equal to the whole sequence, with
+// and without the indexer's KL.
 TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
   ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
   c.initializer_range = 0.2;
@@ -466,42 +468,60 @@ TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
   const DsaWeights& dsa = w.layers[layer].dsa;
   const int64_t L = 200, D = c.hidden_size;
   Random rng(15);
-  std::vector<double> x(static_cast<size_t>(L * D)), dy(x.size()), dx_whole(x.size(), 0.0), y(x.size());
+  std::vector<double> x(static_cast<size_t>(L * D)), dy(x.size()), y(x.size());
   for (double& v : x) v = rng.normal();
   for (double& v : dy) v = rng.normal();
   std::vector<int32_t> selection;
   dsa_forward(c, dsa, x.data(), L, selection, y.data());
-  ModelWeights whole = zero_gradients(c, DType::F64);
-  dsa_backward(c, dsa, x.data(), L, selection, dy.data(), dx_whole.data(), whole.layers[layer].dsa);
-  double scale = 0;
-  for (double v : dx_whole) scale = std::max(scale, std::abs(v));
-  ASSERT_GT(scale, 1e-6);
   const auto width = static_cast<int64_t>(selection.size()) / L;
-  for (const int64_t chunk : {1, 5, 64, 77}) {
-    DsaCarry<double> cache;  // the forward's, chunk by chunk
-    std::vector<std::vector<int32_t>> selections;
-    for (int64_t t0 = 0; t0 < L; t0 += chunk) {
-      selections.emplace_back();
-      dsa_forward(c, dsa, x.data() + t0 * D, std::min(chunk, L - t0), selections.back(), y.data() + t0 * D,
-                  cache);
-    }
-    ModelWeights chunked = zero_gradients(c, DType::F64);
-    std::vector<double> dx(x.size(), 0.0), dkv(cache.kv.size(), 0.0);
-    for (size_t k = selections.size(); k-- > 0;) {
-      const int64_t t0 = static_cast<int64_t>(k) * chunk, n = std::min(chunk, L - t0);
-      ASSERT_EQ(static_cast<int64_t>(selections[k].size()), n * width);
-      dsa_backward(c, dsa, x.data() + t0 * D, n, selections[k], dy.data() + t0 * D, dx.data() + t0 * D,
-                   chunked.layers[layer].dsa, nullptr, cache.kv, t0, dkv);
-    }
-    double worst = 0;
-    for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
-    EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
-    auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
-    const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
-    for (size_t p = 0; p < a.size(); ++p) {
-      if (a[p].name.find(prefix) == std::string::npos) continue;
-      const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
-      EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk;
+  for (const double coef : {0.0, 0.7}) {
+    std::vector<double> dx_whole(x.size(), 0.0);
+    ModelWeights whole = zero_gradients(c, DType::F64);
+    IndexerLoss whole_kl{coef};
+    dsa_backward(c, dsa, x.data(), L, selection, dy.data(), dx_whole.data(), whole.layers[layer].dsa,
+                 &whole_kl);
+    EXPECT_EQ(whole_kl.layers, coef > 0 ? 1 : 0);
+    double scale = 0;
+    for (double v : dx_whole) scale = std::max(scale, std::abs(v));
+    ASSERT_GT(scale, 1e-6);
+    for (const int64_t chunk : {1, 5, 64, 77}) {
+      DsaCarry<double> cache;  // the forward's, chunk by chunk
+      std::vector<std::vector<int32_t>> selections;
+      for (int64_t t0 = 0; t0 < L; t0 += chunk) {
+        selections.emplace_back();
+        dsa_forward(c, dsa, x.data() + t0 * D, std::min(chunk, L - t0), selections.back(), y.data() + t0 * D,
+                    cache);
+      }
+      ModelWeights chunked = zero_gradients(c, DType::F64);
+      std::vector<double> dx(x.size(), 0.0);
+      DsaCacheGrad<double> cache_grad(c, cache);
+      IndexerLoss kl{coef};
+      for (size_t k = selections.size(); k-- > 0;) {
+        const int64_t t0 = static_cast<int64_t>(k) * chunk, n = std::min(chunk, L - t0);
+        ASSERT_EQ(static_cast<int64_t>(selections[k].size()), n * width);
+        dsa_backward(c, dsa, x.data() + t0 * D, n, selections[k], dy.data() + t0 * D, dx.data() + t0 * D,
+                     chunked.layers[layer].dsa, &kl, cache, t0, cache_grad);
+      }
+      EXPECT_EQ(kl.layers, whole_kl.layers);
+      EXPECT_NEAR(kl.kl_sum, whole_kl.kl_sum, 1e-12 * whole_kl.kl_sum) << "chunks of " << chunk;
+      double worst = 0;
+      for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
+      EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
+      auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
+      const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
+      int trained = 0;  // indexer tensors with a gradient
+      for (size_t p = 0; p < a.size(); ++p) {
+        if (a[p].name.find(prefix) == std::string::npos) continue;
+        const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
+        EXPECT_LE(diff, 1e-10 * size) << a[p].name << ", chunks of " << chunk << ", coef " << coef;
+        trained += a[p].name.find(".indexer.") != std::string::npos && size > 0;
+      }
+      if (coef > 0) {
+        EXPECT_GT(whole_kl.kl_sum, 0);
+        EXPECT_EQ(trained, 7) << "chunks of " << chunk;  // wq_b, wk, k_norm (2), weights_proj, ape, gate
+      } else {
+        EXPECT_EQ(trained, 0) << "chunks of " << chunk;
+      }
     }
   }
 }
@@ -546,6 +566,62 @@ TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
     EXPECT_GT(compared, 50);
     for (size_t l = 0; l < plain.expert_load.size(); ++l)
       EXPECT_EQ(streamed.expert_load[l], plain.expert_load[l]);
+  }
+}
+
+}  // namespace
+}  // namespace spindle
+
+namespace spindle {
+namespace {
+
+// With the indexers trained on their KL (and the balance loss on), the streaming executor's loss,
+// indexer KL and every parameter's gradient equal the plain path's (double). Two DSA layers with
+// their own indexers and one sharing its predecessor's selection, among KDA layers; chunks of 1,
+// 5 and 12 (they split the 8-token pools and the conv window), 37, 64 (pool-aligned) and 200
+// (more than the sequence: the plain path).
+TEST(Streaming, LossAndGradientsWithTheIndexersKlInChunksEqualTheWholeSequence) {
+  nlohmann::json j;
+  std::ifstream(kTiny) >> j;
+  j["num_hidden_layers"] = 5;
+  j["layer_types"] = {"linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention",
+                      "linear_attention", "deepseek_sparse_attention"};
+  j["indexer_types"] = {"full", "full", "shared", "full", "full"};
+  j["mlp_layer_types"] = {"dense", "sparse", "dense", "sparse", "sparse"};
+  ModelConfig c = parse_model_config(j, "tiny, 3 DSA layers");
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 18);
+  ASSERT_FALSE(w.layers[2].dsa.has_indexer);
+  Random rng(19);
+  std::vector<int32_t> tokens(160);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  LossOptions plain_options;
+  plain_options.indexer_kl_coef = 0.3;
+  plain_options.aux_loss_coef = 0.05;
+  plain_options.scale = 0.5;
+  ModelWeights whole = zero_gradients(c, DType::F64);
+  const LossResult plain = loss_and_gradients<double>(c, w, tokens, whole, plain_options);
+  ASSERT_GT(plain.indexer_kl, 0);
+  auto b = parameter_table(c, whole);
+  int indexer_tensors = 0;  // with a gradient
+  for (const Param& p : b)
+    indexer_tensors +=
+        p.name.find(".indexer.") != std::string::npos && tensor_gap(p.tensor, p.tensor).second > 0;
+  EXPECT_EQ(indexer_tensors, 14);  // 7 in each of layers 1 and 4
+  for (const int64_t chunk : {1, 5, 12, 37, 64, 200}) {
+    LossOptions options = plain_options;
+    options.chunk_tokens = chunk;
+    ModelWeights chunked = zero_gradients(c, DType::F64);
+    const LossResult streamed = loss_and_gradients<double>(c, w, tokens, chunked, options);
+    EXPECT_NEAR(streamed.loss, plain.loss, 1e-12 * plain.loss) << "chunks of " << chunk;
+    EXPECT_NEAR(streamed.indexer_kl, plain.indexer_kl, 1e-12 * plain.indexer_kl) << "chunks of " << chunk;
+    EXPECT_NEAR(streamed.aux_loss, plain.aux_loss, 1e-12 * plain.aux_loss) << "chunks of " << chunk;
+    auto a = parameter_table(c, chunked);
+    for (size_t p = 0; p < a.size(); ++p) {
+      const auto [diff, size] = tensor_gap(a[p].tensor, b[p].tensor);
+      EXPECT_LE(diff, 1e-9 * size + 1e-15) << a[p].name << ", chunks of " << chunk;
+    }
   }
 }
 

@@ -203,12 +203,15 @@ double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys
                            const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
                            T* dhead_weights) {
   const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
-  check(s.first_query == 0, "indexer_kl_backward takes whole sequences (first_query 0)");
+  check(s.first_query >= 0 && s.first_query <= s.tokens, "indexer_kl_backward: first query ", s.first_query,
+        " outside ", s.tokens, " tokens");
   const T score_scale = T(1) / std::sqrt(T(d));
   double total = 0;
   std::vector<int64_t> pools;
   std::vector<T> target, score;
-  for (int64_t t = 0; t < s.tokens; ++t) {
+  // Row t of q, head_weights, selected, mass, dq and dhead_weights is the query at position
+  // first_query + t; pools are absolute (they come from the selection).
+  for (int64_t t = 0; t < s.queries(); ++t) {
     std::fill(dq + t * H * d, dq + (t + 1) * H * d, T(0));
     std::fill(dhead_weights + t * H, dhead_weights + (t + 1) * H, T(0));
     // The chosen complete pools: runs of kpool slots at the front of the selection.

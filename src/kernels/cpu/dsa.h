@@ -16,7 +16,7 @@ struct IndexerShape {
   int64_t topk;      // index_topk (tokens; topk / kpool pools are chosen)
   bool select_tail;  // index_kpool_always_select_tail
   // Queries are the tokens from here on (a chunk of a longer sequence: the streaming executor);
-  // keys are all `tokens`. Only indexer_select takes a chunk; the rest need 0.
+  // keys are all `tokens`. indexer_select and indexer_kl_backward take a chunk; the rest need 0.
   int64_t first_query = 0;
   int64_t width() const { return topk + (select_tail ? kpool - 1 : 0); }
   int64_t complete_pools() const { return tokens / kpool; }
@@ -74,7 +74,9 @@ void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, cons
 // the complete pools it selected, the target is the attention mass of each pool's tokens
 // normalised over those pools, and the indexer's distribution is the softmax of its pool scores;
 // the loss is KL(target || indexer) times `scale` (summed over queries). Writes dq and
-// dhead_weights, accumulates dpool_keys; returns the unscaled sum of KL over queries.
+// dhead_weights, accumulates dpool_keys; returns the unscaled sum of KL over queries. Rows of q,
+// head_weights, selected, mass, dq and dhead_weights are the queries from first_query on;
+// pool_keys and dpool_keys hold every complete pool of the `tokens` keys.
 template <class T>
 double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
                            const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
