@@ -86,6 +86,9 @@ std::string DeviceAllocator::report() const {
 }
 
 void copy_to_device(void* device, const void* host, size_t bytes) {
+  // The model's streams do not wait for the legacy stream, and this block may be a recycled one
+  // that queued kernels still read: finish everything first.
+  SPINDLE_CUDA(cudaDeviceSynchronize());
   SPINDLE_CUDA(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
   SPINDLE_CUDA(cudaStreamSynchronize(cudaStreamLegacy));
 }
@@ -99,6 +102,8 @@ void DeviceBuffer<T>::upload(const std::vector<T>& host) {
 template <class T>
 std::vector<T> DeviceBuffer<T>::download() const {
   std::vector<T> host(count_);
+  // The legacy stream's copy does not wait for the non-blocking streams that wrote the buffer.
+  SPINDLE_CUDA(cudaDeviceSynchronize());
   SPINDLE_CUDA(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
   return host;
 }

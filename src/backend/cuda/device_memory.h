@@ -39,9 +39,10 @@ class DeviceAllocator {
   std::multimap<size_t, void*> free_;  // by rounded size
 };
 
-// A host-to-device copy that has landed when it returns. A plain cudaMemcpy from pageable memory
-// may return before its last DMA completes, and kernels on a non-blocking stream do not wait
-// for it; so this waits for the legacy stream too.
+// A host-to-device copy that has landed when it returns, after all queued device work (which may
+// still read a recycled block). A plain cudaMemcpy from pageable memory may return before its last
+// DMA completes, and kernels on a non-blocking stream do not wait for it; so this waits for the
+// legacy stream too.
 void copy_to_device(void* device, const void* host, size_t bytes);
 
 // A typed device buffer owned by the caching allocator.
@@ -69,6 +70,7 @@ class DeviceBuffer {
   T* data() { return data_; }
   const T* data() const { return data_; }
   size_t size() const { return count_; }
+  // Both wait for all device work first: the model's streams are non-blocking.
   void upload(const std::vector<T>& host);
   std::vector<T> download() const;
 
