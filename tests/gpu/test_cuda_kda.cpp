@@ -37,7 +37,8 @@ void normalise_rows(std::vector<float>& x, int64_t width, float scale) {
 
 // One case: (tokens, heads, dk, dv) and whether the sequence continues a streamed one (an initial
 // state in, the final state's gradient in, the initial state's gradient out).
-void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried, float g_min = -0.5f) {
+void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried,
+                              float g_min = -0.5f) {
   auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
   normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
   normalise_rows(kf, dk, 1.0f);
@@ -56,8 +57,10 @@ void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool
   auto states = poisoned<float>((chunks + 1) * H * SS);
   auto dq = poisoned<float>(T * H * dk), dk_ = poisoned<float>(T * H * dk), dv_ = poisoned<float>(T * H * dv);
   auto dg = poisoned<float>(T * H * dk), dbeta = poisoned<float>(T * H), d_initial = poisoned<float>(H * SS);
-  kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(), T, H,
-                      dk, dv, stream.get(), carried ? initial_b.data() : nullptr);
+  DeviceBuffer<float> workspace(static_cast<size_t>(kda_forward_workspace_floats(T, H)),
+                                MemoryCategory::Workspace);
+  kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(),
+                      workspace.data(), T, H, dk, dv, stream.get(), carried ? initial_b.data() : nullptr);
   kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), states.data(),
                        dq.data(), dk_.data(), dv_.data(), dg.data(), dbeta.data(), T, H, dk, dv, stream.get(),
                        carried ? d_final_b.data() : nullptr, carried ? d_initial.data() : nullptr);
@@ -84,8 +87,8 @@ void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool
                                        dbeta_ref.data(), 64, carry);
 
   const auto where = [&] {
-    return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv << " g_min=" << g_min
-                              << (carried ? " carried" : "");
+    return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv
+                              << " g_min=" << g_min << (carried ? " carried" : "");
   };
   if (T > 0) {
     EXPECT_LT(relative_error(out.download(), out_ref), kBf16Bound) << "out" << where();
@@ -117,12 +120,14 @@ TEST(CudaKda, CarriedStatesMatchRecurrence) {
   // A streamed chunk: the state it starts from and the gradient its final state receives.
   for (auto [T, H, dk, dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{150, 2, 32, 48},
                               {77, 1, 128, 128},
-                              {0, 2, 16, 16}})
+                              {0, 2, 16, 16},
+                              {16448, 1, 32, 32}})  // 257 chunks: a second segment of one chunk
     check_against_recurrence(T, H, dk, dv, true);
 }
 
 TEST(CudaKda, StrongDecaysOverALongSequence) {
-  // Log decays down to -5 (a trained model's range): whole chunks decay to nothing.
+  // Log decays down to -5 (a trained model's range): whole chunks decay to nothing. 512 chunks
+  // cross the forward's segments of 256.
   check_against_recurrence(32768, 4, 16, 16, false, -5.0f);
   check_against_recurrence(2048, 2, 64, 64, true, -5.0f);
 }

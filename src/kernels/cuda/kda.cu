@@ -7,7 +7,8 @@
 //   1. load k, q (bf16 -> fp32) and g; per-channel prefix sums G_t = sum_{s<=t} g_s;
 //   2. A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq[t][s] likewise with q_t
 //      (s <= t), exponent differences taken directly (always <= 0: no overflow however long the
-//      chunk's cumulative decay). Every value tile of a head computes the same A and Aq;
+//      chunk's cumulative decay). A separate kernel computes them for a segment of 256 chunks at
+//      once (grid chunks x heads: all of the GPU), before the sequential kernel walks the segment;
 //   3. rhs_t = v_t - (exp(G_t) * k_t)^T S;  u_t = beta_t (rhs_t - sum_{s<t} A[t][s] u_s), a unit
 //      lower-triangular forward substitution, 16 lanes per value column (shuffle sums);
 //   4. o_t = (exp(G_t) * q_t)^T S + sum_{s<=t} Aq[t][s] u_s;
@@ -23,6 +24,8 @@
 // T = (I + diag(beta) A)^-1 diag(beta) with wgmma, so that u = T (v - Kexp S) and the effective
 // keys W = T Kexp are GEMMs; the sequential kernel then carries S with two [dk, 64] x [64, dv]
 // GEMMs per chunk, and the backward becomes the same in reverse.
+#include <algorithm>
+
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
@@ -34,85 +37,118 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kC = static_cast<int>(kKdaChunk);
-constexpr int kTileV = 16;                             // value columns per CTA
-constexpr int kRowGroups = kThreads / kTileV;          // thread (jj = tid % 16, ig = tid / 16)
-constexpr int kRows = kKdaMaxDim / kRowGroups;         // state rows per thread: ig + 16 r
-constexpr int kSub = 16;                               // backward sub-chunk (tokens)
+constexpr int kTileV = 16;                      // value columns per CTA
+constexpr int kRowGroups = kThreads / kTileV;   // thread (jj = tid % 16, ig = tid / 16)
+constexpr int kRows = kKdaMaxDim / kRowGroups;  // state rows per thread: ig + 16 r
+constexpr int kSub = 16;                        // backward sub-chunk (tokens)
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(kWarps * 2 == kTileV, "the forward substitution gives each warp two value columns");
 static_assert(kC % kSub == 0, "sub-chunks tile the chunk");
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-size_t forward_smem_bytes(int dk) {
-  const int kp = dk + 1;  // padded row stride of the [C, dk] tiles: conflict-free column walks
-  return sizeof(float) * static_cast<size_t>(dk * kTileV + 3 * kC * kp + kC * kTileV + 2 * kC * kC + kC + dk);
-}
-
-__global__ void __launch_bounds__(kThreads)
-    kda_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                       const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
-                       const float* __restrict__ beta, __nv_bfloat16* __restrict__ out,
-                       float* __restrict__ chunk_states, const float* __restrict__ initial, int64_t tokens,
-                       int heads, int dk, int dv) {
-  extern __shared__ float smem[];
-  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x, kp = dk + 1;
-  const int64_t SS = static_cast<int64_t>(dk) * dv;
-  const int slice = dk * kTileV;
-  float* S = smem;            // [dk, kTileV]: columns j0 .. j0 + 15 of the state
-  float* kb = S + slice;      // [C, kp]: k, then exp(G_t) k_t
-  float* qb = kb + kC * kp;   // [C, kp]: q, then exp(G_t) q_t
-  float* Gb = qb + kC * kp;   // [C, kp]: G, then exp(G_last - G_t) k_t
-  float* u = Gb + kC * kp;    // [C, kTileV]
-  float* A = u + kC * kTileV; // [C, C]
-  float* Aq = A + kC * kC;    // [C, C]
-  float* bt = Aq + kC * kC;   // [C]
-  float* gl = bt + kC;        // [dk]: G of the chunk's last token
-  for (int idx = tid; idx < slice; idx += kThreads) {
-    const int i = idx / kTileV, j = j0 + idx % kTileV;
-    S[idx] = initial != nullptr && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+// k, q (bf16 -> fp32) and g of chunk c into [C, kp] tiles, then G_t = sum_{s<=t} g_s in place of g.
+__device__ void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ q,
+                                       const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
+                                       int64_t t0, int n, int h, int heads, int dk, float* kb, float* qb,
+                                       float* Gb) {
+  const int kp = dk + 1;
+  for (int idx = threadIdx.x; idx < n * dk; idx += kThreads) {
+    const int t = idx / dk, i = idx - t * dk;
+    const int64_t src = ((t0 + t) * heads + h) * dk + i;
+    kb[t * kp + i] = __bfloat162float(k[src]);
+    qb[t * kp + i] = __bfloat162float(q[src]);
+    Gb[t * kp + i] = g[src];
   }
   __syncthreads();
-  const int64_t chunks = (tokens + kC - 1) / kC;
-  for (int64_t c = 0; c <= chunks; ++c) {
-    float* state_out = chunk_states + (c * heads + h) * SS;
-    for (int idx = tid; idx < slice; idx += kThreads) {
-      const int i = idx / kTileV, j = j0 + idx % kTileV;
-      if (j < dv) state_out[i * dv + j] = S[idx];
+  for (int i = threadIdx.x; i < dk; i += kThreads) {
+    float run = 0.0f;
+    for (int t = 0; t < n; ++t) {
+      run += Gb[t * kp + i];
+      Gb[t * kp + i] = run;
     }
-    if (c == chunks) break;
-    const int64_t t0 = c * kC;
-    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-    for (int idx = tid; idx < n * dk; idx += kThreads) {
-      const int t = idx / dk, i = idx - t * dk;
-      const int64_t src = ((t0 + t) * heads + h) * dk + i;
-      kb[t * kp + i] = __bfloat162float(k[src]);
-      qb[t * kp + i] = __bfloat162float(q[src]);
-      Gb[t * kp + i] = g[src];
-    }
-    for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-    __syncthreads();
-    for (int i = tid; i < dk; i += kThreads) {
-      float run = 0.0f;
-      for (int t = 0; t < n; ++t) {
-        run += Gb[t * kp + i];
-        Gb[t * kp + i] = run;
-      }
-      gl[i] = run;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < n * n; idx += kThreads) {
-      const int t = idx / n, s = idx - t * n;
-      if (s > t) continue;
-      float a = 0.0f, aq = 0.0f;
+  }
+  __syncthreads();
+}
+
+size_t matrices_smem_bytes(int dk) { return sizeof(float) * static_cast<size_t>(3 * kC * (dk + 1)); }
+
+// Step 2 for chunk c0 + blockIdx.x of head blockIdx.y: A and Aq into mats [chunks, heads, 2, C, C]
+// (zero outside s < t, resp. s <= t, and past the last token).
+__global__ void __launch_bounds__(kThreads)
+    kda_chunk_matrices_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                              const float* __restrict__ g, float* __restrict__ mats, int64_t c0,
+                              int64_t tokens, int heads, int dk) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.y, kp = dk + 1;
+  const int64_t t0 = (c0 + blockIdx.x) * kC;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
+  float* kb = smem;
+  float* qb = kb + kC * kp;
+  float* Gb = qb + kC * kp;
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kb, qb, Gb);
+  float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * 2 * kC * kC;
+  float* Aq = A + kC * kC;
+  for (int idx = threadIdx.x; idx < kC * kC; idx += kThreads) {
+    const int t = idx / kC, s = idx - t * kC;
+    float a = 0.0f, aq = 0.0f;
+    if (t < n && s <= t) {
       for (int i = 0; i < dk; ++i) {
         const float w = expf(Gb[t * kp + i] - Gb[s * kp + i]) * kb[s * kp + i];
         a = fmaf(kb[t * kp + i], w, a);
         aq = fmaf(qb[t * kp + i], w, aq);
       }
-      A[t * kC + s] = s < t ? a : 0.0f;
-      Aq[t * kC + s] = aq;
     }
+    A[idx] = s < t ? a : 0.0f;
+    Aq[idx] = aq;
+  }
+}
+
+size_t forward_smem_bytes(int dk) {
+  const int kp = dk + 1;  // padded row stride of the [C, dk] tiles: conflict-free column walks
+  return sizeof(float) * static_cast<size_t>(dk * kTileV + 3 * kC * kp + kC * kTileV + 2 * kC * kC + kC + dk);
+}
+
+// Chunks [c0, c1) from `initial` (null: zero), writing chunk_states[c0 .. c1]. `initial` may be
+// chunk_states[c0] itself (a later segment): each CTA reads its columns before writing them back.
+__global__ void __launch_bounds__(kThreads)
+    kda_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                       const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
+                       const float* __restrict__ beta, const float* __restrict__ mats,
+                       __nv_bfloat16* __restrict__ out, float* chunk_states, const float* initial, int64_t c0,
+                       int64_t c1, int64_t tokens, int heads, int dk, int dv) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x, kp = dk + 1;
+  const int64_t SS = static_cast<int64_t>(dk) * dv;
+  const int slice = dk * kTileV;
+  float* S = smem;             // [dk, kTileV]: columns j0 .. j0 + 15 of the state
+  float* kb = S + slice;       // [C, kp]: k, then exp(G_t) k_t
+  float* qb = kb + kC * kp;    // [C, kp]: q, then exp(G_t) q_t
+  float* Gb = qb + kC * kp;    // [C, kp]: G, then exp(G_last - G_t) k_t
+  float* u = Gb + kC * kp;     // [C, kTileV]
+  float* A = u + kC * kTileV;  // [C, C]
+  float* Aq = A + kC * kC;     // [C, C]
+  float* bt = Aq + kC * kC;    // [C]
+  float* gl = bt + kC;         // [dk]: G of the chunk's last token
+  for (int idx = tid; idx < slice; idx += kThreads) {
+    const int i = idx / kTileV, j = j0 + idx % kTileV;
+    S[idx] = initial != nullptr && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+  }
+  __syncthreads();
+  for (int64_t c = c0; c <= c1; ++c) {
+    float* state_out = chunk_states + (c * heads + h) * SS;
+    for (int idx = tid; idx < slice; idx += kThreads) {
+      const int i = idx / kTileV, j = j0 + idx % kTileV;
+      if (j < dv) state_out[i * dv + j] = S[idx];
+    }
+    if (c == c1) break;
+    const int64_t t0 = c * kC;
+    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
+    const float* chunk_mats = mats + ((c - c0) * heads + h) * 2 * kC * kC;
+    for (int idx = tid; idx < 2 * kC * kC; idx += kThreads) A[idx] = chunk_mats[idx];  // A, then Aq
+    for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
+    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kb, qb, Gb);
+    for (int i = tid; i < dk; i += kThreads) gl[i] = Gb[(n - 1) * kp + i];
     __syncthreads();
     for (int idx = tid; idx < n * dk; idx += kThreads) {
       const int t = idx / dk, i = idx - t * dk;
@@ -165,7 +201,8 @@ __global__ void __launch_bounds__(kThreads)
 // per-row partials of three row sums (dq, dk, dg) and two buffers of column-sum partials.
 size_t backward_smem_bytes(int dk) {
   const size_t slice = static_cast<size_t>(dk) * kTileV;
-  const size_t row_partials = (3 * static_cast<size_t>(dk) * (kTileV + 1) + 1) / 2 * 2;  // float2-aligned after
+  const size_t row_partials =
+      (3 * static_cast<size_t>(dk) * (kTileV + 1) + 1) / 2 * 2;  // float2-aligned after
   return sizeof(float) * ((kSub + 1) * slice + (kC / kSub) * slice + row_partials + 2 * 2 * kWarps * kTileV);
 }
 
@@ -222,10 +259,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int j = blockIdx.y * kTileV + jj;
   const int64_t SS = static_cast<int64_t>(dk) * dv;
   const int slice = dk * kTileV;
-  float* states = smem;                                     // [kSub + 1, dk, kTileV]
-  float* entries = states + (kSub + 1) * slice;             // [C / kSub, dk, kTileV]
-  float* rows = entries + (kC / kSub) * slice;              // [3, dk, kTileV + 1]
-  float2* cols = reinterpret_cast<float2*>(rows + (3 * dk * (kTileV + 1) + 1) / 2 * 2);  // [2, kWarps, kTileV]
+  float* states = smem;                          // [kSub + 1, dk, kTileV]
+  float* entries = states + (kSub + 1) * slice;  // [C / kSub, dk, kTileV]
+  float* rows = entries + (kC / kSub) * slice;   // [3, dk, kTileV + 1]
+  float2* cols =
+      reinterpret_cast<float2*>(rows + (3 * dk * (kTileV + 1) + 1) / 2 * 2);  // [2, kWarps, kTileV]
   int flip = 0;
   const auto next_scratch = [&] {
     flip ^= 1;
@@ -292,10 +330,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           kk[r] = i < dk ? __bfloat162float(k[row * dk + i]) : 0.0f;
           ee[r] = i < dk ? expf(g[row * dk + i]) : 0.0f;
           pa[r] = i < dk ? ee[r] * prev[own(r)] : 0.0f;  // S_a = diag(exp g) S_{t-1}
-          cq[r] = i < dk ? cur[own(r)] * doj : 0.0f;                  // o = S_t^T q: dq = S_t do
-          dS[r] = fmaf(qi, doj, dS[r]);                                // dS += q do^T
-          part.x = fmaf(kk[r], pa[r], part.x);                         // kv = S_a^T k
-          part.y = fmaf(kk[r], dS[r], part.y);                         // ddelta = dS^T k
+          cq[r] = i < dk ? cur[own(r)] * doj : 0.0f;     // o = S_t^T q: dq = S_t do
+          dS[r] = fmaf(qi, doj, dS[r]);                  // dS += q do^T
+          part.x = fmaf(kk[r], pa[r], part.x);           // kv = S_a^T k
+          part.y = fmaf(kk[r], dS[r], part.y);           // ddelta = dS^T k
         }
         const float2 total = column_sum(part, next_scratch());
         const float delta = b * (vj - total.x), dkv = -b * total.y;
@@ -354,18 +392,34 @@ void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, in
 
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
-                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
-                         const float* initial_state) {
+                         float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
+                         cudaStream_t stream, const float* initial_state) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
-  const size_t smem = forward_smem_bytes(static_cast<int>(dk));
+  const size_t smem = forward_smem_bytes(static_cast<int>(dk)),
+               mats_smem = matrices_smem_bytes(static_cast<int>(dk));
   SPINDLE_CUDA(cudaFuncSetAttribute(kda_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
+  SPINDLE_CUDA(cudaFuncSetAttribute(kda_chunk_matrices_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(mats_smem)));
+  const int64_t chunks = kda_chunks(tokens), SS = dk * dv;
   const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
-  kda_forward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, out, chunk_states, initial_state,
-                                                       tokens, static_cast<int>(heads), static_cast<int>(dk),
-                                                       static_cast<int>(dv));
-  SPINDLE_LAUNCHED("kda_forward_kernel");
+  int64_t c0 = 0;
+  do {
+    const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
+    if (c1 > c0) {
+      const dim3 mats_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
+      kda_chunk_matrices_kernel<<<mats_grid, kThreads, mats_smem, stream>>>(
+          q, k, g, workspace, c0, tokens, static_cast<int>(heads), static_cast<int>(dk));
+      SPINDLE_LAUNCHED("kda_chunk_matrices_kernel");
+    }
+    const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;
+    kda_forward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, workspace, out, chunk_states,
+                                                         initial, c0, c1, tokens, static_cast<int>(heads),
+                                                         static_cast<int>(dk), static_cast<int>(dv));
+    SPINDLE_LAUNCHED("kda_forward_kernel");
+    c0 = c1;
+  } while (c0 < chunks);
 }
 
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -384,10 +438,9 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   SPINDLE_CUDA(cudaFuncSetAttribute(kda_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
-  kda_backward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, dout, chunk_states, d_final_state,
-                                                        d_initial_state, dq, dk_out, dv_out, dg, dbeta, tokens,
-                                                        static_cast<int>(heads), static_cast<int>(dk),
-                                                        static_cast<int>(dv));
+  kda_backward_kernel<<<grid, kThreads, smem, stream>>>(
+      q, k, v, g, beta, dout, chunk_states, d_final_state, d_initial_state, dq, dk_out, dv_out, dg, dbeta,
+      tokens, static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv));
   SPINDLE_LAUNCHED("kda_backward_kernel");
 }
 

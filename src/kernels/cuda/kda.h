@@ -16,15 +16,25 @@ constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
 
 inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }
 
+// The forward runs in segments of this many chunks: each chunk's intra-chunk matrices (A and Aq,
+// fp32 C x C each) are computed for the whole segment in parallel, into the workspace, and the
+// sequential kernel then carries the state through the segment.
+constexpr int64_t kKdaSegmentChunks = 256;
+inline int64_t kda_forward_workspace_floats(int64_t tokens, int64_t heads) {
+  const int64_t chunks = kda_chunks(tokens) < kKdaSegmentChunks ? kda_chunks(tokens) : kKdaSegmentChunks;
+  return chunks * heads * 2 * kKdaChunk * kKdaChunk;
+}
+
 // Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,
 // heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta: [tokens, heads]; out: [tokens, heads,
 // dv]. initial_state: fp32 [heads, dk, dv], the state before the first token (a streamed chunk's
 // carry), or null for zero. chunk_states: fp32 [chunks + 1, heads, dk, dv], the state entering
 // each chunk (entry 0 the initial state, entry `chunks` the final state), kept for the backward.
+// workspace: kda_forward_workspace_floats(tokens, heads) floats.
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
-                         int64_t tokens, int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
-                         const float* initial_state = nullptr);
+                         float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
+                         cudaStream_t stream, const float* initial_state = nullptr);
 
 // Backward from chunk_states (as kda_chunked_forward wrote them) and dout (bf16 [tokens, heads,
 // dv]). d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later

@@ -60,8 +60,10 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
 
   {
     const TimedScope timed = ctx.timed("kda.recurrence");
+    DeviceBuffer<float> workspace(static_cast<size_t>(kda_forward_workspace_floats(L, H)),
+                                  MemoryCategory::Workspace);
     kda_chunked_forward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), a.core.data(),
-                        a.chunk_states.data(), L, H, dh, dh, s);
+                        a.chunk_states.data(), workspace.data(), L, H, dh, dh, s);
   }
   ctx.gemm.linear(x, bf16_data(w.g_a_proj), a.gate_low.data(), L, D, dh, s);
   ctx.gemm.linear(a.gate_low.data(), bf16_data(w.g_b_proj), a.gate.data(), L, dh, qkv, s);
