@@ -21,11 +21,11 @@
 // rounded up to 16 with zero padding, in 16-wide steps from ldmatrix. Epilogue: relu(scale * acc)
 // * w summed in registers over a thread's heads of one query, partial sums per (query, pool) in
 // shared memory summed in a fixed order (equal keys give bit-equal scores), written as fp32 to the
-// block's rows of the workspace. Shared memory: (256 + 2 * 128) rows of (head_dim + 8) bf16 plus
-// up to 64 KiB of partial sums (154 KiB at heads 32, head_dim 128), one CTA per multiprocessor.
-// Grid: query tiles x pool-tile splits (the splits, taken round-robin, only when there are fewer
-// than two query tiles per multiprocessor). Limits, checked loudly: heads <= 32, head_dim a
-// multiple of 8 up to 128, q and pool_keys 16-byte aligned.
+// block's rows of the workspace. Shared memory: (256 + 2 * 128) rows of head_dim (rounded up to 16) + 8 bf16,
+// plus up to 68 KiB of partial sums (154 KiB at heads 32, head_dim 128), one CTA per multiprocessor. Grid:
+// query tiles x pool-tile splits (the splits, taken round-robin, only when there are fewer than two query
+// tiles per multiprocessor). Limits, checked loudly: heads <= 32, head_dim a multiple of 8 up to 128, q and
+// pool_keys 16-byte aligned.
 //
 // Selection (indexer_topk_kernel), a second launch per query block: one CTA of 256 threads per
 // query reads its workspace row and runs an exact radix select (4 passes of 8-bit histograms over
