@@ -1,7 +1,8 @@
 // DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
 // sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
 // selection widths (32, 64+15, 2048+15), selections built like the indexer's; the indexer's
-// pooling (relative error) and selection (exact, on inputs built without near-ties); outputs
+// pooling (relative error), tensor-core scores (per-score error bound) and selection (exact, on
+// inputs built without near-ties, across the scorer's tiling edges); outputs
 // poisoned with NaN before the launch; references in double on the bf16-rounded inputs.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
@@ -148,11 +149,26 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     bool tail;
     int64_t query_block;  // workspace rows: several launches per call
   };
+  // The scorer's tiles: 256 rows of q (groups of 8 queries x all heads: 64 queries at heads 3-4,
+  // 16 at heads 16, 8 at heads 32; heads 5 and 24 leave padding rows) by 128 pools, K in steps of
+  // 16 (head_dim 8 is padded). Query blocks that end inside a query tile, pool counts that end
+  // inside a pool tile, a single pool tile, tokens < kpool (no pools at all).
   const Case cases[] = {{1500, 4, 64, 4, 64, true, 300},
                         {4099, 4, 64, 4, 2048, true, 1000},
                         {777, 3, 32, 16, 128, false, 100},
                         {500, 2, 64, 1, 32, true, 64},
-                        {50, 2, 32, 4, 64, true, 7}};
+                        {50, 2, 32, 4, 64, true, 7},
+                        {1000, 16, 64, 16, 256, true, 333},
+                        {2500, 32, 128, 4, 512, false, 700},
+                        {3000, 32, 64, 8, 512, true, 1000},
+                        {2000, 16, 128, 16, 1024, false, 2000},
+                        {1300, 24, 48, 4, 256, true, 1300},
+                        {900, 5, 16, 2, 300, true, 250},
+                        {600, 16, 8, 8, 64, true, 600},
+                        {300, 1, 32, 4, 40, false, 100},
+                        {10, 4, 64, 16, 2048, true, 10},
+                        {12, 32, 128, 16, 2048, false, 12},
+                        {4096, 32, 128, 16, 2048, true, 1024}};
   for (const Case& c : cases) {
     const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
     const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools();
@@ -202,8 +218,64 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
         if (first < 0) first = t;
         ++mismatched_rows;
       }
-    EXPECT_EQ(mismatched_rows, 0) << "tokens " << L << " kpool " << c.kpool << " topk " << c.topk << " tail "
-                                  << c.tail << ": first mismatched query " << first;
+    EXPECT_EQ(mismatched_rows, 0) << "tokens " << L << " heads " << H << " head_dim " << d << " kpool "
+                                  << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
+                                  << c.query_block << ": first mismatched query " << first;
+  }
+}
+
+// The tensor-core scores themselves on unconstrained random inputs (signed head weights): every
+// visible score within 1e-4 of its magnitude sum_h |w_h| sum_c |q_hc k_c| / sqrt(d), the bound of
+// fp32 accumulation of exact bf16 products (2^-24 per addition, 128 + 32 additions, with room for
+// the tensor cores' own rounding); an indexing slip is off by O(1) of it. The row past the last is
+// poisoned and must stay so.
+TEST(CudaIndexer, ScoresMatchTheCpu) {
+  struct Case {
+    int64_t tokens, heads, head_dim, kpool, first, rows;
+  };
+  const Case cases[] = {{1000, 32, 128, 4, 0, 1000}, {700, 16, 64, 16, 200, 333},
+                        {2000, 3, 48, 1, 1500, 100}, {530, 24, 8, 2, 17, 500},
+                        {300, 1, 16, 4, 0, 300},     {4096, 32, 128, 16, 2048, 2048}};
+  for (const Case& c : cases) {
+    const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, 2048, false};
+    const int64_t H = c.heads, d = c.head_dim, P = s.complete_pools();
+    const auto q = rounded(random_floats(c.tokens * H * d)), k = rounded(random_floats(P * d)),
+               w = rounded(random_floats(c.tokens * H));
+    Stream stream;
+    auto dq = device(to_bf16(q)), dk = device(to_bf16(k)), dw = device(to_bf16(w));
+    auto scores = poisoned<float>((c.rows + 1) * P);
+    indexer_scores(s, dq.data(), dk.data(), dw.data(), c.first, c.rows, scores.data(), stream.get());
+    stream.synchronize();
+    const auto got = scores.download();
+    const double scale = 1.0 / std::sqrt(double(d));
+    int64_t bad = 0, checked = 0;
+    double worst = 0;
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const int64_t t = c.first + r, visible = std::min(P, (t + 1) / c.kpool);
+      for (int64_t p = 0; p < visible; ++p) {
+        double score = 0, magnitude = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          double dot = 0, size = 0;
+          for (int64_t ch = 0; ch < d; ++ch) {
+            const double x = double(q[(t * H + h) * d + ch]) * k[p * d + ch];
+            dot += x;
+            size += std::abs(x);
+          }
+          score += w[t * H + h] * std::max(0.0, dot * scale);
+          magnitude += std::abs(w[t * H + h]) * size * scale;
+        }
+        const double error = std::abs(got[r * P + p] - score) / std::max(magnitude, 1e-30);
+        if (!(error <= 1e-4)) ++bad;  // NaN (unwritten) counts as bad
+        worst = std::max(worst, std::isnan(error) ? INFINITY : error);
+        ++checked;
+      }
+    }
+    int64_t touched = 0;
+    for (int64_t p = 0; p < P; ++p) touched += std::isnan(got[c.rows * P + p]) ? 0 : 1;
+    EXPECT_EQ(bad, 0) << "of " << checked << " scores; worst error " << worst << "; tokens " << c.tokens
+                      << " heads " << H << " head_dim " << d << " kpool " << c.kpool << " queries " << c.first
+                      << " + " << c.rows;
+    EXPECT_EQ(touched, 0) << "scores written past the last row";
   }
 }
 

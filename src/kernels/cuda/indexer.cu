@@ -1,4 +1,5 @@
-// DSA k-pool indexer (version 1: correct first). See indexer.h for the contract and launch shapes.
+// DSA k-pool indexer: pooling and the per-query top-k (the scores: indexer_scores.cu). See indexer.h
+// for the contract and launch shapes.
 #include <algorithm>
 #include <cmath>
 
@@ -66,35 +67,22 @@ __device__ int block_exclusive_scan(int value, int* shared, int& total) {
   return result;
 }
 
+// One CTA per query of the block: the exact top topk/kpool of its visible pools' scores (row
+// blockIdx.x of the workspace), ties to the lower pool, in ascending pool order, expanded to
+// tokens; then the tail; -1 elsewhere.
 __global__ void __launch_bounds__(kThreads)
-    indexer_select_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ pool_keys,
-                          const __nv_bfloat16* __restrict__ head_weights, int32_t* __restrict__ selected,
-                          float* __restrict__ workspace, int64_t t0, int64_t pools, int64_t H, int64_t d,
-                          int64_t kp, int64_t topk, int64_t width, int select_tail, float scale) {
-  extern __shared__ float qs[];  // [H * d]
+    indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
+                        int64_t pools, int64_t kp, int64_t topk, int64_t width, int select_tail) {
   __shared__ unsigned hist[256];
   __shared__ unsigned s_prefix, s_k;
   __shared__ int scan_shared[kThreads / 32 + 1];
   const int64_t t = t0 + blockIdx.x;
-  float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
+  const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
   int32_t* out = selected + t * width;
-  for (int64_t i = threadIdx.x; i < H * d; i += kThreads) qs[i] = __bfloat162float(q[t * H * d + i]) * scale;
   for (int64_t i = threadIdx.x; i < width; i += kThreads) out[i] = -1;
-  __syncthreads();
+  __syncthreads();  // the -1 fill is visible to the whole CTA before the selection overwrites it
 
   const int64_t visible = min(pools, (t + 1) / kp);
-  for (int64_t p = threadIdx.x; p < visible; p += kThreads) {
-    const __nv_bfloat16* k = pool_keys + p * d;
-    float score = 0.0f;
-    for (int64_t h = 0; h < H; ++h) {
-      float dot = 0.0f;
-      for (int64_t c = 0; c < d; ++c) dot += qs[h * d + c] * __bfloat162float(k[c]);
-      score += __bfloat162float(head_weights[t * H + h]) * fmaxf(dot, 0.0f);
-    }
-    scores[p] = score;
-  }
-  __syncthreads();  // scores (global, this CTA's row) and the -1 fill are visible to the whole CTA
-
   const int64_t chosen = min(topk / kp, visible);
   if (chosen > 0) {
     // Threshold: the chosen-th largest key, and how many of the keys equal to it to take.
@@ -186,25 +174,14 @@ void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
   check(block >= 1 || pools == 0, "indexer_select: the workspace (", workspace_bytes,
         " bytes) holds no query row of ", pools, " pooled scores (", row_bytes, " bytes)");
   const int64_t query_block = pools == 0 ? s.tokens : block;
-  const size_t shared = static_cast<size_t>(s.heads * s.head_dim) * sizeof(float);
-  if (shared > (48u << 10)) {
-    int device = 0, optin = 0;
-    SPINDLE_CUDA(cudaGetDevice(&device));
-    SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    check(shared + 4096 <= static_cast<size_t>(optin), "indexer_select: heads ", s.heads, " x head_dim ",
-          s.head_dim, " need ", shared, " bytes of shared memory, over the device's limit of ", optin);
-    SPINDLE_CUDA(cudaFuncSetAttribute(indexer_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(shared)));
-  }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   for (int64_t t0 = 0; t0 < s.tokens; t0 += query_block) {
     const int64_t rows = std::min(query_block, s.tokens - t0);
     check(rows < (int64_t{1} << 31), "indexer_select: query block of ", rows,
           " rows is too large for one launch");
-    indexer_select_kernel<<<static_cast<unsigned>(rows), kThreads, shared, stream>>>(
-        q, pool_keys, head_weights, selected, workspace, t0, pools, s.heads, s.head_dim, s.kpool, s.topk,
-        s.width(), s.select_tail ? 1 : 0, scale);
-    SPINDLE_LAUNCHED("indexer_select_kernel");
+    indexer_scores(s, q, pool_keys, head_weights, t0, rows, workspace, stream);
+    indexer_topk_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        workspace, selected, t0, pools, s.kpool, s.topk, s.width(), s.select_tail ? 1 : 0);
+    SPINDLE_LAUNCHED("indexer_topk_kernel");
   }
 }
 

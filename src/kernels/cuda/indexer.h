@@ -8,14 +8,30 @@
 // (262144 pools) is 1 MiB per query row, so a 1 GiB workspace scores 1024 queries per launch;
 // keep the workspace under 2 GiB.
 //
-// Launch shapes: pooling, one thread per (pool, channel), 256 per CTA. Selection, one CTA of 256
-// threads per query of the block: the query's heads x head_dim values in shared memory as fp32
-// (heads * head_dim * 4 bytes; the limit is raised past 48 KiB up to the device's opt-in maximum,
-// 227 KiB on Hopper, else it fails loudly), one thread per visible pool computing
-// sum_h w_h relu(q_h . k_p / sqrt(d)), then an exact radix select (4 passes of 8-bit histograms
-// over the order-preserving bits of the fp32 scores) of the top topk/kpool pools, ties to the
-// lower pool, written in ascending pool order, expanded to tokens, plus the tail.
-// Scores are assumed finite (no NaN).
+// Scoring (indexer_scores, indexer_scores.cu) runs on the tensor cores: warp-level
+// mma.sync.m16n8k16 bf16 x bf16 -> fp32, score[t][p] = sum_h w[t][h] relu(q[t][h] . k[p] /
+// sqrt(d)). A CTA of 256 threads (8 warps, 4 along q rows x 2 along pools, each warp 64 rows x 64
+// pools of fp32 accumulators) holds 256 rows of q in shared memory for its whole life: groups of 8
+// queries x all their heads, arranged so that each m16 tile is 8 queries x 2 heads (a thread's
+// accumulator rows g and g + 8 are one query's two heads; the 8 queries lie on the 8 lane groups).
+// A group takes ceil(heads / 2) m16 tiles rounded up to 1, 2, 4 or a multiple of 4, so a CTA
+// covers 16 / that groups: 8 queries at heads 32, 16 at heads 16, 64 at heads 4; padding rows
+// (odd heads, heads 24 and the like) are zero. It loops over the pool tiles of 128 that its last
+// query can see (tiles past that are skipped), keys double-buffered through cp.async, K = head_dim
+// rounded up to 16 with zero padding, in 16-wide steps from ldmatrix. Epilogue: relu(scale * acc)
+// * w summed in registers over a thread's heads of one query, partial sums per (query, pool) in
+// shared memory summed in a fixed order (equal keys give bit-equal scores), written as fp32 to the
+// block's rows of the workspace. Shared memory: (256 + 2 * 128) rows of head_dim (rounded up to 16) + 8 bf16,
+// plus up to 68 KiB of partial sums (154 KiB at heads 32, head_dim 128), one CTA per multiprocessor. Grid:
+// query tiles x pool-tile splits (the splits, taken round-robin, only when there are fewer than two query
+// tiles per multiprocessor). Limits, checked loudly: heads <= 32, head_dim a multiple of 8 up to 128, q and
+// pool_keys 16-byte aligned.
+//
+// Selection (indexer_topk_kernel), a second launch per query block: one CTA of 256 threads per
+// query reads its workspace row and runs an exact radix select (4 passes of 8-bit histograms over
+// the order-preserving bits of the fp32 scores) of the top topk/kpool visible pools, ties to the
+// lower pool, written in ascending pool order, expanded to tokens, plus the tail; -1 elsewhere.
+// Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed finite (no NaN).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,6 +50,13 @@ void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, co
 
 // Workspace bytes for scoring `query_block` queries at a time: query_block * complete_pools * 4.
 size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_block);
+
+// Scores of queries first .. first + rows - 1 against their visible pools: scores[r][p] for
+// p < min(complete_pools, (first + r + 1) / kpool), row stride complete_pools; the rest of each
+// row is unspecified. q, pool_keys, head_weights as for indexer_select.
+void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
+                    const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
+                    cudaStream_t stream);
 
 // q: [tokens, heads, head_dim]; pool_keys: [complete_pools, head_dim]; head_weights: [tokens, heads]
 // (already scaled by heads^-0.5); selected: [tokens, width()] written, -1 where unused. workspace:
