@@ -8,9 +8,9 @@ namespace spindle::plan {
 
 namespace {
 
-constexpr double kPassesToday = 5;            // forward + 2 recomputations + backward (2)
+constexpr double kPassesToday = 5;              // forward + 2 recomputations + backward (2)
 constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
-constexpr double kPassesPerChunk = 4;         // forward, recomputation, the site's recomputation, backward
+constexpr double kPassesPerChunk = 4;           // forward, recomputation, the site's recomputation, backward
 
 // A forward's FLOPs on the busiest GPU, and the attention sites' share of them.
 struct Work {
@@ -29,8 +29,10 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
       const double I = static_cast<double>(c.moe_intermediate_size);
       const double routed = 2 * 3 * D * I * static_cast<double>(c.num_experts_per_tok) * L;
       experts += routed;
-      ffn += routed + 2 * (D * static_cast<double>(c.n_routed_experts) +
-                           static_cast<double>(c.n_shared_experts) * 3 * D * I) * L;
+      ffn += routed + 2 *
+                          (D * static_cast<double>(c.n_routed_experts) +
+                           static_cast<double>(c.n_shared_experts) * 3 * D * I) *
+                          L;
     }
   }
   const double head = 2 * D * static_cast<double>(c.vocab_size) * L;
@@ -77,10 +79,9 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   const double backward = (passes - 1) * seconds_per_pass;
   const double L = static_cast<double>(tokens);
   const double layers = static_cast<double>(c.num_hidden_layers);
-  const double chunks =
-      policy.activations == ActivationPolicy::Stream
-          ? static_cast<double>((tokens + policy.chunk_tokens - 1) / policy.chunk_tokens)
-          : 1;
+  const double chunks = policy.activations == ActivationPolicy::Stream
+                            ? static_cast<double>((tokens + policy.chunk_tokens - 1) / policy.chunk_tokens)
+                            : 1;
 
   if (policy.activations == ActivationPolicy::Stream) {
     const double launches = layers * 2 * kPassesPerChunk * kKernelsPerSublayerPass;
@@ -90,7 +91,8 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   if (policy.activations == ActivationPolicy::OffloadLayerInputs) {
     const double bytes = layers * L * static_cast<double>(c.hc_mult * c.hidden_size) * 2;
     time.copies = bytes / h.pcie_bytes_per_s;
-    time.exposed_copies = std::max(0.0, time.copies - seconds_per_pass) + std::max(0.0, time.copies - backward);
+    time.exposed_copies =
+        std::max(0.0, time.copies - seconds_per_pass) + std::max(0.0, time.copies - backward);
   }
 
   // All-reduces: a sublayer's output in each forward-like pass, its input's gradient (fp32) in

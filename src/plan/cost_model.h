@@ -32,8 +32,8 @@ struct Hardware {
   double mfu = 0.0045;         // today's executor on the H200, 1k-64k tokens (docs/PERF.md: 0.44-0.47%)
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
-  double nvlink_bytes_per_s = 450e9;   // all-reduce bus bandwidth inside a node
-  double network_bytes_per_s = 50e9;   // per GPU across nodes (400 Gb/s)
+  double nvlink_bytes_per_s = 450e9;     // all-reduce bus bandwidth inside a node
+  double network_bytes_per_s = 50e9;     // per GPU across nodes (400 Gb/s)
   double host_adam_bytes_per_s = 100e9;  // the CPU's memory bandwidth for the AdamW update
   double launch_seconds = 5e-6;          // one kernel launch
 };

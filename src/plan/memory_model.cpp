@@ -133,10 +133,10 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   head.push_back(m.activations(2 * L * s.hidden));  // mean
   head.push_back(m.activations(2 * L * s.hidden));  // hidden
   streams = Block();
-  head.push_back(m.activations(4 * L));  // targets
-  head.push_back(m.activations(4 * L));  // log_prob
-  head.push_back(m.activations(4 * L));  // lse
-  head.push_back(m.activations(4));      // loss
+  head.push_back(m.activations(4 * L));             // targets
+  head.push_back(m.activations(4 * L));             // log_prob
+  head.push_back(m.activations(4 * L));             // lse
+  head.push_back(m.activations(4));                 // loss
   head.push_back(m.activations(2 * L * s.hidden));  // dhidden
   head.push_back(m.activations(2 * L * s.hidden));  // dmean
   Block dstreams = m.activations(4 * L * s.streams * s.hidden);
@@ -162,7 +162,8 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
 
 }  // namespace
 
-int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tokens, const StepOptions& options) {
+int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tokens,
+                              const StepOptions& options) {
   const int64_t chunks = (tokens + chunk_tokens - 1) / chunk_tokens;
   const int64_t state = 4 * s.kda_heads * s.kda_dim * s.kda_dim;
   const int64_t window = (s.conv_kernel - 1) * 3 * s.kda_width();
@@ -181,8 +182,8 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
   return bytes;
 }
 
-MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_t tokens, const Policy& policy,
-                                const StepOptions& options) {
+MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_t tokens,
+                                const Policy& policy, const StepOptions& options) {
   check(tokens >= 2, "the sequence length must be at least 2 tokens, got ", tokens);
   const bool streamed = policy.activations == ActivationPolicy::Stream;
   check(!streamed || (policy.chunk_tokens > 0 && policy.chunk_tokens <= tokens),

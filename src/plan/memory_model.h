@@ -22,8 +22,8 @@ struct StepOptions {
 };
 
 struct MemoryPrediction {
-  MemoryStats device;      // peaks per category and of the total, as spindle bench reports them
-  int64_t host = 0;        // the fp32 weights the process loaded, the pinned pool, host AdamW
+  MemoryStats device;       // peaks per category and of the total, as spindle bench reports them
+  int64_t host = 0;         // the fp32 weights the process loaded, the pinned pool, host AdamW
   int64_t pinned_pool = 0;  // offloaded layer inputs: exactly their sum, one pool reused every step
 };
 
@@ -35,6 +35,7 @@ MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, i
 // v), and their gradients for one boundary; per DSA layer the bf16 latent cache [tokens,
 // kv_lora_rank + rope] and its fp32 gradient, per indexer the bf16 pooled keys (and their fp32
 // gradient when the indexer trains).
-int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens, const StepOptions& options);
+int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens,
+                              const StepOptions& options);
 
 }  // namespace spindle::plan

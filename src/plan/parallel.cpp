@@ -11,7 +11,8 @@ double Parallel::routed_rows_per_token(const ModelConfig& c) const {
   const auto k = static_cast<double>(c.num_experts_per_tok);
   if (gpus == 1) return k;
   // A token meets each of this GPU's experts at most once.
-  return std::min({k, static_cast<double>(experts_per_gpu(c)), k * kBusiestGpuRouting / static_cast<double>(gpus)});
+  return std::min(
+      {k, static_cast<double>(experts_per_gpu(c)), k * kBusiestGpuRouting / static_cast<double>(gpus)});
 }
 
 std::string Parallel::describe(const ModelConfig& c) const {
@@ -19,18 +20,21 @@ std::string Parallel::describe(const ModelConfig& c) const {
   out << gpus << " GPU" << (gpus > 1 ? "s" : "") << ": expert parallel " << gpus << " (" << experts_per_gpu(c)
       << " of " << c.n_routed_experts << " routed experts per GPU";
   if (gpus > 1)
-    out << ", the busiest GPU computing " << routed_rows_per_token(c) << " routed rows per token: "
-        << kBusiestGpuRouting << "x its mean share";
-  out << "), tensor parallel " << tensor
-      << " (attention heads, dense and shared-expert MLP, embedding and lm_head vocabulary), data and sequence "
-         "parallel none (every GPU holds the whole sequence's residual streams)";
+    out << ", the busiest GPU computing " << routed_rows_per_token(c)
+        << " routed rows per token: " << kBusiestGpuRouting << "x its mean share";
+  out << "); tensor parallel over up to " << std::min(gpus, kGpusPerNode)
+      << " GPUs of a node, the degree in each policy's name (tpN; none: 1), splits attention heads, the "
+         "dense "
+         "and shared-expert MLPs and the vocabulary; data and sequence parallel none (every GPU holds the "
+         "whole "
+         "sequence's residual streams)";
   return out.str();
 }
 
 bool tensor_degree_fits(const ModelConfig& c, int64_t t) {
-  return t >= 1 && c.num_attention_heads % t == 0 && c.linear_num_heads % t == 0 && c.index_n_heads % t == 0 &&
-         c.intermediate_size % t == 0 && (c.moe_intermediate_size * c.n_shared_experts) % t == 0 &&
-         c.vocab_size % t == 0;
+  return t >= 1 && c.num_attention_heads % t == 0 && c.linear_num_heads % t == 0 &&
+         c.index_n_heads % t == 0 && c.intermediate_size % t == 0 &&
+         (c.moe_intermediate_size * c.n_shared_experts) % t == 0 && c.vocab_size % t == 0;
 }
 
 Shapes gpu_shapes(const ModelConfig& c, const Parallel& p) {

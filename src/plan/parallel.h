@@ -26,6 +26,7 @@ struct Parallel {
   int64_t experts_per_gpu(const ModelConfig& c) const { return (c.n_routed_experts + gpus - 1) / gpus; }
   // Routed (token, expert) rows per token that the busiest GPU computes.
   double routed_rows_per_token(const ModelConfig& c) const;
+  // The assumption in words (the tensor-parallel degree is each policy's own).
   std::string describe(const ModelConfig& c) const;
 };
 

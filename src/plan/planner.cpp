@@ -23,7 +23,8 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
       for (const ActivationPolicy a : {ActivationPolicy::KeepSites, ActivationPolicy::KeepLayerInputs,
                                        ActivationPolicy::OffloadLayerInputs})
         out.push_back({a, 0, host, t});
-      for (const int64_t chunk : chunk_lengths(tokens)) out.push_back({ActivationPolicy::Stream, chunk, host, t});
+      for (const int64_t chunk : chunk_lengths(tokens))
+        out.push_back({ActivationPolicy::Stream, chunk, host, t});
     }
   }
   return out;
@@ -61,11 +62,12 @@ Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
       x.infeasible = "host " + gib(x.memory.host) + " > " + gib(r.machine.host_bytes);
     plan.candidates.push_back(x);
   }
-  std::stable_sort(plan.candidates.begin(), plan.candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.fits() != b.fits()) return a.fits();
-    if (a.time.total() != b.time.total()) return a.time.total() < b.time.total();
-    return a.memory.device.peak_total < b.memory.device.peak_total;
-  });
+  std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
+                   [](const Candidate& a, const Candidate& b) {
+                     if (a.fits() != b.fits()) return a.fits();
+                     if (a.time.total() != b.time.total()) return a.time.total() < b.time.total();
+                     return a.memory.device.peak_total < b.memory.device.peak_total;
+                   });
   double fastest = plan.candidates.front().time.total();
   for (const Candidate& x : plan.candidates) fastest = std::min(fastest, x.time.total());
   for (Candidate& x : plan.candidates) x.relative = x.time.total() / fastest;

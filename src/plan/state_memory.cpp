@@ -34,8 +34,8 @@ bool tensor_sharded(const Param& p) {
   const std::string& n = p.name;
   if (n == "lm_head.weight") return true;
   if (contains(n, ".self_attn.")) {
-    for (const char* replicated : {"q_a_proj", "kv_a_proj", "f_a_proj", "g_a_proj", "indexer.wk.",
-                                   "index_kpool_compress_gate"})
+    for (const char* replicated :
+         {"q_a_proj", "kv_a_proj", "f_a_proj", "g_a_proj", "indexer.wk.", "index_kpool_compress_gate"})
       if (contains(n, replicated)) return false;
     return true;
   }
@@ -76,7 +76,8 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
   }
   s.weights = allocator_rounded(weight_arena);
   s.gradients = allocator_rounded(gradient_arena);
-  for (const auto& [layer, bytes] : layer_gradients) s.largest_layer_gradients = std::max(s.largest_layer_gradients, bytes);
+  for (const auto& [layer, bytes] : layer_gradients)
+    s.largest_layer_gradients = std::max(s.largest_layer_gradients, bytes);
   return s;
 }
 

@@ -8,7 +8,7 @@ namespace spindle::plan {
 
 namespace {
 
-constexpr int64_t kKdaChunk = 64;                        // kernels/cuda/kda.h kKdaChunk
+constexpr int64_t kKdaChunk = 64;                            // kernels/cuda/kda.h kKdaChunk
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -36,12 +36,12 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  a.push_back(bf16(m, L * dh));                              // d_low
+  a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
-  a.push_back(f32(m, L * H));                                // dbeta
-  a.push_back(f32(m, H * (kKdaChunk + 1) * dh * dh));        // kda_backward_workspace_floats
-  a.push_back(bf16(m, L * H));                               // db
-  a.push_back(bf16(m, L * w));                               // df
+  a.push_back(f32(m, L * H));                               // dbeta
+  a.push_back(f32(m, H * (kKdaChunk + 1) * dh * dh));       // kda_backward_workspace_floats
+  a.push_back(bf16(m, L * H));                              // db
+  a.push_back(bf16(m, L * w));                              // df
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections).
@@ -51,12 +51,12 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
   a.push_back(bf16(m, L * s.q_rank));  // q_low
   a.push_back(bf16(m, L * s.q_rank));  // q_resid
   a.push_back(bf16(m, L * H * s.qk_dim));
-  a.push_back(bf16(m, L * s.kv_rank));  // kv_low
-  a.push_back(bf16(m, L * s.kv_rank));  // kv_normed
+  a.push_back(bf16(m, L * s.kv_rank));    // kv_low
+  a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
-    a.push_back(bf16(m, L * H * s.kv_rank));  // q_lat
-    a.push_back(bf16(m, L * H * s.kv_rank));  // o_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // q_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // o_lat
     if (!p.streamed) a.push_back(bf16(m, L * 2 * s.kv_rank));  // [c | c]; a chunk reads its cache
   } else {
     a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
@@ -92,11 +92,11 @@ Ledger::Block run_indexer(Ledger& m, const Shapes& s, const Pass& p) {
 void train_indexer(Ledger& m, const Shapes& s, const Pass& p) {
   const int64_t L = p.tokens, d = s.index_dim;
   Blocks a = indexer_activations(m, s, p);
-  a.push_back(bf16(m, L * s.index_heads * d));  // dq
-  a.push_back(bf16(m, L * s.index_heads));      // dhw
+  a.push_back(bf16(m, L * s.index_heads * d));                                           // dq
+  a.push_back(bf16(m, L * s.index_heads));                                               // dhw
   if (!p.streamed) a.push_back(f32(m, std::max<int64_t>(1, complete_pools(s, p) * d)));  // dpool
-  a.push_back(bf16(m, L * d));  // dgate
-  a.push_back(bf16(m, L * d));  // draw
+  a.push_back(bf16(m, L * d));                                                           // dgate
+  a.push_back(bf16(m, L * d));                                                           // draw
 }
 
 void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
@@ -104,7 +104,8 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
   Blocks a;
   if (!p.streamed) {
     const bool absorbed = p.absorbed;
-    const int64_t heads = absorbed ? 1 : H, qk = absorbed ? s.kv_rank : s.qk_dim, v = absorbed ? s.kv_rank : s.v_dim;
+    const int64_t heads = absorbed ? 1 : H, qk = absorbed ? s.kv_rank : s.qk_dim,
+                  v = absorbed ? s.kv_rank : s.v_dim;
     a.push_back(f32(m, L * heads * (qk + v)));  // dkv; a chunk adds into its cache's gradient
   }
   if (p.streamed || p.absorbed) {
@@ -172,11 +173,11 @@ void moe_backward(Ledger& m, const Shapes& s, int64_t L) {
   const int64_t rows = routed_rows(s, L);
   Blocks r = route(m, s, L), a = run_experts(m, s, L);
   mlp_backward(m, L, s.shared_inter);
-  a.push_back(bf16(m, rows * s.hidden));     // dout
-  a.push_back(f32(m, L * s.topk));           // dweight
-  a.push_back(f32(m, rows * s.hidden));      // drows
-  a.push_back(f32(m, L * s.experts));        // dlogits
-  a.push_back(bf16(m, L * s.experts));       // dlogits16
+  a.push_back(bf16(m, rows * s.hidden));  // dout
+  a.push_back(f32(m, L * s.topk));        // dweight
+  a.push_back(f32(m, rows * s.hidden));   // drows
+  a.push_back(f32(m, L * s.experts));     // dlogits
+  a.push_back(bf16(m, L * s.experts));    // dlogits16
 }
 
 }  // namespace
@@ -219,6 +220,8 @@ int64_t routed_rows(const Shapes& s, int64_t tokens) {
   return static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * s.routed_rows_per_token));
 }
 
-int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens) { return (2 * tokens * s.topk + 64) * 4; }
+int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens) {
+  return (2 * tokens * s.topk + 64) * 4;
+}
 
 }  // namespace spindle::plan

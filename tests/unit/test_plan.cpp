@@ -166,8 +166,8 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
   // one state and window gradient (fp32); 11 DSA layers: latent [L, 512] bf16 + fp32 gradient,
   // pooled keys [L / 16, 64] bf16.
   const int64_t state = 16 * 64 * 64 * 4, window = 3 * 3 * 1024;
-  const int64_t expected = 34 * (15 * (state + 2 * window) + state + 4 * window) + 11 * (6 * L * 512) +
-                           11 * (2 * (L / 16) * 64);
+  const int64_t expected =
+      34 * (15 * (state + 2 * window) + state + 4 * window) + 11 * (6 * L * 512) + 11 * (2 * (L / 16) * 64);
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}), expected);
 }
 

@@ -31,7 +31,8 @@ int64_t parse_tokens(const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  check(!digits.empty() && used == digits.size() && value >= 2 && value <= (int64_t{1} << 40) / scale,
+  check(!digits.empty() && used == digits.size() && value >= 1 && value <= (int64_t{1} << 40) / scale &&
+            value * scale >= 2,
         "--seq-len takes a length of at least 2 tokens (e.g. 131072, 128k, 1M), got '", text, "'");
   return value * scale;
 }
@@ -62,8 +63,9 @@ void print_row(const Candidate& x) {
               category(MemoryCategory::Workspace), in_gib(x.memory.host), x.time.total(), x.relative);
   if (x.time.copies > 0)
     std::printf("  copies %.1f s, %s", x.time.copies,
-                x.time.exposed_copies > 0 ? ("not hidden: +" + std::to_string(x.time.exposed_copies) + " s").c_str()
-                                          : "hidden");
+                x.time.exposed_copies > 0
+                    ? ("not hidden: +" + std::to_string(x.time.exposed_copies) + " s").c_str()
+                    : "hidden");
   if (!x.fits()) std::printf("  does not fit: %s", x.infeasible.c_str());
   std::printf("\n");
 }
@@ -71,7 +73,8 @@ void print_row(const Candidate& x) {
 }  // namespace
 
 int run_plan(const std::vector<std::string>& argv) {
-  const Args args("plan", argv, {"model", "seq-len", "gpus", "gpu-mem", "host-mem", "mfu", "mla"}, {"indexer-kl"});
+  const Args args("plan", argv, {"model", "seq-len", "gpus", "gpu-mem", "host-mem", "mfu", "mla"},
+                  {"indexer-kl"});
   const std::string source = args.required("model");
   const ModelConfig config = load_model_config(source);
   check_supported(config);
@@ -84,7 +87,8 @@ int run_plan(const std::vector<std::string>& argv) {
   const double host_gib = parse_positive("host-mem", args.value_or("host-mem", "128"), size);
   request.machine.gpu_bytes = bytes_of_gib(gpu_gib);
   request.machine.host_bytes = bytes_of_gib(host_gib);
-  if (const auto mfu = args.optional("mfu")) request.hardware.mfu = parse_positive("mfu", *mfu, "a fraction in (0, 1]");
+  if (const auto mfu = args.optional("mfu"))
+    request.hardware.mfu = parse_positive("mfu", *mfu, "a fraction in (0, 1]");
   const std::string mla = args.value_or("mla", "expanded");
   check(mla == "expanded" || mla == "absorbed", "--mla must be expanded or absorbed, got '", mla, "'");
   request.options.absorbed = mla == "absorbed";
@@ -92,23 +96,22 @@ int run_plan(const std::vector<std::string>& argv) {
   const plan::Plan result = plan::make_plan(config, request);
 
   const int64_t usable = request.machine.gpu_bytes - plan::kDeviceReserveBytes;
-  std::printf("spindle plan: %s, %lld tokens, %lld GPU%s of %.0f GiB (%.1f usable: %.0f GiB kept for the CUDA "
-              "context, cuBLASLt and allocator slack), host %.0f GiB per GPU\n",
-              source.c_str(), static_cast<long long>(request.tokens), static_cast<long long>(request.machine.gpus),
-              request.machine.gpus > 1 ? "s" : "", gpu_gib, in_gib(usable), in_gib(plan::kDeviceReserveBytes),
-              host_gib);
-  std::printf("assumes: %s MLA, indexer KL %s; one training step = forward + backward + AdamW (bf16 weights, fp32 "
-              "gradients and AdamW state); time at the measured MFU %.2f%% of %.0f TFLOP/s, PCIe %.0f GB/s\n",
-              mla.c_str(), request.options.indexer_kl ? "trained" : "off", 100 * request.hardware.mfu,
-              request.hardware.peak_flops / 1e12, request.hardware.pcie_bytes_per_s / 1e9);
-  for (int64_t t = 1; t <= std::min(request.machine.gpus, plan::kGpusPerNode); t *= 2)
-    if (plan::tensor_degree_fits(config, t))
-      std::printf("parallel (tp%lld): %s\n", static_cast<long long>(t),
-                  plan::Parallel{request.machine.gpus, t}.describe(config).c_str());
-  std::printf("\n  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "policy", "device", "weights", "grads", "adam",
-              "acts", "work", "host", "step s", "relative");
-  std::printf("  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB",
-              "", "");
+  std::printf(
+      "spindle plan: %s, %lld tokens, %lld GPU%s of %.0f GiB (%.1f usable: %.0f GiB kept for the CUDA "
+      "context, cuBLASLt and allocator slack), host %.0f GiB per GPU\n",
+      source.c_str(), static_cast<long long>(request.tokens), static_cast<long long>(request.machine.gpus),
+      request.machine.gpus > 1 ? "s" : "", gpu_gib, in_gib(usable), in_gib(plan::kDeviceReserveBytes),
+      host_gib);
+  std::printf(
+      "assumes: %s MLA, indexer KL %s; one training step = forward + backward + AdamW (bf16 weights, fp32 "
+      "gradients and AdamW state); time at the measured MFU %.2f%% of %.0f TFLOP/s, PCIe %.0f GB/s\n",
+      mla.c_str(), request.options.indexer_kl ? "trained" : "off", 100 * request.hardware.mfu,
+      request.hardware.peak_flops / 1e12, request.hardware.pcie_bytes_per_s / 1e9);
+  std::printf("parallel: %s\n", plan::Parallel{request.machine.gpus, 1}.describe(config).c_str());
+  std::printf("\n  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "policy", "device", "weights", "grads",
+              "adam", "acts", "work", "host", "step s", "relative");
+  std::printf("  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB",
+              "GiB", "", "");
   for (const Candidate& x : result.candidates) print_row(x);
   if (!result.pick) {
     std::printf("\npick: none fits (%lld policies tried; each line says why)\n",
@@ -116,11 +119,12 @@ int run_plan(const std::vector<std::string>& argv) {
     return 1;
   }
   const Candidate& pick = result.candidates[*result.pick];
-  std::printf("\npick: %s (tensor parallel %lld, expert parallel %lld): %.1f GiB device, %.1f GiB host, "
-              "%.1f s per step, the fastest that fits\n",
-              pick.policy.name().c_str(), static_cast<long long>(pick.policy.tensor_parallel),
-              static_cast<long long>(request.machine.gpus), in_gib(pick.memory.device.peak_total),
-              in_gib(pick.memory.host), pick.time.total());
+  std::printf(
+      "\npick: %s (tensor parallel %lld, expert parallel %lld): %.1f GiB device, %.1f GiB host, "
+      "%.1f s per step, the fastest that fits\n",
+      pick.policy.name().c_str(), static_cast<long long>(pick.policy.tensor_parallel),
+      static_cast<long long>(request.machine.gpus), in_gib(pick.memory.device.peak_total),
+      in_gib(pick.memory.host), pick.time.total());
   return 0;
 }
 
