@@ -61,11 +61,12 @@ void print_row(const Candidate& x) {
               in_gib(d.peak_total), category(MemoryCategory::Weights), category(MemoryCategory::Gradients),
               category(MemoryCategory::Optimizer), category(MemoryCategory::Activations),
               category(MemoryCategory::Workspace), in_gib(x.memory.host), x.time.total(), x.relative);
-  if (x.time.copies > 0)
-    std::printf("  copies %.1f s, %s", x.time.copies,
-                x.time.exposed_copies > 0
-                    ? ("not hidden: +" + std::to_string(x.time.exposed_copies) + " s").c_str()
-                    : "hidden");
+  if (x.time.copies > 0) {
+    if (x.time.exposed_copies > 0)
+      std::printf("  copies %.1f s, not hidden: +%.1f s", x.time.copies, x.time.exposed_copies);
+    else
+      std::printf("  copies %.1f s, hidden", x.time.copies);
+  }
   if (!x.fits()) std::printf("  does not fit: %s", x.infeasible.c_str());
   std::printf("\n");
 }
