@@ -74,5 +74,19 @@ expect_failure train-unknown-key "unknown key 'stepz'" "$spindle" train --config
 
 expect_failure missing-model-dir "config.json|no such|cannot" "$spindle" info --model "$work/nowhere"
 
+# spindle plan: bad requests fail naming the option; a good one prints a pick; nothing fitting exits 1 saying why.
+configs="$here/../configs"
+expect_failure plan-zero-length "seq-len.*at least 2" "$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 0
+expect_failure plan-word-length "seq-len.*'long'" "$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len long
+expect_failure plan-no-config "$work/none.json" "$spindle" plan --model "$work/none.json" --seq-len 4096
+expect_failure plan-zero-gpus "gpus must be at least 1" "$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 4096 --gpus 0
+expect_failure plan-negative-memory "gpu-mem takes a positive size" "$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 4096 --gpu-mem -1
+expect_failure plan-nothing-fits "pick: none fits.*|does not fit: device" "$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 65536 --gpu-mem 8
+if output=$("$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 4k 2>&1) && grep -q "^pick: keep " <<<"$output"; then
+  echo "ok   plan-pick: $(grep '^pick:' <<<"$output")"
+else
+  echo "FAIL plan-pick: $output"; failures=$((failures + 1))
+fi
+
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
 echo "all bad-input cases fail cleanly"

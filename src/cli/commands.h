@@ -14,5 +14,6 @@ int run_data(const std::vector<std::string>& args);
 int run_grads(const std::vector<std::string>& args);
 int run_train(const std::vector<std::string>& args);
 int run_bench(const std::vector<std::string>& args);
+int run_plan(const std::vector<std::string>& args);
 
 }  // namespace spindle

@@ -37,6 +37,12 @@ commands:
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU
+  plan      --model DIR|CONFIG.json --seq-len L [--gpus N] [--gpu-mem GB] [--host-mem GB]
+            [--mla expanded|absorbed] [--indexer-kl] [--mfu F]
+                                                every memory policy with predicted peak device and
+                                                host memory and step time, and the pick: the fastest
+                                                that fits (L: 131072, 128k or 1M; GB = GiB; defaults:
+                                                1 GPU, 141 GB, 128 GB host per GPU; exit 1 if none fits)
   help                                          this text
 )";
 
@@ -61,6 +67,7 @@ int main(int argc, char** argv) {
     if (command == "grads") return spindle::run_grads(args);
     if (command == "train") return spindle::run_train(args);
     if (command == "bench") return spindle::run_bench(args);
+    if (command == "plan") return spindle::run_plan(args);
     if (command == "help" || command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;

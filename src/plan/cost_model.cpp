@@ -1,0 +1,117 @@
+#include "plan/cost_model.h"
+
+#include <algorithm>
+
+#include "model/flops.h"
+
+namespace spindle::plan {
+
+namespace {
+
+constexpr double kPassesToday = 5;              // forward + 2 recomputations + backward (2)
+constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
+constexpr double kPassesPerChunk = 4;           // forward, recomputation, the site's recomputation, backward
+
+// A forward's FLOPs on the busiest GPU, and the attention sites' share of them.
+struct Work {
+  double forward = 0;
+  double attention_share = 0;
+};
+
+Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
+  const double L = static_cast<double>(tokens), D = static_cast<double>(c.hidden_size);
+  const double t = static_cast<double>(p.tensor);
+  double ffn = 0, experts = 0;
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.mlp_layer_types[i] == MlpKind::Dense) {
+      ffn += 2 * 3 * D * static_cast<double>(c.intermediate_size) * L;
+    } else {
+      const double I = static_cast<double>(c.moe_intermediate_size);
+      const double routed = 2 * 3 * D * I * static_cast<double>(c.num_experts_per_tok) * L;
+      experts += routed;
+      ffn += routed + 2 *
+                          (D * static_cast<double>(c.n_routed_experts) +
+                           static_cast<double>(c.n_shared_experts) * 3 * D * I) *
+                          L;
+    }
+  }
+  const double head = 2 * D * static_cast<double>(c.vocab_size) * L;
+  const double all = model_flops(c, tokens).forward();
+  const double attention = all - ffn - head;  // mHC and norms included
+  const double busiest = p.routed_rows_per_token(c) / static_cast<double>(c.num_experts_per_tok);
+  Work w;
+  w.forward = (attention + ffn - experts + head) / t + experts * busiest;
+  w.attention_share = attention / t / w.forward;
+  return w;
+}
+
+// Seconds of one all-reduce of `bytes` over `gpus` GPUs (ring: 2 (n - 1) / n of the bytes).
+double all_reduce(double bytes, int64_t gpus, const Hardware& h) {
+  if (gpus <= 1) return 0;
+  const double n = static_cast<double>(gpus);
+  const double bandwidth = gpus <= kGpusPerNode ? h.nvlink_bytes_per_s : h.network_bytes_per_s;
+  return 2 * (n - 1) / n * bytes / bandwidth;
+}
+
+}  // namespace
+
+double forward_passes(ActivationPolicy policy, double attention_share) {
+  switch (policy) {
+    case ActivationPolicy::KeepSites:
+      return kPassesToday;
+    case ActivationPolicy::KeepLayerInputs:
+    case ActivationPolicy::OffloadLayerInputs:
+      return kPassesToday + attention_share;
+    case ActivationPolicy::Stream:
+      return kPassesToday + 1;
+  }
+  return kPassesToday;
+}
+
+StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
+                   const Policy& policy, const Hardware& h) {
+  const Work work = gpu_work(c, p, tokens);
+  const double passes = forward_passes(policy.activations, work.attention_share);
+  // The measured MFU counts 3 forwards of model FLOPs per step of today's 5 passes.
+  const double seconds_per_pass = 3 * work.forward / (h.mfu * h.peak_flops) / kPassesToday;
+  StepTime time;
+  time.compute = passes * seconds_per_pass;
+  const double backward = (passes - 1) * seconds_per_pass;
+  const double L = static_cast<double>(tokens);
+  const double layers = static_cast<double>(c.num_hidden_layers);
+  const double chunks = policy.activations == ActivationPolicy::Stream
+                            ? static_cast<double>((tokens + policy.chunk_tokens - 1) / policy.chunk_tokens)
+                            : 1;
+
+  if (policy.activations == ActivationPolicy::Stream) {
+    const double launches = layers * 2 * kPassesPerChunk * kKernelsPerSublayerPass;
+    const double weights = kPassesPerChunk * static_cast<double>(state.weights) / h.hbm_bytes_per_s;
+    time.chunks = chunks * (launches * h.launch_seconds + weights);
+  }
+  if (policy.activations == ActivationPolicy::OffloadLayerInputs) {
+    const double bytes = layers * L * static_cast<double>(c.hc_mult * c.hidden_size) * 2;
+    time.copies = bytes / h.pcie_bytes_per_s;
+    time.exposed_copies =
+        std::max(0.0, time.copies - seconds_per_pass) + std::max(0.0, time.copies - backward);
+  }
+
+  // All-reduces: a sublayer's output in each forward-like pass, its input's gradient (fp32) in
+  // the backward. Attention and dense MLP sites over the tensor-parallel group; MoE sites over
+  // every GPU (the routed experts' and the shared expert's partial sums together).
+  const double site_bytes = ((passes - 2) * 2 + 4) * L * static_cast<double>(c.hidden_size);
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    time.communication += all_reduce(site_bytes, p.tensor, h);
+    const int64_t ffn_group = c.mlp_layer_types[i] == MlpKind::Sparse ? p.gpus : p.tensor;
+    time.communication += all_reduce(site_bytes, ffn_group, h);
+  }
+
+  if (policy.optimizer_on_host) {
+    const double params = static_cast<double>(state.parameters);
+    const double gradients_out = 4 * params * chunks / h.pcie_bytes_per_s;
+    time.optimizer = std::max(0.0, gradients_out - backward) + 2 * params / h.pcie_bytes_per_s +
+                     28 * params / h.host_adam_bytes_per_s;  // read grad, master, m, v; write master, m, v
+  }
+  return time;
+}
+
+}  // namespace spindle::plan

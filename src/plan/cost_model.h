@@ -1,0 +1,58 @@
+// A simple, explicit model of one training step's time on the busiest GPU, to rank policies
+// (docs/PLANNER.md). Work is counted in forward passes of the model (model/flops.h): today's
+// executor does 5 per step (the forward, two recomputations of each sublayer in the backward:
+// one for the mHC combine, one inside the sublayer's backward, and the backward itself, twice a
+// forward); its measured speed (MFU) turns that into seconds. Each policy adds work or
+// transfers:
+//   recompute / offload: the attention site's forward once more per layer, to rebuild the
+//     feed-forward site's input from the layer input;
+//   offload: the layer inputs' copies over PCIe, overlapped with the forward (to the host) and
+//     the backward (back); only what exceeds that pass's compute is added;
+//   stream: one more forward (each chunk is recomputed before its backward) plus a per-chunk
+//     cost (kernel launches of every layer again, weights read again);
+//   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
+//     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
+//   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
+//   expert parallel: the busiest GPU's routed rows, and each MoE layer's all-reduce over all GPUs.
+// Communication is not overlapped (conservative).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "plan/parallel.h"
+#include "plan/policy.h"
+#include "plan/state_memory.h"
+
+namespace spindle::plan {
+
+struct Hardware {
+  double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
+  double mfu = 0.0045;         // today's executor on the H200, 1k-64k tokens (docs/PERF.md: 0.44-0.47%)
+  double pcie_bytes_per_s = 50e9;
+  double hbm_bytes_per_s = 4.8e12;
+  double nvlink_bytes_per_s = 450e9;     // all-reduce bus bandwidth inside a node
+  double network_bytes_per_s = 50e9;     // per GPU across nodes (400 Gb/s)
+  double host_adam_bytes_per_s = 100e9;  // the CPU's memory bandwidth for the AdamW update
+  double launch_seconds = 5e-6;          // one kernel launch
+};
+
+struct StepTime {
+  double compute = 0;         // GPU work at the measured MFU
+  double chunks = 0;          // streaming's per-chunk cost
+  double exposed_copies = 0;  // offload copies beyond the compute they overlap
+  double copies = 0;          // offload copies in all (each way), for the note
+  double communication = 0;   // all-reduces
+  double optimizer = 0;       // host AdamW
+  double total() const { return compute + chunks + exposed_copies + communication + optimizer; }
+};
+
+StepTime step_time(const ModelConfig& c, const Parallel& parallel, const StateBytes& state, int64_t tokens,
+                   const Policy& policy, const Hardware& hardware);
+
+// Forward passes of work per step (see above); attention_share: the attention sites' share of a
+// forward's FLOPs.
+double forward_passes(ActivationPolicy policy, double attention_share);
+
+}  // namespace spindle::plan

@@ -1,0 +1,214 @@
+#include "plan/memory_model.h"
+
+#include <algorithm>
+#include <deque>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "plan/ledger.h"
+#include "plan/sublayer_memory.h"
+
+namespace spindle::plan {
+
+namespace {
+
+using Block = Ledger::Block;
+using Blocks = std::vector<Block>;
+
+// The fused lm_head + loss (kernels/cuda/lm_loss.cpp): its workspace grows to the larger of the
+// forward's and the backward's and stays (a member of the Context), for token blocks of at most
+// 4096 rows and vocabulary chunks of at most 16384 (the Context's LmHeadLoss defaults).
+int64_t head_workspace_bytes(const Shapes& s, int64_t L) {
+  const auto floats = [](int64_t n) { return (n + 63) / 64 * 64; };  // 256-byte aligned regions
+  const int64_t Lb = std::min<int64_t>(L, 4096), C = (std::min<int64_t>(s.vocab, 16384) + 7) / 8 * 8;
+  const int64_t forward = floats(Lb * C) + 3 * floats(Lb);
+  const int64_t backward = floats(Lb * C) + floats((Lb * C + 1) / 2) + floats(Lb * s.hidden);
+  return 4 * std::max(forward, backward);
+}
+
+int64_t stream_bytes(const Shapes& s, int64_t L) { return L * s.streams * s.hidden * 2; }
+
+// residual_site_forward / site_inputs (model/cuda/residual.cpp): pre, post, comb (fp32), the
+// collapsed and normalised input (bf16); the sublayer writes its output into `collapsed`.
+Blocks site_activations(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t H = s.streams;
+  Blocks a;
+  a.push_back(m.activations(4 * L * H));
+  a.push_back(m.activations(4 * L * H));
+  a.push_back(m.activations(4 * L * H * H));
+  a.push_back(m.activations(2 * L * s.hidden));
+  a.push_back(m.activations(2 * L * s.hidden));
+  return a;
+}
+
+// The two sublayers of a layer, as residual sites.
+enum class Site { Attention, Ffn };
+
+class StepReplay {
+ public:
+  StepReplay(Ledger& m, const Shapes& s, const Pass& pass) : m_(m), s_(s), pass_(pass) {}
+
+  // residual_site_forward; `select`: the forward proper, where a DSA layer makes its selection.
+  void site_forward(const LayerShape& layer, Site site, bool select, Blocks& selections) {
+    Blocks a = site_activations(m_, s_, pass_.tokens);
+    if (site == Site::Ffn)
+      ffn_forward(m_, s_, layer, pass_);
+    else if (Block chosen = attention_forward(m_, s_, layer, pass_, select); chosen.bytes() > 0)
+      selections.push_back(std::move(chosen));
+  }
+
+  // residual_site_backward: the site's inputs, the sublayer recomputed for the combine, the
+  // combine's gradients, the sublayer's backward (which recomputes it again), the mHC
+  // coefficients' workspace; the input's gradient replaces `dstreams`.
+  void site_backward(const LayerShape& layer, Site site, Block& dstreams) {
+    const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
+    Blocks a = site_activations(m_, s_, L);
+    a.push_back(m_.activations(2 * L * D));  // y
+    if (site == Site::Ffn)
+      ffn_forward(m_, s_, layer, pass_);
+    else
+      attention_forward(m_, s_, layer, pass_, false);
+    Block d_in = m_.activations(4 * L * H * D);
+    a.push_back(m_.activations(4 * L * H));      // d_post
+    a.push_back(m_.activations(4 * L * H * H));  // d_comb
+    a.push_back(m_.activations(4 * L * D));      // d_normed
+    a.push_back(m_.activations(2 * L * D));      // dy
+    if (site == Site::Ffn)
+      ffn_backward(m_, s_, layer, pass_);
+    else
+      attention_backward(m_, s_, layer, pass_);
+    a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1)));  // hc_coefficients_backward_workspace
+    dstreams = std::move(d_in);
+  }
+
+ private:
+  Ledger& m_;
+  const Shapes& s_;
+  Pass pass_;
+};
+
+// loss_and_gradients (model/cuda/model.cpp) over `pass.tokens` tokens, storing site inputs as
+// `policy` says: KeepSites (the code as it is) stores both sites' inputs; KeepLayerInputs and
+// OffloadLayerInputs store the attention site's (the layer's) input and rebuild the
+// feed-forward site's input in the backward by running the attention site forward once more;
+// OffloadLayerInputs keeps at most two layer inputs on the device (one in use, one in flight).
+void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy policy) {
+  const int64_t L = pass.tokens, S = stream_bytes(s, L);
+  const size_t layers = s.layers.size();
+  StepReplay step(m, s, pass);
+  const bool offload = policy == ActivationPolicy::OffloadLayerInputs;
+  const bool all_sites = policy == ActivationPolicy::KeepSites || policy == ActivationPolicy::Stream;
+
+  Block token_ids = m.activations(4 * L);
+  Block streams = m.activations(S);
+  Block balance_stats = m.workspace(0);  // allocated (empty) even without the balance loss
+  Blocks selections;
+  std::vector<Block> stored(2 * layers);
+  std::deque<size_t> on_device;  // offload: the layer inputs still on the device
+  const auto store = [&](size_t index) {
+    stored[index] = std::move(streams);
+    if (!offload) return;
+    on_device.push_back(index);
+    if (on_device.size() > 2) {
+      stored[on_device.front()] = Block();  // its copy to the pinned pool has landed
+      on_device.pop_front();
+    }
+  };
+  for (size_t i = 0; i < layers; ++i) {
+    const LayerShape& layer = s.layers[i];
+    for (const Site site : {Site::Attention, Site::Ffn}) {
+      Block next = m.activations(S);
+      step.site_forward(layer, site, true, selections);
+      if (site == Site::Attention || all_sites)
+        store(2 * i + static_cast<size_t>(site == Site::Ffn));
+      else
+        streams = Block();
+      streams = std::move(next);
+    }
+  }
+
+  // The exit and head: mean over streams, final norm, fused lm_head + loss and its backward.
+  Blocks head;
+  head.push_back(m.activations(2 * L * s.hidden));  // mean
+  head.push_back(m.activations(2 * L * s.hidden));  // hidden
+  streams = Block();
+  head.push_back(m.activations(4 * L));             // targets
+  head.push_back(m.activations(4 * L));             // log_prob
+  head.push_back(m.activations(4 * L));             // lse
+  head.push_back(m.activations(4));                 // loss
+  head.push_back(m.activations(2 * L * s.hidden));  // dhidden
+  head.push_back(m.activations(2 * L * s.hidden));  // dmean
+  Block dstreams = m.activations(4 * L * s.streams * s.hidden);
+  Block indexer_kl = m.workspace(8);
+
+  for (size_t i = layers; i-- > 0;) {
+    const LayerShape& layer = s.layers[i];
+    if (offload) {  // this layer's input is back; the previous layer's is on its way
+      if (stored[2 * i].bytes() == 0) stored[2 * i] = m.activations(S);
+      if (i > 0 && stored[2 * i - 2].bytes() == 0) stored[2 * i - 2] = m.activations(S);
+    }
+    if (!all_sites) {  // rebuild the feed-forward site's input from the layer input
+      stored[2 * i + 1] = m.activations(S);
+      Blocks none;
+      step.site_forward(layer, Site::Attention, false, none);
+    }
+    step.site_backward(layer, Site::Ffn, dstreams);
+    stored[2 * i + 1] = Block();
+    step.site_backward(layer, Site::Attention, dstreams);
+    stored[2 * i] = Block();
+  }
+}
+
+}  // namespace
+
+int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tokens,
+                              const StepOptions& options) {
+  const int64_t chunks = (tokens + chunk_tokens - 1) / chunk_tokens;
+  const int64_t state = 4 * s.kda_heads * s.kda_dim * s.kda_dim;
+  const int64_t window = (s.conv_kernel - 1) * 3 * s.kda_width();
+  const int64_t latent = tokens * (s.kv_rank + s.rope_dim);
+  const int64_t pooled = tokens / s.kpool * s.index_dim;
+  int64_t bytes = 0;
+  for (const LayerShape& layer : s.layers) {
+    if (layer.attention == AttentionKind::Kda) {
+      bytes += (chunks - 1) * (state + 2 * window);  // forward carries at every later chunk start
+      bytes += state + 4 * window;                   // the carry's gradient, one boundary at a time
+    } else {
+      bytes += 2 * latent + 4 * latent;
+      if (layer.own_indexer) bytes += 2 * pooled + (options.indexer_kl ? 4 * pooled : 0);
+    }
+  }
+  return bytes;
+}
+
+MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_t tokens,
+                                const Policy& policy, const StepOptions& options) {
+  check(tokens >= 2, "the sequence length must be at least 2 tokens, got ", tokens);
+  const bool streamed = policy.activations == ActivationPolicy::Stream;
+  check(!streamed || (policy.chunk_tokens > 0 && policy.chunk_tokens <= tokens),
+        "a streaming chunk must hold 1 to ", tokens, " tokens, got ", policy.chunk_tokens);
+  const int64_t L = streamed ? policy.chunk_tokens : tokens;
+  Ledger m;
+  // Model state, then what grows on first use and stays: the head's and the permutation's workspaces.
+  Block weights = m.take(state.weights, MemoryCategory::Weights);
+  Block gradients = m.take(policy.optimizer_on_host ? 2 * state.largest_layer_gradients : state.gradients,
+                           MemoryCategory::Gradients);
+  Block optimizer;
+  if (!policy.optimizer_on_host) optimizer = m.take(state.optimizer, MemoryCategory::Optimizer);
+  Block head = m.workspace(head_workspace_bytes(s, L));
+  Block permutation = m.workspace(permutation_workspace_bytes(s, L));
+  Block carries;
+  if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options));
+  const Pass pass{L, tokens, streamed, options.absorbed, options.indexer_kl};
+  replay_step(m, s, pass, policy.activations);
+
+  MemoryPrediction p;
+  p.device = m.stats();
+  if (policy.activations == ActivationPolicy::OffloadLayerInputs)
+    p.pinned_pool = static_cast<int64_t>(s.layers.size()) * stream_bytes(s, tokens);
+  p.host = state.host_weights + p.pinned_pool + (policy.optimizer_on_host ? state.host_optimizer : 0);
+  return p;
+}
+
+}  // namespace spindle::plan

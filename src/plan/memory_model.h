@@ -1,0 +1,41 @@
+// Predicted peak memory of one training step (forward, backward, AdamW) on one GPU for a
+// sequence of `tokens` tokens under a Policy. The device side replays the CUDA executor's
+// allocations on a Ledger (plan/ledger.h): the model state (plan/state_memory.h), then
+// model/cuda/model.cpp's loss_and_gradients buffer by buffer, the sublayers from
+// plan/sublayer_memory.h. KeepSites is the executor as it exists; the other policies change
+// what the forward stores (documented at each) and are predictions for code not yet written.
+#pragma once
+
+#include <cstdint>
+
+#include "core/allocator.h"
+#include "model/config.h"
+#include "plan/parallel.h"
+#include "plan/policy.h"
+#include "plan/state_memory.h"
+
+namespace spindle::plan {
+
+struct StepOptions {
+  bool absorbed = false;    // MLA over the shared latent (spindle bench --mla absorbed)
+  bool indexer_kl = false;  // the indexer's KL training (off in spindle bench)
+};
+
+struct MemoryPrediction {
+  MemoryStats device;       // peaks per category and of the total, as spindle bench reports them
+  int64_t host = 0;         // the fp32 weights the process loaded, the pinned pool, host AdamW
+  int64_t pinned_pool = 0;  // offloaded layer inputs: exactly their sum, one pool reused every step
+};
+
+MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, int64_t tokens,
+                                const Policy& policy, const StepOptions& options = {});
+
+// Bytes of what the streaming executor keeps for the whole step (docs/STREAMING.md): per KDA
+// layer the fp32 state at each later chunk start and the conv window (kernel - 1 rows of q, k,
+// v), and their gradients for one boundary; per DSA layer the bf16 latent cache [tokens,
+// kv_lora_rank + rope] and its fp32 gradient, per indexer the bf16 pooled keys (and their fp32
+// gradient when the indexer trains).
+int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens,
+                              const StepOptions& options);
+
+}  // namespace spindle::plan

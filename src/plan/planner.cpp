@@ -1,0 +1,78 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace spindle::plan {
+
+namespace {
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  return text;
+}
+
+std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus) {
+  std::vector<Policy> out;
+  for (int64_t t = 1; t <= std::min(gpus, kGpusPerNode); t *= 2) {
+    if (!tensor_degree_fits(c, t)) continue;
+    for (const bool host : {false, true}) {
+      for (const ActivationPolicy a : {ActivationPolicy::KeepSites, ActivationPolicy::KeepLayerInputs,
+                                       ActivationPolicy::OffloadLayerInputs})
+        out.push_back({a, 0, host, t});
+      for (const int64_t chunk : chunk_lengths(tokens))
+        out.push_back({ActivationPolicy::Stream, chunk, host, t});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int64_t> chunk_lengths(int64_t tokens) {
+  std::vector<int64_t> out;
+  for (int64_t chunk = 4096; chunk <= 262144 && chunk < tokens; chunk *= 4) out.push_back(chunk);
+  return out;
+}
+
+Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
+  check(r.tokens >= 2, "--seq-len must be at least 2 tokens, got ", r.tokens);
+  check(r.machine.gpus >= 1, "--gpus must be at least 1, got ", r.machine.gpus);
+  check(r.machine.gpu_bytes > kDeviceReserveBytes, "--gpu-mem must exceed the ", gib(kDeviceReserveBytes),
+        " kept for the CUDA context and libraries, got ", gib(r.machine.gpu_bytes));
+  check(r.machine.host_bytes > 0, "--host-mem must be positive");
+  check(r.hardware.mfu > 0 && r.hardware.mfu <= 1, "--mfu must be in (0, 1], got ", r.hardware.mfu);
+  const int64_t usable = r.machine.gpu_bytes - kDeviceReserveBytes;
+
+  Plan plan;
+  for (const Policy& policy : policies(c, r.tokens, r.machine.gpus)) {
+    const Parallel parallel{r.machine.gpus, policy.tensor_parallel};
+    const Shapes shapes = gpu_shapes(c, parallel);
+    const StateBytes state = state_bytes(c, parallel);
+    Candidate x;
+    x.policy = policy;
+    x.memory = predict_memory(shapes, state, r.tokens, policy, r.options);
+    x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware);
+    if (x.memory.device.peak_total > usable)
+      x.infeasible = "device " + gib(x.memory.device.peak_total) + " > " + gib(usable) + " usable";
+    else if (x.memory.host > r.machine.host_bytes)
+      x.infeasible = "host " + gib(x.memory.host) + " > " + gib(r.machine.host_bytes);
+    plan.candidates.push_back(x);
+  }
+  std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
+                   [](const Candidate& a, const Candidate& b) {
+                     if (a.fits() != b.fits()) return a.fits();
+                     if (a.time.total() != b.time.total()) return a.time.total() < b.time.total();
+                     return a.memory.device.peak_total < b.memory.device.peak_total;
+                   });
+  double fastest = plan.candidates.front().time.total();
+  for (const Candidate& x : plan.candidates) fastest = std::min(fastest, x.time.total());
+  for (Candidate& x : plan.candidates) x.relative = x.time.total() / fastest;
+  if (plan.candidates.front().fits()) plan.pick = 0;
+  return plan;
+}
+
+}  // namespace spindle::plan

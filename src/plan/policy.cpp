@@ -1,0 +1,30 @@
+#include "plan/policy.h"
+
+namespace spindle::plan {
+
+const char* activation_policy_name(ActivationPolicy policy) {
+  switch (policy) {
+    case ActivationPolicy::KeepSites:
+      return "keep";
+    case ActivationPolicy::KeepLayerInputs:
+      return "recompute";
+    case ActivationPolicy::OffloadLayerInputs:
+      return "offload";
+    case ActivationPolicy::Stream:
+      return "stream";
+  }
+  return "?";
+}
+
+std::string Policy::name() const {
+  std::string text = activation_policy_name(activations);
+  if (activations == ActivationPolicy::Stream) {
+    const bool kilo = chunk_tokens % 1024 == 0;
+    text += " " + std::to_string(kilo ? chunk_tokens / 1024 : chunk_tokens) + (kilo ? "k" : "");
+  }
+  if (optimizer_on_host) text += " + host AdamW";
+  if (tensor_parallel > 1) text += " tp" + std::to_string(tensor_parallel);
+  return text;
+}
+
+}  // namespace spindle::plan

@@ -1,0 +1,29 @@
+// A memory policy the planner can choose: how a training step keeps what the backward pass
+// needs, where the optimizer state lives, and the tensor-parallel degree (plan/parallel.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace spindle::plan {
+
+enum class ActivationPolicy {
+  KeepSites,           // today's CUDA executor: every residual site's bf16 input streams on the device
+  KeepLayerInputs,     // one input per layer; the feed-forward site's input is recomputed from it
+  OffloadLayerInputs,  // the layer inputs in pinned host memory, copied back ahead of the backward
+  Stream,              // the whole model over the sequence in chunks (docs/STREAMING.md)
+};
+
+struct Policy {
+  ActivationPolicy activations = ActivationPolicy::KeepSites;
+  int64_t chunk_tokens = 0;  // Stream only
+  bool optimizer_on_host = false;
+  int64_t tensor_parallel = 1;
+
+  // e.g. "keep", "stream 64k", "offload + host AdamW", with " tp8" when tensor parallel.
+  std::string name() const;
+};
+
+const char* activation_policy_name(ActivationPolicy policy);
+
+}  // namespace spindle::plan

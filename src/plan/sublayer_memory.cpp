@@ -1,0 +1,227 @@
+#include "plan/sublayer_memory.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace spindle::plan {
+
+namespace {
+
+constexpr int64_t kKdaChunk = 64;                            // kernels/cuda/kda.h kKdaChunk
+constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
+
+using Blocks = std::vector<Ledger::Block>;
+
+Ledger::Block bf16(Ledger& m, int64_t n) { return m.activations(2 * n); }
+Ledger::Block f32(Ledger& m, int64_t n) { return m.activations(4 * n); }
+Ledger::Block i32(Ledger& m, int64_t n) { return m.activations(4 * n); }
+
+// KdaActivations of model/cuda/kda.cpp: ten bf16 [L, heads * dim] (projections, convs, normalised
+// q/k, gate, core), two bf16 low-rank [L, dim], fp32 f and g, fp32 beta, the fp32 chunk states.
+Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
+  Blocks a;
+  for (int i = 0; i < 10; ++i) a.push_back(bf16(m, L * w));
+  a.push_back(bf16(m, L * dh));
+  a.push_back(bf16(m, L * dh));
+  a.push_back(f32(m, L * w));
+  a.push_back(f32(m, L * w));
+  a.push_back(f32(m, L * H));
+  a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
+  return a;
+}
+
+void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
+  Blocks a = kda_activations(m, s, L);
+  for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
+  a.push_back(bf16(m, L * dh));                             // d_low
+  for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
+  a.push_back(f32(m, L * H));                               // dbeta
+  a.push_back(f32(m, H * (kKdaChunk + 1) * dh * dh));       // kda_backward_workspace_floats
+  a.push_back(bf16(m, L * H));                              // db
+  a.push_back(bf16(m, L * w));                              // df
+}
+
+// MlaActivations of model/cuda/dsa.cpp (mla_projections).
+Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
+  const int64_t L = p.tokens, H = s.mla_heads;
+  Blocks a;
+  a.push_back(bf16(m, L * s.q_rank));  // q_low
+  a.push_back(bf16(m, L * s.q_rank));  // q_resid
+  a.push_back(bf16(m, L * H * s.qk_dim));
+  a.push_back(bf16(m, L * s.kv_rank));    // kv_low
+  a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
+  a.push_back(bf16(m, L * H * s.v_dim));  // attended
+  if (p.streamed || p.absorbed) {
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // q_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // o_lat
+    if (!p.streamed) a.push_back(bf16(m, L * 2 * s.kv_rank));  // [c | c]; a chunk reads its cache
+  } else {
+    a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
+  }
+  return a;
+}
+
+int64_t complete_pools(const Shapes& s, const Pass& p) { return p.context / s.kpool; }
+
+// IndexerActivations: queries, raw/normalised keys, pool gate, pooled keys (a chunk reads the
+// cache's), head weights.
+Blocks indexer_activations(Ledger& m, const Shapes& s, const Pass& p) {
+  const int64_t L = p.tokens, d = s.index_dim;
+  Blocks a;
+  a.push_back(bf16(m, L * s.index_heads * d));
+  for (int i = 0; i < 3; ++i) a.push_back(bf16(m, L * d));
+  if (!p.streamed) a.push_back(bf16(m, std::max<int64_t>(1, complete_pools(s, p) * d)));
+  a.push_back(bf16(m, L * s.index_heads));
+  return a;
+}
+
+// run_indexer: the indexer's inputs, the score tile for a block of queries (at most 1 GiB, at
+// least one row), then the selection, which outlives the call.
+Ledger::Block run_indexer(Ledger& m, const Shapes& s, const Pass& p) {
+  Blocks a = indexer_activations(m, s, p);
+  const int64_t row = complete_pools(s, p) * 4;
+  const int64_t bytes = std::max(row, std::min(kSelectWorkspaceBytes, row * p.tokens));
+  Ledger::Block tile = m.workspace((bytes + 3) / 4 * 4);
+  return m.activations(selection_bytes(s, p.tokens));
+}
+
+// train_indexer: the indexer's inputs again and the KL's gradients.
+void train_indexer(Ledger& m, const Shapes& s, const Pass& p) {
+  const int64_t L = p.tokens, d = s.index_dim;
+  Blocks a = indexer_activations(m, s, p);
+  a.push_back(bf16(m, L * s.index_heads * d));                                           // dq
+  a.push_back(bf16(m, L * s.index_heads));                                               // dhw
+  if (!p.streamed) a.push_back(f32(m, std::max<int64_t>(1, complete_pools(s, p) * d)));  // dpool
+  a.push_back(bf16(m, L * d));                                                           // dgate
+  a.push_back(bf16(m, L * d));                                                           // draw
+}
+
+void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
+  const int64_t L = p.tokens, H = s.mla_heads;
+  Blocks a;
+  if (!p.streamed) {
+    const bool absorbed = p.absorbed;
+    const int64_t heads = absorbed ? 1 : H, qk = absorbed ? s.kv_rank : s.qk_dim,
+                  v = absorbed ? s.kv_rank : s.v_dim;
+    a.push_back(f32(m, L * heads * (qk + v)));  // dkv; a chunk adds into its cache's gradient
+  }
+  if (p.streamed || p.absorbed) {
+    a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));  // dq_lat
+  }
+}
+
+void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p) {
+  const int64_t L = p.tokens, H = s.mla_heads;
+  Blocks a = mla_projections(m, s, p);
+  if (p.indexer_kl && layer.own_indexer) {
+    Ledger::Block mass = f32(m, L * s.width);
+    train_indexer(m, s, p);
+  }
+  a.push_back(bf16(m, L * H * s.v_dim));   // d_attended
+  a.push_back(bf16(m, L * H * s.qk_dim));  // dq
+  a.push_back(bf16(m, L * s.kv_rank));     // d_normed
+  a.push_back(bf16(m, L * s.kv_rank));     // d_low
+  attention_gradients(m, s, p);
+  a.push_back(bf16(m, L * s.q_rank));  // d_resid
+  a.push_back(bf16(m, L * s.q_rank));  // dq_low
+}
+
+void mlp_forward(Ledger& m, int64_t L, int64_t inter) {
+  Ledger::Block gate = bf16(m, L * inter), up = bf16(m, L * inter);
+}
+
+void mlp_backward(Ledger& m, int64_t L, int64_t inter) {
+  Ledger::Block gate = bf16(m, L * inter), up = bf16(m, L * inter), hidden = bf16(m, L * inter);
+}
+
+// Routing (model/cuda/moe.cpp route): router logits, weights, choices, the permutation and its
+// inverse over every (token, choice) assignment; the gathered rows of this GPU's experts.
+Blocks route(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t all = L * s.topk, rows = routed_rows(s, L);
+  Blocks r;
+  r.push_back(f32(m, L * s.experts));  // logits
+  r.push_back(f32(m, all));            // weight
+  r.push_back(i32(m, all));            // expert
+  r.push_back(i32(m, s.experts));      // counts
+  r.push_back(i32(m, s.experts + 1));  // offsets
+  r.push_back(i32(m, all));            // permutation
+  r.push_back(i32(m, all));            // inverse
+  r.push_back(bf16(m, rows * s.hidden));
+  return r;
+}
+
+// run_experts: gate, up, hidden of every routed row, and the experts' outputs.
+Blocks run_experts(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t rows = routed_rows(s, L);
+  Blocks a;
+  for (int i = 0; i < 3; ++i) a.push_back(bf16(m, rows * s.moe_inter));
+  a.push_back(bf16(m, rows * s.hidden));
+  return a;
+}
+
+void moe_forward(Ledger& m, const Shapes& s, int64_t L) {
+  Blocks r = route(m, s, L), a = run_experts(m, s, L);
+  Ledger::Block shared = bf16(m, L * s.hidden);
+  mlp_forward(m, L, s.shared_inter);
+}
+
+void moe_backward(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t rows = routed_rows(s, L);
+  Blocks r = route(m, s, L), a = run_experts(m, s, L);
+  mlp_backward(m, L, s.shared_inter);
+  a.push_back(bf16(m, rows * s.hidden));  // dout
+  a.push_back(f32(m, L * s.topk));        // dweight
+  a.push_back(f32(m, rows * s.hidden));   // drows
+  a.push_back(f32(m, L * s.experts));     // dlogits
+  a.push_back(bf16(m, L * s.experts));    // dlogits16
+}
+
+}  // namespace
+
+int64_t selection_bytes(const Shapes& s, int64_t tokens) { return tokens * s.width * 4; }
+
+Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                                bool select) {
+  if (layer.attention == AttentionKind::Kda) {
+    Blocks a = kda_activations(m, s, pass.tokens);
+    return {};
+  }
+  Blocks a = mla_projections(m, s, pass);
+  if (select && layer.own_indexer) return run_indexer(m, s, pass);
+  return {};
+}
+
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+  if (layer.attention == AttentionKind::Kda)
+    kda_backward(m, s, pass.tokens);
+  else
+    dsa_backward(m, s, layer, pass);
+}
+
+void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+  if (layer.mlp == MlpKind::Dense)
+    mlp_forward(m, pass.tokens, s.dense_inter);
+  else
+    moe_forward(m, s, pass.tokens);
+}
+
+void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+  if (layer.mlp == MlpKind::Dense)
+    mlp_backward(m, pass.tokens, s.dense_inter);
+  else
+    moe_backward(m, s, pass.tokens);
+}
+
+int64_t routed_rows(const Shapes& s, int64_t tokens) {
+  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * s.routed_rows_per_token));
+}
+
+int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens) {
+  return (2 * tokens * s.topk + 64) * 4;
+}
+
+}  // namespace spindle::plan

@@ -1,0 +1,42 @@
+// The device buffers of one sublayer call of the CUDA executor (model/cuda/kda.cpp, dsa.cpp,
+// moe.cpp), replayed on a Ledger in the order the code allocates and frees them: every
+// forward's buffers live until it returns; a backward first recomputes its forward's
+// intermediates, then adds its gradients. Sizes are the per-GPU Shapes.
+#pragma once
+
+#include <cstdint>
+
+#include "plan/ledger.h"
+#include "plan/parallel.h"
+
+namespace spindle::plan {
+
+// One pass over `tokens` query rows. The whole-sequence executor has context == tokens. A
+// streamed chunk (streamed = true) sees `context` earlier-or-own tokens through the DSA caches,
+// which it reads and accumulates gradients into in place (they are counted with the carried
+// state, not here), with attention over the shared latent (absorbed MLA).
+struct Pass {
+  int64_t tokens = 0;
+  int64_t context = 0;
+  bool streamed = false;
+  bool absorbed = false;    // MLA over the shared latent (--mla absorbed) rather than expanded heads
+  bool indexer_kl = false;  // the indexer's KL training in the DSA backward
+};
+
+// The forward of a layer's attention sublayer. With `select` (a DSA layer with its own indexer,
+// not a recomputation) it returns the selection, which the caller keeps for the backward pass.
+Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                                bool select);
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
+void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
+void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
+
+// Routed rows this GPU's experts compute for `tokens` tokens (the busiest GPU's share).
+int64_t routed_rows(const Shapes& s, int64_t tokens);
+// Selection width x 4 bytes per query: the int32 token indices a DSA layer attends to.
+int64_t selection_bytes(const Shapes& s, int64_t tokens);
+// The expert permutation's workspace (kernels/cuda/moe_ops.cu: 2 int32 words per assignment
+// plus 64; CUB's radix-sort scratch, a few KiB, is not counted).
+int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens);
+
+}  // namespace spindle::plan

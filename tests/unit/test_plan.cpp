@@ -1,0 +1,192 @@
+// The planner (src/plan): the memory model against the H200 measurements of docs/PERF.md, the
+// pick (the fastest policy that fits), infeasibility with its reason, and monotone behaviour.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "plan/planner.h"
+
+namespace spindle::plan {
+namespace {
+
+const std::string kConfigs = std::string(SPINDLE_TEST_DATA) + "/../configs/";
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+double gib(int64_t bytes) { return static_cast<double>(bytes) / kGiB; }
+int64_t bytes(double gib) { return static_cast<int64_t>(gib * kGiB); }
+
+MemoryPrediction today(const ModelConfig& c, int64_t tokens) {
+  const Parallel one{1, 1};
+  return predict_memory(gpu_shapes(c, one), state_bytes(c, one), tokens, Policy{});
+}
+
+PlanRequest request(int64_t tokens, double gpu_gib, double host_gib = 128, int64_t gpus = 1) {
+  PlanRequest r;
+  r.tokens = tokens;
+  r.machine = {gpus, bytes(gpu_gib), bytes(host_gib)};
+  return r;
+}
+
+// docs/PERF.md, "Training a 2.8 B GLM-5.3-Flash-shaped model on one H200": spindle bench on
+// configs/glm53-flash-1b.json (expanded MLA, no indexer KL, no balance loss), H200, commit
+// 2322ba8, peak device memory of one training step per length (GiB).
+struct Measured {
+  int64_t tokens;
+  double peak_gib;
+};
+const std::vector<Measured> kH200Peaks = {
+    {1024, 47.5}, {2048, 48.5}, {4096, 50.5}, {16384, 61.2}, {65536, 104.0}};
+
+TEST(Plan, TodaysExecutorPeakWithinTenPercentOfTheH200) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  for (const Measured& m : kH200Peaks) {
+    const double predicted = gib(today(c, m.tokens).device.peak_total);
+    EXPECT_NEAR(predicted, m.peak_gib, 0.1 * m.peak_gib) << m.tokens << " tokens";
+  }
+}
+
+TEST(Plan, TodaysExecutorCategoriesAt64kWithinTenPercentOfTheH200) {
+  // The same measurement's peaks by category at 65,536 tokens (GiB).
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const MemoryStats peak = today(c, 65536).device;
+  const auto at = [&](MemoryCategory category) { return gib(peak.peak[static_cast<int>(category)]); };
+  EXPECT_NEAR(at(MemoryCategory::Weights), 5.2, 0.52);
+  EXPECT_NEAR(at(MemoryCategory::Gradients), 10.3, 1.03);
+  EXPECT_NEAR(at(MemoryCategory::Optimizer), 31.0, 3.1);
+  EXPECT_NEAR(at(MemoryCategory::Activations), 57.1, 5.71);
+  EXPECT_NEAR(at(MemoryCategory::Workspace), 1.4, 0.14);
+}
+
+TEST(Plan, StateBytesCountEveryParameter) {
+  // 2.78 B parameters (spindle info); bf16 matrices, so weights are about 2 bytes per value,
+  // gradients 4, AdamW 12 (master, m, v), within the few fp32 small parameters.
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const StateBytes s = state_bytes(c, {1, 1});
+  const double n = static_cast<double>(s.parameters);
+  EXPECT_NEAR(n / 1e9, 2.78, 0.01);
+  EXPECT_NEAR(static_cast<double>(s.weights) / n, 2.0, 0.01);
+  EXPECT_NEAR(static_cast<double>(s.gradients) / n, 4.0, 0.01);
+  EXPECT_NEAR(static_cast<double>(s.optimizer) / n, 12.0, 0.05);
+}
+
+TEST(Plan, PicksTheFastestPolicyThatFits) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  for (const int64_t tokens : {32768, 131072, 524288}) {
+    const Plan p = make_plan(c, request(tokens, 141));
+    ASSERT_TRUE(p.pick.has_value()) << tokens;
+    const Candidate& pick = p.candidates[*p.pick];
+    EXPECT_TRUE(pick.fits());
+    for (const Candidate& x : p.candidates)
+      if (x.fits()) {
+        EXPECT_LE(pick.time.total(), x.time.total()) << tokens << ": " << x.policy.name();
+      }
+  }
+}
+
+TEST(Plan, UsesAMemorySavingOnlyWhenNeeded) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const Plan short_plan = make_plan(c, request(4096, 141));
+  ASSERT_TRUE(short_plan.pick.has_value());
+  const Policy& keep = short_plan.candidates[*short_plan.pick].policy;
+  EXPECT_EQ(keep.activations, ActivationPolicy::KeepSites);
+  EXPECT_FALSE(keep.optimizer_on_host);
+  // At 1M tokens keeping every site's input (90 x 8 GiB) cannot fit: something must give.
+  const Plan long_plan = make_plan(c, request(1 << 20, 141, 1024));
+  ASSERT_TRUE(long_plan.pick.has_value());
+  EXPECT_NE(long_plan.candidates[*long_plan.pick].policy.activations, ActivationPolicy::KeepSites);
+}
+
+TEST(Plan, InfeasibleSaysWhy) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const Plan small_gpu = make_plan(c, request(65536, 8));  // the weights alone take 5 GiB of 6 usable
+  EXPECT_FALSE(small_gpu.pick.has_value());
+  for (const Candidate& x : small_gpu.candidates) {
+    EXPECT_FALSE(x.fits());
+    EXPECT_NE(x.infeasible.find("usable"), std::string::npos) << x.infeasible;
+  }
+  // Enough GPU for the host-AdamW policies only if the host can hold their state.
+  const Plan small_host = make_plan(c, request(65536, 141, 1));
+  EXPECT_FALSE(small_host.pick.has_value());
+  bool host_reason = false;
+  for (const Candidate& x : small_host.candidates) host_reason |= x.infeasible.rfind("host ", 0) == 0;
+  EXPECT_TRUE(host_reason);
+}
+
+TEST(Plan, MoreMemoryNeverPicksASlowerPolicy) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  for (const int64_t tokens : {131072, 1 << 20}) {
+    double previous = INFINITY;
+    for (double gpu = 20; gpu <= 300; gpu += 10) {
+      const Plan p = make_plan(c, request(tokens, gpu, 512));
+      if (!p.pick) {
+        EXPECT_TRUE(std::isinf(previous)) << "a larger GPU lost its plan at " << gpu << " GiB";
+        continue;
+      }
+      const double t = p.candidates[*p.pick].time.total();
+      EXPECT_LE(t, previous) << tokens << " tokens, " << gpu << " GiB";
+      previous = t;
+    }
+  }
+}
+
+TEST(Plan, SavingPoliciesTakeLessDeviceMemoryThanKeepingEverySite) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const Parallel one{1, 1};
+  const Shapes s = gpu_shapes(c, one);
+  const StateBytes state = state_bytes(c, one);
+  const int64_t L = 65536;
+  const auto activations = [&](const Policy& p) {
+    return predict_memory(s, state, L, p).device.peak[static_cast<int>(MemoryCategory::Activations)];
+  };
+  const int64_t keep = activations({});
+  const int64_t layer_inputs = activations({ActivationPolicy::KeepLayerInputs});
+  const int64_t offload = activations({ActivationPolicy::OffloadLayerInputs});
+  const int64_t stream = activations({ActivationPolicy::Stream, 4096});
+  // One stream buffer [L, 4, hidden] bf16 is 512 MiB: the layer inputs save 45 of them.
+  EXPECT_NEAR(gib(keep - layer_inputs), 45 * 0.5, 1.0);
+  EXPECT_LT(offload, layer_inputs);
+  EXPECT_LT(stream, offload);
+  // The offload pool holds exactly the 45 layer inputs.
+  EXPECT_EQ(predict_memory(s, state, L, {ActivationPolicy::OffloadLayerInputs}).pinned_pool,
+            45 * L * 4 * 1024 * 2);
+  // Host AdamW moves the optimizer state off the device.
+  const MemoryPrediction host = predict_memory(s, state, L, {ActivationPolicy::KeepSites, 0, true});
+  EXPECT_EQ(host.device.peak[static_cast<int>(MemoryCategory::Optimizer)], 0);
+  EXPECT_GT(host.host, state.host_optimizer);
+}
+
+TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const Shapes s = gpu_shapes(c, {1, 1});
+  const int64_t L = 1 << 20, C = 65536;
+  // 34 KDA layers: 15 kept states [16, 64, 64] fp32 and conv windows (3 rows of q, k, v: bf16),
+  // one state and window gradient (fp32); 11 DSA layers: latent [L, 512] bf16 + fp32 gradient,
+  // pooled keys [L / 16, 64] bf16.
+  const int64_t state = 16 * 64 * 64 * 4, window = 3 * 3 * 1024;
+  const int64_t expected =
+      34 * (15 * (state + 2 * window) + state + 4 * window) + 11 * (6 * L * 512) + 11 * (2 * (L / 16) * 64);
+  EXPECT_EQ(streaming_carry_bytes(s, L, C, {}), expected);
+}
+
+TEST(Plan, TensorAndExpertParallelismShareTheState) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash.json");
+  const StateBytes one = state_bytes(c, {1, 1});
+  const StateBytes eight = state_bytes(c, {8, 8});
+  const StateBytes many = state_bytes(c, {64, 8});
+  EXPECT_LT(eight.parameters, one.parameters / 7);
+  EXPECT_LT(many.parameters, eight.parameters);
+  EXPECT_THROW(gpu_shapes(c, {8, 3}), Error);  // 3 does not divide the heads
+}
+
+TEST(Plan, RejectsBadRequests) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
+  EXPECT_THROW(make_plan(c, request(0, 141)), Error);
+  EXPECT_THROW(make_plan(c, request(4096, 1)), Error);  // less than the reserve
+  EXPECT_THROW(make_plan(c, request(4096, 141, 128, 0)), Error);
+}
+
+}  // namespace
+}  // namespace spindle::plan
