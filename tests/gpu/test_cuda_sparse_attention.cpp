@@ -1,6 +1,7 @@
 // DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
 // sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
-// selection widths (32, 64+15, 2048+15), selections built like the indexer's; the indexer's
+// selection widths (32, 64+15, 2048+15), selections built like the indexer's; MLA's absorbed form
+// on the tensor cores (sparse_mla) against the same reference with one shared latent; the indexer's
 // pooling (relative error), tensor-core scores (per-score error bound) and selection (exact, on
 // inputs built without near-ties, across the scorer's tiling edges); outputs
 // poisoned with NaN before the launch; references in double on the bf16-rounded inputs.
@@ -20,6 +21,7 @@
 #include "kernels/cpu/dsa.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/sparse_attention.h"
+#include "kernels/cuda/sparse_mla.h"
 
 namespace spindle::cuda {
 namespace {
@@ -115,6 +117,95 @@ TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
     EXPECT_LT(relative_error(out.download(), out_ref), 8e-3) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 8e-3) << "dq, " << what;
     EXPECT_LT(relative_error(dkv.download(), dkv_ref), 1e-4) << "dkv, " << what;
+  }
+}
+
+TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
+  struct Case {
+    int64_t dk, dv, width, tokens, heads, stride_extra;
+  };
+  const Case cases[] = {
+      {512, 512, 79, 300, 32, 0},     // GLM-5.3-Flash-4b: two m16 tiles of heads
+      {256, 256, 2063, 2100, 16, 0},  // the full selection width, one m16 tile
+      {128, 128, 32, 200, 16, 0},
+      {16, 16, 40, 100, 2, 0},       // the tiny test models' latent: one 16-column unit
+      {48, 32, 79, 150, 4, 16},      // units on some warps only, a last k16 step
+      {256, 128, 150, 257, 20, 8},   // padded head rows, values narrower than keys, a wider stride
+      {128, 128, 64, 130, 40, 512},  // two head groups (32 + 8), the latent inside [c | c] rows
+  };
+  for (const Case& c : cases) {
+    const int64_t L = c.tokens, H = c.heads, stride = c.dk + c.stride_extra;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dk));
+    const SparseMlaShape s{L, H, c.dk, c.dv, c.width, stride, static_cast<float>(scale)};
+    ASSERT_EQ(sparse_mla_unsupported(s), "");
+    const auto q = rounded(random_floats(L * H * c.dk)), latent = rounded(random_floats(L * stride));
+    const auto dout = rounded(random_floats(L * H * c.dv));
+    const auto sel = make_selection(L, c.width);
+
+    Stream stream;
+    auto dq_in = device(to_bf16(q)), dlat = device(to_bf16(latent)), ddout = device(to_bf16(dout));
+    auto dsel = device(sel);
+    auto out = poisoned<bf16>(L * H * c.dv), dq = poisoned<bf16>(L * H * c.dk);
+    auto lse = poisoned<float>(L * H);
+    DeviceBuffer<float> d_latent(static_cast<size_t>(L * c.dk), MemoryCategory::Gradients);
+    SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
+    SPINDLE_CUDA(cudaDeviceSynchronize());
+    sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
+    sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
+                        dq.data(), d_latent.data(), stream.get());
+    stream.synchronize();
+
+    // The reference: one key head whose key is the latent's first dk values and value its first dv.
+    const cpu::SparseAttentionShape ref_shape{L, H, c.dk, c.dv, c.width, scale, 1};
+    std::vector<double> kv(static_cast<size_t>(L * (c.dk + c.dv)));
+    for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < c.dk; ++i) kv[t * (c.dk + c.dv) + i] = latent[t * stride + i];
+      for (int64_t i = 0; i < c.dv; ++i) kv[t * (c.dk + c.dv) + c.dk + i] = latent[t * stride + i];
+    }
+    const auto qd = to_double(q), doutd = to_double(dout);
+    std::vector<double> out_ref(static_cast<size_t>(L * H * c.dv)), dq_ref(static_cast<size_t>(L * H * c.dk)),
+        dkv_ref(kv.size(), 0.0), lse_ref(static_cast<size_t>(L * H)),
+        d_latent_ref(static_cast<size_t>(L * c.dk));
+    cpu::sparse_attention<double>(ref_shape, qd.data(), kv.data(), sel.data(), out_ref.data());
+    cpu::sparse_attention_backward<double>(ref_shape, qd.data(), kv.data(), sel.data(), doutd.data(),
+                                           dq_ref.data(), dkv_ref.data());
+    for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < c.dk; ++i)
+        d_latent_ref[t * c.dk + i] =
+            dkv_ref[t * (c.dk + c.dv) + i] + (i < c.dv ? dkv_ref[t * (c.dk + c.dv) + c.dk + i] : 0.0);
+      for (int64_t h = 0; h < H; ++h) {
+        double mx = -INFINITY, sum = 0;
+        std::vector<double> scores;
+        for (int64_t slot = 0; slot < c.width; ++slot) {
+          const int32_t j = sel[t * c.width + slot];
+          if (j < 0) continue;
+          double dot = 0;
+          for (int64_t i = 0; i < c.dk; ++i) dot += qd[(t * H + h) * c.dk + i] * kv[j * (c.dk + c.dv) + i];
+          scores.push_back(dot * scale);
+          mx = std::max(mx, dot * scale);
+        }
+        for (double x : scores) sum += std::exp(x - mx);
+        lse_ref[t * H + h] = scores.empty() ? INFINITY : mx + std::log(sum);
+      }
+    }
+    const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " width " +
+                             std::to_string(c.width) + " tokens " + std::to_string(L) + " heads " +
+                             std::to_string(H);
+    // The probabilities and dS enter the tensor cores as bf16 (~2^-9 relative each), on top of the
+    // bf16 outputs' own rounding; the latent's gradient stays fp32 but sums bf16 products.
+    EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
+    EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
+    EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
+    const auto lse_got = lse.download();
+    double worst = 0;
+    for (size_t i = 0; i < lse_got.size(); ++i) {
+      if (std::isinf(lse_ref[i])) {
+        EXPECT_TRUE(std::isinf(lse_got[i]) && lse_got[i] > 0) << "lse of a query with no key, " << what;
+        continue;
+      }
+      worst = std::max(worst, std::abs(lse_got[i] - lse_ref[i]));
+    }
+    EXPECT_LT(worst, 1e-2) << "lse, " << what;
   }
 }
 

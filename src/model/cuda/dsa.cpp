@@ -8,6 +8,7 @@
 #include "kernels/cuda/indexer_training.h"
 #include "kernels/cuda/norms.h"
 #include "kernels/cuda/sparse_attention.h"
+#include "kernels/cuda/sparse_mla.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
 
@@ -103,6 +104,7 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
 // expanded form kv_b_proj expands c into per-head keys and values first. Same function.
 struct MlaActivations {
   DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, kv, q_lat, o_lat, attended;
+  DeviceBuffer<float> lse;  // absorbed form on the tensor cores: each query head's log-sum-exp
   const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
 
@@ -111,6 +113,12 @@ cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L, bool 
   if (absorbed)
     return {L, c.num_attention_heads, c.kv_lora_rank, c.kv_lora_rank, selection_width(c), scale, 1};
   return {L, c.num_attention_heads, c.qk_head_dim(), c.v_head_dim, selection_width(c), scale};
+}
+
+// The absorbed form on the tensor cores: keys and values are the normalised latent itself.
+SparseMlaShape mla_shape(const ModelConfig& c, int64_t L) {
+  const cpu::SparseAttentionShape a = attention_shape(c, L, true);
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, c.kv_lora_rank, static_cast<float>(a.scale)};
 }
 
 // kv_b_proj's rows for head h: W_k,h ([qk_head_dim, kv_lora_rank]) then W_v,h ([v, kv_lora_rank]).
@@ -167,13 +175,24 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     return;
   }
   const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
-  sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), a.kv.data(), selection,
-                           a.o_lat.data(), s);
+  const SparseMlaShape mla = mla_shape(c, L);
+  const std::string unsupported = sparse_mla_unsupported(mla);
+  if (unsupported.empty()) {
+    a.lse = activations_f32(L * H);
+    sparse_mla_forward(mla, a.q_lat.data(), a.kv_normed.data(), selection, a.o_lat.data(), a.lse.data(), s);
+  } else {
+    sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), a.kv.data(), selection,
+                             a.o_lat.data(), s);
+  }
   const bf16* wkv = bf16_data(w.kv_b_proj);
   for (int64_t h = 0; h < H; ++h)  // attended_h [L, dv] = o_lat_h [L, kr] W_v,h^T
     ctx.gemm.matmul(true, false, dv, L, kr, wkv + value_rows(c, h) * kr, kr, a.o_lat.data() + h * kr, H * kr,
                     a.attended.data() + h * dv, CUDA_R_16BF, H * dv, 1.0f, 0.0f, s);
-  ctx.record.note("dsa/attention", "cuda sparse attention over the shared latent (absorbed MLA)");
+  if (unsupported.empty())
+    ctx.record.note("dsa/attention", "sparse MLA on the tensor cores (absorbed)");
+  else
+    ctx.record.note("dsa/attention",
+                    "cuda-core sparse attention over [c | c] (tensor cores: " + unsupported + ")", true);
 }
 
 // From the attention output's gradient to the gradient of the normalised latent c (bf16,
@@ -185,7 +204,10 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
   const cudaStream_t s = ctx.stream();
   const bool absorbed = ctx.absorbed_mla;
   const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
-  DeviceBuffer<float> dkv = activations_f32(L * shape.key_heads() * (shape.qk_dim + shape.v_dim));
+  const bool tensor_cores = a.lse.size() != 0;  // the absorbed forward ran on the tensor cores
+  // The keys' and values' gradient ([c | c] in the absorbed form), or the latent's.
+  DeviceBuffer<float> dkv =
+      activations_f32(tensor_cores ? L * kr : L * shape.key_heads() * (shape.qk_dim + shape.v_dim));
   SPINDLE_CUDA(cudaMemsetAsync(dkv.data(), 0, dkv.size() * sizeof(float), s));
   if (!absorbed) {
     sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended, dq, dkv.data(), s);
@@ -206,8 +228,13 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     ctx.gemm.matmul(false, true, kr, dv, L, a.o_lat.data() + h * kr, H * kr, d_attended + h * dv, H * dv,
                     gkv + value_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
   }
-  sparse_attention_backward(shape, a.q_lat.data(), a.kv.data(), selection, d_o_lat.data(), dq_lat.data(),
-                            dkv.data(), s);
+  if (tensor_cores) {
+    sparse_mla_backward(mla_shape(c, L), a.q_lat.data(), a.kv_normed.data(), selection, a.o_lat.data(),
+                        a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv.data(), s);
+  } else {
+    sparse_attention_backward(shape, a.q_lat.data(), a.kv.data(), selection, d_o_lat.data(), dq_lat.data(),
+                              dkv.data(), s);
+  }
   for (int64_t h = 0; h < H; ++h) {
     // dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
     ctx.gemm.matmul(true, false, dqk, L, kr, wkv + key_rows(c, h) * kr, kr, dq_lat.data() + h * kr, H * kr,
@@ -215,7 +242,10 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     ctx.gemm.matmul(false, true, kr, dqk, L, dq_lat.data() + h * kr, H * kr, a.q.data() + h * dqk, H * dqk,
                     gkv + key_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
   }
-  sum_row_halves_to_bf16(dkv.data(), L, kr, d_normed, s);  // c was both the keys and the values
+  if (tensor_cores)
+    f32_to_bf16(dkv.data(), d_normed, L * kr, s);
+  else
+    sum_row_halves_to_bf16(dkv.data(), L, kr, d_normed, s);  // c was both the keys and the values
 }
 
 }  // namespace

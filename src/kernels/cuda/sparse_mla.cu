@@ -1,0 +1,533 @@
+// MLA's absorbed sparse attention on the tensor cores. See sparse_mla.h for the contract and the
+// launch shape. Scores are kept in the log2 domain (scaled by scale * log2(e)) so that exp2f is
+// one instruction.
+#include <cmath>
+#include <sstream>
+
+#include "backend/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/sparse_mla.h"
+
+namespace spindle::cuda {
+
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kKeys = 64;     // selected rows per tile: 8 per warp in the score phase
+constexpr int kPad = 8;       // bf16 per shared row past the data: ldmatrix rows in distinct banks
+constexpr int kMaxDim = 512;  // dk, dv <= this (shared memory)
+// Output columns go to the warps in units of 16 (unit u to warp u % 8): at most 4 units, 8 n8
+// tiles, per warp.
+constexpr int kMaxColTiles = kMaxDim / kWarps / 8;
+constexpr int kScoreStride = kKeys + 4;    // fp32 scores per shared row
+constexpr int kProbStride = kKeys + kPad;  // bf16 probabilities per shared row
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Layout {
+  int rows;  // heads per CTA: 16 * MT
+  int qk_stride, v_stride;
+  size_t q_bytes, do_bytes, kv_bytes, s_bytes, p_bytes, total;
+};
+
+Layout layout(const SparseMlaShape& s, int mt, bool backward) {
+  Layout l{};
+  l.rows = 16 * mt;
+  l.qk_stride = static_cast<int>(s.dk) + kPad;
+  l.v_stride = static_cast<int>(s.dv) + kPad;
+  l.q_bytes = static_cast<size_t>(l.rows) * l.qk_stride * 2;
+  l.do_bytes = backward ? static_cast<size_t>(l.rows) * l.v_stride * 2 : 0;
+  l.kv_bytes = 2 * static_cast<size_t>(kKeys) * l.qk_stride * 2;
+  l.s_bytes = backward ? 0 : static_cast<size_t>(l.rows) * kScoreStride * 4;
+  l.p_bytes = static_cast<size_t>(backward ? 2 : 1) * l.rows * kProbStride * 2;
+  // + per-row statistics (3 floats) and the two tiles' selected indices
+  l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + 3 * l.rows * 4 + 2 * kKeys * 4;
+  return l;
+}
+
+struct MlaArgs {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* latent;
+  const int32_t* selected;
+  const __nv_bfloat16* out_in;  // backward: the forward's output
+  const float* lse_in;          // backward
+  const __nv_bfloat16* dout;    // backward
+  __nv_bfloat16* out;           // forward
+  float* lse;                   // forward
+  __nv_bfloat16* dq;            // backward
+  float* d_latent;              // backward
+  int64_t width, latent_stride;
+  int heads, dk, dv;
+  float scale;
+};
+
+// The CTA's query rows (heads h0 ..) of `src` ([tokens, heads, dim]) into shared rows of `stride`,
+// zero past the last head.
+__device__ void load_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t t, int h0, int rows,
+                          int heads, int dim, int stride) {
+  const int chunks = dim / 8;
+  for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
+    const int row = i / chunks, chunk = i % chunks;
+    const bool valid = h0 + row < heads;
+    const __nv_bfloat16* from = valid ? src + ((t * heads + h0 + row) * dim + chunk * 8) : src;
+    copy16(dst + row * stride + chunk * 8, from, valid);
+  }
+}
+
+// Tile `tile` of query t's selected rows (their first dk values) into `dst`, zero for unused
+// slots; their indices into idx.
+__device__ void load_tile(__nv_bfloat16* dst, int32_t* idx, const MlaArgs& a, int64_t t, int64_t tile) {
+  const int chunks = a.dk / 8;
+  const int32_t* sel = a.selected + t * a.width;
+  for (int i = threadIdx.x; i < kKeys * chunks; i += kThreads) {
+    const int row = i / chunks, chunk = i % chunks;
+    const int64_t slot = tile * kKeys + row;
+    const int32_t index = slot < a.width ? sel[slot] : -1;
+    const bool valid = index >= 0;
+    const __nv_bfloat16* from = valid ? a.latent + (index * a.latent_stride + chunk * 8) : a.latent;
+    copy16(dst + row * (a.dk + kPad) + chunk * 8, from, valid);
+    if (chunk == 0) idx[row] = index;
+  }
+}
+
+// A warp's 8 keys (8 warp .. 8 warp + 7) against all MT m16 tiles of rows: acc += rows[:, :dim] .
+// keys[:, :dim]^T, rows and keys in shared memory with the given strides (bf16).
+template <int MT>
+__device__ __forceinline__ void rows_times_keys(float (&acc)[MT][4], const __nv_bfloat16* rows,
+                                                int row_stride, const __nv_bfloat16* keys, int key_stride,
+                                                int dim) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t a_address = shared_address(rows + (lane % 16) * row_stride + (lane / 16) * 8);
+  // x4: the warp's 8 key rows at k, k + 8, k + 16, k + 24: b0, b1 of two k16 steps.
+  const uint32_t b_address = shared_address(keys + (8 * warp + lane % 8) * key_stride + (lane / 8) * 8);
+  int k = 0;
+  for (; k + 32 <= dim; k += 32) {
+    uint32_t b[4];
+    ldmatrix_x4(b, b_address + k * 2);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k) * 2);
+      mma_bf16(acc[m], a, b[0], b[1]);
+      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k + 16) * 2);
+      mma_bf16(acc[m], a, b[2], b[3]);
+    }
+  }
+  if (k < dim) {  // a last 16
+    uint32_t b[2];
+    ldmatrix_x2(b, b_address + k * 2);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k) * 2);
+      mma_bf16(acc[m], a, b[0], b[1]);
+    }
+  }
+}
+
+// The first column of the warp's n8 tile j: unit warp + 8 (j / 2), then its half.
+__device__ __forceinline__ int tile_column(int j) {
+  return (threadIdx.x / 32 + kWarps * (j / 2)) * 16 + (j % 2) * 8;
+}
+
+// acc[m][j] += probs [rows, 64 keys] . values [64 keys, the warp's columns tile_column(j) ..],
+// values the tile's rows ([key][column], stride bf16) with `units` 16-column units in all.
+template <int MT>
+__device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles][4],
+                                                   const __nv_bfloat16* probs, const __nv_bfloat16* values,
+                                                   int stride, int units) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t a_address = shared_address(probs + (lane % 16) * kProbStride + (lane / 16) * 8);
+  // x4.trans: keys k .. k + 7 and k + 8 .. k + 15 at columns n and n + 8: b0, b1 of two n8 tiles.
+  const uint32_t b_address =
+      shared_address(values + ((lane % 8) + ((lane / 8) % 2) * 8) * stride + (lane / 16) * 8);
+#pragma unroll
+  for (int k = 0; k < kKeys; k += 16) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], a_address + (m * 16 * kProbStride + k) * 2);
+#pragma unroll
+    for (int j = 0; j < kMaxColTiles; j += 2) {
+      if (threadIdx.x / 32 + kWarps * (j / 2) >= units) break;
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_address + (k * stride + tile_column(j)) * 2);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(acc[m][j], a[m], b[0], b[1]);
+        mma_bf16(acc[m][j + 1], a[m], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const MlaArgs a) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int R = 16 * MT;
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * R, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4,
+            c = lane % 4;
+  const int qk_stride = a.dk + kPad;
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);                  // [R][qk_stride]
+  __nv_bfloat16* kv_s = q_s + R * qk_stride;                                      // [2][kKeys][qk_stride]
+  float* s_s = reinterpret_cast<float*>(kv_s + 2 * kKeys * qk_stride);            // [R][kScoreStride]
+  __nv_bfloat16* p_s = reinterpret_cast<__nv_bfloat16*>(s_s + R * kScoreStride);  // [R][kProbStride]
+  float* m_s = reinterpret_cast<float*>(p_s + R * kProbStride);                   // [R] running max (log2)
+  float* l_s = m_s + R;                                                           // [R] running sum
+  float* alpha_s = l_s + R;                                                       // [R] this tile's rescale
+  int32_t* idx_s = reinterpret_cast<int32_t*>(alpha_s + R);                       // [2][kKeys]
+
+  const int64_t tiles = (a.width + kKeys - 1) / kKeys;
+  load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
+  if (tiles > 0) load_tile(kv_s, idx_s, a, t, 0);
+  copy_commit();
+  for (int r = tid; r < R; r += kThreads) {
+    m_s[r] = -INFINITY;
+    l_s[r] = 0.0f;
+  }
+  const int v_units = a.dv / 16;
+  float acc[MT][kMaxColTiles][4] = {};
+  const float scale2 = a.scale * kLog2e;
+  // Softmax rows: `per_row` consecutive threads share a row, each over kKeys / per_row keys.
+  constexpr int per_row = kThreads / R, keys_per_thread = kKeys / per_row;
+  const int srow = tid / per_row, spart = tid % per_row;
+
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int buf = static_cast<int>(tile & 1);
+    copy_wait_all();
+    __syncthreads();  // the tile (and q) landed for every thread; the other buffer is free
+    if (tile + 1 < tiles)
+      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, idx_s + (buf ^ 1) * kKeys, a, t, tile + 1);
+    copy_commit();
+    const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
+    const int32_t* idx = idx_s + buf * kKeys;
+
+    float s[MT][4] = {};
+    rows_times_keys<MT>(s, q_s, qk_stride, keys, qk_stride, a.dk);
+    const int key0 = 8 * warp + 2 * c;
+    const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float* row_a = s_s + (m * 16 + g) * kScoreStride + key0;
+      float* row_b = row_a + 8 * kScoreStride;
+      row_a[0] = v0 ? s[m][0] * scale2 : -INFINITY;
+      row_a[1] = v1 ? s[m][1] * scale2 : -INFINITY;
+      row_b[0] = v0 ? s[m][2] * scale2 : -INFINITY;
+      row_b[1] = v1 ? s[m][3] * scale2 : -INFINITY;
+    }
+    __syncthreads();
+
+    {  // Online softmax over the tile, per row.
+      const float* srow_p = s_s + srow * kScoreStride + spart * keys_per_thread;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < keys_per_thread; ++j) mx = fmaxf(mx, srow_p[j]);
+#pragma unroll
+      for (int offset = per_row / 2; offset > 0; offset /= 2)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+      const float m_old = m_s[srow], m_new = fmaxf(m_old, mx);
+      const bool none = m_new == -INFINITY;  // no selected key so far
+      float sum = 0.0f;
+      __nv_bfloat16* prow = p_s + srow * kProbStride + spart * keys_per_thread;
+#pragma unroll
+      for (int j = 0; j < keys_per_thread; ++j) {
+        const float p = none ? 0.0f : exp2f(srow_p[j] - m_new);
+        prow[j] = __float2bfloat16(p);
+        sum += p;
+      }
+#pragma unroll
+      for (int offset = per_row / 2; offset > 0; offset /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (spart == 0) {
+        const float alpha = none ? 1.0f : exp2f(m_old - m_new);
+        m_s[srow] = m_new;
+        l_s[srow] = l_s[srow] * alpha + sum;
+        alpha_s[srow] = alpha;
+      }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float alpha_a = alpha_s[m * 16 + g], alpha_b = alpha_s[m * 16 + g + 8];
+#pragma unroll
+      for (int j = 0; j < kMaxColTiles; ++j) {
+        acc[m][j][0] *= alpha_a;
+        acc[m][j][1] *= alpha_a;
+        acc[m][j][2] *= alpha_b;
+        acc[m][j][3] *= alpha_b;
+      }
+    }
+    probs_times_values<MT>(acc, p_s, keys, qk_stride, v_units);
+  }
+  __syncthreads();  // l_s, m_s final (also when there was no tile)
+
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + 8 * half;
+      if (h0 + row >= a.heads) continue;
+      const float l = l_s[row], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      __nv_bfloat16* dst = a.out + (t * a.heads + h0 + row) * a.dv + 2 * c;
+#pragma unroll
+      for (int j = 0; j < kMaxColTiles; ++j) {
+        if (warp + kWarps * (j / 2) >= v_units) break;
+        *reinterpret_cast<uint32_t*>(dst + tile_column(j)) =
+            pack_bf16(acc[m][j][2 * half] * inv, acc[m][j][2 * half + 1] * inv);
+      }
+    }
+  }
+  for (int r = tid; r < R; r += kThreads) {
+    if (h0 + r >= a.heads) continue;
+    const float l = l_s[r];
+    a.lse[t * a.heads + h0 + r] = l > 0.0f ? (m_s[r] + log2f(l)) / kLog2e : INFINITY;
+  }
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const MlaArgs a) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int R = 16 * MT;
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * R, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4,
+            c = lane % 4;
+  const int qk_stride = a.dk + kPad, v_stride = a.dv + kPad;
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);      // [R][qk_stride]
+  __nv_bfloat16* do_s = q_s + R * qk_stride;                          // [R][v_stride]
+  __nv_bfloat16* kv_s = do_s + R * v_stride;                          // [2][kKeys][qk_stride]
+  __nv_bfloat16* p_s = kv_s + 2 * kKeys * qk_stride;                  // [R][kProbStride]
+  __nv_bfloat16* ds_s = p_s + R * kProbStride;                        // [R][kProbStride]
+  float* delta_s = reinterpret_cast<float*>(ds_s + R * kProbStride);  // [R] rowsum(dO o O)
+  float* lse_s = delta_s + R;                                         // [R] log2 domain
+  int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);         // [2][kKeys]
+
+  const int64_t tiles = (a.width + kKeys - 1) / kKeys;
+  load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
+  load_rows(do_s, a.dout, t, h0, R, a.heads, a.dv, v_stride);
+  if (tiles > 0) load_tile(kv_s, idx_s, a, t, 0);
+  copy_commit();
+  {  // delta = rowsum(dO o O), `per_row` threads per row
+    constexpr int per_row = kThreads / R;
+    const int row = tid / per_row, part = tid % per_row;
+    float sum = 0.0f;
+    if (h0 + row < a.heads) {
+      const int64_t base = (t * a.heads + h0 + row) * a.dv;
+      for (int col = part; col < a.dv; col += per_row)
+        sum += __bfloat162float(a.dout[base + col]) * __bfloat162float(a.out_in[base + col]);
+    }
+#pragma unroll
+    for (int offset = per_row / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (part == 0) {
+      delta_s[row] = sum;
+      lse_s[row] = h0 + row < a.heads ? a.lse_in[t * a.heads + h0 + row] * kLog2e : INFINITY;
+    }
+  }
+  const float scale2 = a.scale * kLog2e;
+  const int k_units = a.dk / 16;
+  float dq[MT][kMaxColTiles][4] = {};
+
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int buf = static_cast<int>(tile & 1);
+    copy_wait_all();
+    __syncthreads();  // the tile landed; the other buffer, p_s and ds_s are free
+    if (tile + 1 < tiles)
+      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, idx_s + (buf ^ 1) * kKeys, a, t, tile + 1);
+    copy_commit();
+    const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
+    const int32_t* idx = idx_s + buf * kKeys;
+
+    // P and dS for the warp's 8 keys.
+    float s[MT][4] = {}, dp[MT][4] = {};
+    rows_times_keys<MT>(s, q_s, qk_stride, keys, qk_stride, a.dk);
+    rows_times_keys<MT>(dp, do_s, v_stride, keys, qk_stride, a.dv);
+    const int key0 = 8 * warp + 2 * c;
+    const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m * 16 + g + 8 * half;
+        float p[2], d[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          p[e] = valid[e] ? exp2f(s[m][2 * half + e] * scale2 - lse_s[row]) : 0.0f;
+          d[e] = p[e] * (dp[m][2 * half + e] - delta_s[row]) * a.scale;
+        }
+        *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
+        *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
+      }
+    }
+    __syncthreads();
+
+    // dQ += dS K over the warp's dk columns.
+    probs_times_values<MT>(dq, ds_s, keys, qk_stride, k_units);
+
+    // The selected rows' gradient, [64 keys, dk] = dS^T Q + P^T dO (the value part: columns < dv),
+    // 32 keys at a time (two m16 tiles), the warp's dk columns, added with atomics.
+    // A = dS^T from ds_s [row][key] by transposed loads: matrices (keys m0.., rows k0..),
+    // (keys m0 + 8.., rows k0..), (keys m0.., rows k0 + 8..), (keys m0 + 8.., rows k0 + 8..).
+    const int a_row = (lane % 8) + (lane / 16) * 8, a_key = ((lane / 8) % 2) * 8;
+    const uint32_t ds_address = shared_address(ds_s + a_row * kProbStride + a_key);
+    const uint32_t p_address = shared_address(p_s + a_row * kProbStride + a_key);
+    // B = Q or dO ([row][column]) by transposed loads, as probs_times_values reads values.
+    const int b_row = (lane % 8) + ((lane / 8) % 2) * 8, b_col = (lane / 16) * 8;
+    const uint32_t q_address = shared_address(q_s + b_row * qk_stride + b_col);
+    const uint32_t do_address = shared_address(do_s + b_row * v_stride + b_col);
+#pragma unroll
+    for (int half = 0; half < kKeys / 32; ++half) {
+      float dl[2][kMaxColTiles][4] = {};
+#pragma unroll
+      for (int k = 0; k < R; k += 16) {
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const int m0 = half * 32 + mi * 16;
+          uint32_t ads[4], ap[4];
+          ldmatrix_x4_trans(ads, ds_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ap, p_address + (k * kProbStride + m0) * 2);
+#pragma unroll
+          for (int j = 0; j < kMaxColTiles; j += 2) {
+            if (warp + kWarps * (j / 2) >= k_units) break;
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+            mma_bf16(dl[mi][j], ads, b[0], b[1]);
+            mma_bf16(dl[mi][j + 1], ads, b[2], b[3]);
+            if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
+              ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+              mma_bf16(dl[mi][j], ap, b[0], b[1]);
+              mma_bf16(dl[mi][j + 1], ap, b[2], b[3]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int32_t index = idx[half * 32 + mi * 16 + g + 8 * rh];
+          if (index < 0) continue;
+          float* dst = a.d_latent + static_cast<int64_t>(index) * a.dk + 2 * c;
+#pragma unroll
+          for (int j = 0; j < kMaxColTiles; ++j) {
+            if (warp + kWarps * (j / 2) >= k_units) break;
+            atomicAdd(reinterpret_cast<float2*>(dst + tile_column(j)),
+                      make_float2(dl[mi][j][2 * rh], dl[mi][j][2 * rh + 1]));
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + g + 8 * half;
+      if (h0 + row >= a.heads) continue;
+      __nv_bfloat16* dst = a.dq + (t * a.heads + h0 + row) * a.dk + 2 * c;
+#pragma unroll
+      for (int j = 0; j < kMaxColTiles; ++j) {
+        if (warp + kWarps * (j / 2) >= k_units) break;
+        *reinterpret_cast<uint32_t*>(dst + tile_column(j)) =
+            pack_bf16(dq[m][j][2 * half], dq[m][j][2 * half + 1]);
+      }
+    }
+  }
+}
+
+int m_tiles(const SparseMlaShape& s) { return s.heads <= 16 ? 1 : 2; }
+
+template <class Kernel>
+void launch(Kernel kernel, const SparseMlaShape& s, const MlaArgs& args, size_t shared_bytes,
+            cudaStream_t stream, const char* name) {
+  int device = 0, optin = 0;
+  SPINDLE_CUDA(cudaGetDevice(&device));
+  SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  check(shared_bytes <= static_cast<size_t>(optin), name, ": ", shared_bytes,
+        " bytes of shared memory exceed the device's ", optin);
+  SPINDLE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(shared_bytes)));
+  const int rows = 16 * m_tiles(s);
+  const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + rows - 1) / rows));
+  kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+  SPINDLE_LAUNCHED(name);
+}
+
+void check_supported(const SparseMlaShape& s, const void* q, const void* latent) {
+  const std::string why = sparse_mla_unsupported(s);
+  check(why.empty(), "sparse MLA on the tensor cores: ", why);
+  check(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(latent) % 16 == 0,
+        "sparse MLA: q and the latent must be 16-byte aligned (cp.async)");
+}
+
+}  // namespace
+
+std::string sparse_mla_unsupported(const SparseMlaShape& s) {
+  std::ostringstream why;
+  if (s.dk % 16 != 0 || s.dv % 16 != 0 || s.dv < 16 || s.dv > s.dk || s.dk > kMaxDim)
+    why << "dk " << s.dk << " and dv " << s.dv
+        << " must be multiples of 16 with 16 <= dv <= dk <= " << kMaxDim;
+  else if (s.latent_stride < s.dk || s.latent_stride % 8 != 0)
+    why << "the latent's row stride " << s.latent_stride << " must be >= dk and a multiple of 8";
+  else if (s.heads < 1 || s.tokens < 0 || s.width < 0 || s.tokens >= (int64_t{1} << 31))
+    why << "heads " << s.heads << ", tokens " << s.tokens << ", width " << s.width << " out of range";
+  return why.str();
+}
+
+void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                        const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream) {
+  check_supported(s, q, latent);
+  if (s.tokens == 0) return;
+  MlaArgs args{q,
+               latent,
+               selected,
+               nullptr,
+               nullptr,
+               nullptr,
+               out,
+               lse,
+               nullptr,
+               nullptr,
+               s.width,
+               s.latent_stride,
+               static_cast<int>(s.heads),
+               static_cast<int>(s.dk),
+               static_cast<int>(s.dv),
+               s.scale};
+  const Layout l = layout(s, m_tiles(s), false);
+  if (m_tiles(s) == 1)
+    launch(sparse_mla_forward_kernel<1>, s, args, l.total, stream, "sparse_mla_forward_kernel");
+  else
+    launch(sparse_mla_forward_kernel<2>, s, args, l.total, stream, "sparse_mla_forward_kernel");
+}
+
+void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                         const int32_t* selected, const __nv_bfloat16* out, const float* lse,
+                         const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, cudaStream_t stream) {
+  check_supported(s, q, latent);
+  check(reinterpret_cast<uintptr_t>(dout) % 16 == 0, "sparse MLA: dout must be 16-byte aligned (cp.async)");
+  if (s.tokens == 0) return;
+  MlaArgs args{q,
+               latent,
+               selected,
+               out,
+               lse,
+               dout,
+               nullptr,
+               nullptr,
+               dq,
+               d_latent,
+               s.width,
+               s.latent_stride,
+               static_cast<int>(s.heads),
+               static_cast<int>(s.dk),
+               static_cast<int>(s.dv),
+               s.scale};
+  const Layout l = layout(s, m_tiles(s), true);
+  if (m_tiles(s) == 1)
+    launch(sparse_mla_backward_kernel<1>, s, args, l.total, stream, "sparse_mla_backward_kernel");
+  else
+    launch(sparse_mla_backward_kernel<2>, s, args, l.total, stream, "sparse_mla_backward_kernel");
+}
+
+}  // namespace spindle::cuda
