@@ -22,9 +22,9 @@ namespace spindle {
 
 struct DeviceModelOptions {
   bool strict_kernels = false;  // fail if any op falls back to a slow or dense path
-  // DSA attention over the shared latent (MLA's absorbed form) instead of per-head keys and
-  // values; off by default until the attention kernel shares the latent across heads (docs/PERF.md).
-  bool absorbed_mla = false;
+    // DSA attention over the shared latent (MLA's absorbed form, on the tensor cores) instead of
+  // per-head keys and values (CUDA cores); the default since it is the faster (docs/PERF.md).
+  bool absorbed_mla = true;
 };
 
 class DeviceModel {

@@ -9,6 +9,7 @@ namespace spindle::plan {
 namespace {
 
 constexpr int64_t kKdaChunk = 64;                            // kernels/cuda/kda.h kKdaChunk
+constexpr int64_t kKdaSegmentChunks = 256;                   // kernels/cuda/kda.h kKdaSegmentChunks
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -28,7 +29,10 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
-  a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
+    a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
+  // The forward's intra-chunk matrices, a segment of at most 256 chunks (kda_forward_workspace_floats).
+  const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaSegmentChunks);
+  const Ledger::Block matrices = m.workspace(4 * segment * H * 2 * kKdaChunk * kKdaChunk);
   return a;
 }
 
@@ -39,7 +43,7 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
   a.push_back(f32(m, L * H));                               // dbeta
-  a.push_back(f32(m, H * (kKdaChunk + 1) * dh * dh));       // kda_backward_workspace_floats
+  
   a.push_back(bf16(m, L * H));                              // db
   a.push_back(bf16(m, L * w));                              // df
 }
@@ -55,8 +59,9 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
   a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
-    a.push_back(bf16(m, L * H * s.kv_rank));                   // q_lat
-    a.push_back(bf16(m, L * H * s.kv_rank));                   // o_lat
+        a.push_back(bf16(m, L * H * s.kv_rank));  // q_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));  // o_lat
+    a.push_back(f32(m, L * H));               // lse (sparse MLA on the tensor cores)
     if (!p.streamed) a.push_back(bf16(m, L * 2 * s.kv_rank));  // [c | c]; a chunk reads its cache
   } else {
     a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
@@ -103,10 +108,8 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a;
   if (!p.streamed) {
-    const bool absorbed = p.absorbed;
-    const int64_t heads = absorbed ? 1 : H, qk = absorbed ? s.kv_rank : s.qk_dim,
-                  v = absorbed ? s.kv_rank : s.v_dim;
-    a.push_back(f32(m, L * heads * (qk + v)));  // dkv; a chunk adds into its cache's gradient
+        // dkv (expanded keys and values) or the latent's gradient; a chunk adds into its cache's
+    a.push_back(f32(m, p.absorbed ? L * s.kv_rank : L * H * (s.qk_dim + s.v_dim)));
   }
   if (p.streamed || p.absorbed) {
     a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat

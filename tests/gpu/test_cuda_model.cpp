@@ -27,7 +27,7 @@ namespace {
 const std::string kTests = SPINDLE_TEST_DATA;
 
 std::unique_ptr<DeviceModel> on_gpu(const ModelConfig& config, const ModelWeights& weights,
-                                    bool absorbed_mla = false) {
+                                    bool absorbed_mla = true) {
   cuda::register_backend();
   return open_device_model(Device::CUDA, config, weights, {true, absorbed_mla});
 }

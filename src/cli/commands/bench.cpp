@@ -80,7 +80,7 @@ int run_bench(const std::vector<std::string>& argv) {
     check(static_cast<int64_t>(dna.size()) >= longest, token_file, " has ", dna.size(), " tokens, --seq-len ",
           longest, " needs more (give a longer --tokens file, or --random-tokens)");
   }
-  const std::string mla = args.value_or("mla", "expanded");
+  const std::string mla = args.value_or("mla", "absorbed");
   check(mla == "absorbed" || mla == "expanded", "--mla must be absorbed or expanded, got '", mla, "'");
   auto device = open_device_model(Device::CUDA, config, model.weights,
                                   {args.flag("strict-kernels"), mla == "absorbed"});

@@ -90,7 +90,7 @@ int run_plan(const std::vector<std::string>& argv) {
   request.machine.host_bytes = bytes_of_gib(host_gib);
   if (const auto mfu = args.optional("mfu"))
     request.hardware.mfu = parse_positive("mfu", *mfu, "a fraction in (0, 1]");
-  const std::string mla = args.value_or("mla", "expanded");
+  const std::string mla = args.value_or("mla", "absorbed");
   check(mla == "expanded" || mla == "absorbed", "--mla must be expanded or absorbed, got '", mla, "'");
   request.options.absorbed = mla == "absorbed";
   request.options.indexer_kl = args.flag("indexer-kl");
