@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "backend/cuda/device_memory.h"
@@ -69,6 +70,12 @@ struct DsaCacheGrad {
   int64_t tokens;
   DeviceBuffer<float> kv, pool_keys;
   DeviceBuffer<bf16> index_keys, index_gate;
+};
+
+// One layer's carry across the chunks of a streamed sequence: its KdaCarry or its DsaCache.
+struct LayerCarry {
+  std::optional<KdaCarry> kda;
+  std::optional<DsaCache> dsa;
 };
 
 // `selection` ([tokens, width] int32, absolute positions) is written by a layer with its own
