@@ -221,6 +221,22 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     EXPECT_EQ(mismatched_rows, 0) << "tokens " << L << " heads " << H << " head_dim " << d << " kpool "
                                   << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
                                   << c.query_block << ": first mismatched query " << first;
+
+    // A chunk of the queries (first_query, as the streaming executor asks; it starts inside a pool
+    // when kpool > 1): rows of q and head weights from there on, every pool of the sequence; its
+    // selection is the whole sequence's from that row on.
+    const int64_t f = L / 3 + 1;
+    cpu::IndexerShape chunk = s;
+    chunk.first_query = f;
+    auto chunk_sel = poisoned<int32_t>((L - f) * s.width());
+    indexer_select(chunk, dq.data() + f * H * d, dk.data(), dw.data() + f * H, chunk_sel.data(),
+                   workspace.data(), workspace_bytes, stream.get());
+    stream.synchronize();
+    const auto chunk_got = chunk_sel.download();
+    EXPECT_TRUE(std::equal(chunk_got.begin(), chunk_got.end(), ref.begin() + f * s.width()))
+        << "a chunk from query " << f << " of tokens " << L << " heads " << H << " head_dim " << d
+        << " kpool " << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
+        << c.query_block;
   }
 }
 
