@@ -22,16 +22,20 @@ namespace spindle {
 
 struct DeviceModelOptions {
   bool strict_kernels = false;  // fail if any op falls back to a slow or dense path
-    // DSA attention over the shared latent (MLA's absorbed form, on the tensor cores) instead of
+  // DSA attention over the shared latent (MLA's absorbed form, on the tensor cores) instead of
   // per-head keys and values (CUDA cores); the default since it is the faster (docs/PERF.md).
   bool absorbed_mla = true;
+  // log_probs a chunk of this many tokens at a time through all layers (the streaming executor,
+  // docs/STREAMING.md); 0: the whole sequence at once. The loss takes LossOptions::chunk_tokens.
+  int64_t chunk_tokens = 0;
 };
 
 class DeviceModel {
  public:
   virtual ~DeviceModel() = default;
 
-  // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1 (bf16 weights and activations, fp32 math).
+  // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1 (bf16 weights and activations, fp32 math), in
+  // chunks of DeviceModelOptions::chunk_tokens.
   virtual std::vector<float> log_probs(const std::vector<int32_t>& tokens) = 0;
 
   // As spindle::loss_and_gradients, accumulating into the device's fp32 gradients.

@@ -19,7 +19,7 @@ commands:
   init      --config FILE --out DIR [--seed N] [--dtype f32|bf16|f64]
                                                 random weights (transformers' init), saved loadable
   logprobs  --model DIR --tokens FILE [--dtype f32|f64] [--out FILE]
-            [--device cpu|cuda] [--strict-kernels] [--chunk N]
+            [--device cpu|cuda] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
                                                 log p(token_i | tokens before i), one line per i >= 1
                                                 (cuda: bf16 weights and activations, fp32 math)
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
@@ -34,7 +34,8 @@ commands:
   train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels]
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
-            [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--out FILE.json]
+            [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
+            [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU
   plan      --model DIR|CONFIG.json --seq-len L [--gpus N] [--gpu-mem GB] [--host-mem GB]

@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cuda/device_memory.h"
@@ -89,22 +90,27 @@ TEST(CudaIndexerTraining, AttentionMassMatchesTheCpu) {
   }
 }
 
+// Whole sequences, and chunks of queries (first_query > 0, as the streaming executor asks: the
+// queries' rows from there on, every pool of the sequence) that start inside a pool.
 TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
   struct Case {
     int64_t tokens, heads, head_dim, kpool, topk;
     bool tail;
+    int64_t first;  // the first query
   };
-  const Case cases[] = {{300, 4, 32, 4, 32, true},
-                        {300, 8, 64, 4, 32, false},
-                        {777, 3, 32, 16, 128, false},
-                        {600, 64, 128, 4, 256, true}};  // shared memory past 48 KiB
+  const Case cases[] = {{300, 4, 32, 4, 32, true, 0},     {300, 8, 64, 4, 32, false, 0},
+                        {777, 3, 32, 16, 128, false, 0},  {600, 64, 128, 4, 256, true, 0},
+                        {300, 4, 32, 4, 32, true, 101},   {777, 3, 32, 16, 128, false, 333},
+                        {600, 64, 128, 4, 256, true, 450}};  // shared memory past 48 KiB
   const float scale = 0.37f;
   for (const Case& c : cases) {
-    const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
+    const cpu::IndexerShape whole{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
+    const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail, c.first};
     const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools(), width = s.width();
+    const int64_t f = c.first, Q = s.queries();
     const auto q = rounded(random_floats(L * H * d)), pool_keys = rounded(random_floats(P * d)),
                weights = rounded(random_floats(L * H, 1.0f / std::sqrt(static_cast<float>(H))));
-    const auto sel = select_with_holes(s, q, pool_keys, weights);
+    const auto sel = select_with_holes(whole, q, pool_keys, weights);
     // Attention mass: zero on unused slots (as attention_mass writes it), on whole rows (t = 4
     // mod 11: nothing to learn) and on a row's first run (t = 5 mod 7: a chosen pool of target 0).
     std::vector<float> mass(static_cast<size_t>(L * width));
@@ -117,33 +123,41 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     const auto dpool0 = random_floats(P * d, 0.01f);
     const double kl0 = 1.25;
 
+    // The device holds the whole sequence's rows and is given the chunk's from row f on.
     Stream stream;
     auto dq_in = device(to_bf16(q)), dk_in = device(to_bf16(pool_keys)), dw_in = device(to_bf16(weights));
     auto dsel = device(sel);
     auto dmass = device(mass);
-    auto dq = poisoned<bf16>(L * H * d), dhw = poisoned<bf16>(L * H);
+    auto dq = poisoned<bf16>(Q * H * d), dhw = poisoned<bf16>(Q * H);
     auto dpool = device(dpool0, MemoryCategory::Gradients);
     DeviceBuffer<double> kl(1, MemoryCategory::Gradients);
     SPINDLE_CUDA(cudaMemcpy(kl.data(), &kl0, sizeof(double), cudaMemcpyHostToDevice));
-    indexer_kl_backward(s, dq_in.data(), dk_in.data(), dw_in.data(), dsel.data(), dmass.data(), scale,
-                        dq.data(), dpool.data(), dhw.data(), kl.data(), stream.get());
+    indexer_kl_backward(s, dq_in.data() + f * H * d, dk_in.data(), dw_in.data() + f * H,
+                        dsel.data() + f * width, dmass.data() + f * width, scale, dq.data(), dpool.data(),
+                        dhw.data(), kl.data(), stream.get());
     stream.synchronize();
     double kl_got = 0;
     SPINDLE_CUDA(cudaMemcpy(&kl_got, kl.data(), sizeof(double), cudaMemcpyDeviceToHost));
 
-    const auto qd = to_double(q), kd = to_double(pool_keys), wd = to_double(weights), md = to_double(mass);
-    std::vector<double> dq_ref(static_cast<size_t>(L * H * d)), dhw_ref(static_cast<size_t>(L * H)),
+    // The CPU reference on the chunk's rows.
+    const auto rows = [f](const auto& v, int64_t per_row) {
+      return std::vector<std::decay_t<decltype(v[0])>>(v.begin() + f * per_row, v.end());
+    };
+    const auto qd = to_double(rows(q, H * d)), kd = to_double(pool_keys), wd = to_double(rows(weights, H)),
+               md = to_double(rows(mass, width));
+    const auto sel_rows = rows(sel, width);
+    std::vector<double> dq_ref(static_cast<size_t>(Q * H * d)), dhw_ref(static_cast<size_t>(Q * H)),
         dpool_ref(static_cast<size_t>(P * d), 0.0);
     const double kl_ref =
-        cpu::indexer_kl_backward<double>(s, qd.data(), kd.data(), wd.data(), sel.data(), md.data(), scale,
-                                         dq_ref.data(), dpool_ref.data(), dhw_ref.data());
+        cpu::indexer_kl_backward<double>(s, qd.data(), kd.data(), wd.data(), sel_rows.data(), md.data(),
+                                         scale, dq_ref.data(), dpool_ref.data(), dhw_ref.data());
     const auto dq_got = dq.download(), dhw_got = dhw.download();
     const auto dpool_got = dpool.download();
     std::vector<double> dpool_added(dpool_got.size());
     for (size_t i = 0; i < dpool_got.size(); ++i) dpool_added[i] = double(dpool_got[i]) - double(dpool0[i]);
     // Queries with nothing to learn get exact zeros.
     int64_t nonzero_rows = 0;
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = 0; t < Q; ++t) {
       const auto zero = [](double x) { return x == 0.0; };
       if (!std::all_of(dq_ref.begin() + t * H * d, dq_ref.begin() + (t + 1) * H * d, zero) ||
           !std::all_of(dhw_ref.begin() + t * H, dhw_ref.begin() + (t + 1) * H, zero))
@@ -155,7 +169,8 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     }
     const std::string what = "tokens " + std::to_string(L) + " heads " + std::to_string(H) + " head_dim " +
                              std::to_string(d) + " kpool " + std::to_string(c.kpool) + " topk " +
-                             std::to_string(c.topk) + " tail " + std::to_string(c.tail);
+                             std::to_string(c.topk) + " tail " + std::to_string(c.tail) + " first query " +
+                             std::to_string(f);
     ASSERT_GT(kl_ref, 0.0) << what;
     // bf16 outputs: one rounding (~2^-9 relative) on top of fp32 arithmetic; dpool and the KL fp32.
     EXPECT_LT(relative_error(dq_got, dq_ref), 8e-3) << "dq, " << what;

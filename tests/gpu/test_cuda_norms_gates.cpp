@@ -368,5 +368,24 @@ TEST(CudaNormsGates, ConversionsMatchTheHostRounding) {
   }
 }
 
+// y += x over bf16 values: the fp32 sum rounded once, bit for bit, at aligned and unaligned
+// offsets (vector and scalar paths).
+TEST(CudaNormsGates, AddBf16RoundsTheSumOnce) {
+  for (auto [n, offset] : {std::pair<int64_t, size_t>{100003, 0}, {1001, 1}, {3, 0}}) {
+    const auto x = to_bf16(random_floats(n)), y = to_bf16(random_floats(n));
+    Stream stream;
+    Placed<bf16> dx(x, offset), dy(y, offset);
+    add_bf16(dx.get(), dy.get(), n, stream.get());
+    stream.synchronize();
+    const auto got = dy.download();
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bf16 want = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(y[i]));
+      wrong += std::memcmp(&got[i], &want, sizeof(bf16)) != 0;
+    }
+    EXPECT_EQ(wrong, 0) << "n=" << n << " offset=" << offset;
+  }
+}
+
 }  // namespace
 }  // namespace spindle::cuda

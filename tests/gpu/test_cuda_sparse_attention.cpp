@@ -147,7 +147,7 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     auto dsel = device(sel);
     auto out = poisoned<bf16>(L * H * c.dv), dq = poisoned<bf16>(L * H * c.dk);
     auto lse = poisoned<float>(L * H);
-    DeviceBuffer<float> d_latent(static_cast<size_t>(L * c.dk), MemoryCategory::Gradients);
+    DeviceBuffer<float> d_latent(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
     SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
     SPINDLE_CUDA(cudaDeviceSynchronize());
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
@@ -165,13 +165,13 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     const auto qd = to_double(q), doutd = to_double(dout);
     std::vector<double> out_ref(static_cast<size_t>(L * H * c.dv)), dq_ref(static_cast<size_t>(L * H * c.dk)),
         dkv_ref(kv.size(), 0.0), lse_ref(static_cast<size_t>(L * H)),
-        d_latent_ref(static_cast<size_t>(L * c.dk));
+        d_latent_ref(static_cast<size_t>(L * stride), 0.0);
     cpu::sparse_attention<double>(ref_shape, qd.data(), kv.data(), sel.data(), out_ref.data());
     cpu::sparse_attention_backward<double>(ref_shape, qd.data(), kv.data(), sel.data(), doutd.data(),
                                            dq_ref.data(), dkv_ref.data());
     for (int64_t t = 0; t < L; ++t) {
       for (int64_t i = 0; i < c.dk; ++i)
-        d_latent_ref[t * c.dk + i] =
+        d_latent_ref[t * stride + i] =
             dkv_ref[t * (c.dk + c.dv) + i] + (i < c.dv ? dkv_ref[t * (c.dk + c.dv) + c.dk + i] : 0.0);
       for (int64_t h = 0; h < H; ++h) {
         double mx = -INFINITY, sum = 0;
@@ -312,6 +312,22 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     EXPECT_EQ(mismatched_rows, 0) << "tokens " << L << " heads " << H << " head_dim " << d << " kpool "
                                   << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
                                   << c.query_block << ": first mismatched query " << first;
+
+    // A chunk of the queries (first_query, as the streaming executor asks; it starts inside a pool
+    // when kpool > 1): rows of q and head weights from there on, every pool of the sequence; its
+    // selection is the whole sequence's from that row on.
+    const int64_t f = L / 3 + 1;
+    cpu::IndexerShape chunk = s;
+    chunk.first_query = f;
+    auto chunk_sel = poisoned<int32_t>((L - f) * s.width());
+    indexer_select(chunk, dq.data() + f * H * d, dk.data(), dw.data() + f * H, chunk_sel.data(),
+                   workspace.data(), workspace_bytes, stream.get());
+    stream.synchronize();
+    const auto chunk_got = chunk_sel.download();
+    EXPECT_TRUE(std::equal(chunk_got.begin(), chunk_got.end(), ref.begin() + f * s.width()))
+        << "a chunk from query " << f << " of tokens " << L << " heads " << H << " head_dim " << d
+        << " kpool " << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
+        << c.query_block;
   }
 }
 

@@ -18,10 +18,11 @@ namespace {
 class CudaDeviceModel final : public DeviceModel {
  public:
   CudaDeviceModel(const ModelConfig& config, const ModelWeights& host, const DeviceModelOptions& options)
-      : model_(config, host, options.strict_kernels, options.absorbed_mla) {}
+      : model_(config, host, options.strict_kernels, options.absorbed_mla),
+        chunk_tokens_(options.chunk_tokens) {}
 
   std::vector<float> log_probs(const std::vector<int32_t>& tokens) override {
-    return model_.log_probs(tokens);
+    return model_.log_probs(tokens, chunk_tokens_);
   }
 
   LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) override {
@@ -192,6 +193,7 @@ class CudaDeviceModel final : public DeviceModel {
   cudaStream_t stream() { return model_.context().stream(); }
 
   CudaModel model_;
+  int64_t chunk_tokens_;
   std::vector<Slot> slots_;
   KindTimer timer_;
 };

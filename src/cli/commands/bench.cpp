@@ -1,7 +1,8 @@
 // spindle bench: forward + backward + optimizer steps of a model on the GPU at given sequence
 // lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so).
 // Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
-// by category and MFU from the analytic FLOP count (model/flops.h).
+// by category and MFU from the analytic FLOP count (model/flops.h; with --chunk, the streaming
+// executor's extra forward is not counted).
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -61,12 +62,17 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla"},
+  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk"},
                   {"random-tokens", "strict-kernels"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
   check(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
+  LossOptions loss_options;
+  loss_options.chunk_tokens = args.int_or("chunk", 0);
+  check(loss_options.chunk_tokens >= 0,
+        "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ",
+        loss_options.chunk_tokens);
   const bool random_tokens = args.flag("random-tokens");
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
@@ -110,7 +116,7 @@ int run_bench(const std::vector<std::string>& argv) {
       device->set_timing(timed);
       const auto start = std::chrono::steady_clock::now();
       device->zero_gradients();
-      loss = device->loss_and_gradients(tokens, {}).loss;
+      loss = device->loss_and_gradients(tokens, loss_options).loss;
       device->clip_gradients(1.0);
       device->optimizer_step(adam, 1e-5, step + 1);
       device->synchronize();
@@ -131,6 +137,9 @@ int run_bench(const std::vector<std::string>& argv) {
         {"device", device->device_name()},
         {"mla", mla},
         {"seq_len", L},
+        // Tokens per chunk of the streaming executor; 0: the sequence in one pass (no chunks).
+        {"chunk_tokens",
+         loss_options.chunk_tokens > 0 && loss_options.chunk_tokens < L ? loss_options.chunk_tokens : 0},
         {"tokens", random_tokens ? "random ids (--random-tokens)" : "real DNA (" + token_file + ")"},
         {"steps", steps},
         {"warmup", warmup},

@@ -34,9 +34,10 @@ std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& token
 
 // On the GPU: the checkpoint is read in f32 and uploaded (bf16 matrices, fp32 small parameters).
 std::vector<float> compute_on_device(const std::string& dir, const std::vector<int32_t>& tokens,
-                                     bool strict_kernels) {
+                                     bool strict_kernels, bool absorbed_mla, int64_t chunk) {
   const Model model = load_model(dir, DType::F32);
-  auto device = open_device_model(Device::CUDA, model.config, model.weights, {strict_kernels});
+  auto device =
+      open_device_model(Device::CUDA, model.config, model.weights, {strict_kernels, absorbed_mla, chunk});
   std::vector<float> values = device->log_probs(tokens);
   log_info("kernels on ", device->device_name(), ":\n", device->kernel_report());
   log_info("device memory peak ", device->memory().peak_total / (1024 * 1024), " MiB");
@@ -46,7 +47,7 @@ std::vector<float> compute_on_device(const std::string& dir, const std::vector<i
 }  // namespace
 
 int run_logprobs(const std::vector<std::string>& argv) {
-  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out", "device", "chunk"},
+  const Args args("logprobs", argv, {"model", "tokens", "dtype", "out", "device", "chunk", "mla"},
                   {"strict-kernels"});
   const std::string dir = args.required("model");
   const std::vector<int32_t> tokens = read_token_text(args.required("tokens"));
@@ -61,11 +62,14 @@ int run_logprobs(const std::vector<std::string>& argv) {
   check(device == Device::CUDA || !args.flag("strict-kernels"), "--strict-kernels applies to --device cuda");
   const int64_t chunk = args.int_or("chunk", 0);
   check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
-  check(device == Device::CPU || chunk == 0, "--chunk (the streaming executor) runs on the CPU so far");
+  const std::string mla = args.value_or("mla", "expanded");
+  check(mla == "absorbed" || mla == "expanded", "--mla must be absorbed or expanded, got '", mla, "'");
+  check(device == Device::CUDA || !args.optional("mla"), "--mla applies to --device cuda");
 
   std::vector<double> values;
   if (device == Device::CUDA) {
-    for (float v : compute_on_device(dir, tokens, args.flag("strict-kernels"))) values.push_back(v);
+    for (float v : compute_on_device(dir, tokens, args.flag("strict-kernels"), mla == "absorbed", chunk))
+      values.push_back(v);
   } else if (dtype == DType::F64) {
     for (double v : compute<double>(dir, tokens, chunk)) values.push_back(v);
   } else {

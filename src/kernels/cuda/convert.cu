@@ -1,4 +1,4 @@
-// fp32 <-> bf16: elementwise maps (the rounding is in the stores of memory_bound.cuh).
+// fp32 <-> bf16 and bf16 sums: elementwise maps (the rounding is in the stores of memory_bound.cuh).
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/memory_bound.cuh"
 
@@ -8,6 +8,10 @@ namespace {
 
 struct Identity {
   __device__ float operator()(float x) const { return x; }
+};
+
+struct Sum {
+  __device__ float operator()(float x, float y) const { return x + y; }
 };
 
 __global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows, int64_t half,
@@ -36,6 +40,10 @@ void f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t st
 
 void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t stream) {
   launch_map("bf16_to_f32", Identity{}, out, n, stream, in);
+}
+
+void add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
+  launch_map("add_bf16", Sum{}, y, n, stream, x, static_cast<const __nv_bfloat16*>(y));
 }
 
 }  // namespace spindle::cuda

@@ -1,5 +1,5 @@
 // Conversions between fp32 and bf16 buffers on the GPU (round to nearest even into bf16; bf16 to
-// fp32 is exact).
+// fp32 is exact), and sums rounded to bf16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,5 +17,9 @@ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t st
 // gradient of a row that was used twice (MLA's latent, read as both key and value).
 void sum_row_halves_to_bf16(const float* in, int64_t rows, int64_t half, __nv_bfloat16* out,
                             cudaStream_t stream);
+
+// y[i] += x[i] over n values, summed in fp32 and rounded to bf16 (a gradient handed back from a
+// later chunk of a streamed sequence).
+void add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -69,16 +69,17 @@ __device__ int block_exclusive_scan(int value, int* shared, int& total) {
 
 // One CTA per query of the block: the exact top topk/kpool of its visible pools' scores (row
 // blockIdx.x of the workspace), ties to the lower pool, in ascending pool order, expanded to
-// tokens; then the tail; -1 elsewhere.
+// tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
 __global__ void __launch_bounds__(kThreads)
     indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
-                        int64_t pools, int64_t kp, int64_t topk, int64_t width, int select_tail) {
+                        int64_t first_query, int64_t pools, int64_t kp, int64_t topk, int64_t width,
+                        int select_tail) {
   __shared__ unsigned hist[256];
   __shared__ unsigned s_prefix, s_k;
   __shared__ int scan_shared[kThreads / 32 + 1];
   const int64_t t = t0 + blockIdx.x;
   const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
-  int32_t* out = selected + t * width;
+  int32_t* out = selected + (t - first_query) * width;
   for (int64_t i = threadIdx.x; i < width; i += kThreads) out[i] = -1;
   __syncthreads();  // the -1 fill is visible to the whole CTA before the selection overwrites it
 
@@ -162,25 +163,26 @@ size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_
 void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int32_t* selected, float* workspace,
                     size_t workspace_bytes, cudaStream_t stream) {
-  check(s.first_query == 0, "indexer_select on the GPU scores whole sequences (first_query 0), got ",
-        s.first_query);
-  check(s.kpool > 0 && s.head_dim > 0 && s.heads > 0 && s.topk >= 0 && s.tokens >= 0,
-        "indexer_select: expected kpool, head_dim, heads > 0 and topk, tokens >= 0, got kpool ", s.kpool,
-        ", head_dim ", s.head_dim, ", heads ", s.heads, ", topk ", s.topk, ", tokens ", s.tokens);
-  if (s.tokens == 0) return;
+  check(s.kpool > 0 && s.head_dim > 0 && s.heads > 0 && s.topk >= 0 && s.first_query >= 0 &&
+            s.first_query <= s.tokens,
+        "indexer_select: expected kpool, head_dim, heads > 0, topk >= 0 and 0 <= first_query <= tokens, got "
+        "kpool ",
+        s.kpool, ", head_dim ", s.head_dim, ", heads ", s.heads, ", topk ", s.topk, ", first_query ",
+        s.first_query, ", tokens ", s.tokens);
+  if (s.queries() == 0) return;
   const int64_t pools = s.complete_pools();
   const size_t row_bytes = static_cast<size_t>(std::max<int64_t>(pools, 1)) * sizeof(float);
-  const int64_t block = std::min<int64_t>(s.tokens, static_cast<int64_t>(workspace_bytes / row_bytes));
+  const int64_t block = std::min<int64_t>(s.queries(), static_cast<int64_t>(workspace_bytes / row_bytes));
   check(block >= 1 || pools == 0, "indexer_select: the workspace (", workspace_bytes,
         " bytes) holds no query row of ", pools, " pooled scores (", row_bytes, " bytes)");
-  const int64_t query_block = pools == 0 ? s.tokens : block;
-  for (int64_t t0 = 0; t0 < s.tokens; t0 += query_block) {
+  const int64_t query_block = pools == 0 ? s.queries() : block;
+  for (int64_t t0 = s.first_query; t0 < s.tokens; t0 += query_block) {
     const int64_t rows = std::min(query_block, s.tokens - t0);
     check(rows < (int64_t{1} << 31), "indexer_select: query block of ", rows,
           " rows is too large for one launch");
     indexer_scores(s, q, pool_keys, head_weights, t0, rows, workspace, stream);
     indexer_topk_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-        workspace, selected, t0, pools, s.kpool, s.topk, s.width(), s.select_tail ? 1 : 0);
+        workspace, selected, t0, s.first_query, pools, s.kpool, s.topk, s.width(), s.select_tail ? 1 : 0);
     SPINDLE_LAUNCHED("indexer_topk_kernel");
   }
 }

@@ -51,16 +51,19 @@ void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, co
 // Workspace bytes for scoring `query_block` queries at a time: query_block * complete_pools * 4.
 size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_block);
 
-// Scores of queries first .. first + rows - 1 against their visible pools: scores[r][p] for
-// p < min(complete_pools, (first + r + 1) / kpool), row stride complete_pools; the rest of each
-// row is unspecified. q, pool_keys, head_weights as for indexer_select.
+// Scores of queries first .. first + rows - 1 (absolute positions, first >= s.first_query)
+// against their visible pools: scores[r][p] for p < min(complete_pools, (first + r + 1) / kpool),
+// row stride complete_pools; the rest of each row is unspecified. q, pool_keys, head_weights as for
+// indexer_select.
 void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
                     cudaStream_t stream);
 
-// q: [tokens, heads, head_dim]; pool_keys: [complete_pools, head_dim]; head_weights: [tokens, heads]
-// (already scaled by heads^-0.5); selected: [tokens, width()] written, -1 where unused. workspace:
-// fp32 scratch of workspace_bytes, at least one query row (complete_pools * 4 bytes).
+// The queries are the tokens from s.first_query on (a chunk of a streamed sequence; 0: all), the
+// keys all s.tokens. q: [queries, heads, head_dim]; pool_keys: [complete_pools, head_dim];
+// head_weights: [queries, heads] (already scaled by heads^-0.5); selected: [queries, width()]
+// written (absolute token indices), -1 where unused. workspace: fp32 scratch of workspace_bytes,
+// at least one query row (complete_pools * 4 bytes).
 void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int32_t* selected, float* workspace,
                     size_t workspace_bytes, cudaStream_t stream);

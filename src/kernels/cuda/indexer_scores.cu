@@ -55,11 +55,12 @@ Tiling tiling(const cpu::IndexerShape& s) {
 }
 
 struct ScoreArgs {
-  const __nv_bfloat16* q;             // [tokens, heads, head_dim]
+  const __nv_bfloat16* q;             // [queries, heads, head_dim], from query first_query on
   const __nv_bfloat16* pool_keys;     // [pools, head_dim]
-  const __nv_bfloat16* head_weights;  // [tokens, heads]
+  const __nv_bfloat16* head_weights;  // [queries, heads]
   float* scores;                      // [rows, pools]
-  int64_t first, rows, pools, kpool;  // queries first .. first + rows - 1
+  int64_t first, rows, pools, kpool;  // queries first .. first + rows - 1 (absolute positions)
+  int64_t first_query;                // the position of q's first row
   int heads, head_dim, kdim, group_mtiles, groups, segment;
   float scale;
 };
@@ -92,7 +93,9 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_kernel(const Score
     const int64_t query = q0 + 8 * group + row % 8;
     const bool valid = group < args.groups && head < args.heads && query < args.rows && chunk < real_chunks;
     const __nv_bfloat16* src =
-        valid ? args.q + ((args.first + query) * args.heads + head) * args.head_dim + chunk * 8 : args.q;
+        valid ? args.q + ((args.first - args.first_query + query) * args.heads + head) * args.head_dim +
+                    chunk * 8
+              : args.q;
     copy16(q_s + row * stride + chunk * 8, src, valid);
   }
   for (int row = tid; row < kRows; row += kThreads) {
@@ -100,7 +103,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_kernel(const Score
     const int group = mtile / args.group_mtiles, head = 2 * (mtile % args.group_mtiles) + (row % 16) / 8;
     const int64_t query = q0 + 8 * group + row % 8;
     const bool valid = group < args.groups && head < args.heads && query < args.rows;
-    w_s[row] = valid ? __bfloat162float(args.head_weights[(args.first + query) * args.heads + head]) : 0.0f;
+    w_s[row] =
+        valid
+            ? __bfloat162float(args.head_weights[(args.first - args.first_query + query) * args.heads + head])
+            : 0.0f;
   }
   // Pool tile `tile` into key buffer `buffer`, zero past the last pool and past head_dim.
   auto load_keys = [&](int64_t tile, int buffer) {
@@ -202,8 +208,9 @@ void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
         "indexer_scores: the tensor-core scorer takes heads 1..", kMaxHeads,
         " and head_dim a multiple of 8 up to ", kMaxHeadDim, " (kpool > 0), got heads ", s.heads,
         ", head_dim ", s.head_dim, ", kpool ", s.kpool);
-  check(first >= 0 && rows >= 0 && first + rows <= s.tokens, "indexer_scores: queries ", first, " .. ",
-        first + rows, " outside ", s.tokens, " tokens");
+  check(first >= s.first_query && s.first_query >= 0 && rows >= 0 && first + rows <= s.tokens,
+        "indexer_scores: queries ", first, " .. ", first + rows, " outside ", s.first_query, " .. ",
+        s.tokens);
   check(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(pool_keys) % 16 == 0,
         "indexer_scores: q and pool_keys must be 16-byte aligned (cp.async)");
   const int64_t pools = s.complete_pools();
@@ -238,6 +245,7 @@ void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
                  rows,
                  pools,
                  s.kpool,
+                 s.first_query,
                  static_cast<int>(s.heads),
                  static_cast<int>(s.head_dim),
                  t.kdim,

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ pool_keys,
     const __nv_bfloat16* __restrict__ head_weights, const int32_t* __restrict__ selected,
     const float* __restrict__ mass, __nv_bfloat16* __restrict__ dq, float* __restrict__ dpool_keys,
-    __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ kl_sum, int64_t tokens, int64_t H,
+    __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ kl_sum, int64_t queries, int64_t H,
     int64_t d, int64_t kp, int64_t runs, int64_t width, float scale, float score_scale) {
   extern __shared__ float smem[];
   __shared__ float scratch[kKlWarps];
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
   float* ks = reinterpret_cast<float*>(pool + runs) + warp * 2 * d;  // [d] this warp's pool key
   float* dks = ks + d;                                               // [d] its gradient
   double kl_local = 0.0;                                             // thread 0's sum over this CTA's queries
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+  for (int64_t t = blockIdx.x; t < queries; t += gridDim.x) {        // t: a row of the chunk
     for (int64_t i = threadIdx.x; i < H * d; i += blockDim.x) {
       qs[i] = __bfloat162float(q[t * H * d + i]);
       dqs[i] = 0.0f;
@@ -316,11 +316,14 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
                          const __nv_bfloat16* head_weights, const int32_t* selected, const float* mass,
                          float scale, __nv_bfloat16* dq, float* dpool_keys, __nv_bfloat16* dhead_weights,
                          double* kl_sum, cudaStream_t stream) {
-  check(s.first_query == 0, "indexer_kl_backward takes whole sequences (first_query 0)");
-  check(s.tokens >= 0 && s.heads > 0 && s.head_dim > 0 && s.kpool > 0 && s.topk >= 0,
-        "indexer_kl_backward: expected tokens, topk >= 0 and heads, head_dim, kpool > 0, got tokens ",
-        s.tokens, ", heads ", s.heads, ", head_dim ", s.head_dim, ", kpool ", s.kpool, ", topk ", s.topk);
-  if (s.tokens == 0) return;
+  check(s.first_query >= 0 && s.first_query <= s.tokens && s.heads > 0 && s.head_dim > 0 && s.kpool > 0 &&
+            s.topk >= 0,
+        "indexer_kl_backward: expected 0 <= first_query <= tokens, topk >= 0 and heads, head_dim, kpool > 0, "
+        "got first_query ",
+        s.first_query, ", tokens ", s.tokens, ", heads ", s.heads, ", head_dim ", s.head_dim, ", kpool ",
+        s.kpool, ", topk ", s.topk);
+  const int64_t queries = s.queries();  // the kernel's rows; pools come from the selection
+  if (queries == 0) return;
   const int64_t runs = s.topk / s.kpool;
   const size_t bytes =
       static_cast<size_t>(2 * s.heads * s.head_dim + 2 * s.heads + 3 * runs + kKlWarps * 2 * s.head_dim) *
@@ -333,9 +336,9 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
   SPINDLE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, indexer_kl_backward_kernel,
                                                              kKlWarps * 32, bytes));
   check(per_sm > 0, "indexer_kl_backward: no CTA of ", bytes, " bytes of shared memory fits on an SM");
-  const int64_t blocks = std::min<int64_t>(s.tokens, static_cast<int64_t>(sms) * per_sm);
+  const int64_t blocks = std::min<int64_t>(queries, static_cast<int64_t>(sms) * per_sm);
   indexer_kl_backward_kernel<<<static_cast<unsigned>(blocks), kKlWarps * 32, bytes, stream>>>(
-      q, pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, kl_sum, s.tokens, s.heads,
+      q, pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, kl_sum, queries, s.heads,
       s.head_dim, s.kpool, runs, s.width(), scale, 1.0f / std::sqrt(static_cast<float>(s.head_dim)));
   SPINDLE_LAUNCHED("indexer_kl_backward_kernel");
 }

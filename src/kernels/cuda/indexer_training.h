@@ -50,10 +50,12 @@ namespace spindle::cuda {
 void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, const __nv_bfloat16* kv,
                     const int32_t* selected, float* mass, cudaStream_t stream);
 
-// KL(target || indexer) over each query's chosen complete pools, times `scale`. dq [tokens, heads,
-// head_dim] and dhead_weights [tokens, heads] written (bf16); dpool_keys [complete_pools, head_dim]
-// fp32 accumulated; *kl_sum (one device double) accumulated with the unscaled KL summed over
-// queries, what the CPU function returns.
+// KL(target || indexer) over each query's chosen complete pools, times `scale`. The queries are
+// the tokens from s.first_query on (a chunk of a streamed sequence): the rows of q, head_weights,
+// selected, mass, dq [queries, heads, head_dim] and dhead_weights [queries, heads] (the last two
+// written, bf16); pool_keys and dpool_keys [complete_pools, head_dim] (fp32, accumulated) hold
+// every complete pool of the s.tokens keys; *kl_sum (one device double) accumulated with the
+// unscaled KL summed over the queries, what the CPU function returns.
 void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                          const __nv_bfloat16* head_weights, const int32_t* selected, const float* mass,
                          float scale, __nv_bfloat16* dq, float* dpool_keys, __nv_bfloat16* dhead_weights,

@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
         for (int rh = 0; rh < 2; ++rh) {
           const int32_t index = idx[half * 32 + mi * 16 + g + 8 * rh];
           if (index < 0) continue;
-          float* dst = a.d_latent + static_cast<int64_t>(index) * a.dk + 2 * c;
+          float* dst = a.d_latent + static_cast<int64_t>(index) * a.latent_stride + 2 * c;
 #pragma unroll
           for (int j = 0; j < kMaxColTiles; ++j) {
             if (warp + kWarps * (j / 2) >= k_units) break;

@@ -45,7 +45,8 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
                         const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream);
 
 // From the forward's out and lse and dout ([tokens, heads, dv] bf16): dq [tokens, heads, dk] bf16
-// written; d_latent [tokens, dk] fp32 accumulated (zero it first).
+// written; d_latent [tokens, latent_stride] fp32, the first dk values of each selected row
+// accumulated (zero it first).
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
                          const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, cudaStream_t stream);

@@ -1,8 +1,11 @@
 // MLA + DSA on the GPU: the CPU module's steps (model/dsa.cpp) with bf16 activations, the k-pool
 // indexer scored in query blocks, sparse attention over the selection, and the indexer's KL
-// training with detached inputs.
+// training with detached inputs. A chunk of a streamed sequence attends into the cache of the
+// keys and values before it (the plain pass: one chunk over its own cache).
+#include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/check.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_training.h"
@@ -19,91 +22,123 @@ namespace {
 constexpr float kIndexerNormEps = 1e-6f;
 constexpr size_t kSelectWorkspaceBytes = size_t{1} << 30;  // the score tile of a query block
 
-cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t L) {
-  return {
-      L, c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail};
+// The indexer over `tokens` keys, for the queries from `first` on.
+cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t tokens, int64_t first = 0) {
+  return {tokens,        c.index_n_heads, c.index_head_dim,
+          c.index_kpool, c.index_topk,    c.index_kpool_always_select_tail,
+          first};
 }
 
 int64_t selection_width(const ModelConfig& c) { return indexer_shape(c, 0).width(); }
 
-// The indexer's inputs: per-head queries, normalised keys (and their input), the pool gate,
-// pooled keys and the head weights (already scaled by heads^-0.5).
-struct IndexerActivations {
-  DeviceBuffer<bf16> q, raw, keys, gate, pool_keys, head_weights;
+// bf16 values per token of the keys and values the attention kernel reads.
+int64_t cache_row(const ModelConfig& c, bool absorbed) {
+  return absorbed ? 2 * c.kv_lora_rank : c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim);
+}
+
+// The indexer's per-head queries and head weights (already scaled by heads^-0.5) of L queries.
+struct IndexerQueries {
+  DeviceBuffer<bf16> q, head_weights;
 };
 
-IndexerActivations indexer_activations(Context& ctx, const ModelConfig& c, const IndexerWeights& w,
-                                       const bf16* x, const bf16* q_resid, int64_t L) {
-  const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
-  const cpu::IndexerShape shape = indexer_shape(c, L);
-  const cudaStream_t s = ctx.stream();
-  IndexerActivations a{activations(L * Hi * d),
-                       activations(L * d),
-                       activations(L * d),
-                       activations(L * d),
-                       activations(std::max<int64_t>(1, shape.complete_pools() * d)),
-                       activations(L * Hi)};
-  ctx.gemm.linear(q_resid, bf16_data(w.wq_b), a.q.data(), L, c.q_lora_rank, Hi * d, s);
-  ctx.gemm.linear(x, bf16_data(w.wk), a.raw.data(), L, D, d, s);
-  layer_norm_forward(a.raw.data(), bf16_data(w.k_norm_weight), bf16_data(w.k_norm_bias), a.keys.data(), L, d,
-                     kIndexerNormEps, s);
-  ctx.gemm.linear(x, bf16_data(w.compress_gate), a.gate.data(), L, D, d, s);
-  indexer_pool_keys(shape, a.keys.data(), a.gate.data(), bf16_data(w.compress_ape), a.pool_keys.data(), s);
-  ctx.gemm.linear(x, bf16_data(w.weights_proj), a.head_weights.data(), L, D, Hi, s,
+IndexerQueries indexer_queries(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x,
+                               const bf16* q_resid, int64_t L) {
+  const int64_t Hi = c.index_n_heads, d = c.index_head_dim;
+  IndexerQueries a{activations(L * Hi * d), activations(L * Hi)};
+  ctx.gemm.linear(q_resid, bf16_data(w.wq_b), a.q.data(), L, c.q_lora_rank, Hi * d, ctx.stream());
+  ctx.gemm.linear(x, bf16_data(w.weights_proj), a.head_weights.data(), L, c.hidden_size, Hi, ctx.stream(),
                   1.0f / std::sqrt(static_cast<float>(Hi)));
   return a;
 }
 
+// This chunk's indexer keys (normalised) and pool gates join the cache at rows cache.tokens ..
+// + L, and the pools they complete are pooled.
+void append_index_keys(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x, int64_t L,
+                       DsaCache& cache) {
+  const int64_t D = c.hidden_size, d = c.index_head_dim, kp = c.index_kpool;
+  check(cache.index_keys.size() >= static_cast<size_t>((cache.tokens + L) * d),
+        "DSA cache without room for the indexer's keys of tokens up to ", cache.tokens + L);
+  const cudaStream_t s = ctx.stream();
+  DeviceBuffer<bf16> raw = activations(L * d);
+  ctx.gemm.linear(x, bf16_data(w.wk), raw.data(), L, D, d, s);
+  layer_norm_forward(raw.data(), bf16_data(w.k_norm_weight), bf16_data(w.k_norm_bias),
+                     cache.index_keys.data() + cache.tokens * d, L, d, kIndexerNormEps, s);
+  ctx.gemm.linear(x, bf16_data(w.compress_gate), cache.index_gate.data() + cache.tokens * d, L, D, d, s);
+  const int64_t p0 = cache.tokens / kp, p1 = (cache.tokens + L) / kp;
+  if (p1 > p0)
+    indexer_pool_keys(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + p0 * kp * d,
+                      cache.index_gate.data() + p0 * kp * d, bf16_data(w.compress_ape),
+                      cache.pool_keys.data() + p0 * d, s);
+}
+
+// The L queries after the cache's first `first` tokens (whose indexer rows, and theirs, are in the
+// cache) select among the complete pools they see.
 void run_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x,
-                 const bf16* q_resid, int64_t L, DeviceBuffer<int32_t>& selection) {
-  const cpu::IndexerShape shape = indexer_shape(c, L);
-  IndexerActivations a = indexer_activations(ctx, c, w, x, q_resid, L);
+                 const bf16* q_resid, int64_t L, const DsaCache& cache, int64_t first,
+                 DeviceBuffer<int32_t>& selection) {
+  const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
+  IndexerQueries a = indexer_queries(ctx, c, w, x, q_resid, L);
   const size_t row_bytes = indexer_select_workspace_bytes(shape, 1);
   const size_t bytes =
       std::max(row_bytes, std::min(kSelectWorkspaceBytes, row_bytes * static_cast<size_t>(L)));
   DeviceBuffer<float> workspace((bytes + 3) / 4, MemoryCategory::Workspace);
   if (selection.size() != static_cast<size_t>(L * shape.width()))
     selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
-  indexer_select(shape, a.q.data(), a.pool_keys.data(), a.head_weights.data(), selection.data(),
+  indexer_select(shape, a.q.data(), cache.pool_keys.data(), a.head_weights.data(), selection.data(),
                  workspace.data(), workspace.size() * 4, ctx.stream());
   ctx.record.note("dsa/indexer", "cuda k-pool radix select in query blocks");
 }
 
-// KL(attention || indexer) on the indexer's own selection; gradients reach the indexer only.
+// KL(attention || indexer) on the indexer's own selection for the L queries first .. first + L;
+// gradients reach the indexer only. The queries add their pooled keys' gradients to cache_grad;
+// the pools that end inside the chunk then have all of theirs (later chunks ran first, earlier
+// queries cannot see them) and go back to their tokens' keys and gates (a pool straddling the chunk
+// before writes into its rows); the chunk's own rows, complete too, go back through the key norm,
+// wk and compress_gate.
 void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x,
                    const bf16* q_resid, int64_t L, const int32_t* selection, const float* mass,
-                   IndexerLoss& loss, IndexerWeights& grad) {
-  const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim;
-  const cpu::IndexerShape shape = indexer_shape(c, L);
+                   const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad, IndexerLoss& loss,
+                   IndexerWeights& grad) {
+  const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
+  const int64_t end = first + L;
+  check(cache.index_keys.size() >= static_cast<size_t>(end * d) &&
+            cache_grad.index_keys.size() == static_cast<size_t>(cache_grad.tokens * d),
+        "the indexer's KL training needs the sequence's indexer keys and their gradient buffers");
   const cudaStream_t s = ctx.stream();
-  IndexerActivations a = indexer_activations(ctx, c, w, x, q_resid, L);
+  IndexerQueries a = indexer_queries(ctx, c, w, x, q_resid, L);
   DeviceBuffer<bf16> dq = activations(L * Hi * d), dhw = activations(L * Hi);
-  DeviceBuffer<float> dpool = activations_f32(std::max<int64_t>(1, shape.complete_pools() * d));
-  SPINDLE_CUDA(cudaMemsetAsync(dpool.data(), 0, dpool.size() * sizeof(float), s));
-  indexer_kl_backward(shape, a.q.data(), a.pool_keys.data(), a.head_weights.data(), selection, mass,
-                      static_cast<float>(loss.coef / static_cast<double>(L)), dq.data(), dpool.data(),
-                      dhw.data(), loss.kl->data(), s);
-  loss.layers += 1;
+  indexer_kl_backward(indexer_shape(c, end, first), a.q.data(), cache.pool_keys.data(), a.head_weights.data(),
+                      selection, mass, static_cast<float>(loss.coef / static_cast<double>(cache_grad.tokens)),
+                      dq.data(), cache_grad.pool_keys.data(), dhw.data(), loss.kl->data(), s);
+  if (first == 0) loss.layers += 1;  // a layer counts once, at its first chunk
   ctx.gemm.linear_backward_weight(dhw.data(), x, f32_data(grad.weights_proj), L, D, Hi, s,
                                   1.0f / std::sqrt(static_cast<float>(Hi)));
   ctx.gemm.linear_backward_weight(dq.data(), q_resid, f32_data(grad.wq_b), L, c.q_lora_rank, Hi * d, s);
-  DeviceBuffer<bf16>& dkeys = a.q;  // the queries' buffer is larger than [L, d] and free now
-  DeviceBuffer<bf16> dgate = activations(L * d), draw = activations(L * d);
-  indexer_pool_keys_backward(shape, a.keys.data(), a.gate.data(), bf16_data(w.compress_ape), dpool.data(),
-                             dkeys.data(), dgate.data(), f32_data(grad.compress_ape), s);
-  ctx.gemm.linear_backward_weight(dgate.data(), x, f32_data(grad.compress_gate), L, D, d, s);
-  layer_norm_backward(a.raw.data(), bf16_data(w.k_norm_weight), dkeys.data(), draw.data(),
-                      f32_data(grad.k_norm_weight), f32_data(grad.k_norm_bias), L, d, kIndexerNormEps, s);
+  const int64_t p0 = first / kp, p1 = end / kp;  // the pools that end inside this chunk
+  if (p1 > p0) {
+    const int64_t at = p0 * kp * d;
+    indexer_pool_keys_backward(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + at,
+                               cache.index_gate.data() + at, bf16_data(w.compress_ape),
+                               cache_grad.pool_keys.data() + p0 * d, cache_grad.index_keys.data() + at,
+                               cache_grad.index_gate.data() + at, f32_data(grad.compress_ape), s);
+  }
+  ctx.gemm.linear_backward_weight(cache_grad.index_gate.data() + first * d, x, f32_data(grad.compress_gate),
+                                  L, D, d, s);
+  DeviceBuffer<bf16> raw = activations(L * d), draw = activations(L * d);
+  ctx.gemm.linear(x, bf16_data(w.wk), raw.data(), L, D, d, s);
+  layer_norm_backward(raw.data(), bf16_data(w.k_norm_weight), cache_grad.index_keys.data() + first * d,
+                      draw.data(), f32_data(grad.k_norm_weight), f32_data(grad.k_norm_bias), L, d,
+                      kIndexerNormEps, s);
   ctx.gemm.linear_backward_weight(draw.data(), x, f32_data(grad.wk), L, D, d, s);
   ctx.record.note("dsa/indexer_kl", "cuda attention mass + KL backward");
 }
 
 // MLA's activations. In the absorbed form every head attends over the 512-wide
 // latent c itself: the query is absorbed into it (q_lat_h = q_h W_k,h), keys and values are c
-// (kv holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In the
-// expanded form kv_b_proj expands c into per-head keys and values first. Same function.
+// (the cache holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In
+// the expanded form kv_b_proj expands c into per-head keys and values first. Same function.
 struct MlaActivations {
-  DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, kv, q_lat, o_lat, attended;
+  DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, q_lat, o_lat, attended;
   DeviceBuffer<float> lse;  // absorbed form on the tensor cores: each query head's log-sum-exp
   const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
@@ -115,17 +150,18 @@ cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L, bool 
   return {L, c.num_attention_heads, c.qk_head_dim(), c.v_head_dim, selection_width(c), scale};
 }
 
-// The absorbed form on the tensor cores: keys and values are the normalised latent itself.
+// The absorbed form on the tensor cores: keys and values are the normalised latent itself, the
+// first half of each [c | c] row of the cache (the kernel reads it once).
 SparseMlaShape mla_shape(const ModelConfig& c, int64_t L) {
   const cpu::SparseAttentionShape a = attention_shape(c, L, true);
-  return {L, a.heads, a.qk_dim, a.v_dim, a.width, c.kv_lora_rank, static_cast<float>(a.scale)};
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, cache_row(c, true), static_cast<float>(a.scale)};
 }
 
 // kv_b_proj's rows for head h: W_k,h ([qk_head_dim, kv_lora_rank]) then W_v,h ([v, kv_lora_rank]).
 int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() + c.v_head_dim); }
 int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
 
-// Projections up to the latent queries and keys/values (the selection is made between the two).
+// Projections up to the (latent) queries and the normalised latent c.
 MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x,
                                int64_t L) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
@@ -145,32 +181,40 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   ctx.gemm.linear(x, bf16_data(w.kv_a_proj), a.kv_low.data(), L, D, kr, s);
   rms_norm_forward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), a.kv_normed.data(), L, kr, eps, s);
   if (!ctx.absorbed_mla) {
-    a.kv = activations(L * H * (dqk + dv));
-    ctx.gemm.linear(a.kv_normed.data(), bf16_data(w.kv_b_proj), a.kv.data(), L, kr, H * (dqk + dv), s);
     ctx.record.note("dsa/projections", "cublaslt bf16 (expanded keys and values)");
     return a;
   }
   a.q_lat = activations(L * H * kr);
   a.o_lat = activations(L * H * kr);
-  a.kv = activations(L * 2 * kr);
   const bf16* wkv = bf16_data(w.kv_b_proj);
   for (int64_t h = 0; h < H; ++h)  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr]
     ctx.gemm.matmul(false, false, kr, L, dqk, wkv + key_rows(c, h) * kr, kr, a.q.data() + h * dqk, H * dqk,
                     a.q_lat.data() + h * kr, CUDA_R_16BF, H * kr, 1.0f, 0.0f, s);
-  for (int64_t half = 0; half < 2; ++half)
-    SPINDLE_CUDA(cudaMemcpy2DAsync(a.kv.data() + half * kr, 2 * kr * sizeof(bf16), a.kv_normed.data(),
-                                   kr * sizeof(bf16), kr * sizeof(bf16), static_cast<size_t>(L),
-                                   cudaMemcpyDeviceToDevice, s));
   ctx.record.note("dsa/projections", "cublaslt bf16 (queries absorbed into the latent)");
   return a;
 }
 
+// This chunk's keys and values join the cache at rows cache.tokens .. + L.
+void append_kv(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, const bf16* kv_normed,
+               DsaCache& cache) {
+  const int64_t kr = c.kv_lora_rank;
+  bf16* rows = cache.kv.data() + cache.tokens * cache.row;
+  if (!ctx.absorbed_mla) {
+    ctx.gemm.linear(kv_normed, bf16_data(w.kv_b_proj), rows, L, kr, cache.row, ctx.stream());
+    return;
+  }
+  for (int64_t half = 0; half < 2; ++half)
+    SPINDLE_CUDA(cudaMemcpy2DAsync(rows + half * kr, 2 * kr * sizeof(bf16), kv_normed, kr * sizeof(bf16),
+                                   kr * sizeof(bf16), static_cast<size_t>(L), cudaMemcpyDeviceToDevice,
+                                   ctx.stream()));
+}
+
+// The L queries attend over `kv` (the cache: the selection's absolute positions index its rows).
 void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-            const int32_t* selection) {
+            const bf16* kv, const int32_t* selection) {
   const cudaStream_t s = ctx.stream();
   if (!ctx.absorbed_mla) {
-    sparse_attention_forward(attention_shape(c, L, false), a.q.data(), a.kv.data(), selection,
-                             a.attended.data(), s);
+    sparse_attention_forward(attention_shape(c, L, false), a.q.data(), kv, selection, a.attended.data(), s);
     ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
     return;
   }
@@ -179,10 +223,9 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
   const std::string unsupported = sparse_mla_unsupported(mla);
   if (unsupported.empty()) {
     a.lse = activations_f32(L * H);
-    sparse_mla_forward(mla, a.q_lat.data(), a.kv_normed.data(), selection, a.o_lat.data(), a.lse.data(), s);
+    sparse_mla_forward(mla, a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(), s);
   } else {
-    sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), a.kv.data(), selection,
-                             a.o_lat.data(), s);
+    sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), kv, selection, a.o_lat.data(), s);
   }
   const bf16* wkv = bf16_data(w.kv_b_proj);
   for (int64_t h = 0; h < H; ++h)  // attended_h [L, dv] = o_lat_h [L, kr] W_v,h^T
@@ -195,27 +238,19 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
                     "cuda-core sparse attention over [c | c] (tensor cores: " + unsupported + ")", true);
 }
 
-// From the attention output's gradient to the gradient of the normalised latent c (bf16,
-// written), accumulating kv_b_proj's gradient and writing dq ([L, H, qk_head_dim], bf16).
+// From the attention output's gradient to the gradient of the keys and values the queries read
+// (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
+// ([L, H, qk_head_dim], bf16).
 void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-                        const int32_t* selection, const bf16* d_attended, bf16* dq, bf16* d_normed,
-                        DsaWeights& grad) {
+                        const bf16* kv, const int32_t* selection, const bf16* d_attended, bf16* dq,
+                        float* dkv, DsaWeights& grad) {
   const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim, kr = c.kv_lora_rank;
   const cudaStream_t s = ctx.stream();
   const bool absorbed = ctx.absorbed_mla;
   const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
   const bool tensor_cores = a.lse.size() != 0;  // the absorbed forward ran on the tensor cores
-  // The keys' and values' gradient ([c | c] in the absorbed form), or the latent's.
-  DeviceBuffer<float> dkv =
-      activations_f32(tensor_cores ? L * kr : L * shape.key_heads() * (shape.qk_dim + shape.v_dim));
-  SPINDLE_CUDA(cudaMemsetAsync(dkv.data(), 0, dkv.size() * sizeof(float), s));
   if (!absorbed) {
-    sparse_attention_backward(shape, a.q.data(), a.kv.data(), selection, d_attended, dq, dkv.data(), s);
-    DeviceBuffer<bf16>& dkv16 = a.kv;  // the keys/values are not read again
-    f32_to_bf16(dkv.data(), dkv16.data(), L * H * (dqk + dv), s);
-    ctx.gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_normed, L, kr, H * (dqk + dv), s);
-    ctx.gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr,
-                                    H * (dqk + dv), s);
+    sparse_attention_backward(shape, a.q.data(), kv, selection, d_attended, dq, dkv, s);
     return;
   }
   const bf16* wkv = bf16_data(w.kv_b_proj);
@@ -228,13 +263,11 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     ctx.gemm.matmul(false, true, kr, dv, L, a.o_lat.data() + h * kr, H * kr, d_attended + h * dv, H * dv,
                     gkv + value_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
   }
-  if (tensor_cores) {
-    sparse_mla_backward(mla_shape(c, L), a.q_lat.data(), a.kv_normed.data(), selection, a.o_lat.data(),
-                        a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv.data(), s);
-  } else {
-    sparse_attention_backward(shape, a.q_lat.data(), a.kv.data(), selection, d_o_lat.data(), dq_lat.data(),
-                              dkv.data(), s);
-  }
+  if (tensor_cores)  // the latent's gradient lands in the key half of the cache's rows
+    sparse_mla_backward(mla_shape(c, L), a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(),
+                        d_o_lat.data(), dq_lat.data(), dkv, s);
+  else
+    sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
   for (int64_t h = 0; h < H; ++h) {
     // dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
     ctx.gemm.matmul(true, false, dqk, L, kr, wkv + key_rows(c, h) * kr, kr, dq_lat.data() + h * kr, H * kr,
@@ -242,52 +275,50 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     ctx.gemm.matmul(false, true, kr, dqk, L, dq_lat.data() + h * kr, H * kr, a.q.data() + h * dqk, H * dqk,
                     gkv + key_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
   }
-  if (tensor_cores)
-    f32_to_bf16(dkv.data(), d_normed, L * kr, s);
-  else
-    sum_row_halves_to_bf16(dkv.data(), L, kr, d_normed, s);  // c was both the keys and the values
 }
 
-}  // namespace
-
-void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
-                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
-  MlaActivations a = mla_projections(ctx, c, w, x, L);
-  if (w.has_indexer && !reuse_selection) {
-    const TimedScope timed = ctx.timed("dsa.indexer");
-    run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection);
+// The chunk's own rows of the keys' and values' gradient (fp32 [L, row], complete) to the
+// gradient of the normalised latent c (bf16, written); expanded, through kv_b_proj.
+void latent_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
+                     const float* dkv, bf16* d_normed, DsaWeights& grad) {
+  const int64_t kr = c.kv_lora_rank, row = cache_row(c, ctx.absorbed_mla);
+  const cudaStream_t s = ctx.stream();
+  if (ctx.absorbed_mla) {
+    sum_row_halves_to_bf16(dkv, L, kr, d_normed, s);  // c was both the keys and the values
+    return;
   }
-  check(selection.size() == static_cast<size_t>(L * selection_width(c)),
-        "DSA layer without a selection to share");
-  {
-    const TimedScope timed = ctx.timed("dsa.attention");
-    attend(ctx, c, w, L, a, selection.data());
-  }
-  ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
-                  c.hidden_size, ctx.stream());
+  DeviceBuffer<bf16> dkv16 = activations(L * row);
+  f32_to_bf16(dkv, dkv16.data(), L * row, s);
+  ctx.gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_normed, L, kr, row, s);
+  ctx.gemm.linear_backward_weight(dkv16.data(), a.kv_normed.data(), f32_data(grad.kv_b_proj), L, kr, row, s);
 }
 
-void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
-                  const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss) {
+// The backward of the chunk of queries first .. first + L (activations `a`) over `cache`.
+void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                         MlaActivations& a, const int32_t* selection, const bf16* dy, float* dx,
+                         DsaWeights& grad, IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first,
+                         DsaCacheGrad& cache_grad) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
-  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  check(first >= 0 && first + L <= cache.tokens && cache.row == cache_row(c, ctx.absorbed_mla) &&
+            cache_grad.kv.size() >= static_cast<size_t>(cache.tokens * cache.row),
+        "DSA backward: chunk [", first, ", ", first + L, ") outside the key/value cache of ", cache.tokens,
+        " tokens or its gradient");
   {
     const TimedScope timed = ctx.timed("dsa.attention");
-    attend(ctx, c, w, L, a, selection);
+    attend(ctx, c, w, L, a, cache.kv.data(), selection);
   }
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
     const TimedScope timed = ctx.timed("dsa.indexer_kl");
     const cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
     DeviceBuffer<float> mass = activations_f32(L * shape.width);
-    attention_mass(shape, a.attention_query(), a.kv.data(), selection, mass.data(), s);
-    train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), *indexer_loss,
-                  grad.indexer);
+    attention_mass(shape, a.attention_query(), cache.kv.data(), selection, mass.data(), s);
+    train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), cache, first, cache_grad,
+                  *indexer_loss, grad.indexer);
   }
 
   DeviceBuffer<bf16> d_attended = activations(L * H * dv), dq = activations(L * H * dqk);
@@ -296,7 +327,10 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
   {
     const TimedScope timed = ctx.timed("dsa.attention_backward");
-    attention_backward(ctx, c, w, L, a, selection, d_attended.data(), dq.data(), d_normed.data(), grad);
+    attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, d_attended.data(), dq.data(),
+                       cache_grad.kv.data(), grad);
+    // This chunk's keys and values have every gradient they will get: later chunks ran first.
+    latent_backward(ctx, c, w, L, a, cache_grad.kv.data() + first * cache.row, d_normed.data(), grad);
   }
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
@@ -310,6 +344,85 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
                     f32_data(grad.q_a_layernorm), L, qr, eps, s);
   gemm.linear_backward_input(dq_low.data(), bf16_data(w.q_a_proj), dx, L, D, qr, 1.0f, s);
   gemm.linear_backward_weight(dq_low.data(), x, f32_data(grad.q_a_proj), L, D, qr, s);
+}
+
+}  // namespace
+
+DsaCache::DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_t capacity_tokens)
+    : capacity(capacity_tokens),
+      row(cache_row(c, absorbed_mla)),
+      kv(static_cast<size_t>(capacity_tokens * row), MemoryCategory::Activations),
+      index_keys(static_cast<size_t>(indexer ? capacity_tokens * c.index_head_dim : 0),
+                 MemoryCategory::Activations),
+      index_gate(index_keys.size(), MemoryCategory::Activations),
+      pool_keys(static_cast<size_t>(
+                    indexer ? std::max<int64_t>(1, capacity_tokens / c.index_kpool) * c.index_head_dim : 0),
+                MemoryCategory::Activations) {}
+
+DsaCacheGrad::DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t sequence_tokens, bool indexer,
+                           cudaStream_t stream)
+    : tokens(sequence_tokens),
+      kv(static_cast<size_t>(sequence_tokens * cache.row), MemoryCategory::Activations),
+      pool_keys(static_cast<size_t>(
+                    indexer ? std::max<int64_t>(1, sequence_tokens / c.index_kpool) * c.index_head_dim : 0),
+                MemoryCategory::Activations),
+      index_keys(static_cast<size_t>(indexer ? sequence_tokens * c.index_head_dim : 0),
+                 MemoryCategory::Activations),
+      index_gate(index_keys.size(), MemoryCategory::Activations) {
+  SPINDLE_CUDA(cudaMemsetAsync(kv.data(), 0, kv.size() * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(pool_keys.data(), 0, pool_keys.size() * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(index_keys.data(), 0, index_keys.size() * sizeof(bf16), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(index_gate.data(), 0, index_gate.size() * sizeof(bf16), stream));
+}
+
+void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
+  DsaCache cache(c, ctx.absorbed_mla, w.has_indexer && !reuse_selection, L);
+  dsa_forward(ctx, c, w, x, L, selection, y, reuse_selection, cache);
+}
+
+void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache) {
+  check(cache.row == cache_row(c, ctx.absorbed_mla) && cache.tokens + L <= cache.capacity, "DSA cache of ",
+        cache.capacity, " tokens (", cache.row, " values each) cannot take tokens ", cache.tokens, " .. ",
+        cache.tokens + L, " of this form of MLA");
+  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  append_kv(ctx, c, w, L, a.kv_normed.data(), cache);
+  if (w.has_indexer && !reuse_selection) {
+    const TimedScope timed = ctx.timed("dsa.indexer");
+    append_index_keys(ctx, c, w.indexer, x, L, cache);
+    run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, cache, cache.tokens, selection);
+  }
+  check(selection.size() == static_cast<size_t>(L * selection_width(c)),
+        "DSA layer without a selection to share");
+  {
+    const TimedScope timed = ctx.timed("dsa.attention");
+    attend(ctx, c, w, L, a, cache.kv.data(), selection.data());
+  }
+  ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
+                  c.hidden_size, ctx.stream());
+  cache.tokens += L;
+}
+
+void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                  const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss) {
+  // The whole sequence is one chunk over its own cache.
+  const bool trained = indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0;
+  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  DsaCache cache(c, ctx.absorbed_mla, trained, L);
+  append_kv(ctx, c, w, L, a.kv_normed.data(), cache);
+  if (trained) append_index_keys(ctx, c, w.indexer, x, L, cache);
+  cache.tokens = L;
+  DsaCacheGrad cache_grad(c, cache, L, trained, ctx.stream());
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad);
+}
+
+void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                  const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad) {
+  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad);
 }
 
 }  // namespace spindle::cuda

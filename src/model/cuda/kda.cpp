@@ -2,8 +2,11 @@
 // activations, fp32 gates, decays and recurrent state.
 #include "kernels/cuda/kda.h"
 
+#include <array>
 #include <cmath>
+#include <utility>
 
+#include "backend/cuda/check.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/kda_gates.h"
@@ -15,9 +18,11 @@ namespace spindle::cuda {
 
 namespace {
 
-// The forward's intermediates, kept for the backward pass.
+// Each projection goes into a window of kernel - 1 + L rows: the carried rows (zeros at the start
+// of a sequence), then this chunk's; the conv runs over the whole window and the chunk's outputs
+// are its rows from kernel - 1 on.
 struct KdaActivations {
-  DeviceBuffer<bf16> qp, kp, vp, qc, kc, vc, q, k, f_low, gate_low, gate, core;
+  DeviceBuffer<bf16> qp, kp, vp, qcw, kcw, vcw, q, k, f_low, gate_low, gate, core;
   DeviceBuffer<float> f, g, beta, chunk_states;
 };
 
@@ -26,15 +31,28 @@ KdaDecayShape decay_shape(const ModelConfig& c, int64_t L) {
           static_cast<float>(c.linear_lower_bound.value_or(0.0))};
 }
 
+// Values in the carried rows of one projection's window: (kernel - 1) * qkv.
+int64_t tail_size(const ModelConfig& c) { return (c.linear_conv_kernel_dim - 1) * c.linear_qkv_dim(); }
+
+int64_t state_size(const ModelConfig& c) {
+  return c.linear_num_heads * c.linear_head_dim * c.linear_head_dim;
+}
+
+void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
+  SPINDLE_CUDA(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+}
+
+// The forward's intermediates from x and the carry the chunk starts from (null: the start of a
+// sequence).
 KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x,
-                               int64_t L) {
+                               int64_t L, const KdaCarry* carry) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  const int64_t K = c.linear_conv_kernel_dim;
+  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   check(dh <= kKdaMaxDim, "KDA head_dim ", dh, " exceeds the CUDA kernel's limit ", kKdaMaxDim);
   const cudaStream_t s = ctx.stream();
   KdaActivations a;
-  for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qc, &a.kc, &a.vc, &a.q, &a.k, &a.gate, &a.core})
-    *b = activations(L * qkv);
+  for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
+  for (auto* b : {&a.q, &a.k, &a.gate, &a.core}) *b = activations(L * qkv);
   a.f_low = activations(L * dh);
   a.gate_low = activations(L * dh);
   a.f = activations_f32(L * qkv);
@@ -42,15 +60,21 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   a.beta = activations_f32(L * H);
   a.chunk_states = activations_f32((kda_chunks(L) + 1) * H * dh * dh);
 
-  ctx.gemm.linear(x, bf16_data(w.q_proj), a.qp.data(), L, D, qkv, s);
-  ctx.gemm.linear(x, bf16_data(w.k_proj), a.kp.data(), L, D, qkv, s);
-  ctx.gemm.linear(x, bf16_data(w.v_proj), a.vp.data(), L, D, qkv, s);
-  causal_conv_silu(a.qp.data(), f32_data(w.q_conv), a.qc.data(), L, qkv, K, s);
-  causal_conv_silu(a.kp.data(), f32_data(w.k_conv), a.kc.data(), L, qkv, K, s);
-  causal_conv_silu(a.vp.data(), f32_data(w.v_conv), a.vc.data(), L, qkv, K, s);
-  l2_normalize_forward(a.qc.data(), a.q.data(), L * H, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)),
-                       s);
-  l2_normalize_forward(a.kc.data(), a.k.data(), L * H, dh, 1e-6f, 1.0f, s);
+  const std::array<DeviceBuffer<bf16>*, 3> windows{&a.qp, &a.kp, &a.vp}, convolved{&a.qcw, &a.kcw, &a.vcw};
+  const std::array<const Tensor*, 3> projections{&w.q_proj, &w.k_proj, &w.v_proj},
+      convs{&w.q_conv, &w.k_conv, &w.v_conv};
+  for (size_t b = 0; b < 3; ++b) {
+    bf16* window = windows[b]->data();
+    if (carry != nullptr)
+      copy_device(window, carry->tails.data() + b * tail, tail * sizeof(bf16), s);
+    else
+      SPINDLE_CUDA(cudaMemsetAsync(window, 0, tail * sizeof(bf16), s));
+    ctx.gemm.linear(x, bf16_data(*projections[b]), window + tail, L, D, qkv, s);
+    causal_conv_silu(window, f32_data(*convs[b]), convolved[b]->data(), rows, qkv, K, s);
+  }
+  l2_normalize_forward(a.qcw.data() + tail, a.q.data(), L * H, dh, 1e-6f,
+                       1.0f / std::sqrt(static_cast<float>(dh)), s);
+  l2_normalize_forward(a.kcw.data() + tail, a.k.data(), L * H, dh, 1e-6f, 1.0f, s);
 
   ctx.gemm.linear(x, bf16_data(w.f_a_proj), a.f_low.data(), L, D, dh, s);
   ctx.gemm.linear(a.f_low.data(), bf16_data(w.f_b_proj), a.f.data(), L, dh, qkv, s);
@@ -62,8 +86,9 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
     const TimedScope timed = ctx.timed("kda.recurrence");
     DeviceBuffer<float> workspace(static_cast<size_t>(kda_forward_workspace_floats(L, H)),
                                   MemoryCategory::Workspace);
-    kda_chunked_forward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), a.core.data(),
-                        a.chunk_states.data(), workspace.data(), L, H, dh, dh, s);
+    kda_chunked_forward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), a.core.data(),
+                        a.chunk_states.data(), workspace.data(), L, H, dh, dh, s,
+                        carry != nullptr ? carry->state.data() : nullptr);
   }
   ctx.gemm.linear(x, bf16_data(w.g_a_proj), a.gate_low.data(), L, D, dh, s);
   ctx.gemm.linear(a.gate_low.data(), bf16_data(w.g_b_proj), a.gate.data(), L, dh, qkv, s);
@@ -73,25 +98,32 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   return a;
 }
 
-}  // namespace
-
-void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y) {
+void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
+             KdaCarry* carry) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  KdaActivations a = kda_activations(ctx, c, w, x, L);
-  // The gated norm's output reuses qp (free after the conv).
+  const cudaStream_t s = ctx.stream();
+  KdaActivations a = kda_activations(ctx, c, w, x, L, carry);
+  if (carry != nullptr) {  // the final state and each window's last kernel - 1 rows move on
+    const int64_t tail = tail_size(c);
+    copy_device(carry->state.data(), a.chunk_states.data() + kda_chunks(L) * state_size(c),
+                state_size(c) * sizeof(float), s);
+    for (const auto& [b, window] : {std::pair{0, &a.qp}, std::pair{1, &a.kp}, std::pair{2, &a.vp}})
+      copy_device(carry->tails.data() + b * tail, window->data() + L * qkv, tail * sizeof(bf16), s);
+  }
+  // The gated norm's output reuses qp (free after the conv and the carry).
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qp.data(), L * H, dh,
-                         static_cast<float>(c.rms_norm_eps), ctx.stream());
-  ctx.gemm.linear(a.qp.data(), bf16_data(w.o_proj), y, L, qkv, D, ctx.stream());
+                         static_cast<float>(c.rms_norm_eps), s);
+  ctx.gemm.linear(a.qp.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
 }
 
-void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, KdaWeights& grad) {
+void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
+              const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry* carry_in, KdaCarry* carry_grad) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  const int64_t K = c.linear_conv_kernel_dim;
+  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
-  KdaActivations a = kda_activations(ctx, c, w, x, L);
+  KdaActivations a = kda_activations(ctx, c, w, x, L, carry_in);
   DeviceBuffer<bf16> z = activations(L * qkv);
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), z.data(), L * H, dh, eps, s);
 
@@ -107,16 +139,20 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
   gemm.linear_backward_input(d_low.data(), bf16_data(w.g_a_proj), dx, L, D, dh, 1.0f, s);
   gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.g_a_proj), L, D, dh, s);
 
-  // The delta rule.
+  // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
+  // this chunk's initial state receives.
   DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
                       dv = activations_f32(L * qkv), dg = activations_f32(L * qkv),
-                      dbeta = activations_f32(L * H);
+                      dbeta = activations_f32(L * H),
+                      d_initial = activations_f32(carry_grad ? state_size(c) : 0);
   {
     const TimedScope timed = ctx.timed("kda.recurrence_backward");
-    kda_chunked_backward(a.q.data(), a.k.data(), a.vc.data(), a.g.data(), a.beta.data(), dcore.data(),
+    kda_chunked_backward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
                          a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), L,
-                         H, dh, dh, s);
+                         H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
+                         carry_grad ? d_initial.data() : nullptr);
   }
+  if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
@@ -130,31 +166,74 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
   gemm.linear_backward_input(d_low.data(), bf16_data(w.f_a_proj), dx, L, D, dh, 1.0f, s);
   gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.f_a_proj), L, D, dh, s);
 
-  // l2 norms (the query scale inside), convs, projections; buffers of the forward are reused.
-  DeviceBuffer<bf16>& dqc = dz;
-  DeviceBuffer<bf16>& dkc = dcore;
-  DeviceBuffer<bf16>& dvc = dgate;
-  l2_normalize_backward(a.qc.data(), dq.data(), dqc.data(), L * H, dh, 1e-6f,
-                        1.0f / std::sqrt(static_cast<float>(dh)), s);
-  l2_normalize_backward(a.kc.data(), dk.data(), dkc.data(), L * H, dh, 1e-6f, 1.0f, s);
-  f32_to_bf16(dv.data(), dvc.data(), L * qkv, s);
+  // l2 norms (the query scale inside), convs, projections, each branch over its window: the conv's
+  // outputs of the carried rows were not used (zero gradient); the rows this chunk handed on also
+  // get the gradient the next chunk sent back; the carried rows' gradient goes to carry_grad.
+  DeviceBuffer<bf16> dconv = activations(rows * qkv), dwindow = activations(rows * qkv);
+  SPINDLE_CUDA(cudaMemsetAsync(dconv.data(), 0, tail * sizeof(bf16), s));
   struct Branch {
-    const bf16* projected;
-    const bf16* dconv;
+    const bf16* window;
     const Tensor& conv;
     Tensor& dconv_w;
     const Tensor& proj;
     Tensor& dproj_w;
   };
-  DeviceBuffer<bf16>& dproj = df;
-  for (const Branch& b : {Branch{a.qp.data(), dqc.data(), w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
-                          Branch{a.kp.data(), dkc.data(), w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
-                          Branch{a.vp.data(), dvc.data(), w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}}) {
-    causal_conv_silu_backward(b.projected, f32_data(b.conv), b.dconv, dproj.data(), f32_data(b.dconv_w), L,
-                              qkv, K, s);
-    gemm.linear_backward_input(dproj.data(), bf16_data(b.proj), dx, L, D, qkv, 1.0f, s);
-    gemm.linear_backward_weight(dproj.data(), x, f32_data(b.dproj_w), L, D, qkv, s);
+  const std::array<Branch, 3> branches{Branch{a.qp.data(), w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
+                                       Branch{a.kp.data(), w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
+                                       Branch{a.vp.data(), w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}};
+  for (size_t b = 0; b < 3; ++b) {
+    bf16* dconv_rows = dconv.data() + tail;
+    if (b == 0)
+      l2_normalize_backward(a.qcw.data() + tail, dq.data(), dconv_rows, L * H, dh, 1e-6f,
+                            1.0f / std::sqrt(static_cast<float>(dh)), s);
+    else if (b == 1)
+      l2_normalize_backward(a.kcw.data() + tail, dk.data(), dconv_rows, L * H, dh, 1e-6f, 1.0f, s);
+    else
+      f32_to_bf16(dv.data(), dconv_rows, L * qkv, s);
+    const Branch& br = branches[b];
+    causal_conv_silu_backward(br.window, f32_data(br.conv), dconv.data(), dwindow.data(),
+                              f32_data(br.dconv_w), rows, qkv, K, s);
+    if (carry_grad) add_bf16(carry_grad->tails.data() + b * tail, dwindow.data() + L * qkv, tail, s);
+    gemm.linear_backward_input(dwindow.data() + tail, bf16_data(br.proj), dx, L, D, qkv, 1.0f, s);
+    gemm.linear_backward_weight(dwindow.data() + tail, x, f32_data(br.dproj_w), L, D, qkv, s);
+    if (carry_grad) copy_device(carry_grad->tails.data() + b * tail, dwindow.data(), tail * sizeof(bf16), s);
   }
+}
+
+}  // namespace
+
+KdaCarry::KdaCarry(const ModelConfig& c, cudaStream_t stream)
+    : state(static_cast<size_t>(state_size(c)), MemoryCategory::Activations),
+      tails(static_cast<size_t>(3 * tail_size(c)), MemoryCategory::Activations) {
+  SPINDLE_CUDA(cudaMemsetAsync(state.data(), 0, state.size() * sizeof(float), stream));
+  SPINDLE_CUDA(cudaMemsetAsync(tails.data(), 0, tails.size() * sizeof(bf16), stream));
+}
+
+KdaCarry::KdaCarry(const KdaCarry& other, cudaStream_t stream)
+    : state(other.state.size(), MemoryCategory::Activations),
+      tails(other.tails.size(), MemoryCategory::Activations) {
+  copy_device(state.data(), other.state.data(), state.size() * sizeof(float), stream);
+  copy_device(tails.data(), other.tails.data(), tails.size() * sizeof(bf16), stream);
+}
+
+void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y) {
+  forward(ctx, c, w, x, L, y, nullptr);
+}
+
+void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
+                 KdaCarry& carry) {
+  forward(ctx, c, w, x, L, y, &carry);
+}
+
+void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
+                  const bf16* dy, float* dx, KdaWeights& grad) {
+  backward(ctx, c, w, x, L, dy, dx, grad, nullptr, nullptr);
+}
+
+void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
+                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in,
+                  KdaCarry& carry_grad) {
+  backward(ctx, c, w, x, L, dy, dx, grad, &carry_in, &carry_grad);
 }
 
 }  // namespace spindle::cuda

@@ -1,5 +1,6 @@
 #include "model/cuda/model.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "kernels/cuda/balance_loss.h"
@@ -7,6 +8,7 @@
 #include "kernels/cuda/norms.h"
 #include "model/cuda/modules.h"
 #include "model/cuda/residual.h"
+#include "model/cuda/sequence.h"
 #include "model/residual.h"
 
 namespace spindle::cuda {
@@ -17,19 +19,6 @@ const char* attention_kind(const LayerWeights& layer) {
   return layer.attention == AttentionKind::Kda ? "kda" : "dsa";
 }
 const char* mlp_kind(const LayerWeights& layer) { return layer.mlp == MlpKind::Dense ? "mlp" : "moe"; }
-
-DeviceBuffer<int32_t> device_ints(const std::vector<int32_t>& host) {
-  DeviceBuffer<int32_t> buffer(host.size(), MemoryCategory::Activations);
-  buffer.upload(host);
-  return buffer;
-}
-
-// Next-token targets: position i predicts tokens[i + 1]; the last position predicts nothing (-1).
-std::vector<int32_t> next_token_targets(const std::vector<int32_t>& tokens) {
-  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
-  targets.push_back(-1);
-  return targets;
-}
 
 }  // namespace
 
@@ -51,57 +40,91 @@ void CudaModel::end() {
   if (ctx_.timer) ctx_.timer->end(ctx_.stream());
 }
 
+std::vector<LayerCarry> CudaModel::start_carries(int64_t tokens) {
+  std::vector<LayerCarry> carries(weights_.tensors().layers.size());
+  for (size_t i = 0; i < carries.size(); ++i) {
+    const LayerWeights& layer = weights_.tensors().layers[i];
+    if (layer.attention == AttentionKind::Kda)
+      carries[i].kda.emplace(config_, ctx_.stream());
+    else
+      carries[i].dsa.emplace(config_, ctx_.absorbed_mla, layer.dsa.has_indexer, tokens);
+  }
+  return carries;
+}
+
 void CudaModel::attention_forward(const LayerWeights& layer, const bf16* x, int64_t L,
-                                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection) {
+                                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection,
+                                  KdaCarry* kda, DsaCache* cache) {
   begin(attention_kind(layer));
-  if (layer.attention == AttentionKind::Kda)
-    kda_forward(ctx_, config_, layer.kda, x, L, y);
-  else
-    dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection);
+  if (layer.attention == AttentionKind::Kda) {
+    if (kda != nullptr)
+      kda_forward(ctx_, config_, layer.kda, x, L, y, *kda);
+    else
+      kda_forward(ctx_, config_, layer.kda, x, L, y);
+  } else {
+    if (cache != nullptr)
+      dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection, *cache);
+    else
+      dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection);
+  }
   end();
 }
 
-void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L, bf16* y) {
+void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L, bf16* y,
+                            std::vector<int64_t>* load, float* router_logits) {
   begin(mlp_kind(layer));
   if (layer.mlp == MlpKind::Dense)
     mlp_forward(ctx_, layer.dense, config_.swiglu_limit, x, L, y);
   else
-    moe_forward(ctx_, config_, layer.moe, x, L, y);
+    moe_forward(ctx_, config_, layer.moe, x, L, y, load, router_logits);
   end();
 }
 
-std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens) {
+std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
+  check(chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", chunk_tokens);
+  const int64_t chunk = chunk_tokens > 0 ? std::min(chunk_tokens, L) : L;
   const cudaStream_t s = ctx_.stream();
-  const DeviceBuffer<int32_t> token_ids = device_ints(tokens);
-  DeviceBuffer<bf16> streams = activations(L * H * D), next = activations(L * H * D);
-  embed_streams(token_ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
-
-  DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
-  for (const LayerWeights& layer : w.layers) {
-    residual_site_forward(
-        ctx_, c, layer.attn_hc, layer.input_layernorm, L, streams.data(), next.data(),
-        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, selection, y, false); });
-    std::swap(streams, next);
-    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, streams.data(),
-                          next.data(), [&](const bf16* x, bf16* y) { ffn_forward(layer, x, L, y); });
-    std::swap(streams, next);
-  }
-
-  begin("head");
-  DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
-  stream_mean(streams.data(), mean.data(), L, H, D, s);
-  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps),
-                   s);
-  const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
+  const DeviceSequence sequence(tokens);
   DeviceBuffer<float> log_prob = activations_f32(L);
-  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), nullptr, nullptr, L,
-                    D, V, s);
-  end();
+  // One chunk needs no carry past each layer (the modules keep their own for the layer's length).
+  std::vector<LayerCarry> carries = chunk < L ? start_carries(L) : std::vector<LayerCarry>(w.layers.size());
+
+  for (int64_t start = 0; start < L; start += chunk) {
+    const int64_t n = std::min(chunk, L - start);
+    DeviceBuffer<bf16> streams = activations(n * H * D), next = activations(n * H * D);
+    embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
+    DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
+    for (size_t i = 0; i < w.layers.size(); ++i) {
+      const LayerWeights& layer = w.layers[i];
+      LayerCarry& carry = carries[i];
+      residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
+                            [&](const bf16* x, bf16* y) {
+                              attention_forward(layer, x, n, selection, y, false,
+                                                carry.kda ? &*carry.kda : nullptr,
+                                                carry.dsa ? &*carry.dsa : nullptr);
+                            });
+      std::swap(streams, next);
+      residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
+                            next.data(), [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); });
+      std::swap(streams, next);
+    }
+
+    // The head over this chunk's rows: row r predicts token start + r + 1 (the last row of the
+    // sequence predicts nothing).
+    begin("head");
+    DeviceBuffer<bf16> mean = activations(n * D), hidden = activations(n * D);
+    stream_mean(streams.data(), mean.data(), n, H, D, s);
+    rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), n, D, static_cast<float>(c.rms_norm_eps),
+                     s);
+    ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data() + start,
+                      log_prob.data() + start, nullptr, nullptr, n, D, V, s);
+    end();
+  }
   ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
   std::vector<float> result = log_prob.download();
   result.pop_back();
@@ -115,14 +138,17 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, E = c.n_routed_experts;
   check_sequence(tokens, V);
+  check(options.chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", options.chunk_tokens);
+  if (options.chunk_tokens > 0 && options.chunk_tokens < L)
+    return streamed_loss_and_gradients(tokens, options);
   const cudaStream_t s = ctx_.stream();
-  const DeviceBuffer<int32_t> token_ids = device_ints(tokens);
+  const DeviceSequence sequence(tokens);
   const size_t layers = w.layers.size();
 
   // Forward, keeping the input of every residual site and every DSA layer's selection.
   std::vector<DeviceBuffer<bf16>> site_inputs(2 * layers);
   DeviceBuffer<bf16> streams = activations(L * H * D);
-  embed_streams(token_ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
+  embed_streams(sequence.ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
   std::vector<std::shared_ptr<DeviceBuffer<int32_t>>> selections(layers);
   std::shared_ptr<DeviceBuffer<int32_t>> selection;
   LossResult result;
@@ -181,12 +207,11 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   streams = DeviceBuffer<bf16>();
   rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps),
                    s);
-  const DeviceBuffer<int32_t> targets = device_ints(next_token_targets(tokens));
   DeviceBuffer<float> log_prob = activations_f32(L), lse = activations_f32(L), loss = activations_f32(1);
-  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets.data(), log_prob.data(), lse.data(),
+  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), log_prob.data(), lse.data(),
                     loss.data(), L, D, V, s);
   DeviceBuffer<bf16> dhidden = activations(L * D), dmean = activations(L * D);
-  ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), targets.data(), lse.data(),
+  ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), lse.data(),
                      static_cast<float>(options.scale / static_cast<double>(L - 1)), dhidden.data(),
                      f32_data(g.lm_head), L, D, V, s);
   rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), L, D,
@@ -232,7 +257,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   }
 
   // Embedding: every stream started as the token's row.
-  embed_backward(token_ids.data(), dstreams.data(), f32_data(g.embed_tokens), L, H, D,
+  embed_backward(sequence.ids.data(), dstreams.data(), f32_data(g.embed_tokens), L, H, D,
                  c.pad_token_id && *c.pad_token_id < V ? static_cast<int32_t>(*c.pad_token_id) : -1, s);
   result.loss = static_cast<double>(loss.download()[0]);
   if (indexer_loss.layers > 0)

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "backend/cuda/device_memory.h"
@@ -18,9 +19,28 @@ namespace spindle::cuda {
 
 using bf16 = __nv_bfloat16;
 
+// What a KDA layer carries from one chunk of a sequence to the next (docs/STREAMING.md): the
+// delta-rule state (fp32 [heads, dk, dv]) and the last kernel - 1 rows of the q, k and v
+// projections (bf16 [3, kernel - 1, qkv]: the causal conv's window). Zero at the start. As a
+// gradient: of the state a chunk handed on, then of the one it received.
+struct KdaCarry {
+  KdaCarry(const ModelConfig& c, cudaStream_t stream);   // zeros
+  KdaCarry(const KdaCarry& other, cudaStream_t stream);  // a copy
+  DeviceBuffer<float> state;
+  DeviceBuffer<bf16> tails;
+};
+
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y);
+// Continues a sequence whose earlier tokens left `carry`, and updates it.
+void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
+                 KdaCarry& carry);
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, KdaWeights& grad);
+// Backward of a chunk whose forward received `carry_in`. `carry_grad` holds on entry the gradient
+// of the carry the chunk handed on (zero for the last chunk), on return that of `carry_in`.
+void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
+                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in,
+                  KdaCarry& carry_grad);
 
 // The indexer's KL training, accumulated over DSA layers on the device.
 struct IndexerLoss {
@@ -29,13 +49,55 @@ struct IndexerLoss {
   int64_t layers = 0;
 };
 
-// `selection` ([tokens, width] int32) is written by a layer with its own indexer and read by one
-// that shares the previous layer's, or by a recomputation (reuse_selection).
+// What a DSA layer carries from one chunk of a sequence to the next: the keys and values of every
+// earlier token as the attention kernel reads them (absorbed MLA: the normalised latent c, stored
+// [c | c] per token, one key head; expanded: every head's keys and values) and, for a layer with
+// its own indexer, the indexer keys and pool gates before pooling (a pool can straddle two chunks)
+// and the pooled keys of the complete pools. Rows [0, tokens) are filled; room for `capacity`.
+struct DsaCache {
+  DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_t capacity);
+  int64_t tokens = 0, capacity, row;  // row: bf16 values of kv per token
+  DeviceBuffer<bf16> kv, index_keys, index_gate, pool_keys;
+};
+
+// The gradients of a whole sequence's DsaCache gathered over a backward in chunks (last chunk
+// first): keys and values (fp32, like kv) and, when the indexer is trained, its pooled keys (fp32)
+// and its keys and gates (bf16, each pool's rows written once, by the chunk where the pool ends).
+// Zero to begin with. `tokens`: the whole sequence.
+struct DsaCacheGrad {
+  DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t tokens, bool indexer,
+               cudaStream_t stream);
+  int64_t tokens;
+  DeviceBuffer<float> kv, pool_keys;
+  DeviceBuffer<bf16> index_keys, index_gate;
+};
+
+// One layer's carry across the chunks of a streamed sequence: its KdaCarry or its DsaCache.
+struct LayerCarry {
+  std::optional<KdaCarry> kda;
+  std::optional<DsaCache> dsa;
+};
+
+// `selection` ([tokens, width] int32, absolute positions) is written by a layer with its own
+// indexer and read by one that shares the previous layer's, or by a recomputation
+// (reuse_selection).
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection = false);
+// Continues a sequence whose first cache.tokens tokens are in `cache`, and appends this chunk's
+// rows to it (with reuse_selection, the indexer's rows are taken to be there already).
+void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache);
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss);
+// Backward of the chunk of queries first .. first + L over the forward's final cache. Every
+// chunk adds its keys' and values' gradients (and the indexer's pooled keys') to `cache_grad`;
+// this chunk's own rows are complete when it runs (later chunks ran first) and flow back into dx
+// (keys and values) or the indexer's weights. The indexer's KL is normalised by the whole
+// sequence (cache_grad.tokens).
+void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
+                  const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
+                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad);
 
 void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y);
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,

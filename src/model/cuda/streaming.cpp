@@ -1,0 +1,224 @@
+// The streaming executor on the GPU: the loss and gradients of one sequence computed a chunk of
+// tokens at a time, as the CPU reference does (model/streaming.cpp, docs/STREAMING.md). The
+// forward goes through all layers chunk by chunk, keeping each KDA layer's carry at every chunk's
+// start and growing each DSA layer's cache; the backward takes the chunks in reverse, recomputes
+// each through all layers (site inputs for one chunk only), runs the head on its rows and
+// backpropagates, handing the KDA carries' gradients and the DSA caches' gradients to the chunks
+// before. Device memory grows with the sequence only through those carries and caches.
+#include <algorithm>
+#include <memory>
+#include <optional>
+
+#include "kernels/cuda/balance_loss.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/norms.h"
+#include "model/cuda/model.h"
+#include "model/cuda/modules.h"
+#include "model/cuda/residual.h"
+#include "model/cuda/sequence.h"
+
+namespace spindle::cuda {
+
+LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& tokens,
+                                                  const LossOptions& options) {
+  const ModelConfig& c = config_;
+  const ModelWeights& w = weights_.tensors();
+  ModelWeights& g = grads_.tensors();
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, E = c.n_routed_experts;
+  const int64_t chunk = options.chunk_tokens;
+  check(chunk > 0 && chunk < L, "the streaming executor takes chunks of 1 to ", L - 1, " tokens, got ",
+        chunk);
+  const cudaStream_t s = ctx_.stream();
+  const DeviceSequence sequence(tokens);
+  const size_t layers = w.layers.size();
+  const auto chunks = static_cast<size_t>((L + chunk - 1) / chunk);
+  const auto first_token = [&](size_t k) { return static_cast<int64_t>(k) * chunk; };
+  const auto chunk_length = [&](size_t k) { return std::min(chunk, L - first_token(k)); };
+  LossResult result;
+  result.expert_load.resize(layers);
+  const bool balance = options.aux_loss_coef > 0;
+  DeviceBuffer<double> balance_stats(balance ? static_cast<size_t>(2 * E) : 0, MemoryCategory::Workspace);
+  if (balance) SPINDLE_CUDA(cudaMemsetAsync(balance_stats.data(), 0, 2 * E * sizeof(double), s));
+  double balance_rows = 0;
+
+  // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches, pool
+  // the balance loss's statistics over every chunk.
+  std::vector<LayerCarry> carries = start_carries(L);
+  std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
+  for (size_t k = 0; k < chunks; ++k) {
+    const int64_t start = first_token(k), n = chunk_length(k);
+    kda_starts[k].resize(layers);
+    for (size_t i = 0; i < layers; ++i)
+      if (carries[i].kda) kda_starts[k][i].emplace(*carries[i].kda, s);
+    DeviceBuffer<bf16> streams = activations(n * H * D), next = activations(n * H * D);
+    embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
+    DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
+    for (size_t i = 0; i < layers; ++i) {
+      const LayerWeights& layer = w.layers[i];
+      LayerCarry& carry = carries[i];
+      residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
+                            [&](const bf16* x, bf16* y) {
+                              attention_forward(layer, x, n, selection, y, false,
+                                                carry.kda ? &*carry.kda : nullptr,
+                                                carry.dsa ? &*carry.dsa : nullptr);
+                            });
+      std::swap(streams, next);
+      residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
+                            next.data(), [&](const bf16* x, bf16* y) {
+                              if (layer.mlp == MlpKind::Dense) {
+                                ffn_forward(layer, x, n, y);
+                                return;
+                              }
+                              std::vector<int64_t> load;
+                              DeviceBuffer<float> logits = activations_f32(balance ? n * E : 0);
+                              ffn_forward(layer, x, n, y, &load, balance ? logits.data() : nullptr);
+                              if (balance) {
+                                balance_statistics(logits.data(), n, E, c.num_experts_per_tok,
+                                                   balance_stats.data(), balance_stats.data() + E, s);
+                                balance_rows += static_cast<double>(n);
+                              }
+                              auto& total = result.expert_load[i];
+                              total.resize(load.size(), 0);
+                              for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+                            });
+      std::swap(streams, next);
+    }
+  }
+  BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
+  if (balance) {
+    const std::vector<double> stats = balance_stats.download();
+    result.aux_loss = balance_loss_value(stats.data(), stats.data() + E, E, balance_rows);
+  }
+
+  // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
+  // caches' gradients; everything else is per token.
+  const bool indexer_trained = options.indexer_kl_coef > 0;
+  std::vector<std::optional<KdaCarry>> kda_grad(layers);
+  std::vector<std::optional<DsaCacheGrad>> cache_grad(layers);
+  for (size_t i = 0; i < layers; ++i) {
+    if (carries[i].kda) kda_grad[i].emplace(c, s);
+    if (carries[i].dsa)
+      cache_grad[i].emplace(c, *carries[i].dsa, L, indexer_trained && w.layers[i].dsa.has_indexer, s);
+  }
+  DeviceBuffer<double> indexer_kl(1, MemoryCategory::Workspace);
+  SPINDLE_CUDA(cudaMemsetAsync(indexer_kl.data(), 0, sizeof(double), s));
+  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale, &indexer_kl, 0};
+  DeviceBuffer<float> log_prob = activations_f32(L);
+  const auto scale = static_cast<float>(options.scale / static_cast<double>(L - 1));
+  for (size_t k = chunks; k-- > 0;) {
+    const int64_t start = first_token(k), n = chunk_length(k);
+
+    // The chunk's attention from the carries it started from: a copy of the KDA carry (the
+    // forward moves it on), the DSA cache as it stood before the chunk (the chunk rewrites its rows).
+    const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
+                               bool reuse) {
+      const LayerWeights& layer = w.layers[i];
+      if (layer.attention == AttentionKind::Kda) {
+        KdaCarry carry(*kda_starts[k][i], s);
+        attention_forward(layer, x, n, selection, y, reuse, &carry, nullptr);
+      } else {
+        carries[i].dsa->tokens = start;
+        attention_forward(layer, x, n, selection, y, reuse, nullptr, &*carries[i].dsa);
+      }
+    };
+
+    // Recompute the chunk through all layers, keeping each site's input and each DSA selection.
+    std::vector<DeviceBuffer<bf16>> site_inputs(2 * layers);
+    std::vector<std::shared_ptr<DeviceBuffer<int32_t>>> selections(layers);
+    std::shared_ptr<DeviceBuffer<int32_t>> selection;
+    DeviceBuffer<bf16> streams = activations(n * H * D);
+    embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
+    const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
+                              const SublayerForward& sublayer) {
+      DeviceBuffer<bf16> next = activations(n * H * D);
+      residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer);
+      site_inputs[index] = std::move(streams);
+      streams = std::move(next);
+    };
+    for (size_t i = 0; i < layers; ++i) {
+      const LayerWeights& layer = w.layers[i];
+      run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
+        if (layer.attention == AttentionKind::Dsa && (layer.dsa.has_indexer || !selection))
+          selection = std::make_shared<DeviceBuffer<int32_t>>();
+        DeviceBuffer<int32_t> unused;
+        attention(i, x, y, layer.attention == AttentionKind::Dsa ? *selection : unused, false);
+        if (layer.attention == AttentionKind::Dsa) selections[i] = selection;
+      });
+      run_site(2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
+               [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); });
+    }
+
+    // The head over this chunk's rows: row r predicts token start + r + 1 (the sequence's last
+    // row predicts nothing).
+    begin("head");
+    DeviceBuffer<bf16> mean = activations(n * D), hidden = activations(n * D);
+    stream_mean(streams.data(), mean.data(), n, H, D, s);
+    streams = DeviceBuffer<bf16>();
+    rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), n, D, static_cast<float>(c.rms_norm_eps),
+                     s);
+    const int32_t* targets = sequence.targets.data() + start;
+    DeviceBuffer<float> lse = activations_f32(n);
+    ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets, log_prob.data() + start, lse.data(),
+                      nullptr, n, D, V, s);
+    DeviceBuffer<bf16> dhidden = activations(n * D), dmean = activations(n * D);
+    ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), targets, lse.data(), scale, dhidden.data(),
+                       f32_data(g.lm_head), n, D, V, s);
+    rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), n, D,
+                      static_cast<float>(c.rms_norm_eps), s);
+    DeviceBuffer<float> dstreams = activations_f32(n * H * D);
+    stream_mean_backward(dmean.data(), dstreams.data(), n, H, D, s);
+    end();
+
+    // Layers in reverse: the feed-forward site, then the attention site.
+    for (size_t i = layers; i-- > 0;) {
+      const LayerWeights& layer = w.layers[i];
+      LayerWeights& grad = g.layers[i];
+      residual_site_backward(
+          ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, site_inputs[2 * i + 1].data(), dstreams,
+          grad.ffn_hc, grad.post_attention_layernorm,
+          [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); },
+          [&](const bf16* x, const bf16* dy, float* dx) {
+            begin(layer.mlp == MlpKind::Dense ? "mlp" : "moe");
+            if (layer.mlp == MlpKind::Dense)
+              mlp_backward(ctx_, layer.dense, c.swiglu_limit, x, n, dy, dx, grad.dense);
+            else
+              moe_backward(ctx_, c, layer.moe, x, n, dy, dx, grad.moe, balance ? &balance_loss : nullptr);
+            end();
+          });
+      site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
+      DeviceBuffer<int32_t> unused;
+      DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
+      residual_site_backward(
+          ctx_, c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
+          grad.input_layernorm, [&](const bf16* x, bf16* y) { attention(i, x, y, chosen, true); },
+          [&](const bf16* x, const bf16* dy, float* dx) {
+            begin(layer.attention == AttentionKind::Kda ? "kda" : "dsa");
+            if (layer.attention == AttentionKind::Kda)
+              kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i]);
+            else
+              dsa_backward(ctx_, c, layer.dsa, x, n, chosen.data(), dy, dx, grad.dsa, &indexer_loss,
+                           *carries[i].dsa, start, *cache_grad[i]);
+            end();
+          });
+      site_inputs[2 * i] = DeviceBuffer<bf16>();
+    }
+
+    embed_backward(sequence.ids.data() + start, dstreams.data(), f32_data(g.embed_tokens), n, H, D,
+                   c.pad_token_id && *c.pad_token_id < V ? static_cast<int32_t>(*c.pad_token_id) : -1, s);
+    kda_starts[k].clear();  // this chunk's carries are spent
+  }
+  ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
+
+  // The mean next-token loss over the whole sequence (the last position predicts nothing).
+  const std::vector<float> values = log_prob.download();
+  double log_prob_sum = 0;
+  for (int64_t t = 0; t + 1 < L; ++t) log_prob_sum += values[static_cast<size_t>(t)];
+  result.loss = -log_prob_sum / static_cast<double>(L - 1);
+  if (indexer_loss.layers > 0)
+    result.indexer_kl =
+        indexer_kl.download()[0] / static_cast<double>(L) / static_cast<double>(indexer_loss.layers);
+  return result;
+}
+
+}  // namespace spindle::cuda
