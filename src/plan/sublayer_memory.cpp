@@ -29,7 +29,7 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
-    a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
+  a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
   // The forward's intra-chunk matrices, a segment of at most 256 chunks (kda_forward_workspace_floats).
   const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaSegmentChunks);
   const Ledger::Block matrices = m.workspace(4 * segment * H * 2 * kKdaChunk * kKdaChunk);
@@ -43,9 +43,9 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
   a.push_back(f32(m, L * H));                               // dbeta
-  
-  a.push_back(bf16(m, L * H));                              // db
-  a.push_back(bf16(m, L * w));                              // df
+
+  a.push_back(bf16(m, L * H));  // db
+  a.push_back(bf16(m, L * w));  // df
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections).
@@ -59,9 +59,9 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
   a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
-        a.push_back(bf16(m, L * H * s.kv_rank));  // q_lat
-    a.push_back(bf16(m, L * H * s.kv_rank));  // o_lat
-    a.push_back(f32(m, L * H));               // lse (sparse MLA on the tensor cores)
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // q_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));                   // o_lat
+    a.push_back(f32(m, L * H));                                // lse (sparse MLA on the tensor cores)
     if (!p.streamed) a.push_back(bf16(m, L * 2 * s.kv_rank));  // [c | c]; a chunk reads its cache
   } else {
     a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
@@ -108,8 +108,9 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a;
   if (!p.streamed) {
-        // dkv (expanded keys and values) or the latent's gradient; a chunk adds into its cache's
-    a.push_back(f32(m, p.absorbed ? L * s.kv_rank : L * H * (s.qk_dim + s.v_dim)));
+    // The cache's fp32 gradient ([c | c] rows absorbed, expanded keys and values otherwise); a
+    // chunk adds into its cache's.
+    a.push_back(f32(m, p.absorbed ? L * 2 * s.kv_rank : L * H * (s.qk_dim + s.v_dim)));
   }
   if (p.streamed || p.absorbed) {
     a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat
