@@ -460,6 +460,22 @@ void check_supported(const SparseMlaShape& s, const void* q, const void* latent)
         "sparse MLA: q and the latent must be 16-byte aligned (cp.async)");
 }
 
+// The inputs and sizes both directions share; the caller sets its own outputs.
+MlaArgs shape_args(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                   const int32_t* selected) {
+  MlaArgs args{};
+  args.q = q;
+  args.latent = latent;
+  args.selected = selected;
+  args.width = s.width;
+  args.latent_stride = s.latent_stride;
+  args.heads = static_cast<int>(s.heads);
+  args.dk = static_cast<int>(s.dk);
+  args.dv = static_cast<int>(s.dv);
+  args.scale = s.scale;
+  return args;
+}
+
 }  // namespace
 
 std::string sparse_mla_unsupported(const SparseMlaShape& s) {
@@ -478,27 +494,11 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
                         const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream) {
   check_supported(s, q, latent);
   if (s.tokens == 0) return;
-  MlaArgs args{q,
-               latent,
-               selected,
-               nullptr,
-               nullptr,
-               nullptr,
-               out,
-               lse,
-               nullptr,
-               nullptr,
-               s.width,
-               s.latent_stride,
-               static_cast<int>(s.heads),
-               static_cast<int>(s.dk),
-               static_cast<int>(s.dv),
-               s.scale};
-  const Layout l = layout(s, m_tiles(s), false);
-  if (m_tiles(s) == 1)
-    launch(sparse_mla_forward_kernel<1>, s, args, l.total, stream, "sparse_mla_forward_kernel");
-  else
-    launch(sparse_mla_forward_kernel<2>, s, args, l.total, stream, "sparse_mla_forward_kernel");
+  MlaArgs args = shape_args(s, q, latent, selected);
+  args.out = out;
+  args.lse = lse;
+  launch(m_tiles(s) == 1 ? sparse_mla_forward_kernel<1> : sparse_mla_forward_kernel<2>, s, args,
+         layout(s, m_tiles(s), false).total, stream, "sparse_mla_forward_kernel");
 }
 
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
@@ -507,27 +507,14 @@ void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const 
   check_supported(s, q, latent);
   check(reinterpret_cast<uintptr_t>(dout) % 16 == 0, "sparse MLA: dout must be 16-byte aligned (cp.async)");
   if (s.tokens == 0) return;
-  MlaArgs args{q,
-               latent,
-               selected,
-               out,
-               lse,
-               dout,
-               nullptr,
-               nullptr,
-               dq,
-               d_latent,
-               s.width,
-               s.latent_stride,
-               static_cast<int>(s.heads),
-               static_cast<int>(s.dk),
-               static_cast<int>(s.dv),
-               s.scale};
-  const Layout l = layout(s, m_tiles(s), true);
-  if (m_tiles(s) == 1)
-    launch(sparse_mla_backward_kernel<1>, s, args, l.total, stream, "sparse_mla_backward_kernel");
-  else
-    launch(sparse_mla_backward_kernel<2>, s, args, l.total, stream, "sparse_mla_backward_kernel");
+  MlaArgs args = shape_args(s, q, latent, selected);
+  args.out_in = out;
+  args.lse_in = lse;
+  args.dout = dout;
+  args.dq = dq;
+  args.d_latent = d_latent;
+  launch(m_tiles(s) == 1 ? sparse_mla_backward_kernel<1> : sparse_mla_backward_kernel<2>, s, args,
+         layout(s, m_tiles(s), true).total, stream, "sparse_mla_backward_kernel");
 }
 
 }  // namespace spindle::cuda
