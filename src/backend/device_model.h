@@ -64,6 +64,7 @@ class DeviceModel {
   virtual std::string kernel_report() const = 0;
   virtual bool any_fallback() const = 0;
   virtual MemoryStats memory() const = 0;
+  virtual int64_t memory_capacity() const = 0;  // the device's memory in bytes, as the driver reports it
   virtual void reset_memory_peak() = 0;
   virtual std::string device_name() const = 0;
 

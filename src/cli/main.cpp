@@ -31,13 +31,14 @@ commands:
                                                 fetch reference DNA from Debian packages (checked)
   data      info --input FILE [--format F] [--names A,B] [--vocab N]
                                                 sequences, lengths and N runs of a data file
-  train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels]
+  train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels] [--chunk N]
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
             [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
-                                                time by layer kind, peak memory by category, MFU
+                                                time by layer kind, peak memory by category, MFU,
+                                                the memory policy (the planner's pick unless --chunk)
   plan      --model DIR|CONFIG.json --seq-len L [--gpus N] [--gpu-mem GB] [--host-mem GB]
             [--mla expanded|absorbed] [--indexer-kl] [--mfu F]
                                                 every memory policy with predicted peak device and

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/device_model.h"
+#include "core/host_memory.h"
 #include "core/log.h"
 #include "data/nucleotide_tokenizer.h"
 #include "data/sequence_range.h"
@@ -18,6 +19,7 @@
 #include "model/backward.h"
 #include "model/checkpoint.h"
 #include "model/init.h"
+#include "plan/execution.h"
 #include "train/adamw.h"
 #include "train/checkpoint_dir.h"
 #include "train/grad_accum.h"
@@ -219,6 +221,16 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   LossOptions loss_options;
   loss_options.indexer_kl_coef = run.indexer.freeze ? 0.0 : run.indexer.kl_coef;
   loss_options.aux_loss_coef = run.moe.aux_loss_coef;
+  if (device) {
+    plan::StepOptions plan_options;
+    plan_options.absorbed = true;  // the device model's default form
+    plan_options.indexer_kl = loss_options.indexer_kl_coef > 0;
+    const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
+    const plan::Execution execution =
+        plan::plan_execution(config, run.train.seq_len, machine, plan_options, options.chunk_tokens);
+    loss_options.chunk_tokens = execution.chunk_tokens;
+    log_info("memory ", execution.summary);
+  }
   const auto started = Clock::now();
   const int64_t first_step = state.step;
   for (int64_t step = state.step; step < last_step; ++step) {

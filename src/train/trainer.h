@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/tensor.h"
@@ -17,6 +18,9 @@ struct TrainOptions {
   int64_t stop_after = -1;      // stop (with a checkpoint) once this many steps are done, < 0: run all
   Device device = Device::CPU;  // cuda: bf16 weights, fp32 gradients and optimizer on the GPU
   bool strict_kernels = false;  // cuda: fail if an op falls back to a slow or dense path
+  // cuda: tokens per chunk of the streaming executor (0: none); unset, the planner picks the
+  // memory policy (plan/execution.h).
+  std::optional<int64_t> chunk_tokens;
 };
 
 // Runs the training; returns the directory of the final checkpoint.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "plan/execution.h"
 #include "plan/planner.h"
 
 namespace spindle::plan {
@@ -201,6 +202,47 @@ TEST(Plan, RejectsBadRequests) {
   EXPECT_THROW(make_plan(c, request(0, 141)), Error);
   EXPECT_THROW(make_plan(c, request(4096, 1)), Error);  // less than the reserve
   EXPECT_THROW(make_plan(c, request(4096, 141, 128, 0)), Error);
+}
+
+// What bench and train run: the planner's fastest fit among the executor's policies.
+TEST(Plan, ExecutionKeepsWhatFitsAndStreamsWhatDoesNot) {
+  const ModelConfig small = load_model_config(kConfigs + "glm53-flash-1b.json");
+  const ModelConfig large = load_model_config(kConfigs + "glm53-flash-4b.json");
+  const Machine h200{1, bytes(141), bytes(128)};
+  StepOptions absorbed;
+  absorbed.absorbed = true;
+  const Execution shorter = plan_execution(small, 4096, h200, absorbed, std::nullopt);
+  EXPECT_EQ(shorter.policy.name(), "keep");
+  EXPECT_EQ(shorter.chunk_tokens, 0);
+  EXPECT_FALSE(shorter.forced);
+  const Execution million = plan_execution(large, 1048576, h200, absorbed, std::nullopt);
+  EXPECT_EQ(million.policy.activations, ActivationPolicy::Stream);
+  EXPECT_GT(million.chunk_tokens, 0);
+  EXPECT_LE(million.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
+  EXPECT_TRUE(executor_runs(million.policy));
+}
+
+TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  const Machine h200{1, bytes(141), bytes(128)};
+  const Execution forced = plan_execution(c, 131072, h200, {}, int64_t{16384});
+  EXPECT_TRUE(forced.forced);
+  EXPECT_EQ(forced.chunk_tokens, 16384);
+  EXPECT_EQ(forced.policy.name(), "stream 16k");
+  EXPECT_GT(forced.predicted_peak_bytes, 0);
+  const Execution odd = plan_execution(c, 131072, h200, {}, int64_t{10000});  // no prediction
+  EXPECT_EQ(odd.chunk_tokens, 10000);
+  EXPECT_EQ(odd.predicted_peak_bytes, 0);
+  EXPECT_EQ(plan_execution(c, 131072, h200, {}, int64_t{0}).chunk_tokens, 0);
+  try {
+    plan_execution(c, 1048576, {1, bytes(24), bytes(128)}, {}, std::nullopt);
+    ADD_FAILURE() << "a 24 GiB GPU cannot hold the 4B model's state";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no policy that the executor runs fits"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(executor_runs({ActivationPolicy::OffloadLayerInputs, 0, false, 1}));
+  EXPECT_FALSE(executor_runs({ActivationPolicy::KeepSites, 0, true, 1}));
 }
 
 }  // namespace

@@ -174,6 +174,11 @@ class CudaDeviceModel final : public DeviceModel {
     return ms;
   }
   void synchronize() override { model_.context().synchronize(); }
+  int64_t memory_capacity() const override {
+    size_t free = 0, total = 0;
+    SPINDLE_CUDA(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(total);
+  }
   std::string device_name() const override {
     cudaDeviceProp properties{};
     int device = 0;

@@ -1,24 +1,29 @@
 // spindle bench: forward + backward + optimizer steps of a model on the GPU at given sequence
 // lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so).
 // Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
-// by category and MFU from the analytic FLOP count (model/flops.h; with --chunk, the streaming
-// executor's extra forward is not counted).
+// by category and MFU from the analytic FLOP count (model/flops.h; when streamed, the streaming
+// executor's extra forward is not counted). The memory policy per length is the planner's pick
+// among those the executor runs (plan/execution.h), unless --chunk forces one; the JSON has the
+// policy and its predicted peak next to the measured one.
 #include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 
 #include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "core/host_memory.h"
 #include "core/log.h"
 #include "io/token_text.h"
 #include "model/checkpoint.h"
 #include "model/flops.h"
 #include "model/init.h"
+#include "plan/execution.h"
 
 namespace spindle {
 
@@ -68,11 +73,12 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
   check(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
-  LossOptions loss_options;
-  loss_options.chunk_tokens = args.int_or("chunk", 0);
-  check(loss_options.chunk_tokens >= 0,
-        "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ",
-        loss_options.chunk_tokens);
+  std::optional<int64_t> forced_chunk;
+  if (args.optional("chunk")) {
+    forced_chunk = args.int_or("chunk", 0);
+    check(*forced_chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ",
+          *forced_chunk);
+  }
   const bool random_tokens = args.flag("random-tokens");
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
@@ -92,6 +98,9 @@ int run_bench(const std::vector<std::string>& argv) {
                                   {args.flag("strict-kernels"), mla == "absorbed"});
   device->init_optimizer();
   AdamWOptions adam;
+  const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
+  plan::StepOptions plan_options;
+  plan_options.absorbed = mla == "absorbed";
 
   std::ofstream file;
   if (const auto out = args.optional("out")) {
@@ -107,6 +116,10 @@ int run_bench(const std::vector<std::string>& argv) {
     } else {
       std::copy(dna.begin(), dna.begin() + L, tokens.begin());
     }
+    const plan::Execution execution = plan::plan_execution(config, L, machine, plan_options, forced_chunk);
+    log_info("bench L=", L, ": ", execution.summary);
+    LossOptions loss_options;
+    loss_options.chunk_tokens = execution.chunk_tokens;
     device->reset_memory_peak();
     std::vector<double> seconds;
     std::map<std::string, double> kind_ms;
@@ -137,9 +150,11 @@ int run_bench(const std::vector<std::string>& argv) {
         {"device", device->device_name()},
         {"mla", mla},
         {"seq_len", L},
+        {"policy", execution.policy.name()},
+        {"policy_forced", execution.forced},
         // Tokens per chunk of the streaming executor; 0: the sequence in one pass (no chunks).
-        {"chunk_tokens",
-         loss_options.chunk_tokens > 0 && loss_options.chunk_tokens < L ? loss_options.chunk_tokens : 0},
+        {"chunk_tokens", execution.chunk_tokens},
+        {"predicted_peak_bytes", execution.predicted_peak_bytes},
         {"tokens", random_tokens ? "random ids (--random-tokens)" : "real DNA (" + token_file + ")"},
         {"steps", steps},
         {"warmup", warmup},

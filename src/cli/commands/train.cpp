@@ -8,7 +8,7 @@
 namespace spindle {
 
 int run_train(const std::vector<std::string>& argv) {
-  const Args args("train", argv, {"config", "stop-after", "device"}, {"resume", "strict-kernels"});
+  const Args args("train", argv, {"config", "stop-after", "device", "chunk"}, {"resume", "strict-kernels"});
   const RunConfig run = load_run_config(args.required("config"));
   TrainOptions options;
   options.resume = args.flag("resume");
@@ -17,6 +17,13 @@ int run_train(const std::vector<std::string>& argv) {
   options.strict_kernels = args.flag("strict-kernels");
   check(options.device == Device::CUDA || !options.strict_kernels,
         "--strict-kernels applies to --device cuda");
+  if (args.optional("chunk")) {
+    options.chunk_tokens = args.int_or("chunk", 0);
+    check(options.device == Device::CUDA,
+          "--chunk applies to --device cuda (the planner picks it otherwise)");
+    check(*options.chunk_tokens >= 0, "--chunk must be a number of tokens >= 1 (or 0: no chunks), got ",
+          *options.chunk_tokens);
+  }
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";
   return 0;

@@ -1,0 +1,75 @@
+#include "plan/execution.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace spindle::plan {
+
+namespace {
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  return text;
+}
+
+Execution from(const Candidate& candidate, bool forced) {
+  Execution e;
+  e.policy = candidate.policy;
+  e.chunk_tokens =
+      candidate.policy.activations == ActivationPolicy::Stream ? candidate.policy.chunk_tokens : 0;
+  e.predicted_peak_bytes = candidate.memory.device.peak_total;
+  e.forced = forced;
+  e.summary = "policy " + candidate.policy.name() +
+              (forced ? " (forced by --chunk)" : " (the planner's pick)") + ": predicted peak " +
+              gib(e.predicted_peak_bytes) + " on the device" +
+              (candidate.fits() ? "" : "; it does not fit: " + candidate.infeasible);
+  return e;
+}
+
+}  // namespace
+
+bool executor_runs(const Policy& policy) {
+  return (policy.activations == ActivationPolicy::KeepSites ||
+          policy.activations == ActivationPolicy::Stream) &&
+         !policy.optimizer_on_host && policy.tensor_parallel == 1;
+}
+
+Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
+                         const StepOptions& options, std::optional<int64_t> forced_chunk) {
+  check(machine.gpus == 1, "the CUDA executor runs on one GPU; the planner plans more (spindle plan --gpus)");
+  PlanRequest request;
+  request.tokens = tokens;
+  request.machine = machine;
+  request.options = options;
+  const Plan plan = make_plan(c, request);
+  if (forced_chunk) {
+    check(*forced_chunk >= 0, "--chunk must be >= 0 tokens, got ", *forced_chunk);
+    Policy wanted;
+    if (*forced_chunk > 0 && *forced_chunk < tokens)
+      wanted = {ActivationPolicy::Stream, *forced_chunk, false, 1};
+    // The planner predicts its own chunk lengths (4k, 16k, 64k, 256k); another runs as asked,
+    // without a prediction.
+    for (const Candidate& candidate : plan.candidates)
+      if (candidate.policy.name() == wanted.name()) return from(candidate, true);
+    Execution e;
+    e.policy = wanted;
+    e.chunk_tokens = wanted.chunk_tokens;
+    e.forced = true;
+    e.summary = "policy " + wanted.name() + " (forced by --chunk; no prediction for this chunk length)";
+    return e;
+  }
+  for (const Candidate& candidate : plan.candidates)  // feasible first, fastest first
+    if (candidate.fits() && executor_runs(candidate.policy)) return from(candidate, false);
+  std::ostringstream why;
+  for (const Candidate& candidate : plan.candidates)
+    if (executor_runs(candidate.policy))
+      why << "\n  " << candidate.policy.name() << ": " << (candidate.fits() ? "fits" : candidate.infeasible);
+  fail("no policy that the executor runs fits ", tokens, " tokens on this machine (", gib(machine.gpu_bytes),
+       " GPU, ", gib(machine.host_bytes), " host):", why.str(),
+       "\n(spindle plan lists every policy; a shorter --seq-len or a larger GPU may fit)");
+}
+
+}  // namespace spindle::plan
