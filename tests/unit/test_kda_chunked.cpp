@@ -165,12 +165,12 @@ TEST(KdaChunked, FloatBackwardFollowsDouble) {
                               beta.data(), dout.data(), dq.data(), dk.data(), dv.data(), dg.data(), db.data(),
                               64, {initial.data(), d_final.data(), d_initial.data()});
   const auto to_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
-  EXPECT_LT(worst(to_double(dq), ref.dq), 1e-4);
-  EXPECT_LT(worst(to_double(dk), ref.dk), 1e-4);
-  EXPECT_LT(worst(to_double(dv), ref.dv), 1e-4);
-  EXPECT_LT(worst(to_double(dg), ref.dg), 1e-4);
-  EXPECT_LT(worst(to_double(db), ref.dbeta), 1e-4);
-  EXPECT_LT(worst(to_double(d_initial), ref.d_initial), 1e-4);
+  EXPECT_LT(worst(to_double(dq), ref.dq), 1e-5);
+  EXPECT_LT(worst(to_double(dk), ref.dk), 1e-5);
+  EXPECT_LT(worst(to_double(dv), ref.dv), 1e-5);
+  EXPECT_LT(worst(to_double(dg), ref.dg), 1e-5);
+  EXPECT_LT(worst(to_double(db), ref.dbeta), 1e-5);
+  EXPECT_LT(worst(to_double(d_initial), ref.d_initial), 1e-5);
 }
 
 }  // namespace
