@@ -11,11 +11,11 @@ namespace spindle {
 
 // One set of per-expert counts (rows routed to each expert: tokens x top-k in all).
 struct LoadStats {
-  int64_t rows = 0;           // all experts' rows
-  int64_t busiest = 0;        // the busiest expert's rows
-  double max_over_mean = 0;   // busiest / (rows / experts); 1 when perfectly even
-  double cv = 0;              // coefficient of variation: population standard deviation / mean
-  double idle_fraction = 0;   // experts with no rows / experts
+  int64_t rows = 0;          // all experts' rows
+  int64_t busiest = 0;       // the busiest expert's rows
+  double max_over_mean = 0;  // busiest / (rows / experts); 1 when perfectly even
+  double cv = 0;             // coefficient of variation: population standard deviation / mean
+  double idle_fraction = 0;  // experts with no rows / experts
 };
 
 // Fails on no experts, a negative count, or no rows at all (the ratios would be undefined).
@@ -23,8 +23,8 @@ LoadStats load_stats(std::span<const int64_t> counts);
 
 // One MoE layer over a sequence, from its counts chunk by chunk ([chunk][expert]).
 struct LayerLoad {
-  LoadStats sequence;                  // the chunks' counts summed
-  LoadStats worst_chunk;               // the chunk with the highest max_over_mean (first on a tie)
+  LoadStats sequence;     // the chunks' counts summed
+  LoadStats worst_chunk;  // the chunk with the highest max_over_mean (first on a tie)
   int64_t worst_chunk_index = 0;
   double mean_chunk_max_over_mean = 0;
   double max_chunk_idle_fraction = 0;

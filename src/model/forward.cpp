@@ -41,13 +41,13 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
         else
           dsa_forward(c, layer.dsa, x, n, selection, y, dsa_carry[i]);
       });
-      residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, n, streams,
-                               [&](const T* x, T* y) {
-                                 if (layer.mlp == MlpKind::Dense)
-                                   mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
-                                 else
-                                   moe_forward(c, layer.moe, x, n, y, options.on_expert_load ? &load : nullptr);
-                               });
+      residual_site_forward<T>(
+          c, layer.ffn_hc, layer.post_attention_layernorm, n, streams, [&](const T* x, T* y) {
+            if (layer.mlp == MlpKind::Dense)
+              mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
+            else
+              moe_forward(c, layer.moe, x, n, y, options.on_expert_load ? &load : nullptr);
+          });
       if (layer.mlp == MlpKind::Sparse && options.on_expert_load)
         options.on_expert_load(static_cast<int64_t>(i), load);
       if (options.on_layer) options.on_layer(static_cast<int64_t>(i));

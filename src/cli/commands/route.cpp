@@ -31,7 +31,9 @@ ChunkLoads route(const Model& model, const std::vector<int32_t>& tokens, int64_t
   ChunkLoads loads;
   ForwardOptions options;
   options.chunk_tokens = chunk;
-  options.on_expert_load = [&](int64_t layer, const std::vector<int64_t>& load) { loads[layer].push_back(load); };
+  options.on_expert_load = [&](int64_t layer, const std::vector<int64_t>& load) {
+    loads[layer].push_back(load);
+  };
   const bool long_run = tokens.size() >= 16384;
   options.on_layer = [&](int64_t layer) {
     if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
@@ -53,16 +55,19 @@ nlohmann::json stats_json(const LoadStats& s) {
 using Row = std::array<double, 7>;
 
 Row table_row(const LayerLoad& l) {
-  return {l.sequence.max_over_mean,       l.sequence.cv,
-          l.sequence.idle_fraction,       l.mean_chunk_max_over_mean,
-          l.worst_chunk.max_over_mean,    l.max_chunk_idle_fraction,
+  return {l.sequence.max_over_mean,
+          l.sequence.cv,
+          l.sequence.idle_fraction,
+          l.mean_chunk_max_over_mean,
+          l.worst_chunk.max_over_mean,
+          l.max_chunk_idle_fraction,
           static_cast<double>(l.peak_chunk_rows)};
 }
 
 void print_row(const std::string& name, const Row& r) {
   char line[200];
-  std::snprintf(line, sizeof line, "%-6s %9.3f %7.3f %7.3f %12.3f %12.3f %11.3f %13.0f", name.c_str(), r[0], r[1],
-                r[2], r[3], r[4], r[5], r[6]);
+  std::snprintf(line, sizeof line, "%-6s %9.3f %7.3f %7.3f %12.3f %12.3f %11.3f %13.0f", name.c_str(), r[0],
+                r[1], r[2], r[3], r[4], r[5], r[6]);
   std::cout << line << '\n';
 }
 
@@ -96,7 +101,8 @@ int run_route(const std::vector<std::string>& argv) {
     Random random(static_cast<uint64_t>(seed));
     for (int64_t i = 0; i < length; ++i)
       tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(c.vocab_size)));
-    source = "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
+    source =
+        "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
   } else {
     const std::string path = *args.optional("tokens");
     tokens = read_token_text(path);
@@ -109,7 +115,8 @@ int run_route(const std::vector<std::string>& argv) {
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t chunk_tokens = chunk > 0 ? std::min(chunk, L) : L;
 
-  const ChunkLoads loads = dtype == DType::F64 ? route<double>(model, tokens, chunk) : route<float>(model, tokens, chunk);
+  const ChunkLoads loads =
+      dtype == DType::F64 ? route<double>(model, tokens, chunk) : route<float>(model, tokens, chunk);
   check(!loads.empty(), "model '", dir, "' has no MoE layer");
 
   // A full chunk's mean rows per expert: the busiest expert over it is the buffer factor.
@@ -147,8 +154,8 @@ int run_route(const std::vector<std::string>& argv) {
   std::snprintf(line, sizeof line,
                 "per-expert buffer: the busiest expert took %lld rows of a %lld-token chunk, %.3f x the mean "
                 "(%.1f rows; at most %lld)\n",
-                static_cast<long long>(peak_rows), static_cast<long long>(chunk_tokens), buffer_factor, chunk_mean,
-                static_cast<long long>(chunk_tokens));
+                static_cast<long long>(peak_rows), static_cast<long long>(chunk_tokens), buffer_factor,
+                chunk_mean, static_cast<long long>(chunk_tokens));
   std::cout << line;
 
   if (const auto out_path = args.optional("out")) {
