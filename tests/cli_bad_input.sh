@@ -88,5 +88,19 @@ else
   echo "FAIL plan-pick: $output"; failures=$((failures + 1))
 fi
 
+# spindle route: one token source, lengths in range; a good run prints the table and writes the JSON.
+expect_failure route-no-tokens "exactly one of --tokens FILE and --random-tokens" "$spindle" route --model "$work/model"
+expect_failure route-both-sources "exactly one of" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --random-tokens --length 8
+expect_failure route-random-no-length "random-tokens needs --length" "$spindle" route --model "$work/model" --random-tokens
+expect_failure route-length-too-long "length must be in \\[2, 8\\]" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --length 9
+expect_failure route-negative-chunk "chunk must be" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
+expect_failure route-token-out-of-range "token id 99.*vocabulary" "$spindle" route --model "$work/model" --tokens "$work/big.txt"
+if output=$("$spindle" route --model "$work/model" --random-tokens --length 64 --chunk 16 --out "$work/route.json" 2>&1) &&
+  grep -q "^per-expert buffer: " <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/route.json"; then
+  echo "ok   route: $(grep '^per-expert buffer:' <<<"$output")"
+else
+  echo "FAIL route: $output"; failures=$((failures + 1))
+fi
+
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
 echo "all bad-input cases fail cleanly"

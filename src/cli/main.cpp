@@ -25,6 +25,12 @@ commands:
   eval      --model DIR --data PATH --seq-len L --bucket B [--windows N] [--chromosomes a,b]
             [--max-n-fraction F] [--holdout F] [--compare DIR2] [--out PREFIX] [--dtype f32|f64]
                                                 held-out loss per position bucket: table, PREFIX.csv/.svg
+  route     --model DIR (--tokens FILE | --random-tokens) [--length N] [--seed N] [--chunk N]
+            [--dtype f32|f64] [--out FILE.json]
+                                                routed-expert load per MoE layer (CPU forward): busiest
+                                                expert / mean, CV, idle experts, over the sequence and
+                                                per chunk (default 4096 tokens); random ids are uniform
+                                                over the vocabulary (--length N of them)
   grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64] [--chunk N]
                                                 gradient of the mean next-token loss, on-disk names
   data      get [--dir DIR] [--only chr22,chrX,chr20]
@@ -70,6 +76,7 @@ int main(int argc, char** argv) {
     if (command == "train") return spindle::run_train(args);
     if (command == "bench") return spindle::run_bench(args);
     if (command == "plan") return spindle::run_plan(args);
+    if (command == "route") return spindle::run_route(args);
     if (command == "help" || command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;

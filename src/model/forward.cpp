@@ -32,6 +32,8 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
     const std::vector<int32_t> piece(tokens.begin() + start, tokens.begin() + start + n);
     std::vector<T> streams = embedded_streams<T>(c, w, piece);
     std::vector<int32_t> selection;  // the last DSA selection, for a following shared layer
+    std::vector<int64_t> load;       // the last MoE layer's rows per expert, when asked for
+    std::vector<int64_t>* const load_out = options.on_expert_load ? &load : nullptr;
     for (size_t i = 0; i < layers; ++i) {
       const LayerWeights& layer = w.layers[i];
       residual_site_forward<T>(c, layer.attn_hc, layer.input_layernorm, n, streams, [&](const T* x, T* y) {
@@ -45,8 +47,10 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
                                  if (layer.mlp == MlpKind::Dense)
                                    mlp_forward(layer.dense, c.swiglu_limit, x, n, y);
                                  else
-                                   moe_forward(c, layer.moe, x, n, y);
+                                   moe_forward(c, layer.moe, x, n, y, load_out);
                                });
+      if (load_out != nullptr && layer.mlp == MlpKind::Sparse)
+        options.on_expert_load(static_cast<int64_t>(i), load);
       if (options.on_layer) options.on_layer(static_cast<int64_t>(i));
     }
 

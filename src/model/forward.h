@@ -15,6 +15,9 @@ struct ForwardOptions {
   int64_t head_block = 1024;
   // Called after each layer with its index (progress on long sequences; once per chunk).
   std::function<void(int64_t layer)> on_layer;
+  // Called after each MoE layer (once per chunk) with the rows routed to each expert in that
+  // chunk: tokens x top-k in all (`spindle route` measures the imbalance from these).
+  std::function<void(int64_t layer, const std::vector<int64_t>& load)> on_expert_load;
   // Tokens per chunk of the streaming executor: the sequence goes through all layers a chunk at
   // a time, each layer carrying what later tokens need (KDA state and conv window, DSA keys and
   // values). 0: the whole sequence as one chunk. The result is the same either way.

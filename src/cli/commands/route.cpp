@@ -1,0 +1,180 @@
+// spindle route: how unevenly the routed experts are loaded on one sequence (real tokens or
+// uniformly random ids), per MoE layer over the whole sequence and per chunk of the streaming
+// executor, from a forward pass on the CPU. The worst chunk's busiest expert is what a chunk's
+// per-expert row buffers must hold.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/log.h"
+#include "core/random.h"
+#include "eval/expert_load.h"
+#include "io/token_text.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+
+namespace spindle {
+
+namespace {
+
+// MoE layer index -> its rows per expert, chunk by chunk ([chunk][expert]).
+using ChunkLoads = std::map<int64_t, std::vector<std::vector<int64_t>>>;
+
+template <class T>
+ChunkLoads route(const Model& model, const std::vector<int32_t>& tokens, int64_t chunk) {
+  ChunkLoads loads;
+  ForwardOptions options;
+  options.chunk_tokens = chunk;
+  options.on_expert_load = [&](int64_t layer, const std::vector<int64_t>& load) {
+    loads[layer].push_back(load);
+  };
+  const bool long_run = tokens.size() >= 16384;
+  options.on_layer = [&](int64_t layer) {
+    if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
+  };
+  sequence_log_probs<T>(model.config, model.weights, tokens, options);
+  return loads;
+}
+
+nlohmann::json stats_json(const LoadStats& s) {
+  return {{"rows", s.rows},
+          {"busiest_rows", s.busiest},
+          {"max_over_mean", s.max_over_mean},
+          {"cv", s.cv},
+          {"idle_fraction", s.idle_fraction}};
+}
+
+// One table row: sequence max/mean, CV, idle; chunks' mean and worst max/mean, most idle; the
+// most rows one expert took in one chunk.
+using Row = std::array<double, 7>;
+
+Row table_row(const LayerLoad& l) {
+  return {l.sequence.max_over_mean,
+          l.sequence.cv,
+          l.sequence.idle_fraction,
+          l.mean_chunk_max_over_mean,
+          l.worst_chunk.max_over_mean,
+          l.max_chunk_idle_fraction,
+          static_cast<double>(l.peak_chunk_rows)};
+}
+
+void print_row(const std::string& name, const Row& r) {
+  char line[200];
+  std::snprintf(line, sizeof line, "%-6s %9.3f %7.3f %7.3f %12.3f %12.3f %11.3f %13.0f", name.c_str(), r[0],
+                r[1], r[2], r[3], r[4], r[5], r[6]);
+  std::cout << line << '\n';
+}
+
+}  // namespace
+
+int run_route(const std::vector<std::string>& argv) {
+  const Args args("route", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
+                  {"random-tokens"});
+  const bool random_tokens = args.flag("random-tokens");
+  check(random_tokens != args.optional("tokens").has_value(),
+        "spindle route: give exactly one of --tokens FILE and --random-tokens");
+  check(!random_tokens || args.optional("length"), "--random-tokens needs --length N");
+  check(random_tokens || !args.optional("seed"), "--seed applies to --random-tokens");
+  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
+  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64, got ", dtype_name(dtype));
+  const int64_t chunk = args.int_or("chunk", 4096);
+  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
+
+  const std::string dir = args.required("model");
+  const Model model = load_model(dir, dtype);
+  const ModelConfig& c = model.config;
+  check(c.n_routed_experts > 0, "model '", dir, "' has no routed experts");
+
+  std::vector<int32_t> tokens;
+  std::string source;
+  if (random_tokens) {
+    const int64_t length = args.int_or("length", 0);
+    check(length >= 2, "--length must be >= 2 tokens, got ", length);
+    const int64_t seed = args.int_or("seed", 1);
+    // Uniform over the whole vocabulary, special ids included, as `spindle bench --random-tokens`.
+    Random random(static_cast<uint64_t>(seed));
+    for (int64_t i = 0; i < length; ++i)
+      tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(c.vocab_size)));
+    source =
+        "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
+  } else {
+    const std::string path = *args.optional("tokens");
+    tokens = read_token_text(path);
+    const int64_t length = args.int_or("length", static_cast<int64_t>(tokens.size()));
+    check(length >= 2 && length <= static_cast<int64_t>(tokens.size()), "--length must be in [2, ",
+          tokens.size(), "] (the tokens in '", path, "'), got ", length);
+    tokens.resize(static_cast<size_t>(length));
+    source = path;
+  }
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t chunk_tokens = chunk > 0 ? std::min(chunk, L) : L;
+
+  const ChunkLoads loads =
+      dtype == DType::F64 ? route<double>(model, tokens, chunk) : route<float>(model, tokens, chunk);
+  check(!loads.empty(), "model '", dir, "' has no MoE layer");
+
+  // A full chunk's mean rows per expert: the busiest expert over it is the buffer factor.
+  const double chunk_mean =
+      static_cast<double>(chunk_tokens * c.num_experts_per_tok) / static_cast<double>(c.n_routed_experts);
+  std::cout << "routed experts " << c.n_routed_experts << ", top-" << c.num_experts_per_tok << ", " << L
+            << " tokens (" << source << "), chunks of " << chunk_tokens << " tokens\n";
+  std::cout << "                 sequence            chunks: max/mean     chunks\n"
+               "layer  max/mean      cv    idle         mean        worst   most idle     peak rows\n";
+  nlohmann::json layers = nlohmann::json::array();
+  Row mean{}, worst{};
+  int64_t peak_rows = 0;
+  for (const auto& [layer, chunks] : loads) {
+    const LayerLoad l = layer_load(chunks);
+    const Row row = table_row(l);
+    print_row(std::to_string(layer), row);
+    for (size_t i = 0; i < row.size(); ++i) {
+      mean[i] += row[i] / static_cast<double>(loads.size());
+      worst[i] = std::max(worst[i], row[i]);
+    }
+    peak_rows = std::max(peak_rows, l.peak_chunk_rows);
+    layers.push_back({{"layer", layer},
+                      {"sequence", stats_json(l.sequence)},
+                      {"mean_chunk_max_over_mean", l.mean_chunk_max_over_mean},
+                      {"worst_chunk", stats_json(l.worst_chunk)},
+                      {"worst_chunk_index", l.worst_chunk_index},
+                      {"max_chunk_idle_fraction", l.max_chunk_idle_fraction},
+                      {"peak_chunk_rows", l.peak_chunk_rows},
+                      {"chunk_loads", chunks}});
+  }
+  print_row("mean", mean);
+  print_row("worst", worst);
+  const double buffer_factor = static_cast<double>(peak_rows) / chunk_mean;
+  char line[200];
+  std::snprintf(line, sizeof line,
+                "per-expert buffer: the busiest expert took %lld rows of a %lld-token chunk, %.3f x the mean "
+                "(%.1f rows; at most %lld)\n",
+                static_cast<long long>(peak_rows), static_cast<long long>(chunk_tokens), buffer_factor,
+                chunk_mean, static_cast<long long>(chunk_tokens));
+  std::cout << line;
+
+  if (const auto out_path = args.optional("out")) {
+    std::ofstream file(*out_path);
+    check(file.good(), "cannot write --out file '", *out_path, "'");
+    const nlohmann::json result = {{"model", dir},
+                                   {"tokens", source},
+                                   {"length", L},
+                                   {"chunk_tokens", chunk_tokens},
+                                   {"dtype", dtype_name(dtype)},
+                                   {"routed_experts", c.n_routed_experts},
+                                   {"experts_per_token", c.num_experts_per_tok},
+                                   {"peak_chunk_rows", peak_rows},
+                                   {"buffer_factor", buffer_factor},
+                                   {"layers", layers}};
+    file << result.dump(1) << '\n';
+    check(file.good(), "failed writing '", *out_path, "'");
+  }
+  return 0;
+}
+
+}  // namespace spindle
