@@ -176,7 +176,10 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
       bytes += state + 4 * window;                   // the carry's gradient, one boundary at a time
     } else {
       bytes += 2 * latent + 4 * latent;
-      if (layer.own_indexer) bytes += 2 * pooled + (options.indexer_kl ? 4 * pooled : 0);
+      if (layer.own_indexer) {
+        const int64_t rows = 2 * 2 * tokens * s.index_dim;  // keys and pool gates before pooling, bf16
+        bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + rows : 0);
+      }
     }
   }
   return bytes;

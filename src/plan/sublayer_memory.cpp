@@ -59,10 +59,10 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
   a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
-    a.push_back(bf16(m, L * H * s.kv_rank));                   // q_lat
-    a.push_back(bf16(m, L * H * s.kv_rank));                   // o_lat
-    a.push_back(f32(m, L * H));                                // lse (sparse MLA on the tensor cores)
-    if (!p.streamed) a.push_back(bf16(m, L * 2 * s.kv_rank));  // [c | c]; a chunk reads its cache
+    a.push_back(bf16(m, L * H * s.kv_rank));               // q_lat
+    a.push_back(bf16(m, L * H * s.kv_rank));               // o_lat
+    a.push_back(f32(m, L * H));                            // lse (sparse MLA on the tensor cores)
+    if (!p.streamed) a.push_back(bf16(m, L * s.kv_rank));  // the cache: the latent once (tensor cores)
   } else {
     a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
   }
@@ -108,9 +108,9 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a;
   if (!p.streamed) {
-    // The cache's fp32 gradient ([c | c] rows absorbed, expanded keys and values otherwise); a
+    // The cache's fp32 gradient (the latent's absorbed, expanded keys and values otherwise); a
     // chunk adds into its cache's.
-    a.push_back(f32(m, p.absorbed ? L * 2 * s.kv_rank : L * H * (s.qk_dim + s.v_dim)));
+    a.push_back(f32(m, p.absorbed ? L * s.kv_rank : L * H * (s.qk_dim + s.v_dim)));
   }
   if (p.streamed || p.absorbed) {
     a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat

@@ -31,11 +31,6 @@ cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t tokens, int64_t fi
 
 int64_t selection_width(const ModelConfig& c) { return indexer_shape(c, 0).width(); }
 
-// bf16 values per token of the keys and values the attention kernel reads.
-int64_t cache_row(const ModelConfig& c, bool absorbed) {
-  return absorbed ? 2 * c.kv_lora_rank : c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim);
-}
-
 // The indexer's per-head queries and head weights (already scaled by heads^-0.5) of L queries.
 struct IndexerQueries {
   DeviceBuffer<bf16> q, head_weights;
@@ -150,11 +145,24 @@ cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L, bool 
   return {L, c.num_attention_heads, c.qk_head_dim(), c.v_head_dim, selection_width(c), scale};
 }
 
-// The absorbed form on the tensor cores: keys and values are the normalised latent itself, the
-// first half of each [c | c] row of the cache (the kernel reads it once).
-SparseMlaShape mla_shape(const ModelConfig& c, int64_t L) {
+// The absorbed form on the tensor cores: keys and values are the normalised latent itself, rows
+// `stride` apart in the cache.
+SparseMlaShape mla_shape(const ModelConfig& c, int64_t L, int64_t stride) {
   const cpu::SparseAttentionShape a = attention_shape(c, L, true);
-  return {L, a.heads, a.qk_dim, a.v_dim, a.width, cache_row(c, true), static_cast<float>(a.scale)};
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, stride, static_cast<float>(a.scale)};
+}
+
+// Whether the absorbed form runs on the tensor cores; else on the CUDA-core kernel, loudly.
+bool latent_on_tensor_cores(const ModelConfig& c) {
+  return sparse_mla_unsupported(mla_shape(c, 0, c.kv_lora_rank)).empty();
+}
+
+// bf16 values per token of the keys and values the attention kernel reads: the latent once for
+// the tensor-core kernel, [c | c] (a key and a value per row) for the CUDA-core one, or every
+// head's expanded keys and values.
+int64_t cache_row(const ModelConfig& c, bool absorbed) {
+  if (!absorbed) return c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim);
+  return latent_on_tensor_cores(c) ? c.kv_lora_rank : 2 * c.kv_lora_rank;
 }
 
 // kv_b_proj's rows for head h: W_k,h ([qk_head_dim, kv_lora_rank]) then W_v,h ([v, kv_lora_rank]).
@@ -203,8 +211,8 @@ void append_kv(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t 
     ctx.gemm.linear(kv_normed, bf16_data(w.kv_b_proj), rows, L, kr, cache.row, ctx.stream());
     return;
   }
-  for (int64_t half = 0; half < 2; ++half)
-    SPINDLE_CUDA(cudaMemcpy2DAsync(rows + half * kr, 2 * kr * sizeof(bf16), kv_normed, kr * sizeof(bf16),
+  for (int64_t at = 0; at < cache.row; at += kr)  // once, or twice for [c | c]
+    SPINDLE_CUDA(cudaMemcpy2DAsync(rows + at, cache.row * sizeof(bf16), kv_normed, kr * sizeof(bf16),
                                    kr * sizeof(bf16), static_cast<size_t>(L), cudaMemcpyDeviceToDevice,
                                    ctx.stream()));
 }
@@ -219,8 +227,8 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     return;
   }
   const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
-  const SparseMlaShape mla = mla_shape(c, L);
-  const std::string unsupported = sparse_mla_unsupported(mla);
+  const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
+  const std::string unsupported = sparse_mla_unsupported(mla);  // the cache holds [c | c] then
   if (unsupported.empty()) {
     a.lse = activations_f32(L * H);
     sparse_mla_forward(mla, a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(), s);
@@ -263,9 +271,9 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     ctx.gemm.matmul(false, true, kr, dv, L, a.o_lat.data() + h * kr, H * kr, d_attended + h * dv, H * dv,
                     gkv + value_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
   }
-  if (tensor_cores)  // the latent's gradient lands in the key half of the cache's rows
-    sparse_mla_backward(mla_shape(c, L), a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(),
-                        d_o_lat.data(), dq_lat.data(), dkv, s);
+  if (tensor_cores)  // the latent's gradient lands in the cache gradient's rows
+    sparse_mla_backward(mla_shape(c, L, cache_row(c, true)), a.q_lat.data(), kv, selection, a.o_lat.data(),
+                        a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv, s);
   else
     sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
   for (int64_t h = 0; h < H; ++h) {
@@ -284,7 +292,10 @@ void latent_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, in
   const int64_t kr = c.kv_lora_rank, row = cache_row(c, ctx.absorbed_mla);
   const cudaStream_t s = ctx.stream();
   if (ctx.absorbed_mla) {
-    sum_row_halves_to_bf16(dkv, L, kr, d_normed, s);  // c was both the keys and the values
+    if (row == kr)
+      f32_to_bf16(dkv, d_normed, L * kr, s);
+    else
+      sum_row_halves_to_bf16(dkv, L, kr, d_normed, s);  // [c | c]: c was both the keys and the values
     return;
   }
   DeviceBuffer<bf16> dkv16 = activations(L * row);
@@ -314,7 +325,8 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
     const TimedScope timed = ctx.timed("dsa.indexer_kl");
-    const cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
+    cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
+    if (ctx.absorbed_mla) shape.v_dim = cache.row - shape.qk_dim;  // the mass reads keys only: row stride
     DeviceBuffer<float> mass = activations_f32(L * shape.width);
     attention_mass(shape, a.attention_query(), cache.kv.data(), selection, mass.data(), s);
     train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), cache, first, cache_grad,
