@@ -51,6 +51,10 @@ class DeviceModel {
   // The optimizer: masters and moments copied from `host`'s slots (frozen slots are skipped by
   // step); step() takes update number `step` (1-based) at `lr`; save() writes the state back
   // into the host slots and the host model weights.
+  // Where the next load_optimizer / init_optimizer keeps the AdamW state: the device (the
+  // default) or the host (12 bytes per parameter less on the device; two PCIe copies and a host
+  // update per step).
+  virtual void set_optimizer_on_host(bool on) = 0;
   virtual void load_optimizer(const AdamW& host) = 0;
   virtual void optimizer_step(const AdamWOptions& options, double lr, int64_t step) = 0;
   virtual void save_optimizer(AdamW& host) = 0;

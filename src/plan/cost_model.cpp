@@ -107,9 +107,10 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
 
   if (policy.optimizer_on_host) {
     const double params = static_cast<double>(state.parameters);
-    const double gradients_out = 4 * params * chunks / h.pcie_bytes_per_s;
-    time.optimizer = std::max(0.0, gradients_out - backward) + 2 * params / h.pcie_bytes_per_s +
-                     28 * params / h.host_adam_bytes_per_s;  // read grad, master, m, v; write master, m, v
+    // backend/cuda/host_optimizer.h: the fp32 gradients out after the backward, the update on the
+    // host (read grad, master, m, v; write master, m, v), the bf16 weights back.
+    time.optimizer = 4 * params / h.pcie_bytes_per_s + 28 * params / h.host_adam_bytes_per_s +
+                     2 * params / h.pcie_bytes_per_s;
   }
   return time;
 }

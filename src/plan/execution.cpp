@@ -34,11 +34,15 @@ Execution from(const Candidate& candidate, bool forced) {
 bool executor_runs(const Policy& policy) {
   return (policy.activations == ActivationPolicy::KeepSites ||
           policy.activations == ActivationPolicy::Stream) &&
-         !policy.optimizer_on_host && policy.tensor_parallel == 1;
+         policy.tensor_parallel == 1;
 }
 
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
-                         const StepOptions& options, std::optional<int64_t> forced_chunk) {
+                         const StepOptions& options, std::optional<int64_t> forced_chunk,
+                         std::optional<bool> optimizer_on_host) {
+  const auto runs = [&](const Policy& p) {
+    return executor_runs(p) && (!optimizer_on_host || p.optimizer_on_host == *optimizer_on_host);
+  };
   check(machine.gpus == 1, "the CUDA executor runs on one GPU; the planner plans more (spindle plan --gpus)");
   PlanRequest request;
   request.tokens = tokens;
@@ -48,8 +52,11 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
   if (forced_chunk) {
     check(*forced_chunk >= 0, "--chunk must be >= 0 tokens, got ", *forced_chunk);
     Policy wanted;
-    if (*forced_chunk > 0 && *forced_chunk < tokens)
-      wanted = {ActivationPolicy::Stream, *forced_chunk, false, 1};
+    wanted.optimizer_on_host = optimizer_on_host.value_or(false);
+    if (*forced_chunk > 0 && *forced_chunk < tokens) {
+      wanted.activations = ActivationPolicy::Stream;
+      wanted.chunk_tokens = *forced_chunk;
+    }
     // The planner predicts its own chunk lengths (4k, 16k, 64k, 256k); another runs as asked,
     // without a prediction.
     for (const Candidate& candidate : plan.candidates)
@@ -62,10 +69,10 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     return e;
   }
   for (const Candidate& candidate : plan.candidates)  // feasible first, fastest first
-    if (candidate.fits() && executor_runs(candidate.policy)) return from(candidate, false);
+    if (candidate.fits() && runs(candidate.policy)) return from(candidate, false);
   std::ostringstream why;
   for (const Candidate& candidate : plan.candidates)
-    if (executor_runs(candidate.policy))
+    if (runs(candidate.policy))
       why << "\n  " << candidate.policy.name() << ": " << (candidate.fits() ? "fits" : candidate.infeasible);
   fail("no policy that the executor runs fits ", tokens, " tokens on this machine (", gib(machine.gpu_bytes),
        " GPU, ", gib(machine.host_bytes), " host):", why.str(),

@@ -1,6 +1,6 @@
 // The policy a run executes: forced by the user (a chunk length), or the planner's fastest that
 // fits among the policies today's CUDA executor runs (keep, or stream in chunks; the optimizer on
-// the device; one GPU). `spindle bench` and `spindle train --device cuda` use it.
+// the device or the host; one GPU). `spindle bench` and `spindle train --device cuda` use it.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +23,11 @@ struct Execution {
   std::string summary;               // one line for the log
 };
 
-// forced_chunk: the user's --chunk (0 or >= tokens: no chunks). Without it, fails with every
-// policy's reason when none the executor runs fits the machine.
+// forced_chunk: the user's --chunk (0 or >= tokens: no chunks). optimizer_on_host: where the
+// AdamW state already is (a run of several lengths places it once), else the planner's choice.
+// Fails with every policy's reason when none the executor runs fits the machine.
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
-                         const StepOptions& options, std::optional<int64_t> forced_chunk);
+                         const StepOptions& options, std::optional<int64_t> forced_chunk,
+                         std::optional<bool> optimizer_on_host = std::nullopt);
 
 }  // namespace spindle::plan

@@ -195,8 +195,7 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Ledger m;
   // Model state, then what grows on first use and stays: the head's and the permutation's workspaces.
   Block weights = m.take(state.weights, MemoryCategory::Weights);
-  Block gradients = m.take(policy.optimizer_on_host ? 2 * state.largest_layer_gradients : state.gradients,
-                           MemoryCategory::Gradients);
+  Block gradients = m.take(state.gradients, MemoryCategory::Gradients);
   Block optimizer;
   if (!policy.optimizer_on_host) optimizer = m.take(state.optimizer, MemoryCategory::Optimizer);
   Block head = m.workspace(head_workspace_bytes(s, L));

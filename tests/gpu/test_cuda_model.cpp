@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -216,6 +217,50 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
     EXPECT_GT(checked, 30);
     EXPECT_NEAR(device->clip_gradients(0.0), gpu_norm, 1e-3 * gpu_norm);
   }
+}
+
+// The optimizer state on the host (backend/cuda/host_optimizer.h) against the device's: three
+// steps from the same weights and gradients give the same weights, but for bf16 rounding of the
+// update (fp32 on the device, double on the host).
+TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
+  const ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 9);
+  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
+  tokens.resize(256);
+  std::vector<ModelWeights> after;
+  for (const bool on_host : {false, true}) {
+    auto device = on_gpu(config, weights);
+    device->set_optimizer_on_host(on_host);
+    device->init_optimizer();
+    for (int64_t step = 1; step <= 3; ++step) {
+      device->zero_gradients();
+      device->loss_and_gradients(tokens, {});
+      device->optimizer_step(AdamWOptions{}, 1e-3, step);
+    }
+    ModelWeights result = allocate_weights(config, DType::F32);
+    device->download_weights(result);
+    after.push_back(std::move(result));
+  }
+  double diff = 0, norm = 0, moved = 0;
+  const auto device_side = parameter_table(config, after[0]), host_side = parameter_table(config, after[1]),
+             start = parameter_table(config, weights);
+  for (size_t i = 0; i < device_side.size(); ++i) {
+    const float* a = static_cast<const float*>(device_side[i].tensor.raw());
+    const float* b = static_cast<const float*>(host_side[i].tensor.raw());
+    const Tensor first = start[i].tensor.to(DType::F32);
+    const float* w0 = static_cast<const float*>(first.raw());
+    for (int64_t j = 0; j < device_side[i].tensor.numel(); ++j) {
+      diff += double(a[j] - b[j]) * (a[j] - b[j]);
+      norm += double(a[j]) * a[j];
+      moved += double(a[j] - w0[j]) * (a[j] - w0[j]);
+    }
+  }
+  std::printf("host vs device AdamW after 3 steps: |diff| %.3e, |update| %.3e, |w| %.3e\n", std::sqrt(diff),
+              std::sqrt(moved), std::sqrt(norm));
+  EXPECT_GT(moved, 0.0) << "the optimizer did not move the weights";
+  // Each weight may differ by one bf16 rounding of the same value: far below the update itself.
+  EXPECT_LT(std::sqrt(diff), 0.05 * std::sqrt(moved));
 }
 
 }  // namespace

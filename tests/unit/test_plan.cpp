@@ -243,7 +243,8 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
         << e.what();
   }
   EXPECT_FALSE(executor_runs({ActivationPolicy::OffloadLayerInputs, 0, false, 1}));
-  EXPECT_FALSE(executor_runs({ActivationPolicy::KeepSites, 0, true, 1}));
+  EXPECT_TRUE(executor_runs({ActivationPolicy::KeepSites, 0, true, 1}));     // host AdamW
+  EXPECT_FALSE(executor_runs({ActivationPolicy::Stream, 16384, false, 2}));  // tensor parallel
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // The CUDA backend behind spindle::DeviceModel: the GPU model (model/cuda) plus the optimizer
-// state on the device (fp32 masters for bf16 weights; fp32 weights are their own masters).
+// state on the device (fp32 masters for bf16 weights; fp32 weights are their own masters) or, when
+// asked, on the host (backend/cuda/host_optimizer.h).
 #include <cmath>
 #include <map>
+#include <memory>
 #include <sstream>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/host_optimizer.h"
 #include "backend/cuda/register.h"
 #include "backend/device_model.h"
 #include "kernels/cuda/convert.h"
@@ -56,8 +59,17 @@ class CudaDeviceModel final : public DeviceModel {
     model_.weights().download(host);
   }
 
+  void set_optimizer_on_host(bool on) override { optimizer_on_host_ = on; }
+
   void load_optimizer(const AdamW& host) override {
     model_.context().synchronize();
+    slots_.clear();
+    host_optimizer_.reset();
+    if (optimizer_on_host_) {
+      host_optimizer_ = std::make_unique<HostOptimizer>(model_);
+      host_optimizer_->load(host);
+      return;
+    }
     std::map<std::string, Tensor> device_params;
     for (Param& p : parameter_table(model_.config(), model_.weights().tensors()))
       device_params[p.name] = p.tensor;
@@ -89,6 +101,10 @@ class CudaDeviceModel final : public DeviceModel {
   }
 
   void optimizer_step(const AdamWOptions& options, double lr, int64_t step) override {
+    if (host_optimizer_) {
+      host_optimizer_->step(options, lr, step);
+      return;
+    }
     for (Slot& s : slots_) {
       if (s.frozen) continue;
       const bool own_master = s.weight.dtype() == DType::F32;
@@ -107,6 +123,10 @@ class CudaDeviceModel final : public DeviceModel {
 
   void save_optimizer(AdamW& host) override {
     model_.context().synchronize();
+    if (host_optimizer_) {
+      host_optimizer_->save(host);
+      return;
+    }
     check(host.slots().size() == slots_.size(), "save_optimizer: the host optimizer has ",
           host.slots().size(), " slots, the device ", slots_.size());
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -124,6 +144,11 @@ class CudaDeviceModel final : public DeviceModel {
 
   void init_optimizer() override {
     slots_.clear();
+    host_optimizer_.reset();
+    if (optimizer_on_host_) {
+      host_optimizer_ = std::make_unique<HostOptimizer>(model_);
+      return;
+    }
     std::vector<Param> grads = parameter_table(model_.config(), model_.grads().tensors());
     std::vector<Param> params = parameter_table(model_.config(), model_.weights().tensors());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -148,6 +173,7 @@ class CudaDeviceModel final : public DeviceModel {
 
   void set_router_biases(const ModelWeights& host) override {
     model_.context().synchronize();
+    if (host_optimizer_) host_optimizer_->set_router_biases(host);
     ModelWeights& device = model_.weights().tensors();
     for (size_t l = 0; l < device.layers.size(); ++l) {
       if (device.layers[l].mlp != MlpKind::Sparse) continue;
@@ -200,6 +226,8 @@ class CudaDeviceModel final : public DeviceModel {
   CudaModel model_;
   int64_t chunk_tokens_;
   std::vector<Slot> slots_;
+  bool optimizer_on_host_ = false;
+  std::unique_ptr<HostOptimizer> host_optimizer_;  // the state on the host, instead of slots_
   KindTimer timer_;
 };
 

@@ -96,11 +96,17 @@ int run_bench(const std::vector<std::string>& argv) {
   check(mla == "absorbed" || mla == "expanded", "--mla must be absorbed or expanded, got '", mla, "'");
   auto device = open_device_model(Device::CUDA, config, model.weights,
                                   {args.flag("strict-kernels"), mla == "absorbed"});
-  device->init_optimizer();
-  AdamWOptions adam;
   const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
   plan::StepOptions plan_options;
   plan_options.absorbed = mla == "absorbed";
+  // The optimizer's place, once for all lengths: where the longest one needs it.
+  const bool optimizer_on_host =
+      plan::plan_execution(config, *std::max_element(lengths.begin(), lengths.end()), machine, plan_options,
+                           forced_chunk)
+          .policy.optimizer_on_host;
+  device->set_optimizer_on_host(optimizer_on_host);
+  device->init_optimizer();
+  AdamWOptions adam;
 
   std::ofstream file;
   if (const auto out = args.optional("out")) {
@@ -116,7 +122,8 @@ int run_bench(const std::vector<std::string>& argv) {
     } else {
       std::copy(dna.begin(), dna.begin() + L, tokens.begin());
     }
-    const plan::Execution execution = plan::plan_execution(config, L, machine, plan_options, forced_chunk);
+    const plan::Execution execution =
+        plan::plan_execution(config, L, machine, plan_options, forced_chunk, optimizer_on_host);
     log_info("bench L=", L, ": ", execution.summary);
     LossOptions loss_options;
     loss_options.chunk_tokens = execution.chunk_tokens;

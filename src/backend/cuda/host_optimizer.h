@@ -1,0 +1,34 @@
+// AdamW with its state in host memory (the planner's "host AdamW"): the device keeps the bf16
+// weights and fp32 gradients and no optimizer state; each step downloads the gradients, updates
+// the fp32 masters and moments on the host with the CPU path's optimizer (train/adamw.h), and
+// uploads the new weights. Saves the state's 12 bytes per parameter of device memory for two
+// copies over PCIe and a host update per step.
+#pragma once
+
+#include "model/cuda/model.h"
+#include "model/weights.h"
+#include "train/adamw.h"
+
+namespace spindle::cuda {
+
+class HostOptimizer {
+ public:
+  // From the device's current weights, with zero moments.
+  explicit HostOptimizer(CudaModel& model);
+
+  // The state of `host` (same config), by parameter name; the device gets its weights.
+  void load(const AdamW& host);
+  // Into `host` (same config), which then writes its model weights.
+  void save(AdamW& host) const;
+  // One update number `step` (1-based) with the device's gradients.
+  void step(const AdamWOptions& options, double lr, int64_t step);
+  // The router biases a separate rule set on the device, so the next upload keeps them.
+  void set_router_biases(const ModelWeights& host);
+
+ private:
+  CudaModel& model_;
+  ModelWeights weights_, grads_;  // fp32 host copies
+  AdamW adam_;                    // its slots view weights_
+};
+
+}  // namespace spindle::cuda
