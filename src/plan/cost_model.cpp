@@ -107,10 +107,13 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
 
   if (policy.optimizer_on_host) {
     const double params = static_cast<double>(state.parameters);
-    // backend/cuda/host_optimizer.h: the fp32 gradients out after the backward, the update on the
-    // host (read grad, master, m, v; write master, m, v), the bf16 weights back.
-    time.optimizer = 4 * params / h.pcie_bytes_per_s + 28 * params / h.host_adam_bytes_per_s +
-                     2 * params / h.pcie_bytes_per_s;
+    // The update on the host (read grad, master, m, v; write master, m, v) and the bf16 weights
+    // back; the fp32 gradients out after the backward (backend/cuda/host_optimizer.h), or layer by
+    // layer during it (once per chunk when streaming), beyond the backward's time.
+    const double gradients_out = 4 * params / h.pcie_bytes_per_s;
+    time.optimizer =
+        (policy.gradients_to_host ? std::max(0.0, gradients_out * chunks - backward) : gradients_out) +
+        28 * params / h.host_adam_bytes_per_s + 2 * params / h.pcie_bytes_per_s;
   }
   return time;
 }

@@ -34,7 +34,7 @@ Execution from(const Candidate& candidate, bool forced) {
 bool executor_runs(const Policy& policy) {
   return (policy.activations == ActivationPolicy::KeepSites ||
           policy.activations == ActivationPolicy::Stream) &&
-         policy.tensor_parallel == 1;
+         policy.tensor_parallel == 1 && !policy.gradients_to_host;
 }
 
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,

@@ -195,7 +195,8 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Ledger m;
   // Model state, then what grows on first use and stays: the head's and the permutation's workspaces.
   Block weights = m.take(state.weights, MemoryCategory::Weights);
-  Block gradients = m.take(state.gradients, MemoryCategory::Gradients);
+  Block gradients = m.take(policy.gradients_to_host ? 2 * state.largest_layer_gradients : state.gradients,
+                           MemoryCategory::Gradients);
   Block optimizer;
   if (!policy.optimizer_on_host) optimizer = m.take(state.optimizer, MemoryCategory::Optimizer);
   Block head = m.workspace(head_workspace_bytes(s, L));
@@ -209,7 +210,10 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   p.device = m.stats();
   if (policy.activations == ActivationPolicy::OffloadLayerInputs)
     p.pinned_pool = static_cast<int64_t>(s.layers.size()) * stream_bytes(s, tokens);
-  p.host = state.host_weights + p.pinned_pool + (policy.optimizer_on_host ? state.host_optimizer : 0);
+  const int64_t host_optimizer = !policy.optimizer_on_host  ? 0
+                                 : policy.gradients_to_host ? state.host_optimizer_with_gradients
+                                                            : state.host_optimizer;
+  p.host = state.host_weights + p.pinned_pool + host_optimizer;
   return p;
 }
 

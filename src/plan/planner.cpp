@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 #include "core/error.h"
 
@@ -19,12 +20,14 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
   std::vector<Policy> out;
   for (int64_t t = 1; t <= std::min(gpus, kGpusPerNode); t *= 2) {
     if (!tensor_degree_fits(c, t)) continue;
-    for (const bool host : {false, true}) {
+    // The optimizer on the device, on the host, or on the host with the gradients too.
+    for (const auto& [host, gradients] :
+         {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
       for (const ActivationPolicy a : {ActivationPolicy::KeepSites, ActivationPolicy::KeepLayerInputs,
                                        ActivationPolicy::OffloadLayerInputs})
-        out.push_back({a, 0, host, t});
+        out.push_back({a, 0, host, t, gradients});
       for (const int64_t chunk : chunk_lengths(tokens))
-        out.push_back({ActivationPolicy::Stream, chunk, host, t});
+        out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients});
     }
   }
   return out;

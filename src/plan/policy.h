@@ -19,6 +19,10 @@ struct Policy {
   int64_t chunk_tokens = 0;  // Stream only
   bool optimizer_on_host = false;
   int64_t tensor_parallel = 1;
+  // With the optimizer on the host: each layer's fp32 gradients go out as the backward finishes
+  // them (the device holds two layers' worth) instead of staying on the device until the step
+  // ends (what backend/cuda/host_optimizer.h does today). Predicted only.
+  bool gradients_to_host = false;
 
   // e.g. "keep", "stream 64k", "offload + host AdamW", with " tp8" when tensor parallel.
   std::string name() const;

@@ -1,6 +1,7 @@
 #include "plan/state_memory.h"
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include "model/weights.h"
@@ -41,6 +42,13 @@ bool tensor_sharded(const Param& p) {
   return contains(n, ".mlp.") && !contains(n, ".mlp.gate.") && !contains(n, ".mlp.experts.");
 }
 
+// The layer a parameter belongs to, or -1 (embedding, final norm, lm_head).
+int64_t layer_index(const std::string& name) {
+  const std::string key = "layers.";
+  const size_t at = name.find(key);
+  return at == std::string::npos ? -1 : std::stoll(name.substr(at + key.size()));
+}
+
 }  // namespace
 
 StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
@@ -50,6 +58,7 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
   });
   StateBytes s;
   int64_t weight_arena = 0, gradient_arena = 0;
+  std::map<int64_t, int64_t> layer_gradients;
 
   for (const Param& param : parameter_table(c, weights)) {
     const int64_t expert = expert_index(param.name);
@@ -59,15 +68,19 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
     s.parameters += n;
     weight_arena += arena_aligned(n * (bf16 ? 2 : 4));
     gradient_arena += arena_aligned(n * 4);
+    layer_gradients[layer_index(param.name)] += n * 4;
     s.host_weights += n * 4;
     s.host_optimizer += 2 * n * 4;  // backend/cuda/host_optimizer.h: fp32 copies of weight and gradient
     if (!role_trained(param.role)) continue;
     const int64_t states = bf16 ? 3 : 2;  // (master,) m, v
     s.optimizer += states * allocator_rounded(n * 4);
     s.host_optimizer += 3 * n * 4;  // the host's AdamW keeps an fp32 master, m and v for every slot
+    s.host_optimizer_with_gradients += (states + 1) * n * 4;
   }
   s.weights = allocator_rounded(weight_arena);
   s.gradients = allocator_rounded(gradient_arena);
+  for (const auto& [layer, bytes] : layer_gradients)
+    s.largest_layer_gradients = std::max(s.largest_layer_gradients, bytes);
   return s;
 }
 
