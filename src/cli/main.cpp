@@ -38,10 +38,11 @@ commands:
   data      info --input FILE [--format F] [--names A,B] [--vocab N]
                                                 sequences, lengths and N runs of a data file
   train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels] [--chunk N]
+            [--host-optimizer]
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
-            [--out FILE.json]
+            [--host-optimizer] [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU,
                                                 the memory policy (the planner's pick unless --chunk)

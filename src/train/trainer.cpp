@@ -197,8 +197,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     plan_options.absorbed = true;  // the device model's default form
     plan_options.indexer_kl = !run.indexer.freeze && run.indexer.kl_coef > 0;
     const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
-    const plan::Execution execution =
-        plan::plan_execution(config, run.train.seq_len, machine, plan_options, options.chunk_tokens);
+    const plan::Execution execution = plan::plan_execution(config, run.train.seq_len, machine, plan_options,
+                                                           options.chunk_tokens, options.optimizer_on_host);
     log_info("memory ", execution.summary);
     device_chunk_tokens = execution.chunk_tokens;
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);

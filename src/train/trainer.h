@@ -21,6 +21,9 @@ struct TrainOptions {
   // cuda: tokens per chunk of the streaming executor (0: none); unset, the planner picks the
   // memory policy (plan/execution.h).
   std::optional<int64_t> chunk_tokens;
+  // cuda: the AdamW state on the host (backend/cuda/host_optimizer.h); unset, where the planner
+  // puts it.
+  std::optional<bool> optimizer_on_host;
 };
 
 // Runs the training; returns the directory of the final checkpoint.

@@ -68,7 +68,7 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 
 int run_bench(const std::vector<std::string>& argv) {
   const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk"},
-                  {"random-tokens", "strict-kernels"});
+                  {"random-tokens", "strict-kernels", "host-optimizer"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -99,8 +99,10 @@ int run_bench(const std::vector<std::string>& argv) {
   const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
   plan::StepOptions plan_options;
   plan_options.absorbed = mla == "absorbed";
-  // The optimizer's place, once for all lengths: where the longest one needs it.
+  // The optimizer's place, once for all lengths: the host when asked, else where the longest
+  // length needs it.
   const bool optimizer_on_host =
+      args.flag("host-optimizer") ||
       plan::plan_execution(config, *std::max_element(lengths.begin(), lengths.end()), machine, plan_options,
                            forced_chunk)
           .policy.optimizer_on_host;

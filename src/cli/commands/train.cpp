@@ -8,7 +8,8 @@
 namespace spindle {
 
 int run_train(const std::vector<std::string>& argv) {
-  const Args args("train", argv, {"config", "stop-after", "device", "chunk"}, {"resume", "strict-kernels"});
+  const Args args("train", argv, {"config", "stop-after", "device", "chunk"},
+                  {"resume", "strict-kernels", "host-optimizer"});
   const RunConfig run = load_run_config(args.required("config"));
   TrainOptions options;
   options.resume = args.flag("resume");
@@ -17,6 +18,10 @@ int run_train(const std::vector<std::string>& argv) {
   options.strict_kernels = args.flag("strict-kernels");
   check(options.device == Device::CUDA || !options.strict_kernels,
         "--strict-kernels applies to --device cuda");
+  if (args.flag("host-optimizer")) {
+    check(options.device == Device::CUDA, "--host-optimizer applies to --device cuda");
+    options.optimizer_on_host = true;
+  }
   if (args.optional("chunk")) {
     options.chunk_tokens = args.int_or("chunk", 0);
     check(options.device == Device::CUDA,
