@@ -70,6 +70,9 @@ train_toml "$here/data/chr22_256.fa" 64 "$work/small_vocab.json" > "$work/vocab.
 expect_failure train-vocab-too-small "vocab_size \\(8\\).*nucleotide" "$spindle" train --config "$work/vocab.toml"
 train_toml "$here/data/chr22_256.fa" 64 "$here/configs/tiny.json" | sed 's/steps = 2/stepz = 2/' > "$work/typo.toml"
 expect_failure train-unknown-key "unknown key 'stepz'" "$spindle" train --config "$work/typo.toml"
+train_toml "$here/data/chr22_256.fa" 64 "$here/configs/tiny.json" > "$work/ok.toml"
+expect_failure train-host-optimizer-on-cpu "host-optimizer applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --host-optimizer
+expect_failure train-chunk-on-cpu "chunk applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --chunk 16
 [ ! -e "$work/run/latest" ] || { echo "FAIL: a failed run left a checkpoint"; failures=$((failures + 1)); }
 
 expect_failure missing-model-dir "config.json|no such|cannot" "$spindle" info --model "$work/nowhere"
