@@ -1,6 +1,5 @@
 #include "plan/execution.h"
 
-#include <cstdio>
 #include <sstream>
 
 #include "core/error.h"
@@ -8,12 +7,6 @@
 namespace spindle::plan {
 
 namespace {
-
-std::string gib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
-  return text;
-}
 
 Execution from(const Candidate& candidate, bool forced) {
   Execution e;
@@ -24,7 +17,7 @@ Execution from(const Candidate& candidate, bool forced) {
   e.forced = forced;
   e.summary = "policy " + candidate.policy.name() +
               (forced ? " (forced by --chunk)" : " (the planner's pick)") + ": predicted peak " +
-              gib(e.predicted_peak_bytes) + " on the device" +
+              gib_text(e.predicted_peak_bytes) + " on the device" +
               (candidate.fits() ? "" : "; it does not fit: " + candidate.infeasible);
   return e;
 }
@@ -74,8 +67,8 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
   for (const Candidate& candidate : plan.candidates)
     if (runs(candidate.policy))
       why << "\n  " << candidate.policy.name() << ": " << (candidate.fits() ? "fits" : candidate.infeasible);
-  fail("no policy that the executor runs fits ", tokens, " tokens on this machine (", gib(machine.gpu_bytes),
-       " GPU, ", gib(machine.host_bytes), " host):", why.str(),
+  fail("no policy that the executor runs fits ", tokens, " tokens on this machine (",
+       gib_text(machine.gpu_bytes), " GPU, ", gib_text(machine.host_bytes), " host):", why.str(),
        "\n(spindle plan lists every policy; a shorter --seq-len or a larger GPU may fit)");
 }
 

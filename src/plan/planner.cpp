@@ -8,13 +8,13 @@
 
 namespace spindle::plan {
 
-namespace {
-
-std::string gib(int64_t bytes) {
+std::string gib_text(int64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
   return text;
 }
+
+namespace {
 
 std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus) {
   std::vector<Policy> out;
@@ -44,8 +44,9 @@ std::vector<int64_t> chunk_lengths(int64_t tokens) {
 Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
   check(r.tokens >= 2, "--seq-len must be at least 2 tokens, got ", r.tokens);
   check(r.machine.gpus >= 1, "--gpus must be at least 1, got ", r.machine.gpus);
-  check(r.machine.gpu_bytes > kDeviceReserveBytes, "--gpu-mem must exceed the ", gib(kDeviceReserveBytes),
-        " kept for the CUDA context and libraries, got ", gib(r.machine.gpu_bytes));
+  check(r.machine.gpu_bytes > kDeviceReserveBytes, "--gpu-mem must exceed the ",
+        gib_text(kDeviceReserveBytes), " kept for the CUDA context and libraries, got ",
+        gib_text(r.machine.gpu_bytes));
   check(r.machine.host_bytes > 0, "--host-mem must be positive");
   check(r.hardware.mfu > 0 && r.hardware.mfu <= 1, "--mfu must be in (0, 1], got ", r.hardware.mfu);
   const int64_t usable = r.machine.gpu_bytes - kDeviceReserveBytes;
@@ -60,9 +61,9 @@ Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
     x.memory = predict_memory(shapes, state, r.tokens, policy, r.options);
     x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware);
     if (x.memory.device.peak_total > usable)
-      x.infeasible = "device " + gib(x.memory.device.peak_total) + " > " + gib(usable) + " usable";
+      x.infeasible = "device " + gib_text(x.memory.device.peak_total) + " > " + gib_text(usable) + " usable";
     else if (x.memory.host > r.machine.host_bytes)
-      x.infeasible = "host " + gib(x.memory.host) + " > " + gib(r.machine.host_bytes);
+      x.infeasible = "host " + gib_text(x.memory.host) + " > " + gib_text(r.machine.host_bytes);
     plan.candidates.push_back(x);
   }
   std::stable_sort(plan.candidates.begin(), plan.candidates.end(),

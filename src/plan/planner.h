@@ -51,4 +51,7 @@ Plan make_plan(const ModelConfig& c, const PlanRequest& request);
 // Streaming chunk lengths the planner tries: 4k, 16k, 64k and 256k tokens, those below `tokens`.
 std::vector<int64_t> chunk_lengths(int64_t tokens);
 
+// "12.3 GiB", for the planner's messages.
+std::string gib_text(int64_t bytes);
+
 }  // namespace spindle::plan

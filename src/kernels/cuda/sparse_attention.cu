@@ -14,9 +14,9 @@
 // dkv once; it costs a sort and a second walk over the queries' statistics (m, l, sum per query
 // and head, saved by pass 1).
 //
-// Next steps for speed (not done here): bf16x2/16-byte loads, several slots per warp in flight,
-// tensor cores (wgmma) over a tile of heads x selected keys, since all heads of a query share the
-// same selected rows.
+// The absorbed form's fast path is sparse_mla.cu (all heads of a query against the same gathered
+// latent rows on the tensor cores); this kernel serves the expanded form and any shape that one
+// does not take (loudly). Next for it: bf16x2/16-byte loads, several slots per warp in flight.
 #include <algorithm>
 #include <cmath>
 
