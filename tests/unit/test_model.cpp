@@ -24,6 +24,13 @@ namespace fs = std::filesystem;
 
 const std::string kTiny = std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json";
 
+// The largest |a[i] - b[i]|.
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
 fs::path fresh_dir(const std::string& name) {
   const fs::path dir =
       fs::temp_directory_path() / ("spindle_model_" + name + "_" + std::to_string(::getpid()));
@@ -201,12 +208,6 @@ TEST(Model, ForwardIsCausal) {
   fs::remove_all(dir);
 }
 
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
-
 int64_t parameter_count(const ModelConfig& c) {
   ModelWeights shapes = allocate_weights(c, DType::BF16, /*shapes_only=*/true);
   int64_t total = 0;
@@ -236,12 +237,6 @@ TEST(Model, ReferenceConfigs) {
   EXPECT_GE(parameter_count(small), int64_t{4'000'000'000});
 }
 
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
-
 // The analytic count's projections equal 2 x the multiply-adds of every weight matrix a token
 // passes through, counted here from the parameter table instead: experts weighted by the
 // share a token uses (k of E), conv taps and vectors left out, the tied head counted once more.
@@ -269,12 +264,6 @@ TEST(ModelFlops, ProjectionsAreTwiceTheMatricesATokenUses) {
   EXPECT_DOUBLE_EQ(f.training(), 3 * (f.projections + f.kda + f.attention + f.indexer));
 }
 
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
-
 // The streaming executor's first brick: a KDA layer run chunk by chunk, carrying the delta-rule
 // state and the conv window, equals the layer run over the whole sequence (double). Chunks of
 // 1 and 3 tokens split the 4-tap conv window; 64 is a KDA chunk; 97 is none of these.
@@ -300,17 +289,10 @@ TEST(Streaming, KdaLayerInChunksEqualsTheWholeSequence) {
       const int64_t n = std::min(chunk, L - start);
       kda_forward(c, w.layers[0].kda, x.data() + start * D, n, streamed.data() + start * D, carry);
     }
-    double worst = 0;
-    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
+    const double worst = max_abs_difference(streamed, whole);
     EXPECT_LT(worst, 1e-12 * scale) << "chunks of " << chunk;
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // A DSA layer run chunk by chunk, carrying the earlier tokens' keys/values and indexer keys,
 // selects the same keys and computes the same outputs as over the whole sequence (double).
@@ -350,17 +332,10 @@ TEST(Streaming, DsaLayerInChunksEqualsTheWholeSequence) {
             selection[static_cast<size_t>(i)] != whole_selection[static_cast<size_t>(start * width + i)];
     }
     EXPECT_EQ(differing, 0) << "selected positions that differ, chunks of " << chunk;
-    double worst = 0;
-    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
+    const double worst = max_abs_difference(streamed, whole);
     EXPECT_LT(worst, 1e-12 * scale) << "chunks of " << chunk;
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // The whole model, streamed through all layers a chunk at a time, gives the log-probs of the
 // plain pass (double): tiny's 3 KDA + 1 DSA layers, MoE, mHC, 300 real DNA tokens.
@@ -378,17 +353,10 @@ TEST(Streaming, ModelLogProbsInChunksEqualTheWholeSequence) {
     options.chunk_tokens = chunk;
     const std::vector<double> streamed = sequence_log_probs<double>(c, w, tokens, options);
     ASSERT_EQ(streamed.size(), whole.size());
-    double worst = 0;
-    for (size_t i = 0; i < whole.size(); ++i) worst = std::max(worst, std::abs(streamed[i] - whole[i]));
+    const double worst = max_abs_difference(streamed, whole);
     EXPECT_LT(worst, 1e-11) << "chunks of " << chunk;
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // The largest |a - b| over two tensors of one shape, and the largest |b| (the scale it is judged by).
 std::pair<double, double> tensor_gap(const Tensor& a, const Tensor& b) {
@@ -435,8 +403,7 @@ TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
       kda_backward(c, kda, x.data() + t0 * D, n, dy.data() + t0 * D, dx.data() + t0 * D,
                    chunked.layers[0].kda, starts[k], carry_grad);
     }
-    double worst = 0;
-    for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
+    const double worst = max_abs_difference(dx, dx_whole);
     EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
     auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
     for (size_t p = 0; p < a.size(); ++p) {
@@ -446,12 +413,6 @@ TEST(Streaming, KdaLayerBackwardInChunksEqualsTheWholeSequence) {
     }
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // A DSA layer's backward in chunks, last chunk first, over the forward's cache: each chunk adds
 // its queries' key/value gradients (and, training the indexer, its pooled keys' gradients) to
@@ -504,8 +465,7 @@ TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
       }
       EXPECT_EQ(kl.layers, whole_kl.layers);
       EXPECT_NEAR(kl.kl_sum, whole_kl.kl_sum, 1e-12 * whole_kl.kl_sum) << "chunks of " << chunk;
-      double worst = 0;
-      for (size_t i = 0; i < dx.size(); ++i) worst = std::max(worst, std::abs(dx[i] - dx_whole[i]));
+      const double worst = max_abs_difference(dx, dx_whole);
       EXPECT_LT(worst, 1e-10 * scale) << "dx, chunks of " << chunk;
       auto a = parameter_table(c, chunked), b = parameter_table(c, whole);
       const std::string prefix = "layers." + std::to_string(layer) + ".self_attn.";
@@ -525,12 +485,6 @@ TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
     }
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // The streaming executor's loss and gradients equal the plain path's (double), for chunks that
 // split the conv window (1, 3), the 8-token pools (7, 37) and a KDA chunk (64): every parameter,
@@ -568,12 +522,6 @@ TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
       EXPECT_EQ(streamed.expert_load[l], plain.expert_load[l]);
   }
 }
-
-}  // namespace
-}  // namespace spindle
-
-namespace spindle {
-namespace {
 
 // With the indexers trained on their KL (and the balance loss on), the streaming executor's loss,
 // indexer KL and every parameter's gradient equal the plain path's (double). Two DSA layers with

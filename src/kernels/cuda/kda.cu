@@ -29,6 +29,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_chunk.cuh"
 
 namespace spindle::cuda {
 
@@ -47,30 +48,6 @@ static_assert(kC % kSub == 0, "sub-chunks tile the chunk");
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-// k, q (bf16 -> fp32) and g of chunk c into [C, kp] tiles, then G_t = sum_{s<=t} g_s in place of g.
-__device__ void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ q,
-                                       const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
-                                       int64_t t0, int n, int h, int heads, int dk, float* kb, float* qb,
-                                       float* Gb) {
-  const int kp = dk + 1;
-  for (int idx = threadIdx.x; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk;
-    const int64_t src = ((t0 + t) * heads + h) * dk + i;
-    kb[t * kp + i] = __bfloat162float(k[src]);
-    qb[t * kp + i] = __bfloat162float(q[src]);
-    Gb[t * kp + i] = g[src];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < dk; i += kThreads) {
-    float run = 0.0f;
-    for (int t = 0; t < n; ++t) {
-      run += Gb[t * kp + i];
-      Gb[t * kp + i] = run;
-    }
-  }
-  __syncthreads();
-}
-
 size_t matrices_smem_bytes(int dk) { return sizeof(float) * static_cast<size_t>(3 * kC * (dk + 1)); }
 
 // Step 2 for chunk c0 + blockIdx.x of head blockIdx.y: A and Aq into mats [chunks, heads, 2, C, C]
@@ -86,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
   float* kb = smem;
   float* qb = kb + kC * kp;
   float* Gb = qb + kC * kp;
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kb, qb, Gb);
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kp, qb, kb, Gb, nullptr);
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * 2 * kC * kC;
   float* Aq = A + kC * kC;
   for (int idx = threadIdx.x; idx < kC * kC; idx += kThreads) {
@@ -147,9 +124,7 @@ __global__ void __launch_bounds__(kThreads)
     const float* chunk_mats = mats + ((c - c0) * heads + h) * 2 * kC * kC;
     for (int idx = tid; idx < 2 * kC * kC; idx += kThreads) A[idx] = chunk_mats[idx];  // A, then Aq
     for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kb, qb, Gb);
-    for (int i = tid; i < dk; i += kThreads) gl[i] = Gb[(n - 1) * kp + i];
-    __syncthreads();
+    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kp, qb, kb, Gb, gl);
     for (int idx = tid; idx < n * dk; idx += kThreads) {
       const int t = idx / dk, i = idx - t * dk;
       const float G = Gb[t * kp + i], e = expf(G);

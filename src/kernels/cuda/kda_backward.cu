@@ -16,6 +16,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_chunk.cuh"
 
 namespace spindle::cuda {
 
@@ -35,31 +36,7 @@ constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-// k (and q, unless qs is null) as fp32 and G_t = sum_{s<=t} g_s of tokens [t0, t0 + n) of head h
-// into [C, kKp] tiles; glast[i] = G_{n-1, i}. Ends with a barrier.
-__device__ void load_chunk(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                           const float* __restrict__ g, int64_t t0, int n, int h, int heads, int dk,
-                           float* qs, float* ks, float* Gs, float* glast) {
-  for (int idx = threadIdx.x; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk;
-    const int64_t src = ((t0 + t) * heads + h) * dk + i;
-    if (qs != nullptr) qs[t * kKp + i] = __bfloat162float(q[src]);
-    ks[t * kKp + i] = __bfloat162float(k[src]);
-    Gs[t * kKp + i] = g[src];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < dk; i += kThreads) {
-    float run = 0.0f;
-    for (int t = 0; t < n; ++t) {
-      run += Gs[t * kKp + i];
-      Gs[t * kKp + i] = run;
-    }
-    glast[i] = run;
-  }
-  __syncthreads();
-}
-
-size_t prep_smem_floats() { return 3 * kC * kKp + kC * kC + kC * kSolveStride + kC + kMaxDim; }
+size_t prep_smem_floats() { return 3 * kC * kKp + kC * kC + kC * kSolveStride + kC; }
 
 // Kernel 1, chunk c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
 // (unit lower) into mats [chunks, heads, 3, C, C], zero past the chunk's last token.
@@ -77,9 +54,8 @@ __global__ void __launch_bounds__(kThreads)
   float* As = Gs + kC * kKp;           // [C, C]
   float* Ts = As + kC * kC;            // [C, kSolveStride]
   float* bt = Ts + kC * kSolveStride;  // [C]
-  float* glast = bt + kC;              // [kMaxDim] (load_chunk's; unused here)
   for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-  load_chunk(q, k, g, t0, n, h, heads, dk, qs, ks, Gs, glast);
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, nullptr);
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
   float* Aq = A + kC * kC;
   float* Tinv = Aq + kC * kC;
@@ -178,7 +154,7 @@ __global__ void __launch_bounds__(kThreads)
       const int t = idx / kTileV, j = j0 + idx % kTileV;
       dO[idx] = j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
     }
-    load_chunk(q, k, g, t0, n, h, heads, dk, Qg, W, Kb, glast);
+    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, Qg, W, Kb, glast);
     for (int idx = tid; idx < n * dk; idx += kThreads) {
       const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
       const float G = Kb[x], e = expf(G), kv = W[x];
@@ -289,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Aq[t * kCp + s] = m[kC * kC + idx];
     Tinv[t * kCp + s] = m[2 * kC * kC + idx];
   }
-  load_chunk(nullptr, k, g, t0, n, h, heads, dk, nullptr, W, Kb, glast);
+  load_chunk_with_prefix(nullptr, k, g, t0, n, h, heads, dk, kKp, nullptr, W, Kb, glast);
   for (int idx = tid; idx < n * dk; idx += kThreads) {
     const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
     const float G = Kb[x], kv = W[x];
@@ -392,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // q, k and G again, where W, Kb and the matrices were.
-  load_chunk(q, k, g, t0, n, h, heads, dk, Qs, Ks, Gs, glast);
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, Qs, Ks, Gs, glast);
 #pragma unroll
   for (int r = 0; r < kElems; ++r) {
     const int e = tid + kThreads * r;

@@ -80,11 +80,44 @@ void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L,
   end();
 }
 
+DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
+                                            std::vector<LayerCarry>& carries, const FfnForward& ffn) {
+  const ModelConfig& c = config_;
+  const ModelWeights& w = weights_.tensors();
+  const int64_t H = c.hc_mult, D = c.hidden_size;
+  DeviceBuffer<bf16> streams = activations(n * H * D), next = activations(n * H * D);
+  embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D,
+                ctx_.stream());
+  DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& layer = w.layers[i];
+    LayerCarry& carry = carries[i];
+    residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
+                          [&](const bf16* x, bf16* y) {
+                            attention_forward(layer, x, n, selection, y, false,
+                                              carry.kda ? &*carry.kda : nullptr,
+                                              carry.dsa ? &*carry.dsa : nullptr);
+                          });
+    std::swap(streams, next);
+    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
+                          next.data(), [&](const bf16* x, bf16* y) { ffn(i, x, y); });
+    std::swap(streams, next);
+  }
+  return streams;
+}
+
+void CudaModel::head_input(const bf16* streams, int64_t n, bf16* mean, bf16* hidden) {
+  const ModelConfig& c = config_;
+  stream_mean(streams, mean, n, c.hc_mult, c.hidden_size, ctx_.stream());
+  rms_norm_forward(mean, bf16_data(weights_.tensors().norm), hidden, n, c.hidden_size,
+                   static_cast<float>(c.rms_norm_eps), ctx_.stream());
+}
+
 std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const auto L = static_cast<int64_t>(tokens.size());
-  const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
   check(chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", chunk_tokens);
   const int64_t chunk = chunk_tokens > 0 ? std::min(chunk_tokens, L) : L;
@@ -96,31 +129,15 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int6
 
   for (int64_t start = 0; start < L; start += chunk) {
     const int64_t n = std::min(chunk, L - start);
-    DeviceBuffer<bf16> streams = activations(n * H * D), next = activations(n * H * D);
-    embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
-    DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
-    for (size_t i = 0; i < w.layers.size(); ++i) {
-      const LayerWeights& layer = w.layers[i];
-      LayerCarry& carry = carries[i];
-      residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
-                            [&](const bf16* x, bf16* y) {
-                              attention_forward(layer, x, n, selection, y, false,
-                                                carry.kda ? &*carry.kda : nullptr,
-                                                carry.dsa ? &*carry.dsa : nullptr);
-                            });
-      std::swap(streams, next);
-      residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
-                            next.data(), [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); });
-      std::swap(streams, next);
-    }
+    const DeviceBuffer<bf16> streams =
+        forward_chunk(sequence, start, n, carries,
+                      [&](size_t i, const bf16* x, bf16* y) { ffn_forward(w.layers[i], x, n, y); });
 
     // The head over this chunk's rows: row r predicts token start + r + 1 (the last row of the
     // sequence predicts nothing).
     begin("head");
     DeviceBuffer<bf16> mean = activations(n * D), hidden = activations(n * D);
-    stream_mean(streams.data(), mean.data(), n, H, D, s);
-    rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), n, D, static_cast<float>(c.rms_norm_eps),
-                     s);
+    head_input(streams.data(), n, mean.data(), hidden.data());
     ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data() + start,
                       log_prob.data() + start, nullptr, nullptr, n, D, V, s);
     end();
@@ -203,10 +220,8 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   // Exit and head: mean over streams, final norm, the fused lm_head + cross-entropy.
   begin("head");
   DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
-  stream_mean(streams.data(), mean.data(), L, H, D, s);
+  head_input(streams.data(), L, mean.data(), hidden.data());
   streams = DeviceBuffer<bf16>();
-  rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), L, D, static_cast<float>(c.rms_norm_eps),
-                   s);
   DeviceBuffer<float> log_prob = activations_f32(L), lse = activations_f32(L), loss = activations_f32(1);
   ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), log_prob.data(), lse.data(),
                     loss.data(), L, D, V, s);

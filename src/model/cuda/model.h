@@ -3,6 +3,7 @@
 // the forward keeps each residual site's input streams, the backward recomputes each sublayer.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "model/cuda/context.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
+#include "model/cuda/sequence.h"
 #include "model/weights.h"
 
 namespace spindle::cuda {
@@ -41,6 +43,16 @@ class CudaModel {
   // Each layer's carry for a streamed sequence of `tokens` tokens: zero KDA carries, empty DSA
   // caches with room for the whole sequence.
   std::vector<LayerCarry> start_carries(int64_t tokens);
+
+  // Tokens start .. start + n of `sequence` forward through all layers, each attention sublayer
+  // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer.
+  // Returns the last layer's output streams [n, hc_mult, hidden].
+  using FfnForward = std::function<void(size_t layer, const __nv_bfloat16* x, __nv_bfloat16* y)>;
+  DeviceBuffer<__nv_bfloat16> forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
+                                            std::vector<LayerCarry>& carries, const FfnForward& ffn);
+  // The head's input for n rows: the mean over the residual streams (kept for the backward), then
+  // the final norm.
+  void head_input(const __nv_bfloat16* streams, int64_t n, __nv_bfloat16* mean, __nv_bfloat16* hidden);
 
   void begin(const char* kind);
   void end();

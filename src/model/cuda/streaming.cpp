@@ -51,39 +51,24 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     kda_starts[k].resize(layers);
     for (size_t i = 0; i < layers; ++i)
       if (carries[i].kda) kda_starts[k][i].emplace(*carries[i].kda, s);
-    DeviceBuffer<bf16> streams = activations(n * H * D), next = activations(n * H * D);
-    embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
-    DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
-    for (size_t i = 0; i < layers; ++i) {
+    forward_chunk(sequence, start, n, carries, [&](size_t i, const bf16* x, bf16* y) {
       const LayerWeights& layer = w.layers[i];
-      LayerCarry& carry = carries[i];
-      residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
-                            [&](const bf16* x, bf16* y) {
-                              attention_forward(layer, x, n, selection, y, false,
-                                                carry.kda ? &*carry.kda : nullptr,
-                                                carry.dsa ? &*carry.dsa : nullptr);
-                            });
-      std::swap(streams, next);
-      residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
-                            next.data(), [&](const bf16* x, bf16* y) {
-                              if (layer.mlp == MlpKind::Dense) {
-                                ffn_forward(layer, x, n, y);
-                                return;
-                              }
-                              std::vector<int64_t> load;
-                              DeviceBuffer<float> logits = activations_f32(balance ? n * E : 0);
-                              ffn_forward(layer, x, n, y, &load, balance ? logits.data() : nullptr);
-                              if (balance) {
-                                balance_statistics(logits.data(), n, E, c.num_experts_per_tok,
-                                                   balance_stats.data(), balance_stats.data() + E, s);
-                                balance_rows += static_cast<double>(n);
-                              }
-                              auto& total = result.expert_load[i];
-                              total.resize(load.size(), 0);
-                              for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
-                            });
-      std::swap(streams, next);
-    }
+      if (layer.mlp == MlpKind::Dense) {
+        ffn_forward(layer, x, n, y);
+        return;
+      }
+      std::vector<int64_t> load;
+      DeviceBuffer<float> logits = activations_f32(balance ? n * E : 0);
+      ffn_forward(layer, x, n, y, &load, balance ? logits.data() : nullptr);
+      if (balance) {
+        balance_statistics(logits.data(), n, E, c.num_experts_per_tok, balance_stats.data(),
+                           balance_stats.data() + E, s);
+        balance_rows += static_cast<double>(n);
+      }
+      auto& total = result.expert_load[i];
+      total.resize(load.size(), 0);
+      for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+    });
   }
   BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
   if (balance) {
@@ -153,10 +138,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     // row predicts nothing).
     begin("head");
     DeviceBuffer<bf16> mean = activations(n * D), hidden = activations(n * D);
-    stream_mean(streams.data(), mean.data(), n, H, D, s);
+    head_input(streams.data(), n, mean.data(), hidden.data());
     streams = DeviceBuffer<bf16>();
-    rms_norm_forward(mean.data(), bf16_data(w.norm), hidden.data(), n, D, static_cast<float>(c.rms_norm_eps),
-                     s);
     const int32_t* targets = sequence.targets.data() + start;
     DeviceBuffer<float> lse = activations_f32(n);
     ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets, log_prob.data() + start, lse.data(),
