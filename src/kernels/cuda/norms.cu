@@ -106,6 +106,20 @@ __device__ void row_sum(float (&v)[N], int group, float* shared) {
   __syncthreads();  // the next sum reuses `shared`
 }
 
+// Layer norm's statistics of a loaded row: centres v in place and returns 1 / sqrt(var + eps).
+// Two passes over the registers (mean, then the centred squares): no cancellation.
+template <int V, int C>
+__device__ float center_and_inv_std(float (&v)[C * V], const RowSlot& s, int D, float eps, float* shared) {
+  float sum[1] = {register_sum(v)};
+  row_sum(sum, s.group, shared);
+  center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
+  sum[0] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < C * V; ++i) sum[0] += v[i] * v[i];
+  row_sum(sum, s.group, shared);
+  return rsqrtf(sum[0] / static_cast<float>(D) + eps);
+}
+
 // grad (fp32, global) += the thread's per-element sums. Every thread of the block calls it.
 template <int V, int C>
 __device__ void add_gradient(const float* sums, float* grad, const RowSlot& s, int D, float* combine) {
@@ -224,15 +238,7 @@ __global__ void __launch_bounds__(kMaxBlock)
   for (int64_t r = s.row; r < rows; r += s.stride) {
     float v[E], w[E];
     load_row<V, C>(x + r * D, s, D, v);
-    // Two passes over the registers (mean, then the centred squares): no cancellation.
-    float sum[1] = {register_sum(v)};
-    row_sum(sum, s.group, shared);
-    center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
-    sum[0] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
-    row_sum(sum, s.group, shared);
-    const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
+    const float inv = center_and_inv_std<V, C>(v, s, D, eps, shared);
     load_row<V, C>(weight, s, D, w);
 #pragma unroll
     for (int i = 0; i < E; ++i) v[i] *= inv * w[i];
@@ -257,14 +263,7 @@ __global__ void __launch_bounds__(kMaxBlock)
   for (int64_t r = s.row; r < rows; r += s.stride) {
     float v[E], g[E], w[E];
     load_row<V, C>(x + r * D, s, D, v);
-    float sum[1] = {register_sum(v)};
-    row_sum(sum, s.group, shared);
-    center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
-    sum[0] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
-    row_sum(sum, s.group, shared);
-    const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
+    const float inv = center_and_inv_std<V, C>(v, s, D, eps, shared);
     load_row<V, C>(dy + r * D, s, D, g);
     load_row<V, C>(weight, s, D, w);
     float sums[2] = {0.0f, 0.0f};
