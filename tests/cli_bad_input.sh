@@ -98,6 +98,9 @@ expect_failure route-random-no-length "random-tokens needs --length" "$spindle" 
 expect_failure route-length-too-long "length must be in \\[2, 8\\]" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --length 9
 expect_failure route-negative-chunk "chunk must be" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
 expect_failure route-token-out-of-range "token id 99.*vocabulary" "$spindle" route --model "$work/model" --tokens "$work/big.txt"
+# bench checks its tokens before it initialises a model or looks for a GPU.
+expect_failure bench-tokens-too-short "has 8 tokens, --seq-len 9 needs more" "$spindle" bench --model "$here/configs/tiny.json" --tokens "$work/tokens.txt" --seq-len 9
+expect_failure bench-fasta-too-short "longer than every sequence" "$spindle" bench --model "$here/configs/tiny.json" --tokens "$here/data/chr22_256.fa" --seq-len 300
 if output=$("$spindle" route --model "$work/model" --random-tokens --length 64 --chunk 16 --out "$work/route.json" 2>&1) &&
   grep -q "^per-expert buffer: " <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/route.json"; then
   echo "ok   route: $(grep '^per-expert buffer:' <<<"$output")"

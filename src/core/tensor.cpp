@@ -3,6 +3,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/parallel.h"
+
 namespace spindle {
 
 const char* device_name(Device device) { return device == Device::CPU ? "cpu" : "cuda"; }
@@ -182,8 +184,11 @@ void Tensor::copy_from(const Tensor& source) {
     }
     return;
   }
-  for (int64_t i = 0; i < n; ++i)
-    store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
+  // Conversions of whole weight sets (billions of elements) run on every core.
+  parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
+  });
 }
 
 Tensor Tensor::to(DType dtype, MemoryCategory category) const {

@@ -46,7 +46,7 @@ void TokenSequences::check_index(int64_t i) const {
     fail(source(), ": sequence index ", i, " is out of range (", size(), " sequences)");
 }
 
-std::string detect_sequence_format(const std::string& path) {
+std::optional<std::string> sequence_format_of(const std::string& path) {
   std::string lower = path;
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   for (const char* compressed : {".gz", ".bgz", ".bgzf"}) {
@@ -58,6 +58,11 @@ std::string detect_sequence_format(const std::string& path) {
   if (ends_with(lower, ".u32")) return "u32";
   if (ends_with(lower, ".bin") || ends_with(lower, ".idx")) return "megatron";
   if (std::filesystem::exists(path + ".idx")) return "megatron";  // a Megatron path prefix
+  return std::nullopt;
+}
+
+std::string detect_sequence_format(const std::string& path) {
+  if (const auto format = sequence_format_of(path)) return *format;
   fail("cannot tell the format of '", path,
        "' from its name: expected .fa/.fasta/.fna (optionally .gz), .u32, or a Megatron .bin/.idx; "
        "or give the format (fasta, u32, megatron)");

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,9 @@ struct SequenceOptions {
 
 std::unique_ptr<TokenSequences> open_sequences(const std::string& path, const SequenceOptions& options = {});
 
-// The format "auto" picks for `path` ("fasta", "u32", "megatron"); an unknown name is an error.
+// The format "auto" picks for `path` ("fasta", "u32", "megatron"), or none for an unknown name.
+std::optional<std::string> sequence_format_of(const std::string& path);
+// The same; an unknown name is an error.
 std::string detect_sequence_format(const std::string& path);
 
 }  // namespace spindle

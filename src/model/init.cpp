@@ -1,18 +1,40 @@
 #include "model/init.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
+#include "core/parallel.h"
 #include "core/random.h"
 
 namespace spindle {
 
 namespace {
 
-void fill(Tensor& t, Random& rng, double (*draw)(Random&, const ModelConfig&), const ModelConfig& c) {
-  const int64_t n = t.numel();
+// Each block of a tensor draws from its own generator, seeded by (seed, parameter, block), so that
+// the blocks fill in parallel and the weights do not depend on the number of threads.
+constexpr int64_t kBlock = int64_t{1} << 16;
+
+uint64_t block_seed(uint64_t seed, size_t param, int64_t block) {
+  uint64_t x = seed;
+  for (const uint64_t word : {static_cast<uint64_t>(param), static_cast<uint64_t>(block)}) {
+    x = (x ^ word) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 29;
+  }
+  return x;
+}
+
+void fill(Tensor& t, uint64_t seed, size_t param, double (*draw)(Random&, const ModelConfig&),
+          const ModelConfig& c) {
+  const int64_t n = t.numel(), blocks = (n + kBlock - 1) / kBlock;
   Tensor values = Tensor::empty({n}, DType::F64);
   double* v = values.data<double>();
-  for (int64_t i = 0; i < n; ++i) v[i] = draw(rng, c);
+  parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      Random rng(block_seed(seed, param, b));
+      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) v[i] = draw(rng, c);
+    }
+  });
   t.copy_from(values.reshape(t.shape()));
 }
 
@@ -33,14 +55,18 @@ double draw_dt_bias(Random& rng, const ModelConfig&) {
 }  // namespace
 
 void init_weights(const ModelConfig& c, ModelWeights& w, uint64_t seed) {
-  Random rng(seed);
-  for (Param& p : parameter_table(c, w)) {
+  std::vector<Param> params = parameter_table(c, w);
+  for (size_t index = 0; index < params.size(); ++index) {
+    Param& p = params[index];
+    const auto fill_with = [&](double (*draw)(Random&, const ModelConfig&)) {
+      fill(p.tensor, seed, index, draw, c);
+    };
     switch (p.role) {
       case ParamRole::Matrix:
-        fill(p.tensor, rng, draw_normal, c);
+        fill_with(draw_normal);
         break;
       case ParamRole::Embedding: {
-        fill(p.tensor, rng, draw_normal, c);
+        fill_with(draw_normal);
         if (c.pad_token_id && *c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size) {
           Tensor row = p.tensor.select(*c.pad_token_id);
           row.fill_zero();
@@ -48,24 +74,24 @@ void init_weights(const ModelConfig& c, ModelWeights& w, uint64_t seed) {
         break;
       }
       case ParamRole::HcFn:
-        fill(p.tensor, rng, draw_normal_002, c);
+        fill_with(draw_normal_002);
         break;
       case ParamRole::Norm:
       case ParamRole::HcScale:
       case ParamRole::CompressGate:
-        fill(p.tensor, rng, draw_one, c);
+        fill_with(draw_one);
         break;
       case ParamRole::NormBias:
       case ParamRole::HcBase:
       case ParamRole::CompressApe:
       case ParamRole::RouterBias:
-        fill(p.tensor, rng, draw_zero, c);
+        fill_with(draw_zero);
         break;
       case ParamRole::ALog:
-        fill(p.tensor, rng, draw_a_log, c);
+        fill_with(draw_a_log);
         break;
       case ParamRole::DtBias:
-        fill(p.tensor, rng, draw_dt_bias, c);
+        fill_with(draw_dt_bias);
         break;
     }
   }

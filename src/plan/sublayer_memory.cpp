@@ -10,6 +10,7 @@ namespace {
 
 constexpr int64_t kKdaChunk = 64;                            // kernels/cuda/kda.h kKdaChunk
 constexpr int64_t kKdaSegmentChunks = 256;                   // kernels/cuda/kda.h kKdaSegmentChunks
+constexpr int64_t kKdaBackwardSegmentChunks = 128;           // kernels/cuda/kda.h
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -43,6 +44,11 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
   a.push_back(f32(m, L * H));                               // dbeta
+  {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats)
+    const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
+    const Ledger::Block workspace =
+        m.workspace(4 * (segment * H * 3 * kKdaChunk * kKdaChunk + (segment + 1) * H * dh * dh));
+  }
 
   a.push_back(bf16(m, L * H));  // db
   a.push_back(bf16(m, L * w));  // df

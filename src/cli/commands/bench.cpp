@@ -1,5 +1,6 @@
 // spindle bench: forward + backward + optimizer steps of a model on the GPU at given sequence
-// lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so).
+// lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so): the
+// first L of bench/chr22_70k.tokens, or with --tokens FILE.fa[.gz] an N-free window of a genome.
 // Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
 // by category and MFU from the analytic FLOP count (model/flops.h; when streamed, the streaming
 // executor's extra forward is not counted). The memory policy per length is the planner's pick
@@ -19,6 +20,8 @@
 #include "cli/commands.h"
 #include "core/host_memory.h"
 #include "core/log.h"
+#include "data/sequence_source.h"
+#include "data/window_sampler.h"
 #include "io/token_text.h"
 #include "model/checkpoint.h"
 #include "model/flops.h"
@@ -57,6 +60,35 @@ Model bench_model(const std::string& source) {
   return load_model(source, DType::F32);
 }
 
+// Where the benchmark's tokens come from: any sequence file (FASTA, u32, Megatron), from which
+// each length takes one window free of N drawn with a fixed seed, or else a token text file
+// (bench/chr22_70k.tokens), whose first tokens it takes.
+class BenchTokens {
+ public:
+  explicit BenchTokens(const std::string& path) : path_(path) {
+    if (sequence_format_of(path))
+      sequences_ = open_sequences(path);
+    else
+      text_ = read_token_text(path);
+  }
+
+  std::vector<int32_t> window(int64_t length) const {
+    if (!sequences_) {
+      check(static_cast<int64_t>(text_.size()) >= length, path_, " has ", text_.size(), " tokens, --seq-len ",
+            length, " needs more (give a longer --tokens file, e.g. a FASTA, or --random-tokens)");
+      return {text_.begin(), text_.begin() + length};
+    }
+    std::vector<int32_t> tokens(static_cast<size_t>(length));
+    WindowSampler(*sequences_, length, 1, 0.0).next(tokens.data());
+    return tokens;
+  }
+
+ private:
+  std::string path_;
+  std::vector<int32_t> text_;
+  std::unique_ptr<TokenSequences> sequences_;
+};
+
 nlohmann::json memory_json(const MemoryStats& stats) {
   nlohmann::json out = {{"peak_total_bytes", stats.peak_total}};
   for (int c = 0; c < kMemoryCategories; ++c)
@@ -83,15 +115,14 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
 
+  std::optional<BenchTokens> dna;
+  if (!random_tokens) {
+    dna.emplace(token_file);
+    // Fail before the minutes of initialising a large model if the data is too short.
+    for (const int64_t L : lengths) dna->window(L);
+  }
   const Model model = bench_model(source);
   const ModelConfig& config = model.config;
-  std::vector<int32_t> dna;
-  if (!random_tokens) {
-    dna = read_token_text(token_file);
-    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-    check(static_cast<int64_t>(dna.size()) >= longest, token_file, " has ", dna.size(), " tokens, --seq-len ",
-          longest, " needs more (give a longer --tokens file, or --random-tokens)");
-  }
   const std::string mla = args.value_or("mla", "absorbed");
   check(mla == "absorbed" || mla == "expanded", "--mla must be absorbed or expanded, got '", mla, "'");
   auto device = open_device_model(Device::CUDA, config, model.weights,
@@ -122,7 +153,7 @@ int run_bench(const std::vector<std::string>& argv) {
       std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(config.vocab_size - 1));
       for (int32_t& t : tokens) t = id(engine);
     } else {
-      std::copy(dna.begin(), dna.begin() + L, tokens.begin());
+      tokens = dna->window(L);
     }
     const plan::Execution execution =
         plan::plan_execution(config, L, machine, plan_options, forced_chunk, optimizer_on_host);
