@@ -8,9 +8,11 @@ namespace spindle::plan {
 
 namespace {
 
-constexpr int64_t kKdaChunk = 64;                            // kernels/cuda/kda.h kKdaChunk
-constexpr int64_t kKdaSegmentChunks = 256;                   // kernels/cuda/kda.h kKdaSegmentChunks
-constexpr int64_t kKdaBackwardSegmentChunks = 128;           // kernels/cuda/kda.h
+constexpr int64_t kKdaChunk = 64;                   // kernels/cuda/kda.h kKdaChunk
+constexpr int64_t kKdaSegmentChunks = 256;          // kernels/cuda/kda.h kKdaSegmentChunks
+constexpr int64_t kKdaBackwardSegmentChunks = 128;  // kernels/cuda/kda.h
+constexpr int64_t kKdaMaxDim = 128;                 // kernels/cuda/kda.h: the blocks' strides
+constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -31,9 +33,10 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
   a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
-  // The forward's intra-chunk matrices, a segment of at most 256 chunks (kda_forward_workspace_floats).
+  // The forward's per chunk-head blocks (Aq, W, Kb, u, G_last), a segment of at most 256 chunks
+  // (kda_forward_workspace_floats).
   const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaSegmentChunks);
-  const Ledger::Block matrices = m.workspace(4 * segment * H * 2 * kKdaChunk * kKdaChunk);
+  const Ledger::Block blocks = m.workspace(4 * segment * H * kKdaForwardBlockFloats);
   return a;
 }
 

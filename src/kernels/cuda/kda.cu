@@ -1,35 +1,32 @@
-// Kimi Delta Attention, chunked. The recurrence is independent per value column (S's column j
-// sees only v[:, j]; k, g and beta are shared), so the grid is heads x value tiles of 16 columns:
-// a CTA of 256 threads owns the [dk, 16] slice of one head's fp32 state and walks the chunks in
-// order (16 heads x dv 128 give 128 CTAs, the width of an H200). Scalar fp32 FMAs, no tensor cores.
+// Kimi Delta Attention, chunked (C = 64), scalar fp32 on the CUDA cores; no tensor cores yet.
 //
-// Forward, per chunk of C = 64 tokens:
-//   1. load k, q (bf16 -> fp32) and g; per-channel prefix sums G_t = sum_{s<=t} g_s;
-//   2. A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq[t][s] likewise with q_t
-//      (s <= t), exponent differences taken directly (always <= 0: no overflow however long the
-//      chunk's cumulative decay). A separate kernel computes them for a segment of 256 chunks at
-//      once (grid chunks x heads: all of the GPU), before the sequential kernel walks the segment;
-//   3. rhs_t = v_t - (exp(G_t) * k_t)^T S;  u_t = beta_t (rhs_t - sum_{s<t} A[t][s] u_s), a unit
-//      lower-triangular forward substitution, 16 lanes per value column (shuffle sums);
-//   4. o_t = (exp(G_t) * q_t)^T S + sum_{s<=t} Aq[t][s] u_s;
-//   5. S = diag(exp(G_last)) S + sum_s (exp(G_last - G_s) * k_s) u_s^T.
-// Backward, chunks in reverse, the state gradient dS in registers (thread (jj, ig) owns column jj
-// and rows ig, ig + 16, ..): the chunk's states are recomputed from its stored entry state, first
-// to the entries of its four 16-token sub-chunks, then per sub-chunk (last first) every token's
-// state into shared memory, and the token-by-token reverse rule of cpu::kda_recurrence_backward
-// runs over them. Sums over the value column (dq, dk, dg, dbeta) are partial per tile and added
-// to the outputs with fp32 atomics.
+// Forward, per segment of up to kKdaSegmentChunks chunks, three launches:
+//   1. prep, grid chunks x heads: per chunk the prefix sums G_t = sum_{s<=t} g_s, the matrices
+//      A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq likewise with q_t (s <= t),
+//      Tinv = (I + diag(beta) A)^-1 by forward substitution, and the chunk's WY form
+//      W = Tinv diag(beta) exp(G) k, U0 = Tinv diag(beta) v, Kb = exp(G_last - G) k, G_last;
+//   2. state pass, grid heads x value tiles of 16 (the recurrence is independent per value
+//      column: S's column j sees only v[:, j]): the [dk, 16] state tile walks the chunks in
+//      order, u = U0 - W S, S = diag(exp G_last) S + Kb^T u, each chunk's entry state into
+//      chunk_states and u over U0; the next chunk's operands arrive by cp.async meanwhile;
+//   3. output, grid chunks x heads: o = exp(G) q S_c + Aq u.
+// Every exponential is of a difference <= 0, so no cumulative decay over- or underflows.
 //
-// Tensor-core version (next): a chunk-parallel kernel (grid chunks x heads) computes A, Aq and
-// T = (I + diag(beta) A)^-1 diag(beta) with wgmma, so that u = T (v - Kexp S) and the effective
-// keys W = T Kexp are GEMMs; the sequential kernel then carries S with two [dk, 64] x [64, dv]
-// GEMMs per chunk, and the backward becomes the same in reverse.
+// Backward (kda_chunked_backward), chunks in reverse, the state gradient dS in registers (thread
+// (jj, ig) owns column jj and rows ig, ig + 16, ..): the chunk's states are recomputed from its
+// stored entry state, first to the entries of its four 16-token sub-chunks, then per sub-chunk
+// (last first) every token's state into shared memory, and the token-by-token reverse rule of
+// cpu::kda_recurrence_backward runs over them. Sums over the value column (dq, dk, dg, dbeta) are
+// partial per tile and added to the outputs with fp32 atomics. The chunk-parallel backward is
+// kda_backward.cu.
 #include <algorithm>
+#include <utility>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
+#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
@@ -48,127 +45,266 @@ static_assert(kC % kSub == 0, "sub-chunks tile the chunk");
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-size_t matrices_smem_bytes(int dk) { return sizeof(float) * static_cast<size_t>(3 * kC * (dk + 1)); }
+// The forward's per chunk and head workspace block (fp32, fixed strides of kKdaMaxDim so that
+// every row starts 16-byte aligned for cp.async): Aq [C, C], W [C, kMaxDim], Kb [C, kMaxDim],
+// U [C, kMaxDim] (U0, replaced by u by the state pass), glast [kMaxDim]. Zero past the chunk's
+// last token and past dk / dv.
+constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
+constexpr int kOffW = kC * kC, kOffKb = kOffW + kC * kMaxDim, kOffU = kOffKb + kC * kMaxDim,
+              kOffGlast = kOffU + kC * kMaxDim;
+static_assert(kOffGlast + kMaxDim == kKdaForwardBlockFloats, "kda.h's block size matches this layout");
+constexpr int kKp = kMaxDim + 1;  // row stride of the prep's [C, dk] tiles: conflict-free column walks
 
-// Step 2 for chunk c0 + blockIdx.x of head blockIdx.y: A and Aq into mats [chunks, heads, 2, C, C]
-// (zero outside s < t, resp. s <= t, and past the last token).
+size_t prep_smem_bytes() {
+  return sizeof(float) *
+         static_cast<size_t>(3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC + kMaxDim);
+}
+
+// Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block. With Tinv = (I + diag(beta) A)^-1,
+// W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
+// substitution in the sequential pass; Kb = exp(G_last - G) k carries u into the next state.
 __global__ void __launch_bounds__(kThreads)
-    kda_chunk_matrices_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                              const float* __restrict__ g, float* __restrict__ mats, int64_t c0,
-                              int64_t tokens, int heads, int dk) {
+    kda_fwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                        const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
+                        const float* __restrict__ beta, float* __restrict__ blocks, int64_t c0,
+                        int64_t tokens, int heads, int dk, int dv) {
   extern __shared__ float smem[];
-  const int h = blockIdx.y, kp = dk + 1;
+  const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* kb = smem;
-  float* qb = kb + kC * kp;
-  float* Gb = qb + kC * kp;
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kp, qb, kb, Gb, nullptr);
-  float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * 2 * kC * kC;
-  float* Aq = A + kC * kC;
-  for (int idx = threadIdx.x; idx < kC * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    float a = 0.0f, aq = 0.0f;
-    if (t < n && s <= t) {
-      for (int i = 0; i < dk; ++i) {
-        const float w = expf(Gb[t * kp + i] - Gb[s * kp + i]) * kb[s * kp + i];
-        a = fmaf(kb[t * kp + i], w, a);
-        aq = fmaf(qb[t * kp + i], w, aq);
-      }
-    }
-    A[idx] = s < t ? a : 0.0f;
-    Aq[idx] = aq;
+  float* qs = smem;                       // [C, kKp]: q, then v
+  float* ks = qs + kC * kKp;              // [C, kKp]: k, then exp(G) k
+  float* Gs = ks + kC * kKp;              // [C, kKp]
+  float* As = Gs + kC * kKp;              // [C, C]
+  float* Aqs = As + kC * kC;              // [C, C]
+  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
+  float* bt = Ts + kC * kKdaSolveStride;  // [C]
+  float* gl = bt + kC;                    // [kMaxDim]
+  for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, gl);
+  chunk_matrices(qs, ks, Gs, kKp, bt, n, dk, As, Aqs, Ts);
+  float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
+  for (int idx = tid; idx < kC * kC; idx += kThreads) block[idx] = Aqs[idx];
+  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
+    const bool live = t < n && i < dk;
+    block[kOffKb + idx] = live ? expf(gl[i] - Gs[t * kKp + i]) * ks[t * kKp + i] : 0.0f;
   }
-}
-
-size_t forward_smem_bytes(int dk) {
-  const int kp = dk + 1;  // padded row stride of the [C, dk] tiles: conflict-free column walks
-  return sizeof(float) * static_cast<size_t>(dk * kTileV + 3 * kC * kp + kC * kTileV + 2 * kC * kC + kC + dk);
-}
-
-// Chunks [c0, c1) from `initial` (null: zero), writing chunk_states[c0 .. c1]. `initial` may be
-// chunk_states[c0] itself (a later segment): each CTA reads its columns before writing them back.
-__global__ void __launch_bounds__(kThreads)
-    kda_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                       const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
-                       const float* __restrict__ beta, const float* __restrict__ mats,
-                       __nv_bfloat16* __restrict__ out, float* chunk_states, const float* initial, int64_t c0,
-                       int64_t c1, int64_t tokens, int heads, int dk, int dv) {
-  extern __shared__ float smem[];
-  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x, kp = dk + 1;
-  const int64_t SS = static_cast<int64_t>(dk) * dv;
-  const int slice = dk * kTileV;
-  float* S = smem;             // [dk, kTileV]: columns j0 .. j0 + 15 of the state
-  float* kb = S + slice;       // [C, kp]: k, then exp(G_t) k_t
-  float* qb = kb + kC * kp;    // [C, kp]: q, then exp(G_t) q_t
-  float* Gb = qb + kC * kp;    // [C, kp]: G, then exp(G_last - G_t) k_t
-  float* u = Gb + kC * kp;     // [C, kTileV]
-  float* A = u + kC * kTileV;  // [C, C]
-  float* Aq = A + kC * kC;     // [C, C]
-  float* bt = Aq + kC * kC;    // [C]
-  float* gl = bt + kC;         // [dk]: G of the chunk's last token
-  for (int idx = tid; idx < slice; idx += kThreads) {
-    const int i = idx / kTileV, j = j0 + idx % kTileV;
-    S[idx] = initial != nullptr && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+  for (int i = tid; i < kMaxDim; i += kThreads) block[kOffGlast + i] = i < dk ? gl[i] : 0.0f;
+  __syncthreads();  // Kb read k and G; now k becomes exp(G) k, q's tile takes v
+  for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
+    if (i < dk) ks[t * kKp + i] *= expf(Gs[t * kKp + i]);
+    qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
+  }
+  for (int idx = tid; idx < n * kC; idx += kThreads) {
+    const int t = idx / kC, s = idx - t * kC;
+    if (s < n) Ts[t * kKdaSolveStride + s] *= bt[s];
   }
   __syncthreads();
-  for (int64_t c = c0; c <= c1; ++c) {
-    float* state_out = chunk_states + (c * heads + h) * SS;
-    for (int idx = tid; idx < slice; idx += kThreads) {
-      const int i = idx / kTileV, j = j0 + idx % kTileV;
-      if (j < dv) state_out[i * dv + j] = S[idx];
-    }
-    if (c == c1) break;
-    const int64_t t0 = c * kC;
-    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-    const float* chunk_mats = mats + ((c - c0) * heads + h) * 2 * kC * kC;
-    for (int idx = tid; idx < 2 * kC * kC; idx += kThreads) A[idx] = chunk_mats[idx];  // A, then Aq
-    for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kp, qb, kb, Gb, gl);
-    for (int idx = tid; idx < n * dk; idx += kThreads) {
-      const int t = idx / dk, i = idx - t * dk;
-      const float G = Gb[t * kp + i], e = expf(G);
-      qb[t * kp + i] *= e;
-      Gb[t * kp + i] = kb[t * kp + i] * expf(gl[i] - G);
-      kb[t * kp + i] *= e;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
-      float acc = j < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + j]) : 0.0f;
-      for (int i = 0; i < dk; ++i) acc = fmaf(-kb[t * kp + i], S[i * kTileV + jj], acc);
-      u[t * kTileV + jj] = acc;
-    }
-    __syncthreads();
-    {
-      // Forward substitution: 16 lanes per value column split each row's sum; a warp owns two
-      // columns, so rows follow each other with only a warp barrier.
-      const int lane = tid & 31, jj = 2 * (tid >> 5) + (lane >> 4), sub = lane & 15;
-      for (int t = 0; t < n; ++t) {
-        float acc = 0.0f;
-        for (int s = sub; s < t; s += 16) acc = fmaf(A[t * kC + s], u[s * kTileV + jj], acc);
-        for (int offset = 8; offset > 0; offset >>= 1) acc += __shfl_xor_sync(kFull, acc, offset);
-        if (sub == 0) u[t * kTileV + jj] = bt[t] * (u[t * kTileV + jj] - acc);
-        __syncwarp();
+  // W and U0 rows: sums over s <= t of the (lower) Tinv diag(beta).
+  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
+    float w = 0.0f, u = 0.0f;
+    if (t < n) {
+      for (int s = 0; s <= t; ++s) {
+        const float m = Ts[t * kKdaSolveStride + s];
+        if (i < dk) w = fmaf(m, ks[s * kKp + i], w);
+        u = fmaf(m, qs[s * kKp + i], u);
       }
     }
-    __syncthreads();
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
-      if (j >= dv) continue;
-      float o = 0.0f;
-      for (int i = 0; i < dk; ++i) o = fmaf(qb[t * kp + i], S[i * kTileV + jj], o);
-      for (int s = 0; s <= t; ++s) o = fmaf(Aq[t * kC + s], u[s * kTileV + jj], o);
-      out[((t0 + t) * heads + h) * dv + j] = __float2bfloat16(o);
+    block[kOffW + idx] = w;
+    block[kOffU + idx] = u;
+  }
+}
+
+// The state pass's shared memory: the state tile and two stages of W, Kb (row stride kWs), the
+// U tile and glast.
+constexpr int kWs = kMaxDim + 4;  // 16-byte rows; rows t and t + 16 of W fall in distinct banks
+constexpr int kStageFloats = 2 * kC * kWs + kC * kTileV + kMaxDim;
+size_t scan_smem_bytes() { return sizeof(float) * static_cast<size_t>(kMaxDim * kTileV + 2 * kStageFloats); }
+
+// Head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks [c0, c1) of the segment from
+// `initial` (null: zero), writing chunk_states[c0 .. c1] and replacing each block's U0 tile by u.
+// `initial` may be chunk_states[c0] itself (a later segment): each CTA reads its columns before
+// writing them back. Per chunk: u = U0 - W S, then S = diag(exp G_last) S + Kb^T u; the next
+// chunk's W, Kb, U0 and glast arrive by cp.async while this one computes.
+__global__ void __launch_bounds__(kThreads)
+    kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, int64_t c0, int64_t c1,
+                        int heads, int dk, int dv) {
+  extern __shared__ __align__(16) float smem[];
+  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
+  const int jj = tid % kTileV, rg = tid / kTileV;  // u: tokens rg + 16 r; S: rows 8 rg .. 8 rg + 7
+  const int64_t SS = static_cast<int64_t>(dk) * dv;
+  const int dk4 = (dk + 3) / 4;  // W's columns the products read, in fours (zero past dk)
+  float* S = smem;               // [kMaxDim, kTileV]
+  float* stages = S + kMaxDim * kTileV;
+  const auto load_stage = [&](int64_t c, float* stage) {
+    const float* block = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats;
+    float* W = stage;
+    float* Kb = W + kC * kWs;
+    float* U = Kb + kC * kWs;
+    float* gl = U + kC * kTileV;
+    // Whole rows, so that every row and column of the state tile stays zero past dk.
+    for (int p = tid; p < kC * kMaxDim / 4; p += kThreads) {
+      const int t = p / (kMaxDim / 4), i = 4 * (p - t * (kMaxDim / 4));
+      copy16(W + t * kWs + i, block + kOffW + t * kMaxDim + i, true);
+      copy16(Kb + t * kWs + i, block + kOffKb + t * kMaxDim + i, true);
+    }
+    for (int p = tid; p < kC * kTileV / 4; p += kThreads) {
+      const int t = p / (kTileV / 4), j = 4 * (p - t * (kTileV / 4));
+      copy16(U + t * kTileV + j, block + kOffU + t * kMaxDim + j0 + j, true);
+    }
+    for (int p = tid; p < kMaxDim / 4; p += kThreads) copy16(gl + 4 * p, block + kOffGlast + 4 * p, true);
+    copy_commit();
+  };
+
+  float Sr[8];  // rows 8 rg + r, column jj
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int i = 8 * rg + r, j = j0 + jj;
+    Sr[r] = initial != nullptr && i < dk && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+    S[i * kTileV + jj] = Sr[r];
+  }
+  if (c0 < c1) load_stage(c0, stages);
+  for (int64_t c = c0;; ++c) {
+    float* state_out = chunk_states + (c * heads + h) * SS;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int i = 8 * rg + r, j = j0 + jj;
+      if (i < dk && j < dv) state_out[i * dv + j] = Sr[r];
+    }
+    if (c == c1) break;
+    float* stage = stages + ((c - c0) & 1) * kStageFloats;
+    if (c + 1 < c1) {
+      load_stage(c + 1, stages + ((c + 1 - c0) & 1) * kStageFloats);
+      copy_wait_all_but_newest();
+    } else {
+      copy_wait_all();
+    }
+    __syncthreads();  // this chunk's stage and the state tile are in
+    const float* W = stage;
+    const float* Kb = W + kC * kWs;
+    float* U = stage + 2 * kC * kWs;
+    const float* gl = U + kC * kTileV;
+    // u = U0 - W S for tokens rg + 16 r (rows past the chunk are zero in W and U0: u = 0 there).
+    float acc[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[r] = U[(rg + 16 * r) * kTileV + jj];
+    for (int i = 0; i < 4 * dk4; i += 4) {
+      const float s0 = S[i * kTileV + jj], s1 = S[(i + 1) * kTileV + jj], s2 = S[(i + 2) * kTileV + jj],
+                  s3 = S[(i + 3) * kTileV + jj];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float4 w = *reinterpret_cast<const float4*>(W + (rg + 16 * r) * kWs + i);
+        acc[r] = fmaf(-w.x, s0, acc[r]);
+        acc[r] = fmaf(-w.y, s1, acc[r]);
+        acc[r] = fmaf(-w.z, s2, acc[r]);
+        acc[r] = fmaf(-w.w, s3, acc[r]);
+      }
+    }
+    __syncthreads();  // every read of U0 and S is done
+    float* u_out = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = rg + 16 * r;
+      U[t * kTileV + jj] = acc[r];
+      u_out[t * kMaxDim + j0 + jj] = acc[r];
     }
     __syncthreads();
-    for (int idx = tid; idx < slice; idx += kThreads) {
-      const int i = idx / kTileV, jj = idx - i * kTileV;
-      float s_new = expf(gl[i]) * S[idx];
-      for (int s = 0; s < n; ++s) s_new = fmaf(Gb[s * kp + i], u[s * kTileV + jj], s_new);
-      S[idx] = s_new;
+    // S = diag(exp G_last) S + Kb^T u, rows 8 rg .. 8 rg + 7 (zero past dk: Kb and glast are).
+#pragma unroll
+    for (int r = 0; r < 8; ++r) Sr[r] *= expf(gl[8 * rg + r]);
+    for (int t = 0; t < kC; ++t) {
+      const float ut = U[t * kTileV + jj];
+      const float4 a = *reinterpret_cast<const float4*>(Kb + t * kWs + 8 * rg);
+      const float4 b = *reinterpret_cast<const float4*>(Kb + t * kWs + 8 * rg + 4);
+      Sr[0] = fmaf(a.x, ut, Sr[0]);
+      Sr[1] = fmaf(a.y, ut, Sr[1]);
+      Sr[2] = fmaf(a.z, ut, Sr[2]);
+      Sr[3] = fmaf(a.w, ut, Sr[3]);
+      Sr[4] = fmaf(b.x, ut, Sr[4]);
+      Sr[5] = fmaf(b.y, ut, Sr[5]);
+      Sr[6] = fmaf(b.z, ut, Sr[6]);
+      Sr[7] = fmaf(b.w, ut, Sr[7]);
     }
-    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 8; ++r) S[(8 * rg + r) * kTileV + jj] = Sr[r];
+    __syncthreads();  // the next prefetch overwrites this stage; the next products read S
+  }
+}
+
+// The output pass's shared memory: q and G (then exp(G) q), the entry state [dk, dv], Aq and u.
+constexpr int kSv = kMaxDim + 4;  // row stride of the state and u tiles (float4 rows)
+size_t output_smem_bytes() {
+  return sizeof(float) * static_cast<size_t>(2 * kC * kKp + kMaxDim * kSv + kC * kC + kC * kSv);
+}
+
+// Chunk c0 + blockIdx.x of head blockIdx.y: o = exp(G) q S_c + Aq u. Thread (columns 4 jc ..
+// 4 jc + 3, tokens 8 tg .. 8 tg + 7): 32 outputs.
+__global__ void __launch_bounds__(kThreads)
+    kda_fwd_output_kernel(const __nv_bfloat16* __restrict__ q, const float* __restrict__ g,
+                          const float* __restrict__ blocks, const float* __restrict__ chunk_states,
+                          __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
+                          int dv) {
+  extern __shared__ __align__(16) float smem[];
+  const int h = blockIdx.y, tid = threadIdx.x, jc = tid % 32, tg = tid / 32;
+  const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
+  float* qs = smem;                // [C, kKp]
+  float* Gs = qs + kC * kKp;       // [C, kKp]
+  float* St = Gs + kC * kKp;       // [kMaxDim, kSv]
+  float* Aq = St + kMaxDim * kSv;  // [C, C]
+  float* u = Aq + kC * kC;         // [C, kSv]
+  const float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
+  const float* state = chunk_states + (c * heads + h) * SS;
+  const int dv4 = (dv + 3) / 4 * 4;
+  for (int idx = tid; idx < dk * dv4; idx += kThreads) {
+    const int i = idx / dv4, j = idx - i * dv4;
+    St[i * kSv + j] = j < dv ? state[i * dv + j] : 0.0f;
+  }
+  for (int idx = tid; idx < kC * kC; idx += kThreads) Aq[idx] = block[idx];
+  for (int idx = tid; idx < kC * dv4; idx += kThreads) {
+    const int t = idx / dv4, j = idx - t * dv4;
+    u[t * kSv + j] = block[kOffU + t * kMaxDim + j];
+  }
+  load_chunk_with_prefix(q, nullptr, g, t0, n, h, heads, dk, kKp, qs, nullptr, Gs, nullptr);
+  for (int idx = tid; idx < n * dk; idx += kThreads) {
+    const int t = idx / dk, i = idx - t * dk;
+    qs[t * kKp + i] *= expf(Gs[t * kKp + i]);
+  }
+  __syncthreads();
+  if (4 * jc >= dv4) return;
+  float acc[8][4] = {};
+  const int tmax = min(8, n - 8 * tg);  // rows of this thread inside the chunk
+  for (int i = 0; i < dk; ++i) {
+    const float4 sv = *reinterpret_cast<const float4*>(St + i * kSv + 4 * jc);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float qv = r < tmax ? qs[(8 * tg + r) * kKp + i] : 0.0f;
+      acc[r][0] = fmaf(qv, sv.x, acc[r][0]);
+      acc[r][1] = fmaf(qv, sv.y, acc[r][1]);
+      acc[r][2] = fmaf(qv, sv.z, acc[r][2]);
+      acc[r][3] = fmaf(qv, sv.w, acc[r][3]);
+    }
+  }
+  // Aq is zero above the diagonal and past the chunk: the sum runs to the thread's last row.
+  for (int s = 0; s < min(n, 8 * tg + 8); ++s) {
+    const float4 uv = *reinterpret_cast<const float4*>(u + s * kSv + 4 * jc);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float a = Aq[(8 * tg + r) * kC + s];
+      acc[r][0] = fmaf(a, uv.x, acc[r][0]);
+      acc[r][1] = fmaf(a, uv.y, acc[r][1]);
+      acc[r][2] = fmaf(a, uv.z, acc[r][2]);
+      acc[r][3] = fmaf(a, uv.w, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < tmax; ++r) {
+    const int64_t row = ((t0 + 8 * tg + r) * heads + h) * dv;
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      if (4 * jc + x < dv) out[row + 4 * jc + x] = __float2bfloat16(acc[r][x]);
   }
 }
 
@@ -371,28 +507,33 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                          cudaStream_t stream, const float* initial_state) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
-  const size_t smem = forward_smem_bytes(static_cast<int>(dk)),
-               mats_smem = matrices_smem_bytes(static_cast<int>(dk));
-  SPINDLE_CUDA(cudaFuncSetAttribute(kda_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
-  SPINDLE_CUDA(cudaFuncSetAttribute(kda_chunk_matrices_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(mats_smem)));
+  for (const auto& [kernel, bytes] :
+       {std::pair{reinterpret_cast<const void*>(kda_fwd_prep_kernel), prep_smem_bytes()},
+        std::pair{reinterpret_cast<const void*>(kda_fwd_scan_kernel), scan_smem_bytes()},
+        std::pair{reinterpret_cast<const void*>(kda_fwd_output_kernel), output_smem_bytes()}})
+    SPINDLE_CUDA(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   const int64_t chunks = kda_chunks(tokens), SS = dk * dv;
-  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
+  const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
+  const dim3 scan_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
   int64_t c0 = 0;
-  do {
+  do {  // at least once: with no tokens the scan still writes the final (= initial) state
     const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
+    const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     if (c1 > c0) {
-      const dim3 mats_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
-      kda_chunk_matrices_kernel<<<mats_grid, kThreads, mats_smem, stream>>>(
-          q, k, g, workspace, c0, tokens, static_cast<int>(heads), static_cast<int>(dk));
-      SPINDLE_LAUNCHED("kda_chunk_matrices_kernel");
+      kda_fwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_bytes(), stream>>>(q, k, v, g, beta, workspace,
+                                                                               c0, tokens, H, dki, dvi);
+      SPINDLE_LAUNCHED("kda_fwd_prep_kernel");
     }
     const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;
-    kda_forward_kernel<<<grid, kThreads, smem, stream>>>(q, k, v, g, beta, workspace, out, chunk_states,
-                                                         initial, c0, c1, tokens, static_cast<int>(heads),
-                                                         static_cast<int>(dk), static_cast<int>(dv));
-    SPINDLE_LAUNCHED("kda_forward_kernel");
+    kda_fwd_scan_kernel<<<scan_grid, kThreads, scan_smem_bytes(), stream>>>(workspace, chunk_states, initial,
+                                                                            c0, c1, H, dki, dvi);
+    SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
+    if (c1 > c0) {
+      kda_fwd_output_kernel<<<chunk_grid, kThreads, output_smem_bytes(), stream>>>(
+          q, g, workspace, chunk_states, out, c0, tokens, H, dki, dvi);
+      SPINDLE_LAUNCHED("kda_fwd_output_kernel");
+    }
     c0 = c1;
   } while (c0 < chunks);
 }

@@ -16,13 +16,15 @@ constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
 
 inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }
 
-// The forward runs in segments of this many chunks: each chunk's intra-chunk matrices (A and Aq,
-// fp32 C x C each) are computed for the whole segment in parallel, into the workspace, and the
-// sequential kernel then carries the state through the segment.
+// The forward runs in segments of this many chunks, in three launches each: a chunk-parallel
+// prep (the intra-chunk matrices and the chunk's WY form), the sequential state pass over the
+// segment (heads x value tiles), and a chunk-parallel output pass. The workspace holds one
+// segment's blocks of kKdaForwardBlockFloats per chunk and head (kda.cu has the layout).
 constexpr int64_t kKdaSegmentChunks = 256;
+constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 inline int64_t kda_forward_workspace_floats(int64_t tokens, int64_t heads) {
   const int64_t chunks = kda_chunks(tokens) < kKdaSegmentChunks ? kda_chunks(tokens) : kKdaSegmentChunks;
-  return chunks * heads * 2 * kKdaChunk * kKdaChunk;
+  return chunks * heads * kKdaForwardBlockFloats;
 }
 
 // Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,

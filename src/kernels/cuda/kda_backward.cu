@@ -25,18 +25,17 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kC = static_cast<int>(kKdaChunk);
 constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
-constexpr int kKp = kMaxDim + 1;      // row stride of [C, dk] tiles: rows t and t + 1 in distinct banks
-constexpr int kCp = kC + 1;           // row stride of C x C matrices in shared memory, likewise
-constexpr int kSolveStride = kC + 8;  // Tinv during the substitution: 4 rows x 8 columns, 32 banks
-constexpr int kTileV = 16;            // value columns per tile
-constexpr int kTileVp = kTileV + 1;   // row stride of the gradient kernel's tiles: walks over rows
-constexpr int kMats = 3 * kC * kC;    // A, Aq, Tinv of one chunk and head in the workspace
+constexpr int kKp = kMaxDim + 1;     // row stride of [C, dk] tiles: rows t and t + 1 in distinct banks
+constexpr int kCp = kC + 1;          // row stride of C x C matrices in shared memory, likewise
+constexpr int kTileV = 16;           // value columns per tile
+constexpr int kTileVp = kTileV + 1;  // row stride of the gradient kernel's tiles: walks over rows
+constexpr int kMats = 3 * kC * kC;   // A, Aq, Tinv of one chunk and head in the workspace
 constexpr int kElems = kC * kMaxDim / kThreads;  // [C, dk] elements per thread in kernel 3
 constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-size_t prep_smem_floats() { return 3 * kC * kKp + kC * kC + kC * kSolveStride + kC; }
+size_t prep_smem_floats() { return 3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC; }
 
 // Kernel 1, chunk c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
 // (unit lower) into mats [chunks, heads, 3, C, C], zero past the chunk's last token.
@@ -48,56 +47,24 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* qs = smem;                    // [C, kKp]
-  float* ks = qs + kC * kKp;           // [C, kKp]
-  float* Gs = ks + kC * kKp;           // [C, kKp]
-  float* As = Gs + kC * kKp;           // [C, C]
-  float* Ts = As + kC * kC;            // [C, kSolveStride]
-  float* bt = Ts + kC * kSolveStride;  // [C]
+  float* qs = smem;                       // [C, kKp]
+  float* ks = qs + kC * kKp;              // [C, kKp]
+  float* Gs = ks + kC * kKp;              // [C, kKp]
+  float* As = Gs + kC * kKp;              // [C, C]
+  float* Aqs = As + kC * kC;              // [C, C]
+  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]
+  float* bt = Ts + kC * kKdaSolveStride;  // [C]
   for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
   load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, nullptr);
+  chunk_matrices(qs, ks, Gs, kKp, bt, n, dk, As, Aqs, Ts);
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
   float* Aq = A + kC * kC;
   float* Tinv = Aq + kC * kC;
   for (int idx = tid; idx < kC * kC; idx += kThreads) {
     const int t = idx / kC, s = idx - t * kC;
-    float a = 0.0f, aq = 0.0f;
-    if (t < n && s <= t) {
-      for (int i = 0; i < dk; ++i) {
-        const float w = expf(Gs[t * kKp + i] - Gs[s * kKp + i]) * ks[s * kKp + i];
-        a = fmaf(ks[t * kKp + i], w, a);
-        aq = fmaf(qs[t * kKp + i], w, aq);
-      }
-    }
-    a = s < t ? a : 0.0f;
-    As[idx] = a;
-    A[idx] = a;
-    Aq[idx] = aq;
-  }
-  __syncthreads();
-  {
-    // Column s of Tinv by forward substitution, (I + diag(beta) A) x = e_s: x_t = -beta_t sum_{r<t}
-    // A[t][r] x_r below the diagonal. Four lanes of one warp per column split each row's sum, so
-    // rows follow each other with only a warp barrier. Every lane runs all C rows: the shuffles
-    // need the whole warp.
-    const int s = tid / 4, sub = tid % 4;
-    for (int t = 0; t < kC; ++t) {
-      float acc = 0.0f;
-      for (int r = sub; r < t; r += 4) acc = fmaf(As[t * kC + r], Ts[r * kSolveStride + s], acc);
-      acc += __shfl_xor_sync(kFull, acc, 1);
-      acc += __shfl_xor_sync(kFull, acc, 2);
-      if (sub == 0) {
-        float x = 0.0f;
-        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -bt[t] * acc : 0.0f);
-        Ts[t * kSolveStride + s] = x;
-      }
-      __syncwarp();
-    }
-  }
-  __syncthreads();
-  for (int idx = tid; idx < kC * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    Tinv[idx] = Ts[t * kSolveStride + s];
+    A[idx] = As[idx];
+    Aq[idx] = Aqs[idx];
+    Tinv[idx] = Ts[t * kKdaSolveStride + s];
   }
 }
 

@@ -1,15 +1,18 @@
-// What the KDA kernels (kda.cu, kda_backward.cu) share: loading one chunk of a head.
+// What the KDA kernels (kda.cu, kda_backward.cu) share: loading one chunk of a head and its
+// intra-chunk matrices.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/kda.h"
+
 namespace spindle::cuda {
 
-// k (and q, unless qs is null) of tokens [t0, t0 + n) of head h as fp32, and G_t = sum_{s<=t} g_s
-// (the per-channel prefix sums of the log decays), into [C, stride] shared tiles; glast (unless
-// null) gets G of the chunk's last token. Every thread of the CTA calls it; it ends with a barrier.
+// k (unless ks is null; q unless qs is null) of tokens [t0, t0 + n) of head h as fp32, and G_t = sum_{s<=t}
+// g_s (the per-channel prefix sums of the log decays), into [C, stride] shared tiles; glast (unless null)
+// gets G of the chunk's last token. Every thread of the CTA calls it; it ends with a barrier.
 __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ q,
                                               const __nv_bfloat16* __restrict__ k,
                                               const float* __restrict__ g, int64_t t0, int n, int h,
@@ -19,7 +22,7 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
     const int t = idx / dk, i = idx - t * dk;
     const int64_t src = ((t0 + t) * heads + h) * dk + i;
     if (qs != nullptr) qs[t * stride + i] = __bfloat162float(q[src]);
-    ks[t * stride + i] = __bfloat162float(k[src]);
+    if (ks != nullptr) ks[t * stride + i] = __bfloat162float(k[src]);
     Gs[t * stride + i] = g[src];
   }
   __syncthreads();
@@ -30,6 +33,53 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
       Gs[t * stride + i] = run;
     }
     if (glast != nullptr) glast[i] = run;
+  }
+  __syncthreads();
+}
+
+constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
+
+// The intra-chunk matrices of one chunk of n tokens, from q, k and G as load_chunk_with_prefix
+// left them (row stride `stride`) and bt (beta of the n tokens), into shared memory:
+//   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (row stride C),
+//   Aq[t][s] likewise with q_t, s <= t (row stride C),
+//   Tinv = (I + diag(beta) A)^-1, unit lower (row stride kKdaSolveStride),
+// all zero past token n. Exponents are differences <= 0. Needs exactly 256 threads (the solve's
+// lanes); ends with a barrier.
+__device__ inline void chunk_matrices(const float* qs, const float* ks, const float* Gs, int stride,
+                                      const float* bt, int n, int dk, float* As, float* Aqs, float* Ts) {
+  constexpr int C = static_cast<int>(kKdaChunk);
+  const int tid = threadIdx.x;
+  for (int idx = tid; idx < C * C; idx += blockDim.x) {
+    const int t = idx / C, s = idx - t * C;
+    float a = 0.0f, aq = 0.0f;
+    if (t < n && s <= t) {
+      for (int i = 0; i < dk; ++i) {
+        const float w = expf(Gs[t * stride + i] - Gs[s * stride + i]) * ks[s * stride + i];
+        a = fmaf(ks[t * stride + i], w, a);
+        aq = fmaf(qs[t * stride + i], w, aq);
+      }
+    }
+    As[idx] = s < t ? a : 0.0f;
+    Aqs[idx] = aq;
+  }
+  __syncthreads();
+  // Column s of Tinv by forward substitution, (I + diag(beta) A) x = e_s: x_t = -beta_t sum_{r<t}
+  // A[t][r] x_r below the diagonal. Four lanes of one warp per column split each row's sum, so
+  // rows follow each other with only a warp barrier. Every lane runs all C rows: the shuffles
+  // need the whole warp.
+  const int s = tid / 4, sub = tid % 4;
+  for (int t = 0; t < C; ++t) {
+    float acc = 0.0f;
+    for (int r = sub; r < t; r += 4) acc = fmaf(As[t * C + r], Ts[r * kKdaSolveStride + s], acc);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (sub == 0) {
+      float x = 0.0f;
+      if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -bt[t] * acc : 0.0f);
+      Ts[t * kKdaSolveStride + s] = x;
+    }
+    __syncwarp();
   }
   __syncthreads();
 }
