@@ -64,6 +64,33 @@ TEST(Plan, AbsorbedExecutorPeakWithinTenPercentOfTheH200) {
   }
 }
 
+// docs/PERF.md, "The 4B model from 32k to a million tokens": spindle bench on
+// configs/glm53-flash-4b.json, H200, commit dd0ecd7, the policy the planner picked at each length
+// (the optimizer on the host only at 1M, where the device's would not leave 130 GB).
+struct MeasuredPolicy {
+  int64_t tokens;
+  int64_t chunk;  // 0: the whole sequence in one pass
+  bool optimizer_on_host;
+  int64_t peak_bytes;
+};
+const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {{32768, 0, false, 134445705728},
+                                                           {131072, 16384, false, 110496194048},
+                                                           {524288, 16384, false, 126957985280},
+                                                           {1048576, 16384, true, 98897265152}};
+
+TEST(Plan, FourBillionModelPeaksWithinTenPercentOfTheH200) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  const Machine h200{1, bytes(141), bytes(128)};
+  StepOptions absorbed;
+  absorbed.absorbed = true;
+  for (const MeasuredPolicy& m : kH200FourBillionPeaks) {
+    const Execution e = plan_execution(c, m.tokens, h200, absorbed, m.chunk, m.optimizer_on_host);
+    const double predicted = static_cast<double>(e.predicted_peak_bytes);
+    const double measured = static_cast<double>(m.peak_bytes);
+    EXPECT_NEAR(predicted, measured, 0.1 * measured) << m.tokens << " tokens, " << e.policy.name();
+  }
+}
+
 TEST(Plan, TodaysExecutorCategoriesAt64kWithinTenPercentOfTheH200) {
   // The same measurement's peaks by category at 65,536 tokens (GiB).
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");

@@ -2,8 +2,8 @@
 // lengths, after warm-up, on real DNA tokens (random ids only when asked, and labelled so): the
 // first L of bench/chr22_70k.tokens, or with --tokens FILE.fa[.gz] an N-free window of a genome.
 // Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
-// by category and MFU from the analytic FLOP count (model/flops.h; when streamed, the streaming
-// executor's extra forward is not counted). The memory policy per length is the planner's pick
+// by category, the process's peak host memory, and MFU from the analytic FLOP count
+// (model/flops.h; when streamed, the streaming executor's extra forward is not counted). The memory policy per length is the planner's pick
 // among those the executor runs (plan/execution.h), unless --chunk forces one; the JSON has the
 // policy and its predicted peak next to the measured one.
 #include <algorithm>
@@ -203,6 +203,8 @@ int run_bench(const std::vector<std::string>& argv) {
         {"tokens_per_second", static_cast<double>(L) / median},
         {"seconds_by_layer_kind", by_kind},
         {"peak_memory", memory_json(device->memory())},
+        // The process's most resident host memory so far (all lengths of this run).
+        {"peak_host_bytes", host_peak_resident_bytes()},
         {"model_tflops_per_step", flops.training() / 1e12},
         {"mfu", flops.training() / median / kH200PeakBf16},
         {"final_loss", loss},

@@ -39,36 +39,26 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                          cudaStream_t stream, const float* initial_state = nullptr);
 
 // Backward from chunk_states (as kda_chunked_forward wrote them) and dout (bf16 [tokens, heads,
-// dv]). d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later
-// chunk of a streamed sequence), or null for none; d_initial_state, if not null, receives the
-// gradient of the initial state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32 [tokens, heads, dv];
-// dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; all written (dq, dk, dg and dbeta are
-// sums over value tiles, accumulated with fp32 atomics: equal within rounding from run to run).
-void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                          const float* g, const float* beta, const __nv_bfloat16* dout,
-                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
-                          float* dbeta, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
-                          cudaStream_t stream, const float* d_final_state = nullptr,
-                          float* d_initial_state = nullptr);
-
-// The same backward, chunk-parallel (kda_backward.cu, docs/KDA.md "GPU backward kernels"): only
-// the [dk, dv] state gradient passes from chunk to chunk; everything else runs over chunks x heads
-// at once. Same contract as kda_chunked_backward, except that every output is written exactly
-// once (no atomics: equal from run to run), plus a workspace of
-// kda_backward_workspace_floats(tokens, heads, dk, dv) floats. It runs in segments of this many
-// chunks, the workspace holding one segment's A, Aq and Tinv (3 x fp32 C x C per chunk and head)
-// and the state gradients at its chunks' boundaries (fp32 [segment + 1, heads, dk, dv]).
+// dv]), chunk-parallel (kda_backward.cu, docs/KDA.md "GPU backward kernels"): only the [dk, dv]
+// state gradient passes from chunk to chunk; everything else runs over chunks x heads at once.
+// d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later chunk
+// of a streamed sequence), or null for none; d_initial_state, if not null, receives the gradient
+// of the initial state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32 [tokens, heads, dv]; dg: fp32
+// [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; every output is written exactly once (no
+// atomics: equal from run to run). The workspace (kda_backward_workspace_floats) holds one
+// segment's A, Aq and Tinv (3 x fp32 C x C per chunk and head) and the state gradients at its
+// chunks' boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this many chunks:
 constexpr int64_t kKdaBackwardSegmentChunks = 128;
 inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {
   const int64_t chunks =
       kda_chunks(tokens) < kKdaBackwardSegmentChunks ? kda_chunks(tokens) : kKdaBackwardSegmentChunks;
   return chunks * heads * 3 * kKdaChunk * kKdaChunk + (chunks + 1) * heads * dk * dv;
 }
-void kda_chunked_backward_parallel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                                   const float* g, const float* beta, const __nv_bfloat16* dout,
-                                   const float* chunk_states, float* dq, float* dk_out, float* dv_out,
-                                   float* dg, float* dbeta, float* workspace, int64_t tokens, int64_t heads,
-                                   int64_t dk, int64_t dv, cudaStream_t stream,
-                                   const float* d_final_state = nullptr, float* d_initial_state = nullptr);
+void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                          const float* g, const float* beta, const __nv_bfloat16* dout,
+                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
+                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
+                          int64_t dv, cudaStream_t stream, const float* d_final_state = nullptr,
+                          float* d_initial_state = nullptr);
 
 }  // namespace spindle::cuda

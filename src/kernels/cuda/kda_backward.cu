@@ -384,16 +384,16 @@ void set_smem(const void* kernel, size_t floats) {
 
 }  // namespace
 
-void kda_chunked_backward_parallel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                                   const float* g, const float* beta, const __nv_bfloat16* dout,
-                                   const float* chunk_states, float* dq, float* dk_out, float* dv_out,
-                                   float* dg, float* dbeta, float* workspace, int64_t tokens, int64_t heads,
-                                   int64_t dk, int64_t dv, cudaStream_t stream, const float* d_final_state,
-                                   float* d_initial_state) {
-  check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward_parallel: dk ", dk,
-        ", dv ", dv, " (expected 1 to ", kKdaMaxDim, ")");
-  check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward_parallel: ", tokens, " tokens x ",
-        heads, " heads is out of range");
+void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                          const float* g, const float* beta, const __nv_bfloat16* dout,
+                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
+                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
+                          int64_t dv, cudaStream_t stream, const float* d_final_state,
+                          float* d_initial_state) {
+  check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward: dk ", dk, ", dv ",
+        dv, " (expected 1 to ", kKdaMaxDim, ")");
+  check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward: ", tokens, " tokens x ", heads,
+        " heads is out of range");
   if (heads == 0) return;
   const int64_t chunks = kda_chunks(tokens), SS = dk * dv;
   if (chunks == 0) {  // no tokens: the gradient passes through

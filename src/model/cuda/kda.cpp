@@ -149,11 +149,10 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     const TimedScope timed = ctx.timed("kda.recurrence_backward");
     DeviceBuffer<float> workspace(static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh)),
                                   MemoryCategory::Workspace);
-    kda_chunked_backward_parallel(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(),
-                                  dcore.data(), a.chunk_states.data(), dq.data(), dk.data(), dv.data(),
-                                  dg.data(), dbeta.data(), workspace.data(), L, H, dh, dh, s,
-                                  carry_grad ? carry_grad->state.data() : nullptr,
-                                  carry_grad ? d_initial.data() : nullptr);
+    kda_chunked_backward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
+                         a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
+                         workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
+                         carry_grad ? d_initial.data() : nullptr);
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
