@@ -13,6 +13,7 @@ constexpr int64_t kKdaSegmentChunks = 256;          // kernels/cuda/kda.h kKdaSe
 constexpr int64_t kKdaBackwardSegmentChunks = 128;  // kernels/cuda/kda.h
 constexpr int64_t kKdaMaxDim = 128;                 // kernels/cuda/kda.h: the blocks' strides
 constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
+constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -50,7 +51,8 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats)
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
     const Ledger::Block workspace =
-        m.workspace(4 * (segment * H * 3 * kKdaChunk * kKdaChunk + (segment + 1) * H * dh * dh));
+        m.workspace(4 * (segment * H * (3 * kKdaChunk * kKdaChunk + kKdaBackwardOpsFloats) +
+                         (segment + 2) * H * dh * dh));
   }
 
   a.push_back(bf16(m, L * H));  // db

@@ -46,13 +46,19 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // of the initial state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32 [tokens, heads, dv]; dg: fp32
 // [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; every output is written exactly once (no
 // atomics: equal from run to run). The workspace (kda_backward_workspace_floats) holds one
-// segment's A, Aq and Tinv (3 x fp32 C x C per chunk and head) and the state gradients at its
-// chunks' boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this many chunks:
+// segment's A, Aq and Tinv (3 x fp32 C x C per chunk and head), the state pass's operands, and the
+// state gradients at its chunks' boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this
+// many chunks:
 constexpr int64_t kKdaBackwardSegmentChunks = 128;
+// Per chunk and head, besides A, Aq and Tinv: the state pass's operands W, Kb [C, kKdaMaxDim]
+// and G_last (kda_backward.cu has the layout); one more [heads, dk, dv] carries the state gradient
+// from segment to segment.
+constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {
   const int64_t chunks =
       kda_chunks(tokens) < kKdaBackwardSegmentChunks ? kda_chunks(tokens) : kKdaBackwardSegmentChunks;
-  return chunks * heads * 3 * kKdaChunk * kKdaChunk + (chunks + 1) * heads * dk * dv;
+  return chunks * heads * (3 * kKdaChunk * kKdaChunk + kKdaBackwardOpsFloats) +
+         (chunks + 2) * heads * dk * dv;
 }
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,

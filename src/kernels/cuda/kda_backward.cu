@@ -1,11 +1,13 @@
 // Kimi Delta Attention backward, chunk-parallel: the chunk form of docs/KDA.md (CPU statement:
 // cpu::kda_chunked_backward), scalar fp32 on the CUDA cores. Per segment of up to
 // kKdaBackwardSegmentChunks chunks, last segment first, three kernels:
-//   1. prep, grid chunks x heads: G, A, Aq and Tinv = (I + diag(beta) A)^-1 of each chunk into the
-//      workspace;
+//   1. prep, grid chunks x heads: G, A, Aq and Tinv = (I + diag(beta) A)^-1 of each chunk, its
+//      WY form W = Tinv diag(beta) exp(G) k and Kb = exp(G_last - G) k, and the chunk's own share
+//      of its entry state's gradient, Z = (exp(G) q - Aq W)^T dO, into the workspace;
 //   2. state gradients, grid heads x value tiles of 16: the chunks in reverse, carrying only the
-//      [dk, 16] tile of dS; per chunk du = Kb dS' + Aq^T dO, dRb = diag(beta) Tinv^T du and
-//      dS = diag(exp G_last) dS' + Qg^T dO - W^T dRb, each chunk's exit gradient into the workspace;
+//      [dk, 16] tile of dS; per chunk dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (the du and
+//      dRb of the chunk form folded into W and Z), the next chunk's operands prefetched by
+//      cp.async; each chunk's entry gradient into the workspace;
 //   3. gradients, grid chunks x heads: from the chunk's entry state S (chunk_states) and its exit
 //      gradient dS' (kernel 2), every input gradient of its tokens. One CTA walks all value tiles,
 //      adding dA, dAq and the [C, dk] products dO S^T, dRb S^T, u dS'^T up in place, so every
@@ -17,6 +19,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
+#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
@@ -35,27 +38,38 @@ constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-size_t prep_smem_floats() { return 3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC; }
+// The state pass's operands of one chunk and head (fixed strides of kMaxDim, 16-byte rows for
+// cp.async, zero past the chunk's last token and past dk): W = Tinv diag(beta) exp(G) k [C, dk],
+// Kb = exp(G_last - G) k [C, dk], G_last [dk].
+constexpr int kOpKb = kC * kMaxDim, kOpGlast = 2 * kC * kMaxDim;
+static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand block matches this layout");
 
-// Kernel 1, chunk c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
-// (unit lower) into mats [chunks, heads, 3, C, C], zero past the chunk's last token.
+size_t prep_smem_floats() { return 3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC + kMaxDim; }
+
+// Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
+// (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb and G_last into ops; and, into slot
+// c - c0 of slots, the chunk's own share of its entry state's gradient, Z = (Qg - Aq W)^T dO
+// [dk, dv], so that the state pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
 __global__ void __launch_bounds__(kThreads)
     kda_bwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                        const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ mats,
-                        int64_t c0, int64_t tokens, int heads, int dk) {
+                        const float* __restrict__ g, const float* __restrict__ beta,
+                        const __nv_bfloat16* __restrict__ dout, float* __restrict__ mats,
+                        float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
+                        int heads, int dk, int dv) {
   extern __shared__ float smem[];
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* qs = smem;                       // [C, kKp]
-  float* ks = qs + kC * kKp;              // [C, kKp]
-  float* Gs = ks + kC * kKp;              // [C, kKp]
+  float* qs = smem;                       // [C, kKp]: q, then Qg = exp(G) q, then P = Qg - Aq W
+  float* ks = qs + kC * kKp;              // [C, kKp]: k, then exp(G) k, then dO
+  float* Gs = ks + kC * kKp;              // [C, kKp]: G, then W
   float* As = Gs + kC * kKp;              // [C, C]
   float* Aqs = As + kC * kC;              // [C, C]
-  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]
+  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
   float* bt = Ts + kC * kKdaSolveStride;  // [C]
+  float* gl = bt + kC;                    // [kMaxDim]
   for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, nullptr);
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, gl);
   chunk_matrices(qs, ks, Gs, kKp, bt, n, dk, As, Aqs, Ts);
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
   float* Aq = A + kC * kC;
@@ -66,103 +80,177 @@ __global__ void __launch_bounds__(kThreads)
     Aq[idx] = Aqs[idx];
     Tinv[idx] = Ts[t * kKdaSolveStride + s];
   }
-}
-
-size_t state_smem_floats() {
-  return 3 * kC * kKp + 2 * kC * kCp + 3 * kC * kTileV + kMaxDim * kTileV + kC + kMaxDim;
-}
-
-// Kernel 2, head blockIdx.x, value columns j0 .. j0 + 15 (j0 = 16 blockIdx.y): chunks c1 - 1 down
-// to c0 from `initial` (the gradient of the state leaving chunk c1 - 1; null: zero). slots [c1 - c0
-// + 1, heads, dk, dv]: slot c - c0 receives the gradient of the state entering chunk c (slot c1 - c0
-// `initial` itself); d_initial, if not null, that of chunk 0. `initial` may be slot 0 (the previous,
-// later segment's last write): each CTA reads its own columns of it before writing any slot.
-__global__ void __launch_bounds__(kThreads)
-    kda_bwd_state_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                         const float* __restrict__ g, const float* __restrict__ beta,
-                         const __nv_bfloat16* __restrict__ dout, const float* __restrict__ mats, float* slots,
-                         const float* initial, float* __restrict__ d_initial, int64_t c0, int64_t c1,
-                         int64_t tokens, int heads, int dk, int dv) {
-  extern __shared__ float smem[];
-  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
-  const int64_t SS = static_cast<int64_t>(dk) * dv;
-  const int slice = dk * kTileV;
-  float* Qg = smem;                   // [C, kKp]: q, then exp(G) q
-  float* W = Qg + kC * kKp;           // [C, kKp]: k, then exp(G) k
-  float* Kb = W + kC * kKp;           // [C, kKp]: G, then exp(G_last - G) k
-  float* Aq = Kb + kC * kKp;          // [C, kCp]
-  float* Tinv = Aq + kC * kCp;        // [C, kCp]
-  float* dO = Tinv + kC * kCp;        // [C, kTileV]
-  float* du = dO + kC * kTileV;       // [C, kTileV]
-  float* dRb = du + kC * kTileV;      // [C, kTileV]
-  float* dS = dRb + kC * kTileV;      // [dk, kTileV]: the tile of the state gradient
-  float* bt = dS + kMaxDim * kTileV;  // [C]
-  float* glast = bt + kC;             // [kMaxDim]
-  for (int idx = tid; idx < slice; idx += kThreads) {
-    const int i = idx / kTileV, j = j0 + idx % kTileV;
-    dS[idx] = initial != nullptr && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+  float* op = ops + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaBackwardOpsFloats;
+  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
+    const bool live = t < n && i < dk;
+    op[kOpKb + idx] = live ? expf(gl[i] - Gs[t * kKp + i]) * ks[t * kKp + i] : 0.0f;
+  }
+  for (int i = tid; i < kMaxDim; i += kThreads) op[kOpGlast + i] = i < dk ? gl[i] : 0.0f;
+  __syncthreads();  // Kb and Tinv are out: now exp(G) k, exp(G) q and Tinv diag(beta)
+  for (int idx = tid; idx < n * dk; idx += kThreads) {
+    const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
+    const float e = expf(Gs[x]);
+    ks[x] *= e;
+    qs[x] *= e;
+  }
+  for (int idx = tid; idx < n * kC; idx += kThreads) {
+    const int t = idx / kC, s = idx - t * kC;
+    if (s < n) Ts[t * kKdaSolveStride + s] *= bt[s];
   }
   __syncthreads();
-  for (int idx = tid; idx < slice; idx += kThreads) {
-    const int i = idx / kTileV, j = j0 + idx % kTileV;
-    if (j < dv) slots[((c1 - c0) * heads + h) * SS + i * dv + j] = dS[idx];
+  // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed).
+  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
+    float w = 0.0f;
+    if (t < n && i < dk)
+      for (int s = 0; s <= t; ++s) w = fmaf(Ts[t * kKdaSolveStride + s], ks[s * kKp + i], w);
+    op[idx] = w;
+    if (t < n && i < dk) Gs[t * kKp + i] = w;
   }
+  __syncthreads();
+  // P = Qg - Aq W in place (each element read and written by its own thread); dO over exp(G) k.
+  for (int idx = tid; idx < n * dk; idx += kThreads) {
+    const int t = idx / dk, i = idx - t * dk;
+    float p = qs[t * kKp + i];
+    for (int s = 0; s <= t; ++s) p = fmaf(-Aqs[t * kC + s], Gs[s * kKp + i], p);
+    qs[t * kKp + i] = p;
+  }
+  for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, j = idx - t * kMaxDim;
+    ks[t * kKp + j] = j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
+  }
+  __syncthreads();
+  // Z = P^T dO: thread (rows 8 ib .. 8 ib + 7, columns jb + 16 x).
+  const int ib = tid / 16, jb = tid % 16;
+  float z[8][8] = {};
+  for (int t = 0; t < n; ++t) {
+    float pr[8], dr[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) pr[r] = qs[t * kKp + 8 * ib + r];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) dr[x] = ks[t * kKp + jb + 16 * x];
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+#pragma unroll
+      for (int x = 0; x < 8; ++x) z[r][x] = fmaf(pr[r], dr[x], z[r][x]);
+  }
+  float* Z = slots + (static_cast<int64_t>(blockIdx.x) * heads + h) * dk * dv;
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int i = 8 * ib + r, j = jb + 16 * x;
+      if (i < dk && j < dv) Z[i * dv + j] = z[r][x];
+    }
+}
+
+// Kernel 2's shared memory: the dS tile, X = Kb dS' [C, 16] and two stages of W, Kb (row stride
+// kWs) and G_last.
+constexpr int kWs = kMaxDim + 4;  // 16-byte rows; rows t and t + 16 fall in distinct banks
+constexpr int kStageFloats = 2 * kC * kWs + kMaxDim;
+size_t state_smem_floats() { return kMaxDim * kTileV + kC * kTileV + 2 * kStageFloats; }
+
+// Kernel 2, head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks c1 - 1 down to c0 from
+// `initial` (the gradient of the state leaving chunk c1 - 1; null: zero). Per chunk: X = Kb dS',
+// dS = diag(exp G_last) dS' - W^T X + Z, Z read from slot c - c0, which then receives dS (the
+// gradient of the state entering chunk c); slot c1 - c0 receives `initial`, `carry` the gradient
+// entering chunk c0 (the next, earlier segment's `initial`: each CTA reads its own columns of it
+// before writing them), d_initial, if not null, that of chunk 0. The next chunk's W, Kb and G_last
+// arrive by cp.async while this one computes.
+__global__ void __launch_bounds__(kThreads)
+    kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
+                         float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
+                         int dk, int dv) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
+  const int jj = tid % kTileV, rg = tid / kTileV;  // X: tokens rg + 16 r; dS: rows 8 rg .. 8 rg + 7
+  const int j = j0 + jj;
+  const int64_t SS = static_cast<int64_t>(dk) * dv;
+  const int dk4 = (dk + 3) / 4;  // Kb's columns the products read, in fours (zero past dk)
+  float* dS = smem;              // [kMaxDim, kTileV]
+  float* X = dS + kMaxDim * kTileV;
+  float* stages = X + kC * kTileV;
+  const auto load_stage = [&](int64_t c, float* stage) {
+    const float* op = ops + ((c - c0) * heads + h) * kKdaBackwardOpsFloats;
+    for (int p = tid; p < kC * kMaxDim / 4; p += kThreads) {
+      const int t = p / (kMaxDim / 4), i = 4 * (p - t * (kMaxDim / 4));
+      copy16(stage + t * kWs + i, op + t * kMaxDim + i, true);
+      copy16(stage + kC * kWs + t * kWs + i, op + kOpKb + t * kMaxDim + i, true);
+    }
+    for (int p = tid; p < kMaxDim / 4; p += kThreads)
+      copy16(stage + 2 * kC * kWs + 4 * p, op + kOpGlast + 4 * p, true);
+    copy_commit();
+  };
+  const auto owned = [&](int r) { return 8 * rg + r < dk && j < dv; };
+  const auto at = [&](int r) { return (8 * rg + r) * dv + j; };  // offset in a [dk, dv] slot
+
+  float dSr[8];  // rows 8 rg + r, column j
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    dSr[r] = initial != nullptr && owned(r) ? initial[h * SS + at(r)] : 0.0f;
+    dS[(8 * rg + r) * kTileV + jj] = dSr[r];
+    if (owned(r)) slots[((c1 - c0) * heads + h) * SS + at(r)] = dSr[r];
+  }
+  if (c1 > c0) load_stage(c1 - 1, stages);
   for (int64_t c = c1 - 1; c >= c0; --c) {
-    const int64_t t0 = c * kC;
-    const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-    const float* m = mats + ((c - c0) * heads + h) * kMats;
-    for (int idx = tid; idx < kC * kC; idx += kThreads) {
-      const int t = idx / kC, s = idx - t * kC;
-      Aq[t * kCp + s] = m[kC * kC + idx];
-      Tinv[t * kCp + s] = m[2 * kC * kC + idx];
+    float* stage = stages + ((c1 - 1 - c) & 1) * kStageFloats;
+    if (c - 1 >= c0) {
+      load_stage(c - 1, stages + ((c1 - c) & 1) * kStageFloats);
+      copy_wait_all_but_newest();
+    } else {
+      copy_wait_all();
     }
-    for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, j = j0 + idx % kTileV;
-      dO[idx] = j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
-    }
-    load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, Qg, W, Kb, glast);
-    for (int idx = tid; idx < n * dk; idx += kThreads) {
-      const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
-      const float G = Kb[x], e = expf(G), kv = W[x];
-      Qg[x] *= e;
-      W[x] = e * kv;
-      Kb[x] = expf(glast[i] - G) * kv;
-    }
-    __syncthreads();
-    // du = Kb dS' + Aq^T dO (Aq lower: s >= t).
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV;
-      float acc = 0.0f;
-      for (int i = 0; i < dk; ++i) acc = fmaf(Kb[t * kKp + i], dS[i * kTileV + jj], acc);
-      for (int s = t; s < n; ++s) acc = fmaf(Aq[s * kCp + t], dO[s * kTileV + jj], acc);
-      du[idx] = acc;
-    }
-    __syncthreads();
-    // dRb = diag(beta) Tinv^T du (Tinv lower: s >= t).
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV;
-      float acc = 0.0f;
-      for (int s = t; s < n; ++s) acc = fmaf(Tinv[s * kCp + t], du[s * kTileV + jj], acc);
-      dRb[idx] = bt[t] * acc;
-    }
-    __syncthreads();
-    // dS = diag(exp G_last) dS' + Qg^T dO - W^T dRb, in place: each element is read and written by
-    // one thread, and the barrier above ordered the du products' reads of it.
-    for (int idx = tid; idx < slice; idx += kThreads) {
-      const int i = idx / kTileV, jj = idx - i * kTileV, j = j0 + jj;
-      float acc = expf(glast[i]) * dS[idx];
-      for (int t = 0; t < n; ++t) {
-        acc = fmaf(Qg[t * kKp + i], dO[t * kTileV + jj], acc);
-        acc = fmaf(-W[t * kKp + i], dRb[t * kTileV + jj], acc);
-      }
-      dS[idx] = acc;
-      if (j < dv) {
-        slots[((c - c0) * heads + h) * SS + i * dv + j] = acc;
-        if (c == 0 && d_initial != nullptr) d_initial[h * SS + i * dv + j] = acc;
+    float* slot = slots + ((c - c0) * heads + h) * SS;
+    float z[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) z[r] = owned(r) ? slot[at(r)] : 0.0f;  // Z, from kernel 1
+    __syncthreads();  // this chunk's stage and the dS tile are in
+    const float* W = stage;
+    const float* Kb = stage + kC * kWs;
+    const float* gl = stage + 2 * kC * kWs;
+    // X = Kb dS' for tokens rg + 16 r (rows past the chunk are zero in Kb: X = 0 there).
+    float acc[4] = {};
+    for (int i = 0; i < 4 * dk4; i += 4) {
+      const float s0 = dS[i * kTileV + jj], s1 = dS[(i + 1) * kTileV + jj], s2 = dS[(i + 2) * kTileV + jj],
+                  s3 = dS[(i + 3) * kTileV + jj];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float4 w = *reinterpret_cast<const float4*>(Kb + (rg + 16 * r) * kWs + i);
+        acc[r] = fmaf(w.x, s0, acc[r]);
+        acc[r] = fmaf(w.y, s1, acc[r]);
+        acc[r] = fmaf(w.z, s2, acc[r]);
+        acc[r] = fmaf(w.w, s3, acc[r]);
       }
     }
-    __syncthreads();  // the next chunk's loads overwrite what these products read
+#pragma unroll
+    for (int r = 0; r < 4; ++r) X[(rg + 16 * r) * kTileV + jj] = acc[r];
+    __syncthreads();
+    // dS = diag(exp G_last) dS' - W^T X + Z, rows 8 rg .. 8 rg + 7.
+#pragma unroll
+    for (int r = 0; r < 8; ++r) dSr[r] = fmaf(expf(gl[8 * rg + r]), dSr[r], z[r]);
+    for (int t = 0; t < kC; ++t) {
+      const float xt = X[t * kTileV + jj];
+      const float4 a = *reinterpret_cast<const float4*>(W + t * kWs + 8 * rg);
+      const float4 b = *reinterpret_cast<const float4*>(W + t * kWs + 8 * rg + 4);
+      dSr[0] = fmaf(-a.x, xt, dSr[0]);
+      dSr[1] = fmaf(-a.y, xt, dSr[1]);
+      dSr[2] = fmaf(-a.z, xt, dSr[2]);
+      dSr[3] = fmaf(-a.w, xt, dSr[3]);
+      dSr[4] = fmaf(-b.x, xt, dSr[4]);
+      dSr[5] = fmaf(-b.y, xt, dSr[5]);
+      dSr[6] = fmaf(-b.z, xt, dSr[6]);
+      dSr[7] = fmaf(-b.w, xt, dSr[7]);
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      dS[(8 * rg + r) * kTileV + jj] = dSr[r];
+      if (!owned(r)) continue;
+      slot[at(r)] = dSr[r];
+      if (c == c0) carry[h * SS + at(r)] = dSr[r];
+      if (c == 0 && d_initial != nullptr) d_initial[h * SS + at(r)] = dSr[r];
+    }
+    __syncthreads();  // the next prefetch overwrites this stage; the next products read dS
   }
 }
 
@@ -409,7 +497,9 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   }
   const int64_t segment = std::min(chunks, kKdaBackwardSegmentChunks);
   float* mats = workspace;
-  float* slots = workspace + segment * heads * kMats;
+  float* ops = mats + segment * heads * kMats;
+  float* slots = ops + segment * heads * kKdaBackwardOpsFloats;
+  float* carry = slots + (segment + 1) * heads * SS;
   set_smem(reinterpret_cast<const void*>(kda_bwd_prep_kernel), prep_smem_floats());
   set_smem(reinterpret_cast<const void*>(kda_bwd_state_kernel), state_smem_floats());
   set_smem(reinterpret_cast<const void*>(kda_bwd_grad_kernel), grad_smem_floats());
@@ -419,13 +509,13 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     kda_bwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_floats() * sizeof(float), stream>>>(
-        q, k, g, beta, mats, c0, tokens, H, dki);
+        q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_prep_kernel");
-    // A later segment left the gradient of this one's exit state in slot 0.
-    const float* initial = c1 == chunks ? d_final_state : slots;
+    // A later segment left the gradient of this one's exit state in the carry.
+    const float* initial = c1 == chunks ? d_final_state : carry;
     const dim3 state_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
     kda_bwd_state_kernel<<<state_grid, kThreads, state_smem_floats() * sizeof(float), stream>>>(
-        q, k, g, beta, dout, mats, slots, initial, d_initial_state, c0, c1, tokens, H, dki, dvi);
+        ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_state_kernel");
     kda_bwd_grad_kernel<<<chunk_grid, kThreads, grad_smem_floats() * sizeof(float), stream>>>(
         q, k, v, g, beta, dout, mats, chunk_states, slots, dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki,
