@@ -29,7 +29,7 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  double mfu = 0.018;          // the H200 at 16k-64k tokens, commit dc699ca (docs/PERF.md: 1.67-1.87%)
+  double mfu = 0.055;          // the 4B config at 32k-1M, commit dd0ecd7 (docs/PERF.md: bench MFU 4.1-5.5%)
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;     // all-reduce bus bandwidth inside a node
