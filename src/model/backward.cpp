@@ -28,6 +28,9 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t D = c.hidden_size, V = c.vocab_size;
   check_sequence(tokens, V);
+  check(options.site_memory == SiteMemory::KeepSites,
+        "the CPU reference keeps every residual site: recomputing or offloading layer inputs is the GPU "
+        "executor's");
   if (options.chunk_tokens > 0 && options.chunk_tokens < L)
     return streamed_loss_and_gradients<T>(c, w, tokens, g, options);
 

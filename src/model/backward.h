@@ -11,12 +11,18 @@
 
 namespace spindle {
 
+// What the GPU executor keeps for its backward pass (plan/policy.h): every residual site's input,
+// only each layer's (the feed-forward site's input rebuilt in the backward by running the
+// attention site again), or each layer's in pinned host memory. The CPU reference keeps every site.
+enum class SiteMemory { KeepSites, KeepLayerInputs, OffloadLayerInputs };
+
 struct LossOptions {
   int64_t head_block = 1024;     // tokens per lm_head + softmax block
   double scale = 1.0;            // gradients of scale * loss are accumulated (micro-batch averaging)
   double indexer_kl_coef = 0.0;  // > 0: train each indexer on KL(attention || indexer)
   double aux_loss_coef = 0.0;    // > 0: add transformers' router load-balancing loss
   int64_t chunk_tokens = 0;  // > 0: the streaming executor, this many tokens per chunk (model/streaming.h)
+  SiteMemory site_memory = SiteMemory::KeepSites;  // the unchunked GPU executor only
 };
 
 struct LossResult {

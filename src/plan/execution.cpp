@@ -8,17 +8,33 @@ namespace spindle::plan {
 
 namespace {
 
-Execution from(const Candidate& candidate, bool forced) {
+SiteMemory site_memory(ActivationPolicy policy) {
+  switch (policy) {
+    case ActivationPolicy::KeepLayerInputs:
+      return SiteMemory::KeepLayerInputs;
+    case ActivationPolicy::OffloadLayerInputs:
+      return SiteMemory::OffloadLayerInputs;
+    case ActivationPolicy::KeepSites:
+    case ActivationPolicy::Stream:
+      return SiteMemory::KeepSites;
+  }
+  return SiteMemory::KeepSites;
+}
+
+// forced_by: the option that forced it, or null for the planner's pick.
+Execution from(const Candidate& candidate, const char* forced_by) {
   Execution e;
   e.policy = candidate.policy;
   e.chunk_tokens =
       candidate.policy.activations == ActivationPolicy::Stream ? candidate.policy.chunk_tokens : 0;
+  e.site_memory = site_memory(candidate.policy.activations);
   e.predicted_peak_bytes = candidate.memory.device.peak_total;
-  e.forced = forced;
-  e.summary = "policy " + candidate.policy.name() +
-              (forced ? " (forced by --chunk)" : " (the planner's pick)") + ": predicted peak " +
-              gib_text(e.predicted_peak_bytes) + " on the device" +
-              (candidate.fits() ? "" : "; it does not fit: " + candidate.infeasible);
+  e.forced = forced_by != nullptr;
+  e.summary =
+      "policy " + candidate.policy.name() +
+      (e.forced ? std::string(" (forced by ") + forced_by + ")" : std::string(" (the planner's pick)")) +
+      ": predicted peak " + gib_text(e.predicted_peak_bytes) + " on the device" +
+      (candidate.fits() ? "" : "; it does not fit: " + candidate.infeasible);
   return e;
 }
 
@@ -30,9 +46,17 @@ bool executor_runs(const Policy& policy) {
          policy.tensor_parallel == 1 && !policy.gradients_to_host;
 }
 
+ActivationPolicy parse_site_policy(const std::string& name) {
+  if (name == "keep") return ActivationPolicy::KeepSites;
+  if (name == "recompute") return ActivationPolicy::KeepLayerInputs;
+  if (name == "offload") return ActivationPolicy::OffloadLayerInputs;
+  fail("--policy must be keep, recompute or offload (--chunk N streams), got '", name, "'");
+}
+
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
                          const StepOptions& options, std::optional<int64_t> forced_chunk,
-                         std::optional<bool> optimizer_on_host) {
+                         std::optional<bool> optimizer_on_host,
+                         std::optional<ActivationPolicy> forced_activations) {
   const auto runs = [&](const Policy& p) {
     return executor_runs(p) && (!optimizer_on_host || p.optimizer_on_host == *optimizer_on_host);
   };
@@ -42,6 +66,16 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
   request.machine = machine;
   request.options = options;
   const Plan plan = make_plan(c, request);
+  check(!(forced_chunk && forced_activations), "--chunk and --policy exclude each other (--chunk N streams)");
+  if (forced_activations) {
+    check(*forced_activations != ActivationPolicy::Stream, "a streamed policy is forced by --chunk N");
+    Policy wanted;
+    wanted.activations = *forced_activations;
+    wanted.optimizer_on_host = optimizer_on_host.value_or(false);
+    for (const Candidate& candidate : plan.candidates)
+      if (candidate.policy.name() == wanted.name()) return from(candidate, "--policy");
+    fail("the planner has no policy '", wanted.name(), "' for ", tokens, " tokens");
+  }
   if (forced_chunk) {
     check(*forced_chunk >= 0, "--chunk must be >= 0 tokens, got ", *forced_chunk);
     Policy wanted;
@@ -53,7 +87,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     // The planner predicts its own chunk lengths (4k, 16k, 64k, 256k); another runs as asked,
     // without a prediction.
     for (const Candidate& candidate : plan.candidates)
-      if (candidate.policy.name() == wanted.name()) return from(candidate, true);
+      if (candidate.policy.name() == wanted.name()) return from(candidate, "--chunk");
     Execution e;
     e.policy = wanted;
     e.chunk_tokens = wanted.chunk_tokens;
@@ -62,7 +96,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     return e;
   }
   for (const Candidate& candidate : plan.candidates)  // feasible first, fastest first
-    if (candidate.fits() && runs(candidate.policy)) return from(candidate, false);
+    if (candidate.fits() && runs(candidate.policy)) return from(candidate, nullptr);
   std::ostringstream why;
   for (const Candidate& candidate : plan.candidates)
     if (runs(candidate.policy))

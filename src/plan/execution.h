@@ -1,33 +1,43 @@
-// The policy a run executes: forced by the user (a chunk length), or the planner's fastest that
-// fits among the policies today's CUDA executor runs (keep, or stream in chunks; the optimizer on
-// the device or the host; one GPU). `spindle bench` and `spindle train --device cuda` use it.
+// The policy a run executes: forced by the user (a chunk length, or --policy), or the planner's
+// fastest that fits among the policies the CUDA executor runs unasked (keep, or stream in chunks;
+// the optimizer on the device or the host; one GPU). `spindle bench` and `spindle train --device
+// cuda` use it.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "model/backward.h"
 #include "model/config.h"
 #include "plan/planner.h"
 
 namespace spindle::plan {
 
-// What the executor runs today; the planner predicts the others too (docs/PLANNER.md).
+// What the planner may pick for the executor; it predicts the others too (docs/PLANNER.md). The
+// executor also runs recompute and offload (KeepLayerInputs, OffloadLayerInputs), but only when
+// forced, until their GPU check (CudaModel.RecomputeAndOffloadMatchKeepingEverySite) has passed.
 bool executor_runs(const Policy& policy);
 
 struct Execution {
   Policy policy;
-  int64_t chunk_tokens = 0;          // for LossOptions::chunk_tokens; 0: the sequence in one pass
-  int64_t predicted_peak_bytes = 0;  // device
-  bool forced = false;               // the user chose the chunk length
-  std::string summary;               // one line for the log
+  int64_t chunk_tokens = 0;  // for LossOptions::chunk_tokens; 0: the sequence in one pass
+  SiteMemory site_memory = SiteMemory::KeepSites;  // for LossOptions::site_memory
+  int64_t predicted_peak_bytes = 0;                // device
+  bool forced = false;                             // the user chose the policy
+  std::string summary;                             // one line for the log
 };
 
 // forced_chunk: the user's --chunk (0 or >= tokens: no chunks). optimizer_on_host: where the
 // AdamW state already is (a run of several lengths places it once), else the planner's choice.
-// Fails with every policy's reason when none the executor runs fits the machine.
+// forced_activations: the user's --policy (KeepSites, KeepLayerInputs or OffloadLayerInputs;
+// not with a forced chunk). Fails with every policy's reason when none the executor runs fits.
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
                          const StepOptions& options, std::optional<int64_t> forced_chunk,
-                         std::optional<bool> optimizer_on_host = std::nullopt);
+                         std::optional<bool> optimizer_on_host = std::nullopt,
+                         std::optional<ActivationPolicy> forced_activations = std::nullopt);
+
+// --policy's names: keep, recompute, offload.
+ActivationPolicy parse_site_policy(const std::string& name);
 
 }  // namespace spindle::plan

@@ -191,16 +191,19 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   // refreshed for checkpoints.
   std::unique_ptr<DeviceModel> device;
   int64_t device_chunk_tokens = 0;  // the planner's streaming chunk, 0: none
+  SiteMemory device_site_memory = SiteMemory::KeepSites;
   if (options.device != Device::CPU) {
     device = open_device_model(options.device, config, model.weights, {options.strict_kernels});
     plan::StepOptions plan_options;
     plan_options.absorbed = true;  // the device model's default form
     plan_options.indexer_kl = !run.indexer.freeze && run.indexer.kl_coef > 0;
     const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
-    const plan::Execution execution = plan::plan_execution(config, run.train.seq_len, machine, plan_options,
-                                                           options.chunk_tokens, options.optimizer_on_host);
+    const plan::Execution execution =
+        plan::plan_execution(config, run.train.seq_len, machine, plan_options, options.chunk_tokens,
+                             options.optimizer_on_host, options.site_policy);
     log_info("memory ", execution.summary);
     device_chunk_tokens = execution.chunk_tokens;
+    device_site_memory = execution.site_memory;
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);
     device->load_optimizer(optimizer);
     log_info("training on ", device->device_name(), " (bf16 weights, fp32 gradients and optimizer state)");
@@ -232,6 +235,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   loss_options.indexer_kl_coef = run.indexer.freeze ? 0.0 : run.indexer.kl_coef;
   loss_options.aux_loss_coef = run.moe.aux_loss_coef;
   loss_options.chunk_tokens = device_chunk_tokens;
+  loss_options.site_memory = device_site_memory;
   const auto started = Clock::now();
   const int64_t first_step = state.step;
   for (int64_t step = state.step; step < last_step; ++step) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "plan/policy.h"
 #include "train/run_config.h"
 
 namespace spindle {
@@ -24,6 +25,8 @@ struct TrainOptions {
   // cuda: the AdamW state on the host (backend/cuda/host_optimizer.h); unset, where the planner
   // puts it.
   std::optional<bool> optimizer_on_host;
+  // cuda: keep every site, recompute or offload the layer inputs (--policy); unset, the planner's.
+  std::optional<plan::ActivationPolicy> site_policy;
 };
 
 // Runs the training; returns the directory of the final checkpoint.

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <regex>
 
+#include "core/error.h"
 #include "core/random.h"
 #include "io/safetensors.h"
 #include "model/backward.h"
@@ -189,6 +190,27 @@ TEST(Model, FloatForwardTracksDouble) {
   for (size_t i = 0; i < lp32.size(); ++i) worst = std::max(worst, std::abs(double(lp32[i]) - lp64[i]));
   EXPECT_LT(worst, 1e-4);
   for (double v : lp64) EXPECT_TRUE(std::isfinite(v) && v < 0);
+  fs::remove_all(dir);
+}
+
+// The CPU reference keeps every residual site; asking it to recompute or offload layer inputs
+// (the GPU executor's policies) fails and says so, rather than silently keeping everything.
+TEST(Model, CpuReferenceRefusesTheGpuSitePolicies) {
+  const fs::path dir = fresh_dir("site_policy");
+  random_model(dir);
+  Model m = load_model(dir.string(), DType::F64);
+  const std::vector<int32_t> tokens = {1, 5, 7, 2, 9, 4};
+  for (const SiteMemory memory : {SiteMemory::KeepLayerInputs, SiteMemory::OffloadLayerInputs}) {
+    LossOptions options;
+    options.site_memory = memory;
+    ModelWeights grads = zero_gradients(m.config, DType::F64);
+    try {
+      loss_and_gradients<double>(m.config, m.weights, tokens, grads, options);
+      ADD_FAILURE() << "the CPU reference accepted a GPU site policy";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("GPU executor"), std::string::npos) << e.what();
+    }
+  }
   fs::remove_all(dir);
 }
 

@@ -274,5 +274,38 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   EXPECT_FALSE(executor_runs({ActivationPolicy::Stream, 16384, false, 2}));  // tensor parallel
 }
 
+// --policy forces keep, recompute or offload with the planner's prediction and tells the executor
+// what to keep; it excludes --chunk and a streamed policy, and the planner does not pick recompute
+// or offload by itself until their GPU check passes.
+TEST(Plan, ExecutionTakesAForcedSitePolicy) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  const Machine h200{1, bytes(141), bytes(128)};
+  StepOptions absorbed;
+  absorbed.absorbed = true;
+  const Execution recompute =
+      plan_execution(c, 32768, h200, absorbed, std::nullopt, false, parse_site_policy("recompute"));
+  EXPECT_EQ(recompute.policy.name(), "recompute");
+  EXPECT_EQ(recompute.site_memory, SiteMemory::KeepLayerInputs);
+  EXPECT_EQ(recompute.chunk_tokens, 0);
+  EXPECT_TRUE(recompute.forced);
+  EXPECT_GT(recompute.predicted_peak_bytes, 0);
+  const Execution offload =
+      plan_execution(c, 32768, h200, absorbed, std::nullopt, true, parse_site_policy("offload"));
+  EXPECT_EQ(offload.policy.name(), "offload + host AdamW");
+  EXPECT_EQ(offload.site_memory, SiteMemory::OffloadLayerInputs);
+  EXPECT_LT(offload.predicted_peak_bytes, recompute.predicted_peak_bytes);
+  EXPECT_EQ(
+      plan_execution(c, 32768, h200, absorbed, std::nullopt, false, parse_site_policy("keep")).site_memory,
+      SiteMemory::KeepSites);
+  EXPECT_THROW(
+      plan_execution(c, 32768, h200, absorbed, int64_t{4096}, false, ActivationPolicy::KeepLayerInputs),
+      Error);
+  EXPECT_THROW(plan_execution(c, 32768, h200, absorbed, std::nullopt, false, ActivationPolicy::Stream),
+               Error);
+  EXPECT_THROW(parse_site_policy("stream"), Error);
+  const Execution picked = plan_execution(c, 131072, h200, absorbed, std::nullopt);
+  EXPECT_EQ(picked.site_memory, SiteMemory::KeepSites) << picked.policy.name();
+}
+
 }  // namespace
 }  // namespace spindle::plan

@@ -22,11 +22,17 @@ class Stream {
 
 class Event {
  public:
-  Event() { SPINDLE_CUDA(cudaEventCreate(&event_)); }
+  // cudaEventDisableTiming for events that only order streams.
+  explicit Event(unsigned flags = cudaEventDefault) {
+    SPINDLE_CUDA(cudaEventCreateWithFlags(&event_, flags));
+  }
   ~Event() { cudaEventDestroy(event_); }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
-  void record(const Stream& stream) { SPINDLE_CUDA(cudaEventRecord(event_, stream.get())); }
+  void record(const Stream& stream) { record(stream.get()); }
+  void record(cudaStream_t stream) { SPINDLE_CUDA(cudaEventRecord(event_, stream)); }
+  // Work queued on `stream` from now on waits for the work this event recorded.
+  void make_wait(cudaStream_t stream) const { SPINDLE_CUDA(cudaStreamWaitEvent(stream, event_, 0)); }
   // Milliseconds from `start` to this event (both recorded, this one complete).
   float since(const Event& start) const {
     SPINDLE_CUDA(cudaEventSynchronize(event_));

@@ -3,9 +3,9 @@
 // first L of bench/chr22_70k.tokens, or with --tokens FILE.fa[.gz] an N-free window of a genome.
 // Prints one JSON object per length: tokens/s, step time split by layer kind, peak device memory
 // by category, the process's peak host memory, and MFU from the analytic FLOP count
-// (model/flops.h; when streamed, the streaming executor's extra forward is not counted). The memory policy per length is the planner's pick
-// among those the executor runs (plan/execution.h), unless --chunk forces one; the JSON has the
-// policy and its predicted peak next to the measured one.
+// (model/flops.h; when streamed, the streaming executor's extra forward is not counted). The memory policy
+// per length is the planner's pick among those the executor runs (plan/execution.h), unless --chunk or
+// --policy forces one; the JSON has the policy and its predicted peak next to the measured one.
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -99,7 +99,8 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args("bench", argv, {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk"},
+  const Args args("bench", argv,
+                  {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy"},
                   {"random-tokens", "strict-kernels", "host-optimizer"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
@@ -111,6 +112,9 @@ int run_bench(const std::vector<std::string>& argv) {
     check(*forced_chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ",
           *forced_chunk);
   }
+  std::optional<plan::ActivationPolicy> forced_policy;
+  if (const auto name = args.optional("policy")) forced_policy = plan::parse_site_policy(*name);
+  check(!(forced_policy && forced_chunk), "--chunk and --policy exclude each other (--chunk N streams)");
   const bool random_tokens = args.flag("random-tokens");
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
@@ -135,7 +139,7 @@ int run_bench(const std::vector<std::string>& argv) {
   const bool optimizer_on_host =
       args.flag("host-optimizer") ||
       plan::plan_execution(config, *std::max_element(lengths.begin(), lengths.end()), machine, plan_options,
-                           forced_chunk)
+                           forced_chunk, std::nullopt, forced_policy)
           .policy.optimizer_on_host;
   device->set_optimizer_on_host(optimizer_on_host);
   device->init_optimizer();
@@ -155,11 +159,12 @@ int run_bench(const std::vector<std::string>& argv) {
     } else {
       tokens = dna->window(L);
     }
-    const plan::Execution execution =
-        plan::plan_execution(config, L, machine, plan_options, forced_chunk, optimizer_on_host);
+    const plan::Execution execution = plan::plan_execution(config, L, machine, plan_options, forced_chunk,
+                                                           optimizer_on_host, forced_policy);
     log_info("bench L=", L, ": ", execution.summary);
     LossOptions loss_options;
     loss_options.chunk_tokens = execution.chunk_tokens;
+    loss_options.site_memory = execution.site_memory;
     device->reset_memory_peak();
     std::vector<double> seconds;
     std::map<std::string, double> kind_ms;

@@ -3,12 +3,13 @@
 #include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "plan/execution.h"
 #include "train/trainer.h"
 
 namespace spindle {
 
 int run_train(const std::vector<std::string>& argv) {
-  const Args args("train", argv, {"config", "stop-after", "device", "chunk"},
+  const Args args("train", argv, {"config", "stop-after", "device", "chunk", "policy"},
                   {"resume", "strict-kernels", "host-optimizer"});
   const RunConfig run = load_run_config(args.required("config"));
   TrainOptions options;
@@ -28,6 +29,11 @@ int run_train(const std::vector<std::string>& argv) {
           "--chunk applies to --device cuda (the planner picks it otherwise)");
     check(*options.chunk_tokens >= 0, "--chunk must be a number of tokens >= 1 (or 0: no chunks), got ",
           *options.chunk_tokens);
+  }
+  if (const auto name = args.optional("policy")) {
+    check(options.device == Device::CUDA, "--policy applies to --device cuda (the CPU keeps every site)");
+    check(!options.chunk_tokens, "--chunk and --policy exclude each other (--chunk N streams)");
+    options.site_policy = plan::parse_site_policy(*name);
   }
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";

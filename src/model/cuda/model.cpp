@@ -1,6 +1,7 @@
 #include "model/cuda/model.h"
 
 #include <algorithm>
+#include <deque>
 #include <utility>
 
 #include "kernels/cuda/balance_loss.h"
@@ -156,14 +157,24 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, E = c.n_routed_experts;
   check_sequence(tokens, V);
   check(options.chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", options.chunk_tokens);
-  if (options.chunk_tokens > 0 && options.chunk_tokens < L)
+  if (options.chunk_tokens > 0 && options.chunk_tokens < L) {
+    check(
+        options.site_memory == SiteMemory::KeepSites,
+        "the streaming executor keeps its own chunk's sites; it does not recompute or offload layer inputs");
     return streamed_loss_and_gradients(tokens, options);
+  }
   const cudaStream_t s = ctx_.stream();
   const DeviceSequence sequence(tokens);
   const size_t layers = w.layers.size();
+  const bool all_sites = options.site_memory == SiteMemory::KeepSites;
+  const bool offload = options.site_memory == SiteMemory::OffloadLayerInputs;
+  if (offload) offload_.reserve(layers, static_cast<size_t>(L * H * D));
 
-  // Forward, keeping the input of every residual site and every DSA layer's selection.
+  // Forward, keeping every DSA layer's selection and the input of every residual site, or of the
+  // attention sites only (each layer's input), those on the host once two later ones are out.
   std::vector<DeviceBuffer<bf16>> site_inputs(2 * layers);
+  std::deque<size_t> on_device;  // offload: the layers whose input is still on the device
+  std::vector<bool> on_host(layers, false);
   DeviceBuffer<bf16> streams = activations(L * H * D);
   embed_streams(sequence.ids.data(), bf16_data(w.embed_tokens), streams.data(), L, H, D, s);
   std::vector<std::shared_ptr<DeviceBuffer<int32_t>>> selections(layers);
@@ -179,8 +190,20 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
                             const SublayerForward& sublayer) {
     DeviceBuffer<bf16> next = activations(L * H * D);
     residual_site_forward(ctx_, c, hc, norm, L, streams.data(), next.data(), sublayer);
-    site_inputs[index] = std::move(streams);
-    streams = std::move(next);
+    const bool layer_input = index % 2 == 0;
+    if (layer_input || all_sites) site_inputs[index] = std::move(streams);
+    streams = std::move(next);  // a feed-forward input not kept is freed
+    if (!offload || !layer_input) return;
+    const size_t layer = index / 2;
+    offload_.send(layer, site_inputs[index].data(), s);
+    on_device.push_back(layer);
+    if (on_device.size() > 2) {  // the oldest one's copy has had a whole layer's time to land
+      const size_t out = on_device.front();
+      on_device.pop_front();
+      offload_.wait_sent(out, s);
+      site_inputs[2 * out] = DeviceBuffer<bf16>();
+      on_host[out] = true;
+    }
   };
   for (size_t i = 0; i < layers; ++i) {
     const LayerWeights& layer = w.layers[i];
@@ -243,6 +266,22 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   for (size_t i = layers; i-- > 0;) {
     const LayerWeights& layer = w.layers[i];
     LayerWeights& grad = g.layers[i];
+    if (offload) {  // this layer's input back (fetched one layer early), the previous one's on its way
+      const auto fetch = [&](size_t j) {
+        site_inputs[2 * j] = activations(L * H * D);
+        offload_.fetch(j, site_inputs[2 * j].data(), s);
+      };
+      if (on_host[i] && site_inputs[2 * i].data() == nullptr) fetch(i);
+      if (on_host[i]) offload_.wait_fetched(i, s);
+      if (i > 0 && on_host[i - 1]) fetch(i - 1);
+    }
+    if (!all_sites) {  // the feed-forward site's input: the attention site once more
+      site_inputs[2 * i + 1] = activations(L * H * D);
+      residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(),
+                            site_inputs[2 * i + 1].data(), [&](const bf16* x, bf16* y) {
+                              attention_forward(layer, x, L, *selections[i], y, true);
+                            });
+    }
     residual_site_backward(
         ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1].data(), dstreams,
         grad.ffn_hc, grad.post_attention_layernorm,
@@ -268,6 +307,8 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
             dsa_backward(ctx_, c, layer.dsa, x, L, selections[i]->data(), dy, dx, grad.dsa, &indexer_loss);
           end();
         });
+    // A layer whose input stayed on the device may still be copying it out (the last two).
+    if (offload && !on_host[i]) offload_.wait_sent(i, s);
     site_inputs[2 * i] = DeviceBuffer<bf16>();
   }
 

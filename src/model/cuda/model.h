@@ -1,6 +1,7 @@
 // The whole model on one GPU for one sequence: bf16 weights (fp32 for the small parameters),
 // fp32 gradients, the same passes as the CPU reference (model/forward.cpp, model/backward.cpp):
-// the forward keeps each residual site's input streams, the backward recomputes each sublayer.
+// the forward keeps each residual site's input streams (or each layer's, on the device or the
+// host: LossOptions::site_memory), the backward recomputes each sublayer.
 #pragma once
 
 #include <functional>
@@ -12,6 +13,7 @@
 #include "model/config.h"
 #include "model/cuda/context.h"
 #include "model/cuda/device_weights.h"
+#include "model/cuda/layer_offload.h"
 #include "model/cuda/modules.h"
 #include "model/cuda/sequence.h"
 #include "model/weights.h"
@@ -34,7 +36,8 @@ class CudaModel {
   std::vector<float> log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens = 0);
 
   // As spindle::loss_and_gradients: accumulates the gradients into grads(). With
-  // options.chunk_tokens in (0, tokens), the streaming executor (docs/STREAMING.md).
+  // options.chunk_tokens in (0, tokens), the streaming executor (docs/STREAMING.md); else what
+  // the backward needs is kept as options.site_memory says.
   LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options = {});
 
  private:
@@ -68,6 +71,7 @@ class CudaModel {
   ModelConfig config_;
   Context ctx_;
   DeviceWeights weights_, grads_;
+  OffloadedLayerInputs offload_;  // SiteMemory::OffloadLayerInputs: the pinned pool, kept across steps
 };
 
 }  // namespace spindle::cuda
