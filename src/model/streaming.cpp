@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/progress.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/norms.h"
@@ -52,7 +53,9 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
   std::vector<KdaCarry<T>> kda(layers, KdaCarry<T>(c));
   std::vector<DsaCarry<T>> cache(layers);
   std::vector<std::vector<KdaCarry<T>>> kda_starts;
+  Progress progress("streamed step (CPU)");
   for (size_t k = 0; k < chunks; ++k) {
+    progress.update("forward chunk", k, chunks);
     kda_starts.push_back(kda);
     const std::vector<int32_t> ids = piece(k);
     const auto n = static_cast<int64_t>(ids.size());
@@ -95,6 +98,7 @@ LossResult streamed_loss_and_gradients(const ModelConfig& c, const ModelWeights&
   const T scale = T(options.scale) / T(L - 1);
   double log_prob_sum = 0;
   for (size_t k = chunks; k-- > 0;) {
+    progress.update("backward chunk", chunks - 1 - k, chunks);
     const std::vector<int32_t> ids = piece(k);
     const auto n = static_cast<int64_t>(ids.size());
     const int64_t start = static_cast<int64_t>(k) * chunk;

@@ -17,8 +17,10 @@
 #include <numbers>
 #include <random>
 #include <set>
+#include <sstream>
 #include <thread>
 
+#include "core/progress.h"
 #include "core/random.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
@@ -174,6 +176,21 @@ void check_adamw_against_reference(DType model_dtype, DType grad_dtype, int step
     }
   }
   EXPECT_EQ(slot, adamw.slots().size());
+}
+
+// Long work reports how far it is, at most once per interval: a step that finishes within the
+// interval prints nothing.
+TEST(Progress, ReportsAtMostOncePerInterval) {
+  std::ostringstream captured;
+  std::streambuf* saved = std::cerr.rdbuf(captured.rdbuf());
+  Progress quiet("quiet step", 3600.0);
+  for (size_t k = 0; k < 8; ++k) quiet.update("forward chunk", k, 8);
+  Progress chatty("long step", 0.0);
+  chatty.update("backward chunk", 3, 8);
+  std::cerr.rdbuf(saved);
+  const std::string text = captured.str();
+  EXPECT_EQ(text.find("quiet step"), std::string::npos) << text;
+  EXPECT_NE(text.find("long step: backward chunk 3/8, 0 s"), std::string::npos) << text;
 }
 
 TEST(AdamW, OneStepMatchesPyTorchFormulas) { check_adamw_against_reference(DType::F64, DType::F64, 1); }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "core/progress.h"
 #include "kernels/cuda/balance_loss.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/norms.h"
@@ -46,7 +47,9 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   // the balance loss's statistics over every chunk.
   std::vector<LayerCarry> carries = start_carries(L);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
+  Progress progress("streamed step (GPU, chunks queued)");
   for (size_t k = 0; k < chunks; ++k) {
+    progress.update("forward chunk", k, chunks);
     const int64_t start = first_token(k), n = chunk_length(k);
     kda_starts[k].resize(layers);
     for (size_t i = 0; i < layers; ++i)
@@ -92,6 +95,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   DeviceBuffer<float> log_prob = activations_f32(L);
   const auto scale = static_cast<float>(options.scale / static_cast<double>(L - 1));
   for (size_t k = chunks; k-- > 0;) {
+    progress.update("backward chunk", chunks - 1 - k, chunks);
     const int64_t start = first_token(k), n = chunk_length(k);
 
     // The chunk's attention from the carries it started from: a copy of the KDA carry (the
