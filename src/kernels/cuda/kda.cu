@@ -40,12 +40,9 @@ constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
 constexpr int kOffW = kC * kC, kOffKb = kOffW + kC * kMaxDim, kOffU = kOffKb + kC * kMaxDim,
               kOffGlast = kOffU + kC * kMaxDim;
 static_assert(kOffGlast + kMaxDim == kKdaForwardBlockFloats, "kda.h's block size matches this layout");
-constexpr int kKp = kMaxDim + 1;  // row stride of the prep's [C, dk] tiles: conflict-free column walks
+constexpr int kKp = ChunkPrepTiles::kStride;  // row stride of [C, dk] tiles: conflict-free column walks
 
-size_t prep_smem_bytes() {
-  return sizeof(float) *
-         static_cast<size_t>(3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC + kMaxDim);
-}
+size_t prep_smem_bytes() { return sizeof(float) * ChunkPrepTiles::floats(); }
 
 // Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block. With Tinv = (I + diag(beta) A)^-1,
 // W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
@@ -59,48 +56,24 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* qs = smem;                       // [C, kKp]: q, then v
-  float* ks = qs + kC * kKp;              // [C, kKp]: k, then exp(G) k
-  float* Gs = ks + kC * kKp;              // [C, kKp]
-  float* As = Gs + kC * kKp;              // [C, C]
-  float* Aqs = As + kC * kC;              // [C, C]
-  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
-  float* bt = Ts + kC * kKdaSolveStride;  // [C]
-  float* gl = bt + kC;                    // [kMaxDim]
-  for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, gl);
-  chunk_matrices(qs, ks, Gs, kKp, bt, n, dk, As, Aqs, Ts);
+  const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
   float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
-  for (int idx = tid; idx < kC * kC; idx += kThreads) block[idx] = Aqs[idx];
-  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    const bool live = t < n && i < dk;
-    block[kOffKb + idx] = live ? expf(gl[i] - Gs[t * kKp + i]) * ks[t * kKp + i] : 0.0f;
-  }
-  for (int i = tid; i < kMaxDim; i += kThreads) block[kOffGlast + i] = i < dk ? gl[i] : 0.0f;
-  __syncthreads();  // Kb read k and G; now k becomes exp(G) k, q's tile takes v
+  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
+             [&](const ChunkPrepTiles& tiles) {
+               for (int idx = tid; idx < kC * kC; idx += kThreads) block[idx] = tiles.Aqs[idx];
+             });
   for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    if (i < dk) ks[t * kKp + i] *= expf(Gs[t * kKp + i]);
-    qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
-  }
-  for (int idx = tid; idx < n * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    if (s < n) Ts[t * kKdaSolveStride + s] *= bt[s];
+    m.qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
   }
   __syncthreads();
   // W and U0 rows: sums over s <= t of the (lower) Tinv diag(beta).
   for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    float w = 0.0f, u = 0.0f;
-    if (t < n) {
-      for (int s = 0; s <= t; ++s) {
-        const float m = Ts[t * kKdaSolveStride + s];
-        if (i < dk) w = fmaf(m, ks[s * kKp + i], w);
-        u = fmaf(m, qs[s * kKp + i], u);
-      }
-    }
-    block[kOffW + idx] = w;
+    float u = 0.0f;
+    if (t < n)
+      for (int s = 0; s <= t; ++s) u = fmaf(m.Ts[t * kKdaSolveStride + s], m.qs[s * kKp + i], u);
+    block[kOffW + idx] = chunk_w(m, t, i, n, dk);
     block[kOffU + idx] = u;
   }
 }

@@ -44,7 +44,7 @@ int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV
 constexpr int kOpKb = kC * kMaxDim, kOpGlast = 2 * kC * kMaxDim;
 static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand block matches this layout");
 
-size_t prep_smem_floats() { return 3 * kC * kKp + 2 * kC * kC + kC * kKdaSolveStride + kC + kMaxDim; }
+size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 
 // Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
 // (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb and G_last into ops; and, into slot
@@ -60,51 +60,27 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* qs = smem;                       // [C, kKp]: q, then Qg = exp(G) q, then P = Qg - Aq W
-  float* ks = qs + kC * kKp;              // [C, kKp]: k, then exp(G) k, then dO
-  float* Gs = ks + kC * kKp;              // [C, kKp]: G, then W
-  float* As = Gs + kC * kKp;              // [C, C]
-  float* Aqs = As + kC * kC;              // [C, C]
-  float* Ts = Aqs + kC * kC;              // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
-  float* bt = Ts + kC * kKdaSolveStride;  // [C]
-  float* gl = bt + kC;                    // [kMaxDim]
-  for (int t = tid; t < n; t += kThreads) bt[t] = beta[(t0 + t) * heads + h];
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, qs, ks, Gs, gl);
-  chunk_matrices(qs, ks, Gs, kKp, bt, n, dk, As, Aqs, Ts);
-  float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
-  float* Aq = A + kC * kC;
-  float* Tinv = Aq + kC * kC;
-  for (int idx = tid; idx < kC * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    A[idx] = As[idx];
-    Aq[idx] = Aqs[idx];
-    Tinv[idx] = Ts[t * kKdaSolveStride + s];
-  }
+  // q's tile: q, then Qg = exp(G) q, then P = Qg - Aq W; k's: exp(G) k, then dO; G's: then W.
+  const ChunkPrepTiles m(smem);
+  float* qs = m.qs;
+  float* ks = m.ks;
+  float* Gs = m.Gs;
+  const float* Aqs = m.Aqs;
   float* op = ops + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaBackwardOpsFloats;
+  float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
+  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
+             [&](const ChunkPrepTiles& tiles) {
+               for (int idx = tid; idx < kC * kC; idx += kThreads) {
+                 const int t = idx / kC, s = idx - t * kC;
+                 A[idx] = tiles.As[idx];
+                 A[kC * kC + idx] = tiles.Aqs[idx];
+                 A[2 * kC * kC + idx] = tiles.Ts[t * kKdaSolveStride + s];
+               }
+             });
+  // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed; W reads exp(G) k).
   for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    const bool live = t < n && i < dk;
-    op[kOpKb + idx] = live ? expf(gl[i] - Gs[t * kKp + i]) * ks[t * kKp + i] : 0.0f;
-  }
-  for (int i = tid; i < kMaxDim; i += kThreads) op[kOpGlast + i] = i < dk ? gl[i] : 0.0f;
-  __syncthreads();  // Kb and Tinv are out: now exp(G) k, exp(G) q and Tinv diag(beta)
-  for (int idx = tid; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
-    const float e = expf(Gs[x]);
-    ks[x] *= e;
-    qs[x] *= e;
-  }
-  for (int idx = tid; idx < n * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    if (s < n) Ts[t * kKdaSolveStride + s] *= bt[s];
-  }
-  __syncthreads();
-  // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed).
-  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    float w = 0.0f;
-    if (t < n && i < dk)
-      for (int s = 0; s <= t; ++s) w = fmaf(Ts[t * kKdaSolveStride + s], ks[s * kKp + i], w);
+    const float w = chunk_w(m, t, i, n, dk);
     op[idx] = w;
     if (t < n && i < dk) Gs[t * kKp + i] = w;
   }

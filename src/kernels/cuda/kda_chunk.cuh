@@ -84,4 +84,78 @@ __device__ inline void chunk_matrices(const float* qs, const float* ks, const fl
   __syncthreads();
 }
 
+// The prep kernels' shared memory (both preps, kda.cu and kda_backward.cu): q, k and G as [C,
+// kKdaMaxDim + 1] tiles (the odd stride keeps column walks free of bank conflicts), A, Aq, Tinv,
+// beta and G_last.
+struct ChunkPrepTiles {
+  static constexpr int kStride = static_cast<int>(kKdaMaxDim) + 1;
+  static constexpr int kC = static_cast<int>(kKdaChunk);
+  static constexpr size_t floats() {
+    return 3 * kC * kStride + 2 * kC * kC + kC * kKdaSolveStride + kC + static_cast<int>(kKdaMaxDim);
+  }
+  explicit __device__ ChunkPrepTiles(float* smem)
+      : qs(smem),
+        ks(qs + kC * kStride),
+        Gs(ks + kC * kStride),
+        As(Gs + kC * kStride),
+        Aqs(As + kC * kC),
+        Ts(Aqs + kC * kC),
+        bt(Ts + kC * kKdaSolveStride),
+        gl(bt + kC) {}
+  float* qs;   // [C, kStride]: q (then as each prep uses it)
+  float* ks;   // [C, kStride]: k, then exp(G) k
+  float* Gs;   // [C, kStride]: G
+  float* As;   // [C, C]
+  float* Aqs;  // [C, C]
+  float* Ts;   // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
+  float* bt;   // [C]: beta
+  float* gl;   // [kKdaMaxDim]: G of the chunk's last token
+};
+
+// The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta, then A,
+// Aq and Tinv (chunk_matrices); Kb = exp(G_last - G) k and G_last out to kb_out [C, kKdaMaxDim]
+// and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every thread) while
+// A, Aq and Tinv are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and Tinv
+// Tinv diag(beta). Needs exactly 256 threads; ends with a barrier.
+template <class Keep>
+__device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                           const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
+                           int h, int heads, int dk, const ChunkPrepTiles& m, float* kb_out, float* glast_out,
+                           bool scale_q, Keep keep) {
+  constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
+  const int tid = threadIdx.x;
+  for (int t = tid; t < n; t += blockDim.x) m.bt[t] = beta[(t0 + t) * heads + h];
+  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.gl);
+  chunk_matrices(m.qs, m.ks, m.Gs, S, m.bt, n, dk, m.As, m.Aqs, m.Ts);
+  keep(m);
+  for (int idx = tid; idx < C * D; idx += blockDim.x) {
+    const int t = idx / D, i = idx - t * D;
+    const bool live = t < n && i < dk;
+    kb_out[idx] = live ? expf(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
+  }
+  for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
+  __syncthreads();  // Kb read k and G, `keep` A, Aq and Tinv
+  for (int idx = tid; idx < n * dk; idx += blockDim.x) {
+    const int t = idx / dk, i = idx - t * dk, x = t * S + i;
+    const float e = expf(m.Gs[x]);
+    m.ks[x] *= e;
+    if (scale_q) m.qs[x] *= e;
+  }
+  for (int idx = tid; idx < n * C; idx += blockDim.x) {
+    const int t = idx / C, s = idx - t * C;
+    if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
+  }
+  __syncthreads();
+}
+
+// After chunk_prep: row t of the chunk's WY keys W = Tinv diag(beta) exp(G) k, element i (zero
+// past the chunk and past dk).
+__device__ inline float chunk_w(const ChunkPrepTiles& m, int t, int i, int n, int dk) {
+  float w = 0.0f;
+  if (t < n && i < dk)
+    for (int s = 0; s <= t; ++s)
+      w = fmaf(m.Ts[t * kKdaSolveStride + s], m.ks[s * ChunkPrepTiles::kStride + i], w);
+  return w;
+}
+
 }  // namespace spindle::cuda
