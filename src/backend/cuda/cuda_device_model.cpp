@@ -35,6 +35,7 @@ class CudaDeviceModel final : public DeviceModel {
   void zero_gradients() override { model_.grads().zero(stream()); }
 
   double clip_gradients(double max_norm) override {
+    const TimedScope timed = model_.context().timed("optimizer");
     DeviceWeights& grads = model_.grads();
     auto* values = static_cast<float*>(grads.tensors().embed_tokens.raw());  // the arena's first tensor
     const auto n = static_cast<int64_t>(grads.bytes() / sizeof(float));
@@ -101,6 +102,7 @@ class CudaDeviceModel final : public DeviceModel {
   }
 
   void optimizer_step(const AdamWOptions& options, double lr, int64_t step) override {
+    const TimedScope timed = model_.context().timed("optimizer");
     if (host_optimizer_) {
       host_optimizer_->step(options, lr, step);
       return;

@@ -23,6 +23,7 @@ struct SiteActivations {
 SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
+  const TimedScope timed = ctx.timed("mhc");
   SiteActivations a{activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H),
                     activations(L * D), activations(L * D)};
   hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
@@ -40,6 +41,7 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
                            const SublayerForward& sublayer) {
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
+  const TimedScope timed = ctx.timed("mhc");
   hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
 }
 
@@ -56,12 +58,16 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
 
   DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
                       d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
-  SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
-  SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
   DeviceBuffer<bf16> dy = activations(L * D);
-  hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(),
-                      dy.data(), d_post.data(), d_comb.data(), s);
+  {
+    const TimedScope timed = ctx.timed("mhc");
+    SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
+    SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
+    hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(),
+                        dy.data(), d_post.data(), d_comb.data(), s);
+  }
   sublayer_backward(a.normed.data(), dy.data(), d_normed.data());
+  const TimedScope timed = ctx.timed("mhc");
 
   DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
   DeviceBuffer<bf16>& d_collapsed = dy;
