@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The 4B model (configs/glm53-flash-4b.json) on one H200 at long lengths, on an N-free chrX window
+# (data/hs37chrXtrunc.fa.gz; carry it to the device), one training step per length with the
+# planner's policy, results as JSON lines in OUT_DIR (docs/PERF.md, "The 4B model from 32k to a
+# million tokens"). 1M keeps the AdamW state on the host to stay under 130 GB, and is the only
+# length of its call: its step alone takes minutes of a call's ten.
+#     bash bench/run_4b_h200.sh OUT_DIR "32768,131072,524288"
+#     bash bench/run_4b_h200.sh OUT_DIR 1048576
+set -uo pipefail
+out=$1 lengths=$2
+cd "$(dirname "$0")/.."
+if [ -d build/devlibs ]; then export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"; fi
+mkdir -p "$out"
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
+extra=()
+if [ "$lengths" = 1048576 ]; then extra=(--host-optimizer); fi
+./build/spindle bench --model configs/glm53-flash-4b.json --seq-len "$lengths" --steps 1 --warmup 0 \
+  --tokens data/hs37chrXtrunc.fa.gz "${extra[@]}" --out "$out/spindle.jsonl" 2> "$out/spindle.log"
+status=$?
+cat "$out/spindle.jsonl"
+exit $status
