@@ -10,6 +10,7 @@
 #include <chrono>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -119,11 +120,11 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
 
-  std::optional<BenchTokens> dna;
+  // Every length's tokens before the minutes of initialising a large model: bad data fails first.
+  std::map<int64_t, std::vector<int32_t>> dna;
   if (!random_tokens) {
-    dna.emplace(token_file);
-    // Fail before the minutes of initialising a large model if the data is too short.
-    for (const int64_t L : lengths) dna->window(L);
+    const BenchTokens source(token_file);
+    for (const int64_t L : lengths) dna[L] = source.window(L);
   }
   const Model model = bench_model(source);
   const ModelConfig& config = model.config;
@@ -157,7 +158,7 @@ int run_bench(const std::vector<std::string>& argv) {
       std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(config.vocab_size - 1));
       for (int32_t& t : tokens) t = id(engine);
     } else {
-      tokens = dna->window(L);
+      tokens = dna.at(L);
     }
     const plan::Execution execution = plan::plan_execution(config, L, machine, plan_options, forced_chunk,
                                                            optimizer_on_host, forced_policy);

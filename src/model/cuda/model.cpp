@@ -14,14 +14,10 @@
 
 namespace spindle::cuda {
 
-namespace {
-
 const char* attention_kind(const LayerWeights& layer) {
   return layer.attention == AttentionKind::Kda ? "kda" : "dsa";
 }
 const char* mlp_kind(const LayerWeights& layer) { return layer.mlp == MlpKind::Dense ? "mlp" : "moe"; }
-
-}  // namespace
 
 CudaModel::CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels,
                      bool absorbed_mla)
@@ -79,6 +75,22 @@ void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L,
   else
     moe_forward(ctx_, config_, layer.moe, x, L, y, load, router_logits);
   end();
+}
+
+void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const bf16* x, int64_t L,
+                                  DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss) {
+  const ModelConfig& c = config_;
+  residual_site_backward(
+      ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, x, dstreams, grad.ffn_hc,
+      grad.post_attention_layernorm, [&](const bf16* in, bf16* y) { ffn_forward(layer, in, L, y); },
+      [&](const bf16* in, const bf16* dy, float* dx) {
+        begin(mlp_kind(layer));
+        if (layer.mlp == MlpKind::Dense)
+          mlp_backward(ctx_, layer.dense, c.swiglu_limit, in, L, dy, dx, grad.dense);
+        else
+          moe_backward(ctx_, c, layer.moe, in, L, dy, dx, grad.moe, balance_loss);
+        end();
+      });
 }
 
 DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
@@ -275,36 +287,27 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
       if (on_host[i]) offload_.wait_fetched(i, s);
       if (i > 0 && on_host[i - 1]) fetch(i - 1);
     }
+    DeviceBuffer<int32_t> unused;  // KDA layers select nothing
+    DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
     if (!all_sites) {  // the feed-forward site's input: the attention site once more
       site_inputs[2 * i + 1] = activations(L * H * D);
       residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(),
-                            site_inputs[2 * i + 1].data(), [&](const bf16* x, bf16* y) {
-                              attention_forward(layer, x, L, *selections[i], y, true);
-                            });
+                            site_inputs[2 * i + 1].data(),
+                            [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, chosen, y, true); });
     }
-    residual_site_backward(
-        ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, site_inputs[2 * i + 1].data(), dstreams,
-        grad.ffn_hc, grad.post_attention_layernorm,
-        [&](const bf16* x, bf16* y) { ffn_forward(layer, x, L, y); },
-        [&](const bf16* x, const bf16* dy, float* dx) {
-          begin(mlp_kind(layer));
-          if (layer.mlp == MlpKind::Dense)
-            mlp_backward(ctx_, layer.dense, c.swiglu_limit, x, L, dy, dx, grad.dense);
-          else
-            moe_backward(ctx_, c, layer.moe, x, L, dy, dx, grad.moe, balance ? &balance_loss : nullptr);
-          end();
-        });
+    ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), L, dstreams,
+                      balance ? &balance_loss : nullptr);
     site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
     residual_site_backward(
         ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
         grad.input_layernorm,
-        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, *selections[i], y, true); },
+        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, chosen, y, true); },
         [&](const bf16* x, const bf16* dy, float* dx) {
           begin(attention_kind(layer));
           if (layer.attention == AttentionKind::Kda)
             kda_backward(ctx_, c, layer.kda, x, L, dy, dx, grad.kda);
           else
-            dsa_backward(ctx_, c, layer.dsa, x, L, selections[i]->data(), dy, dx, grad.dsa, &indexer_loss);
+            dsa_backward(ctx_, c, layer.dsa, x, L, chosen.data(), dy, dx, grad.dsa, &indexer_loss);
           end();
         });
     // A layer whose input stayed on the device may still be copying it out (the last two).

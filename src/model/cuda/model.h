@@ -20,6 +20,10 @@
 
 namespace spindle::cuda {
 
+// The timer's kind for a layer's attention ("kda", "dsa") and feed-forward ("mlp", "moe") work.
+const char* attention_kind(const LayerWeights& layer);
+const char* mlp_kind(const LayerWeights& layer);
+
 class CudaModel {
  public:
   CudaModel(const ModelConfig& config, const ModelWeights& host_weights, bool strict_kernels = false,
@@ -64,6 +68,10 @@ class CudaModel {
   void attention_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L,
                          DeviceBuffer<int32_t>& selection, __nv_bfloat16* y, bool reuse_selection,
                          KdaCarry* kda = nullptr, DsaCache* cache = nullptr);
+  // Layer `layer`'s feed-forward residual site backward from its input streams `x` [L, hc_mult,
+  // hidden]: dstreams comes in as the gradient of its output and leaves as that of its input.
+  void ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const __nv_bfloat16* x, int64_t L,
+                         DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss);
   // `load` and `router_logits` as for moe_forward (MoE layers only).
   void ffn_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L, __nv_bfloat16* y,
                    std::vector<int64_t>* load = nullptr, float* router_logits = nullptr);

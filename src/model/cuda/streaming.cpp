@@ -161,18 +161,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     for (size_t i = layers; i-- > 0;) {
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
-      residual_site_backward(
-          ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, site_inputs[2 * i + 1].data(), dstreams,
-          grad.ffn_hc, grad.post_attention_layernorm,
-          [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); },
-          [&](const bf16* x, const bf16* dy, float* dx) {
-            begin(layer.mlp == MlpKind::Dense ? "mlp" : "moe");
-            if (layer.mlp == MlpKind::Dense)
-              mlp_backward(ctx_, layer.dense, c.swiglu_limit, x, n, dy, dx, grad.dense);
-            else
-              moe_backward(ctx_, c, layer.moe, x, n, dy, dx, grad.moe, balance ? &balance_loss : nullptr);
-            end();
-          });
+      ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
+                        balance ? &balance_loss : nullptr);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
       DeviceBuffer<int32_t> unused;
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
@@ -180,7 +170,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           ctx_, c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
           grad.input_layernorm, [&](const bf16* x, bf16* y) { attention(i, x, y, chosen, true); },
           [&](const bf16* x, const bf16* dy, float* dx) {
-            begin(layer.attention == AttentionKind::Kda ? "kda" : "dsa");
+            begin(attention_kind(layer));
             if (layer.attention == AttentionKind::Kda)
               kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i]);
             else
