@@ -66,8 +66,11 @@ struct HcCase {
   int64_t tokens, H, D;
 };
 
-// (tokens, H, D): tokens not a multiple of 64, D not a multiple of 8 or of the 256 threads.
-const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61}, {19, 8, 40}, {1, 4, 12}};
+// (tokens, H, D): tokens not a multiple of the 64-token tile, D not a multiple of 8 or of the 256
+// threads, H D not a multiple of the 64-element mix slice; 2100 tokens span several 1024-token dfn
+// blocks.
+const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},
+                           {19, 8, 40},   {1, 4, 12},    {2100, 4, 96}};
 
 cpu::HcShape shape_of(const HcCase& c) { return cpu::HcShape{c.tokens, c.H, c.D, 1e-6, 1e-6, 20}; }
 

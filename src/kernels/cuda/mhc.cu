@@ -1,13 +1,17 @@
-// mHC hyper-connections: one block of 256 threads per token (the coefficients, the collapse,
-// hc_combine and both backward passes), H a template parameter so per-thread partial sums stay in
-// registers. The tiny per-token work (softmax, 2 iters - 1 Sinkhorn passes and their backward)
-// runs on warp 0, lane a owning row or column a, in shared memory.
-//
-// The mix projection normed[tokens, H D] x fn^T [H D, (2 + H) H] is a thin GEMM written here as a
-// per-token block reduction: correct and simple, but each token re-reads all of fn (from L2),
-// (2 + H) H fp32 values per stream element. Candidate for a tensor-core path later (several
-// tokens per block, or a bf16 wgmma over a token tile with fn staged in shared memory); the
-// same holds for dfn = dm^T normed, done here by hc_dfn_kernel over token chunks.
+// mHC hyper-connections. The coefficient kernels (forward and backward) take a tile of 64 tokens
+// per block of 256 threads, H a template parameter:
+//   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
+//      fp32 GEMM over slices of H D staged in shared memory (each fn slice is read once per tile,
+//      not once per token: per-token reads of all of fn from L2 were the whole cost before);
+//   2. the tiny per-token work (softmax, 2 iters - 1 Sinkhorn passes and their backward), one warp
+//      per token, lane a owning row or column a;
+//   3. the collapse (forward) or the streams' gradient dn = dm fn (backward), fn held in
+//      registers per column while the tile's tokens go by.
+// hc_combine and its backward are per token (memory bound); dfn = dm^T normed sums 1024-token
+// chunks per block (one atomic per fn entry per chunk).
+#include <algorithm>
+#include <cstdint>
+
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/mhc.h"
@@ -19,7 +23,13 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
-constexpr int kTokenChunk = 64;  // tokens per block of hc_dfn_kernel: one atomic per fn entry per chunk
+constexpr int kTileTokens = 64;                   // tokens per block of the coefficient kernels
+constexpr int kGroups = kThreads / kTileTokens;   // mix outputs split in 4 groups, a warp pair each
+constexpr int kSlice = 64;                        // mix reduction slice staged in shared memory
+constexpr int kXStride = kSlice + 4;              // bf16; 8-byte reads by 32 token rows hit 32 banks
+constexpr int kTokenChunk = 64;                   // tokens of dm staged at once by hc_dfn_kernel
+constexpr int kChunksPerDfnBlock = 16;            // 1024 tokens per hc_dfn_kernel block
+constexpr size_t kMaxDynamicShared = 160 * 1024;  // the backward's Sinkhorn stages share this
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
@@ -27,6 +37,193 @@ __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-
 template <int H>
 __device__ __forceinline__ int group_of(int o) {
   return o < H ? 0 : (o < 2 * H ? 1 : 2);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Shared-memory layout of the coefficient kernels for H streams.
+template <int H>
+struct Tile {
+  static constexpr int M = (2 + H) * H;                  // mix outputs
+  static constexpr int P = (M + kGroups - 1) / kGroups;  // mix outputs per thread
+  static constexpr int MP = (M + 3) / 4 * 4;             // dm row stride (float4 reads)
+  static constexpr int HH = H * H;
+  static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
+  static constexpr size_t kSliceBytes = kXBytes + kGroups * P * kSlice * sizeof(float);
+  // After the mix: raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
+  static constexpr size_t kRawOffset = kSliceBytes;
+  static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
+  static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
+  static_assert(kTileTokens * MP * sizeof(float) <= kSliceBytes, "dm must fit where the slices were");
+  static_assert(kXBytes % 16 == 0, "the fn slice must be float4-aligned");
+};
+
+// Mix of one tile: raw[tt, o] = sum_i x[tt, i] fn[o, i] for o < M, raw[tt, M] = sum_i x[tt, i]^2,
+// for the tile's `count` tokens x [count, K]. `vec`: K % 8 == 0 and x 16-byte aligned.
+// Warp w computes outputs group w / 2 for tokens (w % 2) 32 + lane.
+template <int H>
+__device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int K, bool vec,
+                         unsigned char* smem) {
+  using T = Tile<H>;
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* fs = reinterpret_cast<float*>(smem + T::kXBytes);
+  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / 2, token = (warp % 2) * 32 + lane;
+  float acc[T::P], sq = 0.0f;
+#pragma unroll
+  for (int p = 0; p < T::P; ++p) acc[p] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += kSlice) {
+    if (vec) {
+      for (int e = threadIdx.x; e < kTileTokens * kSlice / 8; e += kThreads) {
+        const int tt = e / (kSlice / 8), kk = e % (kSlice / 8) * 8, k = k0 + kk;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (tt < count && k < K) v = *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + k);
+        uint2* dst = reinterpret_cast<uint2*>(xs + tt * kXStride + kk);
+        dst[0] = make_uint2(v.x, v.y);
+        dst[1] = make_uint2(v.z, v.w);
+      }
+    } else {
+      for (int e = threadIdx.x; e < kTileTokens * kSlice; e += kThreads) {
+        const int tt = e / kSlice, kk = e % kSlice, k = k0 + kk;
+        xs[tt * kXStride + kk] =
+            tt < count && k < K ? x[static_cast<int64_t>(tt) * K + k] : __float2bfloat16(0.0f);
+      }
+    }
+    for (int e = threadIdx.x; e < kGroups * T::P * kSlice; e += kThreads) {
+      const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
+      fs[e] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
+    }
+    __syncthreads();
+    const __nv_bfloat16* xr = xs + token * kXStride;
+    const float* fr = fs + group * T::P * kSlice;
+#pragma unroll 4
+    for (int kk = 0; kk < kSlice; kk += 4) {
+      const uint2 packed = *reinterpret_cast<const uint2*>(xr + kk);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
+      if (group == 0) sq = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(b.x, b.x, fmaf(b.y, b.y, sq))));
+#pragma unroll
+      for (int p = 0; p < T::P; ++p) {
+        const float4 f = *reinterpret_cast<const float4*>(fr + p * kSlice + kk);
+        acc[p] = fmaf(a.x, f.x, fmaf(a.y, f.y, fmaf(b.x, f.z, fmaf(b.y, f.w, acc[p]))));
+      }
+    }
+    __syncthreads();
+  }
+  if (token < count) {
+#pragma unroll
+    for (int p = 0; p < T::P; ++p) {
+      const int o = group * T::P + p;
+      if (o < T::M) raw[token * (T::M + 1) + o] = acc[p];
+    }
+    if (group == 0) raw[token * (T::M + 1) + T::M] = sq;
+  }
+  __syncthreads();
+}
+
+// Row softmax of the comb logits plus eps, into c [H, H]; lane i of the calling warp owns row i.
+// Also keeps the softmax itself in p when given.
+template <int H>
+__device__ void comb_softmax(int lane, const float* m, const float* base, float scale2, float eps, float* c,
+                             float* p) {
+  const int i = lane;
+  if (i < H) {
+    float row[H];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+      row[j] = m[2 * H + i * H + j] * scale2 + base[2 * H + i * H + j];
+      mx = fmaxf(mx, row[j]);
+    }
+    float z = 0.0f;
+#pragma unroll
+    for (int j = 0; j < H; ++j) z += (row[j] = expf(row[j] - mx));
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+      const float q = row[j] / z;
+      if (p != nullptr) p[i * H + j] = q;
+      c[i * H + j] = q + eps;
+    }
+  }
+  __syncwarp();
+}
+
+// One Sinkhorn pass from c into next (may alias c): along columns or rows; lane a of the calling
+// warp owns column or row a. Stores sum + eps per lane in sums when given.
+template <int H>
+__device__ void sinkhorn_pass(int lane, bool columns, const float* c, float* next, float eps, float* sums) {
+  const int a = lane;
+  if (a < H) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int b = 0; b < H; ++b) sum += columns ? c[b * H + a] : c[a * H + b];
+    const float S = sum + eps;
+    if (sums != nullptr) sums[a] = S;
+#pragma unroll
+    for (int b = 0; b < H; ++b) {
+      const int idx = columns ? b * H + a : a * H + b;
+      next[idx] = c[idx] / S;
+    }
+  }
+  __syncwarp();
+}
+
+template <int H>
+__global__ void __launch_bounds__(kThreads, 1)
+    hc_coefficients_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
+                           const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
+                           int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
+  using T = Tile<H>;
+  constexpr int M = T::M, HH = T::HH;
+  extern __shared__ float4 shared_words[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
+  float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
+  float* scratch = reinterpret_cast<float*>(smem + T::kCommonBytes);  // per warp: m [M], c [HH]
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
+  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int K = H * D;
+  const __nv_bfloat16* x = streams + t0 * K;
+  mix_tile<H>(x, count, fn, K, vec, smem);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* m = scratch + warp * (M + HH);
+  float* c = m + M;
+  for (int tt = warp; tt < count; tt += kWarps) {
+    const float* r = raw + tt * (M + 1);
+    const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
+    for (int o = lane; o < M; o += 32) m[o] = r[o] * inv;
+    __syncwarp();
+    const int64_t t = t0 + tt;
+    if (lane < H) {
+      const int h = lane;
+      pre_s[tt * H + h] = sigmoid(m[h] * scale[0] + base[h]) + hc_eps;
+      pre[t * H + h] = pre_s[tt * H + h];
+      post[t * H + h] = 2.0f * sigmoid(m[H + h] * scale[1] + base[H + h]);
+    }
+    // Sinkhorn as transformers writes it: one column pass, then (iters - 1) row + column passes.
+    comb_softmax<H>(lane, m, base, scale[2], hc_eps, c, nullptr);
+    sinkhorn_pass<H>(lane, true, c, c, hc_eps, nullptr);
+    for (int it = 0; it + 1 < iters; ++it) {
+      sinkhorn_pass<H>(lane, false, c, c, hc_eps, nullptr);
+      sinkhorn_pass<H>(lane, true, c, c, hc_eps, nullptr);
+    }
+    for (int k = lane; k < HH; k += 32) comb[t * HH + k] = c[k];
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < count * D; e += kThreads) {
+    const int tt = e / D, d = e % D;
+    float acc = 0.0f;
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+      acc = fmaf(pre_s[tt * H + h], __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), acc);
+    collapsed[(t0 + tt) * D + d] = __float2bfloat16(acc);
+  }
 }
 
 // Sums each of N per-thread values over the block into out[N] (shared), visible to all threads
@@ -50,117 +247,6 @@ __device__ void block_sums(const float (&v)[N], float* scratch, float* out) {
 }
 
 // First pass over one token's streams x [H, D]: raw[o] = sum_i x[i] fn[o, i] (the mix before the
-// RMS factor), the sum of squares, and with d_collapsed the dots dpre[h] = sum_d dcol[d] x[h, d].
-// Results in red: raw [M], sum of squares [1], dpre [H] (backward only).
-template <int H, bool kBackward>
-__device__ void mix_pass(const __nv_bfloat16* x, const float* fn, const __nv_bfloat16* dcol, int64_t D,
-                         float* scratch, float* red) {
-  constexpr int M = (2 + H) * H;
-  constexpr int N = M + 1 + (kBackward ? H : 0);
-  const int64_t flat = H * D;
-  float v[N];
-#pragma unroll
-  for (int k = 0; k < N; ++k) v[k] = 0.0f;
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-      const int64_t i = h * D + d;
-      const float xv = __bfloat162float(x[i]);
-      v[M] = fmaf(xv, xv, v[M]);
-#pragma unroll
-      for (int o = 0; o < M; ++o) v[o] = fmaf(xv, __ldg(fn + o * flat + i), v[o]);
-      if constexpr (kBackward) v[M + 1 + h] = fmaf(xv, __bfloat162float(dcol[d]), v[M + 1 + h]);
-    }
-  }
-  block_sums<N>(v, scratch, red);
-}
-
-// Row softmax of the comb logits plus eps, into c [H, H]; warp 0, lane i owns row i. Also keeps
-// the softmax itself in p when given.
-template <int H>
-__device__ void comb_softmax(const float* m, const float* base, float scale2, float eps, float* c, float* p) {
-  const int i = threadIdx.x;
-  if (i < H) {
-    float row[H];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-      row[j] = m[2 * H + i * H + j] * scale2 + base[2 * H + i * H + j];
-      mx = fmaxf(mx, row[j]);
-    }
-    float z = 0.0f;
-#pragma unroll
-    for (int j = 0; j < H; ++j) z += (row[j] = expf(row[j] - mx));
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-      const float q = row[j] / z;
-      if (p != nullptr) p[i * H + j] = q;
-      c[i * H + j] = q + eps;
-    }
-  }
-  __syncwarp();
-}
-
-// One Sinkhorn pass from c into next (may alias c): along columns (k even) or rows; lane a owns
-// column or row a. Stores sum + eps per lane in sums when given.
-template <int H>
-__device__ void sinkhorn_pass(bool columns, const float* c, float* next, float eps, float* sums) {
-  const int a = threadIdx.x;
-  if (a < H) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int b = 0; b < H; ++b) sum += columns ? c[b * H + a] : c[a * H + b];
-    const float S = sum + eps;
-    if (sums != nullptr) sums[a] = S;
-#pragma unroll
-    for (int b = 0; b < H; ++b) {
-      const int idx = columns ? b * H + a : a * H + b;
-      next[idx] = c[idx] / S;
-    }
-  }
-  __syncwarp();
-}
-
-template <int H>
-__global__ void __launch_bounds__(kThreads, 1)
-    hc_coefficients_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
-                           const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                           int64_t D, float rms_eps, float hc_eps, int iters) {
-  constexpr int M = (2 + H) * H;
-  __shared__ float scratch[kWarps * (M + 1)], red[M + 1], m[M], c[H * H], pre_s[H];
-  const int64_t t = blockIdx.x, flat = H * D;
-  const __nv_bfloat16* x = streams + t * flat;
-  mix_pass<H, false>(x, fn, nullptr, D, scratch, red);
-  const float inv = rsqrtf(red[M] / static_cast<float>(flat) + rms_eps);
-  if (threadIdx.x < M) m[threadIdx.x] = red[threadIdx.x] * inv;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int h = threadIdx.x;
-    if (h < H) {
-      pre_s[h] = sigmoid(m[h] * scale[0] + base[h]) + hc_eps;
-      pre[t * H + h] = pre_s[h];
-      post[t * H + h] = 2.0f * sigmoid(m[H + h] * scale[1] + base[H + h]);
-    }
-    // Sinkhorn as transformers writes it: one column pass, then (iters - 1) row + column passes.
-    comb_softmax<H>(m, base, scale[2], hc_eps, c, nullptr);
-    sinkhorn_pass<H>(true, c, c, hc_eps, nullptr);
-    for (int it = 0; it + 1 < iters; ++it) {
-      sinkhorn_pass<H>(false, c, c, hc_eps, nullptr);
-      sinkhorn_pass<H>(true, c, c, hc_eps, nullptr);
-    }
-    for (int k = threadIdx.x; k < H * H; k += 32) comb[t * H * H + k] = c[k];
-  }
-  __syncthreads();
-  float p[H];
-#pragma unroll
-  for (int h = 0; h < H; ++h) p[h] = pre_s[h];
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int h = 0; h < H; ++h) acc = fmaf(p[h], __bfloat162float(x[h * D + d]), acc);
-    collapsed[t * D + d] = __float2bfloat16(acc);
-  }
-}
 
 template <int H>
 __global__ void __launch_bounds__(kThreads)
@@ -245,148 +331,207 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Per token: recomputes the mix and the Sinkhorn stages, back-propagates d_pre/d_post/d_comb (and
-// the collapse) to the mix gradient dm, accumulates dstreams (collapse + RMS-norm path), and
-// leaves g (gradient before the scale), m and the RMS factor in the workspace row
-// [g (M), m (M), inv] for hc_dfn_kernel.
+// Floats of one warp's Sinkhorn backward scratch: m, g [M], p, dc [HH], the stages
+// [(passes + 1) HH] and each pass's sums [passes H].
 template <int H>
-__global__ void __launch_bounds__(kThreads)
+__host__ __device__ constexpr int sinkhorn_scratch_floats(int passes) {
+  return 2 * Tile<H>::M + 2 * Tile<H>::HH + (passes + 1) * Tile<H>::HH + passes * H;
+}
+
+// Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn stages forward
+// and back (warps 0 .. sinkhorn_warps - 1, one token each at a time), d_pre/d_post/d_comb (and the
+// collapse) back to the mix gradient dm; then dstreams += inv dn - x inv^3 (dm . raw) / (H D) +
+// pre[h] dcol with dn = dm fn (the RMS-norm and collapse paths). Leaves g (the gradient before
+// the scale), m and the RMS factor in the workspace row [g (M), m (M), inv] for hc_dfn_kernel.
+template <int H>
+__global__ void __launch_bounds__(kThreads, 1)
     hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
                                     const float* scale, const float* d_pre, const float* d_post,
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
-                                    float* workspace, int64_t D, float rms_eps, float hc_eps, int iters) {
-  constexpr int M = (2 + H) * H, HH = H * H;
-  constexpr int N = M + 1 + H;
-  __shared__ float scratch[kWarps * N], red[N], m[M], g[M], dm[M], pre_s[H], p[HH], dc[HH];
-  extern __shared__ float dynamic[];  // stages [(passes + 1) HH], then sums [passes H]
+                                    float* workspace, int64_t tokens, int D, float rms_eps, float hc_eps,
+                                    int iters, int sinkhorn_warps, bool vec) {
+  using T = Tile<H>;
+  constexpr int M = T::M, HH = T::HH, MP = T::MP;
+  extern __shared__ float4 shared_words[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
+  float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
+  float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
+  float* inv_s = dpre_s + kTileTokens * H;                           // [64]
+  float* corr_s = inv_s + kTileTokens;                               // [64]
+  float* scratch = corr_s + kTileTokens;                             // per Sinkhorn warp
+  float* dm_s = reinterpret_cast<float*>(smem);                      // [64, MP], where the slices were
   const int passes = 2 * iters - 1;
-  float* stages = dynamic;
-  float* sums = dynamic + (passes + 1) * HH;
-  const int64_t t = blockIdx.x, flat = H * D;
-  const __nv_bfloat16* x = streams + t * flat;
-  const __nv_bfloat16* dcol = d_collapsed + t * D;
-  mix_pass<H, true>(x, fn, dcol, D, scratch, red);
-  const float inv = rsqrtf(red[M] / static_cast<float>(flat) + rms_eps);
-  if (threadIdx.x < M) m[threadIdx.x] = red[threadIdx.x] * inv;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
+  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int K = H * D;
+  const __nv_bfloat16* x = streams + t0 * K;
+  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
+  mix_tile<H>(x, count, fn, K, vec, smem);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int tt = warp; tt < count; tt += kWarps) {
+    float v[H];
+#pragma unroll
+    for (int h = 0; h < H; ++h) v[h] = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const float g = __bfloat162float(dcol[tt * D + d]);
+#pragma unroll
+      for (int h = 0; h < H; ++h)
+        v[h] = fmaf(g, __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), v[h]);
+    }
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const float s = warp_sum(v[h]);
+      if (lane == 0) dpre_s[tt * H + h] = s + (d_pre != nullptr ? d_pre[(t0 + tt) * H + h] : 0.0f);
+    }
+  }
+  for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) dm_s[e] = 0.0f;  // padding and absent tokens
   __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    // Forward again, keeping each stage and each pass's sums.
-    comb_softmax<H>(m, base, scale[2], hc_eps, stages, p);
-    for (int k = 0; k < passes; ++k)
-      sinkhorn_pass<H>(k % 2 == 0, stages + k * HH, stages + (k + 1) * HH, hc_eps, sums + k * H);
-    for (int k = lane; k < HH; k += 32) dc[k] = d_comb[t * HH + k];
-    __syncwarp();
-    // Back through the passes: c' = c / (S + eps) along rows or columns.
-    for (int k = passes - 1; k >= 0; --k) {
-      const bool columns = k % 2 == 0;
-      const float* c = stages + k * HH;
+
+  if (warp < sinkhorn_warps) {
+    float* m = scratch + warp * sinkhorn_scratch_floats<H>(passes);
+    float* g = m + M;
+    float* p = g + M;
+    float* dc = p + HH;
+    float* stages = dc + HH;
+    float* sums = stages + (passes + 1) * HH;
+    for (int tt = warp; tt < count; tt += sinkhorn_warps) {
+      const int64_t t = t0 + tt;
+      const float* r = raw + tt * (M + 1);
+      const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
+      for (int o = lane; o < M; o += 32) m[o] = r[o] * inv;
+      for (int k = lane; k < HH; k += 32) dc[k] = d_comb[t * HH + k];
+      __syncwarp();
+      // Forward again, keeping each stage and each pass's sums.
+      comb_softmax<H>(lane, m, base, scale[2], hc_eps, stages, p);
+      for (int k = 0; k < passes; ++k)
+        sinkhorn_pass<H>(lane, k % 2 == 0, stages + k * HH, stages + (k + 1) * HH, hc_eps, sums + k * H);
+      // Back through the passes: c' = c / (S + eps) along rows or columns.
+      for (int k = passes - 1; k >= 0; --k) {
+        const bool columns = k % 2 == 0;
+        const float* c = stages + k * HH;
+        if (lane < H) {
+          const float S = sums[k * H + lane];
+          float dot = 0.0f;
+#pragma unroll
+          for (int b = 0; b < H; ++b) {
+            const int idx = columns ? b * H + lane : lane * H + b;
+            dot = fmaf(dc[idx], c[idx], dot);
+          }
+#pragma unroll
+          for (int b = 0; b < H; ++b) {
+            const int idx = columns ? b * H + lane : lane * H + b;
+            dc[idx] = dc[idx] / S - dot / (S * S);
+          }
+        }
+        __syncwarp();
+      }
       if (lane < H) {
-        const float S = sums[k * H + lane];
+        // Row softmax backward.
+        const int i = lane;
         float dot = 0.0f;
 #pragma unroll
-        for (int b = 0; b < H; ++b) {
-          const int idx = columns ? b * H + lane : lane * H + b;
-          dot = fmaf(dc[idx], c[idx], dot);
-        }
+        for (int j = 0; j < H; ++j) dot = fmaf(p[i * H + j], dc[i * H + j], dot);
 #pragma unroll
-        for (int b = 0; b < H; ++b) {
-          const int idx = columns ? b * H + lane : lane * H + b;
-          dc[idx] = dc[idx] / S - dot / (S * S);
-        }
+        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i * H + j] * (dc[i * H + j] - dot);
+        // pre (which also feeds the collapse) and post.
+        const int h = lane;
+        const float sp = sigmoid(m[h] * scale[0] + base[h]);
+        g[h] = dpre_s[tt * H + h] * sp * (1.0f - sp);
+        pre_s[tt * H + h] = sp + hc_eps;
+        const float so = sigmoid(m[H + h] * scale[1] + base[H + h]);
+        g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
+      }
+      __syncwarp();
+      float* row = workspace + t * (2 * M + 1);
+      float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
+      for (int o = lane; o < M; o += 32) {
+        const float dm = g[o] * scale[group_of<H>(o)];
+        dm_s[tt * MP + o] = dm;
+        dot = fmaf(dm, r[o], dot);
+        row[o] = g[o];
+        row[M + o] = m[o];
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) {
+        row[2 * M] = inv;
+        inv_s[tt] = inv;
+        corr_s[tt] = inv * inv * inv * dot / static_cast<float>(K);
       }
       __syncwarp();
     }
-    if (lane < H) {
-      // Row softmax backward.
-      const int i = lane;
-      float dot = 0.0f;
-#pragma unroll
-      for (int j = 0; j < H; ++j) dot = fmaf(p[i * H + j], dc[i * H + j], dot);
-#pragma unroll
-      for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i * H + j] * (dc[i * H + j] - dot);
-      // pre (which also feeds the collapse) and post.
-      const int h = lane;
-      const float dpre = (d_pre != nullptr ? d_pre[t * H + h] : 0.0f) + red[M + 1 + h];
-      const float sp = sigmoid(m[h] * scale[0] + base[h]);
-      g[h] = dpre * sp * (1.0f - sp);
-      pre_s[h] = sp + hc_eps;
-      const float so = sigmoid(m[H + h] * scale[1] + base[H + h]);
-      g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
-    }
   }
   __syncthreads();
-  float* row = workspace + t * (2 * M + 1);
-  if (threadIdx.x < M) {
-    const int o = threadIdx.x;
-    dm[o] = g[o] * scale[group_of<H>(o)];
-    row[o] = g[o];
-    row[M + o] = m[o];
-  }
-  if (threadIdx.x == 0) row[2 * M] = inv;
-  __syncthreads();
-  // RMS-norm backward: dx = inv dn - x inv^3 (dn . x) / flat with dn = dm fn, and dn . x = dm . raw.
-  float dot = 0.0f;
+
+  float* dx = dstreams + t0 * K;
+  for (int i = threadIdx.x; i < K; i += kThreads) {
+    float f[MP];
 #pragma unroll
-  for (int o = 0; o < M; ++o) dot = fmaf(dm[o], red[o], dot);
-  const float corr = inv * inv * inv * dot / static_cast<float>(flat);
-  float dmr[M];
-#pragma unroll
-  for (int o = 0; o < M; ++o) dmr[o] = dm[o];
-  float* dx = dstreams + t * flat;
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const float ph = pre_s[h];
-    for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-      const int64_t i = h * D + d;
+    for (int o = 0; o < MP; ++o) f[o] = o < M ? __ldg(fn + static_cast<int64_t>(o) * K + i) : 0.0f;
+    const int h = i / D, d = i % D;
+    for (int tt = 0; tt < count; ++tt) {
+      const float* dmr = dm_s + tt * MP;
       float dn = 0.0f;
 #pragma unroll
-      for (int o = 0; o < M; ++o) dn = fmaf(dmr[o], __ldg(fn + o * flat + i), dn);
-      const float xv = __bfloat162float(x[i]);
-      dx[i] += inv * dn - xv * corr + ph * __bfloat162float(dcol[d]);
+      for (int o = 0; o < MP; o += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(dmr + o);
+        dn = fmaf(q.x, f[o], fmaf(q.y, f[o + 1], fmaf(q.z, f[o + 2], fmaf(q.w, f[o + 3], dn))));
+      }
+      const int64_t at = static_cast<int64_t>(tt) * K + i;
+      dx[at] += inv_s[tt] * dn - __bfloat162float(x[at]) * corr_s[tt] +
+                pre_s[tt * H + h] * __bfloat162float(dcol[tt * D + d]);
     }
   }
 }
 
-// dfn[o, i] += sum_t dm[t, o] x[t, i] inv[t] over a chunk of tokens per block (one atomic per fn
-// entry per chunk); the first column of blocks also reduces dbase and dscale over its chunk.
+// dfn[o, i] += sum_t dm[t, o] x[t, i] inv[t] over kChunksPerDfnBlock chunks of tokens per block
+// (one atomic per fn entry per block); the first column of blocks also reduces dbase and dscale.
 template <int H>
 __global__ void __launch_bounds__(kThreads)
     hc_dfn_kernel(const __nv_bfloat16* streams, const float* scale, const float* workspace, float* dfn,
                   float* dbase, float* dscale, int64_t tokens, int64_t D) {
   constexpr int M = (2 + H) * H;
   __shared__ float dm[kTokenChunk * M], inv[kTokenChunk];
-  const int64_t flat = H * D, t0 = static_cast<int64_t>(blockIdx.y) * kTokenChunk;
-  const int nt = static_cast<int>(tokens - t0 < kTokenChunk ? tokens - t0 : kTokenChunk);
+  const int64_t flat = H * D, i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
-  for (int e = threadIdx.x; e < nt * M; e += kThreads) {
-    const int tt = e / M, o = e % M;
-    const float gs = o < H ? s0 : (o < 2 * H ? s1 : s2);
-    dm[e] = workspace[(t0 + tt) * (2 * M + 1) + o] * gs;
-  }
-  for (int tt = threadIdx.x; tt < nt; tt += kThreads) inv[tt] = workspace[(t0 + tt) * (2 * M + 1) + 2 * M];
-  __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x < M) {
-    const int o = threadIdx.x;
-    float gb = 0.0f, gsc = 0.0f;
-    for (int tt = 0; tt < nt; ++tt) {
-      const float* row = workspace + (t0 + tt) * (2 * M + 1);
-      gb += row[o];
-      gsc = fmaf(row[o], row[M + o], gsc);
-    }
-    atomicAdd(dbase + o, gb);
-    atomicAdd(dscale + group_of<H>(o), gsc);
-  }
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= flat) return;
-  float acc[M];
+  float acc[M], gb = 0.0f, gsc = 0.0f;
 #pragma unroll
   for (int o = 0; o < M; ++o) acc[o] = 0.0f;
-  for (int tt = 0; tt < nt; ++tt) {
-    const float v = __bfloat162float(streams[(t0 + tt) * flat + i]) * inv[tt];
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kTokenChunk * kChunksPerDfnBlock;
+  for (int chunk = 0; chunk < kChunksPerDfnBlock; ++chunk) {
+    const int64_t t0 = first + static_cast<int64_t>(chunk) * kTokenChunk;
+    if (t0 >= tokens) break;
+    const int nt = static_cast<int>(tokens - t0 < kTokenChunk ? tokens - t0 : kTokenChunk);
+    __syncthreads();  // the previous chunk's dm is no longer read
+    for (int e = threadIdx.x; e < nt * M; e += kThreads) {
+      const int tt = e / M, o = e % M;
+      const float gs = o < H ? s0 : (o < 2 * H ? s1 : s2);
+      dm[e] = workspace[(t0 + tt) * (2 * M + 1) + o] * gs;
+    }
+    for (int tt = threadIdx.x; tt < nt; tt += kThreads) inv[tt] = workspace[(t0 + tt) * (2 * M + 1) + 2 * M];
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < M) {
+      const int o = threadIdx.x;
+      for (int tt = 0; tt < nt; ++tt) {
+        const float* row = workspace + (t0 + tt) * (2 * M + 1);
+        gb += row[o];
+        gsc = fmaf(row[o], row[M + o], gsc);
+      }
+    }
+    if (i < flat) {
+      for (int tt = 0; tt < nt; ++tt) {
+        const float v = __bfloat162float(streams[(t0 + tt) * flat + i]) * inv[tt];
 #pragma unroll
-    for (int o = 0; o < M; ++o) acc[o] = fmaf(dm[tt * M + o], v, acc[o]);
+        for (int o = 0; o < M; ++o) acc[o] = fmaf(dm[tt * M + o], v, acc[o]);
+      }
+    }
   }
+  if (blockIdx.x == 0 && threadIdx.x < M) {
+    atomicAdd(dbase + threadIdx.x, gb);
+    atomicAdd(dscale + group_of<H>(threadIdx.x), gsc);
+  }
+  if (i >= flat) return;
 #pragma unroll
   for (int o = 0; o < M; ++o) atomicAdd(dfn + o * flat + i, acc[o]);
 }
@@ -395,7 +540,8 @@ void check_shape(const cpu::HcShape& s, const char* what) {
   check(s.streams >= 1 && s.streams <= kMaxStreams, what, ": hc_mult ", s.streams, " (expected 1 to ",
         kMaxStreams, ")");
   check(s.tokens >= 0 && s.tokens <= 0x7fffffff, what, ": ", s.tokens, " tokens is too many for one launch");
-  check(s.hidden >= 1, what, ": hidden size ", s.hidden, " (expected at least 1)");
+  check(s.hidden >= 1 && s.streams * s.hidden <= (1 << 24), what, ": hidden size ", s.hidden, " at hc_mult ",
+        s.streams, " (expected 1 to 2^24 stream elements per token)");
   check(s.sinkhorn_iters >= 1 && s.sinkhorn_iters <= 1000, what, ": sinkhorn_iters ", s.sinkhorn_iters,
         " (expected 1 to 1000)");
 }
@@ -439,17 +585,36 @@ void check_shape(const cpu::HcShape& s, const char* what) {
     } break;                     \
   }
 
+// Whether the mix can stage x with 16-byte loads: rows of a multiple of 8 bf16, aligned start.
+bool vector_rows(const cpu::HcShape& s, const __nv_bfloat16* streams) {
+  return (s.streams * s.hidden) % 8 == 0 && reinterpret_cast<uintptr_t>(streams) % 16 == 0;
+}
+
+// Launches `kernel` with `bytes` of dynamic shared memory, raising its limit past 48 KiB if needed.
+template <class Kernel, class... Args>
+void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream_t stream, const char* name,
+                  Args... args) {
+  if (bytes > 48 * 1024)
+    SPINDLE_CUDA(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
+  kernel<<<blocks, kThreads, bytes, stream>>>(args...);
+  check_cuda(cudaGetLastError(), name, __FILE__, __LINE__);
+}
+
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                      cudaStream_t stream) {
   check_shape(s, "hc_coefficients");
   if (s.tokens == 0) return;
-  const auto blocks = static_cast<unsigned>(s.tokens);
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
-  const int iters = static_cast<int>(s.sinkhorn_iters);
-  SPINDLE_HC_DISPATCH(hc_coefficients_kernel<H><<<blocks, kThreads, 0, stream>>>(
-      streams, fn, base, scale, pre, post, comb, collapsed, s.hidden, rms_eps, hc_eps, iters))
-  SPINDLE_LAUNCHED("hc_coefficients_kernel");
+  const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
+  const bool vec = vector_rows(s, streams);
+  SPINDLE_HC_DISPATCH({
+    const size_t bytes = Tile<H>::kCommonBytes + kWarps * (Tile<H>::M + Tile<H>::HH) * sizeof(float);
+    launch_tiled(hc_coefficients_kernel<H>, s, bytes, stream, "hc_coefficients_kernel", streams, fn, base,
+                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
+  })
 }
 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
@@ -484,21 +649,24 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
                               cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
   if (s.tokens == 0) return;
-  const auto blocks = static_cast<unsigned>(s.tokens);
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
-  const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1;
-  const int64_t HH = s.streams * s.streams;
-  const size_t dynamic = static_cast<size_t>(((passes + 1) * HH + passes * s.streams)) * sizeof(float);
-  check(dynamic <= 48 * 1024, "hc_coefficients_backward: ", iters, " Sinkhorn iterations at hc_mult ",
-        s.streams, " need ", dynamic, " bytes of shared memory (at most 48 KiB)");
+  const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
+            D = static_cast<int>(s.hidden);
+  const bool vec = vector_rows(s, streams);
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(static_cast<unsigned>((flat + kThreads - 1) / kThreads),
-                      static_cast<unsigned>((s.tokens + kTokenChunk - 1) / kTokenChunk));
+                      static_cast<unsigned>((s.tokens + kTokenChunk * kChunksPerDfnBlock - 1) /
+                                            (kTokenChunk * kChunksPerDfnBlock)));
   SPINDLE_HC_DISPATCH({
-    hc_coefficients_backward_kernel<H>
-        <<<blocks, kThreads, dynamic, stream>>>(streams, fn, base, scale, d_pre, d_post, d_comb, d_collapsed,
-                                                dstreams, workspace, s.hidden, rms_eps, hc_eps, iters);
-    SPINDLE_LAUNCHED("hc_coefficients_backward_kernel");
+    // As many warps run the Sinkhorn backward at once as their stages fit in shared memory.
+    const size_t fixed = Tile<H>::kCommonBytes + (kTileTokens * H + 2 * kTileTokens) * sizeof(float);
+    const size_t per_warp = static_cast<size_t>(sinkhorn_scratch_floats<H>(passes)) * sizeof(float);
+    const int warps = static_cast<int>(std::min<size_t>(kWarps, (kMaxDynamicShared - fixed) / per_warp));
+    check(warps >= 1, "hc_coefficients_backward: ", iters, " Sinkhorn iterations at hc_mult ", s.streams,
+          " need ", fixed + per_warp, " bytes of shared memory (at most ", kMaxDynamicShared, ")");
+    launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + warps * per_warp, stream,
+                 "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
+                 d_collapsed, dstreams, workspace, s.tokens, D, rms_eps, hc_eps, iters, warps, vec);
     hc_dfn_kernel<H><<<dfn_grid, kThreads, 0, stream>>>(streams, scale, workspace, dfn, dbase, dscale,
                                                         s.tokens, s.hidden);
     SPINDLE_LAUNCHED("hc_dfn_kernel");
