@@ -11,10 +11,12 @@
 // chunks per block (one atomic per fn entry per chunk).
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/mhc.h"
+#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
@@ -23,12 +25,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
-constexpr int kTileTokens = 64;                   // tokens per block of the coefficient kernels
-constexpr int kGroups = kThreads / kTileTokens;   // mix outputs split in 4 groups, a warp pair each
-constexpr int kSlice = 64;                        // mix reduction slice staged in shared memory
-constexpr int kXStride = kSlice + 4;              // bf16; 8-byte reads by 32 token rows hit 32 banks
-constexpr int kTokenChunk = 64;                   // tokens of dm staged at once by hc_dfn_kernel
-constexpr int kChunksPerDfnBlock = 16;            // 1024 tokens per hc_dfn_kernel block
+constexpr int kTileTokens = 64;                  // tokens per block of the coefficient kernels
+constexpr int kGroups = kThreads / kTileTokens;  // mix outputs split in 4 groups, a warp pair each
+constexpr int kSlice = 64;                       // mix reduction slice staged in shared memory
+constexpr int kXStride = kSlice + 8;    // bf16; rows 16-byte aligned, 16-byte reads by 8 rows hit 32 banks
+constexpr int kTokenChunk = 64;         // tokens of dm staged at once by hc_dfn_kernel
+constexpr int kChunksPerDfnBlock = 16;  // 1024 tokens per hc_dfn_kernel block
 constexpr size_t kMaxDynamicShared = 160 * 1024;  // the backward's Sinkhorn stages share this
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
@@ -53,66 +55,111 @@ struct Tile {
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kSliceBytes = kXBytes + kGroups * P * kSlice * sizeof(float);
-  // After the mix: raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
-  static constexpr size_t kRawOffset = kSliceBytes;
+  // Two slices (double-buffered), then raw [64, M + 1] (sum of squares last), pre [64, H], then
+  // per-kernel data.
+  static constexpr size_t kRawOffset = 2 * kSliceBytes;
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
-  static_assert(kTileTokens * MP * sizeof(float) <= kSliceBytes, "dm must fit where the slices were");
-  static_assert(kXBytes % 16 == 0, "the fn slice must be float4-aligned");
+  static_assert(kTileTokens * MP * sizeof(float) <= kRawOffset, "dm must fit where the slices were");
+  static_assert(kXBytes % 16 == 0 && kSliceBytes % 16 == 0, "slices must be 16-byte aligned");
 };
 
+// Eight consecutive bf16 as floats, and back.
+__device__ __forceinline__ void unpack8(const uint4& packed, float (&v)[8]) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+    v[2 * j] = f2.x;
+    v[2 * j + 1] = f2.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    words[j] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends).
+// `vec` (D % 8 == 0, 16-byte aligned pointers): by cp.async, to be waited for; else plain loads.
+template <int H>
+__device__ void stage_slice(const __nv_bfloat16* x, int count, const float* fn, int K, int k0, bool vec,
+                            unsigned char* buf) {
+  using T = Tile<H>;
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
+  float* fs = reinterpret_cast<float*>(buf + T::kXBytes);
+  if (vec) {
+    for (int e = threadIdx.x; e < kTileTokens * kSlice / 8; e += kThreads) {
+      const int tt = e / (kSlice / 8), kk = e % (kSlice / 8) * 8, k = k0 + kk;
+      const bool valid = tt < count && k < K;
+      copy16(xs + tt * kXStride + kk, valid ? x + static_cast<int64_t>(tt) * K + k : x, valid);
+    }
+    for (int e = threadIdx.x; e < kGroups * T::P * kSlice / 4; e += kThreads) {
+      const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4, k = k0 + kk;
+      const bool valid = o < T::M && k < K;
+      copy16(fs + o * kSlice + kk, valid ? fn + static_cast<int64_t>(o) * K + k : fn, valid);
+    }
+    copy_commit();
+    return;
+  }
+  for (int e = threadIdx.x; e < kTileTokens * kSlice; e += kThreads) {
+    const int tt = e / kSlice, kk = e % kSlice, k = k0 + kk;
+    xs[tt * kXStride + kk] =
+        tt < count && k < K ? x[static_cast<int64_t>(tt) * K + k] : __float2bfloat16(0.0f);
+  }
+  for (int e = threadIdx.x; e < kGroups * T::P * kSlice; e += kThreads) {
+    const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
+    fs[e] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
+  }
+}
+
 // Mix of one tile: raw[tt, o] = sum_i x[tt, i] fn[o, i] for o < M, raw[tt, M] = sum_i x[tt, i]^2,
-// for the tile's `count` tokens x [count, K]. `vec`: K % 8 == 0 and x 16-byte aligned.
-// Warp w computes outputs group w / 2 for tokens (w % 2) 32 + lane.
+// for the tile's `count` tokens x [count, K], slice by slice, the next slice arriving (cp.async)
+// while this one is summed. Warp w computes output group w / 2 for tokens (w % 2) 32 + lane.
 template <int H>
 __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int K, bool vec,
                          unsigned char* smem) {
   using T = Tile<H>;
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
-  float* fs = reinterpret_cast<float*>(smem + T::kXBytes);
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / 2, token = (warp % 2) * 32 + lane;
   float acc[T::P], sq = 0.0f;
 #pragma unroll
   for (int p = 0; p < T::P; ++p) acc[p] = 0.0f;
-  for (int k0 = 0; k0 < K; k0 += kSlice) {
-    if (vec) {
-      for (int e = threadIdx.x; e < kTileTokens * kSlice / 8; e += kThreads) {
-        const int tt = e / (kSlice / 8), kk = e % (kSlice / 8) * 8, k = k0 + kk;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (tt < count && k < K) v = *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + k);
-        uint2* dst = reinterpret_cast<uint2*>(xs + tt * kXStride + kk);
-        dst[0] = make_uint2(v.x, v.y);
-        dst[1] = make_uint2(v.z, v.w);
-      }
-    } else {
-      for (int e = threadIdx.x; e < kTileTokens * kSlice; e += kThreads) {
-        const int tt = e / kSlice, kk = e % kSlice, k = k0 + kk;
-        xs[tt * kXStride + kk] =
-            tt < count && k < K ? x[static_cast<int64_t>(tt) * K + k] : __float2bfloat16(0.0f);
-      }
-    }
-    for (int e = threadIdx.x; e < kGroups * T::P * kSlice; e += kThreads) {
-      const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
-      fs[e] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
+  stage_slice<H>(x, count, fn, K, 0, vec, smem);
+  for (int k0 = 0, slot = 0; k0 < K; k0 += kSlice, slot ^= 1) {
+    if (k0 + kSlice < K) {
+      stage_slice<H>(x, count, fn, K, k0 + kSlice, vec, smem + (slot ^ 1) * T::kSliceBytes);
+      if (vec) copy_wait_all_but_newest();
+    } else if (vec) {
+      copy_wait_all();
     }
     __syncthreads();
-    const __nv_bfloat16* xr = xs + token * kXStride;
-    const float* fr = fs + group * T::P * kSlice;
-#pragma unroll 4
-    for (int kk = 0; kk < kSlice; kk += 4) {
-      const uint2 packed = *reinterpret_cast<const uint2*>(xr + kk);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
-      if (group == 0) sq = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(b.x, b.x, fmaf(b.y, b.y, sq))));
+    const unsigned char* buf = smem + slot * T::kSliceBytes;
+    const __nv_bfloat16* xr = reinterpret_cast<const __nv_bfloat16*>(buf) + token * kXStride;
+    const float* fr = reinterpret_cast<const float*>(buf + T::kXBytes) + group * T::P * kSlice;
+#pragma unroll 2
+    for (int kk = 0; kk < kSlice; kk += 8) {
+      float xv[8];
+      unpack8(*reinterpret_cast<const uint4*>(xr + kk), xv);
+      if (group == 0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sq = fmaf(xv[j], xv[j], sq);
+      }
 #pragma unroll
       for (int p = 0; p < T::P; ++p) {
-        const float4 f = *reinterpret_cast<const float4*>(fr + p * kSlice + kk);
-        acc[p] = fmaf(a.x, f.x, fmaf(a.y, f.y, fmaf(b.x, f.z, fmaf(b.y, f.w, acc[p]))));
+        const float4 f0 = *reinterpret_cast<const float4*>(fr + p * kSlice + kk);
+        const float4 f1 = *reinterpret_cast<const float4*>(fr + p * kSlice + kk + 4);
+        acc[p] = fmaf(xv[0], f0.x, fmaf(xv[1], f0.y, fmaf(xv[2], f0.z, fmaf(xv[3], f0.w, acc[p]))));
+        acc[p] = fmaf(xv[4], f1.x, fmaf(xv[5], f1.y, fmaf(xv[6], f1.z, fmaf(xv[7], f1.w, acc[p]))));
       }
     }
-    __syncthreads();
+    __syncthreads();  // this slot is staged again two slices on
   }
   if (token < count) {
 #pragma unroll
@@ -216,6 +263,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
   }
   __syncthreads();
+  if (vec) {
+    const int per_token = D / 8;
+    for (int e = threadIdx.x; e < count * per_token; e += kThreads) {
+      const int tt = e / per_token, d = e % per_token * 8;
+      float acc[8] = {}, v[8];
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        unpack8(*reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + h * D + d), v);
+        const float ph = pre_s[tt * H + h];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(ph, v[j], acc[j]);
+      }
+      *reinterpret_cast<uint4*>(collapsed + (t0 + tt) * D + d) = pack8(acc);
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < count * D; e += kThreads) {
     const int tt = e / D, d = e % D;
     float acc = 0.0f;
@@ -374,11 +437,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     float v[H];
 #pragma unroll
     for (int h = 0; h < H; ++h) v[h] = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const float g = __bfloat162float(dcol[tt * D + d]);
+    if (vec) {
+      for (int d = lane * 8; d < D; d += 32 * 8) {
+        float g[8], xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(dcol + tt * D + d), g);
 #pragma unroll
-      for (int h = 0; h < H; ++h)
-        v[h] = fmaf(g, __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), v[h]);
+        for (int h = 0; h < H; ++h) {
+          unpack8(*reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + h * D + d), xv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v[h] = fmaf(g[j], xv[j], v[h]);
+        }
+      }
+    } else {
+      for (int d = lane; d < D; d += 32) {
+        const float g = __bfloat162float(dcol[tt * D + d]);
+#pragma unroll
+        for (int h = 0; h < H; ++h)
+          v[h] = fmaf(g, __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), v[h]);
+      }
     }
 #pragma unroll
     for (int h = 0; h < H; ++h) {
@@ -470,6 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int o = 0; o < MP; ++o) f[o] = o < M ? __ldg(fn + static_cast<int64_t>(o) * K + i) : 0.0f;
     const int h = i / D, d = i % D;
+#pragma unroll 4
     for (int tt = 0; tt < count; ++tt) {
       const float* dmr = dm_s + tt * MP;
       float dn = 0.0f;
@@ -585,9 +662,12 @@ void check_shape(const cpu::HcShape& s, const char* what) {
     } break;                     \
   }
 
-// Whether the mix can stage x with 16-byte loads: rows of a multiple of 8 bf16, aligned start.
-bool vector_rows(const cpu::HcShape& s, const __nv_bfloat16* streams) {
-  return (s.streams * s.hidden) % 8 == 0 && reinterpret_cast<uintptr_t>(streams) % 16 == 0;
+// Whether the kernels can move 16 bytes at a time: rows of a multiple of 8 bf16 (so H D too) and
+// 16-byte aligned pointers.
+bool vector_rows(const cpu::HcShape& s, std::initializer_list<const void*> pointers) {
+  bool aligned = s.hidden % 8 == 0;
+  for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  return aligned;
 }
 
 // Launches `kernel` with `bytes` of dynamic shared memory, raising its limit past 48 KiB if needed.
@@ -609,7 +689,7 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, streams);
+  const bool vec = vector_rows(s, {streams, fn, collapsed});
   SPINDLE_HC_DISPATCH({
     const size_t bytes = Tile<H>::kCommonBytes + kWarps * (Tile<H>::M + Tile<H>::HH) * sizeof(float);
     launch_tiled(hc_coefficients_kernel<H>, s, bytes, stream, "hc_coefficients_kernel", streams, fn, base,
@@ -652,7 +732,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, streams);
+  const bool vec = vector_rows(s, {streams, fn, d_collapsed});
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(static_cast<unsigned>((flat + kThreads - 1) / kThreads),
                       static_cast<unsigned>((s.tokens + kTokenChunk * kChunksPerDfnBlock - 1) /
