@@ -40,11 +40,7 @@ Execution from(const Candidate& candidate, const char* forced_by) {
 
 }  // namespace
 
-bool executor_runs(const Policy& policy) {
-  return (policy.activations == ActivationPolicy::KeepSites ||
-          policy.activations == ActivationPolicy::Stream) &&
-         policy.tensor_parallel == 1 && !policy.gradients_to_host;
-}
+bool executor_runs(const Policy& policy) { return policy.tensor_parallel == 1 && !policy.gradients_to_host; }
 
 ActivationPolicy parse_site_policy(const std::string& name) {
   if (name == "keep") return ActivationPolicy::KeepSites;

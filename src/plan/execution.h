@@ -14,9 +14,8 @@
 
 namespace spindle::plan {
 
-// What the planner may pick for the executor; it predicts the others too (docs/PLANNER.md). The
-// executor also runs recompute and offload (KeepLayerInputs, OffloadLayerInputs), but only when
-// forced, until their GPU check (CudaModel.RecomputeAndOffloadMatchKeepingEverySite) has passed.
+// What the planner may pick for the executor (every activation policy, on one GPU, gradients
+// leaving after the backward); it predicts the others too (docs/PLANNER.md).
 bool executor_runs(const Policy& policy);
 
 struct Execution {

@@ -2,6 +2,7 @@
 // pick (the fastest policy that fits), infeasibility with its reason, and monotone behaviour.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -89,6 +90,22 @@ TEST(Plan, FourBillionModelPeaksWithinTenPercentOfTheH200) {
     const double measured = static_cast<double>(m.peak_bytes);
     EXPECT_NEAR(predicted, measured, 0.1 * measured) << m.tokens << " tokens, " << e.policy.name();
   }
+}
+
+// docs/PERF.md, "Recompute and offload": the 4B model at 131,072 tokens with --policy offload on
+// the H200 (cec0b99): device peak by Spindle's allocator, host peak as the process's VmHWM.
+TEST(Plan, OffloadPeaksWithinTenPercentOfTheH200) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  PlanRequest r = request(131072, 141);
+  r.options.absorbed = true;
+  const Plan plan = make_plan(c, r);
+  const auto offload = std::find_if(plan.candidates.begin(), plan.candidates.end(), [](const Candidate& x) {
+    return x.policy.activations == ActivationPolicy::OffloadLayerInputs && !x.policy.optimizer_on_host;
+  });
+  ASSERT_NE(offload, plan.candidates.end());
+  const double device = 128673209856.0, host = 113852313600.0;
+  EXPECT_NEAR(static_cast<double>(offload->memory.device.peak_total), device, 0.1 * device);
+  EXPECT_NEAR(static_cast<double>(offload->memory.host), host, 0.1 * host);
 }
 
 TEST(Plan, TodaysExecutorCategoriesAt64kWithinTenPercentOfTheH200) {
@@ -269,14 +286,14 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
     EXPECT_NE(std::string(e.what()).find("no policy that the executor runs fits"), std::string::npos)
         << e.what();
   }
-  EXPECT_FALSE(executor_runs({ActivationPolicy::OffloadLayerInputs, 0, false, 1}));
+  EXPECT_TRUE(executor_runs({ActivationPolicy::OffloadLayerInputs, 0, false, 1}));
   EXPECT_TRUE(executor_runs({ActivationPolicy::KeepSites, 0, true, 1}));     // host AdamW
   EXPECT_FALSE(executor_runs({ActivationPolicy::Stream, 16384, false, 2}));  // tensor parallel
 }
 
 // --policy forces keep, recompute or offload with the planner's prediction and tells the executor
-// what to keep; it excludes --chunk and a streamed policy, and the planner does not pick recompute
-// or offload by itself until their GPU check passes.
+// what to keep; it excludes --chunk and a streamed policy. Unforced, the planner picks offload where
+// it is the fastest policy that fits.
 TEST(Plan, ExecutionTakesAForcedSitePolicy) {
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
   const Machine h200{1, bytes(141), bytes(128)};
@@ -303,8 +320,14 @@ TEST(Plan, ExecutionTakesAForcedSitePolicy) {
   EXPECT_THROW(plan_execution(c, 32768, h200, absorbed, std::nullopt, false, ActivationPolicy::Stream),
                Error);
   EXPECT_THROW(parse_site_policy("stream"), Error);
+  // At 128k the layer inputs fit in the host's 128 GiB, and offloading them recomputes less than
+  // streaming does.
   const Execution picked = plan_execution(c, 131072, h200, absorbed, std::nullopt);
-  EXPECT_EQ(picked.site_memory, SiteMemory::KeepSites) << picked.policy.name();
+  EXPECT_EQ(picked.site_memory, SiteMemory::OffloadLayerInputs) << picked.policy.name();
+  EXPECT_FALSE(picked.forced);
+  const Execution small_host = plan_execution(c, 131072, {1, bytes(141), bytes(64)}, absorbed, std::nullopt);
+  EXPECT_EQ(small_host.site_memory, SiteMemory::KeepSites) << small_host.policy.name();
+  EXPECT_GT(small_host.chunk_tokens, 0);
 }
 
 }  // namespace
