@@ -2,13 +2,13 @@
 // per block of 256 threads, H a template parameter:
 //   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
 //      fp32 GEMM over slices of H D staged in shared memory (each fn slice is read once per tile,
-//      not once per token: per-token reads of all of fn from L2 were the whole cost before);
+//      not once per token from L2, which made the per-token kernels 10x slower);
 //   2. the tiny per-token work (softmax, 2 iters - 1 Sinkhorn passes and their backward), one warp
 //      per token, lane a owning row or column a;
 //   3. the collapse (forward) or the streams' gradient dn = dm fn (backward), fn held in
 //      registers per column while the tile's tokens go by.
-// hc_combine and its backward are per token (memory bound); dfn = dm^T normed sums 1024-token
-// chunks per block (one atomic per fn entry per chunk).
+// hc_combine and its backward take one warp per token (memory bound); dfn = dm^T normed sums
+// 1024-token chunks per block (one atomic per fn entry per chunk).
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -289,33 +289,62 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Sums each of N per-thread values over the block into out[N] (shared), visible to all threads
-// on return. scratch holds kWarps * N floats.
-template <int N>
-__device__ void block_sums(const float (&v)[N], float* scratch, float* out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// V consecutive values from bf16 or fp32 memory as floats (one 16-byte access per 8 bf16 or 4
+// fp32 when V = 8; the caller checked the alignment), and V floats back to bf16.
+template <int V>
+__device__ __forceinline__ void load_values(const __nv_bfloat16* p, float (&v)[V]) {
+  if constexpr (V == 8) {
+    unpack8(*reinterpret_cast<const uint4*>(p), v);
+  } else {
 #pragma unroll
-  for (int k = 0; k < N; ++k) {
-    float s = v[k];
-    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
-    if (lane == 0) scratch[warp * N + k] = s;
+    for (int j = 0; j < V; ++j) v[j] = __bfloat162float(p[j]);
   }
-  __syncthreads();
-  for (int k = threadIdx.x; k < N; k += kThreads) {
-    float s = 0.0f;
-    for (int w = 0; w < kWarps; ++w) s += scratch[w * N + k];
-    out[k] = s;
-  }
-  __syncthreads();
 }
 
-// First pass over one token's streams x [H, D]: raw[o] = sum_i x[i] fn[o, i] (the mix before the
+template <int V>
+__device__ __forceinline__ void load_values(const float* p, float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + j);
+      v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = p[j];
+  }
+}
 
-template <int H>
+template <int V>
+__device__ __forceinline__ void store_values(__nv_bfloat16* p, const float (&v)[V]) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = pack8(v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = __float2bfloat16(v[j]);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4)
+      *reinterpret_cast<float4*>(p + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = v[j];
+  }
+}
+
+// One warp per token (8 per block), V consecutive elements per lane at a time.
+template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
-                      const float* comb, __nv_bfloat16* out, int64_t D) {
-  const int64_t t = blockIdx.x;
+                      const float* comb, __nv_bfloat16* out, int64_t tokens, int64_t D) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (t >= tokens) return;
+  const int lane = threadIdx.x % 32;
   float po[H], cm[H][H];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
@@ -324,29 +353,36 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < H; ++j) cm[j][h] = comb[t * H * H + j * H + h];
   }
   const __nv_bfloat16* x = streams + t * H * D;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    float xv[H];
+  for (int64_t d = lane * V; d < D; d += 32 * V) {
+    float xv[H][V], yv[V];
 #pragma unroll
-    for (int j = 0; j < H; ++j) xv[j] = __bfloat162float(x[j * D + d]);
-    const float yv = __bfloat162float(y[t * D + d]);
+    for (int j = 0; j < H; ++j) load_values<V>(x + j * D + d, xv[j]);
+    load_values<V>(y + t * D + d, yv);
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      float acc = po[h] * yv;
+      float acc[V];
 #pragma unroll
-      for (int j = 0; j < H; ++j) acc = fmaf(cm[j][h], xv[j], acc);
-      out[(t * H + h) * D + d] = __float2bfloat16(acc);
+      for (int e = 0; e < V; ++e) {
+        acc[e] = po[h] * yv[e];
+#pragma unroll
+        for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j][h], xv[j][e], acc[e]);
+      }
+      store_values<V>(out + (t * H + h) * D + d, acc);
     }
   }
 }
 
-template <int H>
+// One warp per token (8 per block), V consecutive elements per lane at a time; d_post and d_comb
+// are warp sums.
+template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
                                const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
-                               float* d_post, float* d_comb, int64_t D) {
+                               float* d_post, float* d_comb, int64_t tokens, int64_t D) {
   constexpr int N = H + H * H;  // d_post [H], then d_comb [j * H + h]
-  __shared__ float scratch[kWarps * N], red[N];
-  const int64_t t = blockIdx.x;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (t >= tokens) return;
+  const int lane = threadIdx.x % 32;
   float po[H], cm[H][H], v[N];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
@@ -359,38 +395,46 @@ __global__ void __launch_bounds__(kThreads)
   const __nv_bfloat16* x = streams + t * H * D;
   const float* g = dout + t * H * D;
   float* dx = dstreams + t * H * D;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
-    float xv[H], gv[H];
+  for (int64_t d = lane * V; d < D; d += 32 * V) {
+    float gv[H][V], yv[V], dyv[V];
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      xv[h] = __bfloat162float(x[h * D + d]);
-      gv[h] = g[h * D + d];
-    }
-    const float yv = __bfloat162float(y[t * D + d]);
-    float dyv = 0.0f;
+    for (int h = 0; h < H; ++h) load_values<V>(g + h * D + d, gv[h]);
+    load_values<V>(y + t * D + d, yv);
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      dyv = fmaf(po[h], gv[h], dyv);
-      v[h] = fmaf(gv[h], yv, v[h]);
-    }
-    dy[t * D + d] = __float2bfloat16(dyv);
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-      float acc = dx[j * D + d];
+    for (int e = 0; e < V; ++e) {
+      dyv[e] = 0.0f;
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        acc = fmaf(cm[j][h], gv[h], acc);
-        v[H + j * H + h] = fmaf(gv[h], xv[j], v[H + j * H + h]);
+        dyv[e] = fmaf(po[h], gv[h][e], dyv[e]);
+        v[h] = fmaf(gv[h][e], yv[e], v[h]);
       }
-      dx[j * D + d] = acc;
+    }
+    store_values<V>(dy + t * D + d, dyv);
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+      float xv[V], acc[V];
+      load_values<V>(x + j * D + d, xv);
+      load_values<V>(dx + j * D + d, acc);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          acc[e] = fmaf(cm[j][h], gv[h][e], acc[e]);
+          v[H + j * H + h] = fmaf(gv[h][e], xv[e], v[H + j * H + h]);
+        }
+      }
+      store_values<V>(dx + j * D + d, acc);
     }
   }
-  block_sums<N>(v, scratch, red);
-  for (int k = threadIdx.x; k < N; k += kThreads) {
-    if (k < H)
-      d_post[t * H + k] = red[k];
-    else
-      d_comb[t * H * H + (k - H)] = red[k];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float sum = warp_sum(v[k]);
+    if (lane == 0) {
+      if (k < H)
+        d_post[t * H + k] = sum;
+      else
+        d_comb[t * H * H + (k - H)] = sum;
+    }
   }
 }
 
@@ -701,9 +745,14 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
                 const float* post, const float* comb, __nv_bfloat16* out, cudaStream_t stream) {
   check_shape(s, "hc_combine");
   if (s.tokens == 0) return;
-  const auto blocks = static_cast<unsigned>(s.tokens);
-  SPINDLE_HC_DISPATCH(hc_combine_kernel<H>
-                      <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.hidden))
+  const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
+  if (vector_rows(s, {streams, y, out})) {
+    SPINDLE_HC_DISPATCH(hc_combine_kernel<H, 8>
+                        <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
+  } else {
+    SPINDLE_HC_DISPATCH(hc_combine_kernel<H, 1>
+                        <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
+  }
   SPINDLE_LAUNCHED("hc_combine_kernel");
 }
 
@@ -712,9 +761,14 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
                          __nv_bfloat16* dy, float* d_post, float* d_comb, cudaStream_t stream) {
   check_shape(s, "hc_combine_backward");
   if (s.tokens == 0) return;
-  const auto blocks = static_cast<unsigned>(s.tokens);
-  SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H><<<blocks, kThreads, 0, stream>>>(
-      streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.hidden))
+  const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
+  if (vector_rows(s, {streams, y, dout, dstreams, dy})) {
+    SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 8><<<blocks, kThreads, 0, stream>>>(
+        streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.tokens, s.hidden))
+  } else {
+    SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 1><<<blocks, kThreads, 0, stream>>>(
+        streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.tokens, s.hidden))
+  }
   SPINDLE_LAUNCHED("hc_combine_backward_kernel");
 }
 
