@@ -70,7 +70,6 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
     gradient_arena += arena_aligned(n * 4);
     layer_gradients[layer_index(param.name)] += n * 4;
     s.host_weights += n * 4;
-    s.host_optimizer += 2 * n * 4;  // backend/cuda/host_optimizer.h: fp32 copies of weight and gradient
     if (!role_trained(param.role)) continue;
     const int64_t states = bf16 ? 3 : 2;  // (master,) m, v
     s.optimizer += states * allocator_rounded(n * 4);
@@ -79,6 +78,7 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
   }
   s.weights = allocator_rounded(weight_arena);
   s.gradients = allocator_rounded(gradient_arena);
+  s.host_optimizer += weight_arena + gradient_arena;  // backend/cuda/host_optimizer.h: pinned mirrors
   for (const auto& [layer, bytes] : layer_gradients)
     s.largest_layer_gradients = std::max(s.largest_layer_gradients, bytes);
   return s;

@@ -3,25 +3,28 @@
 #include <map>
 #include <string>
 
+#include "backend/cuda/pinned_memory.h"
 #include "core/error.h"
 
 namespace spindle::cuda {
 
 namespace {
 
-ModelWeights downloaded_weights(CudaModel& model) {
-  ModelWeights host = allocate_weights(model.config(), DType::F32);
+// The device's current parameters, copied into `host` (laid out as `device`).
+ModelWeights downloaded(CudaModel& model, const std::shared_ptr<void>& host) {
   model.context().synchronize();
-  model.weights().download(host);
-  return host;
+  model.weights().copy_to_host(host.get());
+  return model.weights().host_view(host);
 }
 
 }  // namespace
 
 HostOptimizer::HostOptimizer(CudaModel& model)
     : model_(model),
-      weights_(downloaded_weights(model)),
-      grads_(allocate_weights(model.config(), DType::F32)),
+      weights_host_(allocate_pinned(model.weights().bytes(), "the host AdamW's copy of the weights")),
+      grads_host_(allocate_pinned(model.grads().bytes(), "the host AdamW's copy of the gradients")),
+      weights_(downloaded(model, weights_host_)),
+      grads_(model.grads().host_view(grads_host_)),
       adam_(model.config(), weights_) {}
 
 void HostOptimizer::load(const AdamW& host) {
@@ -37,7 +40,7 @@ void HostOptimizer::load(const AdamW& host) {
   }
   adam_.set_steps(host.steps());
   adam_.write_weights();
-  model_.weights().upload(weights_);
+  model_.weights().copy_from_host(weights_host_.get());
 }
 
 void HostOptimizer::save(AdamW& host) const {
@@ -57,11 +60,11 @@ void HostOptimizer::save(AdamW& host) const {
 
 void HostOptimizer::step(const AdamWOptions& options, double lr, int64_t step) {
   model_.context().synchronize();
-  model_.grads().download(grads_);
+  model_.grads().copy_to_host(grads_host_.get());
   adam_.set_options(options);
   adam_.set_steps(step - 1);  // the update below is number `step`, as on the device
-  adam_.step(grads_, lr);
-  model_.weights().upload(weights_);
+  adam_.step(grads_, lr);     // and the new weights into weights_, rounded as the device's
+  model_.weights().copy_from_host(weights_host_.get());
 }
 
 void HostOptimizer::set_router_biases(const ModelWeights& host) {

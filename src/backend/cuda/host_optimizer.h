@@ -2,8 +2,11 @@
 // weights and fp32 gradients and no optimizer state; each step downloads the gradients, updates
 // the fp32 masters and moments on the host with the CPU path's optimizer (train/adamw.h), and
 // uploads the new weights. Saves the state's 12 bytes per parameter of device memory for two
-// copies over PCIe and a host update per step.
+// copies over PCIe and a host update per step. The host copies of the weights and gradients are
+// pinned and laid out as the device's arenas, so each copy is one transfer at PCIe speed.
 #pragma once
+
+#include <memory>
 
 #include "model/cuda/model.h"
 #include "model/weights.h"
@@ -27,8 +30,9 @@ class HostOptimizer {
 
  private:
   CudaModel& model_;
-  ModelWeights weights_, grads_;  // fp32 host copies
-  AdamW adam_;                    // its slots view weights_
+  std::shared_ptr<void> weights_host_, grads_host_;  // pinned, the device arenas' bytes
+  ModelWeights weights_, grads_;                     // views of them (bf16 matrices, fp32 gradients)
+  AdamW adam_;                                       // its slots view weights_
 };
 
 }  // namespace spindle::cuda

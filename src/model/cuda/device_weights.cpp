@@ -19,25 +19,42 @@ const void* checked(const Tensor& t, DType dtype) {
 
 }  // namespace
 
-DeviceWeights::DeviceWeights(const ModelConfig& config, Kind kind) : config_(config) {
+DeviceWeights::DeviceWeights(const ModelConfig& config, Kind kind) : config_(config), kind_(kind) {
   const MemoryCategory category = kind == Kind::Weights ? MemoryCategory::Weights : MemoryCategory::Gradients;
-  const auto dtype_of_param = [kind](WeightPrecision precision) {
-    return kind == Kind::Gradients || precision == WeightPrecision::Fp32 ? DType::F32 : DType::BF16;
-  };
   // Pass 1 sizes the arena; pass 2 hands out its slices in the same order.
   build_weights(config, DType::BF16, [&](const Shape& shape, WeightPrecision precision) {
-    bytes_ += aligned(static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype_of_param(precision)));
-    return Tensor::meta(shape, dtype_of_param(precision));
+    bytes_ += aligned(static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype_of(precision)));
+    return Tensor::meta(shape, dtype_of(precision));
   });
   void* base = DeviceAllocator::instance().allocate(bytes_, category);
   arena_ = std::shared_ptr<void>(base, [](void* p) { DeviceAllocator::instance().release(p); });
+  weights_ = laid_out(arena_, Device::CUDA);
+}
+
+DType DeviceWeights::dtype_of(WeightPrecision precision) const {
+  return kind_ == Kind::Gradients || precision == WeightPrecision::Fp32 ? DType::F32 : DType::BF16;
+}
+
+ModelWeights DeviceWeights::laid_out(const std::shared_ptr<void>& base, Device device) const {
   size_t offset = 0;
-  weights_ = build_weights(config, DType::BF16, [&](const Shape& shape, WeightPrecision precision) {
-    const DType dtype = dtype_of_param(precision);
-    Tensor t = Tensor::borrow(arena_, static_cast<char*>(base) + offset, shape, dtype, Device::CUDA);
+  return build_weights(config_, DType::BF16, [&](const Shape& shape, WeightPrecision precision) {
+    Tensor t =
+        Tensor::borrow(base, static_cast<char*>(base.get()) + offset, shape, dtype_of(precision), device);
     offset += aligned(t.nbytes());
     return t;
   });
+}
+
+ModelWeights DeviceWeights::host_view(const std::shared_ptr<void>& host) const {
+  return laid_out(host, Device::CPU);
+}
+
+void DeviceWeights::copy_to_host(void* host) const {
+  SPINDLE_CUDA(cudaMemcpy(host, arena_.get(), bytes_, cudaMemcpyDeviceToHost));
+}
+
+void DeviceWeights::copy_from_host(const void* host) {
+  SPINDLE_CUDA(cudaMemcpy(arena_.get(), host, bytes_, cudaMemcpyHostToDevice));
 }
 
 void DeviceWeights::zero(cudaStream_t stream) {

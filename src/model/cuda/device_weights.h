@@ -29,8 +29,19 @@ class DeviceWeights {
   void upload(const ModelWeights& host);
   void download(ModelWeights& host);
 
+  // Tensors over `host` (bytes() of host memory) with this arena's layout: the same dtypes and
+  // offsets, so that copy_to_host / copy_from_host move every parameter in one copy (at PCIe
+  // speed when `host` is pinned); synchronous.
+  ModelWeights host_view(const std::shared_ptr<void>& host) const;
+  void copy_to_host(void* host) const;
+  void copy_from_host(const void* host);
+
  private:
+  DType dtype_of(WeightPrecision precision) const;
+  ModelWeights laid_out(const std::shared_ptr<void>& base, Device device) const;
+
   ModelConfig config_;
+  Kind kind_;
   std::shared_ptr<void> arena_;
   size_t bytes_ = 0;
   ModelWeights weights_;
