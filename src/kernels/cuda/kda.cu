@@ -67,14 +67,28 @@ __global__ void __launch_bounds__(kThreads)
     m.qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
   }
   __syncthreads();
-  // W and U0 rows: sums over s <= t of the (lower) Tinv diag(beta).
-  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    float u = 0.0f;
-    if (t < n)
-      for (int s = 0; s <= t; ++s) u = fmaf(m.Ts[t * kKdaSolveStride + s], m.qs[s * kKp + i], u);
-    block[kOffW + idx] = chunk_w(m, t, i, n, dk);
-    block[kOffU + idx] = u;
+  // W and U0: sums over s <= t of the (lower) Tinv diag(beta) times exp(G) k or v, four rows t
+  // per thread so that each k and v value loaded serves four rows. Tinv is zero above the
+  // diagonal and past token n, so the terms up to the tile's last row (within the chunk) add
+  // exact zeros to the sums over s <= t.
+  for (int task = tid; task < kC / 4 * kMaxDim; task += kThreads) {
+    const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
+    const bool in_k = i < dk;
+    float u[4] = {}, w[4] = {};
+    for (int s = 0; s <= last; ++s) {
+      const float vs = m.qs[s * kKp + i], kv = in_k ? m.ks[s * kKp + i] : 0.0f;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float tinv = m.Ts[(t0 + x) * kKdaSolveStride + s];
+        u[x] = fmaf(tinv, vs, u[x]);
+        w[x] = fmaf(tinv, kv, w[x]);
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      block[kOffW + (t0 + x) * kMaxDim + i] = w[x];
+      block[kOffU + (t0 + x) * kMaxDim + i] = u[x];
+    }
   }
 }
 

@@ -78,19 +78,41 @@ __global__ void __launch_bounds__(kThreads)
                }
              });
   // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed; W reads exp(G) k).
-  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    const float w = chunk_w(m, t, i, n, dk);
-    op[idx] = w;
-    if (t < n && i < dk) Gs[t * kKp + i] = w;
+  // Four rows per thread, as the forward prep: Tinv is zero above the diagonal and past token n,
+  // so the extra terms are exact zeros.
+  for (int task = tid; task < kC / 4 * kMaxDim; task += kThreads) {
+    const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
+    float w[4] = {};
+    if (i < dk)
+      for (int s = 0; s <= last; ++s) {
+        const float kv = ks[s * kKp + i];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) w[x] = fmaf(m.Ts[(t0 + x) * kKdaSolveStride + s], kv, w[x]);
+      }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int t = t0 + x;
+      op[t * kMaxDim + i] = w[x];
+      if (t < n && i < dk) Gs[t * kKp + i] = w[x];
+    }
   }
   __syncthreads();
-  // P = Qg - Aq W in place (each element read and written by its own thread); dO over exp(G) k.
-  for (int idx = tid; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk;
-    float p = qs[t * kKp + i];
-    for (int s = 0; s <= t; ++s) p = fmaf(-Aqs[t * kC + s], Gs[s * kKp + i], p);
-    qs[t * kKp + i] = p;
+  // P = Qg - Aq W in place (each element read and written by its own thread), four rows per
+  // thread (Aq is zero above the diagonal); dO over exp(G) k.
+  for (int task = tid; task < kC / 4 * dk; task += kThreads) {
+    const int t0 = task / dk * 4, i = task % dk, last = min(t0 + 3, n - 1);
+    if (t0 >= n) continue;
+    float p[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) p[x] = t0 + x < n ? qs[(t0 + x) * kKp + i] : 0.0f;
+    for (int s = 0; s <= last; ++s) {
+      const float wv = Gs[s * kKp + i];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) p[x] = fmaf(-Aqs[(t0 + x) * kC + s], wv, p[x]);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      if (t0 + x < n) qs[(t0 + x) * kKp + i] = p[x];
   }
   for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
     const int t = idx / kMaxDim, j = idx - t * kMaxDim;
