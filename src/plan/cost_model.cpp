@@ -12,9 +12,11 @@ constexpr double kPassesToday = 5;              // forward + 2 recomputations + 
 constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
 constexpr double kPassesPerChunk = 4;           // forward, recomputation, the site's recomputation, backward
 
-// A forward's FLOPs on the busiest GPU, and the attention sites' share of them.
+// A forward's FLOPs on the busiest GPU: the indexer's scores apart (quadratic in the length, on
+// the tensor cores at a higher rate than the rest), and the attention sites' share of the rest.
 struct Work {
-  double forward = 0;
+  double forward = 0;  // without the indexer's scores
+  double indexer = 0;
   double attention_share = 0;
 };
 
@@ -36,11 +38,12 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
     }
   }
   const double head = 2 * D * static_cast<double>(c.vocab_size) * L;
-  const double all = model_flops(c, tokens).forward();
-  const double attention = all - ffn - head;  // mHC and norms included
+  const ModelFlops flops = model_flops(c, tokens);
+  const double attention = flops.forward() - flops.indexer - ffn - head;  // mHC and norms included
   const double busiest = p.routed_rows_per_token(c) / static_cast<double>(c.num_experts_per_tok);
   Work w;
   w.forward = (attention + ffn - experts + head) / t + experts * busiest;
+  w.indexer = flops.indexer / t;
   w.attention_share = attention / t / w.forward;
   return w;
 }
@@ -72,8 +75,9 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
                    const Policy& policy, const Hardware& h) {
   const Work work = gpu_work(c, p, tokens);
   const double passes = forward_passes(policy.activations, work.attention_share);
-  // The measured MFU counts 3 forwards of model FLOPs per step of today's 5 passes.
-  const double seconds_per_pass = 3 * work.forward / (h.mfu * h.peak_flops) / kPassesToday;
+  // The measured rates count 3 forwards of model FLOPs per step of today's 5 passes.
+  const double seconds_per_pass =
+      3 * (work.forward / h.mfu + work.indexer / h.indexer_mfu) / h.peak_flops / kPassesToday;
   StepTime time;
   time.compute = passes * seconds_per_pass;
   const double backward = (passes - 1) * seconds_per_pass;

@@ -2,7 +2,8 @@
 // (docs/PLANNER.md). Work is counted in forward passes of the model (model/flops.h): today's
 // executor does 5 per step (the forward, two recomputations of each sublayer in the backward:
 // one for the mHC combine, one inside the sublayer's backward, and the backward itself, twice a
-// forward); its measured speed (MFU) turns that into seconds. Each policy adds work or
+// forward); its measured speeds (a fraction of peak for most FLOPs, a higher one for the
+// indexer's scores) turn that into seconds. Each policy adds work or
 // transfers:
 //   recompute / offload: the attention site's forward once more per layer, to rebuild the
 //     feed-forward site's input from the layer input;
@@ -29,13 +30,19 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  double mfu = 0.055;          // the 4B config at 32k-1M, commit dd0ecd7 (docs/PERF.md: bench MFU 4.1-5.5%)
+  // Measured speeds of today's executor, fitted to the 4B config at 32k-1M on the H200 (commits
+  // cec0b99-bd53358, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at 5%
+  // of peak, the indexer's quadratic scores at 30%.
+  double mfu = 0.05;
+  double indexer_mfu = 0.30;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
-  double nvlink_bytes_per_s = 450e9;     // all-reduce bus bandwidth inside a node
-  double network_bytes_per_s = 50e9;     // per GPU across nodes (400 Gb/s)
-  double host_adam_bytes_per_s = 100e9;  // the CPU's memory bandwidth for the AdamW update
-  double launch_seconds = 5e-6;          // one kernel launch
+  double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
+  double network_bytes_per_s = 50e9;  // per GPU across nodes (400 Gb/s)
+  // The host AdamW update, 28 bytes per parameter: 10.7 s per step for the 4B config on the H200
+  // machine's 16 cores (bd53358), about its memory bandwidth.
+  double host_adam_bytes_per_s = 12e9;
+  double launch_seconds = 5e-6;  // one kernel launch
 };
 
 struct StepTime {
