@@ -30,7 +30,7 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
                   a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
   rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
                    static_cast<float>(c.rms_norm_eps), ctx.stream());
-  ctx.record.note("mhc", "cuda fused per token (Sinkhorn in fp32)");
+  ctx.record.note("mhc", "cuda 64-token tiles (Sinkhorn in fp32)");
   return a;
 }
 
