@@ -15,6 +15,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/mma.cuh"
 
@@ -63,27 +64,6 @@ struct Tile {
   static_assert(kTileTokens * MP * sizeof(float) <= kRawOffset, "dm must fit where the slices were");
   static_assert(kXBytes % 16 == 0 && kSliceBytes % 16 == 0, "slices must be 16-byte aligned");
 };
-
-// Eight consecutive bf16 as floats, and back.
-__device__ __forceinline__ void unpack8(const uint4& packed, float (&v)[8]) {
-  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-    v[2 * j] = f2.x;
-    v[2 * j + 1] = f2.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    words[j] = *reinterpret_cast<const uint32_t*>(&b);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
 
 // Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends).
 // `vec` (D % 8 == 0, 16-byte aligned pointers): by cp.async, to be waited for; else plain loads.
@@ -146,7 +126,7 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int
 #pragma unroll 2
     for (int kk = 0; kk < kSlice; kk += 8) {
       float xv[8];
-      unpack8(*reinterpret_cast<const uint4*>(xr + kk), xv);
+      load<8>(xr + kk, xv);
       if (group == 0) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) sq = fmaf(xv[j], xv[j], sq);
@@ -270,12 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[8] = {}, v[8];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        unpack8(*reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + h * D + d), v);
+        load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, v);
         const float ph = pre_s[tt * H + h];
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = fmaf(ph, v[j], acc[j]);
       }
-      *reinterpret_cast<uint4*>(collapsed + (t0 + tt) * D + d) = pack8(acc);
+      store<8>(collapsed + (t0 + tt) * D + d, acc);
     }
     return;
   }
@@ -286,54 +266,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < H; ++h)
       acc = fmaf(pre_s[tt * H + h], __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), acc);
     collapsed[(t0 + tt) * D + d] = __float2bfloat16(acc);
-  }
-}
-
-// V consecutive values from bf16 or fp32 memory as floats (one 16-byte access per 8 bf16 or 4
-// fp32 when V = 8; the caller checked the alignment), and V floats back to bf16.
-template <int V>
-__device__ __forceinline__ void load_values(const __nv_bfloat16* p, float (&v)[V]) {
-  if constexpr (V == 8) {
-    unpack8(*reinterpret_cast<const uint4*>(p), v);
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = __bfloat162float(p[j]);
-  }
-}
-
-template <int V>
-__device__ __forceinline__ void load_values(const float* p, float (&v)[V]) {
-  if constexpr (V % 4 == 0) {
-#pragma unroll
-    for (int j = 0; j < V; j += 4) {
-      const float4 q = *reinterpret_cast<const float4*>(p + j);
-      v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = p[j];
-  }
-}
-
-template <int V>
-__device__ __forceinline__ void store_values(__nv_bfloat16* p, const float (&v)[V]) {
-  if constexpr (V == 8) {
-    *reinterpret_cast<uint4*>(p) = pack8(v);
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = __float2bfloat16(v[j]);
-  }
-}
-
-template <int V>
-__device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
-  if constexpr (V % 4 == 0) {
-#pragma unroll
-    for (int j = 0; j < V; j += 4)
-      *reinterpret_cast<float4*>(p + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = v[j];
   }
 }
 
@@ -356,8 +288,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float xv[H][V], yv[V];
 #pragma unroll
-    for (int j = 0; j < H; ++j) load_values<V>(x + j * D + d, xv[j]);
-    load_values<V>(y + t * D + d, yv);
+    for (int j = 0; j < H; ++j) load<V>(x + j * D + d, xv[j]);
+    load<V>(y + t * D + d, yv);
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       float acc[V];
@@ -367,7 +299,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j][h], xv[j][e], acc[e]);
       }
-      store_values<V>(out + (t * H + h) * D + d, acc);
+      store<V>(out + (t * H + h) * D + d, acc);
     }
   }
 }
@@ -398,8 +330,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float gv[H][V], yv[V], dyv[V];
 #pragma unroll
-    for (int h = 0; h < H; ++h) load_values<V>(g + h * D + d, gv[h]);
-    load_values<V>(y + t * D + d, yv);
+    for (int h = 0; h < H; ++h) load<V>(g + h * D + d, gv[h]);
+    load<V>(y + t * D + d, yv);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       dyv[e] = 0.0f;
@@ -409,12 +341,12 @@ __global__ void __launch_bounds__(kThreads)
         v[h] = fmaf(gv[h][e], yv[e], v[h]);
       }
     }
-    store_values<V>(dy + t * D + d, dyv);
+    store<V>(dy + t * D + d, dyv);
 #pragma unroll
     for (int j = 0; j < H; ++j) {
       float xv[V], acc[V];
-      load_values<V>(x + j * D + d, xv);
-      load_values<V>(dx + j * D + d, acc);
+      load<V>(x + j * D + d, xv);
+      load<V>(dx + j * D + d, acc);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
 #pragma unroll
@@ -423,7 +355,7 @@ __global__ void __launch_bounds__(kThreads)
           v[H + j * H + h] = fmaf(gv[h][e], xv[e], v[H + j * H + h]);
         }
       }
-      store_values<V>(dx + j * D + d, acc);
+      store<V>(dx + j * D + d, acc);
     }
   }
 #pragma unroll
@@ -484,10 +416,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (vec) {
       for (int d = lane * 8; d < D; d += 32 * 8) {
         float g[8], xv[8];
-        unpack8(*reinterpret_cast<const uint4*>(dcol + tt * D + d), g);
+        load<8>(dcol + tt * D + d, g);
 #pragma unroll
         for (int h = 0; h < H; ++h) {
-          unpack8(*reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tt) * K + h * D + d), xv);
+          load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, xv);
 #pragma unroll
           for (int j = 0; j < 8; ++j) v[h] = fmaf(g[j], xv[j], v[h]);
         }
@@ -706,12 +638,10 @@ void check_shape(const cpu::HcShape& s, const char* what) {
     } break;                     \
   }
 
-// Whether the kernels can move 16 bytes at a time: rows of a multiple of 8 bf16 (so H D too) and
-// 16-byte aligned pointers.
-bool vector_rows(const cpu::HcShape& s, std::initializer_list<const void*> pointers) {
-  bool aligned = s.hidden % 8 == 0;
-  for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-  return aligned;
+// Whether the kernels can move 8 values at a time (16 bytes of bf16, two 16-byte fp32 accesses):
+// rows of a multiple of 8 (so H D too) and aligned pointers.
+bool vector_rows(const cpu::HcShape& s, std::initializer_list<Access> accesses) {
+  return vector_width(accesses, s.hidden) == 8;
 }
 
 // Launches `kernel` with `bytes` of dynamic shared memory, raising its limit past 48 KiB if needed.
@@ -733,7 +663,7 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {streams, fn, collapsed});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {collapsed, 2}});
   SPINDLE_HC_DISPATCH({
     const size_t bytes = Tile<H>::kCommonBytes + kWarps * (Tile<H>::M + Tile<H>::HH) * sizeof(float);
     launch_tiled(hc_coefficients_kernel<H>, s, bytes, stream, "hc_coefficients_kernel", streams, fn, base,
@@ -746,7 +676,7 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
   check_shape(s, "hc_combine");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  if (vector_rows(s, {streams, y, out})) {
+  if (vector_rows(s, {{streams, 2}, {y, 2}, {out, 2}})) {
     SPINDLE_HC_DISPATCH(hc_combine_kernel<H, 8>
                         <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
   } else {
@@ -762,7 +692,7 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
   check_shape(s, "hc_combine_backward");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  if (vector_rows(s, {streams, y, dout, dstreams, dy})) {
+  if (vector_rows(s, {{streams, 2}, {y, 2}, {dout, 4}, {dstreams, 4}, {dy, 2}})) {
     SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 8><<<blocks, kThreads, 0, stream>>>(
         streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.tokens, s.hidden))
   } else {
@@ -786,7 +716,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {streams, fn, d_collapsed});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}});
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(static_cast<unsigned>((flat + kThreads - 1) / kThreads),
                       static_cast<unsigned>((s.tokens + kTokenChunk * kChunksPerDfnBlock - 1) /

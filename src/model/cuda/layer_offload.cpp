@@ -1,36 +1,27 @@
 #include "model/cuda/layer_offload.h"
 
+#include "backend/cuda/pinned_memory.h"
 #include "core/error.h"
 #include "core/log.h"
 
 namespace spindle::cuda {
 
 OffloadedLayerInputs::~OffloadedLayerInputs() {
-  if (pool_ == nullptr) return;
-  cudaStreamSynchronize(copies_.get());  // no copy may still use the pool
-  cudaFreeHost(pool_);
+  if (pool_ != nullptr) cudaStreamSynchronize(copies_.get());  // no copy may still use the pool
 }
 
 void OffloadedLayerInputs::reserve(size_t layers, size_t elements) {
   if (layers == layers_ && elements == elements_) return;
   if (pool_ != nullptr) {
     copies_.synchronize();
-    SPINDLE_CUDA(cudaFreeHost(pool_));
-    pool_ = nullptr;
+    pool_.reset();
   }
+  layers_ = elements_ = 0;
+  const size_t bytes = layers * elements * sizeof(__nv_bfloat16);
+  log_info("pinning ", bytes, " bytes of host memory for ", layers, " offloaded layer inputs");
+  pool_ = allocate_pinned(bytes, "the offloaded layer inputs");
   layers_ = layers;
   elements_ = elements;
-  log_info("pinning ", pool_bytes(), " bytes of host memory for ", layers, " offloaded layer inputs");
-  const cudaError_t status =
-      cudaHostAlloc(reinterpret_cast<void**>(&pool_), pool_bytes(), cudaHostAllocDefault);
-  if (status != cudaSuccess) {
-    (void)cudaGetLastError();
-    pool_ = nullptr;
-    layers_ = elements_ = 0;
-    fail("cannot pin ", layers * elements * sizeof(__nv_bfloat16),
-         " bytes of host memory for the offloaded layer inputs (", cudaGetErrorString(status),
-         "): spindle plan shows the policies that need less host memory");
-  }
   sent_.clear();
   fetched_.clear();
   for (size_t i = 0; i < layers; ++i) {

@@ -37,10 +37,12 @@ class OffloadedLayerInputs {
   size_t pool_bytes() const { return layers_ * elements_ * sizeof(__nv_bfloat16); }
 
  private:
-  __nv_bfloat16* slot(size_t layer) const { return pool_ + layer * elements_; }
+  __nv_bfloat16* slot(size_t layer) const {
+    return static_cast<__nv_bfloat16*>(pool_.get()) + layer * elements_;
+  }
 
   Stream copies_;
-  __nv_bfloat16* pool_ = nullptr;
+  std::shared_ptr<void> pool_;  // pinned (backend/cuda/pinned_memory.h)
   size_t layers_ = 0, elements_ = 0;
   std::vector<std::unique_ptr<Event>> sent_, fetched_;
 };
