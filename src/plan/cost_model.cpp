@@ -8,9 +8,14 @@ namespace spindle::plan {
 
 namespace {
 
-constexpr double kPassesToday = 5;              // forward + 2 recomputations + backward (2)
+// Passes of the executor that Hardware's rates were fitted to: the forward, two recomputations
+// of every sublayer in the backward, and the backward (2).
+constexpr double kCalibrationPasses = 5;
 constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
-constexpr double kPassesPerChunk = 4;           // forward, recomputation, the site's recomputation, backward
+// A streamed chunk's passes per sublayer: forward, recomputation, backward; the feed-forward's
+// also once more for its site's combine.
+constexpr double kAttentionPassesPerChunk = 3;
+constexpr double kFfnPassesPerChunk = 4;
 
 // A forward's FLOPs on the busiest GPU: the indexer's scores apart (quadratic in the length, on
 // the tensor cores at a higher rate than the rest), and the attention sites' share of the rest.
@@ -59,25 +64,27 @@ double all_reduce(double bytes, int64_t gpus, const Hardware& h) {
 }  // namespace
 
 double forward_passes(ActivationPolicy policy, double attention_share) {
+  // The attention sites' backward writes their output for the combine: one recomputation less.
+  const double keep = kCalibrationPasses - attention_share;
   switch (policy) {
     case ActivationPolicy::KeepSites:
-      return kPassesToday;
+      return keep;
     case ActivationPolicy::KeepLayerInputs:
     case ActivationPolicy::OffloadLayerInputs:
-      return kPassesToday + attention_share;
+      return keep + attention_share;
     case ActivationPolicy::Stream:
-      return kPassesToday + 1;
+      return keep + 1;
   }
-  return kPassesToday;
+  return keep;
 }
 
 StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
                    const Policy& policy, const Hardware& h) {
   const Work work = gpu_work(c, p, tokens);
   const double passes = forward_passes(policy.activations, work.attention_share);
-  // The measured rates count 3 forwards of model FLOPs per step of today's 5 passes.
+  // The measured rates count 3 forwards of model FLOPs per step of the calibration's 5 passes.
   const double seconds_per_pass =
-      3 * (work.forward / h.mfu + work.indexer / h.indexer_mfu) / h.peak_flops / kPassesToday;
+      3 * (work.forward / h.mfu + work.indexer / h.indexer_mfu) / h.peak_flops / kCalibrationPasses;
   StepTime time;
   time.compute = passes * seconds_per_pass;
   const double backward = (passes - 1) * seconds_per_pass;
@@ -88,8 +95,10 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
                             : 1;
 
   if (policy.activations == ActivationPolicy::Stream) {
-    const double launches = layers * 2 * kPassesPerChunk * kKernelsPerSublayerPass;
-    const double weights = kPassesPerChunk * static_cast<double>(state.weights) / h.hbm_bytes_per_s;
+    const double launches =
+        layers * (kAttentionPassesPerChunk + kFfnPassesPerChunk) * kKernelsPerSublayerPass;
+    // Most of the weights are the experts'.
+    const double weights = kFfnPassesPerChunk * static_cast<double>(state.weights) / h.hbm_bytes_per_s;
     time.chunks = chunks * (launches * h.launch_seconds + weights);
   }
   if (policy.activations == ActivationPolicy::OffloadLayerInputs) {

@@ -1,10 +1,10 @@
 // A simple, explicit model of one training step's time on the busiest GPU, to rank policies
-// (docs/PLANNER.md). Work is counted in forward passes of the model (model/flops.h): today's
-// executor does 5 per step (the forward, two recomputations of each sublayer in the backward:
-// one for the mHC combine, one inside the sublayer's backward, and the backward itself, twice a
-// forward); its measured speeds (a fraction of peak for most FLOPs, a higher one for the
-// indexer's scores) turn that into seconds. Each policy adds work or
-// transfers:
+// (docs/PLANNER.md). Work is counted in forward passes of the model (model/flops.h): the
+// executor does 5 - a per step, a the attention sites' share of a forward (the forward, the
+// feed-forward recomputed for its mHC combine's backward, every sublayer recomputed inside its
+// backward, and the backward itself, twice a forward); its measured speeds (a fraction of peak
+// for most FLOPs, a higher one for the indexer's scores, fitted when it did 5) turn that into
+// seconds. Each policy adds work or transfers:
 //   recompute / offload: the attention site's forward once more per layer, to rebuild the
 //     feed-forward site's input from the layer input;
 //   offload: the layer inputs' copies over PCIe, overlapped with the forward (to the host) and

@@ -58,17 +58,15 @@ class StepReplay {
       selections.push_back(std::move(chosen));
   }
 
-  // residual_site_backward: the site's inputs, the sublayer recomputed for the combine, the
-  // combine's gradients, the sublayer's backward (which recomputes it again), the mHC
-  // coefficients' workspace; the input's gradient replaces `dstreams`.
+  // residual_site_backward: the site's inputs, the feed-forward recomputed for the combine (an
+  // attention sublayer's backward writes its output itself), the combine's gradients, the
+  // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
+  // gradient replaces `dstreams`.
   void site_backward(const LayerShape& layer, Site site, Block& dstreams) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
     Blocks a = site_activations(m_, s_, L);
     a.push_back(m_.activations(2 * L * D));  // y
-    if (site == Site::Ffn)
-      ffn_forward(m_, s_, layer, pass_);
-    else
-      attention_forward(m_, s_, layer, pass_, false);
+    if (site == Site::Ffn) ffn_forward(m_, s_, layer, pass_);
     Block d_in = m_.activations(4 * L * H * D);
     a.push_back(m_.activations(4 * L * H));      // d_post
     a.push_back(m_.activations(4 * L * H * H));  // d_comb

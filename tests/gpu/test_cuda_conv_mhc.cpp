@@ -127,8 +127,9 @@ TEST(CudaConvMhc, HcCombineForwardAndBackward) {
     auto out = poisoned<bf16>(T * H * D), dy = poisoned<bf16>(T * D);
     auto d_post = poisoned<float>(T * H), d_comb = poisoned<float>(T * H * H);
     hc_combine(s, xb.data(), yb.data(), postb.data(), combb.data(), out.data(), stream.get());
-    hc_combine_backward(s, xb.data(), yb.data(), postb.data(), combb.data(), doutb.data(), dsb.data(),
-                        dy.data(), d_post.data(), d_comb.data(), stream.get());
+    hc_combine_backward(s, xb.data(), postb.data(), combb.data(), doutb.data(), dsb.data(), dy.data(),
+                        d_comb.data(), stream.get());
+    hc_post_gradient(s, yb.data(), doutb.data(), d_post.data(), stream.get());
     stream.synchronize();
     const auto xd = to_double(x), yd = to_double(y), postd = to_double(post), combd = to_double(comb);
     const auto doutd = to_double(dout);

@@ -304,14 +304,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One warp per token (8 per block), V consecutive elements per lane at a time; d_post and d_comb
-// are warp sums.
+// One warp per token (8 per block), V consecutive elements per lane at a time; d_comb is a warp sum.
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
-    hc_combine_backward_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
-                               const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
-                               float* d_post, float* d_comb, int64_t tokens, int64_t D) {
-  constexpr int N = H + H * H;  // d_post [H], then d_comb [j * H + h]
+    hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
+                               const float* dout, float* dstreams, __nv_bfloat16* dy, float* d_comb,
+                               int64_t tokens, int64_t D) {
+  constexpr int N = H * H;  // d_comb [j * H + h]
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
   const int lane = threadIdx.x % 32;
@@ -328,18 +327,14 @@ __global__ void __launch_bounds__(kThreads)
   const float* g = dout + t * H * D;
   float* dx = dstreams + t * H * D;
   for (int64_t d = lane * V; d < D; d += 32 * V) {
-    float gv[H][V], yv[V], dyv[V];
+    float gv[H][V], dyv[V];
 #pragma unroll
     for (int h = 0; h < H; ++h) load<V>(g + h * D + d, gv[h]);
-    load<V>(y + t * D + d, yv);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       dyv[e] = 0.0f;
 #pragma unroll
-      for (int h = 0; h < H; ++h) {
-        dyv[e] = fmaf(po[h], gv[h][e], dyv[e]);
-        v[h] = fmaf(gv[h][e], yv[e], v[h]);
-      }
+      for (int h = 0; h < H; ++h) dyv[e] = fmaf(po[h], gv[h][e], dyv[e]);
     }
     store<V>(dy + t * D + d, dyv);
 #pragma unroll
@@ -352,7 +347,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int h = 0; h < H; ++h) {
           acc[e] = fmaf(cm[j][h], gv[h][e], acc[e]);
-          v[H + j * H + h] = fmaf(gv[h][e], xv[e], v[H + j * H + h]);
+          v[j * H + h] = fmaf(gv[h][e], xv[e], v[j * H + h]);
         }
       }
       store<V>(dx + j * D + d, acc);
@@ -361,12 +356,37 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const float sum = warp_sum(v[k]);
-    if (lane == 0) {
-      if (k < H)
-        d_post[t * H + k] = sum;
-      else
-        d_comb[t * H * H + (k - H)] = sum;
+    if (lane == 0) d_comb[t * H * H + k] = sum;
+  }
+}
+
+// d_post[t, h] = dout[t, h, :] . y[t, :]: one warp per token.
+template <int H, int V>
+__global__ void __launch_bounds__(kThreads)
+    hc_post_gradient_kernel(const __nv_bfloat16* y, const float* dout, float* d_post, int64_t tokens,
+                            int64_t D) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (t >= tokens) return;
+  const int lane = threadIdx.x % 32;
+  float v[H];
+#pragma unroll
+  for (int h = 0; h < H; ++h) v[h] = 0.0f;
+  const float* g = dout + t * H * D;
+  for (int64_t d = lane * V; d < D; d += 32 * V) {
+    float yv[V];
+    load<V>(y + t * D + d, yv);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      float gv[V];
+      load<V>(g + h * D + d, gv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[h] = fmaf(gv[e], yv[e], v[h]);
     }
+  }
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const float sum = warp_sum(v[h]);
+    if (lane == 0) d_post[t * H + h] = sum;
   }
 }
 
@@ -686,20 +706,35 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
   SPINDLE_LAUNCHED("hc_combine_kernel");
 }
 
-void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
-                         const float* post, const float* comb, const float* dout, float* dstreams,
-                         __nv_bfloat16* dy, float* d_post, float* d_comb, cudaStream_t stream) {
+void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
+                         const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
+                         float* d_comb, cudaStream_t stream) {
   check_shape(s, "hc_combine_backward");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  if (vector_rows(s, {{streams, 2}, {y, 2}, {dout, 4}, {dstreams, 4}, {dy, 2}})) {
+  if (vector_rows(s, {{streams, 2}, {dout, 4}, {dstreams, 4}, {dy, 2}})) {
     SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 8><<<blocks, kThreads, 0, stream>>>(
-        streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.tokens, s.hidden))
+        streams, post, comb, dout, dstreams, dy, d_comb, s.tokens, s.hidden))
   } else {
     SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 1><<<blocks, kThreads, 0, stream>>>(
-        streams, y, post, comb, dout, dstreams, dy, d_post, d_comb, s.tokens, s.hidden))
+        streams, post, comb, dout, dstreams, dy, d_comb, s.tokens, s.hidden))
   }
   SPINDLE_LAUNCHED("hc_combine_backward_kernel");
+}
+
+void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float* dout, float* d_post,
+                      cudaStream_t stream) {
+  check_shape(s, "hc_post_gradient");
+  if (s.tokens == 0) return;
+  const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
+  if (vector_rows(s, {{y, 2}, {dout, 4}})) {
+    SPINDLE_HC_DISPATCH(hc_post_gradient_kernel<H, 8>
+                        <<<blocks, kThreads, 0, stream>>>(y, dout, d_post, s.tokens, s.hidden))
+  } else {
+    SPINDLE_HC_DISPATCH(hc_post_gradient_kernel<H, 1>
+                        <<<blocks, kThreads, 0, stream>>>(y, dout, d_post, s.tokens, s.hidden))
+  }
+  SPINDLE_LAUNCHED("hc_post_gradient_kernel");
 }
 
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {

@@ -3,7 +3,8 @@
 // post [tokens, H], comb [tokens, H, H] in fp32; all math in fp32. H = hc_mult (1 to 8).
 // Gradients of the streams are kept in fp32 [tokens, H, D] (dstreams, dout): the residual
 // gradient is a sum over every later sublayer, and fp32 keeps it from drifting in bf16.
-// CPU reference: kernels/cpu/mhc.h (same names, same argument order).
+// CPU reference: kernels/cpu/mhc.h (same names, same argument order; its hc_combine_backward is
+// split in two here: hc_combine_backward and hc_post_gradient).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,10 +26,15 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
                 const float* post, const float* comb, __nv_bfloat16* out, cudaStream_t stream);
 
-// Backward of hc_combine: dstreams (fp32) accumulated; dy (bf16), d_post, d_comb (fp32) written.
-void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
-                         const float* post, const float* comb, const float* dout, float* dstreams,
-                         __nv_bfloat16* dy, float* d_post, float* d_comb, cudaStream_t stream);
+// Backward of hc_combine, the part that needs no y (so that y may come from the sublayer's
+// backward, after dy): dstreams (fp32) accumulated; dy (bf16) and d_comb (fp32) written.
+void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
+                         const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
+                         float* d_comb, cudaStream_t stream);
+
+// The rest of hc_combine's backward: d_post[t, h] = dout[t, h, :] . y[t, :] (fp32, written).
+void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float* dout, float* d_post,
+                      cudaStream_t stream);
 
 // Floats of workspace hc_coefficients_backward needs: tokens * (2 (2 + H) H + 1).
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s);

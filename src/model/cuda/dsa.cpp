@@ -308,7 +308,7 @@ void latent_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, in
 void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                          MlaActivations& a, const int32_t* selection, const bf16* dy, float* dx,
                          DsaWeights& grad, IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first,
-                         DsaCacheGrad& cache_grad) {
+                         DsaCacheGrad& cache_grad, bf16* y) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -322,6 +322,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
     const TimedScope timed = ctx.timed("dsa.attention");
     attend(ctx, c, w, L, a, cache.kv.data(), selection);
   }
+  if (y != nullptr) gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, H * dv, D, s);
 
   if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
     const TimedScope timed = ctx.timed("dsa.indexer_kl");
@@ -418,7 +419,7 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
 
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss) {
+                  IndexerLoss* indexer_loss, bf16* y) {
   // The whole sequence is one chunk over its own cache.
   const bool trained = indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0;
   MlaActivations a = mla_projections(ctx, c, w, x, L);
@@ -427,14 +428,15 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   if (trained) append_index_keys(ctx, c, w.indexer, x, L, cache);
   cache.tokens = L;
   DsaCacheGrad cache_grad(c, cache, L, trained, ctx.stream());
-  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad);
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad, y);
 }
 
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad) {
+                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
+                  bf16* y) {
   MlaActivations a = mla_projections(ctx, c, w, x, L);
-  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad);
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad, y);
 }
 
 }  // namespace spindle::cuda

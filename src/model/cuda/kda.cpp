@@ -117,7 +117,8 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
 }
 
 void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-              const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry* carry_in, KdaCarry* carry_grad) {
+              const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry* carry_in, KdaCarry* carry_grad,
+              bf16* y) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -126,6 +127,7 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   KdaActivations a = kda_activations(ctx, c, w, x, L, carry_in);
   DeviceBuffer<bf16> z = activations(L * qkv);
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), z.data(), L * H, dh, eps, s);
+  if (y != nullptr) gemm.linear(z.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
 
   // Output projection and gated norm; then the gate's low-rank branch.
   DeviceBuffer<bf16> dz = activations(L * qkv), dcore = activations(L * qkv), dgate = activations(L * qkv);
@@ -228,14 +230,14 @@ void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const 
 }
 
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, KdaWeights& grad) {
-  backward(ctx, c, w, x, L, dy, dx, grad, nullptr, nullptr);
+                  const bf16* dy, float* dx, KdaWeights& grad, bf16* y) {
+  backward(ctx, c, w, x, L, dy, dx, grad, nullptr, nullptr, y);
 }
 
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in,
-                  KdaCarry& carry_grad) {
-  backward(ctx, c, w, x, L, dy, dx, grad, &carry_in, &carry_grad);
+                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in, KdaCarry& carry_grad,
+                  bf16* y) {
+  backward(ctx, c, w, x, L, dy, dx, grad, &carry_in, &carry_grad, y);
 }
 
 }  // namespace spindle::cuda

@@ -83,7 +83,7 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
   residual_site_backward(
       ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, x, dstreams, grad.ffn_hc,
       grad.post_attention_layernorm, [&](const bf16* in, bf16* y) { ffn_forward(layer, in, L, y); },
-      [&](const bf16* in, const bf16* dy, float* dx) {
+      [&](const bf16* in, const bf16* dy, float* dx, bf16*) {
         begin(mlp_kind(layer));
         if (layer.mlp == MlpKind::Dense)
           mlp_backward(ctx_, layer.dense, c.swiglu_limit, in, L, dy, dx, grad.dense);
@@ -300,14 +300,12 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
     site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
     residual_site_backward(
         ctx_, c, layer.attn_hc, layer.input_layernorm, L, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
-        grad.input_layernorm,
-        [&](const bf16* x, bf16* y) { attention_forward(layer, x, L, chosen, y, true); },
-        [&](const bf16* x, const bf16* dy, float* dx) {
+        grad.input_layernorm, {}, [&](const bf16* x, const bf16* dy, float* dx, bf16* y) {
           begin(attention_kind(layer));
           if (layer.attention == AttentionKind::Kda)
-            kda_backward(ctx_, c, layer.kda, x, L, dy, dx, grad.kda);
+            kda_backward(ctx_, c, layer.kda, x, L, dy, dx, grad.kda, y);
           else
-            dsa_backward(ctx_, c, layer.dsa, x, L, chosen.data(), dy, dx, grad.dsa, &indexer_loss);
+            dsa_backward(ctx_, c, layer.dsa, x, L, chosen.data(), dy, dx, grad.dsa, &indexer_loss, y);
           end();
         });
     // A layer whose input stayed on the device may still be copying it out (the last two).

@@ -1,7 +1,9 @@
 // The model's sublayers on the GPU, the same contracts as model/modules.h: x is the normalised
 // sublayer input [tokens, hidden] (bf16), y the output (bf16, written). Each backward recomputes
 // its sublayer's forward from x, accumulates the input gradient into dx (fp32) and the parameter
-// gradients into `grad` (fp32 device weights, same layout as the weights).
+// gradients into `grad` (fp32 device weights, same layout as the weights). The attention
+// backwards also write the recomputed output into y unless it is null: the mHC combine's
+// backward needs it, and it costs them one projection, not a forward.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,12 +37,12 @@ void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const 
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
                  KdaCarry& carry);
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, KdaWeights& grad);
+                  const bf16* dy, float* dx, KdaWeights& grad, bf16* y);
 // Backward of a chunk whose forward received `carry_in`. `carry_grad` holds on entry the gradient
 // of the carry the chunk handed on (zero for the last chunk), on return that of `carry_in`.
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in,
-                  KdaCarry& carry_grad);
+                  const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in, KdaCarry& carry_grad,
+                  bf16* y);
 
 // The indexer's KL training, accumulated over DSA layers on the device.
 struct IndexerLoss {
@@ -89,7 +91,7 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache);
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss);
+                  IndexerLoss* indexer_loss, bf16* y);
 // Backward of the chunk of queries first .. first + L over the forward's final cache. Every
 // chunk adds its keys' and values' gradients (and the indexer's pooled keys') to `cache_grad`;
 // this chunk's own rows are complete when it runs (later chunks ran first) and flow back into dx
@@ -97,7 +99,8 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
 // sequence (cache_grad.tokens).
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
-                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad);
+                  IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
+                  bf16* y);
 
 void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y);
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,

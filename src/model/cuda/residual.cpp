@@ -54,7 +54,7 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   const cudaStream_t s = ctx.stream();
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
   DeviceBuffer<bf16> y = activations(L * D);
-  sublayer(a.normed.data(), y.data());
+  if (sublayer) sublayer(a.normed.data(), y.data());
 
   DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
                       d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
@@ -63,11 +63,12 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
     const TimedScope timed = ctx.timed("mhc");
     SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
     SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
-    hc_combine_backward(shape, streams, y.data(), a.post.data(), a.comb.data(), dstreams.data(), d_in.data(),
-                        dy.data(), d_post.data(), d_comb.data(), s);
+    hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
+                        d_comb.data(), s);
   }
-  sublayer_backward(a.normed.data(), dy.data(), d_normed.data());
+  sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), sublayer ? nullptr : y.data());
   const TimedScope timed = ctx.timed("mhc");
+  hc_post_gradient(shape, y.data(), dstreams.data(), d_post.data(), s);
 
   DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
   DeviceBuffer<bf16>& d_collapsed = dy;

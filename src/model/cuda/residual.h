@@ -14,9 +14,11 @@
 namespace spindle::cuda {
 
 using SublayerForward = std::function<void(const __nv_bfloat16* normed, __nv_bfloat16* y)>;
-// Accumulates the input gradient into dnormed (fp32) and the sublayer's parameter gradients.
-using SublayerBackward =
-    std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy, float* dnormed)>;
+// Accumulates the input gradient into dnormed (fp32) and the sublayer's parameter gradients; where
+// y is not null, also writes the sublayer's output there (a backward that recomputes its forward
+// anyway gives it for one projection more).
+using SublayerBackward = std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy,
+                                            float* dnormed, __nv_bfloat16* y)>;
 
 // streams (input) -> next (output), both [tokens, H, D].
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
@@ -24,7 +26,8 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
                            const SublayerForward& sublayer);
 
 // `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
-// input on return.
+// input on return. The combine's backward needs the sublayer's output y: `sublayer`, where set,
+// recomputes it before the sublayer's backward; where empty, sublayer_backward writes it.
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const __nv_bfloat16* streams,
                             DeviceBuffer<float>& dstreams, HyperConnectionWeights& ghc, Tensor& gnorm,

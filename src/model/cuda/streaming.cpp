@@ -168,14 +168,13 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
       residual_site_backward(
           ctx_, c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
-          grad.input_layernorm, [&](const bf16* x, bf16* y) { attention(i, x, y, chosen, true); },
-          [&](const bf16* x, const bf16* dy, float* dx) {
+          grad.input_layernorm, {}, [&](const bf16* x, const bf16* dy, float* dx, bf16* y) {
             begin(attention_kind(layer));
             if (layer.attention == AttentionKind::Kda)
-              kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i]);
+              kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i], y);
             else
               dsa_backward(ctx_, c, layer.dsa, x, n, chosen.data(), dy, dx, grad.dsa, &indexer_loss,
-                           *carries[i].dsa, start, *cache_grad[i]);
+                           *carries[i].dsa, start, *cache_grad[i], y);
             end();
           });
       site_inputs[2 * i] = DeviceBuffer<bf16>();
