@@ -14,7 +14,8 @@ namespace spindle::cuda {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kKeys = 64;     // selected rows per tile: 8 per warp in the score phase
+constexpr int kKeys = 64;  // selected rows per tile: 8 per warp in the score phase
+static_assert(kThreads >= kKeys, "a tile's indices are read by one thread each");
 constexpr int kPad = 8;       // bf16 per shared row past the data: ldmatrix rows in distinct banks
 constexpr int kMaxDim = 512;  // dk, dv <= this (shared memory)
 // Output columns go to the warps in units of 16 (unit u to warp u % 8): at most 4 units, 8 n8
@@ -40,8 +41,8 @@ Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   l.kv_bytes = 2 * static_cast<size_t>(kKeys) * l.qk_stride * 2;
   l.s_bytes = backward ? 0 : static_cast<size_t>(l.rows) * kScoreStride * 4;
   l.p_bytes = static_cast<size_t>(backward ? 2 : 1) * l.rows * kProbStride * 2;
-  // + per-row statistics (3 floats) and the two tiles' selected indices
-  l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + 3 * l.rows * 4 + 2 * kKeys * 4;
+  // + per-row statistics (3 floats) and three tiles' selected indices
+  l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + 3 * l.rows * 4 + 3 * kKeys * 4;
   return l;
 }
 
@@ -74,19 +75,24 @@ __device__ void load_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t 
   }
 }
 
-// Tile `tile` of query t's selected rows (their first dk values) into `dst`, zero for unused
-// slots; their indices into idx.
-__device__ void load_tile(__nv_bfloat16* dst, int32_t* idx, const MlaArgs& a, int64_t t, int64_t tile) {
-  const int chunks = a.dk / 8;
-  const int32_t* sel = a.selected + t * a.width;
-  for (int i = threadIdx.x; i < kKeys * chunks; i += kThreads) {
-    const int row = i / chunks, chunk = i % chunks;
-    const int64_t slot = tile * kKeys + row;
-    const int32_t index = slot < a.width ? sel[slot] : -1;
+// Slot tile * kKeys + threadIdx.x of query t's selection for the first kKeys threads (-1 past the
+// width and for the other threads). Read a tile ahead of its use, so that the load's latency hides
+// behind a tile's work.
+__device__ __forceinline__ int32_t tile_index(const MlaArgs& a, int64_t t, int64_t tile) {
+  const int64_t slot = tile * kKeys + threadIdx.x;
+  return threadIdx.x < kKeys && slot < a.width ? a.selected[t * a.width + slot] : -1;
+}
+
+// The selected rows of one tile (their first dk values) into `dst` by their indices `idx` (shared
+// memory), zero for unused slots: a warp per row, its lanes over the row's 16-byte pieces.
+__device__ void load_tile(__nv_bfloat16* dst, const int32_t* idx, const MlaArgs& a) {
+  const int chunks = a.dk / 8, lane = threadIdx.x % 32;
+  for (int row = threadIdx.x / 32; row < kKeys; row += kWarps) {
+    const int32_t index = idx[row];
     const bool valid = index >= 0;
-    const __nv_bfloat16* from = valid ? a.latent + (index * a.latent_stride + chunk * 8) : a.latent;
-    copy16(dst + row * (a.dk + kPad) + chunk * 8, from, valid);
-    if (chunk == 0) idx[row] = index;
+    const __nv_bfloat16* from = a.latent + (valid ? static_cast<int64_t>(index) * a.latent_stride : 0);
+    __nv_bfloat16* to = dst + row * (a.dk + kPad);
+    for (int chunk = lane; chunk < chunks; chunk += 32) copy16(to + chunk * 8, from + chunk * 8, valid);
   }
 }
 
@@ -100,6 +106,7 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[MT][4], const __nv_
   const uint32_t a_address = shared_address(rows + (lane % 16) * row_stride + (lane / 16) * 8);
   // x4: the warp's 8 key rows at k, k + 8, k + 16, k + 24: b0, b1 of two k16 steps.
   const uint32_t b_address = shared_address(keys + (8 * warp + lane % 8) * key_stride + (lane / 8) * 8);
+  float odd[MT][4] = {};  // the k + 16 steps: a second chain of dependent mma per m16 tile
   int k = 0;
   for (; k + 32 <= dim; k += 32) {
     uint32_t b[4];
@@ -110,9 +117,13 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[MT][4], const __nv_
       ldmatrix_x4(a, a_address + (m * 16 * row_stride + k) * 2);
       mma_bf16(acc[m], a, b[0], b[1]);
       ldmatrix_x4(a, a_address + (m * 16 * row_stride + k + 16) * 2);
-      mma_bf16(acc[m], a, b[2], b[3]);
+      mma_bf16(odd[m], a, b[2], b[3]);
     }
   }
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] += odd[m][e];
   if (k < dim) {  // a last 16
     uint32_t b[2];
     ldmatrix_x2(b, b_address + k * 2);
@@ -175,11 +186,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
   float* m_s = reinterpret_cast<float*>(p_s + R * kProbStride);                   // [R] running max (log2)
   float* l_s = m_s + R;                                                           // [R] running sum
   float* alpha_s = l_s + R;                                                       // [R] this tile's rescale
-  int32_t* idx_s = reinterpret_cast<int32_t*>(alpha_s + R);                       // [2][kKeys]
+  int32_t* idx_s = reinterpret_cast<int32_t*>(alpha_s + R);                       // [3][kKeys]
 
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
   load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
-  if (tiles > 0) load_tile(kv_s, idx_s, a, t, 0);
+  if (tid < kKeys) idx_s[tid] = tile_index(a, t, 0);
+  int32_t next_index = tile_index(a, t, 1);
+  __syncthreads();
+  if (tiles > 0) load_tile(kv_s, idx_s, a);
   copy_commit();
   for (int r = tid; r < R; r += kThreads) {
     m_s[r] = -INFINITY;
@@ -192,15 +206,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
   constexpr int per_row = kThreads / R, keys_per_thread = kKeys / per_row;
   const int srow = tid / per_row, spart = tid % per_row;
 
+  // Tile i's rows are in buffer i % 2, its indices in idx_s's slot i % 3: the slot written for
+  // tile + 1 was last read for tile - 2, before the barrier of tile - 1.
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int buf = static_cast<int>(tile & 1);
+    int32_t* next_idx = idx_s + ((tile + 1) % 3) * kKeys;
+    if (tid < kKeys) next_idx[tid] = next_index;
     copy_wait_all();
     __syncthreads();  // the tile (and q) landed for every thread; the other buffer is free
-    if (tile + 1 < tiles)
-      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, idx_s + (buf ^ 1) * kKeys, a, t, tile + 1);
+    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
     copy_commit();
+    next_index = tile_index(a, t, tile + 2);
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
-    const int32_t* idx = idx_s + buf * kKeys;
+    const int32_t* idx = idx_s + (tile % 3) * kKeys;
 
     float s[MT][4] = {};
     rows_times_keys<MT>(s, q_s, qk_stride, keys, qk_stride, a.dk);
@@ -300,12 +318,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   __nv_bfloat16* ds_s = p_s + R * kProbStride;                        // [R][kProbStride]
   float* delta_s = reinterpret_cast<float*>(ds_s + R * kProbStride);  // [R] rowsum(dO o O)
   float* lse_s = delta_s + R;                                         // [R] log2 domain
-  int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);         // [2][kKeys]
+  int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);         // [3][kKeys]
 
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
   load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
   load_rows(do_s, a.dout, t, h0, R, a.heads, a.dv, v_stride);
-  if (tiles > 0) load_tile(kv_s, idx_s, a, t, 0);
+  if (tid < kKeys) idx_s[tid] = tile_index(a, t, 0);
+  int32_t next_index = tile_index(a, t, 1);
+  __syncthreads();
+  if (tiles > 0) load_tile(kv_s, idx_s, a);
   copy_commit();
   {  // delta = rowsum(dO o O), `per_row` threads per row
     constexpr int per_row = kThreads / R;
@@ -327,15 +348,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   const int k_units = a.dk / 16;
   float dq[MT][kMaxColTiles][4] = {};
 
+  // Rows and indices by tile as in the forward (the atomics read tile - 2's slot last, before
+  // the barrier of tile - 1).
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int buf = static_cast<int>(tile & 1);
+    int32_t* next_idx = idx_s + ((tile + 1) % 3) * kKeys;
+    if (tid < kKeys) next_idx[tid] = next_index;
     copy_wait_all();
     __syncthreads();  // the tile landed; the other buffer, p_s and ds_s are free
-    if (tile + 1 < tiles)
-      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, idx_s + (buf ^ 1) * kKeys, a, t, tile + 1);
+    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
     copy_commit();
+    next_index = tile_index(a, t, tile + 2);
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
-    const int32_t* idx = idx_s + buf * kKeys;
+    const int32_t* idx = idx_s + (tile % 3) * kKeys;
 
     // P and dS for the warp's 8 keys.
     float s[MT][4] = {}, dp[MT][4] = {};
