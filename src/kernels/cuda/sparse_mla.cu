@@ -13,12 +13,14 @@ namespace spindle::cuda {
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kKeys = 64;  // selected rows per tile: 8 per warp in the score phase
+// 16 warps, so that each scheduler has 4 to hide the latencies of one CTA per SM (its shared
+// memory allows no more).
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kKeys = 64;  // selected rows per tile: in the score phase, 8 per warp and m16 tile
 static_assert(kThreads >= kKeys, "a tile's indices are read by one thread each");
 constexpr int kPad = 8;       // bf16 per shared row past the data: ldmatrix rows in distinct banks
 constexpr int kMaxDim = 512;  // dk, dv <= this (shared memory)
-// Output columns go to the warps in units of 16 (unit u to warp u % 8): at most 4 units, 8 n8
+// Output columns go to the warps in units of 16 (unit u to warp u % 16): at most 2 units, 4 n8
 // tiles, per warp.
 constexpr int kMaxColTiles = kMaxDim / kWarps / 8;
 constexpr int kScoreStride = kKeys + 4;    // fp32 scores per shared row
@@ -96,47 +98,40 @@ __device__ void load_tile(__nv_bfloat16* dst, const int32_t* idx, const MlaArgs&
   }
 }
 
-// A warp's 8 keys (8 warp .. 8 warp + 7) against all MT m16 tiles of rows: acc += rows[:, :dim] .
-// keys[:, :dim]^T, rows and keys in shared memory with the given strides (bf16).
-template <int MT>
-__device__ __forceinline__ void rows_times_keys(float (&acc)[MT][4], const __nv_bfloat16* rows,
-                                                int row_stride, const __nv_bfloat16* keys, int key_stride,
-                                                int dim) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// The score phase's share of warp w: m16 tile w / 8 of the rows (none past MT), keys 8 (w % 8) ..
+// 8 (w % 8) + 7 of the tile.
+__device__ __forceinline__ int score_tile() { return threadIdx.x / 32 / (kKeys / 8); }
+__device__ __forceinline__ int score_key0() { return threadIdx.x / 32 % (kKeys / 8) * 8; }
+
+// acc += rows[16, :dim] . keys[8, :dim]^T: the warp's m16 tile of rows against its 8 keys, both in
+// shared memory with the given strides (bf16).
+__device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bfloat16* rows, int row_stride,
+                                                const __nv_bfloat16* keys, int key_stride, int dim) {
+  const int lane = threadIdx.x % 32;
   const uint32_t a_address = shared_address(rows + (lane % 16) * row_stride + (lane / 16) * 8);
   // x4: the warp's 8 key rows at k, k + 8, k + 16, k + 24: b0, b1 of two k16 steps.
-  const uint32_t b_address = shared_address(keys + (8 * warp + lane % 8) * key_stride + (lane / 8) * 8);
-  float odd[MT][4] = {};  // the k + 16 steps: a second chain of dependent mma per m16 tile
+  const uint32_t b_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
+  float odd[4] = {};  // the k + 16 steps: a second chain of dependent mma
   int k = 0;
   for (; k + 32 <= dim; k += 32) {
-    uint32_t b[4];
+    uint32_t b[4], a0[4], a1[4];
     ldmatrix_x4(b, b_address + k * 2);
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      uint32_t a[4];
-      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k) * 2);
-      mma_bf16(acc[m], a, b[0], b[1]);
-      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k + 16) * 2);
-      mma_bf16(odd[m], a, b[2], b[3]);
-    }
+    ldmatrix_x4(a0, a_address + k * 2);
+    ldmatrix_x4(a1, a_address + (k + 16) * 2);
+    mma_bf16(acc, a0, b[0], b[1]);
+    mma_bf16(odd, a1, b[2], b[3]);
   }
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[m][e] += odd[m][e];
+  for (int e = 0; e < 4; ++e) acc[e] += odd[e];
   if (k < dim) {  // a last 16
-    uint32_t b[2];
+    uint32_t b[2], a0[4];
     ldmatrix_x2(b, b_address + k * 2);
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      uint32_t a[4];
-      ldmatrix_x4(a, a_address + (m * 16 * row_stride + k) * 2);
-      mma_bf16(acc[m], a, b[0], b[1]);
-    }
+    ldmatrix_x4(a0, a_address + k * 2);
+    mma_bf16(acc, a0, b[0], b[1]);
   }
 }
 
-// The first column of the warp's n8 tile j: unit warp + 8 (j / 2), then its half.
+// The first column of the warp's n8 tile j: unit warp + kWarps (j / 2), then its half.
 __device__ __forceinline__ int tile_column(int j) {
   return (threadIdx.x / 32 + kWarps * (j / 2)) * 16 + (j % 2) * 8;
 }
@@ -202,8 +197,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
   const int v_units = a.dv / 16;
   float acc[MT][kMaxColTiles][4] = {};
   const float scale2 = a.scale * kLog2e;
-  // Softmax rows: `per_row` consecutive threads share a row, each over kKeys / per_row keys.
+  // Softmax rows: `per_row` consecutive threads (of one warp) share a row, each over kKeys /
+  // per_row keys.
   constexpr int per_row = kThreads / R, keys_per_thread = kKeys / per_row;
+  static_assert(per_row <= 32 && keys_per_thread >= 1, "a softmax row within one warp");
   const int srow = tid / per_row, spart = tid % per_row;
 
   // Tile i's rows are in buffer i % 2, its indices in idx_s's slot i % 3: the slot written for
@@ -220,18 +217,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
     const int32_t* idx = idx_s + (tile % 3) * kKeys;
 
-    float s[MT][4] = {};
-    rows_times_keys<MT>(s, q_s, qk_stride, keys, qk_stride, a.dk);
-    const int key0 = 8 * warp + 2 * c;
-    const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      float* row_a = s_s + (m * 16 + g) * kScoreStride + key0;
+    const int row_tile = score_tile(), key0 = score_key0() + 2 * c;
+    if (row_tile < MT) {
+      float s[4] = {};
+      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, keys + score_key0() * qk_stride,
+                      qk_stride, a.dk);
+      const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
+      float* row_a = s_s + (row_tile * 16 + g) * kScoreStride + key0;
       float* row_b = row_a + 8 * kScoreStride;
-      row_a[0] = v0 ? s[m][0] * scale2 : -INFINITY;
-      row_a[1] = v1 ? s[m][1] * scale2 : -INFINITY;
-      row_b[0] = v0 ? s[m][2] * scale2 : -INFINITY;
-      row_b[1] = v1 ? s[m][3] * scale2 : -INFINITY;
+      row_a[0] = v0 ? s[0] * scale2 : -INFINITY;
+      row_a[1] = v1 ? s[1] * scale2 : -INFINITY;
+      row_b[0] = v0 ? s[2] * scale2 : -INFINITY;
+      row_b[1] = v1 ? s[3] * scale2 : -INFINITY;
     }
     __syncthreads();
 
@@ -362,22 +359,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
     const int32_t* idx = idx_s + (tile % 3) * kKeys;
 
-    // P and dS for the warp's 8 keys.
-    float s[MT][4] = {}, dp[MT][4] = {};
-    rows_times_keys<MT>(s, q_s, qk_stride, keys, qk_stride, a.dk);
-    rows_times_keys<MT>(dp, do_s, v_stride, keys, qk_stride, a.dv);
-    const int key0 = 8 * warp + 2 * c;
-    const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
+    // P and dS for the warp's m16 tile and 8 keys.
+    const int row_tile = score_tile(), key0 = score_key0() + 2 * c;
+    if (row_tile < MT) {
+      float s[4] = {}, dp[4] = {};
+      const __nv_bfloat16* warp_keys = keys + score_key0() * qk_stride;
+      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, warp_keys, qk_stride, a.dk);
+      rows_times_keys(dp, do_s + row_tile * 16 * v_stride, v_stride, warp_keys, qk_stride, a.dv);
+      const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = m * 16 + g + 8 * half;
+        const int row = row_tile * 16 + g + 8 * half;
         float p[2], d[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          p[e] = valid[e] ? exp2f(s[m][2 * half + e] * scale2 - lse_s[row]) : 0.0f;
-          d[e] = p[e] * (dp[m][2 * half + e] - delta_s[row]) * a.scale;
+          p[e] = valid[e] ? exp2f(s[2 * half + e] * scale2 - lse_s[row]) : 0.0f;
+          d[e] = p[e] * (dp[2 * half + e] - delta_s[row]) * a.scale;
         }
         *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
         *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
