@@ -47,7 +47,7 @@ size_t prep_smem_bytes() { return sizeof(float) * ChunkPrepTiles::floats(); }
 // Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block. With Tinv = (I + diag(beta) A)^-1,
 // W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
 // substitution in the sequential pass; Kb = exp(G_last - G) k carries u into the next state.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_fwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, float* __restrict__ blocks, int64_t c0,
@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(kThreads)
   float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
              [&](const ChunkPrepTiles& tiles) {
-               for (int idx = tid; idx < kC * kC; idx += kThreads) block[idx] = tiles.Aqs[idx];
+               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads) block[idx] = tiles.Aqs[idx];
              });
-  for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
+  for (int idx = tid; idx < n * kMaxDim; idx += kKdaPrepThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim;
     m.qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
   }
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
   // per thread so that each k and v value loaded serves four rows. Tinv is zero above the
   // diagonal and past token n, so the terms up to the tile's last row (within the chunk) add
   // exact zeros to the sums over s <= t.
-  for (int task = tid; task < kC / 4 * kMaxDim; task += kThreads) {
+  for (int task = tid; task < kC / 4 * kMaxDim; task += kKdaPrepThreads) {
     const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
     const bool in_k = i < dk;
     float u[4] = {}, w[4] = {};
@@ -311,8 +311,8 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
     const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     if (c1 > c0) {
-      kda_fwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_bytes(), stream>>>(q, k, v, g, beta, workspace,
-                                                                               c0, tokens, H, dki, dvi);
+      kda_fwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_bytes(), stream>>>(
+          q, k, v, g, beta, workspace, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_prep_kernel");
     }
     const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;

@@ -50,7 +50,7 @@ size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 // (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb and G_last into ops; and, into slot
 // c - c0 of slots, the chunk's own share of its entry state's gradient, Z = (Qg - Aq W)^T dO
 // [dk, dv], so that the state pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_bwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const float* __restrict__ g, const float* __restrict__ beta,
                         const __nv_bfloat16* __restrict__ dout, float* __restrict__ mats,
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
              [&](const ChunkPrepTiles& tiles) {
-               for (int idx = tid; idx < kC * kC; idx += kThreads) {
+               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads) {
                  const int t = idx / kC, s = idx - t * kC;
                  A[idx] = tiles.As[idx];
                  A[kC * kC + idx] = tiles.Aqs[idx];
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads)
   // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed; W reads exp(G) k).
   // Four rows per thread, as the forward prep: Tinv is zero above the diagonal and past token n,
   // so the extra terms are exact zeros.
-  for (int task = tid; task < kC / 4 * kMaxDim; task += kThreads) {
+  for (int task = tid; task < kC / 4 * kMaxDim; task += kKdaPrepThreads) {
     const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
     float w[4] = {};
     if (i < dk)
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   // P = Qg - Aq W in place (each element read and written by its own thread), four rows per
   // thread (Aq is zero above the diagonal); dO over exp(G) k.
-  for (int task = tid; task < kC / 4 * dk; task += kThreads) {
+  for (int task = tid; task < kC / 4 * dk; task += kKdaPrepThreads) {
     const int t0 = task / dk * 4, i = task % dk, last = min(t0 + 3, n - 1);
     if (t0 >= n) continue;
     float p[4];
@@ -114,31 +114,32 @@ __global__ void __launch_bounds__(kThreads)
     for (int x = 0; x < 4; ++x)
       if (t0 + x < n) qs[(t0 + x) * kKp + i] = p[x];
   }
-  for (int idx = tid; idx < n * kMaxDim; idx += kThreads) {
+  for (int idx = tid; idx < n * kMaxDim; idx += kKdaPrepThreads) {
     const int t = idx / kMaxDim, j = idx - t * kMaxDim;
     ks[t * kKp + j] = j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
   }
   __syncthreads();
-  // Z = P^T dO: thread (rows 8 ib .. 8 ib + 7, columns jb + 16 x).
+  // Z = P^T dO: thread (rows kZRows ib .. kZRows (ib + 1) - 1, columns jb + 16 x).
+  constexpr int kZRows = kMaxDim * 16 / kKdaPrepThreads;
   const int ib = tid / 16, jb = tid % 16;
-  float z[8][8] = {};
+  float z[kZRows][8] = {};
   for (int t = 0; t < n; ++t) {
-    float pr[8], dr[8];
+    float pr[kZRows], dr[8];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) pr[r] = qs[t * kKp + 8 * ib + r];
+    for (int r = 0; r < kZRows; ++r) pr[r] = qs[t * kKp + kZRows * ib + r];
 #pragma unroll
     for (int x = 0; x < 8; ++x) dr[x] = ks[t * kKp + jb + 16 * x];
 #pragma unroll
-    for (int r = 0; r < 8; ++r)
+    for (int r = 0; r < kZRows; ++r)
 #pragma unroll
       for (int x = 0; x < 8; ++x) z[r][x] = fmaf(pr[r], dr[x], z[r][x]);
   }
   float* Z = slots + (static_cast<int64_t>(blockIdx.x) * heads + h) * dk * dv;
 #pragma unroll
-  for (int r = 0; r < 8; ++r)
+  for (int r = 0; r < kZRows; ++r)
 #pragma unroll
     for (int x = 0; x < 8; ++x) {
-      const int i = 8 * ib + r, j = jb + 16 * x;
+      const int i = kZRows * ib + r, j = jb + 16 * x;
       if (i < dk && j < dv) Z[i * dv + j] = z[r][x];
     }
 }
@@ -506,7 +507,7 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   for (int64_t c1 = chunks; c1 > 0;) {
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
-    kda_bwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_floats() * sizeof(float), stream>>>(
+    kda_bwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float), stream>>>(
         q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_prep_kernel");
     // A later segment left the gradient of this one's exit state in the carry.

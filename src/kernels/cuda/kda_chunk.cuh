@@ -39,6 +39,10 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
 
 constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
 
+// Threads of both prep kernels: one CTA per SM fits their shared memory, so 16 warps, not 8, hide
+// the latencies of its shared-memory loops.
+constexpr int kKdaPrepThreads = 512;
+
 // The intra-chunk matrices of one chunk of n tokens, from q, k and G as load_chunk_with_prefix
 // left them (row stride `stride`) and bt (beta of the n tokens), into shared memory:
 //   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (row stride C),
@@ -47,8 +51,8 @@ constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows
 // all zero past token n. Exponents are differences <= 0 (G only falls along the chunk; the
 // clamp at 0 only touches the diagonal tiles' unused upper entries). A and Aq go by 4 x 4 tiles
 // of (t, s), one lower-triangular tile per thread (136 of the 256), so that each step over i
-// loads 20 values for 16 pairs instead of 5 per pair. Needs exactly 256 threads (the solve's
-// lanes); ends with a barrier.
+// loads 20 values for 16 pairs instead of 5 per pair. Needs at least 256 threads, whole warps (the
+// solve's lanes are the first 256); ends with a barrier.
 __device__ inline void chunk_matrices(const float* qs, const float* ks, const float* Gs, int stride,
                                       const float* bt, int n, int dk, float* As, float* Aqs, float* Ts) {
   constexpr int C = static_cast<int>(kKdaChunk), R = 4, kTileRows = C / R;
@@ -103,17 +107,19 @@ __device__ inline void chunk_matrices(const float* qs, const float* ks, const fl
   // rows follow each other with only a warp barrier. Every lane runs all C rows: the shuffles
   // need the whole warp.
   const int s = tid / 4, sub = tid % 4;
-  for (int t = 0; t < C; ++t) {
-    float acc = 0.0f;
-    for (int r = sub; r < t; r += 4) acc = fmaf(As[t * C + r], Ts[r * kKdaSolveStride + s], acc);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    if (sub == 0) {
-      float x = 0.0f;
-      if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -bt[t] * acc : 0.0f);
-      Ts[t * kKdaSolveStride + s] = x;
+  if (tid < 4 * C) {
+    for (int t = 0; t < C; ++t) {
+      float acc = 0.0f;
+      for (int r = sub; r < t; r += 4) acc = fmaf(As[t * C + r], Ts[r * kKdaSolveStride + s], acc);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+      if (sub == 0) {
+        float x = 0.0f;
+        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -bt[t] * acc : 0.0f);
+        Ts[t * kKdaSolveStride + s] = x;
+      }
+      __syncwarp();
     }
-    __syncwarp();
   }
   __syncthreads();
 }
@@ -150,7 +156,7 @@ struct ChunkPrepTiles {
 // Aq and Tinv (chunk_matrices); Kb = exp(G_last - G) k and G_last out to kb_out [C, kKdaMaxDim]
 // and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every thread) while
 // A, Aq and Tinv are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and Tinv
-// Tinv diag(beta). Needs exactly 256 threads; ends with a barrier.
+// Tinv diag(beta). Needs at least 256 threads, whole warps; ends with a barrier.
 template <class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
