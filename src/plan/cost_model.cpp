@@ -8,8 +8,9 @@ namespace spindle::plan {
 
 namespace {
 
-// Passes of the executor that Hardware's rates were fitted to: the forward, two recomputations
-// of every sublayer in the backward, and the backward (2).
+// The convention Hardware's rates are stated in: a step's 3 forwards of model FLOPs over 5 passes
+// (the forward, two recomputations of every sublayer in the backward, and the backward (2): the
+// executor when the rates were first fitted; it now does 5 - the attention share, forward_passes).
 constexpr double kCalibrationPasses = 5;
 constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
 // A streamed chunk's passes per sublayer: forward, recomputation, backward; the feed-forward's

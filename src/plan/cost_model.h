@@ -30,10 +30,10 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  // Measured speeds of today's executor, fitted to the 4B config at 32k-1M on the H200 (commits
-  // cec0b99-bd53358, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at 5%
-  // of peak, the indexer's quadratic scores at 30%.
-  double mfu = 0.05;
+  // Measured speeds of today's executor, fitted to the 4B config at 32k, 512k and 1M on the H200
+  // (commit 45fcb91, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at 6%
+  // of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic scores at 30%.
+  double mfu = 0.06;
   double indexer_mfu = 0.30;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
