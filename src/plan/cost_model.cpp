@@ -83,12 +83,14 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
                    const Policy& policy, const Hardware& h) {
   const Work work = gpu_work(c, p, tokens);
   const double passes = forward_passes(policy.activations, work.attention_share);
-  // The measured rates count 3 forwards of model FLOPs per step of the calibration's 5 passes.
-  const double seconds_per_pass =
-      3 * (work.forward / h.mfu + work.indexer / h.indexer_mfu) / h.peak_flops / kCalibrationPasses;
+  // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
+  const double seconds_per_pass = 3 * work.forward / h.mfu / h.peak_flops / kCalibrationPasses;
+  // The indexer's scores run once per step, in the forward: every recomputation reuses the
+  // selection (kept whole, or as pool lists when streaming).
+  const double indexer = work.indexer / h.indexer_mfu / h.peak_flops;
   StepTime time;
-  time.compute = passes * seconds_per_pass;
-  const double backward = (passes - 1) * seconds_per_pass;
+  time.compute = passes * seconds_per_pass + indexer;
+  const double forward = seconds_per_pass + indexer, backward = (passes - 1) * seconds_per_pass;
   const double L = static_cast<double>(tokens);
   const double layers = static_cast<double>(c.num_hidden_layers);
   const double chunks = policy.activations == ActivationPolicy::Stream
@@ -105,8 +107,7 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   if (policy.activations == ActivationPolicy::OffloadLayerInputs) {
     const double bytes = layers * L * static_cast<double>(c.hc_mult * c.hidden_size) * 2;
     time.copies = bytes / h.pcie_bytes_per_s;
-    time.exposed_copies =
-        std::max(0.0, time.copies - seconds_per_pass) + std::max(0.0, time.copies - backward);
+    time.exposed_copies = std::max(0.0, time.copies - forward) + std::max(0.0, time.copies - backward);
   }
 
   // All-reduces: a sublayer's output in each forward-like pass, its input's gradient (fp32) in

@@ -2,15 +2,17 @@
 // (docs/PLANNER.md). Work is counted in forward passes of the model (model/flops.h): the
 // executor does 5 - a per step, a the attention sites' share of a forward (the forward, the
 // feed-forward recomputed for its mHC combine's backward, every sublayer recomputed inside its
-// backward, and the backward itself, twice a forward); its measured speeds (a fraction of peak
-// for most FLOPs, a higher one for the indexer's scores, fitted when it did 5) turn that into
-// seconds. Each policy adds work or transfers:
+// backward, and the backward itself, twice a forward), but the indexer's scores once (every
+// recomputation reuses the forward's selection); two measured speeds (a fraction of peak for
+// most FLOPs, a higher one for the indexer's scores) turn that into seconds. Each policy adds
+// work or transfers:
 //   recompute / offload: the attention site's forward once more per layer, to rebuild the
 //     feed-forward site's input from the layer input;
 //   offload: the layer inputs' copies over PCIe, overlapped with the forward (to the host) and
 //     the backward (back); only what exceeds that pass's compute is added;
-//   stream: one more forward (each chunk is recomputed before its backward) plus a per-chunk
-//     cost (kernel launches of every layer again, weights read again);
+//   stream: one more forward without the indexer (each chunk is recomputed before its backward,
+//     its selections kept as pool lists) plus a per-chunk cost (kernel launches of every layer
+//     again, weights read again);
 //   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
 //     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
 //   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
@@ -32,9 +34,10 @@ struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config at 32k, 512k and 1M on the H200
   // (commit 45fcb91, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at 6%
-  // of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic scores at 30%.
+  // of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic scores, which
+  // run once per step, at 17% (18.2 s per run at 1M).
   double mfu = 0.06;
-  double indexer_mfu = 0.30;
+  double indexer_mfu = 0.17;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node

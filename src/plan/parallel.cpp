@@ -60,6 +60,7 @@ Shapes gpu_shapes(const ModelConfig& c, const Parallel& p) {
   s.index_dim = c.index_head_dim;
   s.kpool = c.index_kpool;
   s.width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
+  s.selected_pools = c.index_topk / c.index_kpool;
   s.dense_inter = c.intermediate_size / t;
   s.shared_inter = c.moe_intermediate_size * c.n_shared_experts / t;
   s.moe_inter = c.moe_intermediate_size;

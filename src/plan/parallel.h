@@ -45,6 +45,7 @@ struct Shapes {
   int64_t kda_heads = 0, kda_dim = 0, conv_kernel = 0;
   int64_t mla_heads = 0, qk_dim = 0, v_dim = 0, q_rank = 0, kv_rank = 0, rope_dim = 0;
   int64_t index_heads = 0, index_dim = 0, kpool = 0, width = 0;
+  int64_t selected_pools = 0;  // pools a query selects: index_topk / kpool
   int64_t dense_inter = 0, shared_inter = 0, moe_inter = 0, experts = 0, topk = 0;
   double routed_rows_per_token = 0;
   std::vector<LayerShape> layers;

@@ -20,6 +20,7 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/dsa.h"
 #include "kernels/cuda/indexer.h"
+#include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
 
@@ -328,6 +329,35 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
         << "a chunk from query " << f << " of tokens " << L << " heads " << H << " head_dim " << d
         << " kpool " << c.kpool << " topk " << c.topk << " tail " << c.tail << " query block "
         << c.query_block;
+
+    // The CPU's selection as pool lists and back (what the streaming executor keeps), for the
+    // whole sequence and for the chunk: the same values, and pools that are the selection's.
+    for (const cpu::IndexerShape& part : {s, chunk}) {
+      const int64_t rows = part.queries(), per_query = selection_pools_per_query(part);
+      const std::vector<int32_t> want(ref.begin() + part.first_query * s.width(), ref.end());
+      auto selected = device(want);
+      // Filled with 0x7f7f7f7f, not poisoned's -1, which is a valid slot here.
+      const auto filled = [&](int64_t n) {
+        DeviceBuffer<int32_t> b(static_cast<size_t>(std::max<int64_t>(1, n)), MemoryCategory::Activations);
+        SPINDLE_CUDA(cudaMemsetAsync(b.data(), 0x7f, b.size() * sizeof(int32_t), stream.get()));
+        return b;
+      };
+      auto pools = filled(rows * per_query), back = filled(rows * s.width());
+      selection_to_pools(part, selected.data(), pools.data(), stream.get());
+      pools_to_selection(part, pools.data(), back.data(), stream.get());
+      stream.synchronize();
+      const auto kept = pools.download();
+      int64_t wrong_pools = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < per_query; ++i) {
+          const int32_t token = want[static_cast<size_t>(r * s.width() + i * c.kpool)];
+          wrong_pools += kept[static_cast<size_t>(r * per_query + i)] != (token < 0 ? -1 : token / c.kpool);
+        }
+      EXPECT_EQ(wrong_pools, 0) << "pool lists from query " << part.first_query << " of tokens " << L;
+      EXPECT_EQ(back.download(), want)
+          << "selection from pool lists, from query " << part.first_query << " of tokens " << L << " kpool "
+          << c.kpool << " topk " << c.topk << " tail " << c.tail;
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_training.h"
 #include "kernels/cuda/norms.h"
+#include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
 #include "model/cuda/device_weights.h"
@@ -415,6 +416,28 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
   cache.tokens += L;
+}
+
+DeviceBuffer<int32_t> keep_selection(Context& ctx, const ModelConfig& c,
+                                     const DeviceBuffer<int32_t>& selection, int64_t first, int64_t L) {
+  const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
+  check(selection.size() == static_cast<size_t>(L * shape.width()), "keep_selection: a selection of ",
+        selection.size(), " values for ", L, " queries of width ", shape.width());
+  DeviceBuffer<int32_t> pools(static_cast<size_t>(L * selection_pools_per_query(shape)),
+                              MemoryCategory::Activations);
+  selection_to_pools(shape, selection.data(), pools.data(), ctx.stream());
+  return pools;
+}
+
+void restore_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<int32_t>& pools, int64_t first,
+                       int64_t L, DeviceBuffer<int32_t>& selection) {
+  const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
+  check(pools.size() == static_cast<size_t>(L * selection_pools_per_query(shape)),
+        "restore_selection: ", pools.size(), " kept pools for ", L, " queries");
+  if (selection.size() != static_cast<size_t>(L * shape.width()))
+    selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
+  pools_to_selection(shape, pools.data(), selection.data(), ctx.stream());
+  ctx.record.note("dsa/indexer", "streamed backward: the forward's selection kept as pool lists");
 }
 
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,

@@ -94,7 +94,8 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
 }
 
 DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
-                                            std::vector<LayerCarry>& carries, const FfnForward& ffn) {
+                                            std::vector<LayerCarry>& carries, const FfnForward& ffn,
+                                            const SelectionSeen& selected) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const int64_t H = c.hc_mult, D = c.hidden_size;
@@ -111,6 +112,7 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
                                               carry.kda ? &*carry.kda : nullptr,
                                               carry.dsa ? &*carry.dsa : nullptr);
                           });
+    if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer) selected(i, selection);
     std::swap(streams, next);
     residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
                           next.data(), [&](const bf16* x, bf16* y) { ffn(i, x, y); });

@@ -52,11 +52,14 @@ class CudaModel {
   std::vector<LayerCarry> start_carries(int64_t tokens);
 
   // Tokens start .. start + n of `sequence` forward through all layers, each attention sublayer
-  // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer.
-  // Returns the last layer's output streams [n, hc_mult, hidden].
+  // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer;
+  // selected(i, selection), where set, sees the selection of each DSA layer i with its own
+  // indexer. Returns the last layer's output streams [n, hc_mult, hidden].
   using FfnForward = std::function<void(size_t layer, const __nv_bfloat16* x, __nv_bfloat16* y)>;
+  using SelectionSeen = std::function<void(size_t layer, const DeviceBuffer<int32_t>& selection)>;
   DeviceBuffer<__nv_bfloat16> forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
-                                            std::vector<LayerCarry>& carries, const FfnForward& ffn);
+                                            std::vector<LayerCarry>& carries, const FfnForward& ffn,
+                                            const SelectionSeen& selected = {});
   // The head's input for n rows: the mean over the residual streams (kept for the backward), then
   // the final norm.
   void head_input(const __nv_bfloat16* streams, int64_t n, __nv_bfloat16* mean, __nv_bfloat16* hidden);

@@ -1,10 +1,11 @@
 // The streaming executor on the GPU: the loss and gradients of one sequence computed a chunk of
 // tokens at a time, as the CPU reference does (model/streaming.cpp, docs/STREAMING.md). The
 // forward goes through all layers chunk by chunk, keeping each KDA layer's carry at every chunk's
-// start and growing each DSA layer's cache; the backward takes the chunks in reverse, recomputes
-// each through all layers (site inputs for one chunk only), runs the head on its rows and
-// backpropagates, handing the KDA carries' gradients and the DSA caches' gradients to the chunks
-// before. Device memory grows with the sequence only through those carries and caches.
+// start, growing each DSA layer's cache and keeping its selections as pool lists; the backward
+// takes the chunks in reverse, recomputes each through all layers (site inputs for one chunk
+// only), runs the head on its rows and backpropagates, handing the KDA carries' gradients and the
+// DSA caches' gradients to the chunks before. Device memory grows with the sequence only through
+// those carries, caches and pool lists.
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -43,18 +44,24 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   if (balance) SPINDLE_CUDA(cudaMemsetAsync(balance_stats.data(), 0, 2 * E * sizeof(double), s));
   double balance_rows = 0;
 
-  // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches, pool
-  // the balance loss's statistics over every chunk.
+  // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches, keep
+  // each chunk's selections as pool lists (the recomputation before its backward reuses them
+  // instead of running the indexer again), pool the balance loss's statistics over every chunk.
   std::vector<LayerCarry> carries = start_carries(L);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
+  std::vector<std::vector<DeviceBuffer<int32_t>>> kept_pools(chunks);
   Progress progress("streamed step (GPU, chunks queued)");
   for (size_t k = 0; k < chunks; ++k) {
     progress.update("forward chunk", k, chunks);
     const int64_t start = first_token(k), n = chunk_length(k);
     kda_starts[k].resize(layers);
+    kept_pools[k].resize(layers);
     for (size_t i = 0; i < layers; ++i)
       if (carries[i].kda) kda_starts[k][i].emplace(*carries[i].kda, s);
-    forward_chunk(sequence, start, n, carries, [&](size_t i, const bf16* x, bf16* y) {
+    const auto keep = [&](size_t i, const DeviceBuffer<int32_t>& selection) {
+      kept_pools[k][i] = keep_selection(ctx_, c, selection, start, n);
+    };
+    const auto ffn = [&](size_t i, const bf16* x, bf16* y) {
       const LayerWeights& layer = w.layers[i];
       if (layer.mlp == MlpKind::Dense) {
         ffn_forward(layer, x, n, y);
@@ -71,7 +78,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       auto& total = result.expert_load[i];
       total.resize(load.size(), 0);
       for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
-    });
+    };
+    forward_chunk(sequence, start, n, carries, ffn, keep);
   }
   BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
   if (balance) {
@@ -128,11 +136,12 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     for (size_t i = 0; i < layers; ++i) {
       const LayerWeights& layer = w.layers[i];
       run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
-        if (layer.attention == AttentionKind::Dsa && (layer.dsa.has_indexer || !selection))
-          selection = std::make_shared<DeviceBuffer<int32_t>>();
+        const bool dsa = layer.attention == AttentionKind::Dsa, kept = dsa && layer.dsa.has_indexer;
+        if (kept || (dsa && !selection)) selection = std::make_shared<DeviceBuffer<int32_t>>();
+        if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
         DeviceBuffer<int32_t> unused;
-        attention(i, x, y, layer.attention == AttentionKind::Dsa ? *selection : unused, false);
-        if (layer.attention == AttentionKind::Dsa) selections[i] = selection;
+        attention(i, x, y, dsa ? *selection : unused, kept);
+        if (dsa) selections[i] = selection;
       });
       run_site(2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
                [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); });
@@ -182,7 +191,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
 
     embed_backward(sequence.ids.data() + start, dstreams.data(), f32_data(g.embed_tokens), n, H, D,
                    c.pad_token_id && *c.pad_token_id < V ? static_cast<int32_t>(*c.pad_token_id) : -1, s);
-    kda_starts[k].clear();  // this chunk's carries are spent
+    kda_starts[k].clear();  // this chunk's carries and selections are spent
+    kept_pools[k].clear();
   }
   ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
 

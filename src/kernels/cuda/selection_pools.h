@@ -1,0 +1,29 @@
+// A DSA layer's selection kept as its pool list. indexer_select writes, per query, the chosen pools
+// in ascending order expanded to their kpool tokens, then the tail of the query's own pool, -1
+// elsewhere (kernels/cuda/indexer.h); the pools alone, topk / kpool int32 per query (-1 past the
+// chosen ones), give it back exactly. The streaming executor keeps them from the forward, 1/16 of
+// the selection's size at kpool 16, so that its backward's recomputation of a chunk needs no
+// indexer.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/dsa.h"
+
+namespace spindle::cuda {
+
+// Pools kept per query: topk / kpool.
+int64_t selection_pools_per_query(const cpu::IndexerShape& s);
+
+// The queries s.first_query .. s.tokens: selected [queries, width] -> pools [queries, pools per
+// query] (written).
+void selection_to_pools(const cpu::IndexerShape& s, const int32_t* selected, int32_t* pools,
+                        cudaStream_t stream);
+
+// The inverse: pools -> selected [queries, width] (written), the tail from each query's position.
+void pools_to_selection(const cpu::IndexerShape& s, const int32_t* pools, int32_t* selected,
+                        cudaStream_t stream);
+
+}  // namespace spindle::cuda
