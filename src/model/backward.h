@@ -23,6 +23,9 @@ struct LossOptions {
   double aux_loss_coef = 0.0;    // > 0: add transformers' router load-balancing loss
   int64_t chunk_tokens = 0;  // > 0: the streaming executor, this many tokens per chunk (model/streaming.h)
   SiteMemory site_memory = SiteMemory::KeepSites;  // the unchunked GPU executor only
+  // The streaming executor on the GPU: keep each chunk's DSA selections (as pool lists) for the
+  // recomputation before its backward; false runs the indexer again there (less memory).
+  bool keep_selections = true;
 };
 
 struct LossResult {

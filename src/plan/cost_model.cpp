@@ -86,8 +86,8 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
   const double seconds_per_pass = 3 * work.forward / h.mfu / h.peak_flops / kCalibrationPasses;
   // The indexer's scores run once per step, in the forward: every recomputation reuses the
-  // selection (kept whole, or as pool lists when streaming).
-  const double indexer = work.indexer / h.indexer_mfu / h.peak_flops;
+  // selection (kept whole, or as pool lists when streaming), unless streaming runs it again.
+  const double indexer = (policy.indexer_again ? 2 : 1) * work.indexer / h.indexer_mfu / h.peak_flops;
   StepTime time;
   time.compute = passes * seconds_per_pass + indexer;
   const double forward = seconds_per_pass + indexer, backward = (passes - 1) * seconds_per_pass;

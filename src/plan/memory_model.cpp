@@ -161,7 +161,7 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
 }  // namespace
 
 int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tokens,
-                              const StepOptions& options) {
+                              const StepOptions& options, bool kept_selections) {
   const int64_t chunks = (tokens + chunk_tokens - 1) / chunk_tokens;
   const int64_t state = 4 * s.kda_heads * s.kda_dim * s.kda_dim;
   const int64_t window = (s.conv_kernel - 1) * 3 * s.kda_width();
@@ -177,7 +177,7 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
       if (layer.own_indexer) {
         const int64_t rows = 2 * 2 * tokens * s.index_dim;  // keys and pool gates before pooling, bf16
         bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + rows : 0);
-        bytes += 4 * tokens * s.selected_pools;  // the selections as pool lists (int32)
+        if (kept_selections) bytes += 4 * tokens * s.selected_pools;  // the selections as pool lists
       }
     }
   }
@@ -201,7 +201,7 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Block head = m.workspace(head_workspace_bytes(s, L));
   Block permutation = m.workspace(permutation_workspace_bytes(s, L));
   Block carries;
-  if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options));
+  if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options, !policy.indexer_again));
   const Pass pass{L, tokens, streamed, options.absorbed, options.indexer_kl};
   replay_step(m, s, pass, policy.activations);
 

@@ -27,7 +27,8 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
                                        ActivationPolicy::OffloadLayerInputs})
         out.push_back({a, 0, host, t, gradients});
       for (const int64_t chunk : chunk_lengths(tokens))
-        out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients});
+        for (const bool again : {false, true})
+          out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients, again});
     }
   }
   return out;

@@ -21,6 +21,7 @@ std::string Policy::name() const {
   if (activations == ActivationPolicy::Stream) {
     const bool kilo = chunk_tokens % 1024 == 0;
     text += " " + std::to_string(kilo ? chunk_tokens / 1024 : chunk_tokens) + (kilo ? "k" : "");
+    if (indexer_again) text += ", indexer twice";
   }
   if (optimizer_on_host) text += gradients_to_host ? " + host AdamW and gradients" : " + host AdamW";
   if (tensor_parallel > 1) text += " tp" + std::to_string(tensor_parallel);

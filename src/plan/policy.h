@@ -23,8 +23,12 @@ struct Policy {
   // them (the device holds two layers' worth) instead of staying on the device until the step
   // ends (what backend/cuda/host_optimizer.h does today). Predicted only.
   bool gradients_to_host = false;
+  // Stream only: the recomputation before each chunk's backward runs the indexer again instead of
+  // reusing the forward's selections, kept as pool lists (less memory, more time).
+  bool indexer_again = false;
 
-  // e.g. "keep", "stream 64k", "offload + host AdamW", with " tp8" when tensor parallel.
+  // e.g. "keep", "stream 64k", "stream 16k, indexer twice", "offload + host AdamW", with " tp8"
+  // when tensor parallel.
   std::string name() const;
 };
 

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/register.h"
@@ -147,17 +148,22 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
     ModelWeights whole_grads = zero_gradients(config, DType::F32);
     plain->download_gradients(whole_grads);
     ASSERT_GT(whole.indexer_kl, 0);
-    for (const int64_t chunk : {37, 64, 150}) {
-      SCOPED_TRACE("chunks of " + std::to_string(chunk));
+    // Chunks of 37 and 150 run the indexer again before each chunk's backward, 64 keeps the
+    // forward's selections as pool lists (the default), 37 both ways.
+    for (const auto& [chunk, keep] :
+         {std::pair<int64_t, bool>{37, true}, {37, false}, {64, true}, {150, false}}) {
+      SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again"));
       LossOptions streamed_options = options;
       streamed_options.chunk_tokens = chunk;
+      streamed_options.keep_selections = keep;
       auto device = on_gpu(config, weights, absorbed);
       const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
       ModelWeights grads = zero_gradients(config, DType::F32);
       device->download_gradients(grads);
-      std::printf("%s, chunks of %lld: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
-                  absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk), streamed.loss,
-                  whole.loss, streamed.indexer_kl, whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
+      std::printf("%s, chunks of %lld%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
+                  absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk),
+                  keep ? "" : " (indexer again)", streamed.loss, whole.loss, streamed.indexer_kl,
+                  whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
       EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
       EXPECT_NEAR(streamed.aux_loss, whole.aux_loss, 1e-3 * whole.aux_loss);
       EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);

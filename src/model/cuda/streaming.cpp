@@ -61,6 +61,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     const auto keep = [&](size_t i, const DeviceBuffer<int32_t>& selection) {
       kept_pools[k][i] = keep_selection(ctx_, c, selection, start, n);
     };
+    const SelectionSeen seen = options.keep_selections ? SelectionSeen(keep) : SelectionSeen();
     const auto ffn = [&](size_t i, const bf16* x, bf16* y) {
       const LayerWeights& layer = w.layers[i];
       if (layer.mlp == MlpKind::Dense) {
@@ -79,7 +80,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       total.resize(load.size(), 0);
       for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
     };
-    forward_chunk(sequence, start, n, carries, ffn, keep);
+    forward_chunk(sequence, start, n, carries, ffn, seen);
   }
   BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
   if (balance) {
@@ -136,7 +137,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     for (size_t i = 0; i < layers; ++i) {
       const LayerWeights& layer = w.layers[i];
       run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
-        const bool dsa = layer.attention == AttentionKind::Dsa, kept = dsa && layer.dsa.has_indexer;
+        const bool dsa = layer.attention == AttentionKind::Dsa;
+        const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections;
         if (kept || (dsa && !selection)) selection = std::make_shared<DeviceBuffer<int32_t>>();
         if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
         DeviceBuffer<int32_t> unused;
