@@ -266,6 +266,39 @@ TEST(Kernels, IndexerSelectsTopPoolsAndTail) {
   }
 }
 
+// The selections as pool lists give them back exactly, for the whole sequence and for a chunk of
+// queries starting inside a pool; with and without the tail, topk a multiple of kpool or not.
+TEST(Kernels, SelectionsAsPoolListsComeBackExactly) {
+  struct Case {
+    int64_t tokens, kpool, topk;
+    bool tail;
+  };
+  for (const Case& c : {Case{45, 4, 12, true}, Case{45, 4, 14, false}, Case{70, 16, 32, true},
+                        Case{30, 1, 8, true}, Case{9, 4, 64, true}}) {
+    const int64_t H = 2, d = 3;
+    IndexerShape s{c.tokens, H, d, c.kpool, c.topk, c.tail};
+    const auto q = random_vector(c.tokens * H * d, 40), w = random_vector(c.tokens * H, 41);
+    const auto pk = random_vector(std::max<int64_t>(1, s.complete_pools()) * d, 42);
+    std::vector<int32_t> whole(c.tokens * s.width());
+    indexer_select(s, q.data(), pk.data(), w.data(), whole.data());
+    for (const int64_t first : {int64_t{0}, c.tokens / 3 + 1}) {
+      s.first_query = first;
+      const std::vector<int32_t> want(whole.begin() + first * s.width(), whole.end());
+      const int64_t per_query = c.topk / c.kpool;
+      std::vector<int32_t> pools(s.queries() * per_query, 7), back(want.size(), 7);
+      selection_to_pools(s, want.data(), pools.data());
+      pools_to_selection(s, pools.data(), back.data());
+      EXPECT_EQ(back, want) << "tokens " << c.tokens << " kpool " << c.kpool << " topk " << c.topk
+                            << " from query " << first;
+      for (int64_t r = 0; r < s.queries(); ++r)
+        for (int64_t i = 0; i < per_query; ++i) {
+          const int32_t token = want[r * s.width() + i * c.kpool];
+          EXPECT_EQ(pools[r * per_query + i], token < 0 ? -1 : token / c.kpool) << "query " << first + r;
+        }
+    }
+  }
+}
+
 TEST(Kernels, SparseAttentionMatchesMaskedDenseAttention) {
   const int64_t L = 13, H = 2, dq = 4, dv = 3, width = 5;
   auto q = random_vector(L * H * dq, 23), kv = random_vector(L * H * (dq + dv), 24);

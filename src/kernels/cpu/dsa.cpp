@@ -297,6 +297,32 @@ void indexer_pool_keys_backward(const IndexerShape& s, const T* keys, const T* g
   }
 }
 
+void selection_to_pools(const IndexerShape& s, const int32_t* selected, int32_t* pools) {
+  const int64_t per_query = s.topk / s.kpool, width = s.width();
+  for (int64_t r = 0; r < s.queries(); ++r)
+    for (int64_t i = 0; i < per_query; ++i) {
+      const int32_t token = selected[r * width + i * s.kpool];
+      pools[r * per_query + i] = token >= 0 ? static_cast<int32_t>(token / s.kpool) : -1;
+    }
+}
+
+void pools_to_selection(const IndexerShape& s, const int32_t* pools, int32_t* selected) {
+  const int64_t kp = s.kpool, per_query = s.topk / kp, width = s.width();
+  for (int64_t r = 0; r < s.queries(); ++r) {
+    int32_t* out = selected + r * width;
+    std::fill(out, out + width, -1);
+    for (int64_t i = 0; i < per_query; ++i) {
+      const int32_t pool = pools[r * per_query + i];
+      if (pool < 0) continue;
+      for (int64_t j = 0; j < kp; ++j) out[i * kp + j] = static_cast<int32_t>(pool * kp + j);
+    }
+    if (width > s.topk) {  // the tail: the query's own incomplete pool up to it
+      const int64_t t = s.first_query + r, tail = (t + 1) % kp;
+      for (int64_t j = 0; j < tail; ++j) out[s.topk + j] = static_cast<int32_t>(t + 1 - tail + j);
+    }
+  }
+}
+
 #define SPINDLE_INSTANTIATE(T)                                                                              \
   template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);                \
   template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);             \

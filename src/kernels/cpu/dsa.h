@@ -38,6 +38,13 @@ template <class T>
 void indexer_select(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
                     int32_t* selected);
 
+// A selection as indexer_select writes it, kept as its pool list: the chosen pools in order,
+// topk / kpool per query, -1 past the chosen ones; and back, exactly (the tail from each query's
+// position). Rows are the queries from first_query on: selected [queries, width], pools
+// [queries, topk / kpool]. What the GPU streaming executor keeps from its forward.
+void selection_to_pools(const IndexerShape& s, const int32_t* selected, int32_t* pools);
+void pools_to_selection(const IndexerShape& s, const int32_t* pools, int32_t* selected);
+
 struct SparseAttentionShape {
   int64_t tokens;
   int64_t heads;

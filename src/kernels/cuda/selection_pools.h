@@ -3,7 +3,7 @@
 // elsewhere (kernels/cuda/indexer.h); the pools alone, topk / kpool int32 per query (-1 past the
 // chosen ones), give it back exactly. The streaming executor keeps them from the forward, 1/16 of
 // the selection's size at kpool 16, so that its backward's recomputation of a chunk needs no
-// indexer.
+// indexer. CPU reference: cpu::selection_to_pools and cpu::pools_to_selection (kernels/cpu/dsa.h).
 #pragma once
 
 #include <cuda_runtime.h>
