@@ -139,7 +139,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
         const bool dsa = layer.attention == AttentionKind::Dsa;
         const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections;
-        if (kept || (dsa && !selection)) selection = std::make_shared<DeviceBuffer<int32_t>>();
+        if (dsa && (layer.dsa.has_indexer || !selection))
+          selection = std::make_shared<DeviceBuffer<int32_t>>();
         if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
         DeviceBuffer<int32_t> unused;
         attention(i, x, y, dsa ? *selection : unused, kept);
