@@ -148,8 +148,8 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
     ModelWeights whole_grads = zero_gradients(config, DType::F32);
     plain->download_gradients(whole_grads);
     ASSERT_GT(whole.indexer_kl, 0);
-    // Chunks of 37 and 150 run the indexer again before each chunk's backward, 64 keeps the
-    // forward's selections as pool lists (the default), 37 both ways.
+    // Chunks of 37 both ways: the forward's selections kept as pool lists (the default) and the
+    // indexer run again before each chunk's backward; 64 kept, 150 again.
     for (const auto& [chunk, keep] :
          {std::pair<int64_t, bool>{37, true}, {37, false}, {64, true}, {150, false}}) {
       SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again"));
