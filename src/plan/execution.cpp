@@ -81,10 +81,15 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
       wanted.activations = ActivationPolicy::Stream;
       wanted.chunk_tokens = *forced_chunk;
     }
-    // The planner predicts its own chunk lengths (4k, 16k, 64k, 256k); another runs as asked,
-    // without a prediction.
-    for (const Candidate& candidate : plan.candidates)
-      if (candidate.policy.name() == wanted.name()) return from(candidate, "--chunk");
+    // The planner predicts its own chunk lengths (4k, 16k, 64k, 256k), with the selections kept or
+    // the indexer run twice: the faster that fits (candidates come feasible first, fastest first).
+    // Another length runs as asked, without a prediction.
+    for (const Candidate& candidate : plan.candidates) {
+      const Policy& p = candidate.policy;
+      if (p.activations == wanted.activations && p.chunk_tokens == wanted.chunk_tokens &&
+          p.optimizer_on_host == wanted.optimizer_on_host && executor_runs(p))
+        return from(candidate, "--chunk");
+    }
     Execution e;
     e.policy = wanted;
     e.chunk_tokens = wanted.chunk_tokens;

@@ -325,6 +325,13 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   EXPECT_EQ(odd.chunk_tokens, 10000);
   EXPECT_EQ(odd.predicted_peak_bytes, 0);
   EXPECT_EQ(plan_execution(c, 131072, h200, {}, int64_t{0}).chunk_tokens, 0);
+  // At 1M with the AdamW state on the device, 16k chunks fit only without the kept selections.
+  StepOptions absorbed;
+  absorbed.absorbed = true;
+  const Execution tight = plan_execution(c, 1048576, h200, absorbed, int64_t{16384}, false);
+  EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice");
+  EXPECT_FALSE(tight.keep_selections);
+  EXPECT_LE(tight.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
   try {
     plan_execution(c, 1048576, {1, bytes(24), bytes(128)}, {}, std::nullopt);
     ADD_FAILURE() << "a 24 GiB GPU cannot hold the 4B model's state";
