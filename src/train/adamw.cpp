@@ -1,7 +1,11 @@
 #include "train/adamw.h"
 
 #include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
 
+#include "core/dtype.h"
 #include "core/parallel.h"
 #include "train/float_dispatch.h"
 
@@ -17,6 +21,33 @@ std::vector<Param> trained(std::vector<Param> table) {
   for (Param& p : table)
     if (role_trained(p.role)) out.push_back(std::move(p));
   return out;
+}
+
+// A weight's storage type: float, double, or bf16 bits (uint16_t); `fn(W{})`.
+template <class Fn>
+void dispatch_weight(DType dtype, const std::string& what, Fn&& fn) {
+  switch (dtype) {
+    case DType::F32:
+      fn(float{});
+      return;
+    case DType::F64:
+      fn(double{});
+      return;
+    case DType::BF16:
+      fn(uint16_t{});
+      return;
+    default:
+      fail(what, ": dtype ", dtype_name(dtype), " is not supported (expected f32, f64 or bf16)");
+  }
+}
+
+// The master's value stored as the weight, as Tensor::copy_from converts it.
+template <class W>
+W weight_from_master(float master) {
+  if constexpr (std::is_same_v<W, uint16_t>)
+    return float_to_bf16(master);
+  else
+    return static_cast<W>(master);
 }
 
 }  // namespace
@@ -82,27 +113,35 @@ void AdamW::step(ModelWeights& grads, double lr) {
 
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    if (s.frozen) continue;
+    if (s.frozen) {
+      s.weight.copy_from(s.master);  // as write_weights() would
+      continue;
+    }
     const double decay = s.decays ? 1.0 - lr * options_.weight_decay : 1.0;
     float* p = s.master.data<float>();
     float* m = s.exp_avg.data<float>();
     float* v = s.exp_avg_sq.data<float>();
+    // The weight is written in the same pass, rounded from the master as write_weights() rounds
+    // it: a second pass over billions of values cost as much as the update (host AdamW).
     dispatch_float(table[i].tensor.dtype(), "AdamW: gradient " + s.name, [&]<class G>(G) {
-      const G* g = table[i].tensor.data<G>();
-      parallel_for(s.master.numel(), kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t k = begin; k < end; ++k) {
-          const double gk = static_cast<double>(g[k]);
-          const double mk = b1 * m[k] + (1.0 - b1) * gk;
-          const double vk = b2 * v[k] + (1.0 - b2) * gk * gk;
-          const double pk = decay * p[k] - step_size * mk / (std::sqrt(vk) / bc2_sqrt + eps);
-          m[k] = static_cast<float>(mk);
-          v[k] = static_cast<float>(vk);
-          p[k] = static_cast<float>(pk);
-        }
+      dispatch_weight(s.weight.dtype(), "AdamW: weight " + s.name, [&]<class W>(W) {
+        const G* g = table[i].tensor.data<G>();
+        W* w = static_cast<W*>(s.weight.raw());
+        parallel_for(s.master.numel(), kGrain, [&](int64_t begin, int64_t end) {
+          for (int64_t k = begin; k < end; ++k) {
+            const double gk = static_cast<double>(g[k]);
+            const double mk = b1 * m[k] + (1.0 - b1) * gk;
+            const double vk = b2 * v[k] + (1.0 - b2) * gk * gk;
+            const double pk = decay * p[k] - step_size * mk / (std::sqrt(vk) / bc2_sqrt + eps);
+            m[k] = static_cast<float>(mk);
+            v[k] = static_cast<float>(vk);
+            p[k] = static_cast<float>(pk);
+            w[k] = weight_from_master<W>(p[k]);
+          }
+        });
       });
     });
   }
-  write_weights();
 }
 
 void AdamW::write_weights() {

@@ -202,6 +202,42 @@ TEST(AdamW, SeveralStepsMatchPyTorchFormulasF32Model) {
 }
 TEST(AdamW, MixedModelAndGradientDtypes) { check_adamw_against_reference(DType::F32, DType::F64, 3); }
 
+// bf16 weights (the host AdamW's copies of the device's): the update runs on the same fp32
+// masters as for an f32 model started from the same values, and each weight is its master rounded
+// to bf16, written in the update's pass.
+TEST(AdamW, Bf16WeightsAreTheirMastersRounded) {
+  const ModelConfig config = tiny_config();
+  ModelWeights bf16_weights = allocate_weights(config, DType::BF16);
+  ModelWeights f32_weights = allocate_weights(config, DType::F32);
+  fill_model(config, f32_weights, 13, 0.5);
+  std::vector<Param> bf16_table = parameter_table(config, bf16_weights);
+  std::vector<Param> f32_table = parameter_table(config, f32_weights);
+  for (size_t i = 0; i < f32_table.size(); ++i) {
+    bf16_table[i].tensor.copy_from(f32_table[i].tensor);
+    f32_table[i].tensor.copy_from(bf16_table[i].tensor);  // the same starting values
+  }
+  const AdamWOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1};
+  AdamW on_bf16(config, bf16_weights, options), on_f32(config, f32_weights, options);
+  ModelWeights grads = allocate_weights(config, DType::F32);
+  Random rng(14);
+  for (int step = 0; step < 3; ++step) {
+    for (Param& g : parameter_table(config, grads)) fill_normal(g.tensor, rng, 1.0);
+    on_bf16.step(grads, options.lr);
+    on_f32.step(grads, options.lr);
+  }
+  ASSERT_EQ(on_bf16.slots().size(), on_f32.slots().size());
+  for (size_t i = 0; i < on_bf16.slots().size(); ++i) {
+    const AdamW::Slot& a = on_bf16.slots()[i];
+    const AdamW::Slot& b = on_f32.slots()[i];
+    const float* master = a.master.data<float>();
+    const uint16_t* weight = static_cast<const uint16_t*>(a.weight.raw());
+    for (int64_t k = 0; k < a.master.numel(); ++k) {
+      ASSERT_EQ(master[k], b.master.data<float>()[k]) << a.name << "[" << k << "]";
+      ASSERT_EQ(weight[k], float_to_bf16(master[k])) << a.name << "[" << k << "]";
+    }
+  }
+}
+
 // With zero gradients the Adam term vanishes and only decoupled weight decay remains: exactly
 // the matrices and the embedding shrink by (1 - lr * wd); every other role stays put.
 TEST(AdamW, WeightDecayOnlyOnMatricesAndEmbedding) {
