@@ -162,6 +162,74 @@ void store_from_double(void* base, DType dtype, int64_t i, double v) {
   }
 }
 
+// The floating element types, for conversions typed at compile time: the same values as
+// load_as_double and store_from_double, without a switch per element.
+template <DType D>
+struct Element;
+template <>
+struct Element<DType::F32> {
+  static double load(const void* b, int64_t i) { return static_cast<const float*>(b)[i]; }
+  static void store(void* b, int64_t i, double v) { static_cast<float*>(b)[i] = static_cast<float>(v); }
+};
+template <>
+struct Element<DType::F64> {
+  static double load(const void* b, int64_t i) { return static_cast<const double*>(b)[i]; }
+  static void store(void* b, int64_t i, double v) { static_cast<double*>(b)[i] = v; }
+};
+template <>
+struct Element<DType::BF16> {
+  static double load(const void* b, int64_t i) { return bf16_to_float(static_cast<const uint16_t*>(b)[i]); }
+  static void store(void* b, int64_t i, double v) {
+    static_cast<uint16_t*>(b)[i] = float_to_bf16(static_cast<float>(v));
+  }
+};
+template <>
+struct Element<DType::F16> {
+  static double load(const void* b, int64_t i) { return f16_to_float(static_cast<const uint16_t*>(b)[i]); }
+  static void store(void* b, int64_t i, double v) {
+    static_cast<uint16_t*>(b)[i] = float_to_f16(static_cast<float>(v));
+  }
+};
+
+// Conversions of whole weight sets (billions of elements) run on every core.
+template <DType From, DType To>
+void convert(const void* from, void* to, int64_t n) {
+  parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) Element<To>::store(to, i, Element<From>::load(from, i));
+  });
+}
+
+template <DType From>
+void convert_to(DType to_dtype, const void* from, void* to, int64_t n) {
+  switch (to_dtype) {
+    case DType::F32:
+      return convert<From, DType::F32>(from, to, n);
+    case DType::F64:
+      return convert<From, DType::F64>(from, to, n);
+    case DType::BF16:
+      return convert<From, DType::BF16>(from, to, n);
+    case DType::F16:
+      return convert<From, DType::F16>(from, to, n);
+    default:
+      fail("convert_to: ", dtype_name(to_dtype), " is not a floating dtype");
+  }
+}
+
+void convert_floating(DType from_dtype, DType to_dtype, const void* from, void* to, int64_t n) {
+  switch (from_dtype) {
+    case DType::F32:
+      return convert_to<DType::F32>(to_dtype, from, to, n);
+    case DType::F64:
+      return convert_to<DType::F64>(to_dtype, from, to, n);
+    case DType::BF16:
+      return convert_to<DType::BF16>(to_dtype, from, to, n);
+    case DType::F16:
+      return convert_to<DType::F16>(to_dtype, from, to, n);
+    default:
+      fail("convert_floating: ", dtype_name(from_dtype), " is not a floating dtype");
+  }
+}
+
 }  // namespace
 
 void Tensor::copy_from(const Tensor& source) {
@@ -184,7 +252,10 @@ void Tensor::copy_from(const Tensor& source) {
     }
     return;
   }
-  // Conversions of whole weight sets (billions of elements) run on every core.
+  if (is_floating(dtype_) && is_floating(source.dtype_)) {
+    convert_floating(source.dtype_, dtype_, source.raw(), raw(), n);
+    return;
+  }
   parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
