@@ -23,24 +23,6 @@ std::vector<Param> trained(std::vector<Param> table) {
   return out;
 }
 
-// A weight's storage type: float, double, or bf16 bits (uint16_t); `fn(W{})`.
-template <class Fn>
-void dispatch_weight(DType dtype, const std::string& what, Fn&& fn) {
-  switch (dtype) {
-    case DType::F32:
-      fn(float{});
-      return;
-    case DType::F64:
-      fn(double{});
-      return;
-    case DType::BF16:
-      fn(uint16_t{});
-      return;
-    default:
-      fail(what, ": dtype ", dtype_name(dtype), " is not supported (expected f32, f64 or bf16)");
-  }
-}
-
 // The master's value stored as the weight, as Tensor::copy_from converts it.
 template <class W>
 W weight_from_master(float master) {

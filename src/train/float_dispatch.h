@@ -2,6 +2,7 @@
 // dtypes), so the training utilities read and write weights and gradients in any of them.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "core/dtype.h"
@@ -22,6 +23,15 @@ void dispatch_float(DType dtype, const std::string& what, Fn&& fn) {
     default:
       fail(what, ": dtype ", dtype_name(dtype), " is not supported on the CPU path (expected f32 or f64)");
   }
+}
+
+// As dispatch_float, and bf16 too (T = uint16_t, its bits): the types weights are stored in.
+template <class Fn>
+void dispatch_weight(DType dtype, const std::string& what, Fn&& fn) {
+  if (dtype == DType::BF16)
+    fn(uint16_t{});
+  else
+    dispatch_float(dtype, what, fn);
 }
 
 }  // namespace spindle
