@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 
 #include "core/parallel.h"
 
@@ -121,49 +122,8 @@ Tensor Tensor::reshape(const Shape& shape) const {
 
 namespace {
 
-double load_as_double(const void* base, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::F32:
-      return static_cast<const float*>(base)[i];
-    case DType::F64:
-      return static_cast<const double*>(base)[i];
-    case DType::BF16:
-      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::F16:
-      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::I32:
-      return static_cast<const int32_t*>(base)[i];
-    case DType::I64:
-      return static_cast<double>(static_cast<const int64_t*>(base)[i]);
-  }
-  return 0.0;
-}
-
-void store_from_double(void* base, DType dtype, int64_t i, double v) {
-  switch (dtype) {
-    case DType::F32:
-      static_cast<float*>(base)[i] = static_cast<float>(v);
-      break;
-    case DType::F64:
-      static_cast<double*>(base)[i] = v;
-      break;
-    case DType::BF16:
-      static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(v));
-      break;
-    case DType::F16:
-      static_cast<uint16_t*>(base)[i] = float_to_f16(static_cast<float>(v));
-      break;
-    case DType::I32:
-      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v);
-      break;
-    case DType::I64:
-      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v);
-      break;
-  }
-}
-
-// The floating element types, for conversions typed at compile time: the same values as
-// load_as_double and store_from_double, without a switch per element.
+// Each dtype's element read as double and written from one (bf16 and f16 rounded through float),
+// typed at compile time so that whole-tensor loops need no switch per element.
 template <DType D>
 struct Element;
 template <>
@@ -190,44 +150,53 @@ struct Element<DType::F16> {
     static_cast<uint16_t*>(b)[i] = float_to_f16(static_cast<float>(v));
   }
 };
+template <>
+struct Element<DType::I32> {
+  static double load(const void* b, int64_t i) { return static_cast<const int32_t*>(b)[i]; }
+  static void store(void* b, int64_t i, double v) { static_cast<int32_t*>(b)[i] = static_cast<int32_t>(v); }
+};
+template <>
+struct Element<DType::I64> {
+  static double load(const void* b, int64_t i) {
+    return static_cast<double>(static_cast<const int64_t*>(b)[i]);
+  }
+  static void store(void* b, int64_t i, double v) { static_cast<int64_t*>(b)[i] = static_cast<int64_t>(v); }
+};
+
+// fn(std::integral_constant<DType, dtype>{}): the dtype as a compile-time value.
+template <class Fn>
+decltype(auto) with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::F32:
+      return fn(std::integral_constant<DType, DType::F32>{});
+    case DType::F64:
+      return fn(std::integral_constant<DType, DType::F64>{});
+    case DType::BF16:
+      return fn(std::integral_constant<DType, DType::BF16>{});
+    case DType::F16:
+      return fn(std::integral_constant<DType, DType::F16>{});
+    case DType::I32:
+      return fn(std::integral_constant<DType, DType::I32>{});
+    case DType::I64:
+      break;
+  }
+  return fn(std::integral_constant<DType, DType::I64>{});
+}
+
+double load_as_double(const void* base, DType dtype, int64_t i) {
+  return with_dtype(dtype, [&](auto d) { return Element<decltype(d)::value>::load(base, i); });
+}
 
 // Conversions of whole weight sets (billions of elements) run on every core.
-template <DType From, DType To>
-void convert(const void* from, void* to, int64_t n) {
-  parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) Element<To>::store(to, i, Element<From>::load(from, i));
+void convert(DType from_dtype, DType to_dtype, const void* from, void* to, int64_t n) {
+  with_dtype(from_dtype, [&](auto f) {
+    with_dtype(to_dtype, [&](auto t) {
+      parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          Element<decltype(t)::value>::store(to, i, Element<decltype(f)::value>::load(from, i));
+      });
+    });
   });
-}
-
-template <DType From>
-void convert_to(DType to_dtype, const void* from, void* to, int64_t n) {
-  switch (to_dtype) {
-    case DType::F32:
-      return convert<From, DType::F32>(from, to, n);
-    case DType::F64:
-      return convert<From, DType::F64>(from, to, n);
-    case DType::BF16:
-      return convert<From, DType::BF16>(from, to, n);
-    case DType::F16:
-      return convert<From, DType::F16>(from, to, n);
-    default:
-      fail("convert_to: ", dtype_name(to_dtype), " is not a floating dtype");
-  }
-}
-
-void convert_floating(DType from_dtype, DType to_dtype, const void* from, void* to, int64_t n) {
-  switch (from_dtype) {
-    case DType::F32:
-      return convert_to<DType::F32>(to_dtype, from, to, n);
-    case DType::F64:
-      return convert_to<DType::F64>(to_dtype, from, to, n);
-    case DType::BF16:
-      return convert_to<DType::BF16>(to_dtype, from, to, n);
-    case DType::F16:
-      return convert_to<DType::F16>(to_dtype, from, to, n);
-    default:
-      fail("convert_floating: ", dtype_name(from_dtype), " is not a floating dtype");
-  }
 }
 
 }  // namespace
@@ -252,14 +221,7 @@ void Tensor::copy_from(const Tensor& source) {
     }
     return;
   }
-  if (is_floating(dtype_) && is_floating(source.dtype_)) {
-    convert_floating(source.dtype_, dtype_, source.raw(), raw(), n);
-    return;
-  }
-  parallel_for(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      store_from_double(raw(), dtype_, i, load_as_double(source.raw(), source.dtype_, i));
-  });
+  convert(source.dtype_, dtype_, source.raw(), raw(), n);
 }
 
 Tensor Tensor::to(DType dtype, MemoryCategory category) const {
