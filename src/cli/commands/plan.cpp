@@ -1,6 +1,7 @@
 // spindle plan: for a model config, a sequence length and a machine, every memory policy the
 // planner knows with its predicted peak device and host memory and step time, and the pick: the
 // fastest that fits (src/plan/planner.h; docs/PLANNER.md).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -9,6 +10,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
+#include "plan/execution.h"
 #include "plan/planner.h"
 
 namespace spindle {
@@ -54,10 +56,10 @@ double parse_positive(const std::string& name, const std::string& text, const ch
 int64_t bytes_of_gib(double gib) { return static_cast<int64_t>(gib * static_cast<double>(int64_t{1} << 30)); }
 double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(int64_t{1} << 30); }
 
-void print_row(const Candidate& x) {
+void print_row(const Candidate& x, int name_width, bool one_gpu) {
   const MemoryStats& d = x.memory.device;
   const auto category = [&](MemoryCategory c) { return in_gib(d.peak[static_cast<int>(c)]); };
-  std::printf("  %-28s %8.1f %8.1f %6.1f %6.1f %6.1f %6.1f %8.1f %9.1f %6.2fx", x.policy.name().c_str(),
+  std::printf("  %-*s %8.1f %8.1f %6.1f %6.1f %6.1f %6.1f %8.1f %9.1f %6.2fx", name_width, x.policy.name().c_str(),
               in_gib(d.peak_total), category(MemoryCategory::Weights), category(MemoryCategory::Gradients),
               category(MemoryCategory::Optimizer), category(MemoryCategory::Activations),
               category(MemoryCategory::Workspace), in_gib(x.memory.host), x.time.total(), x.relative);
@@ -67,6 +69,7 @@ void print_row(const Candidate& x) {
     else
       std::printf("  copies %.1f s, hidden", x.time.copies);
   }
+  if (one_gpu && !plan::executor_runs(x.policy)) std::printf("  planned only: the executor does not run it yet");
   if (!x.fits()) std::printf("  does not fit: %s", x.infeasible.c_str());
   std::printf("\n");
 }
@@ -111,11 +114,15 @@ int run_plan(const std::vector<std::string>& argv) {
       request.hardware.peak_flops / 1e12, 100 * request.hardware.indexer_mfu,
       request.hardware.pcie_bytes_per_s / 1e9, request.hardware.host_adam_bytes_per_s / 1e9);
   std::printf("parallel: %s\n", plan::Parallel{request.machine.gpus, 1}.describe(config).c_str());
-  std::printf("\n  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "policy", "device", "weights", "grads",
-              "adam", "acts", "work", "host", "step s", "relative");
-  std::printf("  %-28s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", "", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB",
-              "GiB", "", "");
-  for (const Candidate& x : result.candidates) print_row(x);
+  int name_width = 6;
+  for (const Candidate& x : result.candidates)
+    name_width = std::max(name_width, static_cast<int>(x.policy.name().size()));
+  std::printf("\n  %-*s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", name_width, "policy", "device", "weights",
+              "grads", "adam", "acts", "work", "host", "step s", "relative");
+  std::printf("  %-*s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", name_width, "", "GiB", "GiB", "GiB", "GiB", "GiB",
+              "GiB", "GiB", "", "");
+  const bool one_gpu = request.machine.gpus == 1;
+  for (const Candidate& x : result.candidates) print_row(x, name_width, one_gpu);
   if (!result.pick) {
     std::printf("\npick: none fits (%lld policies tried; each line says why)\n",
                 static_cast<long long>(result.candidates.size()));
@@ -128,6 +135,21 @@ int run_plan(const std::vector<std::string>& argv) {
       pick.policy.name().c_str(), static_cast<long long>(pick.policy.tensor_parallel),
       static_cast<long long>(request.machine.gpus), in_gib(pick.memory.device.peak_total),
       in_gib(pick.memory.host), pick.time.total());
+  if (!one_gpu) {
+    std::printf("planned only: the CUDA executor runs on one GPU today\n");
+  } else if (!plan::executor_runs(pick.policy)) {
+    const Candidate* runnable = nullptr;
+    for (const Candidate& x : result.candidates)
+      if (x.fits() && plan::executor_runs(x.policy) && (!runnable || x.time.total() < runnable->time.total()))
+        runnable = &x;
+    if (runnable != nullptr)
+      std::printf("runs today: %s (%.1f GiB device, %.1f s per step), the fastest that fits of those the "
+                  "executor runs (spindle train and bench take it)\n",
+                  runnable->policy.name().c_str(), in_gib(runnable->memory.device.peak_total),
+                  runnable->time.total());
+    else
+      std::printf("runs today: none; every policy that fits is planned only\n");
+  }
   return 0;
 }
 
