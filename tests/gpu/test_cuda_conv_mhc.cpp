@@ -68,9 +68,13 @@ struct HcCase {
 
 // (tokens, H, D): tokens not a multiple of the 64-token tile, D not a multiple of 8 or of the 256
 // threads, H D not a multiple of the 64-element mix slice; 2100 tokens span several 1024-token dfn
-// blocks.
-const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},
-                           {19, 8, 40},   {1, 4, 12},    {2100, 4, 96}};
+// blocks. H 1 and 3: mix outputs M = (2 + H) H not a multiple of 4 or 8 (the MMA tiles' and the
+// dm rows' padding; the dfn's w chunk in 16-byte pieces); H 6 and 8: the backward's one-column
+// path (M > 24). 200 x 4 x 512: 32 mix slices per tile (the cp.async ring wraps many times) on the
+// 16-byte path; 1100 x 2 x 200: dfn's last 128-column block partial, two 1024-token blocks.
+const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},  {19, 8, 40},
+                           {1, 4, 12},    {2100, 4, 96}, {200, 4, 512}, {1100, 2, 200},
+                           {70, 1, 24},   {150, 3, 64},  {65, 6, 32},   {90, 3, 13}};
 
 cpu::HcShape shape_of(const HcCase& c) { return cpu::HcShape{c.tokens, c.H, c.D, 1e-6, 1e-6, 20}; }
 

@@ -1,4 +1,5 @@
-// Kimi Delta Attention, chunked (C = 64), scalar fp32 on the CUDA cores; no tensor cores yet.
+// Kimi Delta Attention, chunked (C = 64), fp32: the prep's and the output's products on the tensor
+// cores (3xTF32, kda_chunk.cuh), the state pass on the CUDA cores.
 //
 // Forward, per segment of up to kKdaSegmentChunks chunks, three launches:
 //   1. prep, grid chunks x heads: per chunk the prefix sums G_t = sum_{s<=t} g_s, the matrices
@@ -10,6 +11,9 @@
 //      order, u = U0 - W S, S = diag(exp G_last) S + Kb^T u, each chunk's entry state into
 //      chunk_states and u over U0; the next chunk's operands arrive by cp.async meanwhile;
 //   3. output, grid chunks x heads: o = exp(G) q S_c + Aq u.
+// The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output) run on the tensor
+// cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks, the solve and the state
+// pass in fp32 on the CUDA cores.
 // Every exponential is of a difference <= 0, so no cumulative decay over- or underflows.
 //
 // The backward is kda_backward.cu.
@@ -60,34 +64,31 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
              [&](const ChunkPrepTiles& tiles) {
-               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads) block[idx] = tiles.Aqs[idx];
+               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads)
+                 block[idx] = tiles.Aqs[idx / kC * ChunkPrepTiles::kAStride + idx % kC];
              });
-  for (int idx = tid; idx < n * kMaxDim; idx += kKdaPrepThreads) {
+  // v over q's tile, zero past the chunk and past dv (the products read whole tiles).
+  for (int idx = tid; idx < kC * kMaxDim; idx += kKdaPrepThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    m.qs[t * kKp + i] = i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
+    m.qs[t * kKp + i] = t < n && i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
   }
   __syncthreads();
-  // W and U0: sums over s <= t of the (lower) Tinv diag(beta) times exp(G) k or v, four rows t
-  // per thread so that each k and v value loaded serves four rows. Tinv is zero above the
-  // diagonal and past token n, so the terms up to the tile's last row (within the chunk) add
-  // exact zeros to the sums over s <= t.
-  for (int task = tid; task < kC / 4 * kMaxDim; task += kKdaPrepThreads) {
-    const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
-    const bool in_k = i < dk;
-    float u[4] = {}, w[4] = {};
-    for (int s = 0; s <= last; ++s) {
-      const float vs = m.qs[s * kKp + i], kv = in_k ? m.ks[s * kKp + i] : 0.0f;
+  // W = Tinv' exp(G) k and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the tensor cores.
+  // Warp w: W (w < 8) or U0, columns 32 (w % 4) .. + 31, m-tiles p and 3 - p (p = w / 4 % 2): as
+  // m-tile mt sums over 16 (mt + 1) tokens, every warp takes 10 steps of 8. Rows past the chunk
+  // and columns past dk / dv come out zero, as the tiles are there.
+  const int warp = tid / 32, lane = tid % 32, p = warp / 4 % 2, n0 = 32 * (warp % 4);
+  const float* X = warp < 8 ? m.ks : m.qs;
+  float* out = block + (warp < 8 ? kOffW : kOffU);
+  for (int half = 0; half < 2; ++half) {
+    const int mt = half == 0 ? p : 3 - p;
+    float acc[4][4] = {};
+    lower_times(acc, m.Ts, kKdaSolveStride, X, kKp, mt, n0);
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float tinv = m.Ts[(t0 + x) * kKdaSolveStride + s];
-        u[x] = fmaf(tinv, vs, u[x]);
-        w[x] = fmaf(tinv, kv, w[x]);
-      }
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      block[kOffW + (t0 + x) * kMaxDim + i] = w[x];
-      block[kOffU + (t0 + x) * kMaxDim + i] = u[x];
+    for (int nt = 0; nt < 4; ++nt) {
+      const int t = 16 * mt + lane / 4, i = n0 + 8 * nt + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(out + t * kMaxDim + i) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(out + (t + 8) * kMaxDim + i) = make_float2(acc[nt][2], acc[nt][3]);
     }
   }
 }
@@ -209,38 +210,40 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The output pass's shared memory: q and G (then exp(G) q), the entry state [dk, dv], Aq and u.
-constexpr int kSv = kMaxDim + 4;  // row stride of the state and u tiles (float4 rows)
+constexpr int kSv = kMaxDim + 4;  // row stride of the state and u tiles: 4 mod 32, as kKp
+constexpr int kAq = kC + 4;       // Aq's row stride, likewise
 size_t output_smem_bytes() {
-  return sizeof(float) * static_cast<size_t>(2 * kC * kKp + kMaxDim * kSv + kC * kC + kC * kSv);
+  return sizeof(float) * static_cast<size_t>(2 * kC * kKp + kMaxDim * kSv + kC * kAq + kC * kSv);
 }
 
-// Chunk c0 + blockIdx.x of head blockIdx.y: o = exp(G) q S_c + Aq u. Thread (columns 4 jc ..
-// 4 jc + 3, tokens 8 tg .. 8 tg + 7): 32 outputs.
+// Chunk c0 + blockIdx.x of head blockIdx.y: o = exp(G) q S_c + Aq u on the tensor cores (the
+// preps' TF32 products). Warp w: rows 16 (w / 2) .. + 15, columns 64 (w % 2) .. + 63.
 __global__ void __launch_bounds__(kThreads)
     kda_fwd_output_kernel(const __nv_bfloat16* __restrict__ q, const float* __restrict__ g,
                           const float* __restrict__ blocks, const float* __restrict__ chunk_states,
                           __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
                           int dv) {
   extern __shared__ __align__(16) float smem[];
-  const int h = blockIdx.y, tid = threadIdx.x, jc = tid % 32, tg = tid / 32;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
   float* qs = smem;                // [C, kKp]
   float* Gs = qs + kC * kKp;       // [C, kKp]
   float* St = Gs + kC * kKp;       // [kMaxDim, kSv]
-  float* Aq = St + kMaxDim * kSv;  // [C, C]
-  float* u = Aq + kC * kC;         // [C, kSv]
+  float* Aq = St + kMaxDim * kSv;  // [C, kAq]
+  float* u = Aq + kC * kAq;        // [C, kSv]
   const float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
   const float* state = chunk_states + (c * heads + h) * SS;
-  const int dv4 = (dv + 3) / 4 * 4;
-  for (int idx = tid; idx < dk * dv4; idx += kThreads) {
-    const int i = idx / dv4, j = idx - i * dv4;
-    St[i * kSv + j] = j < dv ? state[i * dv + j] : 0.0f;
+  // Zero past dk, dv and the chunk: the products read whole steps of 8 (the block is zero there).
+  for (int idx = tid; idx < kMaxDim * kMaxDim; idx += kThreads) {
+    const int i = idx / kMaxDim, j = idx - i * kMaxDim;
+    St[i * kSv + j] = i < dk && j < dv ? state[i * dv + j] : 0.0f;
   }
-  for (int idx = tid; idx < kC * kC; idx += kThreads) Aq[idx] = block[idx];
-  for (int idx = tid; idx < kC * dv4; idx += kThreads) {
-    const int t = idx / dv4, j = idx - t * dv4;
-    u[t * kSv + j] = block[kOffU + t * kMaxDim + j];
+  for (int idx = tid; idx < kC * kC; idx += kThreads) Aq[idx / kC * kAq + idx % kC] = block[idx];
+  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
+    const int t = idx / kMaxDim, j = idx - t * kMaxDim;
+    u[t * kSv + j] = block[kOffU + idx];
+    if (t >= n || j >= dk) qs[t * kKp + j] = 0.0f;  // where load_chunk_with_prefix does not write
   }
   load_chunk_with_prefix(q, nullptr, g, t0, n, h, heads, dk, kKp, qs, nullptr, Gs, nullptr);
   for (int idx = tid; idx < n * dk; idx += kThreads) {
@@ -248,38 +251,18 @@ __global__ void __launch_bounds__(kThreads)
     qs[t * kKp + i] *= expf(Gs[t * kKp + i]);
   }
   __syncthreads();
-  if (4 * jc >= dv4) return;
+  const int mt = warp / 2, n0 = 64 * (warp % 2);
+  if (16 * mt >= n || n0 >= dv) return;
   float acc[8][4] = {};
-  const int tmax = min(8, n - 8 * tg);  // rows of this thread inside the chunk
-  for (int i = 0; i < dk; ++i) {
-    const float4 sv = *reinterpret_cast<const float4*>(St + i * kSv + 4 * jc);
+  tile_times(acc, qs, kKp, St, kSv, 16 * mt, n0, (dk + 7) / 8 * 8);
+  lower_times(acc, Aq, kAq, u, kSv, mt, n0);
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const float qv = r < tmax ? qs[(8 * tg + r) * kKp + i] : 0.0f;
-      acc[r][0] = fmaf(qv, sv.x, acc[r][0]);
-      acc[r][1] = fmaf(qv, sv.y, acc[r][1]);
-      acc[r][2] = fmaf(qv, sv.z, acc[r][2]);
-      acc[r][3] = fmaf(qv, sv.w, acc[r][3]);
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = 16 * mt + lane / 4 + 8 * (e / 2), j = n0 + 8 * nt + 2 * (lane % 4) + e % 2;
+      if (t < n && j < dv) out[((t0 + t) * heads + h) * dv + j] = __float2bfloat16(acc[nt][e]);
     }
-  }
-  // Aq is zero above the diagonal and past the chunk: the sum runs to the thread's last row.
-  for (int s = 0; s < min(n, 8 * tg + 8); ++s) {
-    const float4 uv = *reinterpret_cast<const float4*>(u + s * kSv + 4 * jc);
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const float a = Aq[(8 * tg + r) * kC + s];
-      acc[r][0] = fmaf(a, uv.x, acc[r][0]);
-      acc[r][1] = fmaf(a, uv.y, acc[r][1]);
-      acc[r][2] = fmaf(a, uv.z, acc[r][2]);
-      acc[r][3] = fmaf(a, uv.w, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < tmax; ++r) {
-    const int64_t row = ((t0 + 8 * tg + r) * heads + h) * dv;
-#pragma unroll
-    for (int x = 0; x < 4; ++x)
-      if (4 * jc + x < dv) out[row + 4 * jc + x] = __float2bfloat16(acc[r][x]);
-  }
 }
 
 void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {

@@ -57,90 +57,87 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
                         float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
                         int heads, int dk, int dv) {
   extern __shared__ float smem[];
-  const int h = blockIdx.y, tid = threadIdx.x;
+  constexpr int S = ChunkPrepTiles::kStride, AS = ChunkPrepTiles::kAStride;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  // q's tile: q, then Qg = exp(G) q, then P = Qg - Aq W; k's: exp(G) k, then dO; G's: then W.
+  // q's tile: q, then Qg = exp(G) q, then P = Qg - Aq W; k's: exp(G) k, then dO; G's: then W. All
+  // zero past the chunk (and past dk / dv), as the products read whole tiles.
   const ChunkPrepTiles m(smem);
-  float* qs = m.qs;
-  float* ks = m.ks;
-  float* Gs = m.Gs;
-  const float* Aqs = m.Aqs;
   float* op = ops + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaBackwardOpsFloats;
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
              [&](const ChunkPrepTiles& tiles) {
                for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads) {
                  const int t = idx / kC, s = idx - t * kC;
-                 A[idx] = tiles.As[idx];
-                 A[kC * kC + idx] = tiles.Aqs[idx];
+                 A[idx] = tiles.As[t * AS + s];
+                 A[kC * kC + idx] = tiles.Aqs[t * AS + s];
                  A[2 * kC * kC + idx] = tiles.Ts[t * kKdaSolveStride + s];
                }
              });
-  // W = Tinv diag(beta) exp(G) k: out, and into G's tile (G is no longer needed; W reads exp(G) k).
-  // Four rows per thread, as the forward prep: Tinv is zero above the diagonal and past token n,
-  // so the extra terms are exact zeros.
-  for (int task = tid; task < kC / 4 * kMaxDim; task += kKdaPrepThreads) {
-    const int t0 = task / kMaxDim * 4, i = task % kMaxDim, last = min(t0 + 3, n - 1);
-    float w[4] = {};
-    if (i < dk)
-      for (int s = 0; s <= last; ++s) {
-        const float kv = ks[s * kKp + i];
+  // W = Tinv diag(beta) exp(G) k on the tensor cores: out, and into G's tile (G is no longer
+  // needed). Warp w: columns 16 (w % 8) .. + 15, m-tiles p and 3 - p (p = w / 8), so that every
+  // warp takes 10 steps of 8 tokens (m-tile mt sums over 16 (mt + 1)).
+  for (int half = 0; half < 2; ++half) {
+    const int mt = half == 0 ? warp / 8 : 3 - warp / 8, n0 = 16 * (warp % 8);
+    float acc[2][4] = {};
+    lower_times(acc, m.Ts, kKdaSolveStride, m.ks, S, mt, n0);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) w[x] = fmaf(m.Ts[(t0 + x) * kKdaSolveStride + s], kv, w[x]);
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * mt + g4 + 8 * (e / 2), i = n0 + 8 * nt + 2 * c4 + e % 2;
+        op[t * kMaxDim + i] = acc[nt][e];
+        m.Gs[t * S + i] = acc[nt][e];
       }
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int t = t0 + x;
-      op[t * kMaxDim + i] = w[x];
-      if (t < n && i < dk) Gs[t * kKp + i] = w[x];
-    }
   }
   __syncthreads();
-  // P = Qg - Aq W in place (each element read and written by its own thread), four rows per
-  // thread (Aq is zero above the diagonal); dO over exp(G) k.
-  for (int task = tid; task < kC / 4 * dk; task += kKdaPrepThreads) {
-    const int t0 = task / dk * 4, i = task % dk, last = min(t0 + 3, n - 1);
-    if (t0 >= n) continue;
-    float p[4];
+  // P = Qg - Aq W in place (each element read and written by the lane whose product it is), the
+  // same split over the warps; dO over exp(G) k meanwhile.
+  for (int half = 0; half < 2; ++half) {
+    const int mt = half == 0 ? warp / 8 : 3 - warp / 8, n0 = 16 * (warp % 8);
+    float acc[2][4] = {};
+    lower_times(acc, m.Aqs, AS, m.Gs, S, mt, n0);
 #pragma unroll
-    for (int x = 0; x < 4; ++x) p[x] = t0 + x < n ? qs[(t0 + x) * kKp + i] : 0.0f;
-    for (int s = 0; s <= last; ++s) {
-      const float wv = Gs[s * kKp + i];
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int x = 0; x < 4; ++x) p[x] = fmaf(-Aqs[(t0 + x) * kC + s], wv, p[x]);
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x)
-      if (t0 + x < n) qs[(t0 + x) * kKp + i] = p[x];
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * mt + g4 + 8 * (e / 2), i = n0 + 8 * nt + 2 * c4 + e % 2;
+        m.qs[t * S + i] -= acc[nt][e];
+      }
   }
-  for (int idx = tid; idx < n * kMaxDim; idx += kKdaPrepThreads) {
+  for (int idx = tid; idx < kC * kMaxDim; idx += kKdaPrepThreads) {
     const int t = idx / kMaxDim, j = idx - t * kMaxDim;
-    ks[t * kKp + j] = j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
+    m.ks[t * S + j] = t < n && j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
   }
   __syncthreads();
-  // Z = P^T dO: thread (rows kZRows ib .. kZRows (ib + 1) - 1, columns jb + 16 x).
-  constexpr int kZRows = kMaxDim * 16 / kKdaPrepThreads;
-  const int ib = tid / 16, jb = tid % 16;
-  float z[kZRows][8] = {};
-  for (int t = 0; t < n; ++t) {
-    float pr[kZRows], dr[8];
+  // Z = P^T dO [dk, dv] over the chunk's tokens on the tensor cores: warp w takes rows 16 (w / 2)
+  // .. + 15 and columns 64 (w % 2) .. + 63. P^T's fragment is read from P's tile transposed.
+  const int i0 = 16 * (warp / 2), j0 = 64 * (warp % 2);
+  float z[8][4] = {};
+  for (int k0 = 0; k0 < n; k0 += 8) {
+    KdaFragA a;
+    const float* Pc = m.qs + (k0 + c4) * S + i0 + g4;  // P^T (i0 + g4, k0 + c4)
+    a.set(0, Pc[0]);
+    a.set(1, Pc[8]);
+    a.set(2, Pc[4 * S]);
+    a.set(3, Pc[4 * S + 8]);
 #pragma unroll
-    for (int r = 0; r < kZRows; ++r) pr[r] = qs[t * kKp + kZRows * ib + r];
-#pragma unroll
-    for (int x = 0; x < 8; ++x) dr[x] = ks[t * kKp + jb + 16 * x];
-#pragma unroll
-    for (int r = 0; r < kZRows; ++r)
-#pragma unroll
-      for (int x = 0; x < 8; ++x) z[r][x] = fmaf(pr[r], dr[x], z[r][x]);
+    for (int nt = 0; nt < 8; ++nt) {
+      const float* Dc = m.ks + (k0 + c4) * S + j0 + 8 * nt + g4;
+      KdaFragB b;
+      b.set(0, Dc[0]);
+      b.set(1, Dc[4 * S]);
+      mma_tf32(z[nt], a, b);
+    }
   }
   float* Z = slots + (static_cast<int64_t>(blockIdx.x) * heads + h) * dk * dv;
 #pragma unroll
-  for (int r = 0; r < kZRows; ++r)
+  for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      const int i = kZRows * ib + r, j = jb + 16 * x;
-      if (i < dk && j < dv) Z[i * dv + j] = z[r][x];
+    for (int e = 0; e < 4; ++e) {
+      const int i = i0 + g4 + 8 * (e / 2), j = j0 + 8 * nt + 2 * c4 + e % 2;
+      if (i < dk && j < dv) Z[i * dv + j] = z[nt][e];
     }
 }
 

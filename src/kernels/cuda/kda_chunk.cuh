@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
@@ -40,123 +41,276 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
 constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
 
 // Threads of both prep kernels: one CTA per SM fits their shared memory, so 16 warps, not 8, hide
-// the latencies of its shared-memory loops.
+// the latencies of its shared-memory loops. chunk_matrices divides its work for exactly this many.
 constexpr int kKdaPrepThreads = 512;
 
-// The intra-chunk matrices of one chunk of n tokens, from q, k and G as load_chunk_with_prefix
-// left them (row stride `stride`) and bt (beta of the n tokens), into shared memory:
-//   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (row stride C),
-//   Aq[t][s] likewise with q_t, s <= t (row stride C),
-//   Tinv = (I + diag(beta) A)^-1, unit lower (row stride kKdaSolveStride),
-// all zero past token n. Exponents are differences <= 0 (G only falls along the chunk; the
-// clamp at 0 only touches the diagonal tiles' unused upper entries). A and Aq go by 4 x 4 tiles
-// of (t, s), one lower-triangular tile per thread (136 of the 256), so that each step over i
-// loads 20 values for 16 pairs instead of 5 per pair. Needs at least 256 threads, whole warps (the
-// solve's lanes are the first 256); ends with a barrier.
-__device__ inline void chunk_matrices(const float* qs, const float* ks, const float* Gs, int stride,
-                                      const float* bt, int n, int dk, float* As, float* Aqs, float* Ts) {
-  constexpr int C = static_cast<int>(kKdaChunk), R = 4, kTileRows = C / R;
-  const int tid = threadIdx.x;
-  if (tid < kTileRows * (kTileRows + 1) / 2) {
-    int tr = 0;  // tile row: tiles are numbered row by row, tr + 1 of them in row tr
-    while ((tr + 1) * (tr + 2) / 2 <= tid) ++tr;
-    const int t0 = tr * R, s0 = (tid - tr * (tr + 1) / 2) * R;
-    float a[R][R], aq[R][R];
-#pragma unroll
-    for (int x = 0; x < R; ++x)
-#pragma unroll
-      for (int y = 0; y < R; ++y) a[x][y] = aq[x][y] = 0.0f;
-    if (t0 < n) {
-#pragma unroll 2
-      for (int i = 0; i < dk; ++i) {
-        float gt[R], kt[R], qt[R], gs[R], kv[R];
-#pragma unroll
-        for (int x = 0; x < R; ++x) {
-          gt[x] = Gs[(t0 + x) * stride + i];
-          kt[x] = ks[(t0 + x) * stride + i];
-          qt[x] = qs[(t0 + x) * stride + i];
-          gs[x] = Gs[(s0 + x) * stride + i];
-          kv[x] = ks[(s0 + x) * stride + i];
-        }
-#pragma unroll
-        for (int x = 0; x < R; ++x)
-#pragma unroll
-          for (int y = 0; y < R; ++y) {
-            const float w = expf(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
-            a[x][y] = fmaf(kt[x], w, a[x][y]);
-            aq[x][y] = fmaf(qt[x], w, aq[x][y]);
-          }
-      }
-    }
-#pragma unroll
-    for (int x = 0; x < R; ++x)
-#pragma unroll
-      for (int y = 0; y < R; ++y) {
-        const int t = t0 + x, s = s0 + y;
-        As[t * C + s] = t < n && s < t ? a[x][y] : 0.0f;
-        Aqs[t * C + s] = t < n && s <= t ? aq[x][y] : 0.0f;
-      }
-  }
-  for (int idx = tid; idx < C * C; idx += blockDim.x) {  // the tiles above the diagonal
-    const int t = idx / C, s = idx - t * C;
-    if (s / R > t / R) As[idx] = Aqs[idx] = 0.0f;
-  }
-  __syncthreads();
-  // Column s of Tinv by forward substitution, (I + diag(beta) A) x = e_s: x_t = -beta_t sum_{r<t}
-  // A[t][r] x_r below the diagonal. Four lanes of one warp per column split each row's sum, so
-  // rows follow each other with only a warp barrier. Every lane runs all C rows: the shuffles
-  // need the whole warp.
-  const int s = tid / 4, sub = tid % 4;
-  if (tid < 4 * C) {
-    for (int t = 0; t < C; ++t) {
-      float acc = 0.0f;
-      for (int r = sub; r < t; r += 4) acc = fmaf(As[t * C + r], Ts[r * kKdaSolveStride + s], acc);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-      if (sub == 0) {
-        float x = 0.0f;
-        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -bt[t] * acc : 0.0f);
-        Ts[t * kKdaSolveStride + s] = x;
-      }
-      __syncwarp();
-    }
-  }
-  __syncthreads();
-}
+// The preps' products on the tensor cores: TF32 mma, as 3xTF32 (each fp32 operand split into two
+// TF32 parts, three mma per product) so that A, Aq, W and U0 keep fp32-level accuracy (~1e-6
+// relative instead of TF32's ~3e-4): the mma are a small part of the preps' time (the exponentials
+// dominate). false: plain TF32, one mma per product.
+constexpr bool kKdaSplitTf32 = true;
+using KdaFragA = Tf32Frag<4, kKdaSplitTf32>;
+using KdaFragB = Tf32Frag<2, kKdaSplitTf32>;
 
 // The prep kernels' shared memory (both preps, kda.cu and kda_backward.cu): q, k and G as [C,
-// kKdaMaxDim + 1] tiles (the odd stride keeps column walks free of bank conflicts), A, Aq, Tinv,
-// beta and G_last.
+// kStride] tiles (kStride = 4 mod 32: the mma fragments' rows g and columns c, a row-major [token,
+// channel] tile read as g * kStride + c, fall in 32 distinct banks), A, Aq (row stride kAStride,
+// likewise), Tinv, the Tinv solve's block products, beta and G_last.
 struct ChunkPrepTiles {
-  static constexpr int kStride = static_cast<int>(kKdaMaxDim) + 1;
+  static constexpr int kStride = static_cast<int>(kKdaMaxDim) + 4;
   static constexpr int kC = static_cast<int>(kKdaChunk);
+  static constexpr int kSub = 16;                           // sub-chunk: one mma's rows
+  static constexpr int kSubs = kC / kSub;                   // sub-chunks per chunk
+  static constexpr int kAStride = kC + 4;                   // A and Aq: mma A operands too
+  static constexpr int kOffDiag = kSubs * (kSubs - 1) / 2;  // blocks below the diagonal
+  static constexpr int kNFloats = kOffDiag * kSub * kSub;   // ns
   static constexpr size_t floats() {
-    return 3 * kC * kStride + 2 * kC * kC + kC * kKdaSolveStride + kC + static_cast<int>(kKdaMaxDim);
+    return 3 * kC * kStride + 2 * kC * kAStride + kC * kKdaSolveStride + kNFloats + kC +
+           static_cast<int>(kKdaMaxDim);
   }
   explicit __device__ ChunkPrepTiles(float* smem)
       : qs(smem),
         ks(qs + kC * kStride),
         Gs(ks + kC * kStride),
         As(Gs + kC * kStride),
-        Aqs(As + kC * kC),
-        Ts(Aqs + kC * kC),
-        bt(Ts + kC * kKdaSolveStride),
+        Aqs(As + kC * kAStride),
+        Ts(Aqs + kC * kAStride),
+        ns(Ts + kC * kKdaSolveStride),
+        bt(ns + kNFloats),
         gl(bt + kC) {}
   float* qs;   // [C, kStride]: q (then as each prep uses it)
   float* ks;   // [C, kStride]: k, then exp(G) k
   float* Gs;   // [C, kStride]: G
-  float* As;   // [C, C]
-  float* Aqs;  // [C, C]
+  float* As;   // [C, kAStride]
+  float* Aqs;  // [C, kAStride]
   float* Ts;   // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
-  float* bt;   // [C]: beta
+  float* ns;   // [kOffDiag, kSub, kSub]: the solve's T_aa diag(beta_a) A_ac (c < a)
+  float* bt;   // [C]: beta (zero past the chunk)
   float* gl;   // [kKdaMaxDim]: G of the chunk's last token
 };
 
-// The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta, then A,
-// Aq and Tinv (chunk_matrices); Kb = exp(G_last - G) k and G_last out to kb_out [C, kKdaMaxDim]
-// and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every thread) while
-// A, Aq and Tinv are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and Tinv
-// Tinv diag(beta). Needs at least 256 threads, whole warps; ends with a barrier.
+// The sub-chunks (a, b), b < a, of the off-diagonal block number p (row by row: (1, 0), (2, 0),
+// (2, 1), (3, 0), ...); ns holds the solve's products in this order.
+__device__ inline void offdiag_block_index(int p, int& a, int& b) {
+  a = 1;
+  while (a * (a + 1) / 2 <= p) ++a;
+  b = p - a * (a - 1) / 2;
+}
+
+// One warp: the off-diagonal 16 x 16 block (a, b), b < a, of A and Aq on the tensor cores. With
+// the reference r = 16 a, the first token of t's sub-chunk, s < r <= t for every pair, so
+// exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with both factors <= 1 (nothing overflows, however
+// strong the decay; a factor that underflows belongs to a pair that decays to nothing anyway), and
+// the block is a plain product over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r -
+// G_s). The tiles are zero past token n and channel dk; the clamps at 0 only matter there.
+__device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, int n, int dk) {
+  constexpr int S = ChunkPrepTiles::kStride, B = ChunkPrepTiles::kSub, C = ChunkPrepTiles::kAStride;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r = B * a;
+  float acc_a[2][4] = {}, acc_q[2][4] = {};
+  for (int i0 = 0; i0 < dk; i0 += 8) {
+    const float gr[2] = {m.Gs[r * S + i0 + c], m.Gs[r * S + i0 + c + 4]};  // columns c and c + 4
+    KdaFragA ka, qa;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int x = (r + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
+      const float f = expf(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
+      ka.set(e, m.ks[x] * f);
+      qa.set(e, m.qs[x] * f);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      KdaFragB kb;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int x = (B * b + 8 * nt + g) * S + i0 + c + 4 * e;
+        kb.set(e, m.ks[x] * expf(fminf(gr[e] - m.Gs[x], 0.0f)));
+      }
+      mma_tf32(acc_a[nt], ka, kb);
+      mma_tf32(acc_q[nt], qa, kb);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = r + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
+      m.As[t * C + s] = t < n ? acc_a[nt][e] : 0.0f;
+      m.Aqs[t * C + s] = t < n ? acc_q[nt][e] : 0.0f;
+    }
+}
+
+// One of the 320 tasks of the diagonal 16 x 16 blocks of A and Aq, where no reference token lies
+// between every s and t: exp(G_t - G_s) per element, in fp32 on the CUDA cores. Task = (block a,
+// one of its 10 lower 4 x 4 tiles of (t, s), channel slice sl: channels sl, sl + 8, ..); the 8
+// slices of a tile are adjacent lanes, summed by shuffles. A 4 x 4 tile loads 20 values per
+// channel for 16 pairs. All 32 lanes of the warp must call it.
+__device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, int dk) {
+  constexpr int C = ChunkPrepTiles::kAStride, S = ChunkPrepTiles::kStride, R = 4;
+  const int a = task / 80, tile = task % 80 / 8, sl = task % 8;
+  int tr = 0;  // tile row within the block: tiles are numbered row by row, tr + 1 of them in row tr
+  while ((tr + 1) * (tr + 2) / 2 <= tile) ++tr;
+  const int t0 = ChunkPrepTiles::kSub * a + R * tr,
+            s0 = ChunkPrepTiles::kSub * a + R * (tile - tr * (tr + 1) / 2);
+  float acc_a[R][R] = {}, acc_q[R][R] = {};
+  for (int i = sl; i < dk; i += 8) {
+    float gt[R], kt[R], qt[R], gs[R], kv[R];
+#pragma unroll
+    for (int x = 0; x < R; ++x) {
+      gt[x] = m.Gs[(t0 + x) * S + i];
+      kt[x] = m.ks[(t0 + x) * S + i];
+      qt[x] = m.qs[(t0 + x) * S + i];
+      gs[x] = m.Gs[(s0 + x) * S + i];
+      kv[x] = m.ks[(s0 + x) * S + i];
+    }
+#pragma unroll
+    for (int x = 0; x < R; ++x)
+#pragma unroll
+      for (int y = 0; y < R; ++y) {
+        // The clamp only touches pairs above the diagonal (s > t), which are not kept.
+        const float w = expf(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
+        acc_a[x][y] = fmaf(kt[x], w, acc_a[x][y]);
+        acc_q[x][y] = fmaf(qt[x], w, acc_q[x][y]);
+      }
+  }
+#pragma unroll
+  for (int x = 0; x < R; ++x) {
+#pragma unroll
+    for (int y = 0; y < R; ++y) {
+#pragma unroll
+      for (int offset = 1; offset < 8; offset <<= 1) {
+        acc_a[x][y] += __shfl_xor_sync(0xffffffffu, acc_a[x][y], offset);
+        acc_q[x][y] += __shfl_xor_sync(0xffffffffu, acc_q[x][y], offset);
+      }
+    }
+  }
+  // Each slice writes two of the 16 pairs (unrolled: register arrays take no runtime index).
+#pragma unroll
+  for (int p = 0; p < R * R; ++p) {
+    if (p % 8 != sl) continue;
+    const int t = t0 + p / R, s = s0 + p % R;
+    m.As[t * C + s] = t < n && s < t ? acc_a[p / R][p % R] : 0.0f;
+    m.Aqs[t * C + s] = t < n && s <= t ? acc_q[p / R][p % R] : 0.0f;
+  }
+}
+
+// The intra-chunk matrices of one chunk of n tokens, from q, k and G (zero past token n and past
+// channel dk) and bt (beta, zero past token n), into shared memory:
+//   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (row stride kAStride),
+//   Aq[t][s] likewise with q_t, s <= t (row stride kAStride),
+//   Tinv = (I + diag(beta) A)^-1, unit lower (row stride kKdaSolveStride),
+// all zero past token n. By 16 x 16 blocks of sub-chunks: the 6 below the diagonal on the tensor
+// cores (warps 0-5, offdiag_matrices), the 4 on it element by element (warps 6-15, diag_matrices).
+// Exponents are differences <= 0 (G only falls along the chunk). kKdaPrepThreads threads; ends
+// with a barrier.
+__device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
+  constexpr int C = ChunkPrepTiles::kC, B = ChunkPrepTiles::kSub, T = kKdaSolveStride;
+  constexpr int AS = ChunkPrepTiles::kAStride;
+  constexpr int kMmaWarps = ChunkPrepTiles::kOffDiag, kDiagTasks = ChunkPrepTiles::kSubs * 10 * 8;
+  static_assert(kMmaWarps * 32 + kDiagTasks == kKdaPrepThreads, "one block or diagonal task per thread");
+  const int tid = threadIdx.x, warp = tid / 32;
+  if (warp < kMmaWarps) {
+    int a, b;
+    offdiag_block_index(warp, a, b);
+    offdiag_matrices(m, a, b, n, dk);
+  } else {
+    diag_matrices(m, tid - 32 * kMmaWarps, n, dk);
+  }
+  for (int idx = tid; idx < C * C; idx += blockDim.x) {  // the 4 x 4 tiles above the diagonal
+    const int t = idx / C, s = idx - t * C;
+    if (s / 4 > t / 4) m.As[t * AS + s] = m.Aqs[t * AS + s] = 0.0f;
+  }
+  __syncthreads();
+  // Tinv = M^-1, M = I + diag(beta) A, by blocks: from M T = I, T_ab = -T_aa sum_{b<=c<a} M_ac T_cb
+  // for b < a, with M_ac = diag(beta_a) A_ac. First the diagonal blocks T_aa = M_aa^-1 by forward
+  // substitution, column s by four lanes of one warp ((I + diag(beta) A) x = e_s within the block:
+  // x_t = -beta_t sum_{r<t} A[t][r] x_r), rows following each other with only a warp barrier; a
+  // warp's 8 columns share a block. Meanwhile the other threads zero the blocks above the diagonal.
+  if (tid < 4 * C) {
+    const int s = tid / 4, sub = tid % 4, r0 = s / B * B;
+    for (int t = r0; t < r0 + B; ++t) {
+      float acc = 0.0f;
+      for (int r = r0 + sub; r < t; r += 4) acc = fmaf(m.As[t * AS + r], m.Ts[r * T + s], acc);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+      if (sub == 0) {
+        float x = 0.0f;
+        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -m.bt[t] * acc : 0.0f);
+        m.Ts[t * T + s] = x;
+      }
+      __syncwarp();
+    }
+  } else {
+    for (int idx = tid - 4 * C; idx < C * C; idx += blockDim.x - 4 * C) {
+      const int t = idx / C, s = idx - t * C;
+      if (s / B > t / B) m.Ts[t * T + s] = 0.0f;
+    }
+  }
+  __syncthreads();
+  // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower).
+  for (int idx = tid; idx < ChunkPrepTiles::kNFloats; idx += blockDim.x) {
+    const int p = idx / (B * B), x = idx / B % B, y = idx % B;
+    int a, c;
+    offdiag_block_index(p, a, c);
+    float acc = 0.0f;
+    for (int z = 0; z <= x; ++z)
+      acc =
+          fmaf(m.Ts[(B * a + x) * T + B * a + z] * m.bt[B * a + z], m.As[(B * a + z) * AS + B * c + y], acc);
+    m.ns[idx] = acc;
+  }
+  __syncthreads();
+  // T_ab = -sum_{b<=c<a} N_ac T_cb, by distance a - b: each level reads blocks of the levels before.
+  for (int d = 1; d < ChunkPrepTiles::kSubs; ++d) {
+    for (int idx = tid; idx < (ChunkPrepTiles::kSubs - d) * B * B; idx += blockDim.x) {
+      const int b = idx / (B * B), a = b + d, x = idx / B % B, y = idx % B;
+      float acc = 0.0f;
+      for (int c = b; c < a; ++c) {
+        const float* N = m.ns + (a * (a - 1) / 2 + c) * B * B + x * B;
+        for (int z = 0; z < B; ++z) acc = fmaf(N[z], m.Ts[(B * c + z) * T + B * b + y], acc);
+      }
+      m.Ts[(B * a + x) * T + B * b + y] = -acc;
+    }
+    __syncthreads();
+  }
+}
+
+// acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7], one warp on the tensor
+// cores: L row-major (row stride ls), X row-major (row stride xs), kend a multiple of 8, both
+// finite everywhere they are read.
+template <int NT>
+__device__ inline void tile_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
+                                  int n0, int kend) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const float* Lr = L + (m0 + g) * ls;
+  for (int k0 = 0; k0 < kend; k0 += 8) {
+    KdaFragA a;
+    a.set(0, Lr[k0 + c]);
+    a.set(1, Lr[8 * ls + k0 + c]);
+    a.set(2, Lr[k0 + c + 4]);
+    a.set(3, Lr[8 * ls + k0 + c + 4]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float* Xc = X + (k0 + c) * xs + n0 + 8 * nt + g;
+      KdaFragB b;
+      b.set(0, Xc[0]);
+      b.set(1, Xc[4 * xs]);
+      mma_tf32(acc[nt], a, b);
+    }
+  }
+}
+
+// The same for a lower triangular L [C, C] and the 16 rows of m-tile mt: the sum runs over the
+// tokens s < 16 (mt + 1) only.
+template <int NT>
+__device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs,
+                                   int mt, int n0) {
+  tile_times(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
+}
+
+// The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles
+// zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices); Kb = exp(G_last - G) k
+// and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past
+// dk); `keep(tiles)` (every thread) while A, Aq and Tinv are as computed; then k becomes exp(G) k,
+// q exp(G) q if scale_q, and Tinv Tinv diag(beta). kKdaPrepThreads threads; ends with a barrier.
 template <class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
@@ -164,9 +318,13 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
                            bool scale_q, Keep keep) {
   constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
-  for (int t = tid; t < n; t += blockDim.x) m.bt[t] = beta[(t0 + t) * heads + h];
+  for (int t = tid; t < C; t += blockDim.x) m.bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
+  // Zero past token n and channel dk, where load_chunk_with_prefix does not write: the products
+  // read whole 8-channel steps and 16-token blocks.
+  for (int idx = tid; idx < C * S; idx += blockDim.x)
+    if (idx / S >= n || idx % S >= dk) m.qs[idx] = m.ks[idx] = m.Gs[idx] = 0.0f;
   load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.gl);
-  chunk_matrices(m.qs, m.ks, m.Gs, S, m.bt, n, dk, m.As, m.Aqs, m.Ts);
+  chunk_matrices(m, n, dk);
   keep(m);
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;

@@ -1,14 +1,29 @@
 // mHC hyper-connections. The coefficient kernels (forward and backward) take a tile of 64 tokens
 // per block of 256 threads, H a template parameter:
 //   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
-//      fp32 GEMM over slices of H D staged in shared memory (each fn slice is read once per tile,
-//      not once per token from L2, which made the per-token kernels 10x slower);
-//   2. the tiny per-token work (softmax, 2 iters - 1 Sinkhorn passes and their backward), one warp
-//      per token, lane a owning row or column a;
-//   3. the collapse (forward) or the streams' gradient dn = dm fn (backward), fn held in
-//      registers per column while the tile's tokens go by.
-// hc_combine and its backward take one warp per token (memory bound); dfn = dm^T normed sums
-// 1024-token chunks per block (one atomic per fn entry per chunk).
+//      GEMM on the tensor cores: x is bf16 already and fn (fp32) is split into bf16 hi + lo, so
+//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 4-stage cp.async
+//      ring (three in flight: the loads, not the MMAs, set the pace), each fn slice read once per
+//      tile, not once per token;
+//   2. the tiny per-token work: forward, the softmax and the 2 iters - 1 Sinkhorn passes in one
+//      thread's registers; backward, one warp per token with the stages in shared memory;
+//   3. the collapse (forward), or dstreams += dm fn with the RMS and collapse paths (backward), with
+//      several tokens' loads in flight per thread.
+// hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
+// RMS factor (left by the backward in its workspace), is a tensor-core GEMM over 1024-token chunks.
+//
+// What each call must move and compute at T tokens, K = H D, M = (2 + H) H (in brackets: H = 4,
+// D = 2048, T = 16384, K = 8192, M = 24, at the ~4.3 TB/s an H200 reaches):
+//   hc_coefficients: x 2 T K + collapsed 2 T D + pre, post, comb 4 T (2 H + H^2) bytes [336 MB,
+//     0.08 ms]; 2 T K M (the mix) + 4 T K FLOPs [6.7 GFLOP: 0.1 ms on the CUDA cores' fp32, so the
+//     tensor cores]. A tile's x (1 MB) leaves L2 before its collapse reads it again: x is read
+//     twice [604 MB, 0.14 ms].
+//   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams read and written 8 T K + w
+//     4 T M bytes [1411 MB, 0.33 ms]; 4 T K M (the mix again and dn = dm fn) + ~8 T K FLOPs
+//     [13.9 GFLOP]. x is read three times (mix, dpre, the epilogue) and d_collapsed twice [2014 MB,
+//     0.47 ms].
+//   hc_dfn: x 2 T K + w 4 T M + dfn's atomics 4 M K per 1024 tokens [282 MB, 0.066 ms]; 2 T K M
+//     FLOPs [6.4 GFLOP, twice that on the tensor cores for w's hi + lo].
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -26,13 +41,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
-constexpr int kTileTokens = 64;                  // tokens per block of the coefficient kernels
-constexpr int kGroups = kThreads / kTileTokens;  // mix outputs split in 4 groups, a warp pair each
-constexpr int kSlice = 64;                       // mix reduction slice staged in shared memory
-constexpr int kXStride = kSlice + 8;    // bf16; rows 16-byte aligned, 16-byte reads by 8 rows hit 32 banks
-constexpr int kTokenChunk = 64;         // tokens of dm staged at once by hc_dfn_kernel
-constexpr int kChunksPerDfnBlock = 16;  // 1024 tokens per hc_dfn_kernel block
-constexpr size_t kMaxDynamicShared = 160 * 1024;  // the backward's Sinkhorn stages share this
+constexpr int kTileTokens = 64;  // tokens per block of the coefficient kernels: 4 MMA rows of 16
+constexpr int kSlice = 64;       // mix reduction slice: two 32-wide k chunks, one per half of the warps
+constexpr int kStages = 4;       // slices in the ring: three loading while one is multiplied
+// Row strides of a staged slice. A quarter warp reads rows g and g + 1 with 16-byte accesses at 16 c
+// (x) or 32 c (fn) bytes: rows 64 mod 128 bytes apart (x) or 4 words mod 32 (fn) hit disjoint banks.
+constexpr int kXStride = kSlice + 32;             // bf16
+constexpr int kFStride = kSlice + 4;              // fp32
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // per block on sm_90
+static_assert(kTileTokens == kWarps * 8, "the forward's Sinkhorn takes 8 tokens per warp");
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
@@ -50,106 +67,132 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Shared-memory layout of the coefficient kernels for H streams.
 template <int H>
 struct Tile {
-  static constexpr int M = (2 + H) * H;                  // mix outputs
-  static constexpr int P = (M + kGroups - 1) / kGroups;  // mix outputs per thread
-  static constexpr int MP = (M + 3) / 4 * 4;             // dm row stride (float4 reads)
+  static constexpr int M = (2 + H) * H;       // mix outputs
+  static constexpr int NT = (M + 7) / 8;      // MMA column tiles of the mix (fn rows staged: 8 NT)
+  static constexpr int MP = (M + 3) / 4 * 4;  // dm row stride (float4 reads)
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
-  static constexpr size_t kSliceBytes = kXBytes + kGroups * P * kSlice * sizeof(float);
-  // Two slices (double-buffered), then raw [64, M + 1] (sum of squares last), pre [64, H], then
-  // per-kernel data.
-  static constexpr size_t kRawOffset = 2 * kSliceBytes;
+  static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
+  // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
+  static constexpr size_t kRawOffset = kStages * kStageBytes;
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
-  static_assert(kTileTokens * MP * sizeof(float) <= kRawOffset, "dm must fit where the slices were");
-  static_assert(kXBytes % 16 == 0 && kSliceBytes % 16 == 0, "slices must be 16-byte aligned");
+  static_assert(kTileTokens * MP * sizeof(float) <= kRawOffset, "dm must fit where the ring was");
+  static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
-// Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends).
-// `vec` (D % 8 == 0, 16-byte aligned pointers): by cp.async, to be waited for; else plain loads.
+// Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends and in
+// fn's padding rows), as one commit group (empty past K). `vec` (D % 8 == 0, 16-byte aligned
+// pointers): by cp.async, to be waited for; else plain loads.
 template <int H>
 __device__ void stage_slice(const __nv_bfloat16* x, int count, const float* fn, int K, int k0, bool vec,
                             unsigned char* buf) {
   using T = Tile<H>;
+  constexpr int kRows = T::NT * 8;
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
   float* fs = reinterpret_cast<float*>(buf + T::kXBytes);
-  if (vec) {
+  if (k0 < K && vec) {
     for (int e = threadIdx.x; e < kTileTokens * kSlice / 8; e += kThreads) {
       const int tt = e / (kSlice / 8), kk = e % (kSlice / 8) * 8, k = k0 + kk;
       const bool valid = tt < count && k < K;
       copy16(xs + tt * kXStride + kk, valid ? x + static_cast<int64_t>(tt) * K + k : x, valid);
     }
-    for (int e = threadIdx.x; e < kGroups * T::P * kSlice / 4; e += kThreads) {
+    for (int e = threadIdx.x; e < kRows * kSlice / 4; e += kThreads) {
       const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4, k = k0 + kk;
       const bool valid = o < T::M && k < K;
-      copy16(fs + o * kSlice + kk, valid ? fn + static_cast<int64_t>(o) * K + k : fn, valid);
+      copy16(fs + o * kFStride + kk, valid ? fn + static_cast<int64_t>(o) * K + k : fn, valid);
     }
-    copy_commit();
-    return;
+  } else if (k0 < K) {
+    for (int e = threadIdx.x; e < kTileTokens * kSlice; e += kThreads) {
+      const int tt = e / kSlice, kk = e % kSlice, k = k0 + kk;
+      xs[tt * kXStride + kk] =
+          tt < count && k < K ? x[static_cast<int64_t>(tt) * K + k] : __float2bfloat16(0.0f);
+    }
+    for (int e = threadIdx.x; e < kRows * kSlice; e += kThreads) {
+      const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
+      fs[o * kFStride + kk] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
+    }
   }
-  for (int e = threadIdx.x; e < kTileTokens * kSlice; e += kThreads) {
-    const int tt = e / kSlice, kk = e % kSlice, k = k0 + kk;
-    xs[tt * kXStride + kk] =
-        tt < count && k < K ? x[static_cast<int64_t>(tt) * K + k] : __float2bfloat16(0.0f);
-  }
-  for (int e = threadIdx.x; e < kGroups * T::P * kSlice; e += kThreads) {
-    const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
-    fs[e] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
-  }
+  copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
 }
 
-// Mix of one tile: raw[tt, o] = sum_i x[tt, i] fn[o, i] for o < M, raw[tt, M] = sum_i x[tt, i]^2,
-// for the tile's `count` tokens x [count, K], slice by slice, the next slice arriving (cp.async)
-// while this one is summed. Warp w computes output group w / 2 for tokens (w % 2) 32 + lane.
+// Mix of one tile into raw (see Tile): raw[tt, o] = sum_k x[tt, k] fn[o, k] for o < M and raw[tt, M]
+// = sum_k x[tt, k]^2, for the tile's `count` tokens x [count, K]. Warp w multiplies tokens
+// 16 (w % 4) .. + 15 by k chunk w / 4 (32 wide) of every slice; the two halves add up in raw.
+//
+// Within a chunk the k order is permuted (the sum does not care): thread (g, c) = (lane / 4, lane % 4)
+// reads elements 8c .. 8c + 7 of its rows g and g + 8 in one 16-byte access each and gives them to
+// two m16n8k16 as their k = 2c, 2c + 1, 2c + 8, 2c + 9; fn's B fragments follow the same order.
+// The sums of squares come from two more MMAs per k16: x x^T of the 16 rows against rows 0-7 and
+// 8-15 (B is the thread's own x registers), whose diagonals are the sums (bf16 products are exact).
 template <int H>
 __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int K, bool vec,
                          unsigned char* smem) {
   using T = Tile<H>;
+  constexpr int M = T::M, NT = T::NT;
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = warp / 2, token = (warp % 2) * 32 + lane;
-  float acc[T::P], sq = 0.0f;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int row = (warp % 4) * 16 + g, half = warp / 4, kc = half * 32 + 8 * c;
+  float acc[NT][4] = {}, sq_top[4] = {}, sq_bottom[4] = {};
+  const int slices = (K + kSlice - 1) / kSlice;
 #pragma unroll
-  for (int p = 0; p < T::P; ++p) acc[p] = 0.0f;
-  stage_slice<H>(x, count, fn, K, 0, vec, smem);
-  for (int k0 = 0, slot = 0; k0 < K; k0 += kSlice, slot ^= 1) {
-    if (k0 + kSlice < K) {
-      stage_slice<H>(x, count, fn, K, k0 + kSlice, vec, smem + (slot ^ 1) * T::kSliceBytes);
-      if (vec) copy_wait_all_but_newest();
-    } else if (vec) {
-      copy_wait_all();
+  for (int s = 0; s < kStages - 1; ++s)
+    stage_slice<H>(x, count, fn, K, s * kSlice, vec, smem + s * T::kStageBytes);
+  for (int s = 0; s < slices; ++s) {
+    copy_wait<kStages - 2>();  // this thread's copies of slice s have landed
+    __syncthreads();           // everyone's have, and nobody reads slice s - 1 any more
+    stage_slice<H>(x, count, fn, K, (s + kStages - 1) * kSlice, vec,
+                   smem + (s + kStages - 1) % kStages * T::kStageBytes);
+    const unsigned char* buf = smem + s % kStages * T::kStageBytes;
+    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
+    const float* fs = reinterpret_cast<const float*>(buf + T::kXBytes);
+    const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
+    const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
+    const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
+    mma_bf16(sq_top, a0, top.x, top.y);
+    mma_bf16(sq_top, a1, top.z, top.w);
+    mma_bf16(sq_bottom, a0, bottom.x, bottom.y);
+    mma_bf16(sq_bottom, a1, bottom.z, bottom.w);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const float* f = fs + (n * 8 + g) * kFStride + kc;
+      const float4 f0 = *reinterpret_cast<const float4*>(f), f1 = *reinterpret_cast<const float4*>(f + 4);
+      uint32_t hi[4], lo[4];
+      split_bf16(f0.x, f0.y, hi[0], lo[0]);
+      split_bf16(f0.z, f0.w, hi[1], lo[1]);
+      split_bf16(f1.x, f1.y, hi[2], lo[2]);
+      split_bf16(f1.z, f1.w, hi[3], lo[3]);
+      mma_bf16(acc[n], a0, hi[0], hi[1]);
+      mma_bf16(acc[n], a0, lo[0], lo[1]);
+      mma_bf16(acc[n], a1, hi[2], hi[3]);
+      mma_bf16(acc[n], a1, lo[2], lo[3]);
+    }
+  }
+  copy_wait<0>();  // only empty groups are left, but the ring is reused after this
+  // C fragment: acc[n][e] is (row + 8 (e / 2), column 8 n + 2 c + e % 2). The diagonal entry of the
+  // squares, (g, g) and (g + 8, 8 + g), sits in the thread with c = g / 2, element g % 2 (+ 2).
+  const bool diagonal = c == g / 2;
+  const float sq0 = g % 2 == 0 ? sq_top[0] : sq_top[1], sq1 = g % 2 == 0 ? sq_bottom[2] : sq_bottom[3];
+  for (int pass = 1; pass >= 0; --pass) {  // the second half stores, then the first adds
+    if (half == pass) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int o = n * 8 + 2 * c + e % 2;
+          float& r = raw[(row + 8 * (e / 2)) * (M + 1) + o];
+          if (o < M) r = pass == 1 ? acc[n][e] : r + acc[n][e];
+        }
+      }
+      if (diagonal) {
+        float& r0 = raw[row * (M + 1) + M];
+        float& r1 = raw[(row + 8) * (M + 1) + M];
+        r0 = pass == 1 ? sq0 : r0 + sq0;
+        r1 = pass == 1 ? sq1 : r1 + sq1;
+      }
     }
     __syncthreads();
-    const unsigned char* buf = smem + slot * T::kSliceBytes;
-    const __nv_bfloat16* xr = reinterpret_cast<const __nv_bfloat16*>(buf) + token * kXStride;
-    const float* fr = reinterpret_cast<const float*>(buf + T::kXBytes) + group * T::P * kSlice;
-#pragma unroll 2
-    for (int kk = 0; kk < kSlice; kk += 8) {
-      float xv[8];
-      load<8>(xr + kk, xv);
-      if (group == 0) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sq = fmaf(xv[j], xv[j], sq);
-      }
-#pragma unroll
-      for (int p = 0; p < T::P; ++p) {
-        const float4 f0 = *reinterpret_cast<const float4*>(fr + p * kSlice + kk);
-        const float4 f1 = *reinterpret_cast<const float4*>(fr + p * kSlice + kk + 4);
-        acc[p] = fmaf(xv[0], f0.x, fmaf(xv[1], f0.y, fmaf(xv[2], f0.z, fmaf(xv[3], f0.w, acc[p]))));
-        acc[p] = fmaf(xv[4], f1.x, fmaf(xv[5], f1.y, fmaf(xv[6], f1.z, fmaf(xv[7], f1.w, acc[p]))));
-      }
-    }
-    __syncthreads();  // this slot is staged again two slices on
   }
-  if (token < count) {
-#pragma unroll
-    for (int p = 0; p < T::P; ++p) {
-      const int o = group * T::P + p;
-      if (o < T::M) raw[token * (T::M + 1) + o] = acc[p];
-    }
-    if (group == 0) raw[token * (T::M + 1) + T::M] = sq;
-  }
-  __syncthreads();
 }
 
 // Row softmax of the comb logits plus eps, into c [H, H]; lane i of the calling warp owns row i.
@@ -199,63 +242,110 @@ __device__ void sinkhorn_pass(int lane, bool columns, const float* c, float* nex
   __syncwarp();
 }
 
+// One Sinkhorn pass over a matrix in the calling thread's registers: each column (or row) divided
+// by its sum + eps, as a multiplication by the reciprocal (within an ulp of the division; H^2
+// divisions per pass would be most of the forward's Sinkhorn time).
+template <int H, bool kColumns>
+__device__ __forceinline__ void normalize_lines(float (&c)[H][H], float eps) {
+#pragma unroll
+  for (int a = 0; a < H; ++a) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int b = 0; b < H; ++b) sum += kColumns ? c[b][a] : c[a][b];
+    const float r = 1.0f / (sum + eps);
+#pragma unroll
+    for (int b = 0; b < H; ++b) (kColumns ? c[b][a] : c[a][b]) *= r;
+  }
+}
+
 template <int H>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
                            const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                            int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
   using T = Tile<H>;
-  constexpr int M = T::M, HH = T::HH;
+  constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
   const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
   float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
-  float* scratch = reinterpret_cast<float*>(smem + T::kCommonBytes);  // per warp: m [M], c [HH]
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
   mix_tile<H>(x, count, fn, K, vec, smem);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* m = scratch + warp * (M + HH);
-  float* c = m + M;
-  for (int tt = warp; tt < count; tt += kWarps) {
+  // One thread per token, the first 8 lanes of every warp: the passes are serial, so eight warps
+  // interleave them rather than two full ones.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tt = warp * 8 + lane;
+  if (lane < 8 && tt < count) {
     const float* r = raw + tt * (M + 1);
     const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
-    for (int o = lane; o < M; o += 32) m[o] = r[o] * inv;
-    __syncwarp();
     const int64_t t = t0 + tt;
-    if (lane < H) {
-      const int h = lane;
-      pre_s[tt * H + h] = sigmoid(m[h] * scale[0] + base[h]) + hc_eps;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      pre_s[tt * H + h] = sigmoid(r[h] * inv * scale[0] + base[h]) + hc_eps;
       pre[t * H + h] = pre_s[tt * H + h];
-      post[t * H + h] = 2.0f * sigmoid(m[H + h] * scale[1] + base[H + h]);
+      post[t * H + h] = 2.0f * sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
     }
-    // Sinkhorn as transformers writes it: one column pass, then (iters - 1) row + column passes.
-    comb_softmax<H>(lane, m, base, scale[2], hc_eps, c, nullptr);
-    sinkhorn_pass<H>(lane, true, c, c, hc_eps, nullptr);
+    // Row softmax plus eps, then Sinkhorn as transformers writes it: one column pass, then
+    // (iters - 1) row + column passes.
+    float cm[H][H];
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < H; ++j) {
+        cm[i][j] = r[2 * H + i * H + j] * inv * scale[2] + base[2 * H + i * H + j];
+        mx = fmaxf(mx, cm[i][j]);
+      }
+      float z = 0.0f;
+#pragma unroll
+      for (int j = 0; j < H; ++j) z += (cm[i][j] = expf(cm[i][j] - mx));
+#pragma unroll
+      for (int j = 0; j < H; ++j) cm[i][j] = cm[i][j] / z + hc_eps;
+    }
+    normalize_lines<H, true>(cm, hc_eps);
     for (int it = 0; it + 1 < iters; ++it) {
-      sinkhorn_pass<H>(lane, false, c, c, hc_eps, nullptr);
-      sinkhorn_pass<H>(lane, true, c, c, hc_eps, nullptr);
+      normalize_lines<H, false>(cm, hc_eps);
+      normalize_lines<H, true>(cm, hc_eps);
     }
-    for (int k = lane; k < HH; k += 32) comb[t * HH + k] = c[k];
-    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+#pragma unroll
+      for (int j = 0; j < H; ++j) comb[t * T::HH + i * H + j] = cm[i][j];
+    }
   }
   __syncthreads();
   if (vec) {
-    const int per_token = D / 8;
-    for (int e = threadIdx.x; e < count * per_token; e += kThreads) {
-      const int tt = e / per_token, d = e % per_token * 8;
-      float acc[8] = {}, v[8];
+    // All loads of kBatch vectors first, then the sums: a thread keeps kBatch H 16-byte loads in
+    // flight (the tile's x is no longer in L2 by now).
+    constexpr int kBatch = H <= 4 ? 2 : 1;
+    const int per_token = D / 8, n = count * per_token;
+    for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * kThreads) {
+      float v[kBatch][H][8];
 #pragma unroll
-      for (int h = 0; h < H; ++h) {
-        load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, v);
-        const float ph = pre_s[tt * H + h];
+      for (int b = 0; b < kBatch; ++b) {
+        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
+        if (e < n) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(ph, v[j], acc[j]);
+          for (int h = 0; h < H; ++h) load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, v[b][h]);
+        }
       }
-      store<8>(collapsed + (t0 + tt) * D + d, acc);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
+        if (e < n) {
+          float acc[8] = {};
+#pragma unroll
+          for (int h = 0; h < H; ++h) {
+            const float ph = pre_s[tt * H + h];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = fmaf(ph, v[b][h][j], acc[j]);
+          }
+          store<8>(collapsed + (t0 + tt) * D + d, acc);
+        }
+      }
     }
     return;
   }
@@ -397,18 +487,75 @@ __host__ __device__ constexpr int sinkhorn_scratch_floats(int passes) {
   return 2 * Tile<H>::M + 2 * Tile<H>::HH + (passes + 1) * Tile<H>::HH + passes * H;
 }
 
+// dx[tt, i] += inv[tt] dn[tt, i] - x[tt, i] corr[tt] + pre[tt, h] dcol[tt, d] for the tile, dn =
+// dm fn (i = h D + d). Thread i owns V adjacent columns with their fn [M] in registers; dm comes
+// from shared memory (broadcast). It loads kBatch tokens' dx, x and dcol before using any, so that
+// many loads are in flight: this pass moves most of the backward's bytes (dx in and out in fp32).
+template <int H, int V>
+__device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16* dcol, const float* fn,
+                                    const float* dm_s, const float* inv_s, const float* corr_s,
+                                    const float* pre_s, float* dx, int count, int D) {
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 8;
+  const int K = H * D;
+  for (int i = threadIdx.x * V; i < K; i += kThreads * V) {
+    float f[MP][V];
+#pragma unroll
+    for (int o = 0; o < MP; ++o) {
+      if (o < M) {
+        load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
+      }
+    }
+    const int h = i / D, d = i % D;  // V divides D: the V columns share h
+    for (int tt0 = 0; tt0 < count; tt0 += kBatch) {
+      float g[kBatch][V], xv[kBatch][V], cv[kBatch][V];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int tt = tt0 + b;
+        if (tt < count) {
+          load<V>(dx + static_cast<int64_t>(tt) * K + i, g[b]);
+          load<V>(x + static_cast<int64_t>(tt) * K + i, xv[b]);
+          load<V>(dcol + tt * D + d, cv[b]);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int tt = tt0 + b;
+        if (tt < count) {
+          const float* dmr = dm_s + tt * MP;
+          float dn[V] = {};
+#pragma unroll
+          for (int o = 0; o < MP; o += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(dmr + o);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+              dn[v] = fmaf(q.x, f[o][v],
+                           fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
+          }
+          const float inv = inv_s[tt], corr = corr_s[tt], ph = pre_s[tt * H + h];
+#pragma unroll
+          for (int v = 0; v < V; ++v) g[b][v] += inv * dn[v] - xv[b][v] * corr + ph * cv[b][v];
+          store<V>(dx + static_cast<int64_t>(tt) * K + i, g[b]);
+        }
+      }
+    }
+  }
+}
+
 // Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn stages forward
 // and back (warps 0 .. sinkhorn_warps - 1, one token each at a time), d_pre/d_post/d_comb (and the
 // collapse) back to the mix gradient dm; then dstreams += inv dn - x inv^3 (dm . raw) / (H D) +
-// pre[h] dcol with dn = dm fn (the RMS-norm and collapse paths). Leaves g (the gradient before
-// the scale), m and the RMS factor in the workspace row [g (M), m (M), inv] for hc_dfn_kernel.
+// pre[h] dcol with dn = dm fn (the RMS-norm and collapse paths; add_stream_gradient). Adds the
+// tile's dbase and dscale, and leaves w = dm inv in the workspace as [tokens, M] for hc_dfn_kernel.
 template <int H>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
                                     const float* scale, const float* d_pre, const float* d_post,
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
-                                    float* workspace, int64_t tokens, int D, float rms_eps, float hc_eps,
-                                    int iters, int sinkhorn_warps, bool vec) {
+                                    float* dbase, float* dscale, float* workspace, int64_t tokens, int D,
+                                    float rms_eps, float hc_eps, int iters, int sinkhorn_warps, bool vec) {
   using T = Tile<H>;
   constexpr int M = T::M, HH = T::HH, MP = T::MP;
   extern __shared__ float4 shared_words[];
@@ -418,8 +565,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
   float* inv_s = dpre_s + kTileTokens * H;                           // [64]
   float* corr_s = inv_s + kTileTokens;                               // [64]
-  float* scratch = corr_s + kTileTokens;                             // per Sinkhorn warp
-  float* dm_s = reinterpret_cast<float*>(smem);                      // [64, MP], where the slices were
+  float* dbase_s = corr_s + kTileTokens;                             // [M]
+  float* dscale_s = dbase_s + M;                                     // [3]
+  float* scratch = dscale_s + 3;                                     // per Sinkhorn warp
+  float* dm_s = reinterpret_cast<float*>(smem);                      // [64, MP], where the ring was
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
@@ -434,6 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int h = 0; h < H; ++h) v[h] = 0.0f;
     if (vec) {
+#pragma unroll 2
       for (int d = lane * 8; d < D; d += 32 * 8) {
         float g[8], xv[8];
         load<8>(dcol + tt * D + d, g);
@@ -459,6 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) dm_s[e] = 0.0f;  // padding and absent tokens
+  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;          // and dscale_s
   __syncthreads();
 
   if (warp < sinkhorn_warps) {
@@ -516,18 +667,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
       }
       __syncwarp();
-      float* row = workspace + t * (2 * M + 1);
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
       for (int o = lane; o < M; o += 32) {
         const float dm = g[o] * scale[group_of<H>(o)];
         dm_s[tt * MP + o] = dm;
         dot = fmaf(dm, r[o], dot);
-        row[o] = g[o];
-        row[M + o] = m[o];
+        workspace[t * M + o] = dm * inv;
+        atomicAdd(dbase_s + o, g[o]);
+        atomicAdd(dscale_s + group_of<H>(o), g[o] * m[o]);
       }
       dot = warp_sum(dot);
       if (lane == 0) {
-        row[2 * M] = inv;
         inv_s[tt] = inv;
         corr_s[tt] = inv * inv * inv * dot / static_cast<float>(K);
       }
@@ -536,77 +686,151 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  for (int o = threadIdx.x; o < M; o += kThreads) atomicAdd(dbase + o, dbase_s[o]);
+  if (threadIdx.x < 3) atomicAdd(dscale + threadIdx.x, dscale_s[threadIdx.x]);
   float* dx = dstreams + t0 * K;
-  for (int i = threadIdx.x; i < K; i += kThreads) {
-    float f[MP];
-#pragma unroll
-    for (int o = 0; o < MP; ++o) f[o] = o < M ? __ldg(fn + static_cast<int64_t>(o) * K + i) : 0.0f;
-    const int h = i / D, d = i % D;
-#pragma unroll 4
-    for (int tt = 0; tt < count; ++tt) {
-      const float* dmr = dm_s + tt * MP;
-      float dn = 0.0f;
-#pragma unroll
-      for (int o = 0; o < MP; o += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(dmr + o);
-        dn = fmaf(q.x, f[o], fmaf(q.y, f[o + 1], fmaf(q.z, f[o + 2], fmaf(q.w, f[o + 3], dn))));
-      }
-      const int64_t at = static_cast<int64_t>(tt) * K + i;
-      dx[at] += inv_s[tt] * dn - __bfloat162float(x[at]) * corr_s[tt] +
-                pre_s[tt * H + h] * __bfloat162float(dcol[tt * D + d]);
-    }
-  }
+  if (vec)
+    add_stream_gradient<H, M <= 24 ? 2 : 1>(x, dcol, fn, dm_s, inv_s, corr_s, pre_s, dx, count, D);
+  else
+    add_stream_gradient<H, 1>(x, dcol, fn, dm_s, inv_s, corr_s, pre_s, dx, count, D);
 }
 
-// dfn[o, i] += sum_t dm[t, o] x[t, i] inv[t] over kChunksPerDfnBlock chunks of tokens per block
-// (one atomic per fn entry per block); the first column of blocks also reduces dbase and dscale.
+constexpr int kDfnColumns = 128;  // columns of x and dfn per block: two 8-column MMA tiles per warp
+constexpr int kDfnChunk = 64;     // tokens per stage: four k16 steps
+constexpr int kDfnChunks = 16;    // 1024 tokens per block: one atomic per dfn entry per 1024 tokens
+constexpr int kDfnStages = 3;     // stages in the ring: two loading while one is multiplied
+// ldmatrix reads 8 rows of 16 bytes at once: strides of 16 mod 128 bytes put them in distinct banks.
+constexpr int kDfnXStride = kDfnColumns + 8;  // bf16
+constexpr int kDfnWStride = kDfnChunk + 8;    // bf16
+
+// Shared-memory layout of hc_dfn_kernel: the ring of stages (x [64, 128] bf16, then w [64, M] fp32
+// as it is in the workspace), then w^T split in bf16 hi and lo [16 MT, 64] each (the A operand).
 template <int H>
-__global__ void __launch_bounds__(kThreads)
-    hc_dfn_kernel(const __nv_bfloat16* streams, const float* scale, const float* workspace, float* dfn,
-                  float* dbase, float* dscale, int64_t tokens, int64_t D) {
-  constexpr int M = (2 + H) * H;
-  __shared__ float dm[kTokenChunk * M], inv[kTokenChunk];
-  const int64_t flat = H * D, i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
-  float acc[M], gb = 0.0f, gsc = 0.0f;
-#pragma unroll
-  for (int o = 0; o < M; ++o) acc[o] = 0.0f;
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * kTokenChunk * kChunksPerDfnBlock;
-  for (int chunk = 0; chunk < kChunksPerDfnBlock; ++chunk) {
-    const int64_t t0 = first + static_cast<int64_t>(chunk) * kTokenChunk;
-    if (t0 >= tokens) break;
-    const int nt = static_cast<int>(tokens - t0 < kTokenChunk ? tokens - t0 : kTokenChunk);
-    __syncthreads();  // the previous chunk's dm is no longer read
-    for (int e = threadIdx.x; e < nt * M; e += kThreads) {
-      const int tt = e / M, o = e % M;
-      const float gs = o < H ? s0 : (o < 2 * H ? s1 : s2);
-      dm[e] = workspace[(t0 + tt) * (2 * M + 1) + o] * gs;
+struct DfnTile {
+  static constexpr int M = (2 + H) * H;
+  static constexpr int MT = (M + 15) / 16;  // MMA row tiles of dfn
+  static constexpr size_t kXBytes = kDfnChunk * kDfnXStride * sizeof(__nv_bfloat16);
+  static constexpr size_t kWBytes = (kDfnChunk * M * sizeof(float) + 15) / 16 * 16;
+  static constexpr size_t kStageBytes = kXBytes + kWBytes;
+  static constexpr size_t kSplitOffset = kDfnStages * kStageBytes;
+  static constexpr size_t kBytes = kSplitOffset + 2 * MT * 16 * kDfnWStride * sizeof(__nv_bfloat16);
+  static_assert(kXBytes % 16 == 0, "stages must be 16-byte aligned");
+};
+
+// Stages chunk [t0, t0 + 64) of x's columns [i0, i0 + 128) (zeros past the ends) and of w, as one
+// commit group (empty past the tokens). `vec` (flat % 8 == 0, 16-byte aligned pointers): by
+// cp.async; w's chunk is then whole 16-byte pieces, reading at most 3 floats past its last token
+// (still inside the workspace, and never used).
+template <int H>
+__device__ void stage_dfn(const __nv_bfloat16* streams, const float* w, int64_t tokens, int64_t flat,
+                          int64_t t0, int64_t i0, bool vec, unsigned char* buf) {
+  using T = DfnTile<H>;
+  constexpr int M = T::M;
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
+  float* ws = reinterpret_cast<float*>(buf + T::kXBytes);
+  const int nt = static_cast<int>(tokens - t0 < kDfnChunk ? tokens - t0 : kDfnChunk);
+  if (nt > 0 && vec) {
+    for (int e = threadIdx.x; e < kDfnChunk * kDfnColumns / 8; e += kThreads) {
+      const int tt = e / (kDfnColumns / 8), cc = e % (kDfnColumns / 8) * 8;
+      const int64_t i = i0 + cc;
+      const bool valid = tt < nt && i < flat;
+      copy16(xs + tt * kDfnXStride + cc, valid ? streams + (t0 + tt) * flat + i : streams, valid);
     }
-    for (int tt = threadIdx.x; tt < nt; tt += kThreads) inv[tt] = workspace[(t0 + tt) * (2 * M + 1) + 2 * M];
+    for (int e = threadIdx.x; e < (nt * M + 3) / 4; e += kThreads)
+      copy16(ws + 4 * e, w + t0 * M + 4 * e, true);
+  } else if (nt > 0) {
+    for (int e = threadIdx.x; e < kDfnChunk * kDfnColumns; e += kThreads) {
+      const int tt = e / kDfnColumns, cc = e % kDfnColumns;
+      const int64_t i = i0 + cc;
+      xs[tt * kDfnXStride + cc] =
+          tt < nt && i < flat ? streams[(t0 + tt) * flat + i] : __float2bfloat16(0.0f);
+    }
+    for (int e = threadIdx.x; e < nt * M; e += kThreads) ws[e] = w[t0 * M + e];
+  }
+  copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
+}
+
+// dfn[o, i] += sum_t w[t, o] x[t, i] (w = dm inv, [tokens, M] in the workspace) for 128 columns and
+// 1024 tokens per block: dfn^T's tile = x^T w on the tensor cores, w split in bf16 hi + lo (x is bf16
+// already), so the sum keeps fp32 accuracy. Warp k owns columns 16 k .. 16 k + 15 and every row o.
+template <int H>
+__global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
+    hc_dfn_kernel(const __nv_bfloat16* streams, const float* w, float* dfn, int64_t tokens, int64_t flat,
+                  bool vec) {
+  using T = DfnTile<H>;
+  constexpr int M = T::M, MT = T::MT;
+  extern __shared__ float4 shared_words[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  __nv_bfloat16* w_hi = reinterpret_cast<__nv_bfloat16*>(smem + T::kSplitOffset);
+  __nv_bfloat16* w_lo = w_hi + MT * 16 * kDfnWStride;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kDfnColumns;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kDfnChunk * kDfnChunks;
+  const int64_t left = (tokens - first + kDfnChunk - 1) / kDfnChunk;
+  const int chunks = static_cast<int>(left < kDfnChunks ? left : kDfnChunks);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  float acc[MT][2][4] = {};
+#pragma unroll
+  for (int s = 0; s < kDfnStages - 1; ++s)
+    stage_dfn<H>(streams, w, s < chunks ? tokens : 0, flat, first + s * kDfnChunk, i0, vec,
+                 smem + s * T::kStageBytes);
+  for (int s = 0; s < chunks; ++s) {
+    copy_wait<kDfnStages - 2>();  // this thread's copies of chunk s have landed
+    __syncthreads();              // everyone's have; chunk s - 1 and the split w are no longer read
+    const int next = s + kDfnStages - 1;
+    stage_dfn<H>(streams, w, next < chunks ? tokens : 0, flat, first + next * kDfnChunk, i0, vec,
+                 smem + next % kDfnStages * T::kStageBytes);
+    const unsigned char* buf = smem + s % kDfnStages * T::kStageBytes;
+    const float* ws = reinterpret_cast<const float*>(buf + T::kXBytes);
+    const int64_t t0 = first + static_cast<int64_t>(s) * kDfnChunk;
+    const int nt = static_cast<int>(tokens - t0 < kDfnChunk ? tokens - t0 : kDfnChunk);
+    // w^T [o, t] as bf16 hi + lo, zero past M and past the chunk's tokens; consecutive threads take
+    // consecutive o (conflict-free reads of w's rows).
+    for (int e = threadIdx.x; e < MT * 16 * kDfnChunk / 2; e += kThreads) {
+      const int o = e % (MT * 16), tt = e / (MT * 16) * 2;
+      const float a = o < M && tt < nt ? ws[tt * M + o] : 0.0f;
+      const float b = o < M && tt + 1 < nt ? ws[(tt + 1) * M + o] : 0.0f;
+      uint32_t hi, lo;
+      split_bf16(a, b, hi, lo);
+      *reinterpret_cast<uint32_t*>(w_hi + o * kDfnWStride + tt) = hi;
+      *reinterpret_cast<uint32_t*>(w_lo + o * kDfnWStride + tt) = lo;
+    }
     __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x < M) {
-      const int o = threadIdx.x;
-      for (int tt = 0; tt < nt; ++tt) {
-        const float* row = workspace + (t0 + tt) * (2 * M + 1);
-        gb += row[o];
-        gsc = fmaf(row[o], row[M + o], gsc);
-      }
-    }
-    if (i < flat) {
-      for (int tt = 0; tt < nt; ++tt) {
-        const float v = __bfloat162float(streams[(t0 + tt) * flat + i]) * inv[tt];
+    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
 #pragma unroll
-        for (int o = 0; o < M; ++o) acc[o] = fmaf(dm[tt * M + o], v, acc[o]);
+    for (int k = 0; k < kDfnChunk; k += 16) {
+      // B: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) of the
+      // warp's 16 columns, transposed: b0, b1 of its two column tiles.
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, shared_address(xs + (k + lane % 16) * kDfnXStride + warp * 16 + lane / 16 * 8));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        // A: rows 0-7 and 8-15 of k 0-7, then of k 8-15: a0 .. a3.
+        const int offset = (mt * 16 + lane % 16) * kDfnWStride + k + lane / 16 * 8;
+        uint32_t a_hi[4], a_lo[4];
+        ldmatrix_x4(a_hi, shared_address(w_hi + offset));
+        ldmatrix_x4(a_lo, shared_address(w_lo + offset));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          mma_bf16(acc[mt][j], a_hi, b[2 * j], b[2 * j + 1]);
+          mma_bf16(acc[mt][j], a_lo, b[2 * j], b[2 * j + 1]);
+        }
       }
     }
   }
-  if (blockIdx.x == 0 && threadIdx.x < M) {
-    atomicAdd(dbase + threadIdx.x, gb);
-    atomicAdd(dscale + group_of<H>(threadIdx.x), gsc);
-  }
-  if (i >= flat) return;
+  copy_wait<0>();
+  // C fragment: acc[mt][j][e] is (row 16 mt + g + 8 (e / 2), column 16 warp + 8 j + 2 c + e % 2).
 #pragma unroll
-  for (int o = 0; o < M; ++o) atomicAdd(dfn + o * flat + i, acc[o]);
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int o = mt * 16 + g + 8 * (e / 2);
+        const int64_t i = i0 + warp * 16 + j * 8 + 2 * c + e % 2;
+        if (o < M && i < flat) atomicAdd(dfn + o * flat + i, acc[mt][j][e]);
+      }
+    }
+  }
 }
 
 void check_shape(const cpu::HcShape& s, const char* what) {
@@ -685,9 +909,9 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
   const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {collapsed, 2}});
   SPINDLE_HC_DISPATCH({
-    const size_t bytes = Tile<H>::kCommonBytes + kWarps * (Tile<H>::M + Tile<H>::HH) * sizeof(float);
-    launch_tiled(hc_coefficients_kernel<H>, s, bytes, stream, "hc_coefficients_kernel", streams, fn, base,
-                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
+    launch_tiled(hc_coefficients_kernel<H>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
+                 streams, fn, base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters,
+                 vec);
   })
 }
 
@@ -751,23 +975,31 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}});
+  const bool dfn_vec = vector_rows(s, {{streams, 2}, {workspace, 4}});
   const int64_t flat = s.streams * s.hidden;
-  const dim3 dfn_grid(static_cast<unsigned>((flat + kThreads - 1) / kThreads),
-                      static_cast<unsigned>((s.tokens + kTokenChunk * kChunksPerDfnBlock - 1) /
-                                            (kTokenChunk * kChunksPerDfnBlock)));
+  const dim3 dfn_grid(
+      static_cast<unsigned>((flat + kDfnColumns - 1) / kDfnColumns),
+      static_cast<unsigned>((s.tokens + kDfnChunk * kDfnChunks - 1) / (kDfnChunk * kDfnChunks)));
   SPINDLE_HC_DISPATCH({
-    // As many warps run the Sinkhorn backward at once as their stages fit in shared memory.
-    const size_t fixed = Tile<H>::kCommonBytes + (kTileTokens * H + 2 * kTileTokens) * sizeof(float);
+    // As many warps run the Sinkhorn backward at once as their stages fit in shared memory (at
+    // hc_mult 4 and 20 iterations, all 8 in 112 KB: two blocks per SM).
+    const size_t fixed =
+        Tile<H>::kCommonBytes + (kTileTokens * H + 2 * kTileTokens + Tile<H>::M + 3) * sizeof(float);
     const size_t per_warp = static_cast<size_t>(sinkhorn_scratch_floats<H>(passes)) * sizeof(float);
     const int warps = static_cast<int>(std::min<size_t>(kWarps, (kMaxDynamicShared - fixed) / per_warp));
     check(warps >= 1, "hc_coefficients_backward: ", iters, " Sinkhorn iterations at hc_mult ", s.streams,
           " need ", fixed + per_warp, " bytes of shared memory (at most ", kMaxDynamicShared, ")");
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + warps * per_warp, stream,
                  "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
-                 d_collapsed, dstreams, workspace, s.tokens, D, rms_eps, hc_eps, iters, warps, vec);
-    hc_dfn_kernel<H><<<dfn_grid, kThreads, 0, stream>>>(streams, scale, workspace, dfn, dbase, dscale,
-                                                        s.tokens, s.hidden);
+                 d_collapsed, dstreams, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, warps,
+                 vec);
+    const size_t dfn_bytes = DfnTile<H>::kBytes;
+    if (dfn_bytes > 48 * 1024)
+      SPINDLE_CUDA(cudaFuncSetAttribute(hc_dfn_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(dfn_bytes)));
+    hc_dfn_kernel<H>
+        <<<dfn_grid, kThreads, dfn_bytes, stream>>>(streams, workspace, dfn, s.tokens, flat, dfn_vec);
     SPINDLE_LAUNCHED("hc_dfn_kernel");
   })
 }

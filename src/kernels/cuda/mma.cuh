@@ -1,5 +1,5 @@
 // Warp-level tensor-core building blocks shared by the kernels that use them: cp.async copies into
-// shared memory, ldmatrix loads and the bf16 mma.sync m16n8k16 (fp32 accumulate).
+// shared memory, ldmatrix loads, the bf16 mma.sync m16n8k16 and the TF32 m16n8k8 (fp32 accumulate).
 //
 // Fragment layout of mma.sync.m16n8k16 (g = lane / 4, c = lane % 4): A (16 x 16, row-major)
 // a0 = (g, 2c..2c+1), a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..); B (16 x 8, "col")
@@ -31,6 +31,12 @@ __device__ __forceinline__ void copy_wait_all_but_newest() {
 }
 
 __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Waits until at most N committed groups (the newest N) are still in flight: a ring of N + 2 stages.
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8 x 8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
@@ -65,6 +71,55 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Two fp32 values a, b as bf16x2 pairs hi + lo with a = hi.x + lo.x and b = hi.y + lo.y to about
+// 2^-17 relative (lo rounds what hi left): bf16 x (hi + lo) on the tensor cores keeps an fp32
+// operand's accuracy at twice the bf16 MMAs.
+__device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(a, b);
+  lo = pack_bf16(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+// TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, rounded to nearest
+// by cvt.rna) and fp32 accumulation. Fragment layout (g = lane / 4, c = lane % 4): A (16 x 8,
+// row-major) a0 = (g, c), a1 = (g+8, c), a2 = (g, c+4), a3 = (g+8, c+4); B (8 x 8, "col") b0 =
+// (k c, n g), b1 = (k c+4, n g); C as for m16n8k16.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// N fp32 values of a TF32 operand fragment: hi = tf32(x) and, when kSplit, lo = tf32(x - hi), the
+// part hi leaves out (x - hi is exact). The 3xTF32 product hi*hi + hi*lo + lo*hi misses only
+// lo*lo, about 2^-22 relative: fp32-level accuracy for three mma instead of one.
+template <int N, bool kSplit>
+struct Tf32Frag {
+  uint32_t hi[N];
+  uint32_t lo[kSplit ? N : 1];
+  __device__ __forceinline__ void set(int e, float x) {
+    hi[e] = to_tf32(x);
+    if constexpr (kSplit) lo[e] = to_tf32(x - __uint_as_float(hi[e]));
+  }
+};
+
+// d += a b, m16n8k8, as one TF32 mma or (kSplit) three.
+template <bool kSplit>
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const Tf32Frag<4, kSplit>& a,
+                                         const Tf32Frag<2, kSplit>& b) {
+  if constexpr (kSplit) {
+    mma_tf32(d, a.lo, b.hi[0], b.hi[1]);
+    mma_tf32(d, a.hi, b.lo[0], b.lo[1]);
+  }
+  mma_tf32(d, a.hi, b.hi[0], b.hi[1]);
 }
 
 }  // namespace spindle::cuda

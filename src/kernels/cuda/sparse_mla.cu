@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_hopper.h"
 
 namespace spindle::cuda {
 
@@ -514,6 +515,10 @@ std::string sparse_mla_unsupported(const SparseMlaShape& s) {
 
 void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                         const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream) {
+  if (sparse_mla_hopper_takes(s)) {
+    sparse_mla_forward_hopper(s, q, latent, selected, out, lse, stream);
+    return;
+  }
   check_supported(s, q, latent);
   if (s.tokens == 0) return;
   MlaArgs args = shape_args(s, q, latent, selected);

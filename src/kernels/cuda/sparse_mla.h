@@ -3,7 +3,10 @@
 // first dv), so the heads of a query form the M dimension of real matrix products. The contract
 // is cpu::sparse_attention with one key head and kv = [latent | latent[:dv]] (kernels/cpu/dsa.h).
 //
-// Launch: one CTA of 8 warps per (query, group of up to 32 heads); the selected rows are gathered
+// The forward runs on wgmma (sparse_mla_hopper.h) when dk and dv are multiples of 64; otherwise,
+// and for the backward, on the kernels below.
+//
+// Launch: one CTA of 16 warps per (query, group of up to 32 heads); the selected rows are gathered
 // 64 at a time into shared memory with cp.async (double-buffered) and multiplied with mma.sync
 // m16n8k16 (bf16 in, fp32 accumulate):
 //   forward: S = Q K^T (each warp 8 of the 64 keys), an online softmax over the tile's rows in

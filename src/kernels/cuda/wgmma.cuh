@@ -1,0 +1,76 @@
+// Hopper's warpgroup matrix multiply (wgmma, sm_90a) with both operands in shared memory, for the
+// kernels that use it: the operand layout, its descriptor, and the fence / commit / wait steps.
+//
+// Operands use the no-swizzle "core matrix" layout: a core matrix is 8 rows of 16 bytes (8 bf16)
+// stored as 128 contiguous bytes. For a [rows][cols] bf16 matrix with cols a multiple of 8,
+// core_offset() lays the core matrices of one 8-row group side by side along the columns, and the
+// groups one after another: element (r, c) at (r / 8) * cols * 16 + (c / 8) * 128 + (r % 8) * 16 +
+// (c % 8) * 2. So 16-byte unit u of an 8-row group at byte 16 u, a copy of contiguous units fills it
+// contiguously. In a descriptor, the leading byte offset is the distance between core matrices
+// adjacent along K, the stride byte offset between those adjacent along M (or N); that holds for
+// operands stored K-major and, with the transpose bit, MN-major.
+//
+// Accumulators of m64nNk16 (fp32, N / 2 per thread): warp w of the warpgroup holds rows 16 w + l / 4
+// and 16 w + l / 4 + 8 (l the lane), d[4 j + 2 h + e] = (row 16 w + l / 4 + 8 h, column 8 j + 2 (l % 4)
+// + e): mma.sync's m16n8 layout once per n8 block.
+#pragma once
+
+#include <cstdint>
+
+// wgmma exists only in sm_90a code; the build's portable compute_90 PTX gets a trap instead (the
+// H200 runs the sm_90a machine code).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPINDLE_WGMMA(...) asm volatile(__VA_ARGS__)
+#else
+#define SPINDLE_WGMMA(...) __trap()
+#endif
+
+namespace spindle::cuda {
+
+__device__ __forceinline__ uint32_t core_offset(int row, int col, int cols) {
+  return static_cast<uint32_t>((row / 8) * cols * 16 + (col / 8) * 128 + (row % 8) * 16 + (col % 8) * 2);
+}
+
+// A shared-memory matrix descriptor, no swizzle: start address, leading (K) and stride (M or N)
+// byte offsets, each in 16-byte units.
+__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t shared_address, uint32_t k_offset,
+                                                     uint32_t mn_offset) {
+  return static_cast<uint64_t>((shared_address & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((k_offset >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((mn_offset >> 4) & 0x3FFF) << 32;
+}
+
+// Before the first wgmma that reads or writes accumulators the threads last touched.
+__device__ __forceinline__ void wgmma_fence() { SPINDLE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  SPINDLE_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+  SPINDLE_WGMMA("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+
+// Shared memory written by the threads (or cp.async) that wgmma reads next: each writer fences,
+// then a barrier.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma.
+__device__ __forceinline__ void wgmma_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d (+)= A [64 x 16] B [16 x 32], bf16 in, fp32 accumulate; `accumulate` false overwrites d.
+// TransA: A stored MN-major (its 64 rows contiguous within each 8-column piece) instead of K-major.
+template <int TransA>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t a, uint64_t b, bool accumulate) {
+  SPINDLE_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TransA));
+}
+
+}  // namespace spindle::cuda
