@@ -4,9 +4,9 @@
 // the fp32 chunk states and gradients 1e-3: both sides see the same rounded inputs, so only fp32
 // arithmetic differs (expected ~1e-6 .. 1e-5: the log decays in [-0.5, 0] make the recurrence
 // contract, so rounding does not build up over the 4096-token case). The intra-chunk products
-// (the preps' A, Aq, W, U0, P, Z and the forward's output) run on the tensor cores as 3xTF32
-// (kKdaSplitTf32 in kernels/cuda/kda_chunk.cuh), fp32-level like the rest; plain TF32 (~3e-4
-// relative per product, then through the solve and the state recurrence) may not stay within 1e-3.
+// (the preps' A, Aq, W, U0, P, Z) run on the tensor cores as 3xTF32 (kKdaSplitTf32 in
+// kernels/cuda/kda_chunk.cuh), fp32-level like the rest; plain TF32 (~3e-4 relative per product,
+// then through the solve and the state recurrence) may not stay within 1e-3.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -159,12 +159,15 @@ TEST(CudaKda, StrongDecaysWithPartialChunks) {
   // Decays past fp32's range: down to -5 a chunk decays by ~160 nats, down to -20 even one 16-token
   // sub-chunk does, so exp(-G) of either overflows; the preps factor exp(G_t - G_s) through a token
   // between s and t, every factor <= 1. Partial last chunks of lengths that are no multiple of 16
-  // (13, 41, 8, 22 tokens), the largest head dims, a dk that is no multiple of 8.
+  // (13, 41, 8, 22, 33 tokens), the largest head dims, a dk that is no multiple of 8.
   for (auto [T, H, dk, dv, carried, g_min] :
        {std::tuple<int64_t, int64_t, int64_t, int64_t, bool, float>{333, 2, 128, 128, false, -5.0f},
         {1001, 2, 128, 64, true, -5.0f},
         {200, 2, 100, 72, false, -5.0f},
-        {150, 1, 128, 128, true, -20.0f}})
+        {150, 1, 128, 128, true, -20.0f},
+        // Head dims that are no multiple of 4 (rows not 16-byte aligned: the 4-byte copies) nor of 8.
+        {150, 2, 30, 21, true, -5.0f},
+        {97, 1, 127, 9, false, -20.0f}})
     check_against_recurrence(T, H, dk, dv, carried, g_min);
 }
 

@@ -10,11 +10,11 @@
 //      column: S's column j sees only v[:, j]): the [dk, 16] state tile walks the chunks in
 //      order, u = U0 - W S, S = diag(exp G_last) S + Kb^T u, each chunk's entry state into
 //      chunk_states and u over U0; the next chunk's operands arrive by cp.async meanwhile;
-//   3. output, grid chunks x heads: o = exp(G) q S_c + Aq u.
-// The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output) run on the tensor
-// cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks, the solve and the state
-// pass in fp32 on the CUDA cores.
-// Every exponential is of a difference <= 0, so no cumulative decay over- or underflows.
+//   3. output, grid value tiles of 64 x chunks x heads: o = exp(G) q S_c + Aq u.
+// The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output's) run on the tensor
+// cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks, the solve and the state pass in
+// fp32 on the CUDA cores. Every exponential is of a difference <= 0, so no
+// cumulative decay over- or underflows.
 //
 // The backward is kda_backward.cu.
 #include <algorithm>
@@ -209,59 +209,81 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The output pass's shared memory: q and G (then exp(G) q), the entry state [dk, dv], Aq and u.
-constexpr int kSv = kMaxDim + 4;  // row stride of the state and u tiles: 4 mod 32, as kKp
-constexpr int kAq = kC + 4;       // Aq's row stride, likewise
+// The output pass: a CTA per chunk, head and 64 value columns. Shared memory: exp(G) q [C, dk],
+// the entry state's columns [dk, 64], Aq and u's columns: 107 KB, two CTAs per SM. Strides: q and
+// Aq are read as mma A operands (4 mod 32 words), the state and u as B operands (8 mod 32).
+constexpr int kOutV = 64;
+constexpr int kSv = kOutV + 8;
+constexpr int kAq = kC + 4;
 size_t output_smem_bytes() {
-  return sizeof(float) * static_cast<size_t>(2 * kC * kKp + kMaxDim * kSv + kC * kAq + kC * kSv);
+  return sizeof(float) * static_cast<size_t>(kC * kKp + kMaxDim * kSv + kC * kAq + kC * kSv + kMaxDim);
 }
+static_assert(kThreads == 2 * kMaxDim, "the output's prefix sums: two threads per channel");
 
-// Chunk c0 + blockIdx.x of head blockIdx.y: o = exp(G) q S_c + Aq u on the tensor cores (the
-// preps' TF32 products). Warp w: rows 16 (w / 2) .. + 15, columns 64 (w % 2) .. + 63.
-__global__ void __launch_bounds__(kThreads)
+// Value columns j0 = 64 blockIdx.x .. of chunk c0 + blockIdx.y, head blockIdx.z: o = exp(G) q S_c +
+// Aq u on the tensor cores as 3xTF32. Plain TF32 looked enough for a bf16 output (2^-11 per operand
+// against the result's 2^-9), but through the model's 45 layers it moved whole-model log-probs past
+// their bounds (CudaStreaming: 0.0167 for 0.01 between chunkings). The state, Aq and u arrive by
+// cp.async all at once while the threads load q and g (64 loads each in flight) and form exp(G) q
+// in registers. Warp w: rows 16 (w / 2) .. + 15, columns 32 (w % 2) .. + 31 of the CTA's 64.
+__global__ void __launch_bounds__(kThreads, 2)
     kda_fwd_output_kernel(const __nv_bfloat16* __restrict__ q, const float* __restrict__ g,
                           const float* __restrict__ blocks, const float* __restrict__ chunk_states,
                           __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
                           int dv) {
   extern __shared__ __align__(16) float smem[];
-  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
+  const int j0 = kOutV * blockIdx.x, h = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t c = c0 + blockIdx.y, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* qs = smem;                // [C, kKp]
-  float* Gs = qs + kC * kKp;       // [C, kKp]
-  float* St = Gs + kC * kKp;       // [kMaxDim, kSv]
+  const int dk8 = (dk + 7) / 8 * 8, nv = min(kOutV, dv - j0);
+  float* qs = smem;                // [C, kKp]: exp(G) q, zero past the chunk and past dk
+  float* St = qs + kC * kKp;       // [kMaxDim, kSv]: S_c[:, j0 ..], zero rows dk .. dk8
   float* Aq = St + kMaxDim * kSv;  // [C, kAq]
   float* u = Aq + kC * kAq;        // [C, kSv]
-  const float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
-  const float* state = chunk_states + (c * heads + h) * SS;
-  // Zero past dk, dv and the chunk: the products read whole steps of 8 (the block is zero there).
-  for (int idx = tid; idx < kMaxDim * kMaxDim; idx += kThreads) {
-    const int i = idx / kMaxDim, j = idx - i * kMaxDim;
-    St[i * kSv + j] = i < dk && j < dv ? state[i * dv + j] : 0.0f;
-  }
-  for (int idx = tid; idx < kC * kC; idx += kThreads) Aq[idx / kC * kAq + idx % kC] = block[idx];
-  for (int idx = tid; idx < kC * kMaxDim; idx += kThreads) {
-    const int t = idx / kMaxDim, j = idx - t * kMaxDim;
-    u[t * kSv + j] = block[kOffU + idx];
-    if (t >= n || j >= dk) qs[t * kKp + j] = 0.0f;  // where load_chunk_with_prefix does not write
-  }
-  load_chunk_with_prefix(q, nullptr, g, t0, n, h, heads, dk, kKp, qs, nullptr, Gs, nullptr);
-  for (int idx = tid; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk;
-    qs[t * kKp + i] *= expf(Gs[t * kKp + i]);
-  }
-  __syncthreads();
-  const int mt = warp / 2, n0 = 64 * (warp % 2);
-  if (16 * mt >= n || n0 >= dv) return;
-  float acc[8][4] = {};
-  tile_times(acc, qs, kKp, St, kSv, 16 * mt, n0, (dk + 7) / 8 * 8);
-  lower_times(acc, Aq, kAq, u, kSv, mt, n0);
+  float* half_sum = u + kC * kSv;  // [kMaxDim]: G of token C / 2 - 1
+  const float* block = blocks + (static_cast<int64_t>(blockIdx.y) * heads + h) * kKdaForwardBlockFloats;
+  stage_rows(St, kSv, chunk_states + (c * heads + h) * SS + j0, dv, dk, nv);
+  stage_rows(Aq, kAq, block, kC, kC, kC);
+  // u and Aq are zero past the chunk and u past dv in the block: whole 8-column steps are exact.
+  stage_rows(u, kSv, block + kOffU + j0, kMaxDim, kC, (nv + 7) / 8 * 8);
+  copy_commit();
+  // The state's rows dk .. dk8 meet q's zero columns there, but 0 x garbage may be NaN. (Columns
+  // past dv only reach outputs that are not stored.)
+  for (int idx = tid; idx < (dk8 - dk) * kOutV; idx += kThreads)
+    St[(dk + idx / kOutV) * kSv + idx % kOutV] = 0.0f;
+  // exp(G) q: thread (channel i, half of the chunk) loads its 32 tokens' q and g at once, sums g
+  // along them, and adds the first half's total in the second.
+  constexpr int kHalf = kC / 2;
+  const int i = tid % kMaxDim, tb = tid / kMaxDim * kHalf;
+  float gv[kHalf], qv[kHalf];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int r = 0; r < kHalf; ++r) {
+    const int t = tb + r;
+    const bool live = i < dk && t < n;
+    const int64_t src = ((t0 + t) * heads + h) * dk + i;
+    gv[r] = live ? g[src] : 0.0f;
+    qv[r] = live ? __bfloat162float(q[src]) : 0.0f;
+  }
+#pragma unroll
+  for (int r = 1; r < kHalf; ++r) gv[r] += gv[r - 1];
+  if (tb == 0) half_sum[i] = gv[kHalf - 1];
+  __syncthreads();
+  const float base = tb == 0 ? 0.0f : half_sum[i];
+#pragma unroll
+  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * expf(base + gv[r]);
+  copy_wait_all();
+  __syncthreads();
+  const int mt = warp / 2, n0 = 32 * (warp % 2);
+  if (16 * mt >= n || n0 >= nv) return;
+  float acc[4][4] = {};
+  tile_times<4>(acc, qs, kKp, St, kSv, 16 * mt, n0, dk8);
+  lower_times<4>(acc, Aq, kAq, u, kSv, mt, n0);
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = 16 * mt + lane / 4 + 8 * (e / 2), j = n0 + 8 * nt + 2 * (lane % 4) + e % 2;
-      if (t < n && j < dv) out[((t0 + t) * heads + h) * dv + j] = __float2bfloat16(acc[nt][e]);
+      if (t < n && j < nv) out[((t0 + t) * heads + h) * dv + j0 + j] = __float2bfloat16(acc[nt][e]);
     }
 }
 
@@ -303,7 +325,9 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                                                                             c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
     if (c1 > c0) {
-      kda_fwd_output_kernel<<<chunk_grid, kThreads, output_smem_bytes(), stream>>>(
+      const dim3 output_grid(static_cast<unsigned>((dv + kOutV - 1) / kOutV), static_cast<unsigned>(c1 - c0),
+                             static_cast<unsigned>(heads));
+      kda_fwd_output_kernel<<<output_grid, kThreads, output_smem_bytes(), stream>>>(
           q, g, workspace, chunk_states, out, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_output_kernel");
     }

@@ -1,18 +1,26 @@
-// Kimi Delta Attention backward, chunk-parallel: the chunk form of docs/KDA.md (CPU statement:
-// cpu::kda_chunked_backward), scalar fp32 on the CUDA cores. Per segment of up to
-// kKdaBackwardSegmentChunks chunks, last segment first, three kernels:
-//   1. prep, grid chunks x heads: G, A, Aq and Tinv = (I + diag(beta) A)^-1 of each chunk, its
-//      WY form W = Tinv diag(beta) exp(G) k and Kb = exp(G_last - G) k, and the chunk's own share
-//      of its entry state's gradient, Z = (exp(G) q - Aq W)^T dO, into the workspace;
-//   2. state gradients, grid heads x value tiles of 16: the chunks in reverse, carrying only the
-//      [dk, 16] tile of dS; per chunk dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (the du and
-//      dRb of the chunk form folded into W and Z), the next chunk's operands prefetched by
-//      cp.async; each chunk's entry gradient into the workspace;
-//   3. gradients, grid chunks x heads: from the chunk's entry state S (chunk_states) and its exit
-//      gradient dS' (kernel 2), every input gradient of its tokens. One CTA walks all value tiles,
-//      adding dA, dAq and the [C, dk] products dO S^T, dRb S^T, u dS'^T up in place, so every
-//      output is written once, without atomics.
-// Every exponential is of a difference <= 0 (exp(G_t), exp(G_last - G_t), exp(G_t - G_s), s <= t).
+// Kimi Delta Attention backward, chunk-parallel: the chunk form of docs/KDA.md
+// (CPU statement: cpu::kda_chunked_backward), scalar fp32 on the CUDA cores.
+// Per segment of up to kKdaBackwardSegmentChunks chunks, last segment first,
+// three kernels:
+//   1. prep, grid chunks x heads: G, A, Aq and Tinv = (I + diag(beta) A)^-1 of
+//   each chunk, its
+//      WY form W = Tinv diag(beta) exp(G) k and Kb = exp(G_last - G) k, and the
+//      chunk's own share of its entry state's gradient, Z = (exp(G) q - Aq W)^T
+//      dO, into the workspace;
+//   2. state gradients, grid heads x value tiles of 16: the chunks in reverse,
+//   carrying only the
+//      [dk, 16] tile of dS; per chunk dS = diag(exp G_last) dS' - W^T (Kb dS')
+//      + Z (the du and dRb of the chunk form folded into W and Z), the next
+//      chunk's operands prefetched by cp.async; each chunk's entry gradient
+//      into the workspace;
+//   3. gradients, grid chunks x heads: from the chunk's entry state S
+//   (chunk_states) and its exit
+//      gradient dS' (kernel 2), every input gradient of its tokens. One CTA
+//      walks all value tiles, adding dA, dAq and the [C, dk] products dO S^T,
+//      dRb S^T, u dS'^T up in place, so every output is written once, without
+//      atomics.
+// Every exponential is of a difference <= 0 (exp(G_t), exp(G_last - G_t),
+// exp(G_t - G_s), s <= t).
 #include <algorithm>
 
 #include "backend/cuda/check.h"
@@ -28,28 +36,26 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kC = static_cast<int>(kKdaChunk);
 constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
-constexpr int kKp = kMaxDim + 1;     // row stride of [C, dk] tiles: rows t and t + 1 in distinct banks
-constexpr int kCp = kC + 1;          // row stride of C x C matrices in shared memory, likewise
-constexpr int kTileV = 16;           // value columns per tile
-constexpr int kTileVp = kTileV + 1;  // row stride of the gradient kernel's tiles: walks over rows
-constexpr int kMats = 3 * kC * kC;   // A, Aq, Tinv of one chunk and head in the workspace
-constexpr int kElems = kC * kMaxDim / kThreads;  // [C, dk] elements per thread in kernel 3
+constexpr int kTileV = 16;          // value columns per tile
+constexpr int kMats = 3 * kC * kC;  // A, Aq, Tinv of one chunk and head in the workspace
 constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
-// The state pass's operands of one chunk and head (fixed strides of kMaxDim, 16-byte rows for
-// cp.async, zero past the chunk's last token and past dk): W = Tinv diag(beta) exp(G) k [C, dk],
-// Kb = exp(G_last - G) k [C, dk], G_last [dk].
+// The state pass's operands of one chunk and head (fixed strides of kMaxDim,
+// 16-byte rows for cp.async, zero past the chunk's last token and past dk): W =
+// Tinv diag(beta) exp(G) k [C, dk], Kb = exp(G_last - G) k [C, dk], G_last
+// [dk].
 constexpr int kOpKb = kC * kMaxDim, kOpGlast = 2 * kC * kMaxDim;
 static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand block matches this layout");
 
 size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 
-// Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower), Aq (lower) and Tinv
-// (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb and G_last into ops; and, into slot
-// c - c0 of slots, the chunk's own share of its entry state's gradient, Z = (Qg - Aq W)^T dO
-// [dk, dv], so that the state pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
+// Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower),
+// Aq (lower) and Tinv (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb
+// and G_last into ops; and, into slot c - c0 of slots, the chunk's own share of
+// its entry state's gradient, Z = (Qg - Aq W)^T dO [dk, dv], so that the state
+// pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
 __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_bwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const float* __restrict__ g, const float* __restrict__ beta,
@@ -61,8 +67,9 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  // q's tile: q, then Qg = exp(G) q, then P = Qg - Aq W; k's: exp(G) k, then dO; G's: then W. All
-  // zero past the chunk (and past dk / dv), as the products read whole tiles.
+  // q's tile: q, then Qg = exp(G) q, then P = Qg - Aq W; k's: exp(G) k, then
+  // dO; G's: then W. All zero past the chunk (and past dk / dv), as the
+  // products read whole tiles.
   const ChunkPrepTiles m(smem);
   float* op = ops + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaBackwardOpsFloats;
   float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
@@ -75,9 +82,10 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
                  A[2 * kC * kC + idx] = tiles.Ts[t * kKdaSolveStride + s];
                }
              });
-  // W = Tinv diag(beta) exp(G) k on the tensor cores: out, and into G's tile (G is no longer
-  // needed). Warp w: columns 16 (w % 8) .. + 15, m-tiles p and 3 - p (p = w / 8), so that every
-  // warp takes 10 steps of 8 tokens (m-tile mt sums over 16 (mt + 1)).
+  // W = Tinv diag(beta) exp(G) k on the tensor cores: out, and into G's tile (G
+  // is no longer needed). Warp w: columns 16 (w % 8) .. + 15, m-tiles p and 3 -
+  // p (p = w / 8), so that every warp takes 10 steps of 8 tokens (m-tile mt
+  // sums over 16 (mt + 1)).
   for (int half = 0; half < 2; ++half) {
     const int mt = half == 0 ? warp / 8 : 3 - warp / 8, n0 = 16 * (warp % 8);
     float acc[2][4] = {};
@@ -92,8 +100,8 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
       }
   }
   __syncthreads();
-  // P = Qg - Aq W in place (each element read and written by the lane whose product it is), the
-  // same split over the warps; dO over exp(G) k meanwhile.
+  // P = Qg - Aq W in place (each element read and written by the lane whose
+  // product it is), the same split over the warps; dO over exp(G) k meanwhile.
   for (int half = 0; half < 2; ++half) {
     const int mt = half == 0 ? warp / 8 : 3 - warp / 8, n0 = 16 * (warp % 8);
     float acc[2][4] = {};
@@ -111,8 +119,10 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     m.ks[t * S + j] = t < n && j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
   }
   __syncthreads();
-  // Z = P^T dO [dk, dv] over the chunk's tokens on the tensor cores: warp w takes rows 16 (w / 2)
-  // .. + 15 and columns 64 (w % 2) .. + 63. P^T's fragment is read from P's tile transposed.
+  // Z = P^T dO [dk, dv] over the chunk's tokens on the tensor cores: warp w
+  // takes rows 16 (w / 2)
+  // .. + 15 and columns 64 (w % 2) .. + 63. P^T's fragment is read from P's
+  // tile transposed.
   const int i0 = 16 * (warp / 2), j0 = 64 * (warp % 2);
   float z[8][4] = {};
   for (int k0 = 0; k0 < n; k0 += 8) {
@@ -141,26 +151,29 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     }
 }
 
-// Kernel 2's shared memory: the dS tile, X = Kb dS' [C, 16] and two stages of W, Kb (row stride
-// kWs) and G_last.
+// Kernel 2's shared memory: the dS tile, X = Kb dS' [C, 16] and two stages of
+// W, Kb (row stride kWs) and G_last.
 constexpr int kWs = kMaxDim + 4;  // 16-byte rows; rows t and t + 16 fall in distinct banks
 constexpr int kStageFloats = 2 * kC * kWs + kMaxDim;
 size_t state_smem_floats() { return kMaxDim * kTileV + kC * kTileV + 2 * kStageFloats; }
 
-// Kernel 2, head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks c1 - 1 down to c0 from
-// `initial` (the gradient of the state leaving chunk c1 - 1; null: zero). Per chunk: X = Kb dS',
-// dS = diag(exp G_last) dS' - W^T X + Z, Z read from slot c - c0, which then receives dS (the
-// gradient of the state entering chunk c); slot c1 - c0 receives `initial`, `carry` the gradient
-// entering chunk c0 (the next, earlier segment's `initial`: each CTA reads its own columns of it
-// before writing them), d_initial, if not null, that of chunk 0. The next chunk's W, Kb and G_last
-// arrive by cp.async while this one computes.
+// Kernel 2, head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks c1 - 1
+// down to c0 from `initial` (the gradient of the state leaving chunk c1 - 1;
+// null: zero). Per chunk: X = Kb dS', dS = diag(exp G_last) dS' - W^T X + Z, Z
+// read from slot c - c0, which then receives dS (the gradient of the state
+// entering chunk c); slot c1 - c0 receives `initial`, `carry` the gradient
+// entering chunk c0 (the next, earlier segment's `initial`: each CTA reads its
+// own columns of it before writing them), d_initial, if not null, that of chunk
+// 0. The next chunk's W, Kb and G_last arrive by cp.async while this one
+// computes.
 __global__ void __launch_bounds__(kThreads)
     kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
                          float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
                          int dk, int dv) {
   extern __shared__ float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
-  const int jj = tid % kTileV, rg = tid / kTileV;  // X: tokens rg + 16 r; dS: rows 8 rg .. 8 rg + 7
+  const int jj = tid % kTileV,
+            rg = tid / kTileV;  // X: tokens rg + 16 r; dS: rows 8 rg .. 8 rg + 7
   const int j = j0 + jj;
   const int64_t SS = static_cast<int64_t>(dk) * dv;
   const int dk4 = (dk + 3) / 4;  // Kb's columns the products read, in fours (zero past dk)
@@ -205,7 +218,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* W = stage;
     const float* Kb = stage + kC * kWs;
     const float* gl = stage + 2 * kC * kWs;
-    // X = Kb dS' for tokens rg + 16 r (rows past the chunk are zero in Kb: X = 0 there).
+    // X = Kb dS' for tokens rg + 16 r (rows past the chunk are zero in Kb: X =
+    // 0 there).
     float acc[4] = {};
     for (int i = 0; i < 4 * dk4; i += 4) {
       const float s0 = dS[i * kTileV + jj], s1 = dS[(i + 1) * kTileV + jj], s2 = dS[(i + 2) * kTileV + jj],
@@ -246,25 +260,49 @@ __global__ void __launch_bounds__(kThreads)
       if (c == c0) carry[h * SS + at(r)] = dSr[r];
       if (c == 0 && d_initial != nullptr) d_initial[h * SS + at(r)] = dSr[r];
     }
-    __syncthreads();  // the next prefetch overwrites this stage; the next products read dS
+    __syncthreads();  // the next prefetch overwrites this stage; the next
+                      // products read dS
   }
 }
 
-// Kernel 3's shared memory, in floats: a region used first for W, Kb, A, Aq, Tinv and then for q,
-// k and G; dA and dAq; the value tile's S, dS', V/X, dO, du, u, dR (later dG); row vectors.
-constexpr int kGradMats = 2 * kC * kKp + 3 * kC * kCp;
-constexpr int kGradTiles = 2 * kMaxDim * kTileVp + 5 * kC * kTileVp;
-static_assert(3 * kC * kKp <= kGradMats, "q, k and G fit where W, Kb and the matrices were");
+// Kernel 3: 16 warps, so that twice as many as before hide the shared-memory
+// and exponential latencies (one CTA per SM: 209 KB of shared memory, at most
+// 128 registers a thread).
+constexpr int kGradThreads = 512;
+constexpr int kTs = kTileV + 4;   // value tiles' row stride: 4 mod 8 words, read both ways by the mma
+constexpr int kAp = kC + 4;       // C x C matrices' row stride (mma A operands: 4 mod 32)
+constexpr int kQp = kMaxDim + 4;  // [C, dk] tiles' row stride, likewise
+// Shared memory, in floats: a region for W, Kb, A, Aq, Tinv (then q, k, G); dA
+// and dAq; the value tile's S, dS' [dk, 16] and V/X0/X, Xb = diag(beta) X0, dO,
+// du, u, dR [C, 16] (then dG [C, dk]); row vectors.
+constexpr int kGradMats = 2 * kC * kQp + 3 * kC * kAp;
+constexpr int kGradTiles = 2 * kMaxDim * kTs + 6 * kC * kTs;
+static_assert(3 * kC * kQp <= kGradMats, "q, k and G fit where W, Kb and the matrices were");
 static_assert(kC * kMaxDim <= kGradTiles, "dG fits where the value tiles were");
-size_t grad_smem_floats() { return kGradMats + 2 * kC * kCp + kGradTiles + 2 * kC + 3 * kMaxDim; }
+constexpr int kGradParts = kGradThreads / kMaxDim;  // load_chunk_batched's threads per channel
+size_t grad_smem_floats() {
+  return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim;
+}
 
-// Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y. Per value tile of 16 columns:
-//   X0 = V - W S, du = Kb dS' + Aq^T dO, u = Tinv diag(beta) X0, dR = Tinv^T du, X = X0 - A u;
-//   dv = diag(beta) dR, dbeta += rowsum(dR . X), dA -= strict_lower(diag(beta) dR u^T),
-//   dAq += lower(dO u^T), and per [C, dk] element dQg += dO S^T, dW -= diag(beta) dR S^T,
-//   dKb += u dS'^T (registers: thread tid owns elements tid + kThreads r of the row-major [n, dk]).
-// Then the decay products of dA and dAq, dq, dk and dG, and dg by the reverse prefix sum.
-__global__ void __launch_bounds__(kThreads, 1)
+// Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
+// as 3xTF32 (every gradient is an fp32 output; plain TF32's 2^-11 per operand,
+// through up to four chained products, would use up much of the 1e-3 the tests
+// allow). Per value tile of 16 columns, one barrier between the steps, 8 warps
+// per product of [C, 16] (an m-tile and 8 columns each):
+//   1. X0 = V - W S | du = Kb dS' + Aq^T dO;
+//   2. u = Tinv Xb, Xb = diag(beta) X0 | dR = Tinv^T du, dv = diag(beta) dR;
+//   3. X = X0 - A u | dAq += lower(dO u^T);
+//   4. dbeta += rowsum(dR . X), dA -= strict_lower(diag(beta) dR u^T); every
+//   warp: its [16, 32]
+//      blocks of dQg += dO S^T, dR S^T and dKb += u dS'^T, held in registers
+//      over all the tiles (dW = -diag(beta) dR S^T at the end).
+// Then the decay products of dA and dAq by 16-token sub-chunks, in the same
+// warp blocks: the rows (t the later token) below t's sub-chunk through its
+// first token r, exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), the columns (t
+// the earlier token) past it through its last, both factors
+// <= 1, so each is one mma; within the sub-chunk element by element. dq, dk, dG
+// from the registers, and dg by the reverse prefix sum.
+__global__ void __launch_bounds__(kGradThreads, 1)
     kda_bwd_grad_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
@@ -272,193 +310,320 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const float* __restrict__ slots, float* __restrict__ dq, float* __restrict__ dk_out,
                         float* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
                         int64_t c0, int64_t tokens, int heads, int dk, int dv) {
-  extern __shared__ float smem[];
-  const int h = blockIdx.y, tid = threadIdx.x;
-  const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
+  extern __shared__ __align__(16) float smem[];
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
+  const int64_t c = c0 + blockIdx.x, t0 = c * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  float* W = smem;              // [C, kKp]: k, then exp(G) k
-  float* Kb = W + kC * kKp;     // [C, kKp]: G, then exp(G_last - G) k
-  float* A = Kb + kC * kKp;     // [C, kCp]
-  float* Aq = A + kC * kCp;     // [C, kCp]
-  float* Tinv = Aq + kC * kCp;  // [C, kCp]
-  float* Qs = smem;             // after the value tiles: [C, kKp] q, k and G
-  float* Ks = Qs + kC * kKp;
-  float* Gs = Ks + kC * kKp;
-  float* dA = smem + kGradMats;         // [C, kCp]
-  float* dAq = dA + kC * kCp;           // [C, kCp]
-  float* St = dAq + kC * kCp;           // [dk, kTileVp]: S, columns of the tile
-  float* dSt = St + kMaxDim * kTileVp;  // [dk, kTileVp]: dS'
-  float* X = dSt + kMaxDim * kTileVp;   // [C, kTileVp]: V, then X0
-  float* dO = X + kC * kTileVp;         // [C, kTileVp]
-  float* du = dO + kC * kTileVp;        // [C, kTileVp]
-  float* u = du + kC * kTileVp;         // [C, kTileVp]
-  float* dR = u + kC * kTileVp;         // [C, kTileVp]
-  float* dG = St;                       // after the value tiles: [n, dk]
-  float* bt = St + kGradTiles;          // [C]
-  float* dbeta_acc = bt + kC;           // [C]
-  float* glast = dbeta_acc + kC;        // [kMaxDim]: G_last
-  float* sdS = glast + kMaxDim;         // [kMaxDim]: rowsum(S . dS')
-  float* gextra = sdS + kMaxDim;        // [kMaxDim]: sum_t k exp(G_last - G) dKb
+  const int dk8 = (dk + 7) / 8 * 8;
+  float* W = smem;              // [C, kQp]: k, then exp(G) k
+  float* Kb = W + kC * kQp;     // [C, kQp]: G, then exp(G_last - G) k
+  float* A = Kb + kC * kQp;     // [C, kAp]
+  float* Aq = A + kC * kAp;     // [C, kAp]
+  float* Tinv = Aq + kC * kAp;  // [C, kAp]
+  float* Qs = smem;             // after the value tiles: [C, kQp] q, k and G
+  float* Ks = Qs + kC * kQp;
+  float* Gs = Ks + kC * kQp;
+  float* dA = smem + kGradMats;     // [C, kAp]
+  float* dAq = dA + kC * kAp;       // [C, kAp]
+  float* St = dAq + kC * kAp;       // [kMaxDim, kTs]: S, columns of the tile
+  float* dSt = St + kMaxDim * kTs;  // [kMaxDim, kTs]: dS'
+  float* X = dSt + kMaxDim * kTs;   // [C, kTs]: V, then X0, then X
+  float* Xb = X + kC * kTs;         // [C, kTs]
+  float* dO = Xb + kC * kTs;        // [C, kTs]
+  float* du = dO + kC * kTs;        // [C, kTs]
+  float* u = du + kC * kTs;         // [C, kTs]
+  float* dR = u + kC * kTs;         // [C, kTs]
+  float* dG = St;                   // after the value tiles: [C, kMaxDim]
+  float* bt = St + kGradTiles;      // [C]
+  float* dbeta_acc = bt + kC;       // [C]
+  float* glast = dbeta_acc + kC;    // [kMaxDim]: G_last
+  float* sdS = glast + kMaxDim;     // [kMaxDim]: rowsum(S . dS')
+  float* part = sdS + kMaxDim;      // [kGradParts, kMaxDim]: prefix sums', then dg's G_last parts
 
-  for (int t = tid; t < kC; t += kThreads) {
+  const float* m = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
+  stage_rows(A, kAp, m, kC, kC, kC);
+  stage_rows(Aq, kAp, m + kC * kC, kC, kC, kC);
+  stage_rows(Tinv, kAp, m + 2 * kC * kC, kC, kC, kC);
+  copy_commit();
+  for (int t = tid; t < kC; t += kGradThreads) {
     bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
     dbeta_acc[t] = 0.0f;
   }
-  for (int i = tid; i < kMaxDim; i += kThreads) {
-    sdS[i] = 0.0f;
-    gextra[i] = 0.0f;
-  }
-  for (int idx = tid; idx < 2 * kC * kCp; idx += kThreads) dA[idx] = 0.0f;  // dA and dAq
-  const float* m = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
-  for (int idx = tid; idx < kC * kC; idx += kThreads) {
-    const int t = idx / kC, s = idx - t * kC;
-    A[t * kCp + s] = m[idx];
-    Aq[t * kCp + s] = m[kC * kC + idx];
-    Tinv[t * kCp + s] = m[2 * kC * kC + idx];
-  }
-  load_chunk_with_prefix(nullptr, k, g, t0, n, h, heads, dk, kKp, nullptr, W, Kb, glast);
-  for (int idx = tid; idx < n * dk; idx += kThreads) {
-    const int t = idx / dk, i = idx - t * dk, x = t * kKp + i;
+  for (int i = tid; i < kMaxDim; i += kGradThreads) sdS[i] = 0.0f;
+  for (int idx = tid; idx < 2 * kC * kAp; idx += kGradThreads) dA[idx] = 0.0f;  // dA and dAq
+  // S's and dS''s rows past dk stay zero over the tiles (the products read
+  // whole 8-row steps).
+  for (int idx = tid; idx < (kMaxDim - dk) * kTs; idx += kGradThreads)
+    St[dk * kTs + idx] = dSt[dk * kTs + idx] = 0.0f;
+  load_chunk_batched<kGradParts>(nullptr, k, g, t0, n, h, heads, dk, kQp, nullptr, W, Kb, part, glast);
+  for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
+    const int t = idx / kMaxDim, i = idx - t * kMaxDim, x = t * kQp + i;
     const float G = Kb[x], kv = W[x];
     W[x] = expf(G) * kv;
     Kb[x] = expf(glast[i] - G) * kv;
   }
+  copy_wait_all();
   __syncthreads();
 
-  float acc_q[kElems], acc_w[kElems], acc_kb[kElems];  // dQg, dW, dKb
-#pragma unroll
-  for (int r = 0; r < kElems; ++r) acc_q[r] = acc_w[r] = acc_kb[r] = 0.0f;
-  const float* S = chunk_states + (c * heads + h) * SS;
-  const float* dSn = slots + ((c + 1 - c0) * heads + h) * SS;
+  // This warp's [16, 32] block of the [C, dk] products: rows 16 bm .., columns
+  // bn ...
+  const int bm = warp / 4, bn = 32 * (warp % 4);
+  float acc_q[4][4] = {}, acc_r[4][4] = {}, acc_kb[4][4] = {};  // dQg, dR S^T, dKb
+  // The [C, 16] steps: warp w < 8 the first product, the others the second,
+  // m-tile pm and columns pn .. pn + 7 of the tile.
+  const int pm = warp % 8 / 2, pn = 8 * (warp % 2);
+  const bool first = warp < 8;
+  const auto pt = [&](int e) { return 16 * pm + g4 + 8 * (e / 2); };  // a [C, 16] fragment's row
+  const auto pj = [&](int e) { return pn + 2 * c4 + e % 2; };         // and column
   for (int j0 = 0; j0 < dv; j0 += kTileV) {
-    for (int idx = tid; idx < dk * kTileV; idx += kThreads) {
-      const int i = idx / kTileV, jj = idx - i * kTileV, j = j0 + jj;
-      St[i * kTileVp + jj] = j < dv ? S[i * dv + j] : 0.0f;
-      dSt[i * kTileVp + jj] = j < dv ? dSn[i * dv + j] : 0.0f;
+    const int nv = min(kTileV, dv - j0);
+    // The state's and its gradient's tile columns (addresses formed here: registers are scarce).
+    const int64_t SS = static_cast<int64_t>(dk) * dv;
+    stage_rows(St, kTs, chunk_states + (c * heads + h) * SS + j0, dv, dk, nv);
+    stage_rows(dSt, kTs, slots + (static_cast<int64_t>(blockIdx.x + 1) * heads + h) * SS + j0, dv, dk, nv);
+    copy_commit();
+    for (int idx = tid; idx < dk * (kTileV - nv); idx += kGradThreads) {  // columns past dv
+      const int i = idx / (kTileV - nv), jj = nv + idx % (kTileV - nv);
+      St[i * kTs + jj] = dSt[i * kTs + jj] = 0.0f;
     }
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
-      const int64_t row = (t0 + t) * heads + h;
-      X[t * kTileVp + jj] = j < dv ? __bfloat162float(v[row * dv + j]) : 0.0f;
-      dO[t * kTileVp + jj] = j < dv ? __bfloat162float(dout[row * dv + j]) : 0.0f;
+    for (int idx = tid; idx < kC * kTileV; idx += kGradThreads) {
+      const int t = idx / kTileV, jj = idx - t * kTileV;
+      const int64_t src = ((t0 + t) * heads + h) * dv + j0 + jj;
+      const bool live = t < n && jj < nv;
+      X[t * kTs + jj] = live ? __bfloat162float(v[src]) : 0.0f;
+      dO[t * kTs + jj] = live ? __bfloat162float(dout[src]) : 0.0f;
     }
+    copy_wait_all();
     __syncthreads();
-    // X0 = V - W S (in place: own element); du = Kb dS' + Aq^T dO; rowsum(S . dS').
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV, x = t * kTileVp + jj;
-      float x0 = X[x], d = 0.0f;
-      for (int i = 0; i < dk; ++i) {
-        x0 = fmaf(-W[t * kKp + i], St[i * kTileVp + jj], x0);
-        d = fmaf(Kb[t * kKp + i], dSt[i * kTileVp + jj], d);
+    // 1. X0 = V - W S (each lane reads and writes its own elements) | du = Kb
+    // dS' + Aq^T dO (Aq^T
+    //    is upper: tokens s >= 16 pm).
+    {
+      float acc[1][4] = {};
+      if (first) {
+        tile_times(acc, W, kQp, St, kTs, 16 * pm, pn, dk8);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x0 = X[pt(e) * kTs + pj(e)] - acc[0][e];
+          X[pt(e) * kTs + pj(e)] = x0;
+          Xb[pt(e) * kTs + pj(e)] = bt[pt(e)] * x0;
+        }
+      } else {
+        tile_times(acc, Kb, kQp, dSt, kTs, 16 * pm, pn, dk8);
+        warp_mma<1, kKdaSplitTf32, true>(acc, Aq, kAp, dO, kTs, 16 * pm, pn, 16 * pm, kC);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) du[pt(e) * kTs + pj(e)] = acc[0][e];
       }
-      for (int s = t; s < n; ++s) d = fmaf(Aq[s * kCp + t], dO[s * kTileVp + jj], d);
-      X[x] = x0;
-      du[x] = d;
     }
-    for (int i = tid; i < dk; i += kThreads) {
+    for (int i = tid; i < dk; i += kGradThreads) {
       float acc = 0.0f;
-      for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(St[i * kTileVp + jj], dSt[i * kTileVp + jj], acc);
+      for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(St[i * kTs + jj], dSt[i * kTs + jj], acc);
       sdS[i] += acc;
     }
     __syncthreads();
-    // u = Tinv diag(beta) X0 (s <= t), dR = Tinv^T du (s >= t).
-    for (int idx = tid; idx < n * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV;
-      float a = 0.0f, d = 0.0f;
-      for (int s = 0; s <= t; ++s) a = fmaf(Tinv[t * kCp + s], bt[s] * X[s * kTileVp + jj], a);
-      for (int s = t; s < n; ++s) d = fmaf(Tinv[s * kCp + t], du[s * kTileVp + jj], d);
-      u[t * kTileVp + jj] = a;
-      dR[t * kTileVp + jj] = d;
+    // 2. u = Tinv Xb (lower) | dR = Tinv^T du (upper), dv = diag(beta) dR.
+    {
+      float acc[1][4] = {};
+      if (first) {
+        lower_times(acc, Tinv, kAp, Xb, kTs, pm, pn);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u[pt(e) * kTs + pj(e)] = acc[0][e];
+      } else {
+        warp_mma<1, kKdaSplitTf32, true>(acc, Tinv, kAp, du, kTs, 16 * pm, pn, 16 * pm, kC);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = pt(e), jj = pj(e);
+          dR[t * kTs + jj] = acc[0][e];
+          if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+        }
+      }
     }
     __syncthreads();
-    // dv, dbeta: all C rows, so that every half-warp (one row) reaches the shuffles whole.
-    for (int idx = tid; idx < kC * kTileV; idx += kThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV, j = j0 + jj;
-      float part = 0.0f;
-      if (t < n) {
-        float x = X[t * kTileVp + jj];  // X = X0 - A u (A strictly lower)
-        for (int s = 0; s < t; ++s) x = fmaf(-A[t * kCp + s], u[s * kTileVp + jj], x);
-        const float r = dR[t * kTileVp + jj];
-        part = r * x;
-        if (j < dv) dv_out[((t0 + t) * heads + h) * dv + j] = bt[t] * r;
-      }
-      for (int offset = 8; offset > 0; offset >>= 1) part += __shfl_xor_sync(kFull, part, offset);
-      if (jj == 0 && t < n) dbeta_acc[t] += part;
-    }
-    // dA -= diag(beta) dR u^T (s < t), dAq += dO u^T (s <= t). Each element has one owner.
-    for (int idx = tid; idx < kC * kC; idx += kThreads) {
-      const int t = idx / kC, s = idx - t * kC;
-      if (t >= n || s > t) continue;
-      float a = 0.0f, aq = 0.0f;
-      for (int jj = 0; jj < kTileV; ++jj) {
-        const float us = u[s * kTileVp + jj];
-        a = fmaf(dR[t * kTileVp + jj], us, a);
-        aq = fmaf(dO[t * kTileVp + jj], us, aq);
-      }
-      if (s < t) dA[t * kCp + s] -= bt[t] * a;
-      dAq[t * kCp + s] += aq;
-    }
+    // 3. X = X0 - A u (A strictly lower) | dAq += lower(dO u^T): warp w - 8 the
+    // [16, 32] block
+    //    (w - 8) / 2, 32 ((w - 8) % 2) of the C x C matrix (none above the
+    //    diagonal).
+    const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
+    const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
+    const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
+    if (first) {
+      float acc[1][4] = {};
+      lower_times(acc, A, kAp, u, kTs, pm, pn);
 #pragma unroll
-    for (int r = 0; r < kElems; ++r) {
-      const int e = tid + kThreads * r;
-      if (e < n * dk) {
-        const int t = e / dk, i = e - t * dk;
-        float aq = 0.0f, aw = 0.0f, akb = 0.0f;
-        for (int jj = 0; jj < kTileV; ++jj) {
-          const float s = St[i * kTileVp + jj];
-          aq = fmaf(dO[t * kTileVp + jj], s, aq);
-          aw = fmaf(dR[t * kTileVp + jj], s, aw);
-          akb = fmaf(u[t * kTileVp + jj], dSt[i * kTileVp + jj], akb);
-        }
-        acc_q[r] += aq;
-        acc_w[r] = fmaf(-bt[t], aw, acc_w[r]);
-        acc_kb[r] += akb;
+      for (int e = 0; e < 4; ++e) X[pt(e) * kTs + pj(e)] -= acc[0][e];
+    } else if (dn <= 16 * dm + 15) {
+#pragma unroll 1
+      for (int nh = 0; nh < 2; ++nh) {  // two halves of 16 columns: fewer live registers
+        float acc[2][4] = {};
+        warp_mma<2, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0, kTileV);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = dt(e), s2 = ds(2 * nh + nt, e);
+            if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
+          }
       }
     }
-    __syncthreads();  // the next tile's loads (and q, k, G after the last) overwrite what was read
+    __syncthreads();
+    // 4. dbeta, dA (warps 8 ..), and every warp's blocks of dO S^T, dR S^T, u
+    // dS'^T.
+    if (!first && dn <= 16 * dm + 15) {
+#pragma unroll 1
+      for (int nh = 0; nh < 2; ++nh) {
+        float acc[2][4] = {};
+        warp_mma<2, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0, kTileV);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = dt(e), s2 = ds(2 * nh + nt, e);
+            if (t < n && s2 < t) dA[t * kAp + s2] -= bt[t] * acc[nt][e];
+          }
+      }
+    } else if (tid < n) {
+      float acc = 0.0f;
+      for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(dR[tid * kTs + jj], X[tid * kTs + jj], acc);
+      dbeta_acc[tid] += acc;
+    }
+#pragma unroll 1
+    for (int k0 = 0; k0 < kTileV; k0 += 8) {  // a step at a time: one step's fragments live
+      warp_mma<4, kKdaSplitTf32, false, true>(acc_q, dO, kTs, St, kTs, 16 * bm, bn, k0, k0 + 8);
+      warp_mma<4, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0, k0 + 8);
+      warp_mma<4, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0, k0 + 8);
+    }
+    __syncthreads();  // the next tile's loads (and q, k, G after the last)
+                      // overwrite what was read
   }
 
   // q, k and G again, where W, Kb and the matrices were.
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, kKp, Qs, Ks, Gs, glast);
+  load_chunk_batched<kGradParts>(q, k, g, t0, n, h, heads, dk, kQp, Qs, Ks, Gs, part, glast);
+  // The warp's fragment elements: row et(e), column ei(nt, e).
+  const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
+  const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };
+  // Rows: through r = 16 bm for the sub-chunks before, then within it (s from r
+  // to t). Two column halves one after the other, so that fewer accumulators
+  // are live next to the [C, dk] ones.
 #pragma unroll
-  for (int r = 0; r < kElems; ++r) {
-    const int e = tid + kThreads * r;
-    if (e < n * dk) {
-      const int t = e / dk, i = e - t * dk, x = t * kKp + i;
-      const float Gt = Gs[x];
-      // Rows of the decay products (token t the later one, s <= t; dA is zero on the diagonal)
-      // and their columns (token t the earlier one, r >= t).
-      float rowA = 0.0f, rowAq = 0.0f, colA = 0.0f, colAq = 0.0f;
-      for (int s = 0; s <= t; ++s) {
-        const float w = expf(Gt - Gs[s * kKp + i]) * Ks[s * kKp + i];
-        rowA = fmaf(dA[t * kCp + s], w, rowA);
-        rowAq = fmaf(dAq[t * kCp + s], w, rowAq);
+  for (int nh = 0; nh < 2; ++nh) {
+    const int r = 16 * bm;
+    float row_a[2][4] = {}, row_q[2][4] = {};
+    for (int k0 = 0; k0 < r; k0 += 8) {
+      KdaFragA fa, fq;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = (r + g4 + 8 * (e & 1)) * kAp + k0 + c4 + 4 * (e >> 1);
+        fa.set(e, dA[x]);
+        fq.set(e, dAq[x]);
       }
-      for (int s = t; s < n; ++s) {
-        const float w = expf(Gs[s * kKp + i] - Gt);
-        colA = fmaf(dA[s * kCp + t] * w, Ks[s * kKp + i], colA);
-        colAq = fmaf(dAq[s * kCp + t] * w, Qs[s * kKp + i], colAq);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int i = bn + 8 * (2 * nh + nt) + g4;
+        KdaFragB b;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int x = (k0 + c4 + 4 * e) * kQp + i;
+          b.set(e, expf(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
+        }
+        mma_tf32(row_a[nt], fa, b);
+        mma_tf32(row_q[nt], fq, b);
       }
-      const float E = expf(Gt), kb_part = expf(glast[i] - Gt) * acc_kb[r];
-      const float dq_x = fmaf(E, acc_q[r], rowAq), later = fmaf(E, acc_w[r], rowA);
-      const float earlier = kb_part + colA + colAq;
-      const int64_t row = (t0 + t) * heads + h;
-      dq[row * dk + i] = dq_x;
-      dk_out[row * dk + i] = later + earlier;
-      dG[t * dk + i] = Qs[x] * dq_x + Ks[x] * (later - earlier);
-      atomicAdd(gextra + i, Ks[x] * kb_part);  // G_last's share through Kb
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = et(e), i = ei(2 * nh + nt, e);
+        const float Gt = Gs[t * kQp + i], f = expf(Gt - Gs[r * kQp + i]);
+        float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
+        for (int s2 = r; s2 <= t; ++s2) {
+          const float w = expf(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
+          ra = fmaf(dA[t * kAp + s2], w, ra);
+          rq = fmaf(dAq[t * kAp + s2], w, rq);
+        }
+        const float E = expf(Gt);
+        acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
+        acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
+                                     ra);  // later = exp(G) dW + rowA
+      }
   }
-  __syncthreads();
-  // dg_t = sum_{r>=t} dG_r, G_last's direct terms (Kb and exp(G_last) S) in every row.
-  for (int i = tid; i < dk; i += kThreads) {
-    float acc = gextra[i] + expf(glast[i]) * sdS[i];
+  // Columns: through r = 16 bm + 15 for the sub-chunks after, then within it (s
+  // from t to r); the column halves again.
+#pragma unroll
+  for (int nh = 0; nh < 2; ++nh) {
+    const int r = 16 * bm + 15;
+    float gpart[2][2] = {};  // sum over the thread's rows of k exp(G_last - G) dKb, per column
+    float col_a[2][4] = {}, col_q[2][4] = {};
+    for (int k0 = r + 1; k0 < kC; k0 += 8) {
+      KdaFragA fa, fq;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = (k0 + c4 + 4 * (e >> 1)) * kAp + 16 * bm + g4 + 8 * (e & 1);  // transposed
+        fa.set(e, dA[x]);
+        fq.set(e, dAq[x]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int i = bn + 8 * (2 * nh + nt) + g4;
+        KdaFragB bk, bq;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int x = (k0 + c4 + 4 * e) * kQp + i;
+          const float f = expf(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
+          bk.set(e, f * Ks[x]);
+          bq.set(e, f * Qs[x]);
+        }
+        mma_tf32(col_a[nt], fa, bk);
+        mma_tf32(col_q[nt], fq, bq);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
+        const float Gt = Gs[x], f = expf(Gs[r * kQp + i] - Gt);
+        float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
+        for (int s2 = t; s2 <= r; ++s2) {
+          const float w = expf(Gs[s2 * kQp + i] - Gt);
+          ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
+          cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
+        }
+        const float kb_part = expf(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
+        const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
+        if (t < n && i < dk) {
+          const int64_t row = (t0 + t) * heads + h;
+          dq[row * dk + i] = dq_x;
+          dk_out[row * dk + i] = later + earlier;
+        }
+        dG[t * kMaxDim + i] = Qs[x] * dq_x + Ks[x] * (later - earlier);
+        gpart[nt][e % 2] += Ks[x] * kb_part;  // zero past the chunk: k is
+      }
+      // G_last's share through Kb: summed over the lanes of a column (g4) into
+      // the m-tile's row of `part` (free again: load_chunk_batched read it
+      // before its last barrier).
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = gpart[nt][e];
+        for (int offset = 4; offset < 32; offset <<= 1) x += __shfl_xor_sync(kFull, x, offset);
+        if (g4 == 0) part[bm * kMaxDim + bn + 8 * (2 * nh + nt) + 2 * c4 + e] = x;
+      }
+  }
+  __syncthreads();  // dG and part are written
+  static_assert(kGradParts == kC / 16, "part holds one row per m-tile of 16");
+  // dg_t = sum_{r>=t} dG_r, G_last's direct terms (Kb and exp(G_last) S) in
+  // every row.
+  for (int i = tid; i < dk; i += kGradThreads) {
+    float acc = expf(glast[i]) * sdS[i];
+    for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
     for (int t = n - 1; t >= 0; --t) {
-      acc += dG[t * dk + i];
+      acc += dG[t * kMaxDim + i];
       dg[((t0 + t) * heads + h) * dk + i] = acc;
     }
   }
-  for (int t = tid; t < n; t += kThreads) dbeta[(t0 + t) * heads + h] = dbeta_acc[t];
+  for (int t = tid; t < n; t += kGradThreads) dbeta[(t0 + t) * heads + h] = dbeta_acc[t];
 }
 
 void set_smem(const void* kernel, size_t floats) {
@@ -500,7 +665,8 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   set_smem(reinterpret_cast<const void*>(kda_bwd_state_kernel), state_smem_floats());
   set_smem(reinterpret_cast<const void*>(kda_bwd_grad_kernel), grad_smem_floats());
   const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
-  // Segments start at multiples of the segment length; the last (first walked) may be shorter.
+  // Segments start at multiples of the segment length; the last (first walked)
+  // may be shorter.
   for (int64_t c1 = chunks; c1 > 0;) {
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
@@ -513,7 +679,7 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     kda_bwd_state_kernel<<<state_grid, kThreads, state_smem_floats() * sizeof(float), stream>>>(
         ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_state_kernel");
-    kda_bwd_grad_kernel<<<chunk_grid, kThreads, grad_smem_floats() * sizeof(float), stream>>>(
+    kda_bwd_grad_kernel<<<chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float), stream>>>(
         q, k, v, g, beta, dout, mats, chunk_states, slots, dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki,
         dvi);
     SPINDLE_LAUNCHED("kda_bwd_grad_kernel");

@@ -38,6 +38,64 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
   __syncthreads();
 }
 
+// rows x cols floats of a row-major global matrix (row stride ss) into shared rows of stride ds
+// (16-byte aligned) by cp.async, the CTA's threads taking turns, so that all of it is in flight at
+// once: 16-byte copies where every source row starts 16-byte aligned and cols is a multiple of 4,
+// 4-byte ones otherwise. Commits nothing.
+__device__ inline void stage_rows(float* dst, int ds, const float* src, int64_t ss, int rows, int cols) {
+  if (cols % 4 == 0 && ss % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int quads = cols / 4;
+    for (int p = threadIdx.x; p < rows * quads; p += blockDim.x) {
+      const int r = p / quads, x = 4 * (p - r * quads);
+      copy16(dst + r * ds + x, src + r * ss + x, true);
+    }
+  } else {
+    for (int p = threadIdx.x; p < rows * cols; p += blockDim.x) {
+      const int r = p / cols, x = p - r * cols;
+      copy4(dst + r * ds + x, src + r * ss + x, true);
+    }
+  }
+}
+
+// The chunk's k and q (each unless null) as fp32 and its prefix sums G into [C, stride] shared
+// tiles, every column < kKdaMaxDim written (zero past dk; past the chunk k and q are zero and G
+// stays at the last token's), glast [kKdaMaxDim] = G of the last token. P = blockDim.x /
+// kKdaMaxDim threads per channel, each loading its C / P tokens at once, so that all the loads are
+// in flight together; part [P, kKdaMaxDim] is scratch for their partial sums. Ends with a barrier.
+template <int P>
+__device__ inline void load_chunk_batched(const __nv_bfloat16* __restrict__ q,
+                                          const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
+                                          int64_t t0, int n, int h, int heads, int dk, int stride, float* qs,
+                                          float* ks, float* Gs, float* part, float* glast) {
+  constexpr int D = static_cast<int>(kKdaMaxDim), L = static_cast<int>(kKdaChunk) / P;
+  const int i = threadIdx.x % D, p = threadIdx.x / D, tb = p * L;
+  float gv[L], kv[L], qv[L];
+#pragma unroll
+  for (int r = 0; r < L; ++r) {
+    const bool live = i < dk && tb + r < n;
+    const int64_t src = ((t0 + tb + r) * heads + h) * dk + i;
+    gv[r] = live ? g[src] : 0.0f;
+    kv[r] = live && k != nullptr ? __bfloat162float(k[src]) : 0.0f;
+    qv[r] = live && q != nullptr ? __bfloat162float(q[src]) : 0.0f;
+  }
+#pragma unroll
+  for (int r = 1; r < L; ++r) gv[r] += gv[r - 1];
+  part[p * D + i] = gv[L - 1];
+  __syncthreads();
+  float base = 0.0f;
+#pragma unroll
+  for (int pp = 0; pp < P - 1; ++pp)
+    if (pp < p) base += part[pp * D + i];
+  if (p == P - 1) glast[i] = base + gv[L - 1];
+#pragma unroll
+  for (int r = 0; r < L; ++r) {
+    Gs[(tb + r) * stride + i] = base + gv[r];
+    if (ks != nullptr) ks[(tb + r) * stride + i] = kv[r];
+    if (qs != nullptr) qs[(tb + r) * stride + i] = qv[r];
+  }
+  __syncthreads();
+}
+
 constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
 
 // Threads of both prep kernels: one CTA per SM fits their shared memory, so 16 warps, not 8, hide
@@ -273,37 +331,47 @@ __device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
   }
 }
 
-// acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7], one warp on the tensor
-// cores: L row-major (row stride ls), X row-major (row stride xs), kend a multiple of 8, both
-// finite everywhere they are read.
-template <int NT>
-__device__ inline void tile_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
-                                  int n0, int kend) {
+// acc[nt] += op(L)[m0 .. m0 + 15, k] op(X)[k, n0 + 8 nt .. + 7] summed over k in [kbeg, kend)
+// (multiples of 8), one warp on the tensor cores, as 3xTF32 (kSplit) or plain TF32. L and X are
+// row-major (row strides ls, xs); kTL reads L transposed (op(L)[r][k] = L[k ls + r]), kTX X
+// (op(X)[k][n] = X[n xs + k]). Both finite everywhere they are read. Shared-memory banks: a
+// stride of 4 mod 8 words keeps the plain A and the transposed B reads conflict-free, 8 or 24 mod
+// 32 the transposed A and the plain B reads.
+template <int NT, bool kSplit, bool kTL = false, bool kTX = false>
+__device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
+                                int n0, int kbeg, int kend) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const float* Lr = L + (m0 + g) * ls;
-  for (int k0 = 0; k0 < kend; k0 += 8) {
-    KdaFragA a;
-    a.set(0, Lr[k0 + c]);
-    a.set(1, Lr[8 * ls + k0 + c]);
-    a.set(2, Lr[k0 + c + 4]);
-    a.set(3, Lr[8 * ls + k0 + c + 4]);
+  const auto l_at = [&](int r, int k) { return kTL ? L[k * ls + r] : L[r * ls + k]; };
+  const auto x_at = [&](int k, int n) { return kTX ? X[n * xs + k] : X[k * xs + n]; };
+  for (int k0 = kbeg; k0 < kend; k0 += 8) {
+    Tf32Frag<4, kSplit> a;
+    a.set(0, l_at(m0 + g, k0 + c));
+    a.set(1, l_at(m0 + g + 8, k0 + c));
+    a.set(2, l_at(m0 + g, k0 + c + 4));
+    a.set(3, l_at(m0 + g + 8, k0 + c + 4));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const float* Xc = X + (k0 + c) * xs + n0 + 8 * nt + g;
-      KdaFragB b;
-      b.set(0, Xc[0]);
-      b.set(1, Xc[4 * xs]);
+      Tf32Frag<2, kSplit> b;
+      b.set(0, x_at(k0 + c, n0 + 8 * nt + g));
+      b.set(1, x_at(k0 + c + 4, n0 + 8 * nt + g));
       mma_tf32(acc[nt], a, b);
     }
   }
 }
 
+// acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7] (warp_mma, both row-major).
+template <int NT, bool kSplit = kKdaSplitTf32>
+__device__ inline void tile_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
+                                  int n0, int kend) {
+  warp_mma<NT, kSplit>(acc, L, ls, X, xs, m0, n0, 0, kend);
+}
+
 // The same for a lower triangular L [C, C] and the 16 rows of m-tile mt: the sum runs over the
 // tokens s < 16 (mt + 1) only.
-template <int NT>
+template <int NT, bool kSplit = kKdaSplitTf32>
 __device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs,
                                    int mt, int n0) {
-  tile_times(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
+  tile_times<NT, kSplit>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
 }
 
 // The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles

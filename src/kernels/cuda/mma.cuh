@@ -23,6 +23,13 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
                : "memory");
 }
 
+// 4 bytes global -> shared, or 4 zero bytes when !valid: for rows that are not 16-byte aligned.
+__device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits until at most one committed group (the newest) is still in flight.
