@@ -32,11 +32,11 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  // Measured speeds of today's executor, fitted to the 4B config at 32k and 512k on the H200
-  // (commits 45fcb91 and fb77a11, docs/PLANNER.md "Step time"): model FLOPs without the indexer's
-  // scores at 6.2% of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic
-  // scores, which run once per step, at 17% (18.2 s per run at 1M, 4.5 s at 512k).
-  double mfu = 0.062;
+  // Measured speeds of today's executor, fitted to the 4B config at 32k and 1M on the H200
+  // (commit 65d0dee, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at
+  // 7.8% of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic scores,
+  // which run once per step, at 17% (18.3 s per run at 1M, 4.5 s at 512k).
+  double mfu = 0.078;
   double indexer_mfu = 0.17;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;

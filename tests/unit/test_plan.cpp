@@ -76,11 +76,12 @@ struct MeasuredPolicy {
   int64_t peak_bytes;
 };
 const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {
-    {32768, 0, false, false, 134445705728},       // 45fcb91
-    {131072, 16384, false, true, 110496194048},   // dd0ecd7
-    {524288, 16384, false, true, 127076548096},   // 45fcb91
-    {524288, 16384, false, false, 130028806656},  // fb77a11
-    {1048576, 16384, true, true, 99015827968}};   // 45fcb91
+    {32768, 0, false, false, 134445705728},        // 45fcb91
+    {131072, 16384, false, true, 110496194048},    // dd0ecd7
+    {524288, 16384, false, true, 127076548096},    // 45fcb91
+    {524288, 16384, false, false, 130028806656},   // fb77a11
+    {1048576, 16384, true, true, 99015827968},     // 45fcb91
+    {1048576, 16384, true, false, 104921408000}};  // 4e5fce3 and 65d0dee
 
 // The 4B config's candidate for `policy` at `tokens` on one H200, absorbed MLA as bench runs it;
 // none when the planner has no such policy.
