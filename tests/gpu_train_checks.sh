@@ -49,9 +49,10 @@ python3 - "$work/bench.jsonl" <<'PY' || failures=$((failures + 1))
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 need = ["tokens_per_second", "seconds_by_layer_kind", "peak_memory", "peak_host_bytes", "mfu", "step_seconds",
-        "tokens"]
+        "tokens", "setup_seconds"]
 ok = len(rows) == 2 and all(all(k in r for k in need) for r in rows)
 ok = ok and all(r["peak_host_bytes"] > 0 for r in rows)
+ok = ok and all(set(r["setup_seconds"]) == {"tokens", "weights", "device", "optimizer"} for r in rows)
 ok = ok and all(r["tokens_per_second"] > 0 and r["tokens"].startswith("real DNA") for r in rows)
 ok = ok and all({"kda", "dsa", "moe", "head"} <= set(r["seconds_by_layer_kind"]) for r in rows)
 print("bench:", json.dumps(rows[-1]) if rows else "no output", "->", "PASS" if ok else "FAIL")
