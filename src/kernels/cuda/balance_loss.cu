@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/balance_loss.h"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -146,14 +147,6 @@ void check_experts(const char* what, int64_t tokens, int64_t experts) {
   check(tokens >= 0, what, ": negative token count ", tokens);
 }
 
-// Sets the kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
-template <class Kernel>
-void allow_shared(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    SPINDLE_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 }  // namespace
 
 void balance_statistics(const float* logits, int64_t tokens, int64_t experts, int64_t topk, double* counts,
@@ -164,7 +157,7 @@ void balance_statistics(const float* logits, int64_t tokens, int64_t experts, in
         " tokens (prob_sum kept exact below 2^29)");
   if (tokens == 0) return;
   const size_t bytes = kWarps * static_cast<size_t>(experts) * (sizeof(double) + sizeof(float) + sizeof(int));
-  allow_shared(statistics_kernel, bytes);
+  allow_shared_memory(statistics_kernel, bytes, "balance_statistics: ", experts, " experts");
   const auto blocks =
       static_cast<unsigned>(std::min<int64_t>((tokens + kWarps - 1) / kWarps, kStatisticsBlocks));
   statistics_kernel<<<blocks, kThreads, bytes, stream>>>(logits, tokens, static_cast<int>(experts),
@@ -187,7 +180,7 @@ void balance_loss_backward(const float* logits, const double* counts, int64_t to
   check(rows > 0, "balance_loss_backward: rows must be positive, got ", rows);
   if (tokens == 0) return;
   const size_t bytes = (kWarps + 1) * static_cast<size_t>(experts) * sizeof(float);
-  allow_shared(balance_backward_kernel, bytes);
+  allow_shared_memory(balance_backward_kernel, bytes, "balance_loss_backward: ", experts, " experts");
   const auto blocks =
       static_cast<unsigned>(std::min<int64_t>((tokens + kWarps - 1) / kWarps, kBackwardBlocks));
   const auto factor = static_cast<float>(coef * static_cast<double>(experts) / (rows * rows));

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -220,15 +221,8 @@ void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
   int device = 0, sms = 0;
   SPINDLE_CUDA(cudaGetDevice(&device));
   SPINDLE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (t.shared_bytes > (48u << 10)) {
-    int optin = 0;
-    SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    check(t.shared_bytes <= static_cast<size_t>(optin), "indexer_scores: heads ", s.heads, " x head_dim ",
-          s.head_dim, " need ", t.shared_bytes, " bytes of shared memory, over the device's limit of ",
-          optin);
-    SPINDLE_CUDA(cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(t.shared_bytes)));
-  }
+  allow_shared_memory(indexer_scores_kernel, t.shared_bytes, "indexer_scores: heads ", s.heads,
+                      " x head_dim ", s.head_dim);
   const int64_t queries = 8 * t.groups;
   const int64_t query_tiles = (rows + queries - 1) / queries;
   check(query_tiles < (int64_t{1} << 31), "indexer_scores: ", rows, " queries are too many for one launch");

@@ -8,11 +8,11 @@
 // sparse_attention.cu for dkv.
 #include <algorithm>
 #include <cmath>
-#include <utility>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/indexer_training.h"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -268,23 +268,6 @@ __global__ void __launch_bounds__(kPoolThreads)
       for (int r = 0; r < kPoolRows; ++r) total += partial[j * kPoolThreads + r * kPoolChannels + x];
       atomicAdd(dape + j * d + c, total);
     }
-}
-
-// Lets `kernel` take `bytes` of dynamic shared memory: past the default 48 KiB the limit is raised
-// up to the device's opt-in maximum (less the kernel's static shared memory); beyond that it fails,
-// naming what asked for it.
-template <class Kernel, class... What>
-void allow_shared_memory(Kernel kernel, size_t bytes, What&&... what) {
-  if (bytes <= (48u << 10)) return;
-  int device = 0, optin = 0;
-  SPINDLE_CUDA(cudaGetDevice(&device));
-  SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attributes{};
-  SPINDLE_CUDA(cudaFuncGetAttributes(&attributes, kernel));
-  check(bytes + attributes.sharedSizeBytes <= static_cast<size_t>(optin), std::forward<What>(what)...,
-        " need ", bytes, " bytes of shared memory, over the device's limit of ", optin);
-  SPINDLE_CUDA(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 }  // namespace

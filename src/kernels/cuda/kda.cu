@@ -18,13 +18,13 @@
 //
 // The backward is kda_backward.cu.
 #include <algorithm>
-#include <utility>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -302,12 +302,9 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                          cudaStream_t stream, const float* initial_state) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
-  for (const auto& [kernel, bytes] :
-       {std::pair{reinterpret_cast<const void*>(kda_fwd_prep_kernel), prep_smem_bytes()},
-        std::pair{reinterpret_cast<const void*>(kda_fwd_scan_kernel), scan_smem_bytes()},
-        std::pair{reinterpret_cast<const void*>(kda_fwd_output_kernel), output_smem_bytes()}})
-    SPINDLE_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allow_shared_memory(kda_fwd_prep_kernel, prep_smem_bytes(), "kda_fwd_prep_kernel");
+  allow_shared_memory(kda_fwd_scan_kernel, scan_smem_bytes(), "kda_fwd_scan_kernel");
+  allow_shared_memory(kda_fwd_output_kernel, output_smem_bytes(), "kda_fwd_output_kernel");
   const int64_t chunks = kda_chunks(tokens), SS = dk * dv;
   const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
   const dim3 scan_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));

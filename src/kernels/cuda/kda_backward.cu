@@ -28,6 +28,7 @@
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -626,11 +627,6 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   for (int t = tid; t < n; t += kGradThreads) dbeta[(t0 + t) * heads + h] = dbeta_acc[t];
 }
 
-void set_smem(const void* kernel, size_t floats) {
-  SPINDLE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(floats * sizeof(float))));
-}
-
 }  // namespace
 
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -661,9 +657,9 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   float* ops = mats + segment * heads * kMats;
   float* slots = ops + segment * heads * kKdaBackwardOpsFloats;
   float* carry = slots + (segment + 1) * heads * SS;
-  set_smem(reinterpret_cast<const void*>(kda_bwd_prep_kernel), prep_smem_floats());
-  set_smem(reinterpret_cast<const void*>(kda_bwd_state_kernel), state_smem_floats());
-  set_smem(reinterpret_cast<const void*>(kda_bwd_grad_kernel), grad_smem_floats());
+  allow_shared_memory(kda_bwd_prep_kernel, prep_smem_floats() * sizeof(float), "kda_bwd_prep_kernel");
+  allow_shared_memory(kda_bwd_state_kernel, state_smem_floats() * sizeof(float), "kda_bwd_state_kernel");
+  allow_shared_memory(kda_bwd_grad_kernel, grad_smem_floats() * sizeof(float), "kda_bwd_grad_kernel");
   const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
   // Segments start at multiples of the segment length; the last (first walked)
   // may be shorter.

@@ -33,6 +33,7 @@
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -892,9 +893,7 @@ bool vector_rows(const cpu::HcShape& s, std::initializer_list<Access> accesses) 
 template <class Kernel, class... Args>
 void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream_t stream, const char* name,
                   Args... args) {
-  if (bytes > 48 * 1024)
-    SPINDLE_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allow_shared_memory(kernel, bytes, name, ": hidden ", s.hidden, ", ", s.streams, " streams");
   const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
   kernel<<<blocks, kThreads, bytes, stream>>>(args...);
   check_cuda(cudaGetLastError(), name, __FILE__, __LINE__);
@@ -995,9 +994,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
                  d_collapsed, dstreams, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, warps,
                  vec);
     const size_t dfn_bytes = DfnTile<H>::kBytes;
-    if (dfn_bytes > 48 * 1024)
-      SPINDLE_CUDA(cudaFuncSetAttribute(hc_dfn_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(dfn_bytes)));
+    allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
     hc_dfn_kernel<H>
         <<<dfn_grid, kThreads, dfn_bytes, stream>>>(streams, workspace, dfn, s.tokens, flat, dfn_vec);
     SPINDLE_LAUNCHED("hc_dfn_kernel");

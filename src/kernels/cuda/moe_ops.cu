@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/moe_ops.h"
+#include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
 
@@ -224,9 +225,8 @@ void route_tokens(const cpu::RouterShape& s, const float* logits, const float* b
   const size_t shared_bytes = kRouterWarps *
                               static_cast<size_t>(2 * s.experts + s.groups + std::max(s.experts, s.groups)) *
                               sizeof(float);
-  if (shared_bytes > 48 * 1024)
-    SPINDLE_CUDA(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(shared_bytes)));
+  allow_shared_memory(route_kernel, shared_bytes, "route_kernel: ", s.experts, " experts in ", s.groups,
+                      " groups");
   const auto blocks = static_cast<unsigned>((s.tokens + kRouterWarps - 1) / kRouterWarps);
   route_kernel<<<blocks, kRouterWarps * 32, shared_bytes, stream>>>(s, logits, bias, expert, weight);
   SPINDLE_LAUNCHED("route_kernel");

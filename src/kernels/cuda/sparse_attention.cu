@@ -22,6 +22,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_attention.h"
 
 namespace spindle::cuda {
@@ -185,15 +186,8 @@ Launch plan_launch(Kernel kernel, const cpu::SparseAttentionShape& s, int64_t fl
   while (warps > 1 && warps * per_warp > (48u << 10)) --warps;
   warps = static_cast<int>(std::min<int64_t>(warps, s.heads));
   const size_t bytes = warps * per_warp;
-  if (bytes > (48u << 10)) {
-    int device = 0, optin = 0;
-    SPINDLE_CUDA(cudaGetDevice(&device));
-    SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    check(bytes <= static_cast<size_t>(optin), name, ": qk_dim ", s.qk_dim, " and v_dim ", s.v_dim, " need ",
-          bytes, " bytes of shared memory per warp, over the device's limit of ", optin);
-    SPINDLE_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  }
+  allow_shared_memory(kernel, bytes, name, ": qk_dim ", s.qk_dim, " and v_dim ", s.v_dim, " (", warps,
+                      " warps)");
   const int64_t blocks = s.tokens * ((s.heads + warps - 1) / warps);
   check(blocks < (int64_t{1} << 31), name, ": ", s.tokens, " tokens x ", s.heads, " heads is too many CTAs (",
         blocks, ") for one launch");

@@ -7,6 +7,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 
@@ -463,13 +464,7 @@ int m_tiles(const SparseMlaShape& s) { return s.heads <= 16 ? 1 : 2; }
 template <class Kernel>
 void launch(Kernel kernel, const SparseMlaShape& s, const MlaArgs& args, size_t shared_bytes,
             cudaStream_t stream, const char* name) {
-  int device = 0, optin = 0;
-  SPINDLE_CUDA(cudaGetDevice(&device));
-  SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  check(shared_bytes <= static_cast<size_t>(optin), name, ": ", shared_bytes,
-        " bytes of shared memory exceed the device's ", optin);
-  SPINDLE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(shared_bytes)));
+  allow_shared_memory(kernel, shared_bytes, name, ": dk ", s.dk, ", dv ", s.dv, ", ", s.heads, " heads");
   const int rows = 16 * m_tiles(s);
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + rows - 1) / rows));
   kernel<<<grid, kThreads, shared_bytes, stream>>>(args);

@@ -5,6 +5,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -340,15 +341,9 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   args.dv = static_cast<int>(s.dv);
   args.scale2 = s.scale * kLog2e;
   const size_t shared_bytes = layout(args.dk).total;
-  int device = 0, optin = 0;
-  SPINDLE_CUDA(cudaGetDevice(&device));
-  SPINDLE_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  check(shared_bytes <= static_cast<size_t>(optin), "sparse MLA on wgmma: ", shared_bytes,
-        " bytes of shared memory exceed the device's ", optin);
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {
-    SPINDLE_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(shared_bytes)));
+    allow_shared_memory(kernel, shared_bytes, "sparse MLA on wgmma: dk ", s.dk, ", dv ", s.dv);
     kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
     SPINDLE_LAUNCHED("sparse_mla_forward_hopper_kernel");
   };
