@@ -43,6 +43,14 @@ Execution from(const Candidate& candidate, const char* forced_by) {
 
 bool executor_runs(const Policy& policy) { return policy.tensor_parallel == 1 && !policy.gradients_to_host; }
 
+const Candidate* fastest_runnable(const Plan& plan, std::optional<bool> optimizer_on_host) {
+  for (const Candidate& candidate : plan.candidates)  // feasible first, fastest first
+    if (candidate.fits() && executor_runs(candidate.policy) &&
+        (!optimizer_on_host || candidate.policy.optimizer_on_host == *optimizer_on_host))
+      return &candidate;
+  return nullptr;
+}
+
 ActivationPolicy parse_site_policy(const std::string& name) {
   if (name == "keep") return ActivationPolicy::KeepSites;
   if (name == "recompute") return ActivationPolicy::KeepLayerInputs;
@@ -97,8 +105,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     e.summary = "policy " + wanted.name() + " (forced by --chunk; no prediction for this chunk length)";
     return e;
   }
-  for (const Candidate& candidate : plan.candidates)  // feasible first, fastest first
-    if (candidate.fits() && runs(candidate.policy)) return from(candidate, nullptr);
+  if (const Candidate* pick = fastest_runnable(plan, optimizer_on_host)) return from(*pick, nullptr);
   std::ostringstream why;
   for (const Candidate& candidate : plan.candidates)
     if (runs(candidate.policy))

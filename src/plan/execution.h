@@ -18,6 +18,10 @@ namespace spindle::plan {
 // leaving after the backward); it predicts the others too (docs/PLANNER.md).
 bool executor_runs(const Policy& policy);
 
+// The fastest candidate of `plan` that fits and the executor runs (with the AdamW state where
+// `optimizer_on_host` says, when it says); none when no such candidate fits.
+const Candidate* fastest_runnable(const Plan& plan, std::optional<bool> optimizer_on_host = std::nullopt);
+
 struct Execution {
   Policy policy;
   int64_t chunk_tokens = 0;  // for LossOptions::chunk_tokens; 0: the sequence in one pass

@@ -59,17 +59,19 @@ double in_gib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<d
 void print_row(const Candidate& x, int name_width, bool one_gpu) {
   const MemoryStats& d = x.memory.device;
   const auto category = [&](MemoryCategory c) { return in_gib(d.peak[static_cast<int>(c)]); };
-  std::printf("  %-*s %8.1f %8.1f %6.1f %6.1f %6.1f %6.1f %8.1f %9.1f %6.2fx", name_width, x.policy.name().c_str(),
-              in_gib(d.peak_total), category(MemoryCategory::Weights), category(MemoryCategory::Gradients),
-              category(MemoryCategory::Optimizer), category(MemoryCategory::Activations),
-              category(MemoryCategory::Workspace), in_gib(x.memory.host), x.time.total(), x.relative);
+  std::printf("  %-*s %8.1f %8.1f %6.1f %6.1f %6.1f %6.1f %8.1f %9.1f %6.2fx", name_width,
+              x.policy.name().c_str(), in_gib(d.peak_total), category(MemoryCategory::Weights),
+              category(MemoryCategory::Gradients), category(MemoryCategory::Optimizer),
+              category(MemoryCategory::Activations), category(MemoryCategory::Workspace),
+              in_gib(x.memory.host), x.time.total(), x.relative);
   if (x.time.copies > 0) {
     if (x.time.exposed_copies > 0)
       std::printf("  copies %.1f s, not hidden: +%.1f s", x.time.copies, x.time.exposed_copies);
     else
       std::printf("  copies %.1f s, hidden", x.time.copies);
   }
-  if (one_gpu && !plan::executor_runs(x.policy)) std::printf("  planned only: the executor does not run it yet");
+  if (one_gpu && !plan::executor_runs(x.policy))
+    std::printf("  planned only: the executor does not run it yet");
   if (!x.fits()) std::printf("  does not fit: %s", x.infeasible.c_str());
   std::printf("\n");
 }
@@ -119,8 +121,8 @@ int run_plan(const std::vector<std::string>& argv) {
     name_width = std::max(name_width, static_cast<int>(x.policy.name().size()));
   std::printf("\n  %-*s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", name_width, "policy", "device", "weights",
               "grads", "adam", "acts", "work", "host", "step s", "relative");
-  std::printf("  %-*s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", name_width, "", "GiB", "GiB", "GiB", "GiB", "GiB",
-              "GiB", "GiB", "", "");
+  std::printf("  %-*s %8s %8s %6s %6s %6s %6s %8s %9s %7s\n", name_width, "", "GiB", "GiB", "GiB", "GiB",
+              "GiB", "GiB", "GiB", "", "");
   const bool one_gpu = request.machine.gpus == 1;
   for (const Candidate& x : result.candidates) print_row(x, name_width, one_gpu);
   if (!result.pick) {
@@ -138,15 +140,12 @@ int run_plan(const std::vector<std::string>& argv) {
   if (!one_gpu) {
     std::printf("planned only: the CUDA executor runs on one GPU today\n");
   } else if (!plan::executor_runs(pick.policy)) {
-    const Candidate* runnable = nullptr;
-    for (const Candidate& x : result.candidates)
-      if (x.fits() && plan::executor_runs(x.policy) && (!runnable || x.time.total() < runnable->time.total()))
-        runnable = &x;
-    if (runnable != nullptr)
-      std::printf("runs today: %s (%.1f GiB device, %.1f s per step), the fastest that fits of those the "
-                  "executor runs (spindle train and bench take it)\n",
-                  runnable->policy.name().c_str(), in_gib(runnable->memory.device.peak_total),
-                  runnable->time.total());
+    if (const Candidate* runnable = plan::fastest_runnable(result))
+      std::printf(
+          "runs today: %s (%.1f GiB device, %.1f s per step), the fastest that fits of those the "
+          "executor runs (spindle train and bench take it)\n",
+          runnable->policy.name().c_str(), in_gib(runnable->memory.device.peak_total),
+          runnable->time.total());
     else
       std::printf("runs today: none; every policy that fits is planned only\n");
   }

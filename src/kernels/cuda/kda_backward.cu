@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                         int64_t c0, int64_t tokens, int heads, int dk, int dv) {
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
-  const int64_t c = c0 + blockIdx.x, t0 = c * kC;
+  const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
   const int dk8 = (dk + 7) / 8 * 8;
   float* W = smem;              // [C, kQp]: k, then exp(G) k
@@ -376,12 +376,12 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const bool first = warp < 8;
   const auto pt = [&](int e) { return 16 * pm + g4 + 8 * (e / 2); };  // a [C, 16] fragment's row
   const auto pj = [&](int e) { return pn + 2 * c4 + e % 2; };         // and column
+  const float* S = chunk_states + (c * heads + h) * SS;
+  const float* dSn = slots + ((c + 1 - c0) * heads + h) * SS;
   for (int j0 = 0; j0 < dv; j0 += kTileV) {
     const int nv = min(kTileV, dv - j0);
-    // The state's and its gradient's tile columns (addresses formed here: registers are scarce).
-    const int64_t SS = static_cast<int64_t>(dk) * dv;
-    stage_rows(St, kTs, chunk_states + (c * heads + h) * SS + j0, dv, dk, nv);
-    stage_rows(dSt, kTs, slots + (static_cast<int64_t>(blockIdx.x + 1) * heads + h) * SS + j0, dv, dk, nv);
+    stage_rows(St, kTs, S + j0, dv, dk, nv);
+    stage_rows(dSt, kTs, dSn + j0, dv, dk, nv);
     copy_commit();
     for (int idx = tid; idx < dk * (kTileV - nv); idx += kGradThreads) {  // columns past dv
       const int i = idx / (kTileV - nv), jj = nv + idx % (kTileV - nv);
