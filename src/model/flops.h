@@ -7,8 +7,10 @@
 //   DSA attention: 2 w (qk_dim + v_dim) per head, w = min(selection width, t + 1) keys for the
 //     query at position t.
 //   Indexer scoring: 2 Hi d (t / kpool) per query at position t (pooled keys it can see).
-// Training = 3 x forward (the backward is twice the forward); the recomputation a
-// memory policy adds, and the indexer's KL training, are not counted (model FLOPs, not hardware).
+// Training = 3 x forward (the backward is twice the forward) for everything a gradient flows
+// through; the indexer's scores count once: nothing backpropagates through them (its KL training
+// differentiates only the chosen pools, topk / kpool per query, and is not counted, like the
+// recomputation a memory policy adds: model FLOPs, not hardware FLOPs).
 #pragma once
 
 #include <cstdint>
@@ -23,7 +25,7 @@ struct ModelFlops {
   double attention = 0;    // sparse attention over the selected keys
   double indexer = 0;      // the indexer's scores
   double forward() const { return projections + kda + attention + indexer; }
-  double training() const { return 3 * forward(); }
+  double training() const { return 3 * (projections + kda + attention) + indexer; }
 };
 
 ModelFlops model_flops(const ModelConfig& config, int64_t tokens);

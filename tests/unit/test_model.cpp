@@ -283,7 +283,7 @@ TEST(ModelFlops, ProjectionsAreTwiceTheMatricesATokenUses) {
   EXPECT_GT(f.kda, 0);
   EXPECT_GT(f.attention, 0);
   EXPECT_GT(f.indexer, 0);
-  EXPECT_DOUBLE_EQ(f.training(), 3 * (f.projections + f.kda + f.attention + f.indexer));
+  EXPECT_DOUBLE_EQ(f.training(), 3 * (f.projections + f.kda + f.attention) + f.indexer);
 }
 
 // The streaming executor's first brick: a KDA layer run chunk by chunk, carrying the delta-rule
