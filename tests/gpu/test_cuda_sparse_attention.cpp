@@ -12,6 +12,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -362,32 +363,28 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
 // visible score within 1e-4 of its magnitude sum_h |w_h| sum_c |q_hc k_c| / sqrt(d), the bound of
 // fp32 accumulation of exact bf16 products (2^-24 per addition, 128 + 32 additions, with room for
 // the tensor cores' own rounding); an indexing slip is off by O(1) of it. The row past the last is
-// poisoned and must stay so.
+// poisoned and must stay so. Both scorers where the wgmma one takes the shape (17 to 32 heads,
+// head_dim a multiple of 16): its 16-query, 64-pool tiles end inside the rows and pools here.
 TEST(CudaIndexer, ScoresMatchTheCpu) {
   struct Case {
     int64_t tokens, heads, head_dim, kpool, first, rows;
   };
-  const Case cases[] = {{1000, 32, 128, 4, 0, 1000}, {700, 16, 64, 16, 200, 333},
-                        {2000, 3, 48, 1, 1500, 100}, {530, 24, 8, 2, 17, 500},
-                        {300, 1, 16, 4, 0, 300},     {4096, 32, 128, 16, 2048, 2048}};
+  const Case cases[] = {
+      {1000, 32, 128, 4, 0, 1000},  {700, 16, 64, 16, 200, 333},  {2000, 3, 48, 1, 1500, 100},
+      {530, 24, 8, 2, 17, 500},     {300, 1, 16, 4, 0, 300},      {4096, 32, 128, 16, 2048, 2048},
+      {1500, 20, 48, 2, 100, 1201}, {3000, 32, 64, 1, 2000, 999}, {40, 32, 128, 1, 0, 40}};
   for (const Case& c : cases) {
     const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, 2048, false};
     const int64_t H = c.heads, d = c.head_dim, P = s.complete_pools();
     const auto q = rounded(random_floats(c.tokens * H * d)), k = rounded(random_floats(P * d)),
                w = rounded(random_floats(c.tokens * H));
-    Stream stream;
-    auto dq = device(to_bf16(q)), dk = device(to_bf16(k)), dw = device(to_bf16(w));
-    auto scores = poisoned<float>((c.rows + 1) * P);
-    indexer_scores(s, dq.data(), dk.data(), dw.data(), c.first, c.rows, scores.data(), stream.get());
-    stream.synchronize();
-    const auto got = scores.download();
+    // The reference and its magnitude for every visible score; -1 magnitude past the visible.
+    std::vector<double> want(static_cast<size_t>(c.rows * P)), magnitude(want.size(), -1.0);
     const double scale = 1.0 / std::sqrt(double(d));
-    int64_t bad = 0, checked = 0;
-    double worst = 0;
     for (int64_t r = 0; r < c.rows; ++r) {
       const int64_t t = c.first + r, visible = std::min(P, (t + 1) / c.kpool);
       for (int64_t p = 0; p < visible; ++p) {
-        double score = 0, magnitude = 0;
+        double score = 0, size_sum = 0;
         for (int64_t h = 0; h < H; ++h) {
           double dot = 0, size = 0;
           for (int64_t ch = 0; ch < d; ++ch) {
@@ -396,20 +393,39 @@ TEST(CudaIndexer, ScoresMatchTheCpu) {
             size += std::abs(x);
           }
           score += w[t * H + h] * std::max(0.0, dot * scale);
-          magnitude += std::abs(w[t * H + h]) * size * scale;
+          size_sum += std::abs(w[t * H + h]) * size * scale;
         }
-        const double error = std::abs(got[r * P + p] - score) / std::max(magnitude, 1e-30);
+        want[r * P + p] = score;
+        magnitude[r * P + p] = std::max(size_sum, 1e-30);
+      }
+    }
+    Stream stream;
+    auto dq = device(to_bf16(q)), dk = device(to_bf16(k)), dw = device(to_bf16(w));
+    const bool both = std::string(indexer_scorer(s)) != "mma.sync";
+    for (const bool mma : {false, true}) {
+      if (mma && !both) continue;  // the first pass ran it
+      auto scores = poisoned<float>((c.rows + 1) * P);
+      (mma ? indexer_scores_mma : indexer_scores)(s, dq.data(), dk.data(), dw.data(), c.first, c.rows,
+                                                  scores.data(), stream.get());
+      stream.synchronize();
+      const auto got = scores.download();
+      int64_t bad = 0, checked = 0;
+      double worst = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (magnitude[i] < 0) continue;
+        const double error = std::abs(got[i] - want[i]) / magnitude[i];
         if (!(error <= 1e-4)) ++bad;  // NaN (unwritten) counts as bad
         worst = std::max(worst, std::isnan(error) ? INFINITY : error);
         ++checked;
       }
+      int64_t touched = 0;
+      for (int64_t p = 0; p < P; ++p) touched += std::isnan(got[c.rows * P + p]) ? 0 : 1;
+      const char* scorer = mma ? "mma.sync" : indexer_scorer(s);
+      EXPECT_EQ(bad, 0) << scorer << " scorer: of " << checked << " scores; worst error " << worst
+                        << "; tokens " << c.tokens << " heads " << H << " head_dim " << d << " kpool "
+                        << c.kpool << " queries " << c.first << " + " << c.rows;
+      EXPECT_EQ(touched, 0) << scorer << " scorer: scores written past the last row";
     }
-    int64_t touched = 0;
-    for (int64_t p = 0; p < P; ++p) touched += std::isnan(got[c.rows * P + p]) ? 0 : 1;
-    EXPECT_EQ(bad, 0) << "of " << checked << " scores; worst error " << worst << "; tokens " << c.tokens
-                      << " heads " << H << " head_dim " << d << " kpool " << c.kpool << " queries " << c.first
-                      << " + " << c.rows;
-    EXPECT_EQ(touched, 0) << "scores written past the last row";
   }
 }
 

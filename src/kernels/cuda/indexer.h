@@ -8,9 +8,10 @@
 // (262144 pools) is 1 MiB per query row, so a 1 GiB workspace scores 1024 queries per launch;
 // keep the workspace under 2 GiB.
 //
-// Scoring (indexer_scores, indexer_scores.cu) runs on the tensor cores: warp-level
-// mma.sync.m16n8k16 bf16 x bf16 -> fp32, score[t][p] = sum_h w[t][h] relu(q[t][h] . k[p] /
-// sqrt(d)). A CTA of 256 threads (8 warps, 4 along q rows x 2 along pools, each warp 64 rows x 64
+// Scoring (indexer_scores, indexer_scores.cu) runs on the tensor cores. With 17 to 32 heads and
+// head_dim a multiple of 16 up to 128 (GLM's 32 x 128) on wgmma (indexer_scores_hopper.h);
+// otherwise on warp-level mma.sync.m16n8k16 bf16 x bf16 -> fp32, score[t][p] = sum_h w[t][h] relu(q[t][h] .
+// k[p] / sqrt(d)). A CTA of 256 threads (8 warps, 4 along q rows x 2 along pools, each warp 64 rows x 64
 // pools of fp32 accumulators) holds 256 rows of q in shared memory for its whole life: groups of 8
 // queries x all their heads, arranged so that each m16 tile is 8 queries x 2 heads (a thread's
 // accumulator rows g and g + 8 are one query's two heads; the 8 queries lie on the 8 lane groups).
@@ -58,6 +59,15 @@ size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_
 void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
                     cudaStream_t stream);
+
+// The mma.sync scorer alone, for any shape indexer_scores takes (tests and bench/ compare it with
+// the wgmma one).
+void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
+                        const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
+                        cudaStream_t stream);
+
+// "wgmma" or "mma.sync": the scorer indexer_scores runs for this shape.
+const char* indexer_scorer(const cpu::IndexerShape& s);
 
 // The queries are the tokens from s.first_query on (a chunk of a streamed sequence; 0: all), the
 // keys all s.tokens. q: [queries, heads, head_dim]; pool_keys: [complete_pools, head_dim];

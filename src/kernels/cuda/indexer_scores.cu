@@ -1,11 +1,13 @@
 // The indexer's pool scores on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
-// See indexer.h for the contract, the tiles and the launch shape.
+// See indexer.h for the contract, the tiles and the launch shape; indexer_scores hands the shapes
+// the wgmma scorer takes (indexer_scores_hopper.h) to it.
 #include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/indexer.h"
+#include "kernels/cuda/indexer_scores_hopper.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -201,9 +203,9 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_kernel(const Score
 
 }  // namespace
 
-void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
-                    const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
-                    cudaStream_t stream) {
+void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
+                        const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
+                        cudaStream_t stream) {
   check(s.kpool > 0 && s.heads > 0 && s.heads <= kMaxHeads && s.head_dim > 0 && s.head_dim % 8 == 0 &&
             s.head_dim <= kMaxHeadDim,
         "indexer_scores: the tensor-core scorer takes heads 1..", kMaxHeads,
@@ -250,6 +252,19 @@ void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
   indexer_scores_kernel<<<dim3(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits)), kThreads,
                           t.shared_bytes, stream>>>(args);
   SPINDLE_LAUNCHED("indexer_scores_kernel");
+}
+
+void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
+                    const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
+                    cudaStream_t stream) {
+  if (indexer_scores_hopper_takes(s))
+    indexer_scores_hopper(s, q, pool_keys, head_weights, first, rows, scores, stream);
+  else
+    indexer_scores_mma(s, q, pool_keys, head_weights, first, rows, scores, stream);
+}
+
+const char* indexer_scorer(const cpu::IndexerShape& s) {
+  return indexer_scores_hopper_takes(s) ? "wgmma" : "mma.sync";
 }
 
 }  // namespace spindle::cuda

@@ -4,6 +4,7 @@
 // keys and values before it (the plain pass: one chunk over its own cache).
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/convert.h"
@@ -82,7 +83,8 @@ void run_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, co
     selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
   indexer_select(shape, a.q.data(), cache.pool_keys.data(), a.head_weights.data(), selection.data(),
                  workspace.data(), workspace.size() * 4, ctx.stream());
-  ctx.record.note("dsa/indexer", "cuda k-pool radix select in query blocks");
+  ctx.record.note("dsa/indexer", std::string("cuda k-pool scores (") + indexer_scorer(shape) +
+                                     ") + radix select in query blocks");
 }
 
 // KL(attention || indexer) on the indexer's own selection for the L queries first .. first + L;

@@ -1,0 +1,100 @@
+// The DSA indexer's scores and selection at a million tokens, GLM's indexer shape (32 heads x 128,
+// k-pool 16, top 2048): a streamed chunk of queries near the end of the sequence against every
+// pool before it (65536 at 1M), in query blocks as the executor runs them. Times, by CUDA events,
+// the wgmma scorer, the mma.sync scorer and the whole selection (scores + radix select), each the
+// median of a few launches, with the scores' TFLOP/s (2 x heads x head_dim per visible pool).
+//     build/bench_indexer_scores [tokens] [queries] [block]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "kernels/cpu/dsa.h"
+#include "kernels/cuda/indexer.h"
+
+namespace {
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = (static_cast<uint32_t>(i) ^ seed) * 2654435761u;
+    x[i] = __float2bfloat16(static_cast<float>(h >> 8) / 16777216.0f - 0.5f);
+  }
+}
+
+DeviceBuffer<__nv_bfloat16> random_bf16(int64_t n, uint32_t seed) {
+  DeviceBuffer<__nv_bfloat16> b(static_cast<size_t>(n), MemoryCategory::Activations);
+  fill<<<1024, 256>>>(b.data(), n, seed);
+  SPINDLE_LAUNCHED("fill");
+  return b;
+}
+
+double median_ms(const std::function<void()>& run, int repeats) {
+  cudaEvent_t start, stop;
+  SPINDLE_CUDA(cudaEventCreate(&start));
+  SPINDLE_CUDA(cudaEventCreate(&stop));
+  run();  // warm-up
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    SPINDLE_CUDA(cudaEventRecord(start));
+    run();
+    SPINDLE_CUDA(cudaEventRecord(stop));
+    SPINDLE_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    SPINDLE_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  SPINDLE_CUDA(cudaEventDestroy(start));
+  SPINDLE_CUDA(cudaEventDestroy(stop));
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
+  const int64_t queries = argc > 2 ? std::atoll(argv[2]) : 16384;
+  const int64_t block = argc > 3 ? std::atoll(argv[3]) : 8192;
+  const int64_t heads = 32, dim = 128, kpool = 16, topk = 2048;
+  cpu::IndexerShape s{tokens, heads, dim, kpool, topk, true};
+  s.first_query = tokens - queries;
+  const int64_t pools = s.complete_pools();
+  auto q = random_bf16(queries * heads * dim, 1), keys = random_bf16(pools * dim, 2),
+       weights = random_bf16(queries * heads, 3);
+  DeviceBuffer<float> scores(static_cast<size_t>(block * pools), MemoryCategory::Workspace);
+  DeviceBuffer<int32_t> selected(static_cast<size_t>(queries * s.width()), MemoryCategory::Activations);
+  double flops = 0;
+  for (int64_t t = s.first_query; t < s.first_query + block; ++t)
+    flops += 2.0 * heads * dim * static_cast<double>(std::min(pools, (t + 1) / kpool));
+  const auto scorer = [&](auto f) {
+    return
+        [&, f] { f(s, q.data(), keys.data(), weights.data(), s.first_query, block, scores.data(), nullptr); };
+  };
+  const double wgmma = median_ms(scorer(indexer_scores), 5), mma = median_ms(scorer(indexer_scores_mma), 5);
+  const double select = median_ms(
+      [&] {
+        indexer_select(s, q.data(), keys.data(), weights.data(), selected.data(), scores.data(),
+                       scores.size() * sizeof(float), nullptr);
+      },
+      3);
+  const double blocks = static_cast<double>((queries + block - 1) / block);
+  std::printf(
+      "indexer at %lld tokens (%lld pools), queries %lld .. %lld in blocks of %lld:\n"
+      "  scores, one block: %s %.3f ms (%.0f TFLOP/s), mma.sync %.3f ms (%.0f TFLOP/s)\n"
+      "  selection of all %lld queries (scores + radix select): %.3f ms; radix select about %.3f ms\n",
+      static_cast<long long>(tokens), static_cast<long long>(pools), static_cast<long long>(s.first_query),
+      static_cast<long long>(tokens), static_cast<long long>(block), indexer_scorer(s), wgmma,
+      flops / wgmma / 1e9, mma, flops / mma / 1e9, static_cast<long long>(queries), select,
+      select - blocks * wgmma);
+  return 0;
+}

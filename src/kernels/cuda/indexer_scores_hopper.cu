@@ -1,0 +1,243 @@
+// The indexer's pool scores on wgmma; see indexer_scores_hopper.h for the design.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/indexer_scores_hopper.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace spindle::cuda {
+
+namespace {
+
+constexpr int kGroups = 2, kThreads = 128 * kGroups;
+constexpr int kGroupQueries = 8, kQueries = kGroups * kGroupQueries;
+constexpr int kSlots = 32;  // head slots per query: N = 8 x 32 = 256
+constexpr int kPools = 64;  // pools per tile: M
+constexpr int kStages = 3;
+constexpr int kOutStride = kPools + 8;  // a row per query; 8 floats apart: the 4 query rows a store
+                                        // touches land in distinct banks
+
+struct Args {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* pool_keys;
+  const __nv_bfloat16* head_weights;
+  float* scores;
+  int64_t first, rows, pools, kpool, first_query;
+  int heads;
+  float scale;
+};
+
+// Byte offsets into the dynamic shared memory.
+struct Layout {
+  uint32_t q_bytes;     // one warpgroup's q, [256][head_dim] bf16
+  uint32_t tile_bytes;  // one key tile, [64][head_dim] bf16
+  uint32_t keys, weights, out, total;
+};
+
+__host__ __device__ constexpr Layout layout(int head_dim) {
+  Layout l{};
+  l.q_bytes = static_cast<uint32_t>(kGroupQueries * kSlots * head_dim * 2);
+  l.tile_bytes = static_cast<uint32_t>(kPools * head_dim * 2);
+  l.keys = kGroups * l.q_bytes;
+  l.weights = l.keys + kStages * l.tile_bytes;
+  l.out = l.weights + kQueries * kSlots * 4;
+  l.total = l.out + kGroups * kGroupQueries * kOutStride * 4;
+  return l;
+}
+
+__device__ __forceinline__ void group_barrier(int group) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(group + 1) : "memory");
+}
+
+template <int KSteps>
+__global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char shared[];
+  constexpr int kDim = 16 * KSteps, kChunks = kDim / 8;
+  constexpr Layout L = layout(kDim);
+  // Through a shuffle, so that the compiler sees them uniform and does not serialise the wgmma.
+  const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
+            warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
+  const int tid = threadIdx.x, wt = tid % 128, lane = tid % 32, c = lane % 4;
+
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kQueries;  // the CTA's first row, < rows
+  const int64_t last = min(a.rows, q0 + kQueries) - 1;
+  const int64_t visible = min(a.pools, (a.first + last + 1) / a.kpool);
+  const int64_t tiles = (visible + kPools - 1) / kPools;
+  const int64_t mine = (tiles - blockIdx.y + gridDim.y - 1) / gridDim.y;  // tiles blockIdx.y + i gridDim.y
+  if (static_cast<int64_t>(blockIdx.y) >= tiles) return;
+  const int64_t offset = a.first - a.first_query;  // q's row of block row 0
+
+  // q as 512 rows (query 16 g + row / 32 of warpgroup g's 256, head row % 32), core-matrix layout:
+  // 16-byte unit u lands at byte 16 u. Zero past the last head and row.
+  for (int u = tid; u < kQueries * kSlots * kChunks; u += kThreads) {
+    const int row = u / (8 * kChunks) * 8 + u % 8, chunk = u / 8 % kChunks;
+    const int query = row / kSlots, head = row % kSlots;
+    const bool valid = head < a.heads && q0 + query < a.rows;
+    const __nv_bfloat16* from =
+        valid ? a.q + ((offset + q0 + query) * a.heads + head) * kDim + chunk * 8 : a.q;
+    copy16(shared + u * 16, from, valid);
+  }
+  float* weights = reinterpret_cast<float*>(shared + L.weights);  // [16 queries][32], scale folded in
+  for (int i = tid; i < kQueries * kSlots; i += kThreads) {
+    const int query = i / kSlots, head = i % kSlots;
+    const bool valid = head < a.heads && q0 + query < a.rows;
+    weights[i] =
+        valid ? a.scale * __bfloat162float(a.head_weights[(offset + q0 + query) * a.heads + head]) : 0.0f;
+  }
+  unsigned char* keys = shared + L.keys;
+  const auto load_keys = [&](int64_t i) {  // the CTA's i-th tile into stage i % 3, zero past the last pool
+    unsigned char* dst = keys + (i % kStages) * L.tile_bytes;
+    const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
+    for (int u = tid; u < kPools * kChunks; u += kThreads) {
+      const int64_t pool = p0 + u / (8 * kChunks) * 8 + u % 8;
+      const bool valid = pool < a.pools;
+      copy16(dst + u * 16, valid ? a.pool_keys + pool * kDim + u / 8 % kChunks * 8 : a.pool_keys, valid);
+    }
+  };
+  load_keys(0);
+  copy_commit();  // q and the first tile
+  if (mine > 1) load_keys(1);
+  copy_commit();
+
+  const uint32_t q_address = shared_address(shared) + group * L.q_bytes, keys_address = shared_address(keys);
+  constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
+  const float2* group_weights = reinterpret_cast<const float2*>(weights) + group * kGroupQueries * kSlots / 2;
+  float* out = reinterpret_cast<float*>(shared + L.out) + group * kGroupQueries * kOutStride;
+  float acc[128] = {};
+  for (int64_t i = 0; i < mine; ++i) {
+    copy_wait<1>();  // tile i (and q) landed for this thread
+    fence_async_shared();
+    __syncthreads();  // ... for every thread; stage (i + 2) % 3 was last read for tile i - 1
+    if (i + 2 < mine) load_keys(i + 2);
+    copy_commit();  // possibly empty: the group count stays uniform
+
+    // scores^T [64 pools, 8 queries x 32 heads] = K Q^T over head_dim.
+    const uint32_t tile_address = keys_address + (i % kStages) * L.tile_bytes;
+#pragma unroll
+    for (int j = 0; j < 128; ++j) wgmma_hold(acc[j]);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < KSteps; ++k)
+      wgmma_m64n256k16(acc, wgmma_descriptor(tile_address + k * 256, 128, kGroupBytes),
+                       wgmma_descriptor(q_address + k * 256, 128, kGroupBytes), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 128; ++j) wgmma_hold(acc[j]);
+
+    // Per pool row (16 warp + lane / 4 + 8 h) and query: its heads 8 jj + 2 c + e of this thread,
+    // relu times weight, in explicit FMAs (one rounding path for every pool).
+    float part[16];  // [h][query]
+#pragma unroll
+    for (int query = 0; query < kGroupQueries; ++query) {
+      float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const float2 w = group_weights[query * kSlots / 2 + 4 * jj + c];
+        const float* d = acc + 4 * (4 * query + jj);
+        s0 = __fmaf_rn(w.x, fmaxf(d[0], 0.0f), s0);
+        s0 = __fmaf_rn(w.y, fmaxf(d[1], 0.0f), s0);
+        s1 = __fmaf_rn(w.x, fmaxf(d[2], 0.0f), s1);
+        s1 = __fmaf_rn(w.y, fmaxf(d[3], 0.0f), s1);
+      }
+      part[query] = s0;
+      part[kGroupQueries + query] = s1;
+    }
+    // Across the 4 lanes of a row: after the two steps lane c holds the sums f = 4 m + c.
+    const bool b0 = (c & 1) != 0, b1 = (c & 2) != 0;
+    float half[8], sum[4];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float send = b0 ? part[2 * k] : part[2 * k + 1], keep = b0 ? part[2 * k + 1] : part[2 * k];
+      half[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float send = b1 ? half[2 * m] : half[2 * m + 1], keep = b1 ? half[2 * m + 1] : half[2 * m];
+      sum[m] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      out[(4 * (m % 2) + c) * kOutStride + 16 * warp + lane / 4 + 8 * (m / 2)] = sum[m];
+    group_barrier(group);
+    const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
+#pragma unroll
+    for (int k = 0; k < kGroupQueries / 2; ++k) {
+      const int query = 2 * k + wt / kPools, column = wt % kPools;
+      const int64_t row = q0 + kGroupQueries * group + query, pool = p0 + column;
+      if (row < a.rows && pool < a.pools) a.scores[row * a.pools + pool] = out[query * kOutStride + column];
+    }
+  }
+}
+
+}  // namespace
+
+bool indexer_scores_hopper_takes(const cpu::IndexerShape& s) {
+  return s.heads > 16 && s.heads <= kSlots && s.head_dim >= 16 && s.head_dim <= 128 && s.head_dim % 16 == 0 &&
+         s.kpool > 0;
+}
+
+void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
+                           const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
+                           cudaStream_t stream) {
+  check(indexer_scores_hopper_takes(s), "indexer scores on wgmma: heads 17..", kSlots,
+        " and head_dim a multiple of 16 up to 128, got heads ", s.heads, ", head_dim ", s.head_dim);
+  check(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(pool_keys) % 16 == 0,
+        "indexer scores on wgmma: q and pool_keys must be 16-byte aligned (cp.async)");
+  const int64_t pools = s.complete_pools();
+  if (rows == 0 || pools == 0) return;
+  int device = 0, sms = 0;
+  SPINDLE_CUDA(cudaGetDevice(&device));
+  SPINDLE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t query_tiles = (rows + kQueries - 1) / kQueries;
+  check(query_tiles < (int64_t{1} << 31), "indexer scores on wgmma: ", rows,
+        " queries are too many for one launch");
+  // Split the pool tiles over blockIdx.y when the query tiles alone would leave multiprocessors
+  // idle (one CTA fits a multiprocessor): about two CTAs per multiprocessor in all.
+  const int64_t most_tiles = (std::min(pools, (first + rows) / s.kpool) + kPools - 1) / kPools;
+  const int64_t splits = std::clamp<int64_t>((2 * sms + query_tiles - 1) / query_tiles, 1,
+                                             std::clamp<int64_t>(most_tiles, 1, 65535));
+  Args args{};
+  args.q = q;
+  args.pool_keys = pool_keys;
+  args.head_weights = head_weights;
+  args.scores = scores;
+  args.first = first;
+  args.rows = rows;
+  args.pools = pools;
+  args.kpool = s.kpool;
+  args.first_query = s.first_query;
+  args.heads = static_cast<int>(s.heads);
+  args.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const size_t shared_bytes = layout(static_cast<int>(s.head_dim)).total;
+  const dim3 grid(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits));
+  const auto run = [&](auto kernel) {
+    allow_shared_memory(kernel, shared_bytes, "indexer scores on wgmma: head_dim ", s.head_dim);
+    kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+    SPINDLE_LAUNCHED("indexer_scores_hopper_kernel");
+  };
+  switch (s.head_dim / 16) {
+    case 1:
+      return run(indexer_scores_hopper_kernel<1>);
+    case 2:
+      return run(indexer_scores_hopper_kernel<2>);
+    case 3:
+      return run(indexer_scores_hopper_kernel<3>);
+    case 4:
+      return run(indexer_scores_hopper_kernel<4>);
+    case 5:
+      return run(indexer_scores_hopper_kernel<5>);
+    case 6:
+      return run(indexer_scores_hopper_kernel<6>);
+    case 7:
+      return run(indexer_scores_hopper_kernel<7>);
+    default:
+      return run(indexer_scores_hopper_kernel<8>);
+  }
+}
+
+}  // namespace spindle::cuda
