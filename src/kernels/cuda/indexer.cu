@@ -12,7 +12,6 @@ namespace spindle::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
 __global__ void indexer_pool_keys_kernel(const __nv_bfloat16* __restrict__ keys,
@@ -71,12 +70,6 @@ __device__ int block_exclusive_scan(int value, int* shared, int& total) {
 // One CTA per query of the block: the exact top topk/kpool of its visible pools' scores (row
 // blockIdx.x of the workspace), ties to the lower pool, in ascending pool order, expanded to
 // tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
-//
-// The threshold by four 8-bit radix passes; each warp adds a histogram bin once per distinct bin
-// among its lanes (scores crowd into a few bins of the top bits, where per-lane shared-memory
-// atomics would serialise). The output in two passes over the row: each warp counts the keys above
-// and equal to the threshold in its own contiguous segment, one CTA scan gives every warp its
-// offsets, and the warps write their segments in pool order with ballots (no barrier per 256 keys).
 __global__ void __launch_bounds__(kThreads)
     indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
                         int64_t first_query, int64_t pools, int64_t kp, int64_t topk, int64_t width,
@@ -84,7 +77,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned hist[256];
   __shared__ unsigned s_prefix, s_k;
   __shared__ int scan_shared[kThreads / 32 + 1];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t t = t0 + blockIdx.x;
   const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
   int32_t* out = selected + (t - first_query) * width;
@@ -101,14 +93,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0;
         __syncthreads();
-        for (int64_t base = 0; base < visible; base += kThreads) {  // every lane, every round
-          const int64_t p = base + threadIdx.x;
-          const unsigned u = p < visible ? ordered(scores[p]) : 0u;
-          const bool counted = p < visible && (u & mask) == prefix;
-          const unsigned bin = counted ? (u >> shift) & 255u : 256u;
-          const unsigned peers = __match_any_sync(kFull, bin);
-          if (counted && lane == __ffs(peers) - 1)
-            atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+        for (int64_t p = threadIdx.x; p < visible; p += kThreads) {
+          const unsigned u = ordered(scores[p]);
+          if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -130,42 +117,21 @@ __global__ void __launch_bounds__(kThreads)
         mask |= 255u << shift;
       }
     }
-    // Warp w's segment: pools [w * segment, (w + 1) * segment), a multiple of 32 long.
-    const int64_t segment = (visible + 32 * kWarps - 1) / (32 * kWarps) * 32;
-    const int64_t begin = warp * segment, end = min(visible, begin + segment);
-    const auto take_key = [&](unsigned u) { return all || u > prefix; };
-    int above = 0, equal = 0;
-    for (int64_t p = begin + lane; p < end; p += 32) {
-      const unsigned u = ordered(scores[p]);
-      above += take_key(u) ? 1 : 0;
-      equal += !all && u == prefix ? 1 : 0;
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      above += __shfl_xor_sync(kFull, above, offset);
-      equal += __shfl_xor_sync(kFull, equal, offset);
-    }
-    int unused = 0;
-    // Equal keys before this warp's segment, and keys taken before it (those above, and the
-    // first k equal ones).
-    const int equal_before = block_exclusive_scan(lane == 0 ? equal : 0, scan_shared, unused);
-    const int above_before = block_exclusive_scan(lane == 0 ? above : 0, scan_shared, unused);
-    int equal_seen = __shfl_sync(kFull, equal_before, 0);
-    int position = __shfl_sync(kFull, above_before, 0) + min(equal_seen, static_cast<int>(k));
-    const unsigned below = (1u << lane) - 1u;
-    for (int64_t base = begin; base < end; base += 32) {  // every lane, every round
-      const int64_t p = base + lane;
-      const unsigned u = p < end ? ordered(scores[p]) : 0u;
-      const bool equal_key = p < end && !all && u == prefix;
-      const unsigned equal_mask = __ballot_sync(kFull, equal_key);
-      const int rank = equal_seen + __popc(equal_mask & below);
-      const bool take = p < end && (take_key(u) || (equal_key && rank < static_cast<int>(k)));
-      const unsigned take_mask = __ballot_sync(kFull, take);
-      if (take) {
-        const int at = position + __popc(take_mask & below);
-        for (int64_t j = 0; j < kp; ++j) out[at * kp + j] = static_cast<int32_t>(p * kp + j);
-      }
-      equal_seen += __popc(equal_mask);
-      position += __popc(take_mask);
+    // In pool order: take every key above the threshold and the first k equal to it.
+    int eq_before = 0, taken_before = 0;
+    for (int64_t base = 0; base < visible; base += kThreads) {
+      const int64_t p = base + threadIdx.x;
+      const unsigned u = p < visible ? ordered(scores[p]) : 0u;
+      const bool valid = p < visible;
+      int eq_total = 0, taken_total = 0;
+      const int eq_rank =
+          eq_before + block_exclusive_scan(valid && u == prefix ? 1 : 0, scan_shared, eq_total);
+      const bool take = valid && (all || u > prefix || (u == prefix && eq_rank < static_cast<int>(k)));
+      const int position = taken_before + block_exclusive_scan(take ? 1 : 0, scan_shared, taken_total);
+      if (take)
+        for (int64_t j = 0; j < kp; ++j) out[position * kp + j] = static_cast<int32_t>(p * kp + j);
+      eq_before += eq_total;
+      taken_before += taken_total;
     }
   }
   if (select_tail && kp > 1) {
