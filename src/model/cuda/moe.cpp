@@ -1,9 +1,6 @@
 // The feed-forward sublayers on the GPU: the dense SwiGLU MLP and the routed experts (router,
-// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, the experts
-// spread over side streams (expert_lanes.h) while the shared expert runs on the main stream,
-// weighted deterministic combine). CPU reference: model/mlp.cpp, model/moe.cpp.
-#include <string>
-
+// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, weighted
+// deterministic combine) plus the shared expert. CPU reference: model/mlp.cpp, model/moe.cpp.
 #include "kernels/cuda/balance_loss.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/moe_dispatch.h"
@@ -61,7 +58,6 @@ struct Routing {
   DeviceBuffer<float> logits, weight;
   DeviceBuffer<int32_t> expert, counts, offsets, permutation, inverse;
   std::vector<int32_t> host_offsets;  // [experts + 1]
-  std::vector<int> lane;              // [experts]: the side stream of each expert's products
   DeviceBuffer<bf16> rows;            // [assignments, hidden]: the gathered inputs
 };
 
@@ -91,20 +87,16 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   SPINDLE_CUDA(cudaMemcpyAsync(r.host_offsets.data(), r.offsets.data(), (E + 1) * sizeof(int32_t),
                                cudaMemcpyDeviceToHost, s));
   SPINDLE_CUDA(cudaStreamSynchronize(s));
-  r.lane = ExpertLanes::assign(r.host_offsets);
-  ctx.record.note("moe/experts", "cublaslt per expert over sorted rows, on " +
-                                     std::to_string(ExpertLanes::kLanes) + " streams");
+  ctx.record.note("moe/experts", "cublaslt per expert over sorted rows");
   return r;
 }
 
-// Calls f(expert, first row, rows, gemm, stream) for every expert with at least one row, with
-// the expert's lane.
+// Calls f(expert, first row, rows) for every expert with at least one row.
 template <class F>
-void for_each_expert(Context& ctx, const Routing& r, F f) {
+void for_each_expert(const Routing& r, F f) {
   for (size_t e = 0; e + 1 < r.host_offsets.size(); ++e) {
     const int64_t first = r.host_offsets[e], rows = r.host_offsets[e + 1] - first;
-    if (rows > 0)
-      f(static_cast<int64_t>(e), first, rows, ctx.lanes.gemm(r.lane[e]), ctx.lanes.stream(r.lane[e]));
+    if (rows > 0) f(static_cast<int64_t>(e), first, rows);
   }
 }
 
@@ -113,20 +105,22 @@ struct ExpertActivations {
   DeviceBuffer<bf16> gate, up, hidden, out;
 };
 
-// Queues every expert's forward on its lane (after fork; the caller joins).
-ExpertActivations queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
-                                int64_t n) {
+ExpertActivations run_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
+                              int64_t n) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
-  const auto limit = static_cast<float>(c.swiglu_limit);
+  const cudaStream_t s = ctx.stream();
   ExpertActivations a{activations(n * I), activations(n * I), activations(n * I), activations(n * D)};
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t s) {
-    const bf16* x_rows = r.rows.data() + first * D;
-    bf16 *gate = a.gate.data() + first * I, *up = a.up.data() + first * I,
-         *hidden = a.hidden.data() + first * I;
-    gemm.linear(x_rows, bf16_data(w.experts_gate) + e * I * D, gate, rows, D, I, s);
-    gemm.linear(x_rows, bf16_data(w.experts_up) + e * I * D, up, rows, D, I, s);
-    clamped_swiglu_forward(gate, up, hidden, rows * I, limit, s);
-    gemm.linear(hidden, bf16_data(w.experts_down) + e * D * I, a.out.data() + first * D, rows, I, D, s);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D,
+                    a.gate.data() + first * I, rows, D, I, s);
+    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I,
+                    rows, D, I, s);
+  });
+  clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I,
+                         static_cast<float>(c.swiglu_limit), s);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I,
+                    a.out.data() + first * D, rows, I, D, s);
   });
   return a;
 }
@@ -147,11 +141,9 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   if (router_logits != nullptr)
     SPINDLE_CUDA(
         cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
-  ctx.lanes.fork(s);
-  ExpertActivations a = queue_experts(ctx, c, w, r, n);
+  ExpertActivations a = run_experts(ctx, c, w, r, n);
   DeviceBuffer<bf16> shared = activations(L * D);
   mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
-  ctx.lanes.join(s);
   combine_expert_rows(a.out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
 }
 
@@ -161,35 +153,37 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
+  Gemm& gemm = ctx.gemm;
   Routing r = route(ctx, c, w, x, L);
-  ctx.lanes.fork(s);
-  ExpertActivations a = queue_experts(ctx, c, w, r, n);
+  ExpertActivations a = run_experts(ctx, c, w, r, n);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
-  ctx.lanes.join(s);
 
   // y[t] += weight * out: the weights' gradient is dy . out, the outputs' is weight * dy.
   DeviceBuffer<bf16> dout = activations(n * D);
   DeviceBuffer<float> dweight = activations_f32(n);
   combine_expert_rows_backward(a.out.data(), r.inverse.data(), r.weight.data(), dy, L, k, D, dout.data(),
                                dweight.data(), s);
+  DeviceBuffer<bf16>& dhidden = a.hidden;
   DeviceBuffer<float> drows = activations_f32(n * D);
-  ctx.lanes.fork(s);
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t ls) {
-    const bf16* x_rows = r.rows.data() + first * D;
-    const bf16* dout_rows = dout.data() + first * D;
-    bf16 *gate = a.gate.data() + first * I, *up = a.up.data() + first * I;
-    bf16* hidden = a.hidden.data() + first * I;
-    bf16* dhidden = hidden;  // written after its last read
-    gemm.linear_backward_weight(dout_rows, hidden, f32_data(grad.experts_down) + e * D * I, rows, I, D, ls);
-    gemm.linear_backward_input(dout_rows, bf16_data(w.experts_down) + e * D * I, dhidden, rows, I, D, ls);
-    clamped_swiglu_backward(gate, up, dhidden, gate, up, rows * I, limit, ls);
-    float* drows_e = drows.data() + first * D;
-    gemm.linear_backward_input(gate, bf16_data(w.experts_gate) + e * I * D, drows_e, rows, D, I, 0.0f, ls);
-    gemm.linear_backward_input(up, bf16_data(w.experts_up) + e * I * D, drows_e, rows, D, I, 1.0f, ls);
-    gemm.linear_backward_weight(gate, x_rows, f32_data(grad.experts_gate) + e * I * D, rows, D, I, ls);
-    gemm.linear_backward_weight(up, x_rows, f32_data(grad.experts_up) + e * I * D, rows, D, I, ls);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    gemm.linear_backward_weight(dout.data() + first * D, a.hidden.data() + first * I,
+                                f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
+    gemm.linear_backward_input(dout.data() + first * D, bf16_data(w.experts_down) + e * D * I,
+                               dhidden.data() + first * I, rows, I, D, s);
   });
-  ctx.lanes.join(s);
+  clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I,
+                          limit, s);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    const bf16* x_rows = r.rows.data() + first * D;
+    gemm.linear_backward_input(a.gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
+                               drows.data() + first * D, rows, D, I, 0.0f, s);
+    gemm.linear_backward_input(a.up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
+                               drows.data() + first * D, rows, D, I, 1.0f, s);
+    gemm.linear_backward_weight(a.gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D,
+                                rows, D, I, s);
+    gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows,
+                                D, I, s);
+  });
   DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
   f32_to_bf16(drows.data(), drows16.data(), n * D, s);
   scatter_expert_rows_backward(drows16.data(), r.inverse.data(), L, k, D, dx, s);
@@ -203,8 +197,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                           dlogits.data(), s);
   DeviceBuffer<bf16> dlogits16 = activations(L * E);
   f32_to_bf16(dlogits.data(), dlogits16.data(), L * E, s);
-  ctx.gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
-  ctx.gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
+  gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
+  gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
 }
 
 }  // namespace spindle::cuda
