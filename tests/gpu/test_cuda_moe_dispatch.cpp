@@ -1,7 +1,8 @@
 // The MoE dispatch kernels (gather to the expert-sorted order, the weighted combine back, their
-// backward) and the balance-loss kernels against loops on the host in double, on fresh random
-// inputs (seed printed): bf16-rounded inputs where the GPU stores bf16, written outputs poisoned
-// with NaN first, accumulated outputs pre-filled with values of the size of what is added.
+// backward, the down projection's backward without its output) and the balance-loss kernels against loops on
+// the host in double, on fresh random inputs (seed printed): bf16-rounded inputs where the GPU stores bf16,
+// written outputs poisoned with NaN first, accumulated outputs pre-filled with values of the size of what is
+// added.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -171,6 +172,45 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     EXPECT_EQ(bit_differences(drows_again.download(), drows.download()), "")
         << "drows on a second run, " << where;
     EXPECT_LT(relative_error(dx.download(), dx_ref), 1e-6) << "dx, " << where;
+  }
+}
+
+// The down projection's backward without its output: dweight against double dots, g and hidden
+// scaled by the row's weight in fp32 and rounded once (bit-exact, the host rounds the same way).
+TEST(CudaMoeDispatch, ExpertDownBackwardMatchesTheHost) {
+  for (const DispatchCase& c : {DispatchCase{300, 8, 32, 37}, DispatchCase{257, 4, 16, 74},
+                                DispatchCase{1000, 4, 16, 576}, DispatchCase{9000, 2, 8, 8}}) {
+    const auto [T, K, E, I] = c;
+    const int64_t A = T * K;
+    const std::string where =
+        "T=" + std::to_string(T) + " K=" + std::to_string(K) + " I=" + std::to_string(I);
+    const Routing routing = random_routing(T, K, E);
+    const auto g = rounded(random_floats(A * I)), hidden = rounded(random_floats(A * I));
+    const auto weight = random_uniform(A, 0.0f, 2.5f);
+    Stream stream;
+    auto permutation = device(routing.permutation);
+    auto g_d = device(to_bf16(g)), hidden_d = device(to_bf16(hidden));
+    auto weight_d = device(weight);
+    auto dweight = poisoned<float>(A);
+    wait_for_uploads();
+    expert_down_backward(permutation.data(), weight_d.data(), A, I, g_d.data(), hidden_d.data(),
+                         dweight.data(), stream.get());
+    stream.synchronize();
+    std::vector<double> dweight_ref(A);
+    std::vector<bf16> g_ref(A * I), hidden_ref(A * I);
+    for (int64_t r = 0; r < A; ++r) {
+      const int32_t a = routing.permutation[r];
+      double dot = 0;
+      for (int64_t i = 0; i < I; ++i) {
+        dot += static_cast<double>(g[r * I + i]) * hidden[r * I + i];
+        g_ref[r * I + i] = __float2bfloat16(g[r * I + i] * weight[a]);
+        hidden_ref[r * I + i] = __float2bfloat16(hidden[r * I + i] * weight[a]);
+      }
+      dweight_ref[a] = dot;
+    }
+    EXPECT_LT(relative_error(dweight.download(), dweight_ref), 1e-5) << "dweight, " << where;
+    EXPECT_EQ(bit_differences(g_d.download(), g_ref), "") << "the hidden's gradient, " << where;
+    EXPECT_EQ(bit_differences(hidden_d.download(), hidden_ref), "") << "the weighted hidden, " << where;
   }
 }
 

@@ -241,6 +241,7 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     int64_t tokens, heads, head_dim, kpool, topk;
     bool tail;
     int64_t query_block;  // workspace rows: several launches per call
+    bool ties = false;    // every pool but each 97th with the same key: equal scores, ties to the lower pool
   };
   // The scorer's tiles: 256 rows of q (groups of 8 queries x all heads: 64 queries at heads 3-4,
   // 16 at heads 16, 8 at heads 32; heads 5 and 24 leave padding rows) by 128 pools, K in steps of
@@ -261,7 +262,11 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
                         {300, 1, 32, 4, 40, false, 100},
                         {10, 4, 64, 16, 2048, true, 10},
                         {12, 32, 128, 16, 2048, false, 12},
-                        {4096, 32, 128, 16, 2048, true, 1024}};
+                        {4096, 32, 128, 16, 2048, true, 1024},
+                        // the threshold's bin held in shared memory with a thousand equal keys in it,
+                        // and with more than it holds (the full radix select)
+                        {1500, 2, 16, 1, 64, false, 1500, true},
+                        {6000, 2, 16, 1, 512, false, 2000, true}};
   for (const Case& c : cases) {
     const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};
     const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools();
@@ -273,7 +278,8 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
     std::vector<float> pool_keys(static_cast<size_t>(P * d));
     std::uniform_real_distribution<float> exponent(-3.0f, 3.0f);
     for (int64_t p = 0; p < P; ++p) {
-      const float a = __bfloat162float(__float2bfloat16(std::exp2(exponent(rng()))));
+      const float drawn = __bfloat162float(__float2bfloat16(std::exp2(exponent(rng()))));
+      const float a = c.ties && p % 97 != 0 ? 1.0f : drawn;
       for (int64_t ch = 0; ch < d; ++ch) pool_keys[p * d + ch] = a * v[ch];
     }
     std::vector<float> q(static_cast<size_t>(L * H * d)), w(static_cast<size_t>(L * H));

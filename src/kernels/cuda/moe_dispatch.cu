@@ -165,6 +165,34 @@ __global__ void combine_backward_kernel(const bf16* __restrict__ rows, const int
 }
 
 template <int N>
+__global__ void down_backward_kernel(const int32_t* __restrict__ permutation,
+                                     const float* __restrict__ weight, int64_t assignments, int64_t I,
+                                     bf16* __restrict__ g, bf16* __restrict__ hidden,
+                                     float* __restrict__ dweight) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t r = warp_index(); r < assignments; r += warp_count()) {
+    const int32_t a = permutation[r];
+    const float w = weight[a];
+    float dot = 0.0f;
+    for (int64_t i = lane * N; i < I; i += 32 * N) {
+      float gv[N], hv[N];
+      load(g + r * I + i, gv);
+      load(hidden + r * I + i, hv);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        dot += gv[j] * hv[j];
+        gv[j] *= w;
+        hv[j] *= w;
+      }
+      store(g + r * I + i, gv);
+      store(hidden + r * I + i, hv);
+    }
+    const float total = warp_sum(dot);
+    if (lane == 0) dweight[a] = total;
+  }
+}
+
+template <int N>
 __global__ void scatter_backward_kernel(const bf16* __restrict__ drows, const int32_t* __restrict__ inverse,
                                         int64_t tokens, int topk, int64_t D, float* __restrict__ dx) {
   const int lane = threadIdx.x % 32;
@@ -268,6 +296,17 @@ void combine_expert_rows_backward(const bf16* rows, const int32_t* inverse, cons
         rows, inverse, weight, dy, tokens, static_cast<int>(topk), D, drows, dweight);
   });
   SPINDLE_LAUNCHED("combine_backward_kernel");
+}
+
+void expert_down_backward(const int32_t* permutation, const float* weight, int64_t assignments, int64_t I,
+                          bf16* g, bf16* hidden, float* dweight, cudaStream_t stream) {
+  check_shape("expert_down_backward", assignments, 1, I);
+  if (assignments == 0) return;
+  with_piece_width(piece_width(I, {g, hidden}), [&](auto n) {
+    down_backward_kernel<decltype(n)::value><<<warp_blocks(assignments), kThreads, 0, stream>>>(
+        permutation, weight, assignments, I, g, hidden, dweight);
+  });
+  SPINDLE_LAUNCHED("down_backward_kernel");
 }
 
 void scatter_expert_rows_backward(const bf16* drows, const int32_t* inverse, int64_t tokens, int64_t topk,

@@ -36,6 +36,14 @@ void combine_expert_rows_backward(const __nv_bfloat16* rows, const int32_t* inve
                                   const __nv_bfloat16* dy, int64_t tokens, int64_t topk, int64_t D,
                                   __nv_bfloat16* drows, float* dweight, cudaStream_t stream);
 
+// The routed experts' down projection backward without its output out = hidden W_down^T: from
+// g = dy rows W_down (the unweighted dy of each sorted row's token, [assignments, I] bf16),
+// dweight[permutation[r]] = g[r] . hidden[r] (fp32, written; = dy . out), then, in place,
+// g[r] *= weight[permutation[r]] (the hidden's gradient) and hidden[r] *= weight[permutation[r]]
+// (so that the unweighted dy rows give the down weight's gradient). I as D above.
+void expert_down_backward(const int32_t* permutation, const float* weight, int64_t assignments, int64_t I,
+                          __nv_bfloat16* g, __nv_bfloat16* hidden, float* dweight, cudaStream_t stream);
+
 // Backward of gather_expert_rows: dx[t] += sum_k drows[inverse[t * topk + k]] (fp32 [tokens, D],
 // accumulated; the k rows summed first, in slot order).
 void scatter_expert_rows_backward(const __nv_bfloat16* drows, const int32_t* inverse, int64_t tokens,

@@ -155,34 +155,44 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
   Routing r = route(ctx, c, w, x, L);
-  ExpertActivations a = run_experts(ctx, c, w, r, n);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
-
-  // y[t] += weight * out: the weights' gradient is dy . out, the outputs' is weight * dy.
-  DeviceBuffer<bf16> dout = activations(n * D);
-  DeviceBuffer<float> dweight = activations_f32(n);
-  combine_expert_rows_backward(a.out.data(), r.inverse.data(), r.weight.data(), dy, L, k, D, dout.data(),
-                               dweight.data(), s);
-  DeviceBuffer<bf16>& dhidden = a.hidden;
-  DeviceBuffer<float> drows = activations_f32(n * D);
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    gemm.linear_backward_weight(dout.data() + first * D, a.hidden.data() + first * I,
-                                f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
-    gemm.linear_backward_input(dout.data() + first * D, bf16_data(w.experts_down) + e * D * I,
-                               dhidden.data() + first * I, rows, I, D, s);
-  });
-  clamped_swiglu_backward(a.gate.data(), a.up.data(), dhidden.data(), a.gate.data(), a.up.data(), n * I,
-                          limit, s);
+  // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
+  // (dy W_down) . hidden, and dy W_down is the product the hidden's gradient needs anyway.
+  DeviceBuffer<bf16> gate = activations(n * I), up = activations(n * I), hidden = activations(n * I);
   for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     const bf16* x_rows = r.rows.data() + first * D;
-    gemm.linear_backward_input(a.gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
+    gemm.linear(x_rows, bf16_data(w.experts_gate) + e * I * D, gate.data() + first * I, rows, D, I, s);
+    gemm.linear(x_rows, bf16_data(w.experts_up) + e * I * D, up.data() + first * I, rows, D, I, s);
+  });
+  clamped_swiglu_forward(gate.data(), up.data(), hidden.data(), n * I, limit, s);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+
+  // y[t] += weight * out with out = hidden W_down^T: from g = dy W_down per sorted row, dweight =
+  // g . hidden, the hidden's gradient weight * g, the down weight's dy^T (weight * hidden).
+  DeviceBuffer<bf16> dy_rows = activations(n * D), dhidden = activations(n * I);
+  gather_expert_rows(dy, r.permutation.data(), n, k, D, dy_rows.data(), s);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    gemm.linear_backward_input(dy_rows.data() + first * D, bf16_data(w.experts_down) + e * D * I,
+                               dhidden.data() + first * I, rows, I, D, s);
+  });
+  DeviceBuffer<float> dweight = activations_f32(n);
+  expert_down_backward(r.permutation.data(), r.weight.data(), n, I, dhidden.data(), hidden.data(),
+                       dweight.data(), s);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    gemm.linear_backward_weight(dy_rows.data() + first * D, hidden.data() + first * I,
+                                f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
+  });
+  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), gate.data(), up.data(), n * I, limit, s);
+  DeviceBuffer<float> drows = activations_f32(n * D);
+  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
+    const bf16* x_rows = r.rows.data() + first * D;
+    gemm.linear_backward_input(gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
                                drows.data() + first * D, rows, D, I, 0.0f, s);
-    gemm.linear_backward_input(a.up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
+    gemm.linear_backward_input(up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
                                drows.data() + first * D, rows, D, I, 1.0f, s);
-    gemm.linear_backward_weight(a.gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D,
+    gemm.linear_backward_weight(gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D,
                                 rows, D, I, s);
-    gemm.linear_backward_weight(a.up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows,
-                                D, I, s);
+    gemm.linear_backward_weight(up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows, D,
+                                I, s);
   });
   DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
   f32_to_bf16(drows.data(), drows16.data(), n * D, s);
