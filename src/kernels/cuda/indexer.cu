@@ -67,88 +67,6 @@ __device__ int block_exclusive_scan(int value, int* shared, int& total) {
   return result;
 }
 
-constexpr int kBins = 2048, kBinShift = 21;  // the first pass's histogram: the top 11 bits of a key
-constexpr int kHeld = 2048;                  // keys of the threshold bin, and chosen pools, in shared memory
-
-struct Candidates {
-  unsigned hist[kBins];
-  unsigned key[kHeld];
-  int32_t pool[kHeld];
-  int32_t taken[kHeld];
-  int held, taken_count, need;
-  unsigned bin;
-};
-
-// The top `chosen` of a row's `visible` keys (ties to the lower pool), written expanded to tokens
-// in ascending pool order, in two passes over the row: a histogram of the keys' top 11 bits finds
-// the bin of the chosen-th largest; the second pass takes every pool of a higher bin and holds the
-// bin's own keys in shared memory, where each is ranked against the others. False (the same for
-// the whole CTA) when the bin, or the choice, holds more than kHeld: the caller then runs the
-// full radix select, which reads the row five times.
-__device__ bool select_by_candidates(const float* scores, int64_t visible, int64_t chosen, int64_t kp,
-                                     int32_t* out, Candidates& c, int* scan_shared) {
-  if (chosen > kHeld) return false;
-  for (int b = threadIdx.x; b < kBins; b += kThreads) c.hist[b] = 0;
-  if (threadIdx.x == 0) c.held = c.taken_count = 0;
-  __syncthreads();
-  for (int64_t p = threadIdx.x; p < visible; p += kThreads)
-    atomicAdd(&c.hist[ordered(scores[p]) >> kBinShift], 1u);
-  __syncthreads();
-  // Thread i owns bins [top - 8, top), top = kBins - 8 i: the scan in thread order counts the
-  // keys of the higher bins.
-  constexpr int kPerThread = kBins / kThreads;
-  const int top = kBins - kPerThread * static_cast<int>(threadIdx.x);
-  int own = 0;
-  for (int b = top - kPerThread; b < top; ++b) own += static_cast<int>(c.hist[b]);
-  int total = 0;
-  const int higher = block_exclusive_scan(own, scan_shared, total);
-  if (higher < chosen && higher + own >= chosen) {
-    int above = higher;
-    for (int b = top - 1; b >= top - kPerThread; --b) {
-      if (above + static_cast<int>(c.hist[b]) >= chosen) {
-        c.bin = static_cast<unsigned>(b);
-        c.need = static_cast<int>(chosen) - above;
-        break;
-      }
-      above += static_cast<int>(c.hist[b]);
-    }
-  }
-  __syncthreads();
-  const unsigned bin = c.bin;
-  const int need = c.need;
-  if (c.hist[bin] > static_cast<unsigned>(kHeld)) return false;
-  for (int64_t p = threadIdx.x; p < visible; p += kThreads) {
-    const unsigned u = ordered(scores[p]), b = u >> kBinShift;
-    if (b > bin) {
-      c.taken[atomicAdd(&c.taken_count, 1)] = static_cast<int32_t>(p);
-    } else if (b == bin) {
-      const int i = atomicAdd(&c.held, 1);
-      c.key[i] = u;
-      c.pool[i] = static_cast<int32_t>(p);
-    }
-  }
-  __syncthreads();
-  // A held key is taken when fewer than `need` held keys beat it: larger, or equal at a lower pool.
-  const int held = c.held;
-  for (int i = threadIdx.x; i < held; i += kThreads) {
-    const unsigned u = c.key[i];
-    const int32_t p = c.pool[i];
-    int beaten = 0;
-    for (int j = 0; j < held; ++j) beaten += c.key[j] > u || (c.key[j] == u && c.pool[j] < p) ? 1 : 0;
-    if (beaten < need) c.taken[atomicAdd(&c.taken_count, 1)] = p;
-  }
-  __syncthreads();
-  // In ascending pool order: a taken pool's place is the number of smaller ones.
-  const int count = c.taken_count;
-  for (int i = threadIdx.x; i < count; i += kThreads) {
-    const int32_t p = c.taken[i];
-    int place = 0;
-    for (int j = 0; j < count; ++j) place += c.taken[j] < p ? 1 : 0;
-    for (int64_t j = 0; j < kp; ++j) out[place * kp + j] = static_cast<int32_t>(p * kp + j);
-  }
-  return true;
-}
-
 // One CTA per query of the block: the exact top topk/kpool of its visible pools' scores (row
 // blockIdx.x of the workspace), ties to the lower pool, in ascending pool order, expanded to
 // tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
@@ -159,7 +77,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned hist[256];
   __shared__ unsigned s_prefix, s_k;
   __shared__ int scan_shared[kThreads / 32 + 1];
-  __shared__ Candidates candidates;
   const int64_t t = t0 + blockIdx.x;
   const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
   int32_t* out = selected + (t - first_query) * width;
@@ -168,8 +85,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int64_t visible = min(pools, (t + 1) / kp);
   const int64_t chosen = min(topk / kp, visible);
-  if (chosen > 0 && (chosen == visible ||
-                     !select_by_candidates(scores, visible, chosen, kp, out, candidates, scan_shared))) {
+  if (chosen > 0) {
     // Threshold: the chosen-th largest key, and how many of the keys equal to it to take.
     unsigned prefix = 0, mask = 0, k = static_cast<unsigned>(chosen);
     const bool all = chosen == visible;
