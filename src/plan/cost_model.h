@@ -32,12 +32,13 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  // Measured speeds of today's executor, fitted to the 4B config at 32k and 1M on the H200
-  // (commit 65d0dee, docs/PLANNER.md "Step time"): model FLOPs without the indexer's scores at
-  // 7.8% of peak (counted as 5 passes, see kCalibrationPasses), the indexer's quadratic scores,
-  // which run once per step, at 17% (18.3 s per run at 1M, 4.5 s at 512k).
+  // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
+  // "Step time"): model FLOPs without the indexer's scores at 7.8% of peak (counted as 5 passes,
+  // see kCalibrationPasses; 32k and 1M at 65d0dee), the indexer's quadratic scores with their
+  // selection, which run once per step, at 28% (the wgmma scorer: 11.3 s per run at 1M, 2.7 s at
+  // 512k, commit 5bdf894).
   double mfu = 0.078;
-  double indexer_mfu = 0.17;
+  double indexer_mfu = 0.28;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
