@@ -49,10 +49,6 @@ __host__ __device__ constexpr Layout layout(int head_dim) {
   return l;
 }
 
-__device__ __forceinline__ void group_barrier(int group) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(group + 1) : "memory");
-}
-
 template <int KSteps>
 __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char shared[];
@@ -163,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 #pragma unroll
     for (int m = 0; m < 4; ++m)
       out[(4 * (m % 2) + c) * kOutStride + 16 * warp + lane / 4 + 8 * (m / 2)] = sum[m];
-    group_barrier(group);
+    warpgroup_barrier(group);
     const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
 #pragma unroll
     for (int k = 0; k < kGroupQueries / 2; ++k) {

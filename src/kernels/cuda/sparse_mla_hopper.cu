@@ -56,11 +56,6 @@ __host__ __device__ Layout layout(int dk) {
   return l;
 }
 
-// A barrier of one warpgroup's 128 threads (barrier 0 is __syncthreads').
-__device__ __forceinline__ void group_barrier(int group) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(group + 1) : "memory");
-}
-
 // The selected rows a thread gathers for `tile`: row 8 g + wt % 8 for each 8-row group g (-1 past
 // the width), and, for wt < kKeys, row wt (for the softmax's mask).
 struct TileRows {
@@ -148,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
     if (tile != group) {
       copy_wait_all();
       fence_async_shared();
-      group_barrier(group);
+      warpgroup_barrier(group);
     }
     // S^T [64 keys, 32 heads] = K Q^T over dk.
     float s[16] = {};
@@ -182,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
 #pragma unroll
       for (int i = 0; i < 8; ++i) red_max[warp * kHeads + 8 * (i / 2) + 2 * lane + i % 2] = mx[i];
     }
-    group_barrier(group);
+    warpgroup_barrier(group);
     float alpha[8], sum[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -213,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
       for (int i = 0; i < 8; ++i) red_sum[warp * kHeads + 8 * (i / 2) + 2 * lane + i % 2] = sum[i];
     }
     fence_async_shared();
-    group_barrier(group);
+    warpgroup_barrier(group);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
@@ -248,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
 #pragma unroll
       for (int j = 0; j < 16; ++j) wgmma_hold(acc[b][j]);
     }
-    group_barrier(group);  // every warp is done with the tile, P^T and the indices
+    warpgroup_barrier(group);  // every warp is done with the tile, P^T and the indices
 
     if (tile + kGroups < tiles) {
       if (wt < kKeys) idx_s[wt] = rows.own;

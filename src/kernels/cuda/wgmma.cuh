@@ -56,6 +56,11 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// A barrier of warpgroup `group`'s 128 threads alone (barrier 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_barrier(int group) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(group + 1) : "memory");
+}
+
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma.
 __device__ __forceinline__ void wgmma_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
