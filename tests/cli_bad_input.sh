@@ -92,6 +92,13 @@ else
   echo "FAIL plan-pick: $output"; failures=$((failures + 1))
 fi
 
+if output=$("$spindle" plan --model "$configs/glm53-flash-4b.json" --seq-len 128k 2>&1) &&
+  grep -q "^pick: offload " <<<"$output" && grep -q "^first step: also pins the 90.0 GiB pool" <<<"$output"; then
+  echo "ok   plan-offload-pins: $(grep '^first step:' <<<"$output")"
+else
+  echo "FAIL plan-offload-pins: $output"; failures=$((failures + 1))
+fi
+
 # spindle route: one token source, lengths in range; a good run prints the table and writes the JSON.
 expect_failure route-no-tokens "exactly one of --tokens FILE and --random-tokens" "$spindle" route --model "$work/model"
 expect_failure route-both-sources "exactly one of" "$spindle" route --model "$work/model" --tokens "$work/tokens.txt" --random-tokens --length 8

@@ -46,6 +46,9 @@ struct Hardware {
   // The host AdamW update, 28 bytes per parameter: 6.0 s per step with its copies for the 4B config
   // on the H200 machine's 16 cores (4e5fce3, the 1M step; 10.7 s before the fused bf16 writes).
   double host_adam_bytes_per_s = 20e9;
+  // Pinning host memory (cudaHostAlloc of the offload pool), once, in the first step: 96.6 GB in
+  // about 45 s on the H200 machine (the 4B config at 128k, 5bdf894: 70.3 s first step, 24.9 s after).
+  double pin_bytes_per_s = 2.1e9;
   double launch_seconds = 5e-6;  // one kernel launch
 };
 
