@@ -1,8 +1,8 @@
-// The MoE dispatch kernels (gather to the expert-sorted order, the weighted combine back, their
-// backward, the down projection's backward without its output) and the balance-loss kernels against loops on
-// the host in double, on fresh random inputs (seed printed): bf16-rounded inputs where the GPU stores bf16,
-// written outputs poisoned with NaN first, accumulated outputs pre-filled with values of the size of what is
-// added.
+// The MoE dispatch kernels (gather to the expert-sorted order, the weighted combine back, the
+// scatter backward, the down projection's backward without its output) and the balance-loss
+// kernels against loops on the host in double, on fresh random inputs (seed printed): bf16-rounded
+// inputs where the GPU stores bf16, written outputs poisoned with NaN first, accumulated outputs
+// pre-filled with values of the size of what is added.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -100,8 +100,7 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
                               " E=" + std::to_string(E) + " D=" + std::to_string(D);
     const Routing routing = random_routing(T, K, E);
     const auto x = rounded(random_floats(T * D)), expert_out = rounded(random_floats(A * D)),
-               shared = rounded(random_floats(T * D)), dy = rounded(random_floats(T * D)),
-               drows_in = rounded(random_floats(A * D));
+               shared = rounded(random_floats(T * D)), drows_in = rounded(random_floats(A * D));
     const auto dx_before = random_floats(T * D, std::sqrt(static_cast<float>(K)));
     std::vector<float> weight(A);
     std::uniform_real_distribution<float> u(0.0f, 1.0f);
@@ -116,9 +115,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     auto weight_d = device(weight);
     auto y = poisoned<bf16>(T * D);
     auto y_in_place = device(to_bf16(shared));
-    auto dy_d = device(to_bf16(dy));
-    auto drows = poisoned<bf16>(A * D), drows_again = poisoned<bf16>(A * D);
-    auto dweight = poisoned<float>(A), dweight_again = poisoned<float>(A);
     auto drows_d = device(to_bf16(drows_in));
     auto dx = device(dx_before);
     wait_for_uploads();
@@ -128,10 +124,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
                         stream.get());
     combine_expert_rows(out_d.data(), inverse.data(), weight_d.data(), y_in_place.data(), T, K, D,
                         y_in_place.data(), stream.get());
-    combine_expert_rows_backward(out_d.data(), inverse.data(), weight_d.data(), dy_d.data(), T, K, D,
-                                 drows.data(), dweight.data(), stream.get());
-    combine_expert_rows_backward(out_d.data(), inverse.data(), weight_d.data(), dy_d.data(), T, K, D,
-                                 drows_again.data(), dweight_again.data(), stream.get());
     scatter_expert_rows_backward(drows_d.data(), inverse.data(), T, K, D, dx.data(), stream.get());
     stream.synchronize();
 
@@ -146,7 +138,7 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     }
     EXPECT_EQ(wrong, 0) << "gathered elements that differ from x, " << where;
 
-    std::vector<double> y_ref(T * D), drows_ref(A * D), dweight_ref(A), dx_ref(T * D);
+    std::vector<double> y_ref(T * D), dx_ref(T * D);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t d = 0; d < D; ++d) {
         double sum = shared[t * D + d], grad = dx_before[t * D + d];
@@ -154,8 +146,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
           const int64_t a = t * K + k, r = routing.inverse[a];
           sum += static_cast<double>(weight[a]) * expert_out[r * D + d];
           grad += drows_in[r * D + d];
-          drows_ref[r * D + d] = static_cast<double>(weight[a]) * dy[t * D + d];
-          dweight_ref[a] += static_cast<double>(dy[t * D + d]) * expert_out[r * D + d];
         }
         y_ref[t * D + d] = sum;
         dx_ref[t * D + d] = grad;
@@ -164,13 +154,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     const auto y_got = y.download();
     EXPECT_LT(relative_error(y_got, y_ref), 4e-3) << "combine, " << where;
     EXPECT_EQ(bit_differences(y_in_place.download(), y_got), "") << "combine in place, " << where;
-    EXPECT_LT(relative_error(drows.download(), drows_ref), 4e-3) << "drows, " << where;
-    const auto dweight_got = dweight.download();
-    EXPECT_LT(relative_error(dweight_got, dweight_ref), 1e-5) << "dweight, " << where;
-    EXPECT_EQ(bit_differences(dweight_again.download(), dweight_got), "")
-        << "dweight on a second run, " << where;
-    EXPECT_EQ(bit_differences(drows_again.download(), drows.download()), "")
-        << "drows on a second run, " << where;
     EXPECT_LT(relative_error(dx.download(), dx_ref), 1e-6) << "dx, " << where;
   }
 }

@@ -1,5 +1,5 @@
-// MoE dispatch kernels, all memory-bound: one warp per sorted row (gather) or per token (combine,
-// its backward, the scatter backward), its lanes striding over the row in pieces of N bf16
+// MoE dispatch kernels, all memory-bound: one warp per sorted row (gather, the down projection's
+// backward) or per token (combine, the scatter backward), its lanes striding over the row in pieces of N bf16
 // (N = 8, 2 or 1, a template argument). A token's topk row addresses and weights sit in registers
 // (the slot loop is unrolled to 8), so its rows' loads are independent and issue together.
 #include <algorithm>
@@ -126,45 +126,6 @@ __global__ void combine_kernel(const bf16* __restrict__ rows, const int32_t* __r
 }
 
 template <int N>
-__global__ void combine_backward_kernel(const bf16* __restrict__ rows, const int32_t* __restrict__ inverse,
-                                        const float* __restrict__ weight, const bf16* __restrict__ dy,
-                                        int64_t tokens, int topk, int64_t D, bf16* __restrict__ drows,
-                                        float* __restrict__ dweight) {
-  const int lane = threadIdx.x % 32;
-  for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
-    int64_t row[kMaxTopk] = {};
-    float w[kMaxTopk] = {}, dot[kMaxTopk] = {};
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-      if (k < topk) {
-        row[k] = inverse[t * topk + k] * D;
-        w[k] = weight[t * topk + k];
-      }
-    for (int64_t i = lane * N; i < D; i += 32 * N) {
-      float g[N], r[N], out[N];
-      load(dy + t * D + i, g);
-#pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k)
-        if (k < topk) {
-          load(rows + row[k] + i, r);
-#pragma unroll
-          for (int j = 0; j < N; ++j) {
-            dot[k] += g[j] * r[j];
-            out[j] = w[k] * g[j];
-          }
-          store(drows + row[k] + i, out);
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-      if (k < topk) {
-        const float total = warp_sum(dot[k]);
-        if (lane == 0) dweight[t * topk + k] = total;
-      }
-  }
-}
-
-template <int N>
 __global__ void down_backward_kernel(const int32_t* __restrict__ permutation,
                                      const float* __restrict__ weight, int64_t assignments, int64_t I,
                                      bf16* __restrict__ g, bf16* __restrict__ hidden,
@@ -284,18 +245,6 @@ void combine_expert_rows(const bf16* rows, const int32_t* inverse, const float* 
         rows, inverse, weight, shared, tokens, static_cast<int>(topk), D, y);
   });
   SPINDLE_LAUNCHED("combine_kernel");
-}
-
-void combine_expert_rows_backward(const bf16* rows, const int32_t* inverse, const float* weight,
-                                  const bf16* dy, int64_t tokens, int64_t topk, int64_t D, bf16* drows,
-                                  float* dweight, cudaStream_t stream) {
-  check_shape("combine_expert_rows_backward", tokens * topk, topk, D);
-  if (tokens == 0) return;
-  with_piece_width(piece_width(D, {rows, dy, drows}), [&](auto n) {
-    combine_backward_kernel<decltype(n)::value><<<warp_blocks(tokens), kThreads, 0, stream>>>(
-        rows, inverse, weight, dy, tokens, static_cast<int>(topk), D, drows, dweight);
-  });
-  SPINDLE_LAUNCHED("combine_backward_kernel");
 }
 
 void expert_down_backward(const int32_t* permutation, const float* weight, int64_t assignments, int64_t I,

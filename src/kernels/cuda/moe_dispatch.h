@@ -30,12 +30,6 @@ void combine_expert_rows(const __nv_bfloat16* rows, const int32_t* inverse, cons
                          const __nv_bfloat16* shared, int64_t tokens, int64_t topk, int64_t D,
                          __nv_bfloat16* y, cudaStream_t stream);
 
-// Backward of combine_expert_rows' routed part, both written: drows[inverse[a]] = weight[a] *
-// dy[a / topk] (bf16) and dweight[a] = dy[a / topk] . rows[inverse[a]] (fp32).
-void combine_expert_rows_backward(const __nv_bfloat16* rows, const int32_t* inverse, const float* weight,
-                                  const __nv_bfloat16* dy, int64_t tokens, int64_t topk, int64_t D,
-                                  __nv_bfloat16* drows, float* dweight, cudaStream_t stream);
-
 // The routed experts' down projection backward without its output out = hidden W_down^T: from
 // g = dy rows W_down (the unweighted dy of each sorted row's token, [assignments, I] bf16),
 // dweight[permutation[r]] = g[r] . hidden[r] (fp32, written; = dy . out), then, in place,
