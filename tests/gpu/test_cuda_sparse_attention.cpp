@@ -1,7 +1,8 @@
 // DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
 // sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
 // selection widths (32, 64+15, 2048+15), selections built like the indexer's; MLA's absorbed form
-// on the tensor cores (sparse_mla) against the same reference with one shared latent; the indexer's
+// on the tensor cores (sparse_mla, and its wgmma backward where it takes the shape) against the same
+// reference with one shared latent; the indexer's
 // pooling (relative error), tensor-core scores (per-score error bound) and selection (exact, on
 // inputs built without near-ties, across the scorer's tiling edges); outputs
 // poisoned with NaN before the launch; references in double on the bf16-rounded inputs.
@@ -24,6 +25,7 @@
 #include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_hopper.h"
 
 namespace spindle::cuda {
 namespace {
@@ -155,6 +157,15 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
     sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
                         dq.data(), d_latent.data(), stream.get());
+    // The wgmma backward on the same forward, where it takes the shape.
+    const bool hopper = sparse_mla_backward_hopper_takes(s);
+    auto dq_hopper = poisoned<bf16>(L * H * c.dk);
+    DeviceBuffer<float> d_latent_hopper(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
+    SPINDLE_CUDA(
+        cudaMemsetAsync(d_latent_hopper.data(), 0, d_latent_hopper.size() * sizeof(float), stream.get()));
+    if (hopper)
+      sparse_mla_backward_hopper(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(),
+                                 ddout.data(), dq_hopper.data(), d_latent_hopper.data(), stream.get());
     stream.synchronize();
 
     // The reference: one key head whose key is the latent's first dk values and value its first dv.
@@ -198,6 +209,11 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
     EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
+    if (hopper) {
+      EXPECT_LT(relative_error(dq_hopper.download(), dq_ref), 2e-2) << "dq on wgmma, " << what;
+      EXPECT_LT(relative_error(d_latent_hopper.download(), d_latent_ref), 2e-2)
+          << "d_latent on wgmma, " << what;
+    }
     const auto lse_got = lse.download();
     double worst = 0;
     for (size_t i = 0; i < lse_got.size(); ++i) {
