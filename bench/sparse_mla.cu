@@ -1,0 +1,133 @@
+// MLA's absorbed sparse attention at a million tokens, GLM's shape (32 heads, a 512-wide latent as
+// key and value, 2048 selected + 15 tail rows per query): a streamed chunk of queries at the end of
+// the sequence, each selecting 128 random 16-row pools of the latent before it plus its tail, as
+// the executor runs them. Times, by CUDA events (median of a few launches), the forward, the
+// mma.sync backward and the wgmma backward, with the forward's FLOP rate (2 x heads x (dk + dv)
+// per selected row) and each backward's time against the forward's.
+//     build/bench_sparse_mla [tokens] [queries]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_hopper.h"
+
+namespace {
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = (static_cast<uint32_t>(i) ^ seed) * 2654435761u;
+    x[i] = __float2bfloat16(static_cast<float>(h >> 8) / 16777216.0f - 0.5f);
+  }
+}
+
+DeviceBuffer<__nv_bfloat16> random_bf16(int64_t n, uint32_t seed) {
+  DeviceBuffer<__nv_bfloat16> b(static_cast<size_t>(n), MemoryCategory::Activations);
+  fill<<<1024, 256>>>(b.data(), n, seed);
+  SPINDLE_LAUNCHED("fill");
+  return b;
+}
+
+double median_ms(const std::function<void()>& run, int repeats) {
+  cudaEvent_t start, stop;
+  SPINDLE_CUDA(cudaEventCreate(&start));
+  SPINDLE_CUDA(cudaEventCreate(&stop));
+  run();  // warm-up
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    SPINDLE_CUDA(cudaEventRecord(start));
+    run();
+    SPINDLE_CUDA(cudaEventRecord(stop));
+    SPINDLE_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    SPINDLE_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  SPINDLE_CUDA(cudaEventDestroy(start));
+  SPINDLE_CUDA(cudaEventDestroy(stop));
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
+  const int64_t queries = argc > 2 ? std::atoll(argv[2]) : 16384;
+  const int64_t heads = 32, dim = 512, kpool = 16, pools = 128, tail = kpool - 1,
+                width = pools * kpool + tail;
+  const int64_t first = tokens - queries;
+  // Query t's selection: 128 distinct complete pools before it, ascending, then its tail.
+  std::vector<int32_t> selected(static_cast<size_t>(queries * width), -1);
+  std::mt19937_64 rng(7);
+  std::vector<int32_t> chosen;
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t t = first + i, visible = (t + 1) / kpool;
+    chosen.clear();
+    std::uniform_int_distribution<int64_t> pick(0, visible - 1);
+    while (static_cast<int64_t>(chosen.size()) < std::min(pools, visible)) {
+      const auto p = static_cast<int32_t>(pick(rng));
+      if (std::find(chosen.begin(), chosen.end(), p) == chosen.end()) chosen.push_back(p);
+    }
+    std::sort(chosen.begin(), chosen.end());
+    int32_t* row = selected.data() + i * width;
+    for (size_t k = 0; k < chosen.size(); ++k)
+      for (int64_t j = 0; j < kpool; ++j) row[k * kpool + j] = static_cast<int32_t>(chosen[k] * kpool + j);
+    for (int64_t j = 0; j < (t + 1) % kpool; ++j)
+      row[pools * kpool + j] = static_cast<int32_t>(t + 1 - (t + 1) % kpool + j);
+  }
+  // The queries' rows of the latent sit at their positions; q, dout and the outputs per query.
+  auto latent = random_bf16(tokens * dim, 1), q = random_bf16(queries * heads * dim, 2),
+       dout = random_bf16(queries * heads * dim, 3);
+  DeviceBuffer<int32_t> selection(selected.size(), MemoryCategory::Activations);
+  selection.upload(selected);
+  DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(queries * heads * dim), MemoryCategory::Activations),
+      dq(static_cast<size_t>(queries * heads * dim), MemoryCategory::Activations);
+  DeviceBuffer<float> lse(static_cast<size_t>(queries * heads), MemoryCategory::Activations),
+      d_latent(static_cast<size_t>(tokens * dim), MemoryCategory::Gradients);
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  // The kernels index the latent by absolute token and the queries from 0: the latent and its
+  // gradient are passed whole, the queries' shape is `queries` long.
+  const SparseMlaShape s{queries, heads, dim, dim, width, dim, 1.0f / std::sqrt(static_cast<float>(dim))};
+  const double forward = median_ms(
+      [&] {
+        sparse_mla_forward(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(), nullptr);
+      },
+      5);
+  const double mma = median_ms(
+      [&] {
+        sparse_mla_backward(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
+                            dq.data(), d_latent.data(), nullptr);
+      },
+      5);
+  const double wgmma = median_ms(
+      [&] {
+        sparse_mla_backward_hopper(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(),
+                                   dout.data(), dq.data(), d_latent.data(), nullptr);
+      },
+      5);
+  const double flops =
+      2.0 * static_cast<double>(heads) * 2 * dim * static_cast<double>(pools * kpool) * queries;
+  std::printf(
+      "sparse MLA at %lld tokens, queries %lld .. %lld (32 heads, latent 512, %lld selected rows each):\n"
+      "  forward (wgmma) %.3f ms (%.0f TFLOP/s)\n"
+      "  backward, mma.sync %.3f ms (%.2fx the forward); wgmma %.3f ms (%.2fx)\n",
+      static_cast<long long>(tokens), static_cast<long long>(first), static_cast<long long>(tokens),
+      static_cast<long long>(width), forward, flops / forward / 1e9, mma, mma / forward, wgmma,
+      wgmma / forward);
+  return 0;
+}
