@@ -184,15 +184,19 @@ void moe_forward(Ledger& m, const Shapes& s, int64_t L) {
   mlp_forward(m, L, s.shared_inter);
 }
 
+// The experts' gate, up and hidden again (not their output), then dy gathered to the sorted rows
+// and the hidden's gradient.
 void moe_backward(Ledger& m, const Shapes& s, int64_t L) {
   const int64_t rows = routed_rows(s, L);
-  Blocks r = route(m, s, L), a = run_experts(m, s, L);
+  Blocks r = route(m, s, L), a;
+  for (int i = 0; i < 3; ++i) a.push_back(bf16(m, rows * s.moe_inter));
   mlp_backward(m, L, s.shared_inter);
-  a.push_back(bf16(m, rows * s.hidden));  // dout
-  a.push_back(f32(m, L * s.topk));        // dweight
-  a.push_back(f32(m, rows * s.hidden));   // drows
-  a.push_back(f32(m, L * s.experts));     // dlogits
-  a.push_back(bf16(m, L * s.experts));    // dlogits16
+  a.push_back(bf16(m, rows * s.hidden));     // dy_rows
+  a.push_back(bf16(m, rows * s.moe_inter));  // dhidden
+  a.push_back(f32(m, L * s.topk));           // dweight
+  a.push_back(f32(m, rows * s.hidden));      // drows
+  a.push_back(f32(m, L * s.experts));        // dlogits
+  a.push_back(bf16(m, L * s.experts));       // dlogits16
 }
 
 }  // namespace
