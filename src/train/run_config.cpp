@@ -32,7 +32,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
   static const std::vector<std::pair<std::string, std::vector<std::string>>> sections = {
       {"model", {"dir", "config", "seed"}},
       {"data",
-       {"train", "format", "chromosomes", "max_n_fraction", "holdout", "eval", "eval_format", "eval_chromosomes"}},
+       {"train", "format", "chromosomes", "max_n_fraction", "holdout", "eval", "eval_format",
+        "eval_chromosomes"}},
       {"train", {"seq_len", "batch", "accumulate", "steps", "seed", "dtype"}},
       {"optim", {"lr", "min_lr", "warmup", "beta1", "beta2", "eps", "weight_decay", "clip"}},
       {"indexer", {"kl_coef", "freeze"}},
@@ -268,9 +269,10 @@ void read_data(const Reader& r, RunConfig::Data& d) {
 
   if (std::optional<double> h = r.real("data", "holdout")) {
     check(*h >= 0 && *h < 1, r.at("data", "holdout"), ": must be in [0, 1)");
-    check(*h == 0 || (!r.has("data", "eval") && !r.has("data", "eval_chromosomes")), r.at("data", "holdout"),
-          ": holds out the end of the training data for evaluation, so it cannot be combined with data.eval or "
-          "data.eval_chromosomes");
+    check(
+        *h == 0 || (!r.has("data", "eval") && !r.has("data", "eval_chromosomes")), r.at("data", "holdout"),
+        ": holds out the end of the training data for evaluation, so it cannot be combined with data.eval or "
+        "data.eval_chromosomes");
     d.holdout = *h;
   }
 

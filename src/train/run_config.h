@@ -5,9 +5,9 @@
 //   [data]        train = "path" (required); format = "fasta" | "u32" | "megatron" (default:
 //                 inferred from the file name); chromosomes = [..] (fasta only); max_n_fraction
 //                 = 0.01; holdout = 0.0 (the last fraction of each training sequence is held out
-//                 for evaluation instead of a separate file); eval = "path" (optional held-out set; defaults to the train file when
-//                 eval_chromosomes is set); eval_format (default: inferred, else format);
-//                 eval_chromosomes = [..] (fasta only)
+//                 for evaluation instead of a separate file); eval = "path" (optional held-out set; defaults
+//                 to the train file when eval_chromosomes is set); eval_format (default: inferred, else
+//                 format); eval_chromosomes = [..] (fasta only)
 //   [train]       seq_len (required), batch = 1 (sequences per step), accumulate = 1
 //                 (micro-batches per step), steps (required), seed = 0, dtype = "f32" | "f64"
 //   [optim]       lr = 3e-4, min_lr = 3e-5, warmup = 10 (at most train.steps), beta1 = 0.9,

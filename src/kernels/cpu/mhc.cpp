@@ -1,8 +1,8 @@
 #include "kernels/cpu/mhc.h"
 
 #include <algorithm>
-#include <mutex>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 #include "core/parallel.h"
