@@ -191,9 +191,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_hopper_kernel
     wgmma_wait<0>();
 #pragma unroll
     for (int j = 0; j < 16; ++j) wgmma_hold(mine[j]);
-      // Each warpgroup's products to the other: the same thread of both holds the same elements.
+
 #pragma unroll
-    for (int v = 0; v < 4; ++v)
+    for (int v = 0; v < 4; ++v)  // to the other warpgroup, whose same thread holds the same elements
       reinterpret_cast<float4*>(exchange)[(group * 4 + v) * 128 + wt] =
           make_float4(mine[4 * v], mine[4 * v + 1], mine[4 * v + 2], mine[4 * v + 3]);
     __syncthreads();
