@@ -10,56 +10,16 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <vector>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_memory.h"
+#include "cuda_timing.cuh"
 #include "kernels/cpu/dsa.h"
 #include "kernels/cuda/indexer.h"
 
-namespace {
-
 using namespace spindle;
 using namespace spindle::cuda;
-
-__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint32_t h = (static_cast<uint32_t>(i) ^ seed) * 2654435761u;
-    x[i] = __float2bfloat16(static_cast<float>(h >> 8) / 16777216.0f - 0.5f);
-  }
-}
-
-DeviceBuffer<__nv_bfloat16> random_bf16(int64_t n, uint32_t seed) {
-  DeviceBuffer<__nv_bfloat16> b(static_cast<size_t>(n), MemoryCategory::Activations);
-  fill<<<1024, 256>>>(b.data(), n, seed);
-  SPINDLE_LAUNCHED("fill");
-  return b;
-}
-
-double median_ms(const std::function<void()>& run, int repeats) {
-  cudaEvent_t start, stop;
-  SPINDLE_CUDA(cudaEventCreate(&start));
-  SPINDLE_CUDA(cudaEventCreate(&stop));
-  run();  // warm-up
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    SPINDLE_CUDA(cudaEventRecord(start));
-    run();
-    SPINDLE_CUDA(cudaEventRecord(stop));
-    SPINDLE_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    SPINDLE_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  SPINDLE_CUDA(cudaEventDestroy(start));
-  SPINDLE_CUDA(cudaEventDestroy(stop));
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;

@@ -7,15 +7,16 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/sparse_mla_tile.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace spindle::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;  // two warpgroups
-constexpr int kKeys = 64;      // rows per tile
-constexpr int kHeads = 32;     // heads per CTA
+constexpr int kThreads = 256;     // two warpgroups
+constexpr int kKeys = kTileKeys;  // rows per tile
+constexpr int kHeads = 32;        // heads per CTA
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Args {
@@ -57,39 +58,6 @@ __host__ __device__ Layout layout(int dk, int dv) {
   return l;
 }
 
-// The selected rows thread `tid` gathers for `tile`: row 8 g + tid % 8 of each 8-row group g (-1
-// past the width), and, for tid < kKeys, row tid (kept in shared memory for the masks and atomics).
-struct TileRows {
-  int32_t gather[8];
-  int32_t own;
-};
-
-__device__ __forceinline__ TileRows tile_rows(const Args& a, int64_t t, int64_t tile, int tid) {
-  TileRows r;
-  const int32_t* sel = a.selected + t * a.width;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    const int64_t slot = tile * kKeys + 8 * g + tid % 8;
-    r.gather[g] = slot < a.width ? sel[slot] : -1;
-  }
-  const int64_t slot = tile * kKeys + tid;
-  r.own = tid < kKeys && slot < a.width ? sel[slot] : -1;
-  return r;
-}
-
-// A tile's rows (their first dk values) into `dst` in the core-matrix layout, zero for unused
-// slots: thread tid copies the 16-byte pieces tid / 8, tid / 8 + 32, .. of row 8 g + tid % 8.
-__device__ __forceinline__ void gather_tile(unsigned char* dst, const TileRows& r, const Args& a, int tid) {
-  const int chunks = a.dk / 8;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    const bool valid = r.gather[g] >= 0;
-    const __nv_bfloat16* from = a.latent + (valid ? static_cast<int64_t>(r.gather[g]) * a.latent_stride : 0);
-    unsigned char* to = dst + g * chunks * 128 + (tid % 8) * 16;
-    for (int c = tid / 8; c < chunks; c += kThreads / 8) copy16(to + c * 128, from + c * 8, valid);
-  }
-}
-
 // [kHeads][dim] rows of query t (heads h0 ..) into the core-matrix layout, zero past the last head.
 __device__ __forceinline__ void load_heads(unsigned char* dst, const __nv_bfloat16* src, int64_t t, int h0,
                                            int heads, int dim) {
@@ -127,11 +95,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_hopper_kernel
 
   load_heads(q_s, a.q, t, h0, a.heads, kDk);
   load_heads(do_s, a.dout, t, h0, a.heads, a.dv);
-  TileRows rows = tile_rows(a, t, 0, tid);
+  TileRows rows = tile_rows(a.selected, a.width, t, 0, tid);
   if (tid < kKeys) idx_s[tid] = rows.own;
-  if (tiles > 0) gather_tile(shared, rows, a, tid);
+  if (tiles > 0) gather_tile<kThreads>(shared, rows, a.latent, a.latent_stride, a.dk, tid);
   copy_commit();
-  rows = tile_rows(a, t, 1, tid);
+  rows = tile_rows(a.selected, a.width, t, 1, tid);
   {  // delta = rowsum(dO o O) and the log-sum-exp (log2 domain), 8 threads per head
     const int head = tid / 8, part = tid % 8;
     float sum = 0.0f;
@@ -162,10 +130,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_hopper_kernel
     __syncthreads();  // tile, indices, q and statistics visible; what tile - 1 used is free
     if (tile + 1 < tiles) {
       if (tid < kKeys) idx_s[(buf ^ 1) * kKeys + tid] = rows.own;
-      gather_tile(shared + (buf ^ 1) * L.tile_bytes, rows, a, tid);
+      gather_tile<kThreads>(shared + (buf ^ 1) * L.tile_bytes, rows, a.latent, a.latent_stride, a.dk, tid);
     }
     copy_commit();
-    rows = tile_rows(a, t, tile + 2, tid);
+    rows = tile_rows(a.selected, a.width, t, tile + 2, tid);
     const uint32_t tile_address = shared_address(shared + buf * L.tile_bytes);
     const int32_t* idx = idx_s + buf * kKeys;
 

@@ -7,6 +7,7 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/sparse_mla_tile.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace spindle::cuda {
@@ -15,8 +16,8 @@ namespace {
 
 constexpr int kGroups = 2;  // warpgroups, each over every other tile
 constexpr int kThreads = 128 * kGroups;
-constexpr int kKeys = 64;   // rows per tile: the scores' M
-constexpr int kHeads = 32;  // heads per CTA: both products' N
+constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
+constexpr int kHeads = 32;        // heads per CTA: both products' N
 constexpr int kMaxDim = 512;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -56,40 +57,6 @@ __host__ __device__ Layout layout(int dk) {
   return l;
 }
 
-// The selected rows a thread gathers for `tile`: row 8 g + wt % 8 for each 8-row group g (-1 past
-// the width), and, for wt < kKeys, row wt (for the softmax's mask).
-struct TileRows {
-  int32_t gather[8];
-  int32_t own;
-};
-
-__device__ __forceinline__ TileRows tile_rows(const Args& a, int64_t t, int64_t tile, int wt) {
-  TileRows r;
-  const int32_t* sel = a.selected + t * a.width;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    const int64_t slot = tile * kKeys + 8 * g + wt % 8;
-    r.gather[g] = slot < a.width ? sel[slot] : -1;
-  }
-  const int64_t slot = tile * kKeys + wt;
-  r.own = wt < kKeys && slot < a.width ? sel[slot] : -1;
-  return r;
-}
-
-// A tile's rows (their first dk values) into `dst`, core-matrix layout, zero for unused slots:
-// thread wt of the warpgroup copies the 16-byte pieces wt / 8, wt / 8 + 16, .. of row 8 g + wt % 8,
-// so that a warp fills 512 contiguous bytes.
-__device__ __forceinline__ void gather_tile(unsigned char* dst, const TileRows& r, const Args& a, int wt) {
-  const int chunks = a.dk / 8;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) {
-    const bool valid = r.gather[g] >= 0;
-    const __nv_bfloat16* from = a.latent + (valid ? static_cast<int64_t>(r.gather[g]) * a.latent_stride : 0);
-    unsigned char* to = dst + g * chunks * 128 + (wt % 8) * 16;
-    for (int c = wt / 8; c < chunks; c += 16) copy16(to + c * 128, from + c * 8, valid);
-  }
-}
-
 // Blocks: dv / 64, a template argument so that no branch stands between a tile's wgmma (the
 // compiler serialises them otherwise).
 template <int Blocks>
@@ -118,11 +85,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
     const bool valid = h0 + head < a.heads;
     copy16(q_s + u * 16, valid ? a.q + ((t * a.heads + h0 + head) * a.dk + c * 8) : a.q, valid);
   }
-  TileRows rows = tile_rows(a, t, group, wt);
+  TileRows rows = tile_rows(a.selected, a.width, t, group, wt);
   if (wt < kKeys) idx_s[wt] = rows.own;
-  if (group < tiles) gather_tile(tile_s, rows, a, wt);
+  if (group < tiles) gather_tile<128>(tile_s, rows, a.latent, a.latent_stride, a.dk, wt);
   copy_commit();
-  rows = tile_rows(a, t, group + kGroups, wt);
+  rows = tile_rows(a.selected, a.width, t, group + kGroups, wt);
 
   // Per thread, heads 8 b + 2 (lane % 4) + e at index 2 b + e (the accumulators' columns).
   float m_run[8], l_run[8];
@@ -247,10 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
 
     if (tile + kGroups < tiles) {
       if (wt < kKeys) idx_s[wt] = rows.own;
-      gather_tile(tile_s, rows, a, wt);
+      gather_tile<128>(tile_s, rows, a.latent, a.latent_stride, a.dk, wt);
     }
     copy_commit();
-    rows = tile_rows(a, t, tile + 2 * kGroups, wt);
+    rows = tile_rows(a.selected, a.width, t, tile + 2 * kGroups, wt);
   }
 
   // Merge the two warpgroups' softmax states: warpgroup 1's output (unnormalised, fp32) through its

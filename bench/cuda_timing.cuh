@@ -1,0 +1,55 @@
+// What the kernel benchmarks share: deterministic pseudo-random bf16 inputs made on the device, and
+// the median of a few timed launches by CUDA events (after one warm-up).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+
+namespace spindle::cuda {
+
+__global__ inline void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = (static_cast<uint32_t>(i) ^ seed) * 2654435761u;
+    x[i] = __float2bfloat16(static_cast<float>(h >> 8) / 16777216.0f - 0.5f);
+  }
+}
+
+// n values in [-0.5, 0.5) from a hash of (index, seed).
+inline DeviceBuffer<__nv_bfloat16> random_bf16(int64_t n, uint32_t seed) {
+  DeviceBuffer<__nv_bfloat16> b(static_cast<size_t>(n), MemoryCategory::Activations);
+  fill_uniform<<<1024, 256>>>(b.data(), n, seed);
+  SPINDLE_LAUNCHED("fill_uniform");
+  return b;
+}
+
+inline double median_ms(const std::function<void()>& run, int repeats) {
+  cudaEvent_t start, stop;
+  SPINDLE_CUDA(cudaEventCreate(&start));
+  SPINDLE_CUDA(cudaEventCreate(&stop));
+  run();  // warm-up
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    SPINDLE_CUDA(cudaEventRecord(start));
+    run();
+    SPINDLE_CUDA(cudaEventRecord(stop));
+    SPINDLE_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    SPINDLE_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  SPINDLE_CUDA(cudaEventDestroy(start));
+  SPINDLE_CUDA(cudaEventDestroy(stop));
+  return ms[ms.size() / 2];
+}
+
+}  // namespace spindle::cuda
