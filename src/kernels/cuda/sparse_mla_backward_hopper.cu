@@ -17,20 +17,13 @@ namespace {
 constexpr int kThreads = 256;     // two warpgroups
 constexpr int kKeys = kTileKeys;  // rows per tile
 constexpr int kHeads = 32;        // heads per CTA
-constexpr float kLog2e = 1.4426950408889634f;
 
-struct Args {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* latent;
-  const int32_t* selected;
+struct Args : SparseMlaInputs {
   const __nv_bfloat16* out;
   const float* lse;
   const __nv_bfloat16* dout;
   __nv_bfloat16* dq;
   float* d_latent;
-  int64_t width, latent_stride;
-  int heads, dk, dv;
-  float scale, scale2;  // scale2 = scale * log2(e)
 };
 
 // Byte offsets into the dynamic shared memory.
@@ -291,21 +284,12 @@ void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q,
         "sparse MLA backward on wgmma: q, the latent, dout and dq must be 16-byte aligned");
   if (s.tokens == 0) return;
   Args args{};
-  args.q = q;
-  args.latent = latent;
-  args.selected = selected;
+  static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
   args.out = out;
   args.lse = lse;
   args.dout = dout;
   args.dq = dq;
   args.d_latent = d_latent;
-  args.width = s.width;
-  args.latent_stride = s.latent_stride;
-  args.heads = static_cast<int>(s.heads);
-  args.dk = static_cast<int>(s.dk);
-  args.dv = static_cast<int>(s.dv);
-  args.scale = s.scale;
-  args.scale2 = s.scale * kLog2e;
   const size_t shared_bytes = layout(args.dk, args.dv).total;
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {

@@ -19,17 +19,10 @@ constexpr int kThreads = 128 * kGroups;
 constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
 constexpr int kHeads = 32;        // heads per CTA: both products' N
 constexpr int kMaxDim = 512;
-constexpr float kLog2e = 1.4426950408889634f;
 
-struct Args {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* latent;
-  const int32_t* selected;
+struct Args : SparseMlaInputs {
   __nv_bfloat16* out;
   float* lse;
-  int64_t width, latent_stride;
-  int heads, dk, dv;
-  float scale2;  // scale * log2(e)
 };
 
 // Byte offsets into the dynamic shared memory.
@@ -291,17 +284,9 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
   Args args{};
-  args.q = q;
-  args.latent = latent;
-  args.selected = selected;
+  static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
   args.out = out;
   args.lse = lse;
-  args.width = s.width;
-  args.latent_stride = s.latent_stride;
-  args.heads = static_cast<int>(s.heads);
-  args.dk = static_cast<int>(s.dk);
-  args.dv = static_cast<int>(s.dv);
-  args.scale2 = s.scale * kLog2e;
   const size_t shared_bytes = layout(args.dk).total;
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {

@@ -1,6 +1,7 @@
-// The selected rows of one 64-row tile of a query's selection, as both wgmma sparse MLA kernels
-// gather them (sparse_mla_hopper.cu, sparse_mla_backward_hopper.cu): which rows a thread copies,
-// and the copy into the no-swizzle core-matrix layout (wgmma.cuh) with cp.async.
+// What both wgmma sparse MLA kernels (sparse_mla_hopper.cu, sparse_mla_backward_hopper.cu) share:
+// the inputs and sizes of a call, and the selected rows of one 64-row tile of a query's selection
+// (which rows a thread copies, and the copy into the no-swizzle core-matrix layout of wgmma.cuh
+// with cp.async).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,10 +9,38 @@
 #include <cstdint>
 
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/sparse_mla.h"
 
 namespace spindle::cuda {
 
 constexpr int kTileKeys = 64;  // selected rows per tile
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The inputs and sizes every kernel of a call reads; each kernel's arguments add its outputs.
+struct SparseMlaInputs {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* latent;
+  const int32_t* selected;
+  int64_t width, latent_stride;
+  int heads, dk, dv;
+  float scale, scale2;  // scale2 = scale * log2(e): scores in the log2 domain, exp2f one instruction
+};
+
+inline SparseMlaInputs sparse_mla_inputs(const SparseMlaShape& s, const __nv_bfloat16* q,
+                                         const __nv_bfloat16* latent, const int32_t* selected) {
+  SparseMlaInputs in{};
+  in.q = q;
+  in.latent = latent;
+  in.selected = selected;
+  in.width = s.width;
+  in.latent_stride = s.latent_stride;
+  in.heads = static_cast<int>(s.heads);
+  in.dk = static_cast<int>(s.dk);
+  in.dv = static_cast<int>(s.dv);
+  in.scale = s.scale;
+  in.scale2 = s.scale * kLog2e;
+  return in;
+}
 
 // The selected rows thread `thread` gathers for `tile` of query t's selection ([width] int32 at
 // selected + t * width): row 8 g + thread % 8 of each 8-row group g (-1 past the width), and, for
