@@ -26,6 +26,11 @@ struct LossOptions {
   // The streaming executor on the GPU: keep each chunk's DSA selections (as pool lists) for the
   // recomputation before its backward; false runs the indexer again there (less memory).
   bool keep_selections = true;
+  // The streaming executor on the GPU: keep from each chunk's recomputation what each sublayer's
+  // backward would compute once more (the sparse attention's and the KDA recurrence's outputs,
+  // the feed-forward's output for its mHC combine) until that backward; false recomputes them
+  // there (less memory).
+  bool keep_outputs = true;
 };
 
 struct LossResult {

@@ -14,7 +14,7 @@ namespace {
 constexpr double kCalibrationPasses = 5;
 constexpr double kKernelsPerSublayerPass = 50;  // launches of one sublayer's pass, about
 // A streamed chunk's passes per sublayer: forward, recomputation, backward; the feed-forward's
-// also once more for its site's combine.
+// also once more for its site's combine, unless the recomputation kept its output.
 constexpr double kAttentionPassesPerChunk = 3;
 constexpr double kFfnPassesPerChunk = 4;
 
@@ -24,6 +24,7 @@ struct Work {
   double forward = 0;  // without the indexer's scores
   double indexer = 0;
   double attention_share = 0;
+  double core_share = 0;  // of the attention sites': the KDA recurrence and the sparse attention
 };
 
 Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
@@ -51,6 +52,7 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   w.forward = (attention + ffn - experts + head) / t + experts * busiest;
   w.indexer = flops.indexer / t;
   w.attention_share = attention / t / w.forward;
+  w.core_share = attention > 0 ? (flops.kda + flops.attention) / attention : 0;
   return w;
 }
 
@@ -64,17 +66,19 @@ double all_reduce(double bytes, int64_t gpus, const Hardware& h) {
 
 }  // namespace
 
-double forward_passes(ActivationPolicy policy, double attention_share) {
+double forward_passes(const Policy& policy, double attention_share, double core_share) {
   // The attention sites' backward writes their output for the combine: one recomputation less.
   const double keep = kCalibrationPasses - attention_share;
-  switch (policy) {
+  switch (policy.activations) {
     case ActivationPolicy::KeepSites:
       return keep;
     case ActivationPolicy::KeepLayerInputs:
     case ActivationPolicy::OffloadLayerInputs:
       return keep + attention_share;
     case ActivationPolicy::Stream:
-      return keep + 1;
+      // Kept outputs spare the feed-forward's recomputation for the combine and, inside each
+      // attention sublayer's backward, its core's (its projections still run again).
+      return keep + 1 - (policy.outputs_again ? 0 : 1 - attention_share + attention_share * core_share);
   }
   return keep;
 }
@@ -82,7 +86,7 @@ double forward_passes(ActivationPolicy policy, double attention_share) {
 StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
                    const Policy& policy, const Hardware& h) {
   const Work work = gpu_work(c, p, tokens);
-  const double passes = forward_passes(policy.activations, work.attention_share);
+  const double passes = forward_passes(policy, work.attention_share, work.core_share);
   // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
   const double seconds_per_pass = 3 * work.forward / h.mfu / h.peak_flops / kCalibrationPasses;
   // The indexer's scores run once per step, in the forward: every recomputation reuses the
@@ -98,10 +102,10 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
                             : 1;
 
   if (policy.activations == ActivationPolicy::Stream) {
-    const double launches =
-        layers * (kAttentionPassesPerChunk + kFfnPassesPerChunk) * kKernelsPerSublayerPass;
+    const double ffn_passes = kFfnPassesPerChunk - (policy.outputs_again ? 0 : 1);
+    const double launches = layers * (kAttentionPassesPerChunk + ffn_passes) * kKernelsPerSublayerPass;
     // Most of the weights are the experts'.
-    const double weights = kFfnPassesPerChunk * static_cast<double>(state.weights) / h.hbm_bytes_per_s;
+    const double weights = ffn_passes * static_cast<double>(state.weights) / h.hbm_bytes_per_s;
     time.chunks = chunks * (launches * h.launch_seconds + weights);
   }
   if (policy.activations == ActivationPolicy::OffloadLayerInputs) {

@@ -12,7 +12,9 @@
 //     the backward (back); only what exceeds that pass's compute is added;
 //   stream: one more forward without the indexer (each chunk is recomputed before its backward,
 //     its selections kept as pool lists) plus a per-chunk cost (kernel launches of every layer
-//     again, weights read again);
+//     again, weights read again), less what the recomputation keeps for the backward (unless
+//     "outputs again"): the feed-forward's recomputation for the combine, and the attention
+//     cores' (KDA recurrence, sparse attention) inside the backward;
 //   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
 //     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
 //   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
@@ -66,7 +68,7 @@ StepTime step_time(const ModelConfig& c, const Parallel& parallel, const StateBy
                    const Policy& policy, const Hardware& hardware);
 
 // Forward passes of work per step (see above); attention_share: the attention sites' share of a
-// forward's FLOPs.
-double forward_passes(ActivationPolicy policy, double attention_share);
+// forward's FLOPs; core_share: the KDA recurrence's and sparse attention's share of theirs.
+double forward_passes(const Policy& policy, double attention_share, double core_share);
 
 }  // namespace spindle::plan

@@ -27,6 +27,7 @@ struct Execution {
   int64_t chunk_tokens = 0;  // for LossOptions::chunk_tokens; 0: the sequence in one pass
   SiteMemory site_memory = SiteMemory::KeepSites;  // for LossOptions::site_memory
   bool keep_selections = true;                     // for LossOptions::keep_selections
+  bool keep_outputs = true;                        // for LossOptions::keep_outputs
   int64_t predicted_peak_bytes = 0;                // device
   bool forced = false;                             // the user chose the policy
   std::string summary;                             // one line for the log

@@ -61,12 +61,13 @@ class StepReplay {
   // residual_site_backward: the site's inputs, the feed-forward recomputed for the combine (an
   // attention sublayer's backward writes its output itself), the combine's gradients, the
   // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
-  // gradient replaces `dstreams`.
-  void site_backward(const LayerShape& layer, Site site, Block& dstreams) {
+  // gradient replaces `dstreams`. `kept` (freed here): the recomputation's kept outputs of this
+  // site (the feed-forward's y, or attention_kept), empty for none.
+  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
     Blocks a = site_activations(m_, s_, L);
-    a.push_back(m_.activations(2 * L * D));  // y
-    if (site == Site::Ffn) ffn_forward(m_, s_, layer, pass_);
+    if (site == Site::Attention || kept.empty()) a.push_back(m_.activations(2 * L * D));  // y
+    if (site == Site::Ffn && kept.empty()) ffn_forward(m_, s_, layer, pass_);
     Block d_in = m_.activations(4 * L * H * D);
     a.push_back(m_.activations(4 * L * H));      // d_post
     a.push_back(m_.activations(4 * L * H * H));  // d_comb
@@ -75,7 +76,8 @@ class StepReplay {
     if (site == Site::Ffn)
       ffn_backward(m_, s_, layer, pass_);
     else
-      attention_backward(m_, s_, layer, pass_);
+      attention_backward(m_, s_, layer, pass_, !kept.empty());
+    if (site == Site::Attention) kept.clear();  // the sublayer's backward took and freed them
     a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1)));  // hc_coefficients_backward_workspace
     dstreams = std::move(d_in);
   }
@@ -113,11 +115,14 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       on_device.pop_front();
     }
   };
+  std::vector<Blocks> kept(2 * layers);  // Pass::keep_outputs: each site's, until its backward
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
       Block next = m.activations(S);
       step.site_forward(layer, site, true, selections);
+      if (pass.keep_outputs && site == Site::Attention) kept[2 * i] = attention_kept(m, s, layer, L);
+      if (pass.keep_outputs && site == Site::Ffn) kept[2 * i + 1].push_back(m.activations(2 * L * s.hidden));
       if (site == Site::Attention || all_sites)
         store(2 * i + static_cast<size_t>(site == Site::Ffn));
       else
@@ -151,9 +156,9 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       Blocks none;
       step.site_forward(layer, Site::Attention, false, none);
     }
-    step.site_backward(layer, Site::Ffn, dstreams);
+    step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]));
     stored[2 * i + 1] = Block();
-    step.site_backward(layer, Site::Attention, dstreams);
+    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]));
     stored[2 * i] = Block();
   }
 }
@@ -202,7 +207,8 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Block permutation = m.workspace(permutation_workspace_bytes(s, L));
   Block carries;
   if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options, !policy.indexer_again));
-  const Pass pass{L, tokens, streamed, options.absorbed, options.indexer_kl};
+  const Pass pass{
+      L, tokens, streamed, options.absorbed, options.indexer_kl, streamed && !policy.outputs_again};
   replay_step(m, s, pass, policy.activations);
 
   MemoryPrediction p;

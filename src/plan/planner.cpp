@@ -28,7 +28,8 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
         out.push_back({a, 0, host, t, gradients});
       for (const int64_t chunk : chunk_lengths(tokens))
         for (const bool again : {false, true})
-          out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients, again});
+          for (const bool outputs_again : {false, true})
+            out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients, again, outputs_again});
     }
   }
   return out;

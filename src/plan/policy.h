@@ -26,9 +26,13 @@ struct Policy {
   // Stream only: the recomputation before each chunk's backward runs the indexer again instead of
   // reusing the forward's selections, kept as pool lists (less memory, more time).
   bool indexer_again = false;
+  // Stream only: each sublayer's backward computes its forward's output once more (the sparse
+  // attention's, the KDA recurrence's, the feed-forward's for its mHC combine) instead of keeping
+  // it from the chunk's recomputation (less memory, more time).
+  bool outputs_again = false;
 
-  // e.g. "keep", "stream 64k", "stream 16k, indexer twice", "offload + host AdamW", with " tp8"
-  // when tensor parallel.
+  // e.g. "keep", "stream 64k", "stream 16k, indexer twice, outputs again", "offload + host
+  // AdamW", with " tp8" when tensor parallel.
   std::string name() const;
 };
 

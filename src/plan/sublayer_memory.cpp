@@ -22,18 +22,24 @@ Ledger::Block bf16(Ledger& m, int64_t n) { return m.activations(2 * n); }
 Ledger::Block f32(Ledger& m, int64_t n) { return m.activations(4 * n); }
 Ledger::Block i32(Ledger& m, int64_t n) { return m.activations(4 * n); }
 
+int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
+  return ((L + kKdaChunk - 1) / kKdaChunk + 1) * s.kda_heads * s.kda_dim * s.kda_dim;
+}
+
 // KdaActivations of model/cuda/kda.cpp: ten bf16 [L, heads * dim] (projections, convs, normalised
-// q/k, gate, core), two bf16 low-rank [L, dim], fp32 f and g, fp32 beta, the fp32 chunk states.
-Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
+// q/k, gate, core), two bf16 low-rank [L, dim], fp32 f and g, fp32 beta, the fp32 chunk states;
+// with `kept`, the recurrence's (core, chunk states) are the forward's.
+Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept) {
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a;
-  for (int i = 0; i < 10; ++i) a.push_back(bf16(m, L * w));
+  for (int i = 0; i < (kept ? 9 : 10); ++i) a.push_back(bf16(m, L * w));
   a.push_back(bf16(m, L * dh));
   a.push_back(bf16(m, L * dh));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
-  a.push_back(f32(m, ((L + kKdaChunk - 1) / kKdaChunk + 1) * H * dh * dh));
+  if (kept) return a;
+  a.push_back(f32(m, kda_chunk_state_floats(s, L)));
   // The forward's per chunk-head blocks (Aq, W, Kb, u, G_last), a segment of at most 256 chunks
   // (kda_forward_workspace_floats).
   const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaSegmentChunks);
@@ -41,9 +47,9 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L) {
   return a;
 }
 
-void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
+void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept) {
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
-  Blocks a = kda_activations(m, s, L);
+  Blocks a = kda_activations(m, s, L, kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
   a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
@@ -59,8 +65,9 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(bf16(m, L * w));  // df
 }
 
-// MlaActivations of model/cuda/dsa.cpp (mla_projections).
-Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
+// MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and
+// log-sum-exp are the forward's.
+Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a;
   a.push_back(bf16(m, L * s.q_rank));  // q_low
@@ -70,9 +77,11 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p) {
   a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
-    a.push_back(bf16(m, L * H * s.kv_rank));               // q_lat
-    a.push_back(bf16(m, L * H * s.kv_rank));               // o_lat
-    a.push_back(f32(m, L * H));                            // lse (sparse MLA on the tensor cores)
+    a.push_back(bf16(m, L * H * s.kv_rank));  // q_lat
+    if (!kept) {
+      a.push_back(bf16(m, L * H * s.kv_rank));  // o_lat
+      a.push_back(f32(m, L * H));               // lse (sparse MLA on the tensor cores)
+    }
     if (!p.streamed) a.push_back(bf16(m, L * s.kv_rank));  // the cache: the latent once (tensor cores)
   } else {
     a.push_back(bf16(m, L * H * (s.qk_dim + s.v_dim)));  // expanded keys and values
@@ -129,9 +138,9 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
   }
 }
 
-void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p) {
+void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
-  Blocks a = mla_projections(m, s, p);
+  Blocks a = mla_projections(m, s, p, kept);
   if (p.indexer_kl && layer.own_indexer) {
     Ledger::Block mass = f32(m, L * s.width);
     train_indexer(m, s, p);
@@ -206,19 +215,31 @@ int64_t selection_bytes(const Shapes& s, int64_t tokens) { return tokens * s.wid
 Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
                                 bool select) {
   if (layer.attention == AttentionKind::Kda) {
-    Blocks a = kda_activations(m, s, pass.tokens);
+    Blocks a = kda_activations(m, s, pass.tokens, false);
     return {};
   }
-  Blocks a = mla_projections(m, s, pass);
+  Blocks a = mla_projections(m, s, pass, false);
   if (select && layer.own_indexer) return run_indexer(m, s, pass);
   return {};
 }
 
-void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer, int64_t L) {
+  Blocks kept;
+  if (layer.attention == AttentionKind::Kda) {
+    kept.push_back(bf16(m, L * s.kda_width()));
+    kept.push_back(f32(m, kda_chunk_state_floats(s, L)));
+  } else {
+    kept.push_back(bf16(m, L * s.mla_heads * s.kv_rank));
+    kept.push_back(f32(m, L * s.mla_heads));
+  }
+  return kept;
+}
+
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept) {
   if (layer.attention == AttentionKind::Kda)
-    kda_backward(m, s, pass.tokens);
+    kda_backward(m, s, pass.tokens, kept);
   else
-    dsa_backward(m, s, layer, pass);
+    dsa_backward(m, s, layer, pass, kept);
 }
 
 void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "plan/ledger.h"
 #include "plan/parallel.h"
@@ -21,13 +22,23 @@ struct Pass {
   bool streamed = false;
   bool absorbed = false;    // MLA over the shared latent (--mla absorbed) rather than expanded heads
   bool indexer_kl = false;  // the indexer's KL training in the DSA backward
+  // Streamed: the recomputation keeps each sublayer's output for its backward (Policy::outputs_again
+  // false; LossOptions::keep_outputs).
+  bool keep_outputs = false;
 };
+
+// What the streaming executor keeps of an attention sublayer's forward for its backward
+// (AttentionKept, model/cuda/modules.h): KDA, the recurrence's output and fp32 chunk states; DSA,
+// the absorbed attention's output and log-sum-exp.
+std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,
+                                          int64_t tokens);
 
 // The forward of a layer's attention sublayer. With `select` (a DSA layer with its own indexer,
 // not a recomputation) it returns the selection, which the caller keeps for the backward pass.
 Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
                                 bool select);
-void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
+// `kept`: the forward's attention_kept blocks are live (the caller frees them) and not recomputed.
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept);
 void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
 void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
 

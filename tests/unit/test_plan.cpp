@@ -68,20 +68,21 @@ TEST(Plan, AbsorbedExecutorPeakWithinTenPercentOfTheH200) {
 // docs/PERF.md, "The 4B model from 32k to a million tokens": spindle bench on
 // configs/glm53-flash-4b.json, H200, the policy the planner picked at each length (the optimizer
 // on the host only at 1M, where the device's would not leave 130 GB). Streaming ran the indexer
-// again before fb77a11, and keeps the selections as pool lists since.
+// again before fb77a11, and keeps the selections as pool lists since; each sublayer's backward
+// computed its output again until the recomputation kept them (outputs_again false).
 struct MeasuredPolicy {
   int64_t tokens;
   int64_t chunk;  // 0: the whole sequence in one pass
-  bool optimizer_on_host, indexer_again;
+  bool optimizer_on_host, indexer_again, outputs_again;
   int64_t peak_bytes;
 };
 const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {
-    {32768, 0, false, false, 134445705728},        // 45fcb91
-    {131072, 16384, false, true, 110496194048},    // dd0ecd7
-    {524288, 16384, false, true, 127076548096},    // 45fcb91
-    {524288, 16384, false, false, 130028806656},   // fb77a11
-    {1048576, 16384, true, true, 99015827968},     // 45fcb91
-    {1048576, 16384, true, false, 104921408000}};  // 4e5fce3 and 65d0dee
+    {32768, 0, false, false, false, 134445705728},       // 45fcb91
+    {131072, 16384, false, true, true, 110496194048},    // dd0ecd7
+    {524288, 16384, false, true, true, 127076548096},    // 45fcb91
+    {524288, 16384, false, false, true, 130028806656},   // fb77a11
+    {1048576, 16384, true, true, true, 99015827968},     // 45fcb91
+    {1048576, 16384, true, false, true, 104921408000}};  // 4e5fce3 and 65d0dee
 
 // The 4B config's candidate for `policy` at `tokens` on one H200, absorbed MLA as bench runs it;
 // none when the planner has no such policy.
@@ -101,6 +102,7 @@ TEST(Plan, FourBillionModelPeaksWithinTenPercentOfTheH200) {
     policy.chunk_tokens = m.chunk;
     policy.optimizer_on_host = m.optimizer_on_host;
     policy.indexer_again = m.indexer_again;
+    policy.outputs_again = m.outputs_again;
     const std::optional<Candidate> it = four_billion_candidate(m.tokens, policy);
     ASSERT_TRUE(it.has_value()) << m.tokens;
     const double measured = static_cast<double>(m.peak_bytes);
@@ -109,15 +111,22 @@ TEST(Plan, FourBillionModelPeaksWithinTenPercentOfTheH200) {
   }
 }
 
-// The kept selections cost memory and save an indexer pass: the planner keeps them where they
-// fit and runs the indexer again where keeping them would force a smaller chunk.
+// The kept selections and the kept outputs each cost memory and save time (an indexer pass; a
+// feed-forward pass and the attention cores' once more): the planner keeps both where they fit,
+// else gives up what saves less, and runs the indexer again where keeping the selections would
+// force a smaller chunk.
 TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   const ModelConfig small = load_model_config(kConfigs + "glm53-flash-4b.json");
-  PlanRequest r = request(524288, 141);
+  PlanRequest r = request(524288, 160);
+  r.options.absorbed = true;
+  const Plan roomy = make_plan(small, r);
+  ASSERT_TRUE(roomy.pick.has_value());
+  EXPECT_EQ(roomy.candidates[*roomy.pick].policy.name(), "stream 16k");
+  r = request(524288, 141);
   r.options.absorbed = true;
   const Plan fits = make_plan(small, r);
   ASSERT_TRUE(fits.pick.has_value());
-  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k");
+  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, indexer twice");
 
   const ModelConfig real = load_model_config(kConfigs + "glm53-flash.json");
   r = request(1 << 20, 178, 1024, 8);
@@ -328,12 +337,14 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   EXPECT_EQ(odd.chunk_tokens, 10000);
   EXPECT_EQ(odd.predicted_peak_bytes, 0);
   EXPECT_EQ(plan_execution(c, 131072, h200, {}, int64_t{0}).chunk_tokens, 0);
-  // At 1M with the AdamW state on the device, 16k chunks fit only without the kept selections.
+  // At 1M with the AdamW state on the device, 16k chunks fit only without the kept selections
+  // and outputs.
   StepOptions absorbed;
   absorbed.absorbed = true;
   const Execution tight = plan_execution(c, 1048576, h200, absorbed, int64_t{16384}, false);
-  EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice");
+  EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice, outputs again");
   EXPECT_FALSE(tight.keep_selections);
+  EXPECT_FALSE(tight.keep_outputs);
   EXPECT_LE(tight.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
   try {
     plan_execution(c, 1048576, {1, bytes(24), bytes(128)}, {}, std::nullopt);

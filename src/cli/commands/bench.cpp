@@ -183,6 +183,7 @@ int run_bench(const std::vector<std::string>& argv) {
     loss_options.chunk_tokens = execution.chunk_tokens;
     loss_options.site_memory = execution.site_memory;
     loss_options.keep_selections = execution.keep_selections;
+    loss_options.keep_outputs = execution.keep_outputs;
     device->reset_memory_peak();
     std::vector<double> seconds;
     std::map<std::string, double> kind_ms;

@@ -172,9 +172,10 @@ int64_t cache_row(const ModelConfig& c, bool absorbed) {
 int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() + c.v_head_dim); }
 int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
 
-// Projections up to the (latent) queries and the normalised latent c.
+// Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
+// attention's output comes from an AttentionKept (not allocated here).
 MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x,
-                               int64_t L) {
+                               int64_t L, bool output_kept = false) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -185,7 +186,7 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   a.q = activations(L * H * dqk);
   a.kv_low = activations(L * kr);
   a.kv_normed = activations(L * kr);
-  a.attended = activations(L * H * dv);
+  if (!(output_kept && !ctx.absorbed_mla)) a.attended = activations(L * H * dv);
   ctx.gemm.linear(x, bf16_data(w.q_a_proj), a.q_low.data(), L, D, qr, s);
   rms_norm_forward(a.q_low.data(), bf16_data(w.q_a_layernorm), a.q_resid.data(), L, qr, eps, s);
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
@@ -196,7 +197,7 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
     return a;
   }
   a.q_lat = activations(L * H * kr);
-  a.o_lat = activations(L * H * kr);
+  if (!output_kept) a.o_lat = activations(L * H * kr);
   const bf16* wkv = bf16_data(w.kv_b_proj);
   for (int64_t h = 0; h < H; ++h)  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr]
     ctx.gemm.matmul(false, false, kr, L, dqk, wkv + key_rows(c, h) * kr, kr, a.q.data() + h * dqk, H * dqk,
@@ -220,6 +221,32 @@ void append_kv(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t 
                                    ctx.stream()));
 }
 
+// Absorbed: the heads' output from the latent one, attended_h [L, dv] = o_lat_h [L, kr] W_v,h^T.
+void project_attended(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a) {
+  const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
+  const bf16* wkv = bf16_data(w.kv_b_proj);
+  for (int64_t h = 0; h < H; ++h)
+    ctx.gemm.matmul(true, false, dv, L, kr, wkv + value_rows(c, h) * kr, kr, a.o_lat.data() + h * kr, H * kr,
+                    a.attended.data() + h * dv, CUDA_R_16BF, H * dv, 1.0f, 0.0f, ctx.stream());
+}
+
+// What the forward's attention left in `kept` back into `a` (the form's output, and the
+// log-sum-exp where the tensor cores wrote one), and the heads' output from it.
+void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
+                    AttentionKept& kept) {
+  const int64_t H = c.num_attention_heads;
+  const int64_t width = ctx.absorbed_mla ? c.kv_lora_rank : c.v_head_dim;
+  check(kept.out.size() == static_cast<size_t>(L * H * width), "DSA backward: a kept attention output of ",
+        kept.out.size(), " values for ", L, " queries");
+  if (!ctx.absorbed_mla) {
+    a.attended = std::move(kept.out);
+    return;
+  }
+  a.o_lat = std::move(kept.out);
+  a.lse = std::move(kept.stats);
+  project_attended(ctx, c, w, L, a);
+}
+
 // The L queries attend over `kv` (the cache: the selection's absolute positions index its rows).
 void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
             const bf16* kv, const int32_t* selection) {
@@ -229,19 +256,15 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
     return;
   }
-  const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
   const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
   const std::string unsupported = sparse_mla_unsupported(mla);  // the cache holds [c | c] then
   if (unsupported.empty()) {
-    a.lse = activations_f32(L * H);
+    a.lse = activations_f32(L * c.num_attention_heads);
     sparse_mla_forward(mla, a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(), s);
   } else {
     sparse_attention_forward(attention_shape(c, L, true), a.q_lat.data(), kv, selection, a.o_lat.data(), s);
   }
-  const bf16* wkv = bf16_data(w.kv_b_proj);
-  for (int64_t h = 0; h < H; ++h)  // attended_h [L, dv] = o_lat_h [L, kr] W_v,h^T
-    ctx.gemm.matmul(true, false, dv, L, kr, wkv + value_rows(c, h) * kr, kr, a.o_lat.data() + h * kr, H * kr,
-                    a.attended.data() + h * dv, CUDA_R_16BF, H * dv, 1.0f, 0.0f, s);
+  project_attended(ctx, c, w, L, a);
   if (unsupported.empty())
     ctx.record.note("dsa/attention", "sparse MLA on the tensor cores (absorbed)");
   else
@@ -311,7 +334,7 @@ void latent_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, in
 void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                          MlaActivations& a, const int32_t* selection, const bf16* dy, float* dx,
                          DsaWeights& grad, IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first,
-                         DsaCacheGrad& cache_grad, bf16* y) {
+                         DsaCacheGrad& cache_grad, bf16* y, AttentionKept* kept) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -323,7 +346,10 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
         " tokens or its gradient");
   {
     const TimedScope timed = ctx.timed("dsa.attention");
-    attend(ctx, c, w, L, a, cache.kv.data(), selection);
+    if (kept != nullptr && !kept->empty())
+      take_attention(ctx, c, w, L, a, *kept);
+    else
+      attend(ctx, c, w, L, a, cache.kv.data(), selection);
   }
   if (y != nullptr) gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, H * dv, D, s);
 
@@ -398,7 +424,8 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
 }
 
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
-                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache) {
+                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache,
+                 AttentionKept* keep) {
   check(cache.row == cache_row(c, ctx.absorbed_mla) && cache.tokens + L <= cache.capacity, "DSA cache of ",
         cache.capacity, " tokens (", cache.row, " values each) cannot take tokens ", cache.tokens, " .. ",
         cache.tokens + L, " of this form of MLA");
@@ -418,6 +445,13 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
   cache.tokens += L;
+  if (keep == nullptr) return;
+  if (ctx.absorbed_mla) {
+    keep->out = std::move(a.o_lat);
+    keep->stats = std::move(a.lse);
+  } else {
+    keep->out = std::move(a.attended);
+  }
 }
 
 DeviceBuffer<int32_t> keep_selection(Context& ctx, const ModelConfig& c,
@@ -453,15 +487,17 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   if (trained) append_index_keys(ctx, c, w.indexer, x, L, cache);
   cache.tokens = L;
   DsaCacheGrad cache_grad(c, cache, L, trained, ctx.stream());
-  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad, y);
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad, y,
+                      nullptr);
 }
 
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
-                  bf16* y) {
-  MlaActivations a = mla_projections(ctx, c, w, x, L);
-  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad, y);
+                  bf16* y, AttentionKept* kept) {
+  MlaActivations a = mla_projections(ctx, c, w, x, L, kept != nullptr && !kept->empty());
+  backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad, y,
+                      kept);
 }
 
 }  // namespace spindle::cuda

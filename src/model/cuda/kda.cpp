@@ -43,22 +43,33 @@ void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
 }
 
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
-// sequence).
+// sequence); the recurrence's output and chunk states taken from `kept` where it holds them.
 KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x,
-                               int64_t L, const KdaCarry* carry) {
+                               int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   check(dh <= kKdaMaxDim, "KDA head_dim ", dh, " exceeds the CUDA kernel's limit ", kKdaMaxDim);
   const cudaStream_t s = ctx.stream();
+  const bool recurrence_kept = kept != nullptr && !kept->empty();
   KdaActivations a;
   for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
-  for (auto* b : {&a.q, &a.k, &a.gate, &a.core}) *b = activations(L * qkv);
+  for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
+  if (recurrence_kept) {
+    check(kept->out.size() == static_cast<size_t>(L * qkv), "KDA backward: a kept output of ",
+          kept->out.size(), " values for ", L, " tokens");
+    a.core = std::move(kept->out);
+  } else {
+    a.core = activations(L * qkv);
+  }
   a.f_low = activations(L * dh);
   a.gate_low = activations(L * dh);
   a.f = activations_f32(L * qkv);
   a.g = activations_f32(L * qkv);
   a.beta = activations_f32(L * H);
-  a.chunk_states = activations_f32((kda_chunks(L) + 1) * H * dh * dh);
+  if (recurrence_kept)
+    a.chunk_states = std::move(kept->stats);
+  else
+    a.chunk_states = activations_f32((kda_chunks(L) + 1) * H * dh * dh);
 
   const std::array<DeviceBuffer<bf16>*, 3> windows{&a.qp, &a.kp, &a.vp}, convolved{&a.qcw, &a.kcw, &a.vcw};
   const std::array<const Tensor*, 3> projections{&w.q_proj, &w.k_proj, &w.v_proj},
@@ -82,7 +93,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   ctx.gemm.linear(x, bf16_data(w.b_proj), a.beta.data(), L, D, H, s);
   sigmoid_forward(a.beta.data(), a.beta.data(), L * H, s);
 
-  {
+  if (!recurrence_kept) {
     const TimedScope timed = ctx.timed("kda.recurrence");
     DeviceBuffer<float> workspace(static_cast<size_t>(kda_forward_workspace_floats(L, H)),
                                   MemoryCategory::Workspace);
@@ -99,7 +110,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
 }
 
 void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
-             KdaCarry* carry) {
+             KdaCarry* carry, AttentionKept* keep) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const cudaStream_t s = ctx.stream();
   KdaActivations a = kda_activations(ctx, c, w, x, L, carry);
@@ -114,17 +125,21 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qp.data(), L * H, dh,
                          static_cast<float>(c.rms_norm_eps), s);
   ctx.gemm.linear(a.qp.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
+  if (keep != nullptr) {
+    keep->out = std::move(a.core);
+    keep->stats = std::move(a.chunk_states);
+  }
 }
 
 void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
               const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry* carry_in, KdaCarry* carry_grad,
-              bf16* y) {
+              bf16* y, AttentionKept* kept) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
-  KdaActivations a = kda_activations(ctx, c, w, x, L, carry_in);
+  KdaActivations a = kda_activations(ctx, c, w, x, L, carry_in, kept);
   DeviceBuffer<bf16> z = activations(L * qkv);
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), z.data(), L * H, dh, eps, s);
   if (y != nullptr) gemm.linear(z.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
@@ -221,23 +236,23 @@ KdaCarry::KdaCarry(const KdaCarry& other, cudaStream_t stream)
 }
 
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y) {
-  forward(ctx, c, w, x, L, y, nullptr);
+  forward(ctx, c, w, x, L, y, nullptr, nullptr);
 }
 
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
-                 KdaCarry& carry) {
-  forward(ctx, c, w, x, L, y, &carry);
+                 KdaCarry& carry, AttentionKept* keep) {
+  forward(ctx, c, w, x, L, y, &carry, keep);
 }
 
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, KdaWeights& grad, bf16* y) {
-  backward(ctx, c, w, x, L, dy, dx, grad, nullptr, nullptr, y);
+  backward(ctx, c, w, x, L, dy, dx, grad, nullptr, nullptr, y, nullptr);
 }
 
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in, KdaCarry& carry_grad,
-                  bf16* y) {
-  backward(ctx, c, w, x, L, dy, dx, grad, &carry_in, &carry_grad, y);
+                  bf16* y, AttentionKept* kept) {
+  backward(ctx, c, w, x, L, dy, dx, grad, &carry_in, &carry_grad, y, kept);
 }
 
 }  // namespace spindle::cuda

@@ -51,16 +51,16 @@ std::vector<LayerCarry> CudaModel::start_carries(int64_t tokens) {
 
 void CudaModel::attention_forward(const LayerWeights& layer, const bf16* x, int64_t L,
                                   DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection,
-                                  KdaCarry* kda, DsaCache* cache) {
+                                  KdaCarry* kda, DsaCache* cache, AttentionKept* keep) {
   begin(attention_kind(layer));
   if (layer.attention == AttentionKind::Kda) {
     if (kda != nullptr)
-      kda_forward(ctx_, config_, layer.kda, x, L, y, *kda);
+      kda_forward(ctx_, config_, layer.kda, x, L, y, *kda, keep);
     else
       kda_forward(ctx_, config_, layer.kda, x, L, y);
   } else {
     if (cache != nullptr)
-      dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection, *cache);
+      dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection, *cache, keep);
     else
       dsa_forward(ctx_, config_, layer.dsa, x, L, selection, y, reuse_selection);
   }
@@ -78,7 +78,8 @@ void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L,
 }
 
 void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const bf16* x, int64_t L,
-                                  DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss) {
+                                  DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
+                                  DeviceBuffer<bf16>* kept_y) {
   const ModelConfig& c = config_;
   residual_site_backward(
       ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, x, dstreams, grad.ffn_hc,
@@ -90,7 +91,8 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
         else
           moe_backward(ctx_, c, layer.moe, in, L, dy, dx, grad.moe, balance_loss);
         end();
-      });
+      },
+      kept_y);
 }
 
 DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,

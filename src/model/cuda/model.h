@@ -67,14 +67,16 @@ class CudaModel {
   void begin(const char* kind);
   void end();
   // One sublayer's forward, timed under its layer kind; with `kda` or `cache`, a chunk that
-  // continues a sequence (modules.h).
+  // continues a sequence, which fills `keep` if given (modules.h).
   void attention_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L,
                          DeviceBuffer<int32_t>& selection, __nv_bfloat16* y, bool reuse_selection,
-                         KdaCarry* kda = nullptr, DsaCache* cache = nullptr);
+                         KdaCarry* kda = nullptr, DsaCache* cache = nullptr, AttentionKept* keep = nullptr);
   // Layer `layer`'s feed-forward residual site backward from its input streams `x` [L, hc_mult,
   // hidden]: dstreams comes in as the gradient of its output and leaves as that of its input.
+  // `kept_y` (if not null and not empty): the feed-forward's output, taken instead of recomputed.
   void ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const __nv_bfloat16* x, int64_t L,
-                         DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss);
+                         DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
+                         DeviceBuffer<__nv_bfloat16>* kept_y = nullptr);
   // `load` and `router_logits` as for moe_forward (MoE layers only).
   void ffn_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L, __nv_bfloat16* y,
                    std::vector<int64_t>* load = nullptr, float* router_logits = nullptr);

@@ -32,17 +32,29 @@ struct KdaCarry {
   DeviceBuffer<bf16> tails;
 };
 
+// What the streaming executor keeps of an attention sublayer's forward in a chunk's
+// recomputation, so that the sublayer's backward does not compute it a third time
+// (LossOptions::keep_outputs): KDA, the recurrence's output (`out`) and fp32 chunk states
+// (`stats`); DSA, the attention's output (absorbed: o_lat, and its log-sum-exp on the tensor cores;
+// expanded: the heads' output). The backward takes them; empty, it recomputes them.
+struct AttentionKept {
+  DeviceBuffer<bf16> out;
+  DeviceBuffer<float> stats;
+  bool empty() const { return out.size() == 0; }
+};
+
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y);
-// Continues a sequence whose earlier tokens left `carry`, and updates it.
+// Continues a sequence whose earlier tokens left `carry`, and updates it; fills `keep` if given.
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
-                 KdaCarry& carry);
+                 KdaCarry& carry, AttentionKept* keep = nullptr);
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, KdaWeights& grad, bf16* y);
 // Backward of a chunk whose forward received `carry_in`. `carry_grad` holds on entry the gradient
 // of the carry the chunk handed on (zero for the last chunk), on return that of `carry_in`.
+// `kept` (if not null and not empty): that forward's recurrence, taken instead of recomputed.
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry& carry_in, KdaCarry& carry_grad,
-                  bf16* y);
+                  bf16* y, AttentionKept* kept = nullptr);
 
 // The indexer's KL training, accumulated over DSA layers on the device.
 struct IndexerLoss {
@@ -86,9 +98,11 @@ struct LayerCarry {
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection = false);
 // Continues a sequence whose first cache.tokens tokens are in `cache`, and appends this chunk's
-// rows to it (with reuse_selection, the indexer's rows are taken to be there already).
+// rows to it (with reuse_selection, the indexer's rows are taken to be there already); fills
+// `keep` if given.
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
-                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache);
+                 DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache,
+                 AttentionKept* keep = nullptr);
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss, bf16* y);
@@ -103,11 +117,12 @@ void restore_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<in
 // chunk adds its keys' and values' gradients (and the indexer's pooled keys') to `cache_grad`;
 // this chunk's own rows are complete when it runs (later chunks ran first) and flow back into dx
 // (keys and values) or the indexer's weights. The indexer's KL is normalised by the whole
-// sequence (cache_grad.tokens).
+// sequence (cache_grad.tokens). `kept` (if not null and not empty): the chunk's forward attention,
+// taken instead of recomputed.
 void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
-                  bf16* y);
+                  bf16* y, AttentionKept* kept = nullptr);
 
 void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y);
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,

@@ -1,5 +1,8 @@
 #include "model/cuda/residual.h"
 
+#include <utility>
+
+#include "core/error.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/norms.h"
@@ -38,23 +41,27 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
 
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
-                           const SublayerForward& sublayer) {
+                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   const TimedScope timed = ctx.timed("mhc");
   hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
+  if (keep_y != nullptr) *keep_y = std::move(a.collapsed);
 }
 
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<float>& dstreams,
                             HyperConnectionWeights& ghc, Tensor& gnorm, const SublayerForward& sublayer,
-                            const SublayerBackward& sublayer_backward) {
+                            const SublayerBackward& sublayer_backward, DeviceBuffer<bf16>* kept_y) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const cudaStream_t s = ctx.stream();
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
-  DeviceBuffer<bf16> y = activations(L * D);
-  if (sublayer) sublayer(a.normed.data(), y.data());
+  const bool y_kept = kept_y != nullptr && kept_y->size() != 0;
+  check(!y_kept || kept_y->size() == static_cast<size_t>(L * D), "residual site backward: a kept output of ",
+        y_kept ? kept_y->size() : 0, " values for ", L, " tokens");
+  DeviceBuffer<bf16> y = y_kept ? std::move(*kept_y) : activations(L * D);
+  if (sublayer && !y_kept) sublayer(a.normed.data(), y.data());
 
   DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
                       d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
@@ -66,7 +73,7 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
     hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
                         d_comb.data(), s);
   }
-  sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), sublayer ? nullptr : y.data());
+  sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), sublayer || y_kept ? nullptr : y.data());
   const TimedScope timed = ctx.timed("mhc");
   hc_post_gradient(shape, y.data(), dstreams.data(), d_post.data(), s);
 

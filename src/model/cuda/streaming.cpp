@@ -3,7 +3,8 @@
 // forward goes through all layers chunk by chunk, keeping each KDA layer's carry at every chunk's
 // start, growing each DSA layer's cache and keeping its selections as pool lists; the backward
 // takes the chunks in reverse, recomputes each through all layers (site inputs for one chunk
-// only), runs the head on its rows and backpropagates, handing the KDA carries' gradients and the
+// only, and with keep_outputs the sublayer outputs their backwards would compute once more), runs
+// the head on its rows and backpropagates, handing the KDA carries' gradients and the
 // DSA caches' gradients to the chunks before. Device memory grows with the sequence only through
 // those carries, caches and pool lists.
 #include <algorithm>
@@ -109,15 +110,20 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
 
     // The chunk's attention from the carries it started from: a copy of the KDA carry (the
     // forward moves it on), the DSA cache as it stood before the chunk (the chunk rewrites its rows).
+    // With keep_outputs, each sublayer's forward output its backward would compute a third time
+    // is kept from the recomputation until that backward (LossOptions::keep_outputs).
+    std::vector<AttentionKept> attention_kept(layers);
+    std::vector<DeviceBuffer<bf16>> ffn_kept(layers);
     const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
                                bool reuse) {
       const LayerWeights& layer = w.layers[i];
+      AttentionKept* keep = options.keep_outputs ? &attention_kept[i] : nullptr;
       if (layer.attention == AttentionKind::Kda) {
         KdaCarry carry(*kda_starts[k][i], s);
-        attention_forward(layer, x, n, selection, y, reuse, &carry, nullptr);
+        attention_forward(layer, x, n, selection, y, reuse, &carry, nullptr, keep);
       } else {
         carries[i].dsa->tokens = start;
-        attention_forward(layer, x, n, selection, y, reuse, nullptr, &*carries[i].dsa);
+        attention_forward(layer, x, n, selection, y, reuse, nullptr, &*carries[i].dsa, keep);
       }
     };
 
@@ -128,26 +134,31 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     DeviceBuffer<bf16> streams = activations(n * H * D);
     embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
     const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
-                              const SublayerForward& sublayer) {
+                              const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
       DeviceBuffer<bf16> next = activations(n * H * D);
-      residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer);
+      residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y);
       site_inputs[index] = std::move(streams);
       streams = std::move(next);
     };
     for (size_t i = 0; i < layers; ++i) {
       const LayerWeights& layer = w.layers[i];
-      run_site(2 * i, layer.attn_hc, layer.input_layernorm, [&](const bf16* x, bf16* y) {
-        const bool dsa = layer.attention == AttentionKind::Dsa;
-        const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections;
-        if (dsa && (layer.dsa.has_indexer || !selection))
-          selection = std::make_shared<DeviceBuffer<int32_t>>();
-        if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
-        DeviceBuffer<int32_t> unused;
-        attention(i, x, y, dsa ? *selection : unused, kept);
-        if (dsa) selections[i] = selection;
-      });
-      run_site(2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
-               [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); });
+      run_site(
+          2 * i, layer.attn_hc, layer.input_layernorm,
+          [&](const bf16* x, bf16* y) {
+            const bool dsa = layer.attention == AttentionKind::Dsa;
+            const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections;
+            if (dsa && (layer.dsa.has_indexer || !selection))
+              selection = std::make_shared<DeviceBuffer<int32_t>>();
+            if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
+            DeviceBuffer<int32_t> unused;
+            attention(i, x, y, dsa ? *selection : unused, kept);
+            if (dsa) selections[i] = selection;
+          },
+          nullptr);
+      run_site(
+          2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
+          [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); },
+          options.keep_outputs ? &ffn_kept[i] : nullptr);
     }
 
     // The head over this chunk's rows: row r predicts token start + r + 1 (the sequence's last
@@ -174,7 +185,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
       ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
-                        balance ? &balance_loss : nullptr);
+                        balance ? &balance_loss : nullptr, &ffn_kept[i]);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
       DeviceBuffer<int32_t> unused;
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
@@ -183,10 +194,11 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           grad.input_layernorm, {}, [&](const bf16* x, const bf16* dy, float* dx, bf16* y) {
             begin(attention_kind(layer));
             if (layer.attention == AttentionKind::Kda)
-              kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i], y);
+              kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i], y,
+                           &attention_kept[i]);
             else
               dsa_backward(ctx_, c, layer.dsa, x, n, chosen.data(), dy, dx, grad.dsa, &indexer_loss,
-                           *carries[i].dsa, start, *cache_grad[i], y);
+                           *carries[i].dsa, start, *cache_grad[i], y, &attention_kept[i]);
             end();
           });
       site_inputs[2 * i] = DeviceBuffer<bf16>();
