@@ -69,6 +69,9 @@ class DeviceModel {
   virtual bool any_fallback() const = 0;
   virtual MemoryStats memory() const = 0;
   virtual int64_t memory_capacity() const = 0;  // the device's memory in bytes, as the driver reports it
+  // Device memory in use that the allocator does not hold: the CUDA context, the kernels' local
+  // memory, libraries' own allocations.
+  virtual int64_t memory_outside_allocator() const = 0;
   virtual void reset_memory_peak() = 0;
   virtual std::string device_name() const = 0;
 

@@ -12,6 +12,15 @@ enum class MemoryCategory : uint8_t { Weights, Gradients, Optimizer, Activations
 constexpr int kMemoryCategories = 6;
 const char* memory_category_name(MemoryCategory category);
 
+// The device memory a cudaMalloc of `bytes` takes (measured on the H200 with CUDA 13): past 1 MiB,
+// whole 2 MiB pages; up to 1 MiB, packed into shared pages (counted here in 512-byte granules).
+// Never powers of two: a 1.1 GB activation must not take 2 GB.
+constexpr int64_t device_allocation_bytes(int64_t bytes) {
+  constexpr int64_t kSmall = int64_t{1} << 20, kPage = int64_t{2} << 20, kGranule = 512;
+  const int64_t n = bytes < 1 ? 1 : bytes;
+  return n <= kSmall ? (n + kGranule - 1) / kGranule * kGranule : (n + kPage - 1) / kPage * kPage;
+}
+
 struct MemoryStats {
   std::array<int64_t, kMemoryCategories> current{};
   std::array<int64_t, kMemoryCategories> peak{};

@@ -7,7 +7,7 @@
 
 namespace spindle::plan {
 
-int64_t allocator_rounded(int64_t bytes) { return (std::max<int64_t>(bytes, 1) + 511) / 512 * 512; }
+int64_t allocator_rounded(int64_t bytes) { return device_allocation_bytes(bytes); }
 
 Ledger::Block::Block(Block&& other) noexcept
     : ledger_(std::exchange(other.ledger_, nullptr)), bytes_(other.bytes_), category_(other.category_) {}

@@ -44,7 +44,7 @@ class Ledger {
   MemoryStats stats_;
 };
 
-// The allocator's size class: at least 1 byte, rounded up to a multiple of 512.
+// The allocator's size class (device_allocation_bytes, core/allocator.h).
 int64_t allocator_rounded(int64_t bytes);
 
 }  // namespace spindle::plan

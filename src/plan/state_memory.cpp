@@ -57,7 +57,7 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
     return Tensor::meta(shape, precision == WeightPrecision::Fp32 ? DType::F32 : DType::BF16);
   });
   StateBytes s;
-  int64_t weight_arena = 0, gradient_arena = 0;
+  int64_t weight_arena = 0, gradient_arena = 0, optimizer_arena = 0;
   std::map<int64_t, int64_t> layer_gradients;
 
   for (const Param& param : parameter_table(c, weights)) {
@@ -72,12 +72,13 @@ StateBytes state_bytes(const ModelConfig& c, const Parallel& p) {
     s.host_weights += n * 4;
     if (!role_trained(param.role)) continue;
     const int64_t states = bf16 ? 3 : 2;  // (master,) m, v
-    s.optimizer += states * allocator_rounded(n * 4);
+    optimizer_arena += states * arena_aligned(n * 4);
     s.host_optimizer += 3 * n * 4;  // the host's AdamW keeps an fp32 master, m and v for every slot
     s.host_optimizer_with_gradients += (states + 1) * n * 4;
   }
   s.weights = allocator_rounded(weight_arena);
   s.gradients = allocator_rounded(gradient_arena);
+  s.optimizer = allocator_rounded(optimizer_arena);   // one arena (backend/cuda/cuda_device_model.cpp)
   s.host_optimizer += weight_arena + gradient_arena;  // backend/cuda/host_optimizer.h: pinned mirrors
   for (const auto& [layer, bytes] : layer_gradients)
     s.largest_layer_gradients = std::max(s.largest_layer_gradients, bytes);

@@ -84,20 +84,22 @@ class CudaDeviceModel final : public DeviceModel {
       s.decays = h.decays;
       s.weight = device_params.at(h.name);
       s.grad = device_grads.at(h.name);
-      const auto n = static_cast<size_t>(h.master.numel());
-      s.master = DeviceBuffer<float>(s.weight.dtype() == DType::F32 ? 0 : n, MemoryCategory::Optimizer);
-      s.exp_avg = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-      s.exp_avg_sq = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-      const auto copy = [&](float* device, const Tensor& tensor) {
-        copy_to_device(device, tensor.raw(), n * sizeof(float));
-      };
-      copy(s.weight.dtype() == DType::F32 ? static_cast<float*>(s.weight.raw()) : s.master.data(), h.master);
-      copy(s.exp_avg.data(), h.exp_avg);
-      copy(s.exp_avg_sq.data(), h.exp_avg_sq);
-      // The bf16 weight rounds its master, as the host's write_weights() would.
-      if (s.weight.dtype() == DType::BF16)
-        f32_to_bf16(s.master.data(), static_cast<__nv_bfloat16*>(s.weight.raw()), s.weight.numel(), stream());
+      check(s.weight.numel() == h.master.numel(), "load_optimizer: ", h.name, " has ", h.master.numel(),
+            " values on the host, ", s.weight.numel(), " on the device");
       slots_.push_back(std::move(s));
+    }
+    allocate_state();
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      const AdamW::Slot& h = host.slots()[i];
+      const auto bytes = static_cast<size_t>(h.master.numel()) * sizeof(float);
+      const bool own_master = s.weight.dtype() == DType::F32;
+      copy_to_device(own_master ? s.weight.raw() : s.master, h.master.raw(), bytes);
+      copy_to_device(s.exp_avg, h.exp_avg.raw(), bytes);
+      copy_to_device(s.exp_avg_sq, h.exp_avg_sq.raw(), bytes);
+      // The bf16 weight rounds its master, as the host's write_weights() would.
+      if (!own_master)
+        f32_to_bf16(s.master, static_cast<__nv_bfloat16*>(s.weight.raw()), s.weight.numel(), stream());
     }
   }
 
@@ -110,7 +112,7 @@ class CudaDeviceModel final : public DeviceModel {
     for (Slot& s : slots_) {
       if (s.frozen) continue;
       const bool own_master = s.weight.dtype() == DType::F32;
-      float* master = own_master ? static_cast<float*>(s.weight.raw()) : s.master.data();
+      float* master = own_master ? static_cast<float*>(s.weight.raw()) : s.master;
       __nv_bfloat16* weight = own_master ? nullptr : static_cast<__nv_bfloat16*>(s.weight.raw());
       const AdamWStep update{static_cast<float>(lr),
                              static_cast<float>(options.beta1),
@@ -118,8 +120,8 @@ class CudaDeviceModel final : public DeviceModel {
                              static_cast<float>(options.eps),
                              static_cast<float>(s.decays ? options.weight_decay : 0.0),
                              step};
-      adamw_update(master, s.exp_avg.data(), s.exp_avg_sq.data(), static_cast<const float*>(s.grad.raw()),
-                   weight, s.weight.numel(), update, stream());
+      adamw_update(master, s.exp_avg, s.exp_avg_sq, static_cast<const float*>(s.grad.raw()), weight,
+                   s.weight.numel(), update, stream());
     }
   }
 
@@ -136,10 +138,10 @@ class CudaDeviceModel final : public DeviceModel {
       AdamW::Slot& h = host.slots()[i];
       const auto bytes = static_cast<size_t>(h.master.numel()) * sizeof(float);
       const float* master =
-          s.weight.dtype() == DType::F32 ? static_cast<const float*>(s.weight.raw()) : s.master.data();
+          s.weight.dtype() == DType::F32 ? static_cast<const float*>(s.weight.raw()) : s.master;
       SPINDLE_CUDA(cudaMemcpy(h.master.raw(), master, bytes, cudaMemcpyDeviceToHost));
-      SPINDLE_CUDA(cudaMemcpy(h.exp_avg.raw(), s.exp_avg.data(), bytes, cudaMemcpyDeviceToHost));
-      SPINDLE_CUDA(cudaMemcpy(h.exp_avg_sq.raw(), s.exp_avg_sq.data(), bytes, cudaMemcpyDeviceToHost));
+      SPINDLE_CUDA(cudaMemcpy(h.exp_avg.raw(), s.exp_avg, bytes, cudaMemcpyDeviceToHost));
+      SPINDLE_CUDA(cudaMemcpy(h.exp_avg_sq.raw(), s.exp_avg_sq, bytes, cudaMemcpyDeviceToHost));
     }
     host.write_weights();
   }
@@ -159,18 +161,13 @@ class CudaDeviceModel final : public DeviceModel {
       s.decays = role_decays(params[i].role);
       s.weight = params[i].tensor;
       s.grad = grads[i].tensor;
-      const auto n = static_cast<size_t>(s.weight.numel());
-      s.exp_avg = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-      s.exp_avg_sq = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-      SPINDLE_CUDA(cudaMemsetAsync(s.exp_avg.data(), 0, n * sizeof(float), stream()));
-      SPINDLE_CUDA(cudaMemsetAsync(s.exp_avg_sq.data(), 0, n * sizeof(float), stream()));
-      if (s.weight.dtype() == DType::BF16) {
-        s.master = DeviceBuffer<float>(n, MemoryCategory::Optimizer);
-        bf16_to_f32(static_cast<const __nv_bfloat16*>(s.weight.raw()), s.master.data(), s.weight.numel(),
-                    stream());
-      }
       slots_.push_back(std::move(s));
     }
+    allocate_state();
+    SPINDLE_CUDA(cudaMemsetAsync(state_.data(), 0, state_.size() * sizeof(float), stream()));
+    for (Slot& s : slots_)
+      if (s.weight.dtype() == DType::BF16)
+        bf16_to_f32(static_cast<const __nv_bfloat16*>(s.weight.raw()), s.master, s.weight.numel(), stream());
   }
 
   void set_router_biases(const ModelWeights& host) override {
@@ -202,6 +199,7 @@ class CudaDeviceModel final : public DeviceModel {
     return ms;
   }
   void synchronize() override { model_.context().synchronize(); }
+  int64_t memory_outside_allocator() const override { return DeviceAllocator::instance().outside_bytes(); }
   int64_t memory_capacity() const override {
     size_t free = 0, total = 0;
     SPINDLE_CUDA(cudaMemGetInfo(&free, &total));
@@ -220,14 +218,35 @@ class CudaDeviceModel final : public DeviceModel {
  private:
   struct Slot {
     bool frozen = false, decays = false;
-    Tensor weight, grad;  // device views
-    DeviceBuffer<float> master, exp_avg, exp_avg_sq;
+    Tensor weight, grad;      // device views
+    float* master = nullptr;  // bf16 weights only
+    float *exp_avg = nullptr, *exp_avg_sq = nullptr;
   };
+  // Every slot's fp32 state in one arena (a cudaMalloc per tensor would take whole 2 MiB pages for
+  // each of thousands), 256-byte aligned per tensor.
+  void allocate_state() {
+    const auto aligned = [](int64_t n) { return (n + 63) / 64 * 64; };
+    int64_t floats = 0;
+    for (const Slot& s : slots_)
+      floats += (s.weight.dtype() == DType::BF16 ? 3 : 2) * aligned(s.weight.numel());
+    state_ = DeviceBuffer<float>(static_cast<size_t>(floats), MemoryCategory::Optimizer);
+    float* at = state_.data();
+    for (Slot& s : slots_) {
+      const int64_t n = aligned(s.weight.numel());
+      s.exp_avg = at;
+      s.exp_avg_sq = at + n;
+      at += 2 * n;
+      if (s.weight.dtype() != DType::BF16) continue;
+      s.master = at;
+      at += n;
+    }
+  }
   cudaStream_t stream() { return model_.context().stream(); }
 
   CudaModel model_;
   int64_t chunk_tokens_;
   std::vector<Slot> slots_;
+  DeviceBuffer<float> state_;  // the slots' arena
   bool optimizer_on_host_ = false;
   std::unique_ptr<HostOptimizer> host_optimizer_;  // the state on the host, instead of slots_
   KindTimer timer_;

@@ -10,9 +10,11 @@ namespace spindle::cuda {
 
 namespace {
 
-// Sizes round up to 512 bytes (the allocation granule worth matching), never to powers of two:
-// a 1.1 GB activation must not take 2 GB.
-size_t rounded(size_t bytes) { return (std::max<size_t>(bytes, 1) + 511) / 512 * 512; }
+// Sizes round up to what the driver takes (so that the counters are the memory in use and a cached
+// block serves any request of its size class).
+size_t rounded(size_t bytes) {
+  return static_cast<size_t>(device_allocation_bytes(static_cast<int64_t>(bytes)));
+}
 
 }  // namespace
 
@@ -37,6 +39,10 @@ void* DeviceAllocator::allocate(size_t bytes, MemoryCategory category) {
     }
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
+      // Another status is an earlier kernel's error surfacing here, not a lack of memory.
+      check(status == cudaErrorMemoryAllocation, "CUDA error ", cudaGetErrorName(status), " (",
+            cudaGetErrorString(status), ") while allocating ", size, " bytes for ",
+            memory_category_name(category), " (", report(), ")");
       fail("out of device memory: could not allocate ", size, " bytes for ", memory_category_name(category),
            " (", report(), ")");
     }
@@ -74,10 +80,19 @@ void DeviceAllocator::empty_cache() {
   cached_bytes_ = 0;
 }
 
+int64_t DeviceAllocator::outside_bytes() const {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return static_cast<int64_t>(total - free) - stats_.current_total - cached_bytes_;
+}
+
 std::string DeviceAllocator::report() const {
   std::ostringstream out;
   out << "device memory now " << stats_.current_total << " B, peak " << stats_.peak_total << " B, cached "
-      << cached_bytes_ << " B";
+      << cached_bytes_ << " B, in use outside this allocator " << outside_bytes() << " B";
   for (int c = 0; c < kMemoryCategories; ++c) {
     if (stats_.peak[c] == 0) continue;
     out << "; " << memory_category_name(static_cast<MemoryCategory>(c)) << " peak " << stats_.peak[c] << " B";

@@ -26,6 +26,9 @@ class DeviceAllocator {
   // Peaks restart from the current use (to measure one phase).
   void reset_peak();
   int64_t cached_bytes() const { return cached_bytes_; }
+  // Device memory in use that this allocator does not hold (the CUDA context, the kernels' local
+  // memory, libraries' own allocations): cudaMemGetInfo's used bytes less its live and cached ones.
+  int64_t outside_bytes() const;
   std::string report() const;
 
  private:

@@ -227,6 +227,10 @@ int run_bench(const std::vector<std::string>& argv) {
         {"tokens_per_second", static_cast<double>(L) / median},
         {"seconds_by_layer_kind", by_kind},
         {"peak_memory", memory_json(device->memory())},
+        // After the steps: the driver's total, and what is in use outside Spindle's allocator
+        // (the CUDA context, the kernels' local memory, libraries), which the planner reserves.
+        {"device_memory_total_bytes", device->memory_capacity()},
+        {"device_memory_outside_allocator_bytes", device->memory_outside_allocator()},
         // The process's most resident host memory so far (all lengths of this run).
         {"peak_host_bytes", host_peak_resident_bytes()},
         {"model_tflops_per_step", flops.training() / 1e12},
