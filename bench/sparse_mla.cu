@@ -73,20 +73,13 @@ int main(int argc, char** argv) {
                             dq.data(), d_latent.data(), nullptr);
       },
       5);
-  const double wgmma = median_ms(
-      [&] {
-        sparse_mla_backward_hopper(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(),
-                                   dout.data(), dq.data(), d_latent.data(), nullptr);
-      },
-      5);
   const double flops =
       2.0 * static_cast<double>(heads) * 2 * dim * static_cast<double>(pools * kpool) * queries;
   std::printf(
       "sparse MLA at %lld tokens, queries %lld .. %lld (32 heads, latent 512, %lld selected rows each):\n"
       "  forward (wgmma) %.3f ms (%.0f TFLOP/s)\n"
-      "  backward, mma.sync %.3f ms (%.2fx the forward); wgmma %.3f ms (%.2fx)\n",
+      "  backward (mma.sync) %.3f ms (%.2fx the forward)\n",
       static_cast<long long>(tokens), static_cast<long long>(first), static_cast<long long>(tokens),
-      static_cast<long long>(width), forward, flops / forward / 1e9, mma, mma / forward, wgmma,
-      wgmma / forward);
+      static_cast<long long>(width), forward, flops / forward / 1e9, mma, mma / forward);
   return 0;
 }

@@ -157,15 +157,6 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
     sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
                         dq.data(), d_latent.data(), stream.get());
-    // The wgmma backward on the same forward, where it takes the shape.
-    const bool hopper = sparse_mla_backward_hopper_takes(s);
-    auto dq_hopper = poisoned<bf16>(L * H * c.dk);
-    DeviceBuffer<float> d_latent_hopper(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
-    SPINDLE_CUDA(
-        cudaMemsetAsync(d_latent_hopper.data(), 0, d_latent_hopper.size() * sizeof(float), stream.get()));
-    if (hopper)
-      sparse_mla_backward_hopper(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(),
-                                 ddout.data(), dq_hopper.data(), d_latent_hopper.data(), stream.get());
     stream.synchronize();
 
     // The reference: one key head whose key is the latent's first dk values and value its first dv.
@@ -209,11 +200,6 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
     EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
-    if (hopper) {
-      EXPECT_LT(relative_error(dq_hopper.download(), dq_ref), 2e-2) << "dq on wgmma, " << what;
-      EXPECT_LT(relative_error(d_latent_hopper.download(), d_latent_ref), 2e-2)
-          << "d_latent on wgmma, " << what;
-    }
     const auto lse_got = lse.download();
     double worst = 0;
     for (size_t i = 0; i < lse_got.size(); ++i) {

@@ -1,7 +1,6 @@
-// What both wgmma sparse MLA kernels (sparse_mla_hopper.cu, sparse_mla_backward_hopper.cu) share:
-// the inputs and sizes of a call, and the selected rows of one 64-row tile of a query's selection
-// (which rows a thread copies, and the copy into the no-swizzle core-matrix layout of wgmma.cuh
-// with cp.async).
+// The wgmma sparse MLA forward's (sparse_mla_hopper.cu) inputs and sizes of a call, and the
+// selected rows of one 64-row tile of a query's selection (which rows a thread copies, and the
+// copy into the no-swizzle core-matrix layout of wgmma.cuh with cp.async).
 #pragma once
 
 #include <cuda_bf16.h>
