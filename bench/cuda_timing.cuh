@@ -23,11 +23,27 @@ __global__ inline void fill_uniform(__nv_bfloat16* x, int64_t n, uint32_t seed) 
   }
 }
 
+__global__ inline void fill_uniform_f32(float* x, int64_t n, uint32_t seed, float low, float high) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = (static_cast<uint32_t>(i) ^ seed) * 2654435761u;
+    x[i] = low + (high - low) * (static_cast<float>(h >> 8) / 16777216.0f);
+  }
+}
+
 // n values in [-0.5, 0.5) from a hash of (index, seed).
 inline DeviceBuffer<__nv_bfloat16> random_bf16(int64_t n, uint32_t seed) {
   DeviceBuffer<__nv_bfloat16> b(static_cast<size_t>(n), MemoryCategory::Activations);
   fill_uniform<<<1024, 256>>>(b.data(), n, seed);
   SPINDLE_LAUNCHED("fill_uniform");
+  return b;
+}
+
+// n fp32 values in [low, high) from a hash of (index, seed).
+inline DeviceBuffer<float> random_f32(int64_t n, uint32_t seed, float low, float high) {
+  DeviceBuffer<float> b(static_cast<size_t>(n), MemoryCategory::Activations);
+  fill_uniform_f32<<<1024, 256>>>(b.data(), n, seed, low, high);
+  SPINDLE_LAUNCHED("fill_uniform_f32");
   return b;
 }
 

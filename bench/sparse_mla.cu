@@ -1,9 +1,9 @@
 // MLA's absorbed sparse attention at a million tokens, GLM's shape (32 heads, a 512-wide latent as
 // key and value, 2048 selected + 15 tail rows per query): a streamed chunk of queries at the end of
 // the sequence, each selecting 128 random 16-row pools of the latent before it plus its tail, as
-// the executor runs them. Times, by CUDA events (median of a few launches), the forward, the
-// mma.sync backward and the wgmma backward, with the forward's FLOP rate (2 x heads x (dk + dv)
-// per selected row) and each backward's time against the forward's.
+// the executor runs them. Times, by CUDA events (median of a few launches), the forward and the
+// backward, with the forward's FLOP rate (2 x heads x (dk + dv) per selected row) and the
+// backward's time against the forward's.
 //     build/bench_sparse_mla [tokens] [queries]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

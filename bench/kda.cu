@@ -1,0 +1,57 @@
+// The KDA recurrence at one streamed chunk of the 4B config (16 heads, dk = dv = 128; 16,384
+// tokens by default): kda_chunked_forward (prep, state scan and output over chunks of 64) and
+// kda_chunked_backward (kernels/cuda/kda.h) timed by CUDA events (median of a few launches), with
+// the model FLOPs of model/flops.h (6 dk dv per token and head) for scale. The streamed step runs
+// the forward twice per chunk and layer (the forward pass and the recomputation; the backward
+// takes the recomputation's output and chunk states) and the backward once.
+//     build/bench_kda [tokens]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "cuda_timing.cuh"
+#include "kernels/cuda/kda.h"
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+int main(int argc, char** argv) {
+  const int64_t T = argc > 1 ? std::atoll(argv[1]) : 16384;
+  const int64_t H = 16, dk = 128, dv = 128;
+  auto q = random_bf16(T * H * dk, 1), k = random_bf16(T * H * dk, 2), v = random_bf16(T * H * dv, 3),
+       dout = random_bf16(T * H * dv, 4);
+  auto g = random_f32(T * H * dk, 5, -0.1f, 0.0f), beta = random_f32(T * H, 6, 0.0f, 1.0f);
+  const auto floats = [](int64_t n) {
+    return DeviceBuffer<float>(static_cast<size_t>(n), MemoryCategory::Activations);
+  };
+  DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(T * H * dv), MemoryCategory::Activations);
+  DeviceBuffer<float> states = floats((kda_chunks(T) + 1) * H * dk * dv),
+                      forward_workspace = floats(kda_forward_workspace_floats(T, H)),
+                      backward_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv)),
+                      dq = floats(T * H * dk), dkk = floats(T * H * dk), dvv = floats(T * H * dv),
+                      dg = floats(T * H * dk), dbeta = floats(T * H);
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  const double forward = median_ms(
+      [&] {
+        kda_chunked_forward(q.data(), k.data(), v.data(), g.data(), beta.data(), out.data(), states.data(),
+                            forward_workspace.data(), T, H, dk, dv, nullptr);
+      },
+      5);
+  const double backward = median_ms(
+      [&] {
+        kda_chunked_backward(q.data(), k.data(), v.data(), g.data(), beta.data(), dout.data(), states.data(),
+                             dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data(),
+                             backward_workspace.data(), T, H, dk, dv, nullptr);
+      },
+      5);
+  const double flops = 6.0 * static_cast<double>(dk * dv) * static_cast<double>(T * H);
+  std::printf("KDA recurrence at %lld tokens, %lld heads, dk = dv = %lld (model FLOPs %.1f G):\n",
+              static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk), flops / 1e9);
+  std::printf("  forward  %8.3f ms (%.1f model TFLOP/s)\n", forward, flops / forward / 1e9);
+  std::printf("  backward %8.3f ms (%.2fx the forward)\n", backward, backward / forward);
+  return 0;
+}

@@ -1,0 +1,80 @@
+// The mHC kernels at one streamed chunk of the 4B config (hc_mult 4, hidden 2048, 20 Sinkhorn
+// iterations; 16,384 tokens by default): each entry point of kernels/cuda/mhc.h timed by CUDA
+// events (median of a few launches), with the bytes it must move at the least (the budgets in
+// mhc.cu's header: streams bf16, their gradients fp32) and the bandwidth that makes. A residual
+// site's backward runs hc_coefficients once more and each of the backward kernels once; its
+// forward hc_coefficients and hc_combine.
+//     build/bench_mhc [tokens]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "cuda_timing.cuh"
+#include "kernels/cuda/mhc.h"
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+int main(int argc, char** argv) {
+  const int64_t T = argc > 1 ? std::atoll(argv[1]) : 16384;
+  const int64_t H = 4, D = 2048, K = H * D, M = (2 + H) * H;
+  const cpu::HcShape s{T, H, D, 1e-6, 1e-6, 20};
+  auto streams = random_bf16(T * K, 1), y = random_bf16(T * D, 2), d_collapsed = random_bf16(T * D, 3);
+  const float fn_scale = 1.0f / std::sqrt(static_cast<float>(K));
+  auto fn = random_f32(M * K, 4, -fn_scale, fn_scale), base = random_f32(M, 5, -0.5f, 0.5f),
+       scale = random_f32(3, 6, 0.5f, 1.5f);
+  auto pre = random_f32(T * H, 7, 0, 1), post = random_f32(T * H, 8, 0, 1),
+       comb = random_f32(T * H * H, 9, 0, 1);
+  auto dout = random_f32(T * K, 10, -1, 1), dstreams = random_f32(T * K, 11, -1, 1);
+  auto d_pre = random_f32(T * H, 12, -1, 1), d_post = random_f32(T * H, 13, -1, 1),
+       d_comb = random_f32(T * H * H, 14, -1, 1);
+  auto dfn = random_f32(M * K, 15, -1, 1), dbase = random_f32(M, 16, -1, 1),
+       dscale = random_f32(3, 17, -1, 1);
+  DeviceBuffer<__nv_bfloat16> collapsed(static_cast<size_t>(T * D), MemoryCategory::Activations),
+      out(static_cast<size_t>(T * K), MemoryCategory::Activations),
+      dy(static_cast<size_t>(T * D), MemoryCategory::Activations);
+  DeviceBuffer<float> workspace(static_cast<size_t>(hc_coefficients_backward_workspace(s)),
+                                MemoryCategory::Workspace);
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+
+  const double bf16_streams = 2.0 * T * K, f32_streams = 4.0 * T * K, row = 2.0 * T * D;
+  std::printf("mHC at %lld tokens, hc_mult %lld, hidden %lld (least bytes each must move; GB/s):\n",
+              static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(D));
+  const auto report = [&](const char* name, double bytes, double ms) {
+    std::printf("  %-26s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
+  };
+  report("hc_coefficients", bf16_streams + row,
+         median_ms(
+             [&] {
+               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
+                               post.data(), comb.data(), collapsed.data(), nullptr);
+             },
+             5));
+  report("hc_combine", 2 * bf16_streams + row,
+         median_ms(
+             [&] { hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), nullptr); },
+             5));
+  report("hc_combine_backward", bf16_streams + 3 * f32_streams + row,
+         median_ms(
+             [&] {
+               hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), dstreams.data(),
+                                   dy.data(), d_comb.data(), nullptr);
+             },
+             5));
+  report("hc_post_gradient", f32_streams + row,
+         median_ms([&] { hc_post_gradient(s, y.data(), dout.data(), d_post.data(), nullptr); }, 5));
+  report("hc_coefficients_backward", bf16_streams + 2 * f32_streams + row,
+         median_ms(
+             [&] {
+               hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
+                                        d_post.data(), d_comb.data(), d_collapsed.data(), dstreams.data(),
+                                        dfn.data(), dbase.data(), dscale.data(), workspace.data(), nullptr);
+             },
+             5));
+  return 0;
+}
