@@ -3,8 +3,10 @@
 // the sequence, each selecting 128 random 16-row pools of the latent before it plus its tail, as
 // the executor runs them. Times, by CUDA events (median of a few launches), the forward and the
 // backward, with the forward's FLOP rate (2 x heads x (dk + dv) per selected row) and the
-// backward's time against the forward's.
-//     build/bench_sparse_mla [tokens] [queries]
+// backward's time against the forward's. `share` > 1: groups of that many neighbouring queries
+// select the same pools (as a trained indexer's neighbours might), to see how much of the gather
+// and of the gradient's atomics the L2 then absorbs (both kernels are DRAM-bound, docs/PERF.md).
+//     build/bench_sparse_mla [tokens] [queries] [share]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -27,22 +29,26 @@ using namespace spindle::cuda;
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
   const int64_t queries = argc > 2 ? std::atoll(argv[2]) : 16384;
+  const int64_t share = argc > 3 ? std::max<int64_t>(1, std::atoll(argv[3])) : 1;
   const int64_t heads = 32, dim = 512, kpool = 16, pools = 128, tail = kpool - 1,
                 width = pools * kpool + tail;
   const int64_t first = tokens - queries;
-  // Query t's selection: 128 distinct complete pools before it, ascending, then its tail.
+  // Query t's selection: 128 distinct complete pools before it (drawn once per group of `share`
+  // queries, among those the group's first query sees), ascending, then its tail.
   std::vector<int32_t> selected(static_cast<size_t>(queries * width), -1);
   std::mt19937_64 rng(7);
   std::vector<int32_t> chosen;
   for (int64_t i = 0; i < queries; ++i) {
-    const int64_t t = first + i, visible = (t + 1) / kpool;
-    chosen.clear();
-    std::uniform_int_distribution<int64_t> pick(0, visible - 1);
-    while (static_cast<int64_t>(chosen.size()) < std::min(pools, visible)) {
-      const auto p = static_cast<int32_t>(pick(rng));
-      if (std::find(chosen.begin(), chosen.end(), p) == chosen.end()) chosen.push_back(p);
+    const int64_t t = first + i, visible = (first + i / share * share + 1) / kpool;
+    if (i % share == 0) {
+      chosen.clear();
+      std::uniform_int_distribution<int64_t> pick(0, visible - 1);
+      while (static_cast<int64_t>(chosen.size()) < std::min(pools, visible)) {
+        const auto p = static_cast<int32_t>(pick(rng));
+        if (std::find(chosen.begin(), chosen.end(), p) == chosen.end()) chosen.push_back(p);
+      }
+      std::sort(chosen.begin(), chosen.end());
     }
-    std::sort(chosen.begin(), chosen.end());
     int32_t* row = selected.data() + i * width;
     for (size_t k = 0; k < chosen.size(); ++k)
       for (int64_t j = 0; j < kpool; ++j) row[k * kpool + j] = static_cast<int32_t>(chosen[k] * kpool + j);
@@ -76,10 +82,12 @@ int main(int argc, char** argv) {
   const double flops =
       2.0 * static_cast<double>(heads) * 2 * dim * static_cast<double>(pools * kpool) * queries;
   std::printf(
-      "sparse MLA at %lld tokens, queries %lld .. %lld (32 heads, latent 512, %lld selected rows each):\n"
+      "sparse MLA at %lld tokens, queries %lld .. %lld (32 heads, latent 512, %lld selected rows each, "
+      "the same pools for groups of %lld neighbours):\n"
       "  forward (wgmma) %.3f ms (%.0f TFLOP/s)\n"
       "  backward (mma.sync) %.3f ms (%.2fx the forward)\n",
       static_cast<long long>(tokens), static_cast<long long>(first), static_cast<long long>(tokens),
-      static_cast<long long>(width), forward, flops / forward / 1e9, mma, mma / forward);
+      static_cast<long long>(width), static_cast<long long>(share), forward, flops / forward / 1e9, mma,
+      mma / forward);
   return 0;
 }
