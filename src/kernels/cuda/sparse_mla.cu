@@ -10,6 +10,7 @@
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/sparse_mla_tile.cuh"
 
 namespace spindle::cuda {
 
@@ -27,7 +28,6 @@ constexpr int kMaxDim = 512;  // dk, dv <= this (shared memory)
 constexpr int kMaxColTiles = kMaxDim / kWarps / 8;
 constexpr int kScoreStride = kKeys + 4;    // fp32 scores per shared row
 constexpr int kProbStride = kKeys + kPad;  // bf16 probabilities per shared row
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct Layout {
   int rows;  // heads per CTA: 16 * MT
@@ -50,10 +50,9 @@ Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   return l;
 }
 
-struct MlaArgs {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* latent;
-  const int32_t* selected;
+// The call's inputs and sizes (sparse_mla_tile.cuh, shared with the wgmma forward) and the outputs
+// of either direction.
+struct MlaArgs : SparseMlaInputs {
   const __nv_bfloat16* out_in;  // backward: the forward's output
   const float* lse_in;          // backward
   const __nv_bfloat16* dout;    // backward
@@ -61,9 +60,6 @@ struct MlaArgs {
   float* lse;                   // forward
   __nv_bfloat16* dq;            // backward
   float* d_latent;              // backward
-  int64_t width, latent_stride;
-  int heads, dk, dv;
-  float scale;
 };
 
 // The CTA's query rows (heads h0 ..) of `src` ([tokens, heads, dim]) into shared rows of `stride`,
@@ -198,7 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
   }
   const int v_units = a.dv / 16;
   float acc[MT][kMaxColTiles][4] = {};
-  const float scale2 = a.scale * kLog2e;
   // Softmax rows: `per_row` consecutive threads (of one warp) share a row, each over kKeys /
   // per_row keys.
   constexpr int per_row = kThreads / R, keys_per_thread = kKeys / per_row;
@@ -227,10 +222,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
       const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
       float* row_a = s_s + (row_tile * 16 + g) * kScoreStride + key0;
       float* row_b = row_a + 8 * kScoreStride;
-      row_a[0] = v0 ? s[0] * scale2 : -INFINITY;
-      row_a[1] = v1 ? s[1] * scale2 : -INFINITY;
-      row_b[0] = v0 ? s[2] * scale2 : -INFINITY;
-      row_b[1] = v1 ? s[3] * scale2 : -INFINITY;
+      row_a[0] = v0 ? s[0] * a.scale2 : -INFINITY;
+      row_a[1] = v1 ? s[1] * a.scale2 : -INFINITY;
+      row_b[0] = v0 ? s[2] * a.scale2 : -INFINITY;
+      row_b[1] = v1 ? s[3] * a.scale2 : -INFINITY;
     }
     __syncthreads();
 
@@ -343,7 +338,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
       lse_s[row] = h0 + row < a.heads ? a.lse_in[t * a.heads + h0 + row] * kLog2e : INFINITY;
     }
   }
-  const float scale2 = a.scale * kLog2e;
   const int k_units = a.dk / 16;
   float dq[MT][kMaxColTiles][4] = {};
 
@@ -375,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
         float p[2], d[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          p[e] = valid[e] ? exp2f(s[2 * half + e] * scale2 - lse_s[row]) : 0.0f;
+          p[e] = valid[e] ? exp2f(s[2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
           d[e] = p[e] * (dp[2 * half + e] - delta_s[row]) * a.scale;
         }
         *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
@@ -482,15 +476,7 @@ void check_supported(const SparseMlaShape& s, const void* q, const void* latent)
 MlaArgs shape_args(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                    const int32_t* selected) {
   MlaArgs args{};
-  args.q = q;
-  args.latent = latent;
-  args.selected = selected;
-  args.width = s.width;
-  args.latent_stride = s.latent_stride;
-  args.heads = static_cast<int>(s.heads);
-  args.dk = static_cast<int>(s.dk);
-  args.dv = static_cast<int>(s.dv);
-  args.scale = s.scale;
+  static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
   return args;
 }
 

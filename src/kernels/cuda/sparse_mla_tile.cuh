@@ -1,6 +1,7 @@
-// The wgmma sparse MLA forward's (sparse_mla_hopper.cu) inputs and sizes of a call, and the
-// selected rows of one 64-row tile of a query's selection (which rows a thread copies, and the
-// copy into the no-swizzle core-matrix layout of wgmma.cuh with cp.async).
+// What the sparse MLA kernels share: the inputs and sizes of a call (sparse_mla.cu and
+// sparse_mla_hopper.cu), and for the wgmma forward the selected rows of one 64-row tile of a
+// query's selection (which rows a thread copies, and the copy into the no-swizzle core-matrix
+// layout of wgmma.cuh with cp.async).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -186,7 +186,8 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   a.q = activations(L * H * dqk);
   a.kv_low = activations(L * kr);
   a.kv_normed = activations(L * kr);
-  if (!(output_kept && !ctx.absorbed_mla)) a.attended = activations(L * H * dv);
+  const bool attended_kept = output_kept && !ctx.absorbed_mla;  // the expanded form keeps the heads' output
+  if (!attended_kept) a.attended = activations(L * H * dv);
   ctx.gemm.linear(x, bf16_data(w.q_a_proj), a.q_low.data(), L, D, qr, s);
   rms_norm_forward(a.q_low.data(), bf16_data(w.q_a_layernorm), a.q_resid.data(), L, qr, eps, s);
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
