@@ -74,7 +74,10 @@ double forward_passes(const Policy& policy, double attention_share, double core_
       return keep;
     case ActivationPolicy::KeepLayerInputs:
     case ActivationPolicy::OffloadLayerInputs:
-      return keep + attention_share;
+      // Every sublayer once more, from its layer's input, on top of keep's recomputations inside
+      // each sublayer's backward (these keep no outputs): streaming's "outputs again". Measured at
+      // 128k: offload 24.4 s, stream 16k with kept outputs 20.8 s (docs/PERF.md).
+      return keep + 1;
     case ActivationPolicy::Stream:
       // Kept outputs spare the feed-forward's recomputation for the combine and, inside each
       // attention sublayer's backward, its core's (its projections still run again).

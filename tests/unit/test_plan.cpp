@@ -391,8 +391,8 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
 }
 
 // --policy forces keep, recompute or offload with the planner's prediction and tells the executor
-// what to keep; it excludes --chunk and a streamed policy. Unforced, the planner picks offload where
-// it is the fastest policy that fits.
+// what to keep; it excludes --chunk and a streamed policy. Unforced, the planner picks the fastest
+// policy that fits.
 TEST(Plan, ExecutionTakesAForcedSitePolicy) {
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
   const Machine h200{1, bytes(141), bytes(128)};
@@ -419,14 +419,13 @@ TEST(Plan, ExecutionTakesAForcedSitePolicy) {
   EXPECT_THROW(plan_execution(c, 32768, h200, absorbed, std::nullopt, false, ActivationPolicy::Stream),
                Error);
   EXPECT_THROW(parse_site_policy("stream"), Error);
-  // At 128k the layer inputs fit in the host's 128 GiB, and offloading them recomputes less than
-  // streaming does.
+  // At 128k the layer inputs would fit in the host's 128 GiB, but streaming with kept outputs is
+  // the faster: offloading recomputes every sublayer once more, from its layer's input (on the
+  // H200: 24.4 s a step against 20.8 s).
   const Execution picked = plan_execution(c, 131072, h200, absorbed, std::nullopt);
-  EXPECT_EQ(picked.site_memory, SiteMemory::OffloadLayerInputs) << picked.policy.name();
+  EXPECT_EQ(picked.site_memory, SiteMemory::KeepSites) << picked.policy.name();
+  EXPECT_GT(picked.chunk_tokens, 0);
   EXPECT_FALSE(picked.forced);
-  const Execution small_host = plan_execution(c, 131072, {1, bytes(141), bytes(64)}, absorbed, std::nullopt);
-  EXPECT_EQ(small_host.site_memory, SiteMemory::KeepSites) << small_host.policy.name();
-  EXPECT_GT(small_host.chunk_tokens, 0);
 }
 
 }  // namespace
