@@ -66,6 +66,28 @@ std::vector<int32_t> make_selection(int64_t L, int64_t width) {
   return sel;
 }
 
+// The indexer's layout (kernels/cuda/selection_pools.h): per query up to topk / kpool whole pools
+// of kpool rows before its own, ascending, -1 past them, then the tail of its own pool. The wgmma
+// forward moves such pools by TMA.
+std::vector<int32_t> make_pool_selection(int64_t L, int64_t topk, int64_t kpool) {
+  const int64_t width = topk + kpool - 1, pools = topk / kpool;
+  std::vector<int32_t> sel(static_cast<size_t>(L * width), -1);
+  std::vector<int32_t> candidates;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t complete = (t + 1) / kpool, n = std::min(pools, complete), tail = (t + 1) % kpool;
+    candidates.resize(static_cast<size_t>(complete));
+    std::iota(candidates.begin(), candidates.end(), 0);
+    std::shuffle(candidates.begin(), candidates.end(), rng());
+    std::sort(candidates.begin(), candidates.begin() + n);
+    int32_t* row = sel.data() + t * width;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < kpool; ++j)
+        row[i * kpool + j] = static_cast<int32_t>(candidates[static_cast<size_t>(i)] * kpool + j);
+    for (int64_t j = 0; j < tail; ++j) row[topk + j] = static_cast<int32_t>(t + 1 - tail + j);
+  }
+  return sel;
+}
+
 TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
   struct Case {
     int64_t dqk, dv, width, tokens, heads, kv_heads;  // kv_heads 0: one key/value head per query head
@@ -127,6 +149,7 @@ TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
 TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
   struct Case {
     int64_t dk, dv, width, tokens, heads, stride_extra;
+    int64_t kpool = 0;  // > 0: the indexer's pools, topk = width - kpool + 1 (else make_selection)
   };
   const Case cases[] = {
       {512, 512, 79, 300, 32, 0},     // GLM-5.3-Flash-4b: two m16 tiles of heads
@@ -136,6 +159,9 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
       {48, 32, 79, 150, 4, 16},      // units on some warps only, a last k16 step
       {256, 128, 150, 257, 20, 8},   // padded head rows, values narrower than keys, a wider stride
       {128, 128, 64, 130, 40, 512},  // two head groups (32 + 8), the latent inside [c | c] rows
+      // The model's shape: pools of 16 by TMA (some -1 early on, tails by cp.async), [c | rope] rows.
+      {512, 512, 271, 450, 32, 64, 16},
+      {256, 256, 527, 640, 16, 8, 16},
   };
   for (const Case& c : cases) {
     const int64_t L = c.tokens, H = c.heads, stride = c.dk + c.stride_extra;
@@ -144,7 +170,8 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     ASSERT_EQ(sparse_mla_unsupported(s), "");
     const auto q = rounded(random_floats(L * H * c.dk)), latent = rounded(random_floats(L * stride));
     const auto dout = rounded(random_floats(L * H * c.dv));
-    const auto sel = make_selection(L, c.width);
+    const auto sel =
+        c.kpool > 0 ? make_pool_selection(L, c.width - c.kpool + 1, c.kpool) : make_selection(L, c.width);
 
     Stream stream;
     auto dq_in = device(to_bf16(q)), dlat = device(to_bf16(latent)), ddout = device(to_bf16(dout));
@@ -194,7 +221,7 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     }
     const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " width " +
                              std::to_string(c.width) + " tokens " + std::to_string(L) + " heads " +
-                             std::to_string(H);
+                             std::to_string(H) + " kpool " + std::to_string(c.kpool);
     // The probabilities and dS enter the tensor cores as bf16 (~2^-9 relative each), on top of the
     // bf16 outputs' own rounding; the latent's gradient stays fp32 but sums bf16 products.
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;

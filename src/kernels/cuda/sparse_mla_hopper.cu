@@ -8,6 +8,7 @@
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 #include "kernels/cuda/sparse_mla_tile.cuh"
+#include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace spindle::cuda {
@@ -23,9 +24,12 @@ constexpr int kMaxDim = 512;
 struct Args : SparseMlaInputs {
   __nv_bfloat16* out;
   float* lse;
+  bool tma;  // the tensor map is the latent's: whole pools come by TMA
 };
 
-// Byte offsets into the dynamic shared memory.
+// Byte offsets into the dynamic shared memory, from its first 1024-byte boundary (the swizzled
+// tiles' alignment; kAlignSlack more bytes are asked for).
+constexpr uint32_t kAlignSlack = 1024;
 struct Layout {
   uint32_t tile_bytes;  // one tile, [kKeys][dk] bf16; the kGroups tiles come first
   uint32_t q;           // [kHeads][dk] bf16
@@ -34,6 +38,7 @@ struct Layout {
   uint32_t red_max;     // [kGroups][4 warps][kHeads] float: per-warp column maxima
   uint32_t red_sum;     // [kGroups][4 warps][kHeads] float: per-warp column sums
   uint32_t merge;       // [2][kHeads] float: warpgroup 1's running max and sum
+  uint32_t bars;        // [kGroups] uint64: each warpgroup's tile barrier (TMA and its arrival)
   uint32_t total;
 };
 
@@ -46,15 +51,19 @@ __host__ __device__ Layout layout(int dk) {
   l.red_max = l.idx + kGroups * kKeys * 4;
   l.red_sum = l.red_max + kGroups * 4 * kHeads * 4;
   l.merge = l.red_sum + kGroups * 4 * kHeads * 4;
-  l.total = l.merge + 2 * kHeads * 4;
+  l.bars = l.merge + 2 * kHeads * 4;
+  l.total = l.bars + kGroups * 8;
   return l;
 }
 
 // Blocks: dv / 64, a template argument so that no branch stands between a tile's wgmma (the
 // compiler serialises them otherwise).
 template <int Blocks>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char shared[];
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_forward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(128) unsigned char shared_base[];
+  unsigned char* shared =
+      shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
   const Layout L = layout(a.dk);
   const int64_t t = blockIdx.x;
   // The warpgroup (and warp) through a shuffle: the compiler then knows them uniform across the warp,
@@ -66,12 +75,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
   unsigned char* q_s = shared + L.q;
   unsigned char* p_s = shared + L.p + group * kHeads * kKeys * 2;
   int32_t* idx_s = reinterpret_cast<int32_t*>(shared + L.idx) + group * kKeys;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(shared + L.bars) + group;
+  const CUtensorMap* map = a.tma ? &latent_map : nullptr;
+  uint32_t phase = 0;  // of bar: one completed phase per tile
   float* red_max = reinterpret_cast<float*>(shared + L.red_max) + group * 4 * kHeads;
   float* red_sum = reinterpret_cast<float*>(shared + L.red_sum) + group * 4 * kHeads;
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
   const int chunks = a.dk / 8, ksteps = a.dk / 16;
   const uint32_t row_group_bytes = static_cast<uint32_t>(a.dk * 16);
 
+  if (wt == 0) mbarrier_init(bar, 1);
+  mbarrier_init_fence();
+  __syncthreads();
   // Q (zero rows past the last head), then each warpgroup's first tile.
   for (int u = threadIdx.x; u < kHeads * chunks; u += kThreads) {
     const int g = u / (8 * chunks), c = u % (8 * chunks) / 8, head = 8 * g + u % 8;
@@ -80,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
   }
   TileRows rows = tile_rows(a.selected, a.width, t, group, wt);
   if (wt < kKeys) idx_s[wt] = rows.own;
-  if (group < tiles) gather_tile<128>(tile_s, rows, a.latent, a.latent_stride, a.dk, wt);
+  if (group < tiles) fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, map, bar);
   copy_commit();
   rows = tile_rows(a.selected, a.width, t, group + kGroups, wt);
 
@@ -100,11 +115,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
   fence_async_shared();
   __syncthreads();  // Q and the first tiles landed
   for (int64_t tile = group; tile < tiles; tile += kGroups) {
-    if (tile != group) {
-      copy_wait_all();
-      fence_async_shared();
-      warpgroup_barrier(group);
-    }
+    copy_wait_all();
+    fence_async_shared();
+    mbarrier_wait(bar, phase);
+    phase ^= 1;
+    warpgroup_barrier(group);
     // S^T [64 keys, 32 heads] = K Q^T over dk.
     float s[16] = {};
 #pragma unroll
@@ -113,8 +128,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
       wgmma_fence();
 #pragma unroll
       for (int kk = k; kk < k + 4; ++kk)
-        wgmma_m64n32k16<0>(s, wgmma_descriptor(tile_address + kk * 256, 128, row_group_bytes),
-                           wgmma_descriptor(q_address + kk * 256, 128, row_group_bytes), kk > 0);
+        wgmma_m64n32k16<0>(
+            s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
+            wgmma_descriptor(q_address + kk * 256, 128, row_group_bytes), kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -192,9 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
     for (int b = 0; b < Blocks; ++b) {
 #pragma unroll
       for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n32k16<1>(
-            acc[b], wgmma_descriptor(tile_address + 2 * k * row_group_bytes + b * 1024, row_group_bytes, 128),
-            wgmma_descriptor(p_address + k * 256, 128, kKeys * 16), true);
+        wgmma_m64n32k16<1>(acc[b],
+                           wgmma_descriptor_128b(tile_address + b * kSwizzleBlockBytes + k * 16 * 128,
+                                                 kSwizzleBlockBytes, 1024),
+                           wgmma_descriptor(p_address + k * 256, 128, kKeys * 16), true);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -207,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_hopper_kernel(
 
     if (tile + kGroups < tiles) {
       if (wt < kKeys) idx_s[wt] = rows.own;
-      gather_tile<128>(tile_s, rows, a.latent, a.latent_stride, a.dk, wt);
+      fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, map, bar);
     }
     copy_commit();
     rows = tile_rows(a.selected, a.width, t, tile + 2 * kGroups, wt);
@@ -287,11 +304,17 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
   args.out = out;
   args.lse = lse;
-  const size_t shared_bytes = layout(args.dk).total;
+  // The kernel does not know how many rows the latent has, only that every selected row is one:
+  // the map claims more rows than any sequence, and only selected pools are read through it.
+  args.tma = s.latent_stride % 8 == 0;
+  const CUtensorMap map =
+      args.tma ? bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64)
+               : CUtensorMap{};
+  const size_t shared_bytes = layout(args.dk).total + kAlignSlack;
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "sparse MLA on wgmma: dk ", s.dk, ", dv ", s.dv);
-    kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+    kernel<<<grid, kThreads, shared_bytes, stream>>>(args, map);
     SPINDLE_LAUNCHED("sparse_mla_forward_hopper_kernel");
   };
   switch (s.dv / 64) {

@@ -1,15 +1,17 @@
 // What the sparse MLA kernels share: the inputs and sizes of a call (sparse_mla.cu and
 // sparse_mla_hopper.cu), and for the wgmma forward the selected rows of one 64-row tile of a
-// query's selection (which rows a thread copies, and the copy into the no-swizzle core-matrix
-// layout of wgmma.cuh with cp.async).
+// query's selection (which rows a thread copies, and the copy into the 128-byte swizzled layout,
+// by TMA for whole pools of consecutive rows and by cp.async for the rest).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/tma.cuh"
 
 namespace spindle::cuda {
 
@@ -64,19 +66,54 @@ __device__ __forceinline__ TileRows tile_rows(const int32_t* selected, int64_t w
   return r;
 }
 
-// A tile's rows (their first dk values of the latent, rows `stride` apart) into `dst` in the
-// core-matrix layout, zero for unused slots, by Threads threads: thread i copies the 16-byte pieces
-// i / 8, i / 8 + Threads / 8, .. of row 8 g + i % 8, so that a warp fills contiguous bytes.
-template <int Threads>
-__device__ __forceinline__ void gather_tile(unsigned char* dst, const TileRows& r,
-                                            const __nv_bfloat16* latent, int64_t stride, int dk, int thread) {
-  const int chunks = dk / 8;
+constexpr int kPoolRows = 16;                        // a run of consecutive rows that one TMA box moves
+constexpr int kSwizzleBlockBytes = kTileKeys * 128;  // a tile's 64 values of every row, 128 bytes each
+
+// A tile's rows (their first dk values, rows `stride` apart) into `dst` (1024-byte aligned) in the
+// 128-byte swizzled K-major layout wgmma reads: column block b (values 64 b ..) at b *
+// kSwizzleBlockBytes, row r at r * 128 in it, its 16-byte piece p at (p ^ r % 8) * 16 (the TMA's
+// own swizzle). By the warpgroup's 128 threads. Slots 16 j .. 16 j + 15 that hold 16 consecutive
+// rows (a whole pool of the indexer's selection) arrive by TMA, issued by thread 0 and counted on
+// `bar` (armed here with their bytes: one arrival per tile, none of them possible); every other
+// row by cp.async, zero for unused slots. `map` (null: no TMA) is the latent's, boxes of 16 rows x
+// 64 values. The reader waits for the cp.async group and for bar's phase.
+__device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r, const __nv_bfloat16* latent,
+                                          int64_t stride, int dk, int thread, const CUtensorMap* map,
+                                          uint64_t* bar) {
+  constexpr int kPools = kTileKeys / kPoolRows;
+  const int row8 = thread % 8;
+  // Lanes l, l + 8, l + 16, l + 24 hold the same rows, lanes 0-7 all 64: every warp sees each run.
+  bool run[kPools];
+  int32_t first[kPools];
+#pragma unroll
+  for (int j = 0; j < kPools; ++j) {
+    first[j] = __shfl_sync(0xffffffffu, r.gather[2 * j], 0);
+    const bool consecutive = r.gather[2 * j] == first[j] + row8 && r.gather[2 * j + 1] == first[j] + 8 + row8;
+    run[j] = __all_sync(0xffffffffu, map != nullptr && first[j] >= 0 && consecutive);
+  }
+  const int blocks = dk / 64;
+  if (thread == 0) {
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int j = 0; j < kPools; ++j) bytes += run[j] ? kPoolRows * dk * 2 : 0;
+    mbarrier_arrive_expect(bar, bytes);
+#pragma unroll
+    for (int j = 0; j < kPools; ++j) {
+      if (!run[j]) continue;
+      for (int b = 0; b < blocks; ++b)
+        tma_load_2d(dst + b * kSwizzleBlockBytes + j * kPoolRows * 128, map, 64 * b, first[j], bar);
+    }
+  }
+  const int pieces = dk / 8;
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
+    if (run[g / 2]) continue;
+    const int row = 8 * g + row8;
     const bool valid = r.gather[g] >= 0;
     const __nv_bfloat16* from = latent + (valid ? static_cast<int64_t>(r.gather[g]) * stride : 0);
-    unsigned char* to = dst + g * chunks * 128 + (thread % 8) * 16;
-    for (int c = thread / 8; c < chunks; c += Threads / 8) copy16(to + c * 128, from + c * 8, valid);
+    unsigned char* to = dst + row * 128;
+    for (int p = thread / 8; p < pieces; p += 16)
+      copy16(to + (p / 8) * kSwizzleBlockBytes + ((p % 8) ^ (row % 8)) * 16, from + p * 8, valid);
   }
 }
 

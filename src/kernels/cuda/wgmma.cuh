@@ -40,6 +40,16 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t shared_address, ui
          static_cast<uint64_t>((mn_offset >> 4) & 0x3FFF) << 32;
 }
 
+// The same for an operand in the 128-byte swizzled layout (rows of 128 bytes, 8-row groups of 1024
+// bytes, 1024-byte aligned; the TMA's SWIZZLE_128B): K-major, the stride byte offset is between
+// 8-row groups (1024) and a k-step inside the 64-value row moves the start address 32 bytes;
+// MN-major, the leading byte offset is between 64-value blocks along M, the stride byte offset
+// between 8-row groups along K (probed on the H200, docs/PERF.md).
+__device__ __forceinline__ uint64_t wgmma_descriptor_128b(uint32_t shared_address, uint32_t leading_offset,
+                                                          uint32_t stride_offset) {
+  return wgmma_descriptor(shared_address, leading_offset, stride_offset) | uint64_t{1} << 62;
+}
+
 // Before the first wgmma that reads or writes accumulators the threads last touched.
 __device__ __forceinline__ void wgmma_fence() { SPINDLE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {

@@ -1,0 +1,53 @@
+// Hopper's bulk tensor copies (TMA) and the shared-memory barriers (mbarrier) they complete on:
+// one thread arms a barrier with the bytes to expect and issues the copies; the threads that read
+// the data wait on the barrier's phase. The tensor map comes from kernels/cuda/tensor_map.h.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/mma.cuh"
+
+namespace spindle::cuda {
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
+               : "memory");
+}
+
+// After mbarrier_init and before a barrier that publishes it: the copies (the async proxy) see it.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The calling thread's arrival, with `bytes` more for the phase to wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until the barrier's phase `parity` (0, 1, 0, ...: one per use) has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The box at (column x, row y) of the tensor map into dst (aligned as the map's swizzle needs:
+// 1024 bytes for 128-byte swizzle), its bytes counted on bar.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(shared_address(bar))
+      : "memory");
+}
+
+}  // namespace spindle::cuda
