@@ -4,8 +4,9 @@
 //
 // One CTA per (query, group of up to 32 heads), two warpgroups that take the selection's 64-row
 // tiles in turn, each with its own tile buffer, online softmax and output accumulators, merged at
-// the end. Per tile a warpgroup gathers the rows with cp.async into the no-swizzle core-matrix
-// layout (kernels/cuda/wgmma.cuh) and computes S^T = K Q^T (M = 64 keys, N = 32 heads, K = dk), the
+// the end. Per tile a warpgroup fills its buffer in the 128-byte swizzled layout, whole pools of
+// consecutive rows by TMA and the other rows by cp.async (fill_tile, sparse_mla_tile.cuh), and
+// computes S^T = K Q^T (M = 64 keys, N = 32 heads, K = dk), the
 // softmax over each head's column, P^T to shared memory, and O^T += V^T P^T (M = 64 value columns a
 // block, N = 32 heads, K = 64 keys; the tile's rows read transposed as V^T). The other warpgroup's
 // gathers overlap one's arithmetic.
