@@ -92,8 +92,9 @@ else
   echo "FAIL plan-pick: $output"; failures=$((failures + 1))
 fi
 
-if output=$("$spindle" plan --model "$configs/glm53-flash-4b.json" --seq-len 128k 2>&1) &&
-  grep -q "^pick: offload " <<<"$output" && grep -q "^first step: also pins the 90.0 GiB pool" <<<"$output"; then
+if output=$("$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 32k --gpu-mem 32 2>&1) &&
+  grep -q "^runs today: offload + host AdamW " <<<"$output" &&
+  grep -q "^first step: also pins the 11.2 GiB pool" <<<"$output"; then
   echo "ok   plan-offload-pins: $(grep '^first step:' <<<"$output")"
 else
   echo "FAIL plan-offload-pins: $output"; failures=$((failures + 1))
