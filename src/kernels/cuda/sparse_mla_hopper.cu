@@ -24,7 +24,6 @@ constexpr int kMaxDim = 512;
 struct Args : SparseMlaInputs {
   __nv_bfloat16* out;
   float* lse;
-  bool tma;  // the tensor map is the latent's: whole pools come by TMA
 };
 
 // Byte offsets into the dynamic shared memory, from its first 1024-byte boundary (the swizzled
@@ -76,7 +75,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* p_s = shared + L.p + group * kHeads * kKeys * 2;
   int32_t* idx_s = reinterpret_cast<int32_t*>(shared + L.idx) + group * kKeys;
   uint64_t* bar = reinterpret_cast<uint64_t*>(shared + L.bars) + group;
-  const CUtensorMap* map = a.tma ? &latent_map : nullptr;
   uint32_t phase = 0;  // of bar: one completed phase per tile
   float* red_max = reinterpret_cast<float*>(shared + L.red_max) + group * 4 * kHeads;
   float* red_sum = reinterpret_cast<float*>(shared + L.red_sum) + group * 4 * kHeads;
@@ -95,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   TileRows rows = tile_rows(a.selected, a.width, t, group, wt);
   if (wt < kKeys) idx_s[wt] = rows.own;
-  if (group < tiles) fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, map, bar);
+  if (group < tiles) fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, &latent_map, bar);
   copy_commit();
   rows = tile_rows(a.selected, a.width, t, group + kGroups, wt);
 
@@ -224,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (tile + kGroups < tiles) {
       if (wt < kKeys) idx_s[wt] = rows.own;
-      fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, map, bar);
+      fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, &latent_map, bar);
     }
     copy_commit();
     rows = tile_rows(a.selected, a.width, t, tile + 2 * kGroups, wt);
@@ -306,10 +304,8 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   args.lse = lse;
   // The kernel does not know how many rows the latent has, only that every selected row is one:
   // the map claims more rows than any sequence, and only selected pools are read through it.
-  args.tma = s.latent_stride % 8 == 0;
   const CUtensorMap map =
-      args.tma ? bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64)
-               : CUtensorMap{};
+      bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
   const size_t shared_bytes = layout(args.dk).total + kAlignSlack;
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {

@@ -75,8 +75,8 @@ constexpr int kSwizzleBlockBytes = kTileKeys * 128;  // a tile's 64 values of ev
 // own swizzle). By the warpgroup's 128 threads. Slots 16 j .. 16 j + 15 that hold 16 consecutive
 // rows (a whole pool of the indexer's selection) arrive by TMA, issued by thread 0 and counted on
 // `bar` (armed here with their bytes: one arrival per tile, none of them possible); every other
-// row by cp.async, zero for unused slots. `map` (null: no TMA) is the latent's, boxes of 16 rows x
-// 64 values. The reader waits for the cp.async group and for bar's phase.
+// row by cp.async, zero for unused slots. `map` is the latent's, boxes of 16 rows x 64 values. The
+// reader waits for the cp.async group and for bar's phase.
 __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r, const __nv_bfloat16* latent,
                                           int64_t stride, int dk, int thread, const CUtensorMap* map,
                                           uint64_t* bar) {
@@ -89,7 +89,7 @@ __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r,
   for (int j = 0; j < kPools; ++j) {
     first[j] = __shfl_sync(0xffffffffu, r.gather[2 * j], 0);
     const bool consecutive = r.gather[2 * j] == first[j] + row8 && r.gather[2 * j + 1] == first[j] + 8 + row8;
-    run[j] = __all_sync(0xffffffffu, map != nullptr && first[j] >= 0 && consecutive);
+    run[j] = __all_sync(0xffffffffu, first[j] >= 0 && consecutive);
   }
   const int blocks = dk / 64;
   if (thread == 0) {
