@@ -14,6 +14,7 @@
 #include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_hopper.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
 
@@ -267,7 +268,10 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
   }
   project_attended(ctx, c, w, L, a);
   if (unsupported.empty())
-    ctx.record.note("dsa/attention", "sparse MLA on the tensor cores (absorbed)");
+    ctx.record.note("dsa/attention",
+                    sparse_mla_hopper_takes(mla)
+                        ? "sparse MLA on the tensor cores (absorbed; wgmma forward, pools by TMA)"
+                        : "sparse MLA on the tensor cores (absorbed; mma.sync forward)");
   else
     ctx.record.note("dsa/attention",
                     "cuda-core sparse attention over [c | c] (tensor cores: " + unsupported + ")", true);
