@@ -119,5 +119,16 @@ else
   echo "FAIL route: $output"; failures=$((failures + 1))
 fi
 
+# spindle select: the same token sources as route; a good run prints a row per DSA layer.
+expect_failure select-no-tokens "exactly one of --tokens FILE and --random-tokens" "$spindle" select --model "$work/model"
+expect_failure select-length-too-long "length must be in \\[2, 8\\]" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --length 9
+expect_failure select-negative-chunk "chunk must be" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
+if output=$("$spindle" select --model "$work/model" --random-tokens --length 200 --chunk 64 --out "$work/select.json" 2>&1) &&
+  grep -q "^layer  queries" <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/select.json"; then
+  echo "ok   select: $(grep -A1 '^layer  queries' <<<"$output" | tail -1)"
+else
+  echo "FAIL select: $output"; failures=$((failures + 1))
+fi
+
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
 echo "all bad-input cases fail cleanly"

@@ -16,5 +16,6 @@ int run_train(const std::vector<std::string>& args);
 int run_bench(const std::vector<std::string>& args);
 int run_plan(const std::vector<std::string>& args);
 int run_route(const std::vector<std::string>& args);
+int run_select(const std::vector<std::string>& args);
 
 }  // namespace spindle

@@ -31,6 +31,11 @@ commands:
                                                 expert / mean, CV, idle experts, over the sequence and
                                                 per chunk (default 4096 tokens); random ids are uniform
                                                 over the vocabulary (--length N of them)
+  select    --model DIR (--tokens FILE | --random-tokens) [--length N] [--seed N] [--chunk N]
+            [--dtype f32|f64] [--out FILE.json]
+                                                how much neighbouring queries' DSA selections overlap,
+                                                per DSA layer (CPU forward): pools shared by t and t+1,
+                                                and the union of G neighbours' pools over their sum
   grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64] [--chunk N]
                                                 gradient of the mean next-token loss, on-disk names
   data      get [--dir DIR] [--only chr22,chrX,chr20]
@@ -78,6 +83,7 @@ int main(int argc, char** argv) {
     if (command == "bench") return spindle::run_bench(args);
     if (command == "plan") return spindle::run_plan(args);
     if (command == "route") return spindle::run_route(args);
+    if (command == "select") return spindle::run_select(args);
     if (command == "help" || command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;

@@ -42,6 +42,8 @@ std::vector<T> sequence_log_probs(const ModelConfig& c, const ModelWeights& w,
         else
           dsa_forward(c, layer.dsa, x, n, selection, y, dsa_carry[i]);
       });
+      if (options.on_selection && layer.attention == AttentionKind::Dsa)
+        options.on_selection(static_cast<int64_t>(i), start, selection);
       residual_site_forward<T>(c, layer.ffn_hc, layer.post_attention_layernorm, n, streams,
                                [&](const T* x, T* y) {
                                  if (layer.mlp == MlpKind::Dense)

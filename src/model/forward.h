@@ -18,6 +18,10 @@ struct ForwardOptions {
   // Called after each MoE layer (once per chunk) with the rows routed to each expert in that
   // chunk: tokens x top-k in all (`spindle route` measures the imbalance from these).
   std::function<void(int64_t layer, const std::vector<int64_t>& load)> on_expert_load;
+  // Called after each DSA layer (once per chunk) with the selections of the chunk's queries, from
+  // position `first`: [queries, width] token indices as cpu::indexer_select writes them (`spindle
+  // select` measures how neighbouring queries' selections overlap).
+  std::function<void(int64_t layer, int64_t first, const std::vector<int32_t>& selection)> on_selection;
   // Tokens per chunk of the streaming executor: the sequence goes through all layers a chunk at
   // a time, each layer carrying what later tokens need (KDA state and conv window, DSA keys and
   // values). 0: the whole sequence as one chunk. The result is the same either way.

@@ -1,0 +1,151 @@
+// spindle select: how much neighbouring queries' DSA selections overlap, per DSA layer, on one
+// sequence (real tokens or uniformly random ids), from a forward pass on the CPU. The sparse
+// attention gathers every query's pools separately; the union of G neighbours' pools is what a
+// kernel taking them together would gather (eval/selection_overlap.h).
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/log.h"
+#include "core/random.h"
+#include "eval/selection_overlap.h"
+#include "io/token_text.h"
+#include "kernels/cpu/dsa.h"
+#include "model/checkpoint.h"
+#include "model/forward.h"
+
+namespace spindle {
+
+namespace {
+
+const std::vector<int64_t> kGroups = {2, 4, 8, 16, 32};
+
+// DSA layer index -> each query's chosen pools, in position order.
+using LayerPools = std::map<int64_t, std::vector<std::vector<int32_t>>>;
+
+template <class T>
+LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_t chunk) {
+  const ModelConfig& c = model.config;
+  LayerPools pools;
+  ForwardOptions options;
+  options.chunk_tokens = chunk;
+  options.on_selection = [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
+    const cpu::IndexerShape s{
+        0, c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail,
+        0};
+    const int64_t width = s.width(), queries = static_cast<int64_t>(selection.size()) / width;
+    const cpu::IndexerShape shape{first + queries, s.heads,       s.head_dim, s.kpool,
+                                  s.topk,          s.select_tail, first};
+    const int64_t per_query = s.topk / s.kpool;
+    std::vector<int32_t> lists(static_cast<size_t>(queries * per_query));
+    cpu::selection_to_pools(shape, selection.data(), lists.data());
+    for (int64_t q = 0; q < queries; ++q)
+      pools[layer].emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
+  };
+  const bool long_run = tokens.size() >= 16384;
+  options.on_layer = [&](int64_t layer) {
+    if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
+  };
+  sequence_log_probs<T>(model.config, model.weights, tokens, options);
+  return pools;
+}
+
+}  // namespace
+
+int run_select(const std::vector<std::string>& argv) {
+  const Args args("select", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
+                  {"random-tokens"});
+  const bool random_tokens = args.flag("random-tokens");
+  check(random_tokens != args.optional("tokens").has_value(),
+        "spindle select: give exactly one of --tokens FILE and --random-tokens");
+  check(!random_tokens || args.optional("length"), "--random-tokens needs --length N");
+  check(random_tokens || !args.optional("seed"), "--seed applies to --random-tokens");
+  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
+  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64, got ", dtype_name(dtype));
+  const int64_t chunk = args.int_or("chunk", 4096);
+  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
+
+  const std::string dir = args.required("model");
+  const Model model = load_model(dir, dtype);
+  const ModelConfig& c = model.config;
+  check(c.index_kpool >= 1 && c.index_topk >= c.index_kpool, "model '", dir,
+        "' has no k-pool indexer (kpool ", c.index_kpool, ", topk ", c.index_topk, ")");
+
+  std::vector<int32_t> tokens;
+  std::string source;
+  if (random_tokens) {
+    const int64_t length = args.int_or("length", 0);
+    check(length >= 2, "--length must be >= 2 tokens, got ", length);
+    const int64_t seed = args.int_or("seed", 1);
+    Random random(static_cast<uint64_t>(seed));
+    for (int64_t i = 0; i < length; ++i)
+      tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(c.vocab_size)));
+    source =
+        "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
+  } else {
+    const std::string path = *args.optional("tokens");
+    tokens = read_token_text(path);
+    const int64_t length = args.int_or("length", static_cast<int64_t>(tokens.size()));
+    check(length >= 2 && length <= static_cast<int64_t>(tokens.size()), "--length must be in [2, ",
+          tokens.size(), "] (the tokens in '", path, "'), got ", length);
+    tokens.resize(static_cast<size_t>(length));
+    source = path;
+  }
+  const auto L = static_cast<int64_t>(tokens.size());
+
+  const LayerPools pools =
+      dtype == DType::F64 ? select<double>(model, tokens, chunk) : select<float>(model, tokens, chunk);
+  check(!pools.empty(), "model '", dir, "' has no DSA layer");
+  const int64_t full = c.index_topk / c.index_kpool;
+
+  std::cout
+      << "DSA selections: " << full << " pools of " << c.index_kpool << " tokens per query, " << L
+      << " tokens (" << source << ")\n"
+      << "union / sum: the pools G neighbouring queries chose, gathered once, over their gathers one by "
+         "one (1: none shared, 1/G: all the same)\n"
+      << "layer  queries  jaccard(t, t+1)";
+  for (int64_t g : kGroups) {
+    char head[16];
+    std::snprintf(head, sizeof head, " %7s", ("G=" + std::to_string(g)).c_str());
+    std::cout << head;
+  }
+  std::cout << '\n';
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& [layer, lists] : pools) {
+    const SelectionOverlap o = selection_overlap(lists, full, kGroups);
+    char line[200];
+    std::snprintf(line, sizeof line, "%-6lld %7lld %16.3f", static_cast<long long>(layer),
+                  static_cast<long long>(o.queries), o.consecutive_jaccard);
+    std::cout << line;
+    for (double r : o.union_over_sum) {
+      std::snprintf(line, sizeof line, " %7.3f", r);
+      std::cout << line;
+    }
+    std::cout << '\n';
+    layers.push_back({{"layer", layer},
+                      {"queries", o.queries},
+                      {"consecutive_jaccard", o.consecutive_jaccard},
+                      {"group_sizes", o.group_sizes},
+                      {"union_over_sum", o.union_over_sum}});
+  }
+  if (full * c.index_kpool >= L)
+    std::cout << "note: every query sees at most " << L / c.index_kpool << " pools and chooses up to " << full
+              << ": overlap here says little\n";
+
+  if (const auto out_path = args.optional("out")) {
+    std::ofstream file(*out_path);
+    check(file.good(), "cannot write --out file '", *out_path, "'");
+    const nlohmann::json result = {
+        {"model", dir},           {"tokens", source},        {"length", L},     {"dtype", dtype_name(dtype)},
+        {"kpool", c.index_kpool}, {"pools_per_query", full}, {"layers", layers}};
+    file << result.dump(1) << '\n';
+    check(file.good(), "failed writing '", *out_path, "'");
+  }
+  return 0;
+}
+
+}  // namespace spindle

@@ -1,0 +1,71 @@
+// Selection overlap statistics (spindle select): hand-made pool lists with known unions, the
+// queries that do not count, bad input, and the selections a forward pass reports.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+#include "core/error.h"
+#include "eval/selection_overlap.h"
+#include "model/config.h"
+#include "model/forward.h"
+#include "model/init.h"
+
+namespace spindle {
+namespace {
+
+TEST(SelectionOverlap, HandMadeUnions) {
+  // Four queries of 2 pools: 0 and 1 the same, 2 sharing one pool with 1, 3 sharing none with 2.
+  const std::vector<std::vector<int32_t>> pools = {{3, 5}, {5, 3}, {5, 9}, {1, 2}};
+  const SelectionOverlap o = selection_overlap(pools, 2, {1, 2, 4});
+  EXPECT_EQ(o.queries, 4);
+  // Jaccard of (0, 1), (1, 2), (2, 3): 1, 1/3, 0.
+  EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 1.0 / 3.0 + 0.0) / 3.0, 1e-15);
+  ASSERT_EQ(o.union_over_sum.size(), 3u);
+  EXPECT_DOUBLE_EQ(o.union_over_sum[0], 1.0);  // one query: its own pools
+  // Groups {0, 1}: union 2 of 4; {2, 3}: union 4 of 4.
+  EXPECT_DOUBLE_EQ(o.union_over_sum[1], 6.0 / 8.0);
+  // One group of 4: {1, 2, 3, 5, 9} = 5 of 8.
+  EXPECT_DOUBLE_EQ(o.union_over_sum[2], 5.0 / 8.0);
+}
+
+TEST(SelectionOverlap, OnlyQueriesWithEveryPoolCount) {
+  // Query 0 chose 1 of 2 pools (early in a sequence): it and the groups holding it do not count.
+  const std::vector<std::vector<int32_t>> pools = {{4, -1}, {4, 6}, {4, 6}, {7, 8}};
+  const SelectionOverlap o = selection_overlap(pools, 2, {2});
+  EXPECT_EQ(o.queries, 3);
+  EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 0.0) / 2.0, 1e-15);  // (1, 2) and (2, 3)
+  EXPECT_DOUBLE_EQ(o.union_over_sum[0], 4.0 / 4.0);              // only {2, 3} counts
+  EXPECT_THROW(selection_overlap(pools, 2, {}), Error);
+  EXPECT_THROW(selection_overlap(pools, 2, {0}), Error);
+  EXPECT_THROW(selection_overlap(pools, 0, {2}), Error);
+}
+
+TEST(SelectionOverlap, ForwardReportsEveryDsaLayerOnce) {
+  const ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
+  ModelWeights w = allocate_weights(c, DType::F32);
+  init_weights(c, w, 5);
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 100; ++i) tokens.push_back(1 + i % 7);
+  std::map<int64_t, int64_t> queries;  // layer -> queries reported
+  ForwardOptions options;
+  options.chunk_tokens = 37;  // a pool split across chunks
+  const int64_t width = c.index_topk + (c.index_kpool_always_select_tail ? c.index_kpool - 1 : 0);
+  options.on_selection = [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
+    EXPECT_EQ(first % 37, 0);
+    EXPECT_EQ(static_cast<int64_t>(selection.size()) % width, 0);
+    for (size_t i = 0; i < selection.size(); ++i) {
+      const int64_t t = first + static_cast<int64_t>(i) / width;
+      EXPECT_LE(selection[i], t) << "query " << t << " selected a later token";
+    }
+    queries[layer] += static_cast<int64_t>(selection.size()) / width;
+  };
+  sequence_log_probs<float>(c, w, tokens, options);
+  int64_t dsa_layers = 0;
+  for (AttentionKind kind : c.layer_types) dsa_layers += kind == AttentionKind::Dsa;
+  EXPECT_EQ(static_cast<int64_t>(queries.size()), dsa_layers);
+  for (const auto& [layer, n] : queries) EXPECT_EQ(n, 100) << "layer " << layer;
+}
+
+}  // namespace
+}  // namespace spindle
