@@ -74,7 +74,7 @@ constexpr int kSwizzleBlockBytes = kTileKeys * 128;  // a tile's 64 values of ev
 // kSwizzleBlockBytes, row r at r * 128 in it, its 16-byte piece p at (p ^ r % 8) * 16 (the TMA's
 // own swizzle). By the warpgroup's 128 threads. Slots 16 j .. 16 j + 15 that hold 16 consecutive
 // rows (a whole pool of the indexer's selection) arrive by TMA, issued by thread 0 and counted on
-// `bar` (armed here with their bytes: one arrival per tile, none of them possible); every other
+// `bar` (armed here with their bytes: one arrival per tile, also when no pool comes so); every other
 // row by cp.async, zero for unused slots. `map` is the latent's, boxes of 16 rows x 64 values. The
 // reader waits for the cp.async group and for bar's phase.
 __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r, const __nv_bfloat16* latent,
