@@ -26,9 +26,12 @@ int64_t common(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
 
 }  // namespace
 
-SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pools, int64_t full,
+SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pools,
+                                   const std::vector<int64_t>& latest, int64_t full,
                                    const std::vector<int64_t>& group_sizes) {
   check(full >= 1, "selection_overlap: pools per query must be >= 1, got ", full);
+  check(latest.size() == pools.size(), "selection_overlap: ", latest.size(), " latest pools for ",
+        pools.size(), " queries");
   check(!group_sizes.empty(), "selection_overlap: no group sizes");
   for (int64_t g : group_sizes) check(g >= 1, "selection_overlap: group size ", g, " (expected >= 1)");
   std::vector<std::vector<int32_t>> sets;
@@ -39,10 +42,11 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
   o.pools_per_query = static_cast<double>(full);
   o.group_sizes = group_sizes;
   double jaccard = 0;
-  int64_t pairs = 0;
+  int64_t pairs = 0, recent = 0;
   for (size_t q = 0; q < sets.size(); ++q) {
     if (!counts(q)) continue;
     ++o.queries;
+    for (int32_t p : sets[q]) recent += p > latest[q] - 2 * full ? 1 : 0;
     if (q + 1 < sets.size() && counts(q + 1)) {
       const auto shared = static_cast<double>(common(sets[q], sets[q + 1]));
       jaccard += shared / (2.0 * static_cast<double>(full) - shared);
@@ -50,6 +54,7 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
     }
   }
   o.consecutive_jaccard = pairs > 0 ? jaccard / static_cast<double>(pairs) : 0.0;
+  o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
   for (int64_t g : group_sizes) {
     int64_t unions = 0, sum = 0;
     for (size_t first = 0; first + static_cast<size_t>(g) <= sets.size(); first += static_cast<size_t>(g)) {

@@ -13,6 +13,9 @@ struct SelectionOverlap {
   int64_t queries = 0;             // queries counted: those with every one of their pools chosen
   double pools_per_query = 0;      // the full count, topk / kpool
   double consecutive_jaccard = 0;  // mean |A and B| / |A or B| of the pools of queries t and t + 1
+  // Of the chosen pools, the share among the query's 2 x full latest complete pools (the recent
+  // context, as far back as twice what it may choose).
+  double recent_share = 0;
   // For each group size G: the pools of G neighbouring queries (groups aligned at multiples of G)
   // gathered once for the group, over the pools gathered query by query: 1 when no two share a
   // pool, 1 / G when all G chose the same ones.
@@ -20,10 +23,12 @@ struct SelectionOverlap {
   std::vector<double> union_over_sum;
 };
 
-// pools[q]: the pools query q chose (any order, -1 for none), queries in position order. Only
-// queries with `full` pools chosen count (the first ones of a sequence see fewer), and a group only
-// when all its queries count. Fails on an empty group size list or one below 1.
-SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pools, int64_t full,
+// pools[q]: the pools query q chose (any order, -1 for none), queries in position order; latest[q]:
+// its latest complete pool. Only queries with `full` pools chosen count (the first ones of a
+// sequence see fewer), and a group only when all its queries count. Fails on an empty group size
+// list or one below 1.
+SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pools,
+                                   const std::vector<int64_t>& latest, int64_t full,
                                    const std::vector<int64_t>& group_sizes);
 
 }  // namespace spindle

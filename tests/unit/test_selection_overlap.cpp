@@ -17,8 +17,12 @@ namespace {
 TEST(SelectionOverlap, HandMadeUnions) {
   // Four queries of 2 pools: 0 and 1 the same, 2 sharing one pool with 1, 3 sharing none with 2.
   const std::vector<std::vector<int32_t>> pools = {{3, 5}, {5, 3}, {5, 9}, {1, 2}};
-  const SelectionOverlap o = selection_overlap(pools, 2, {1, 2, 4});
+  // Recent: each query's latest 4 pools. Query 0 (latest 7, pools 4-7): 5; query 1 (7-10): none;
+  // query 2 (6-9): 9; query 3 (7-10): none. 2 of 8.
+  const std::vector<int64_t> latest = {7, 10, 9, 10};
+  const SelectionOverlap o = selection_overlap(pools, latest, 2, {1, 2, 4});
   EXPECT_EQ(o.queries, 4);
+  EXPECT_DOUBLE_EQ(o.recent_share, 2.0 / 8.0);
   // Jaccard of (0, 1), (1, 2), (2, 3): 1, 1/3, 0.
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 1.0 / 3.0 + 0.0) / 3.0, 1e-15);
   ASSERT_EQ(o.union_over_sum.size(), 3u);
@@ -32,13 +36,17 @@ TEST(SelectionOverlap, HandMadeUnions) {
 TEST(SelectionOverlap, OnlyQueriesWithEveryPoolCount) {
   // Query 0 chose 1 of 2 pools (early in a sequence): it and the groups holding it do not count.
   const std::vector<std::vector<int32_t>> pools = {{4, -1}, {4, 6}, {4, 6}, {7, 8}};
-  const SelectionOverlap o = selection_overlap(pools, 2, {2});
+  const std::vector<int64_t> latest = {4, 8, 8, 8};
+  const SelectionOverlap o = selection_overlap(pools, latest, 2, {2});
   EXPECT_EQ(o.queries, 3);
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 0.0) / 2.0, 1e-15);  // (1, 2) and (2, 3)
   EXPECT_DOUBLE_EQ(o.union_over_sum[0], 4.0 / 4.0);              // only {2, 3} counts
-  EXPECT_THROW(selection_overlap(pools, 2, {}), Error);
-  EXPECT_THROW(selection_overlap(pools, 2, {0}), Error);
-  EXPECT_THROW(selection_overlap(pools, 0, {2}), Error);
+  // Recent (the latest 4 of 8: pools 5 to 8): 6, 6, 7 and 8 of the 6 counted.
+  EXPECT_DOUBLE_EQ(o.recent_share, 4.0 / 6.0);
+  EXPECT_THROW(selection_overlap(pools, latest, 2, {}), Error);
+  EXPECT_THROW(selection_overlap(pools, latest, 2, {0}), Error);
+  EXPECT_THROW(selection_overlap(pools, latest, 0, {2}), Error);
+  EXPECT_THROW(selection_overlap(pools, {1, 2}, 2, {2}), Error);
 }
 
 TEST(SelectionOverlap, ForwardReportsEveryDsaLayerOnce) {

@@ -24,8 +24,12 @@ namespace {
 
 const std::vector<int64_t> kGroups = {2, 4, 8, 16, 32};
 
-// DSA layer index -> each query's chosen pools, in position order.
-using LayerPools = std::map<int64_t, std::vector<std::vector<int32_t>>>;
+// DSA layer index -> each query's chosen pools and its latest complete pool, in position order.
+struct Selections {
+  std::vector<std::vector<int32_t>> pools;
+  std::vector<int64_t> latest;
+};
+using LayerPools = std::map<int64_t, Selections>;
 
 template <class T>
 LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_t chunk) {
@@ -43,8 +47,11 @@ LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_
     const int64_t per_query = s.topk / s.kpool;
     std::vector<int32_t> lists(static_cast<size_t>(queries * per_query));
     cpu::selection_to_pools(shape, selection.data(), lists.data());
-    for (int64_t q = 0; q < queries; ++q)
-      pools[layer].emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
+    Selections& out = pools[layer];
+    for (int64_t q = 0; q < queries; ++q) {
+      out.pools.emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
+      out.latest.push_back((first + q + 1) / s.kpool - 1);
+    }
   };
   const bool long_run = tokens.size() >= 16384;
   options.on_layer = [&](int64_t layer) {
@@ -107,7 +114,8 @@ int run_select(const std::vector<std::string>& argv) {
       << " tokens (" << source << ")\n"
       << "union / sum: the pools G neighbouring queries chose, gathered once, over their gathers one by "
          "one (1: none shared, 1/G: all the same)\n"
-      << "layer  queries  jaccard(t, t+1)";
+      << "recent: the chosen pools among the query's latest " << 2 * full << " (twice what it chooses)\n"
+      << "layer  queries  recent  jaccard(t, t+1)";
   for (int64_t g : kGroups) {
     char head[16];
     std::snprintf(head, sizeof head, " %7s", ("G=" + std::to_string(g)).c_str());
@@ -115,11 +123,11 @@ int run_select(const std::vector<std::string>& argv) {
   }
   std::cout << '\n';
   nlohmann::json layers = nlohmann::json::array();
-  for (const auto& [layer, lists] : pools) {
-    const SelectionOverlap o = selection_overlap(lists, full, kGroups);
+  for (const auto& [layer, selections] : pools) {
+    const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, kGroups);
     char line[200];
-    std::snprintf(line, sizeof line, "%-6lld %7lld %16.3f", static_cast<long long>(layer),
-                  static_cast<long long>(o.queries), o.consecutive_jaccard);
+    std::snprintf(line, sizeof line, "%-6lld %7lld %7.3f %16.3f", static_cast<long long>(layer),
+                  static_cast<long long>(o.queries), o.recent_share, o.consecutive_jaccard);
     std::cout << line;
     for (double r : o.union_over_sum) {
       std::snprintf(line, sizeof line, " %7.3f", r);
@@ -128,6 +136,7 @@ int run_select(const std::vector<std::string>& argv) {
     std::cout << '\n';
     layers.push_back({{"layer", layer},
                       {"queries", o.queries},
+                      {"recent_share", o.recent_share},
                       {"consecutive_jaccard", o.consecutive_jaccard},
                       {"group_sizes", o.group_sizes},
                       {"union_over_sum", o.union_over_sum}});
