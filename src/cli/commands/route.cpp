@@ -12,10 +12,9 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/commands/cpu_analysis.h"
 #include "core/log.h"
-#include "core/random.h"
 #include "eval/expert_load.h"
-#include "io/token_text.h"
 #include "model/checkpoint.h"
 #include "model/forward.h"
 
@@ -76,42 +75,15 @@ void print_row(const std::string& name, const Row& r) {
 int run_route(const std::vector<std::string>& argv) {
   const Args args("route", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
                   {"random-tokens"});
-  const bool random_tokens = args.flag("random-tokens");
-  check(random_tokens != args.optional("tokens").has_value(),
-        "spindle route: give exactly one of --tokens FILE and --random-tokens");
-  check(!random_tokens || args.optional("length"), "--random-tokens needs --length N");
-  check(random_tokens || !args.optional("seed"), "--seed applies to --random-tokens");
-  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
-  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64, got ", dtype_name(dtype));
-  const int64_t chunk = args.int_or("chunk", 4096);
-  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
-
-  const std::string dir = args.required("model");
-  const Model model = load_model(dir, dtype);
+  const CpuAnalysis run = load_cpu_analysis(args, "route");
+  const std::string& dir = run.dir;
+  const Model& model = run.model;
   const ModelConfig& c = model.config;
+  const std::vector<int32_t>& tokens = run.tokens;
+  const std::string& source = run.source;
+  const DType dtype = run.dtype;
+  const int64_t chunk = run.chunk;
   check(c.n_routed_experts > 0, "model '", dir, "' has no routed experts");
-
-  std::vector<int32_t> tokens;
-  std::string source;
-  if (random_tokens) {
-    const int64_t length = args.int_or("length", 0);
-    check(length >= 2, "--length must be >= 2 tokens, got ", length);
-    const int64_t seed = args.int_or("seed", 1);
-    // Uniform over the whole vocabulary, special ids included, as `spindle bench --random-tokens`.
-    Random random(static_cast<uint64_t>(seed));
-    for (int64_t i = 0; i < length; ++i)
-      tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(c.vocab_size)));
-    source =
-        "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
-  } else {
-    const std::string path = *args.optional("tokens");
-    tokens = read_token_text(path);
-    const int64_t length = args.int_or("length", static_cast<int64_t>(tokens.size()));
-    check(length >= 2 && length <= static_cast<int64_t>(tokens.size()), "--length must be in [2, ",
-          tokens.size(), "] (the tokens in '", path, "'), got ", length);
-    tokens.resize(static_cast<size_t>(length));
-    source = path;
-  }
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t chunk_tokens = chunk > 0 ? std::min(chunk, L) : L;
 

@@ -10,10 +10,9 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/commands/cpu_analysis.h"
 #include "core/log.h"
-#include "core/random.h"
 #include "eval/selection_overlap.h"
-#include "io/token_text.h"
 #include "kernels/cpu/dsa.h"
 #include "model/checkpoint.h"
 #include "model/forward.h"
@@ -66,42 +65,16 @@ LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_
 int run_select(const std::vector<std::string>& argv) {
   const Args args("select", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
                   {"random-tokens"});
-  const bool random_tokens = args.flag("random-tokens");
-  check(random_tokens != args.optional("tokens").has_value(),
-        "spindle select: give exactly one of --tokens FILE and --random-tokens");
-  check(!random_tokens || args.optional("length"), "--random-tokens needs --length N");
-  check(random_tokens || !args.optional("seed"), "--seed applies to --random-tokens");
-  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
-  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64, got ", dtype_name(dtype));
-  const int64_t chunk = args.int_or("chunk", 4096);
-  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
-
-  const std::string dir = args.required("model");
-  const Model model = load_model(dir, dtype);
+  const CpuAnalysis run = load_cpu_analysis(args, "select");
+  const std::string& dir = run.dir;
+  const Model& model = run.model;
   const ModelConfig& c = model.config;
+  const std::vector<int32_t>& tokens = run.tokens;
+  const std::string& source = run.source;
+  const DType dtype = run.dtype;
+  const int64_t chunk = run.chunk;
   check(c.index_kpool >= 1 && c.index_topk >= c.index_kpool, "model '", dir,
         "' has no k-pool indexer (kpool ", c.index_kpool, ", topk ", c.index_topk, ")");
-
-  std::vector<int32_t> tokens;
-  std::string source;
-  if (random_tokens) {
-    const int64_t length = args.int_or("length", 0);
-    check(length >= 2, "--length must be >= 2 tokens, got ", length);
-    const int64_t seed = args.int_or("seed", 1);
-    Random random(static_cast<uint64_t>(seed));
-    for (int64_t i = 0; i < length; ++i)
-      tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(c.vocab_size)));
-    source =
-        "random ids uniform over [0, " + std::to_string(c.vocab_size) + "), seed " + std::to_string(seed);
-  } else {
-    const std::string path = *args.optional("tokens");
-    tokens = read_token_text(path);
-    const int64_t length = args.int_or("length", static_cast<int64_t>(tokens.size()));
-    check(length >= 2 && length <= static_cast<int64_t>(tokens.size()), "--length must be in [2, ",
-          tokens.size(), "] (the tokens in '", path, "'), got ", length);
-    tokens.resize(static_cast<size_t>(length));
-    source = path;
-  }
   const auto L = static_cast<int64_t>(tokens.size());
 
   const LayerPools pools =

@@ -1,0 +1,43 @@
+#include "cli/commands/cpu_analysis.h"
+
+#include "core/error.h"
+#include "core/random.h"
+#include "io/token_text.h"
+
+namespace spindle {
+
+CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {
+  const bool random_tokens = args.flag("random-tokens");
+  check(random_tokens != args.optional("tokens").has_value(), "spindle ", command,
+        ": give exactly one of --tokens FILE and --random-tokens");
+  check(!random_tokens || args.optional("length"), "--random-tokens needs --length N");
+  check(random_tokens || !args.optional("seed"), "--seed applies to --random-tokens");
+  const DType dtype = parse_dtype(args.value_or("dtype", "f32"), "--dtype");
+  check(dtype == DType::F32 || dtype == DType::F64, "--dtype must be f32 or f64, got ", dtype_name(dtype));
+  const int64_t chunk = args.int_or("chunk", 4096);
+  check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
+
+  CpuAnalysis a{args.required("model"), dtype, chunk, {}, {}, {}};
+  a.model = load_model(a.dir, dtype);
+  const int64_t vocab = a.model.config.vocab_size;
+  if (random_tokens) {
+    const int64_t length = args.int_or("length", 0);
+    check(length >= 2, "--length must be >= 2 tokens, got ", length);
+    const int64_t seed = args.int_or("seed", 1);
+    Random random(static_cast<uint64_t>(seed));
+    for (int64_t i = 0; i < length; ++i)
+      a.tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(vocab)));
+    a.source = "random ids uniform over [0, " + std::to_string(vocab) + "), seed " + std::to_string(seed);
+  } else {
+    const std::string path = *args.optional("tokens");
+    a.tokens = read_token_text(path);
+    const int64_t length = args.int_or("length", static_cast<int64_t>(a.tokens.size()));
+    check(length >= 2 && length <= static_cast<int64_t>(a.tokens.size()), "--length must be in [2, ",
+          a.tokens.size(), "] (the tokens in '", path, "'), got ", length);
+    a.tokens.resize(static_cast<size_t>(length));
+    a.source = path;
+  }
+  return a;
+}
+
+}  // namespace spindle
