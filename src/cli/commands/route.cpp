@@ -76,13 +76,8 @@ int run_route(const std::vector<std::string>& argv) {
   const Args args("route", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
                   {"random-tokens"});
   const CpuAnalysis run = load_cpu_analysis(args, "route");
-  const std::string& dir = run.dir;
-  const Model& model = run.model;
+  const auto& [dir, dtype, chunk, model, tokens, source] = run;
   const ModelConfig& c = model.config;
-  const std::vector<int32_t>& tokens = run.tokens;
-  const std::string& source = run.source;
-  const DType dtype = run.dtype;
-  const int64_t chunk = run.chunk;
   check(c.n_routed_experts > 0, "model '", dir, "' has no routed experts");
   const auto L = static_cast<int64_t>(tokens.size());
   const int64_t chunk_tokens = chunk > 0 ? std::min(chunk, L) : L;

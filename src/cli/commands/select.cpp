@@ -66,13 +66,8 @@ int run_select(const std::vector<std::string>& argv) {
   const Args args("select", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
                   {"random-tokens"});
   const CpuAnalysis run = load_cpu_analysis(args, "select");
-  const std::string& dir = run.dir;
-  const Model& model = run.model;
+  const auto& [dir, dtype, chunk, model, tokens, source] = run;
   const ModelConfig& c = model.config;
-  const std::vector<int32_t>& tokens = run.tokens;
-  const std::string& source = run.source;
-  const DType dtype = run.dtype;
-  const int64_t chunk = run.chunk;
   check(c.index_kpool >= 1 && c.index_topk >= c.index_kpool, "model '", dir,
         "' has no k-pool indexer (kpool ", c.index_kpool, ", topk ", c.index_topk, ")");
   const auto L = static_cast<int64_t>(tokens.size());
