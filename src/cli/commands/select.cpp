@@ -37,19 +37,22 @@ LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_
   ForwardOptions options;
   options.chunk_tokens = chunk;
   options.on_selection = [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
-    const cpu::IndexerShape s{
-        0, c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail,
-        0};
-    const int64_t width = s.width(), queries = static_cast<int64_t>(selection.size()) / width;
-    const cpu::IndexerShape shape{first + queries, s.heads,       s.head_dim, s.kpool,
-                                  s.topk,          s.select_tail, first};
-    const int64_t per_query = s.topk / s.kpool;
+    cpu::IndexerShape shape{0,
+                            c.index_n_heads,
+                            c.index_head_dim,
+                            c.index_kpool,
+                            c.index_topk,
+                            c.index_kpool_always_select_tail,
+                            first};
+    const int64_t queries = static_cast<int64_t>(selection.size()) / shape.width();
+    shape.tokens = first + queries;
+    const int64_t per_query = shape.topk / shape.kpool;
     std::vector<int32_t> lists(static_cast<size_t>(queries * per_query));
     cpu::selection_to_pools(shape, selection.data(), lists.data());
     Selections& out = pools[layer];
     for (int64_t q = 0; q < queries; ++q) {
       out.pools.emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
-      out.latest.push_back((first + q + 1) / s.kpool - 1);
+      out.latest.push_back((first + q + 1) / shape.kpool - 1);
     }
   };
   const bool long_run = tokens.size() >= 16384;
