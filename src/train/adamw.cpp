@@ -1,5 +1,6 @@
 #include "train/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -43,8 +44,10 @@ struct UpdateCoefficients {
 // picked at run time: on the H200 machine's host the vectorised loop is twice as fast
 // (bench/host_adamw.cpp), with the same IEEE operations in the same order, so the same bits.
 template <class G, class W>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(
-    const UpdateCoefficients& c, const G* g, float* p, float* m, float* v, W* w, int64_t begin, int64_t end) {
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(const UpdateCoefficients& c,
+                                                                              const G* g, float* p, float* m,
+                                                                              float* v, W* w, int64_t begin,
+                                                                              int64_t end) {
   const double b1 = c.beta1, b2 = c.beta2;
   for (int64_t k = begin; k < end; ++k) {
     const double gk = static_cast<double>(g[k]);
@@ -98,7 +101,7 @@ void AdamW::set_options(const AdamWOptions& options) {
 
 void AdamW::step(ModelWeights& grads) { step(grads, options_.lr); }
 
-void AdamW::step(ModelWeights& grads, double lr) {
+void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
   check(std::isfinite(lr) && lr >= 0, "AdamW: learning rate must be finite and >= 0, got ", lr);
   const std::vector<Param> table = trained(parameter_table(config_, grads));
   check(table.size() == slots_.size(), "AdamW: the gradients list ", table.size(),
@@ -115,29 +118,46 @@ void AdamW::step(ModelWeights& grads, double lr) {
 
   ++steps_;
   const double t = static_cast<double>(steps_);
-  const double b1 = options_.beta1, b2 = options_.beta2, eps = options_.eps;
-  const double step_size = lr / (1.0 - std::pow(b1, t));
-  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, t));
-
-  for (size_t i = 0; i < slots_.size(); ++i) {
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double step_size = lr / (1.0 - std::pow(b1, t)), bc2_sqrt = std::sqrt(1.0 - std::pow(b2, t));
+  // Slot i's entries [begin, end).
+  const auto update = [&](size_t i, int64_t begin, int64_t end) {
     Slot& s = slots_[i];
-    if (s.frozen) {
-      s.weight.copy_from(s.master);  // as write_weights() would
-      continue;
-    }
-    const UpdateCoefficients c{b1, b2, step_size, bc2_sqrt, eps,
-                               s.decays ? 1.0 - lr * options_.weight_decay : 1.0};
+    const UpdateCoefficients c{b1,       b2,           step_size,
+                               bc2_sqrt, options_.eps, s.decays ? 1.0 - lr * options_.weight_decay : 1.0};
     float* p = s.master.data<float>();
     float* m = s.exp_avg.data<float>();
     float* v = s.exp_avg_sq.data<float>();
     dispatch_float(table[i].tensor.dtype(), "AdamW: gradient " + s.name, [&]<class G>(G) {
       dispatch_weight(s.weight.dtype(), "AdamW: weight " + s.name, [&]<class W>(W) {
-        const G* g = table[i].tensor.data<G>();
-        W* w = static_cast<W*>(s.weight.raw());
-        parallel_for(s.master.numel(), kGrain,
-                     [&](int64_t begin, int64_t end) { update_range(c, g, p, m, v, w, begin, end); });
+        update_range(c, table[i].tensor.data<G>(), p, m, v, static_cast<W*>(s.weight.raw()), begin, end);
       });
     });
+  };
+
+  // Each batch as one range of values over all the cores (slot by slot, small slots would leave
+  // most cores idle and start threads hundreds of times a step).
+  for (size_t first = 0; first < slots_.size();) {
+    std::vector<int64_t> offsets{0};  // of the batch's slots in its range; frozen slots are empty
+    size_t last = first;
+    while (last < slots_.size() &&
+           (offsets.back() < batches.elements || last == first || batches.elements == 0)) {
+      offsets.push_back(offsets.back() + (slots_[last].frozen ? 0 : slots_[last].master.numel()));
+      ++last;
+    }
+    if (batches.before) batches.before(first, last);
+    for (size_t i = first; i < last; ++i)
+      if (slots_[i].frozen) slots_[i].weight.copy_from(slots_[i].master);  // as write_weights() would
+    parallel_for(offsets.back(), kGrain, [&](int64_t begin, int64_t end) {
+      size_t j =
+          static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
+      for (; j + 1 < offsets.size() && offsets[j] < end; ++j)
+        if (offsets[j + 1] > offsets[j])
+          update(first + j, std::max(begin, offsets[j]) - offsets[j],
+                 std::min(end, offsets[j + 1]) - offsets[j]);
+    });
+    if (batches.after) batches.after(first, last);
+    first = last;
   }
 }
 

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,15 @@ bool role_decays(ParamRole role);
 // Everything but RouterBias (e_score_correction_bias), which a separate rule updates.
 bool role_trained(ParamRole role);
 
+// How AdamW::step() may be overlapped with copies (the host AdamW's): the slots are updated in batches
+// of consecutive slots of at least `elements` values (0: one batch), each by all the cores;
+// before(first, last) is called before slots [first, last) are updated (their gradients must
+// then be in place), after(first, last) once their masters and weights are written.
+struct AdamWBatches {
+  int64_t elements = 0;
+  std::function<void(size_t first, size_t last)> before, after;
+};
+
 class AdamW {
  public:
   // One trained parameter: a view of the model's weight and its fp32 optimizer state.
@@ -59,7 +69,7 @@ class AdamW {
   // One update with `grads` (allocated for the same config; any floating dtype) at options().lr
   // or at `lr`. Then writes the model weights from the masters.
   void step(ModelWeights& grads);
-  void step(ModelWeights& grads, double lr);
+  void step(ModelWeights& grads, double lr, const AdamWBatches& batches = {});
 
   // Writes every slot's master into its model weight, converted to the weight's dtype.
   void write_weights();

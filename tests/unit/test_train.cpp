@@ -276,14 +276,12 @@ TEST(AdamW, VectorisedUpdateGivesTheScalarFormulasBits) {
   for (size_t i = 0; i < table.size(); ++i) table[i].tensor.copy_from(f32_table[i].tensor);
   const AdamWOptions options{3e-3, 0.9, 0.95, 1e-8, 0.1};
   AdamW adamw(config, weights, options);
-  ModelWeights grads = allocate_weights(config, DType::F32);
+  ModelWeights first_grads = allocate_weights(config, DType::F32),
+               grads = allocate_weights(config, DType::F32);
   Random rng(22);
-  const auto fill_grads = [&] {
-    for (Param& g : parameter_table(config, grads)) fill_normal(g.tensor, rng, 1.0);
-  };
-  fill_grads();
-  adamw.step(grads, options.lr);
-  fill_grads();
+  for (ModelWeights* g : {&first_grads, &grads})
+    for (Param& p : parameter_table(config, *g)) fill_normal(p.tensor, rng, 1.0);
+  adamw.step(first_grads, options.lr);
   struct State {
     std::vector<float> p, m, v;
   };
@@ -318,6 +316,36 @@ TEST(AdamW, VectorisedUpdateGivesTheScalarFormulasBits) {
   }
   EXPECT_EQ(slot, adamw.slots().size());
   EXPECT_GT(checked, 10000);  // long rows: the vector loop's body, not only its scalar tail
+
+  // In batches (as the host AdamW pipelines it with its copies): the same bits, every slot in
+  // exactly one batch, in order, each announced before and after its update.
+  ModelWeights batched_weights = allocate_weights(config, DType::BF16);
+  std::vector<Param> batched_table = parameter_table(config, batched_weights);
+  for (size_t i = 0; i < table.size(); ++i) batched_table[i].tensor.copy_from(f32_table[i].tensor);
+  AdamW batched(config, batched_weights, options);
+  batched.step(first_grads, options.lr);  // the same two steps as above
+  std::vector<std::pair<size_t, size_t>> announced, finished;
+  AdamWBatches batches;
+  batches.elements = 1000;
+  batches.before = [&](size_t first, size_t last) { announced.emplace_back(first, last); };
+  batches.after = [&](size_t first, size_t last) {
+    finished.emplace_back(first, last);
+    for (size_t i = first; i < last; ++i)  // this batch's slots are updated by now
+      ASSERT_EQ(batched.slots()[i].master.data<float>()[0], adamw.slots()[i].master.data<float>()[0]);
+  };
+  batched.step(grads, lr, batches);
+  ASSERT_GT(announced.size(), 3u);
+  EXPECT_EQ(announced, finished);
+  for (size_t b = 0; b < announced.size(); ++b)
+    EXPECT_EQ(announced[b].first, b == 0 ? 0 : announced[b - 1].second) << "batch " << b;
+  EXPECT_EQ(announced.back().second, adamw.slots().size());
+  for (size_t i = 0; i < adamw.slots().size(); ++i) {
+    const AdamW::Slot& a = adamw.slots()[i];
+    const AdamW::Slot& b = batched.slots()[i];
+    EXPECT_EQ(0, std::memcmp(a.master.raw(), b.master.raw(), a.master.nbytes())) << a.name;
+    EXPECT_EQ(0, std::memcmp(a.exp_avg_sq.raw(), b.exp_avg_sq.raw(), a.exp_avg_sq.nbytes())) << a.name;
+    EXPECT_EQ(0, std::memcmp(a.weight.raw(), b.weight.raw(), a.weight.nbytes())) << a.name;
+  }
 }
 
 TEST(AdamW, FrozenSlotsAndBadInput) {

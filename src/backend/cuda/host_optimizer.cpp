@@ -10,11 +10,19 @@ namespace spindle::cuda {
 
 namespace {
 
+// Batches of the pipelined update: the first waits for a 32nd of the gradients' copy, and the
+// update starts its threads 32 times a step.
+constexpr int64_t kBatches = 32;
+
 // The device's current parameters, copied into `host` (laid out as `device`).
 ModelWeights downloaded(CudaModel& model, const std::shared_ptr<void>& host) {
   model.context().synchronize();
   model.weights().copy_to_host(host.get());
   return model.weights().host_view(host);
+}
+
+void enqueue(void* to, const void* from, size_t bytes, cudaMemcpyKind kind, const Stream& stream) {
+  SPINDLE_CUDA(cudaMemcpyAsync(to, from, bytes, kind, stream.get()));
 }
 
 }  // namespace
@@ -25,7 +33,31 @@ HostOptimizer::HostOptimizer(CudaModel& model)
       grads_host_(allocate_pinned(model.grads().bytes(), "the host AdamW's copy of the gradients")),
       weights_(downloaded(model, weights_host_)),
       grads_(model.grads().host_view(grads_host_)),
-      adam_(model.config(), weights_) {}
+      adam_(model.config(), weights_) {
+  const ModelConfig& config = model.config();
+  std::vector<Param> host_weights = parameter_table(config, weights_),
+                     host_grads = parameter_table(config, grads_),
+                     device_weights = parameter_table(config, model.weights().tensors()),
+                     device_grads = parameter_table(config, model.grads().tensors());
+  size_t slot = 0;
+  for (size_t i = 0; i < host_weights.size(); ++i) {
+    const Copy weight{host_weights[i].tensor.raw(), device_weights[i].tensor.raw(),
+                      host_weights[i].tensor.nbytes()};
+    if (!role_trained(host_weights[i].role)) {
+      untrained_copies_.push_back(weight);
+      continue;
+    }
+    check(slot < adam_.slots().size() && adam_.slots()[slot].name == host_weights[i].name,
+          "host AdamW: parameter ", host_weights[i].name, " is not slot ", slot, " of the update");
+    ++slot;
+    weight_copies_.push_back(weight);
+    gradient_copies_.push_back(
+        {host_grads[i].tensor.raw(), device_grads[i].tensor.raw(), host_grads[i].tensor.nbytes()});
+    landed_.emplace_back(cudaEventDisableTiming);
+  }
+  check(slot == adam_.slots().size(), "host AdamW: ", slot, " trained parameters for ", adam_.slots().size(),
+        " slots");
+}
 
 void HostOptimizer::load(const AdamW& host) {
   std::map<std::string, const AdamW::Slot*> by_name;
@@ -59,12 +91,25 @@ void HostOptimizer::save(AdamW& host) const {
 }
 
 void HostOptimizer::step(const AdamWOptions& options, double lr, int64_t step) {
-  model_.context().synchronize();
-  model_.grads().copy_to_host(grads_host_.get());
+  model_.context().synchronize();  // the gradients are final
+  for (size_t i = 0; i < gradient_copies_.size(); ++i) {
+    const Copy& c = gradient_copies_[i];
+    enqueue(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, down_);
+    landed_[i].record(down_);
+  }
   adam_.set_options(options);
   adam_.set_steps(step - 1);  // the update below is number `step`, as on the device
-  adam_.step(grads_, lr);     // and the new weights into weights_, rounded as the device's
-  model_.weights().copy_from_host(weights_host_.get());
+  AdamWBatches batches;       // the new weights into weights_, rounded as the device's
+  batches.elements = (static_cast<int64_t>(model_.grads().bytes() / sizeof(float)) + kBatches - 1) / kBatches;
+  batches.before = [&](size_t, size_t last) { landed_[last - 1].synchronize(); };  // copies land in order
+  batches.after = [&](size_t first, size_t last) {
+    for (size_t i = first; i < last; ++i)
+      enqueue(weight_copies_[i].device, weight_copies_[i].host, weight_copies_[i].bytes,
+              cudaMemcpyHostToDevice, up_);
+  };
+  adam_.step(grads_, lr, batches);
+  for (const Copy& c : untrained_copies_) enqueue(c.device, c.host, c.bytes, cudaMemcpyHostToDevice, up_);
+  up_.synchronize();
 }
 
 void HostOptimizer::set_router_biases(const ModelWeights& host) {

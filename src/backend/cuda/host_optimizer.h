@@ -3,11 +3,16 @@
 // the fp32 masters and moments on the host with the CPU path's optimizer (train/adamw.h), and
 // uploads the new weights. Saves the state's 12 bytes per parameter of device memory for two
 // copies over PCIe and a host update per step. The host copies of the weights and gradients are
-// pinned and laid out as the device's arenas, so each copy is one transfer at PCIe speed.
+// pinned and laid out as the device's arenas. A step pipelines the copies with the update: the
+// gradients come down parameter by parameter on one stream while the host updates those already
+// there, in batches over all its cores, and each batch's new weights go up on another stream.
 #pragma once
 
+#include <deque>
 #include <memory>
+#include <vector>
 
+#include "backend/cuda/stream.h"
 #include "model/cuda/model.h"
 #include "model/weights.h"
 #include "train/adamw.h"
@@ -29,10 +34,21 @@ class HostOptimizer {
   void set_router_biases(const ModelWeights& host);
 
  private:
+  struct Copy {
+    void* host;
+    void* device;
+    size_t bytes;
+  };
+
   CudaModel& model_;
   std::shared_ptr<void> weights_host_, grads_host_;  // pinned, the device arenas' bytes
   ModelWeights weights_, grads_;                     // views of them (bf16 matrices, fp32 gradients)
   AdamW adam_;                                       // its slots view weights_
+  // Per AdamW slot: its gradient's copy down and its weight's copy up; then the parameters AdamW
+  // does not train (the router biases), uploaded whole after each update as before it.
+  std::vector<Copy> gradient_copies_, weight_copies_, untrained_copies_;
+  Stream down_, up_;
+  std::deque<Event> landed_;  // per slot: its gradient is on the host
 };
 
 }  // namespace spindle::cuda

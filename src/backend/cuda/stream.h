@@ -31,6 +31,8 @@ class Event {
   Event& operator=(const Event&) = delete;
   void record(const Stream& stream) { record(stream.get()); }
   void record(cudaStream_t stream) { SPINDLE_CUDA(cudaEventRecord(event_, stream)); }
+  // The host waits for the work this event recorded.
+  void synchronize() const { SPINDLE_CUDA(cudaEventSynchronize(event_)); }
   // Work queued on `stream` from now on waits for the work this event recorded.
   void make_wait(cudaStream_t stream) const { SPINDLE_CUDA(cudaStreamWaitEvent(stream, event_, 0)); }
   // Milliseconds from `start` to this event (both recorded, this one complete).
