@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "model/flops.h"
+#include "train/adamw.h"
 
 namespace spindle::plan {
 
@@ -129,13 +130,18 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
 
   if (policy.optimizer_on_host) {
     const double params = static_cast<double>(state.parameters);
-    // The update on the host (read grad, master, m, v; write master, m, v) and the bf16 weights
-    // back; the fp32 gradients out after the backward (backend/cuda/host_optimizer.h), or layer by
-    // layer during it (once per chunk when streaming), beyond the backward's time.
-    const double gradients_out = 4 * params / h.pcie_bytes_per_s;
+    // The update on the host (read grad, master, m, v; write master, m, v; the bf16 weight) with the
+    // copies pipelined under it (backend/cuda/host_optimizer.h): the fp32 gradients out and the
+    // weights back, each batch's while another is updated, the first batch's gradients before it.
+    // Or the gradients out layer by layer during the backward (once per chunk when streaming),
+    // beyond the backward's time.
+    const double update = 28 * params / h.host_adam_bytes_per_s,
+                 gradients_out = 4 * params / h.pcie_bytes_per_s,
+                 weights_back = 2 * params / h.pcie_bytes_per_s;
     time.optimizer =
-        (policy.gradients_to_host ? std::max(0.0, gradients_out * chunks - backward) : gradients_out) +
-        28 * params / h.host_adam_bytes_per_s + 2 * params / h.pcie_bytes_per_s;
+        policy.gradients_to_host
+            ? std::max(0.0, gradients_out * chunks - backward) + std::max(update, weights_back)
+            : gradients_out / kHostAdamWBatches + std::max({update, gradients_out, weights_back});
   }
   return time;
 }

@@ -46,9 +46,10 @@ struct Hardware {
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
   double network_bytes_per_s = 50e9;  // per GPU across nodes (400 Gb/s)
-  // The host AdamW update, 28 bytes per parameter: 6.0 s per step with its copies for the 4B config
-  // on the H200 machine's 16 cores (4e5fce3, the 1M step; 10.7 s before the fused bf16 writes).
-  double host_adam_bytes_per_s = 20e9;
+  // The host AdamW update, 28 bytes per parameter: 1.81 s per step with its copies for the 4B
+  // config on the H200 machine's 16 cores (8c5e036, the 1M step: vectorised and pipelined; 5.0-6.4
+  // s before).
+  double host_adam_bytes_per_s = 65e9;
   // Pinning host memory (cudaHostAlloc of the offload pool), once, in the first step: 96.6 GB in
   // about 45 s on the H200 machine (the 4B config at 128k, 5bdf894: 70.3 s first step, 24.9 s after).
   double pin_bytes_per_s = 2.1e9;

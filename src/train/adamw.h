@@ -48,6 +48,11 @@ struct AdamWBatches {
   std::function<void(size_t first, size_t last)> before, after;
 };
 
+// Batches of the host AdamW's pipelined update (backend/cuda/host_optimizer.cpp, and the planner's
+// cost of it): the first waits for a 32nd of the gradients' copy, and the update starts its threads
+// 32 times a step.
+constexpr int kHostAdamWBatches = 32;
+
 class AdamW {
  public:
   // One trained parameter: a view of the model's weight and its fp32 optimizer state.

@@ -154,7 +154,7 @@ TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   const Plan roomy = make_plan(small, r);
   ASSERT_TRUE(roomy.pick.has_value());
   EXPECT_EQ(roomy.candidates[*roomy.pick].policy.name(), "stream 16k");
-  r = request(524288, 141);
+  r = request(524288, 141, 64);  // too little host memory for the AdamW state there
   r.options.absorbed = true;
   const Plan fits = make_plan(small, r);
   ASSERT_TRUE(fits.pick.has_value());

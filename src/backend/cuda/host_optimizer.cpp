@@ -10,10 +10,6 @@ namespace spindle::cuda {
 
 namespace {
 
-// Batches of the pipelined update: the first waits for a 32nd of the gradients' copy, and the
-// update starts its threads 32 times a step.
-constexpr int64_t kBatches = 32;
-
 // The device's current parameters, copied into `host` (laid out as `device`).
 ModelWeights downloaded(CudaModel& model, const std::shared_ptr<void>& host) {
   model.context().synchronize();
@@ -100,7 +96,8 @@ void HostOptimizer::step(const AdamWOptions& options, double lr, int64_t step) {
   adam_.set_options(options);
   adam_.set_steps(step - 1);  // the update below is number `step`, as on the device
   AdamWBatches batches;       // the new weights into weights_, rounded as the device's
-  batches.elements = (static_cast<int64_t>(model_.grads().bytes() / sizeof(float)) + kBatches - 1) / kBatches;
+  batches.elements = (static_cast<int64_t>(model_.grads().bytes() / sizeof(float)) + kHostAdamWBatches - 1) /
+                     kHostAdamWBatches;
   batches.before = [&](size_t, size_t last) { landed_[last - 1].synchronize(); };  // copies land in order
   batches.after = [&](size_t first, size_t last) {
     for (size_t i = first; i < last; ++i)
