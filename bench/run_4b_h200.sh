@@ -3,8 +3,11 @@
 # (data/hs37chrXtrunc.fa.gz; carry it to the device), one training step per length with the
 # planner's policy, results as JSON lines in OUT_DIR (docs/PERF.md, "The 4B model from 32k to a
 # million tokens"). 1M keeps the AdamW state on the host to stay under 130 GB, and is the only
-# length of its call: its step alone takes minutes of a call's ten.
-#     bash bench/run_4b_h200.sh OUT_DIR "32768,131072,524288"
+# length of its call: its step alone takes minutes of a call's ten. One process places the AdamW
+# state once, where its longest length needs it: the host from 512k on, so run 512k on its own
+# for the shorter lengths to keep it on the device.
+#     bash bench/run_4b_h200.sh OUT_DIR "32768,131072"
+#     bash bench/run_4b_h200.sh OUT_DIR 524288
 #     bash bench/run_4b_h200.sh OUT_DIR 1048576
 set -uo pipefail
 out=$1 lengths=$2
