@@ -490,13 +490,15 @@ __host__ __device__ constexpr int sinkhorn_scratch_floats(int passes) {
 
 // dx[tt, i] += inv[tt] dn[tt, i] - x[tt, i] corr[tt] + pre[tt, h] dcol[tt, d] for the tile, dn =
 // dm fn (i = h D + d). Thread i owns V adjacent columns with their fn [M] in registers; dm comes
-// from shared memory (broadcast). It loads kBatch tokens' dx, x and dcol before using any, so that
-// many loads are in flight: this pass moves most of the backward's bytes (dx in and out in fp32).
+// from shared memory (broadcast). This pass moves most of the backward's bytes (dx in and out in
+// fp32), so it keeps loads in flight: kBatch tokens' dx, x and dcol at a time, and the next batch's
+// issued before this one is used (two batches fit the registers with x and dcol kept as bf16).
 template <int H, int V>
 __device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16* dcol, const float* fn,
                                     const float* dm_s, const float* inv_s, const float* corr_s,
                                     const float* pre_s, float* dx, int count, int D) {
-  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 8;
+  // Two batches of 4: of 6 or 8 they spill at the 128 registers of two blocks per SM.
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 4;
   const int K = H * D;
   for (int i = threadIdx.x * V; i < K; i += kThreads * V) {
     float f[MP][V];
@@ -510,35 +512,54 @@ __device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16*
       }
     }
     const int h = i / D, d = i % D;  // V divides D: the V columns share h
-    for (int tt0 = 0; tt0 < count; tt0 += kBatch) {
-      float g[kBatch][V], xv[kBatch][V], cv[kBatch][V];
+    // Two batches, [0] for batches 0, 2, 4, ... and [1] for 1, 3, 5, ...
+    Packed<float, V> g[2][kBatch];
+    Packed<__nv_bfloat16, V> xv[2][kBatch], cv[2][kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int tt = tt0 + b;
-        if (tt < count) {
-          load<V>(dx + static_cast<int64_t>(tt) * K + i, g[b]);
-          load<V>(x + static_cast<int64_t>(tt) * K + i, xv[b]);
-          load<V>(dcol + tt * D + d, cv[b]);
-        }
+    for (int b = 0; b < kBatch; ++b) {
+      if (b < count) {
+        g[0][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(b) * K + i);
+        xv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(b) * K + i);
+        cv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + b * D + d);
       }
+    }
+    for (int tt0 = 0; tt0 < count; tt0 += 2 * kBatch) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int tt = tt0 + b;
-        if (tt < count) {
-          const float* dmr = dm_s + tt * MP;
-          float dn[V] = {};
+      for (int half = 0; half < 2; ++half) {
+        const int now = tt0 + half * kBatch, next = now + kBatch;
 #pragma unroll
-          for (int o = 0; o < MP; o += 4) {
-            const float4 q = *reinterpret_cast<const float4*>(dmr + o);
+        for (int b = 0; b < kBatch; ++b) {
+          const int tt = next + b;
+          if (tt < count) {
+            g[1 - half][b] =
+                *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(tt) * K + i);
+            xv[1 - half][b] =
+                *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
+            cv[1 - half][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int tt = now + b;
+          if (tt < count) {
+            const float* dmr = dm_s + tt * MP;
+            float dn[V] = {};
+#pragma unroll
+            for (int o = 0; o < MP; o += 4) {
+              const float4 q = *reinterpret_cast<const float4*>(dmr + o);
+#pragma unroll
+              for (int v = 0; v < V; ++v)
+                dn[v] = fmaf(q.x, f[o][v],
+                             fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
+            }
+            const float inv = inv_s[tt], corr = corr_s[tt], ph = pre_s[tt * H + h];
+            float out[V];
 #pragma unroll
             for (int v = 0; v < V; ++v)
-              dn[v] = fmaf(q.x, f[o][v],
-                           fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
+              out[v] = g[half][b].v[v] + inv * dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
+                       ph * __bfloat162float(cv[half][b].v[v]);
+            store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
           }
-          const float inv = inv_s[tt], corr = corr_s[tt], ph = pre_s[tt * H + h];
-#pragma unroll
-          for (int v = 0; v < V; ++v) g[b][v] += inv * dn[v] - xv[b][v] * corr + ph * cv[b][v];
-          store<V>(dx + static_cast<int64_t>(tt) * K + i, g[b]);
         }
       }
     }
