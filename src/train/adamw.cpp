@@ -114,6 +114,10 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
           " has shape ", shape_string(table[i].tensor.shape()), ", expected ",
           shape_string(slots_[i].master.shape()));
     check(table[i].tensor.is_contiguous(), "AdamW: gradient ", table[i].name, " is not contiguous");
+    // The dtypes here too: the update dispatches on them inside worker threads, where an error
+    // could not be reported.
+    dispatch_float(table[i].tensor.dtype(), "AdamW: gradient " + table[i].name, []<class G>(G) {});
+    dispatch_weight(slots_[i].weight.dtype(), "AdamW: weight " + slots_[i].name, []<class W>(W) {});
   }
 
   ++steps_;

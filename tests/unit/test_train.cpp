@@ -368,6 +368,14 @@ TEST(AdamW, FrozenSlotsAndBadInput) {
   EXPECT_ERROR((AdamW(config, weights, {1e-3, 1.0, 0.95, 1e-8, 0.1})), "beta1");
   EXPECT_ERROR((AdamW(config, weights, {1e-3, 0.9, 0.95, 0.0, 0.1})), "eps");
   EXPECT_ERROR(adamw.step(grads, -1.0), "learning rate");
+  // A gradient dtype the update does not take is an error before anything moves (the update
+  // itself runs on worker threads, which could not report it).
+  ModelWeights bf16_grads = allocate_weights(config, DType::BF16);
+  const std::vector<double> kept = values(adamw.slots()[1].weight);
+  const int64_t steps = adamw.steps();
+  EXPECT_ERROR(adamw.step(bf16_grads), "AdamW: gradient", "dtype bf16 is not supported");
+  EXPECT_EQ(values(adamw.slots()[1].weight), kept);
+  EXPECT_EQ(adamw.steps(), steps);
 }
 
 // ---------------------------------------------------------------------------------------------
