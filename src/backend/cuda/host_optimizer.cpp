@@ -1,10 +1,12 @@
 #include "backend/cuda/host_optimizer.h"
 
+#include <cmath>
 #include <map>
 #include <string>
 
 #include "backend/cuda/pinned_memory.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace spindle::cuda {
 
@@ -23,8 +25,17 @@ void enqueue(void* to, const void* from, size_t bytes, cudaMemcpyKind kind, cons
 
 }  // namespace
 
+CudaModel& HostOptimizer::announced(CudaModel& model) {
+  const double pinned = static_cast<double>(model.weights().bytes() + model.grads().bytes()),
+               state = 3.0 * static_cast<double>(model.grads().bytes());  // fp32 master, m and v
+  const auto gb = [](double bytes) { return std::round(bytes / 1e8) / 10; };
+  log_info("host AdamW: pinning ", gb(pinned), " GB for the weights' and gradients' copies and building ",
+           gb(state), " GB of fp32 state on the host");
+  return model;
+}
+
 HostOptimizer::HostOptimizer(CudaModel& model)
-    : model_(model),
+    : model_(announced(model)),
       weights_host_(allocate_pinned(model.weights().bytes(), "the host AdamW's copy of the weights")),
       grads_host_(allocate_pinned(model.grads().bytes(), "the host AdamW's copy of the gradients")),
       weights_(downloaded(model, weights_host_)),

@@ -34,6 +34,9 @@ class HostOptimizer {
   void set_router_biases(const ModelWeights& host);
 
  private:
+  // Says what is about to be built (tens of seconds at billions of parameters); returns `model`.
+  static CudaModel& announced(CudaModel& model);
+
   struct Copy {
     void* host;
     void* device;
