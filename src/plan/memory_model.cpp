@@ -218,7 +218,7 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   const int64_t host_optimizer = !policy.optimizer_on_host  ? 0
                                  : policy.gradients_to_host ? state.host_optimizer_with_gradients
                                                             : state.host_optimizer;
-  p.host = state.host_weights + p.pinned_pool + host_optimizer;
+  p.host = kProcessHostBytes + state.host_weights + p.pinned_pool + host_optimizer;
   return p;
 }
 

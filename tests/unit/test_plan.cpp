@@ -181,6 +181,7 @@ struct MeasuredHostPolicy {
 const std::vector<MeasuredHostPolicy> kH200FourBillionHostPeaks = {
     {131072, ActivationPolicy::OffloadLayerInputs, false, 128673209856.0, 113852313600.0},  // cec0b99
     {32768, ActivationPolicy::KeepSites, true, 84436462080.0, 92364713984.0},               // bd53358
+    {32768, ActivationPolicy::KeepSites, false, 134452613632.0, 19417153536.0},             // 982a7bc
 };
 
 TEST(Plan, HostAndDevicePeaksWithinTenPercentOfTheH200) {
