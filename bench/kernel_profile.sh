@@ -5,6 +5,8 @@
 # forward, and a profile of the streamed step"). ncu runs at its own fixed clocks, about 1.25x the
 # kernels' times at the GPU's boost clocks. On the GPU machine, after scripts/prepare_device.sh:
 #     bash bench/kernel_profile.sh OUT_DIR [SEQ_LEN] [CHUNK]
+# For ncu's source view (stalls and bank conflicts by line), build with line tables first:
+# cmake -S . -B build -DSPINDLE_LINEINFO=ON (the binaries double in size).
 set -euo pipefail
 out=$1 seq_len=${2:-32768} chunk=${3:-16384}
 cd "$(dirname "$0")/.."
