@@ -39,7 +39,6 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
   const auto counts = [&](size_t q) { return !sets[q].empty(); };
 
   SelectionOverlap o;
-  o.pools_per_query = static_cast<double>(full);
   o.group_sizes = group_sizes;
   double jaccard = 0;
   int64_t pairs = 0, recent = 0;

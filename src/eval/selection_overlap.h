@@ -11,7 +11,6 @@ namespace spindle {
 
 struct SelectionOverlap {
   int64_t queries = 0;             // queries counted: those with every one of their pools chosen
-  double pools_per_query = 0;      // the full count, topk / kpool
   double consecutive_jaccard = 0;  // mean |A and B| / |A or B| of the pools of queries t and t + 1
   // Of the chosen pools, the share among the query's 2 x full latest complete pools (the recent
   // context, as far back as twice what it may choose).

@@ -132,8 +132,9 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
     float* p = s.master.data<float>();
     float* m = s.exp_avg.data<float>();
     float* v = s.exp_avg_sq.data<float>();
-    dispatch_float(table[i].tensor.dtype(), "AdamW: gradient " + s.name, [&]<class G>(G) {
-      dispatch_weight(s.weight.dtype(), "AdamW: weight " + s.name, [&]<class W>(W) {
+    // The dtypes were checked above, by name; here no name is built for every range of every slot.
+    dispatch_float(table[i].tensor.dtype(), "AdamW", [&]<class G>(G) {
+      dispatch_weight(s.weight.dtype(), "AdamW", [&]<class W>(W) {
         update_range(c, table[i].tensor.data<G>(), p, m, v, static_cast<W*>(s.weight.raw()), begin, end);
       });
     });

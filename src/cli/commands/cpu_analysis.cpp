@@ -1,10 +1,17 @@
 #include "cli/commands/cpu_analysis.h"
 
+#include <fstream>
+
 #include "core/error.h"
 #include "core/random.h"
 #include "io/token_text.h"
 
 namespace spindle {
+
+Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv) {
+  return Args(command, argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
+              {"random-tokens"});
+}
 
 CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {
   const bool random_tokens = args.flag("random-tokens");
@@ -38,6 +45,15 @@ CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {
     a.source = path;
   }
   return a;
+}
+
+void write_analysis_json(const Args& args, const nlohmann::json& result) {
+  const auto path = args.optional("out");
+  if (!path) return;
+  std::ofstream file(*path);
+  check(file.good(), "cannot write --out file '", *path, "'");
+  file << result.dump(1) << '\n';
+  check(file.good(), "failed writing '", *path, "'");
 }
 
 }  // namespace spindle

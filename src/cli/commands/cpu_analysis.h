@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -21,9 +22,16 @@ struct CpuAnalysis {
   std::string source;  // the token file, or how the random ids were drawn
 };
 
+// The command line both take: --model, --tokens | --random-tokens, --length, --seed, --chunk,
+// --dtype and --out.
+Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv);
+
 // Parses --model, --dtype, --chunk and the sequence: --tokens FILE (its first --length), or
 // --random-tokens --length N [--seed S] (ids uniform over the vocabulary, special ids included, as
 // `spindle bench --random-tokens`). Every option error is reported before the model loads.
 CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command);
+
+// `result` into the --out file, if one was given.
+void write_analysis_json(const Args& args, const nlohmann::json& result);
 
 }  // namespace spindle

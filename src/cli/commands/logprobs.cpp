@@ -5,6 +5,7 @@
 #include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/commands/layer_progress.h"
 #include "core/allocator.h"
 #include "core/log.h"
 #include "io/token_text.h"
@@ -25,10 +26,7 @@ std::vector<T> compute(const std::string& dir, const std::vector<int32_t>& token
   }
   ForwardOptions options;
   options.chunk_tokens = chunk;
-  const bool long_run = tokens.size() >= 16384;
-  options.on_layer = [&](int64_t layer) {
-    if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
-  };
+  options.on_layer = layer_progress(model.config, tokens.size());
   return sequence_log_probs<T>(model.config, model.weights, tokens, options);
 }
 

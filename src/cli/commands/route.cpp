@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -13,7 +12,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "cli/commands/cpu_analysis.h"
-#include "core/log.h"
+#include "cli/commands/layer_progress.h"
 #include "eval/expert_load.h"
 #include "model/checkpoint.h"
 #include "model/forward.h"
@@ -33,10 +32,7 @@ ChunkLoads route(const Model& model, const std::vector<int32_t>& tokens, int64_t
   options.on_expert_load = [&](int64_t layer, const std::vector<int64_t>& load) {
     loads[layer].push_back(load);
   };
-  const bool long_run = tokens.size() >= 16384;
-  options.on_layer = [&](int64_t layer) {
-    if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
-  };
+  options.on_layer = layer_progress(model.config, tokens.size());
   sequence_log_probs<T>(model.config, model.weights, tokens, options);
   return loads;
 }
@@ -73,8 +69,7 @@ void print_row(const std::string& name, const Row& r) {
 }  // namespace
 
 int run_route(const std::vector<std::string>& argv) {
-  const Args args("route", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
-                  {"random-tokens"});
+  const Args args = cpu_analysis_args("route", argv);
   const CpuAnalysis run = load_cpu_analysis(args, "route");
   const auto& [dir, dtype, chunk, model, tokens, source] = run;
   const ModelConfig& c = model.config;
@@ -125,22 +120,16 @@ int run_route(const std::vector<std::string>& argv) {
                 chunk_mean, static_cast<long long>(chunk_tokens));
   std::cout << line;
 
-  if (const auto out_path = args.optional("out")) {
-    std::ofstream file(*out_path);
-    check(file.good(), "cannot write --out file '", *out_path, "'");
-    const nlohmann::json result = {{"model", dir},
-                                   {"tokens", source},
-                                   {"length", L},
-                                   {"chunk_tokens", chunk_tokens},
-                                   {"dtype", dtype_name(dtype)},
-                                   {"routed_experts", c.n_routed_experts},
-                                   {"experts_per_token", c.num_experts_per_tok},
-                                   {"peak_chunk_rows", peak_rows},
-                                   {"buffer_factor", buffer_factor},
-                                   {"layers", layers}};
-    file << result.dump(1) << '\n';
-    check(file.good(), "failed writing '", *out_path, "'");
-  }
+  write_analysis_json(args, {{"model", dir},
+                             {"tokens", source},
+                             {"length", L},
+                             {"chunk_tokens", chunk_tokens},
+                             {"dtype", dtype_name(dtype)},
+                             {"routed_experts", c.n_routed_experts},
+                             {"experts_per_token", c.num_experts_per_tok},
+                             {"peak_chunk_rows", peak_rows},
+                             {"buffer_factor", buffer_factor},
+                             {"layers", layers}});
   return 0;
 }
 

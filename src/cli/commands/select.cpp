@@ -3,7 +3,6 @@
 // attention gathers every query's pools separately; the union of G neighbours' pools is what a
 // kernel taking them together would gather (eval/selection_overlap.h).
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -11,7 +10,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "cli/commands/cpu_analysis.h"
-#include "core/log.h"
+#include "cli/commands/layer_progress.h"
 #include "eval/selection_overlap.h"
 #include "kernels/cpu/dsa.h"
 #include "model/checkpoint.h"
@@ -55,10 +54,7 @@ LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_
       out.latest.push_back((first + q + 1) / shape.kpool - 1);
     }
   };
-  const bool long_run = tokens.size() >= 16384;
-  options.on_layer = [&](int64_t layer) {
-    if (long_run) log_info("layer ", layer + 1, "/", model.config.num_hidden_layers, " done");
-  };
+  options.on_layer = layer_progress(model.config, tokens.size());
   sequence_log_probs<T>(model.config, model.weights, tokens, options);
   return pools;
 }
@@ -66,8 +62,7 @@ LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_
 }  // namespace
 
 int run_select(const std::vector<std::string>& argv) {
-  const Args args("select", argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
-                  {"random-tokens"});
+  const Args args = cpu_analysis_args("select", argv);
   const CpuAnalysis run = load_cpu_analysis(args, "select");
   const auto& [dir, dtype, chunk, model, tokens, source] = run;
   const ModelConfig& c = model.config;
@@ -116,15 +111,13 @@ int run_select(const std::vector<std::string>& argv) {
     std::cout << "note: every query sees at most " << L / c.index_kpool << " pools and chooses up to " << full
               << ": overlap here says little\n";
 
-  if (const auto out_path = args.optional("out")) {
-    std::ofstream file(*out_path);
-    check(file.good(), "cannot write --out file '", *out_path, "'");
-    const nlohmann::json result = {
-        {"model", dir},           {"tokens", source},        {"length", L},     {"dtype", dtype_name(dtype)},
-        {"kpool", c.index_kpool}, {"pools_per_query", full}, {"layers", layers}};
-    file << result.dump(1) << '\n';
-    check(file.good(), "failed writing '", *out_path, "'");
-  }
+  write_analysis_json(args, {{"model", dir},
+                             {"tokens", source},
+                             {"length", L},
+                             {"dtype", dtype_name(dtype)},
+                             {"kpool", c.index_kpool},
+                             {"pools_per_query", full},
+                             {"layers", layers}});
   return 0;
 }
 
