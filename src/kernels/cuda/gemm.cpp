@@ -49,6 +49,22 @@ const Gemm::Plan& Gemm::plan(const PlanKey& key) {
   SPINDLE_CUBLAS(
       cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, u(transpose_b ? n : k), u(transpose_b ? k : n), ldb));
   SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, static_cast<cudaDataType_t>(c_type), u(m), u(n), ldc));
+  // The heuristic takes far longer than a product of the MoE's sizes, whose row counts change with
+  // every routing: for a dimension of at least 1024 that is not a multiple of 64 (a row count, not
+  // a model size) its choice is kept per bucket of 128 (a negative id) and reused for any product
+  // in that bucket that cuBLASLt confirms it supports.
+  const auto bucket = [](int64_t v) { return v >= 1024 && v % 64 != 0 ? -((v + 127) / 128) : v; };
+  const AlgoKey algo_key{transpose_a, transpose_b, bucket(m), bucket(n), bucket(k), lda,
+                         ldb,         ldc,         c_type,    align_a,   align_b,   align_c};
+  if (auto near = algos_.find(algo_key); near != algos_.end()) {
+    cublasLtMatmulHeuristicResult_t checked{};
+    if (cublasLtMatmulAlgoCheck(handle_, p.op, p.a, p.b, p.c, p.c, &near->second, &checked) ==
+            CUBLAS_STATUS_SUCCESS &&
+        checked.workspaceSize <= workspace_bytes_) {
+      p.algo = near->second;
+      return plans_.emplace(key, p).first->second;
+    }
+  }
   cublasLtMatmulPreference_t preference = nullptr;
   SPINDLE_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
   SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -67,6 +83,7 @@ const Gemm::Plan& Gemm::plan(const PlanKey& key) {
   cublasLtMatmulPreferenceDestroy(preference);
   check(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product");
   p.algo = heuristic.algo;
+  algos_.emplace(algo_key, p.algo);
   return plans_.emplace(key, p).first->second;
 }
 

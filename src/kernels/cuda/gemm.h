@@ -6,8 +6,8 @@
 //   linear_backward_weight: dw[N, K] += alpha dy^T x         (fp32 gradients)
 // matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
 // the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
-// leading dimensions, output type and operand alignment, so a training step queries cuBLASLt once
-// per distinct product.
+// leading dimensions, output type and operand alignment; the heuristic runs once per shape, row
+// counts within 128 of each other counting as one (the MoE's change with every routing).
 #pragma once
 
 #include <cublasLt.h>
@@ -53,6 +53,10 @@ class Gemm {
   using PlanKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t,
                              uint32_t, uint32_t>;
   const Plan& plan(const PlanKey& key);
+
+  // The heuristic's algorithms by shape, row counts by bucket (plan()).
+  using AlgoKey = PlanKey;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
