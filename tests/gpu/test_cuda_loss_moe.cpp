@@ -142,6 +142,41 @@ TEST(CudaLossMoe, ClampedSwigluForwardAndBackward) {
   }
 }
 
+// The same with gate and up as the halves of each row ([rows, 2 cols], as the experts' backward keeps
+// them): an odd width wider than a block's threads.
+TEST(CudaLossMoe, ClampedSwigluOverRowHalvesMatchesTheCpu) {
+  const int64_t rows = 173, cols = 577, n = rows * cols;
+  const float limit = 7.0f;
+  const auto gate = rounded(random_floats(n, 5.0f)), up = rounded(random_floats(n, 5.0f)),
+             dout = rounded(random_floats(n));
+  std::vector<float> gate_up(static_cast<size_t>(2 * n));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      gate_up[static_cast<size_t>(r * 2 * cols + c)] = gate[static_cast<size_t>(r * cols + c)];
+      gate_up[static_cast<size_t>(r * 2 * cols + cols + c)] = up[static_cast<size_t>(r * cols + c)];
+    }
+  Stream stream;
+  auto dgu = device(to_bf16(gate_up)), dd = device(to_bf16(dout));
+  auto out = poisoned<bf16>(n);
+  clamped_swiglu_halves_forward(dgu.data(), out.data(), rows, cols, limit, stream.get());
+  clamped_swiglu_halves_backward(dgu.data(), dd.data(), rows, cols, limit, stream.get());
+  stream.synchronize();
+  const auto gd = to_double(gate), ud = to_double(up), dod = to_double(dout);
+  std::vector<double> out_ref(n), dgate_ref(n), dup_ref(n);
+  cpu::clamped_swiglu(gd.data(), ud.data(), out_ref.data(), n, limit);
+  cpu::clamped_swiglu_backward(gd.data(), ud.data(), dod.data(), dgate_ref.data(), dup_ref.data(), n, limit);
+  const auto got = dgu.download();
+  std::vector<bf16> dgate(static_cast<size_t>(n)), dup(static_cast<size_t>(n));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      dgate[static_cast<size_t>(r * cols + c)] = got[static_cast<size_t>(r * 2 * cols + c)];
+      dup[static_cast<size_t>(r * cols + c)] = got[static_cast<size_t>(r * 2 * cols + cols + c)];
+    }
+  EXPECT_LT(relative_error(out.download(), out_ref), 8e-3);
+  EXPECT_LT(relative_error(dgate, dgate_ref), 8e-3);
+  EXPECT_LT(relative_error(dup, dup_ref), 8e-3);
+}
+
 // ---------------------------------------------------------------- router
 
 // Logits and bias with well-separated choices (score + bias), so that fp32 on the GPU and

@@ -49,6 +49,36 @@ __global__ void swiglu_backward_kernel(const __nv_bfloat16* gate, const __nv_bfl
   }
 }
 
+// The same over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: a block per row at a
+// time, its threads over the columns.
+__global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
+                                             int cols, float limit) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const __nv_bfloat16* gate = gate_up + r * 2 * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float g = fminf(__bfloat162float(gate[c]), limit);
+      const float u = fminf(fmaxf(__bfloat162float(gate[cols + c]), -limit), limit);
+      out[r * cols + c] = __float2bfloat16(g * sigmoidf(g) * u);
+    }
+  }
+}
+
+// dgate, dup in place of gate, up.
+__global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
+                                              int cols, float limit) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    __nv_bfloat16* gate = gate_up + r * 2 * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float graw = __bfloat162float(gate[c]), uraw = __bfloat162float(gate[cols + c]),
+                  d = __bfloat162float(dout[r * cols + c]);
+      const float g = fminf(graw, limit), u = fminf(fmaxf(uraw, -limit), limit);
+      const float sg = sigmoidf(g);
+      gate[c] = __float2bfloat16(graw <= limit ? d * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f);
+      gate[cols + c] = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
+    }
+  }
+}
+
 // Warp arg-max over (value, index) pairs: larger value wins, ties to the lower index.
 __device__ void warp_argmax(float& value, int& index) {
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -218,6 +248,27 @@ void clamped_swiglu_backward(const __nv_bfloat16* gate, const __nv_bfloat16* up,
   SPINDLE_LAUNCHED("swiglu_backward_kernel");
 }
 
+void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
+                                   int64_t cols, float limit, cudaStream_t stream) {
+  check(cols > 0 && cols <= INT_MAX && rows >= 0, "clamped_swiglu_halves_forward: ", rows, " rows of ", cols);
+  if (rows == 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, 65536));
+  swiglu_halves_forward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, out, rows, static_cast<int>(cols),
+                                                                limit);
+  SPINDLE_LAUNCHED("swiglu_halves_forward_kernel");
+}
+
+void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
+                                    int64_t cols, float limit, cudaStream_t stream) {
+  check(cols > 0 && cols <= INT_MAX && rows >= 0, "clamped_swiglu_halves_backward: ", rows, " rows of ",
+        cols);
+  if (rows == 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, 65536));
+  swiglu_halves_backward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, dout, rows, static_cast<int>(cols),
+                                                                 limit);
+  SPINDLE_LAUNCHED("swiglu_halves_backward_kernel");
+}
+
 void route_tokens(const cpu::RouterShape& s, const float* logits, const float* bias, int32_t* expert,
                   float* weight, cudaStream_t stream) {
   check_router(s);
@@ -239,6 +290,24 @@ void route_weights_backward(const cpu::RouterShape& s, const float* logits, cons
   const auto blocks = static_cast<unsigned>((s.tokens + kRouterWarps - 1) / kRouterWarps);
   route_backward_kernel<<<blocks, kRouterWarps * 32, 0, stream>>>(s, logits, expert, dweight, dlogits);
   SPINDLE_LAUNCHED("route_backward_kernel");
+}
+
+void ExpertPermutation::download_offsets(const int32_t* offsets, int64_t experts, cudaStream_t stream) {
+  if (pinned_count_ < experts + 1) {
+    pinned_ = allocate_pinned(static_cast<size_t>(experts + 1) * sizeof(int32_t), "the experts' row offsets");
+    pinned_count_ = experts + 1;
+  }
+  SPINDLE_CUDA(cudaMemcpyAsync(pinned_.get(), offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
+                               cudaMemcpyDeviceToHost, stream));
+  downloaded_event_.record(stream);
+  downloaded_ = experts + 1;
+}
+
+std::vector<int32_t> ExpertPermutation::host_offsets() const {
+  check(downloaded_ > 0, "ExpertPermutation: host_offsets() before download_offsets()");
+  downloaded_event_.synchronize();
+  const auto* values = static_cast<const int32_t*>(pinned_.get());
+  return std::vector<int32_t>(values, values + downloaded_);
 }
 
 void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_t experts, int32_t* counts,

@@ -9,8 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/pinned_memory.h"
+#include "backend/cuda/stream.h"
 #include "kernels/cpu/moe.h"
 
 namespace spindle::cuda {
@@ -23,6 +27,14 @@ void clamped_swiglu_forward(const __nv_bfloat16* gate, const __nv_bfloat16* up, 
 void clamped_swiglu_backward(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* dout,
                              __nv_bfloat16* dgate, __nv_bfloat16* dup, int64_t n, float limit,
                              cudaStream_t stream);
+
+// The same with gate and up as the two halves of each row of gate_up [rows, 2 cols] (as the
+// experts' backward keeps them, so that one product with both weights gives the input gradient):
+// out [rows, cols]; the backward writes dgate, dup over gate, up.
+void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
+                                   int64_t cols, float limit, cudaStream_t stream);
+void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
+                                    int64_t cols, float limit, cudaStream_t stream);
 
 // One warp per token: scores = sigmoid(logits), choice = scores + bias; the topk_groups groups
 // with the largest sum of their two best choices are kept; topk experts by choice among them,
@@ -47,9 +59,17 @@ class ExpertPermutation {
  public:
   void build(const int32_t* expert, int64_t assignments, int64_t experts, int32_t* counts, int32_t* offsets,
              int32_t* permutation, cudaStream_t stream);
+  // The per-expert products need the offsets (experts + 1 of them, as build wrote them) on the
+  // host: the copy is queued here, and the host waits for it in host_offsets(), so that work queued
+  // in between (the shared expert) keeps the GPU busy meanwhile.
+  void download_offsets(const int32_t* offsets, int64_t experts, cudaStream_t stream);
+  std::vector<int32_t> host_offsets() const;
 
  private:
   DeviceBuffer<int32_t> workspace_;
+  std::shared_ptr<void> pinned_;  // [pinned_count_] int32
+  int64_t pinned_count_ = 0, downloaded_ = 0;
+  Event downloaded_event_{cudaEventDisableTiming};
 };
 
 }  // namespace spindle::cuda

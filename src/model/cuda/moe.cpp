@@ -57,7 +57,7 @@ cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
 struct Routing {
   DeviceBuffer<float> logits, weight;
   DeviceBuffer<int32_t> expert, counts, offsets, permutation, inverse;
-  std::vector<int32_t> host_offsets;  // [experts + 1]
+  std::vector<int32_t> host_offsets;  // [experts + 1], once the caller has them (wait_for_offsets)
   DeviceBuffer<bf16> rows;            // [assignments, hidden]: the gathered inputs
 };
 
@@ -82,14 +82,14 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   invert_permutation(r.permutation.data(), r.inverse.data(), n, s);
   r.rows = activations(n * D);
   gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), s);
-  // The per-expert products need the row counts on the host.
-  r.host_offsets.resize(static_cast<size_t>(E + 1));
-  SPINDLE_CUDA(cudaMemcpyAsync(r.host_offsets.data(), r.offsets.data(), (E + 1) * sizeof(int32_t),
-                               cudaMemcpyDeviceToHost, s));
-  SPINDLE_CUDA(cudaStreamSynchronize(s));
+  ctx.permutation.download_offsets(r.offsets.data(), E, s);  // for_each_expert waits for them
   ctx.record.note("moe/experts", "cublaslt per expert over sorted rows");
   return r;
 }
+
+// The per-expert products need the row offsets on the host: route() queued their copy, so that the
+// caller can queue work that does not need them (the shared expert) before it waits here.
+void wait_for_offsets(Context& ctx, Routing& r) { r.host_offsets = ctx.permutation.host_offsets(); }
 
 // Calls f(expert, first row, rows) for every expert with at least one row.
 template <class F>
@@ -132,6 +132,9 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   Routing r = route(ctx, c, w, x, L);
+  DeviceBuffer<bf16> shared = activations(L * D);
+  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
+  wait_for_offsets(ctx, r);
   if (load != nullptr) {
     load->assign(static_cast<size_t>(E), 0);
     for (int64_t e = 0; e < E; ++e)
@@ -142,8 +145,6 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
     SPINDLE_CUDA(
         cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
   ExpertActivations a = run_experts(ctx, c, w, r, n);
-  DeviceBuffer<bf16> shared = activations(L * D);
-  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
   combine_expert_rows(a.out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
 }
 
@@ -155,16 +156,23 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
   Routing r = route(ctx, c, w, x, L);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+  wait_for_offsets(ctx, r);
   // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
-  // (dy W_down) . hidden, and dy W_down is the product the hidden's gradient needs anyway.
-  DeviceBuffer<bf16> gate = activations(n * I), up = activations(n * I), hidden = activations(n * I);
+  // (dy W_down) . hidden, and dy W_down is the product the hidden's gradient needs anyway. Gate and
+  // up are the halves of each row of gate_up [n, 2I], so that their gradients there, against each
+  // expert's gate and up weights stacked [2I, D], give the rows' input gradient in one product,
+  // summed in fp32 and rounded once.
+  DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I);
+  const auto gate_at = [&](int64_t first) { return gate_up.data() + first * 2 * I; };
   for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     const bf16* x_rows = r.rows.data() + first * D;
-    gemm.linear(x_rows, bf16_data(w.experts_gate) + e * I * D, gate.data() + first * I, rows, D, I, s);
-    gemm.linear(x_rows, bf16_data(w.experts_up) + e * I * D, up.data() + first * I, rows, D, I, s);
+    gemm.matmul(true, false, I, rows, D, bf16_data(w.experts_gate) + e * I * D, D, x_rows, D, gate_at(first),
+                CUDA_R_16BF, 2 * I, 1.0f, 0.0f, s);
+    gemm.matmul(true, false, I, rows, D, bf16_data(w.experts_up) + e * I * D, D, x_rows, D,
+                gate_at(first) + I, CUDA_R_16BF, 2 * I, 1.0f, 0.0f, s);
   });
-  clamped_swiglu_forward(gate.data(), up.data(), hidden.data(), n * I, limit, s);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
 
   // y[t] += weight * out with out = hidden W_down^T: from g = dy W_down per sorted row, dweight =
   // g . hidden, the hidden's gradient weight * g, the down weight's dy^T (weight * hidden).
@@ -181,22 +189,24 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
     gemm.linear_backward_weight(dy_rows.data() + first * D, hidden.data() + first * I,
                                 f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
   });
-  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), gate.data(), up.data(), n * I, limit, s);
-  DeviceBuffer<float> drows = activations_f32(n * D);
+  clamped_swiglu_halves_backward(gate_up.data(), dhidden.data(), n, I, limit, s);
+  // Each expert's gate and up weights stacked [2I, D] in turn, in one block the stream reuses.
+  DeviceBuffer<bf16> stacked = activations(2 * I * D);
+  const size_t block = static_cast<size_t>(I * D) * sizeof(bf16);
+  DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
   for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
     const bf16* x_rows = r.rows.data() + first * D;
-    gemm.linear_backward_input(gate.data() + first * I, bf16_data(w.experts_gate) + e * I * D,
-                               drows.data() + first * D, rows, D, I, 0.0f, s);
-    gemm.linear_backward_input(up.data() + first * I, bf16_data(w.experts_up) + e * I * D,
-                               drows.data() + first * D, rows, D, I, 1.0f, s);
-    gemm.linear_backward_weight(gate.data() + first * I, x_rows, f32_data(grad.experts_gate) + e * I * D,
-                                rows, D, I, s);
-    gemm.linear_backward_weight(up.data() + first * I, x_rows, f32_data(grad.experts_up) + e * I * D, rows, D,
-                                I, s);
+    gemm.matmul(false, true, D, I, rows, x_rows, D, gate_at(first), 2 * I,
+                f32_data(grad.experts_gate) + e * I * D, CUDA_R_32F, D, 1.0f, 1.0f, s);
+    gemm.matmul(false, true, D, I, rows, x_rows, D, gate_at(first) + I, 2 * I,
+                f32_data(grad.experts_up) + e * I * D, CUDA_R_32F, D, 1.0f, 1.0f, s);
+    SPINDLE_CUDA(cudaMemcpyAsync(stacked.data(), bf16_data(w.experts_gate) + e * I * D, block,
+                                 cudaMemcpyDeviceToDevice, s));
+    SPINDLE_CUDA(cudaMemcpyAsync(stacked.data() + I * D, bf16_data(w.experts_up) + e * I * D, block,
+                                 cudaMemcpyDeviceToDevice, s));
+    gemm.linear_backward_input(gate_at(first), stacked.data(), drows.data() + first * D, rows, D, 2 * I, s);
   });
-  DeviceBuffer<bf16>& drows16 = r.rows;  // the gathered inputs are not read again
-  f32_to_bf16(drows.data(), drows16.data(), n * D, s);
-  scatter_expert_rows_backward(drows16.data(), r.inverse.data(), L, k, D, dx, s);
+  scatter_expert_rows_backward(drows.data(), r.inverse.data(), L, k, D, dx, s);
 
   // The router: through the routing weights, plus the balance loss.
   DeviceBuffer<float> dlogits = activations_f32(L * E);
