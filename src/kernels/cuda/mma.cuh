@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/tf32_round.h"
+
 namespace spindle::cuda {
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -88,16 +90,10 @@ __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint3
   lo = pack_bf16(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
 }
 
-// TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, rounded to nearest
-// by cvt.rna) and fp32 accumulation. Fragment layout (g = lane / 4, c = lane % 4): A (16 x 8,
-// row-major) a0 = (g, c), a1 = (g+8, c), a2 = (g, c+4), a3 = (g+8, c+4); B (8 x 8, "col") b0 =
-// (k c, n g), b1 = (k c+4, n g); C as for m16n8k16.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-
+// TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, rounded to nearest on
+// the FP32 pipes, tf32_round.h) and fp32 accumulation. Fragment layout (g = lane / 4, c = lane % 4):
+// A (16 x 8, row-major) a0 = (g, c), a1 = (g+8, c), a2 = (g, c+4), a3 = (g+8, c+4); B (8 x 8, "col")
+// b0 = (k c, n g), b1 = (k c+4, n g); C as for m16n8k16.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -113,8 +109,9 @@ struct Tf32Frag {
   uint32_t hi[N];
   uint32_t lo[kSplit ? N : 1];
   __device__ __forceinline__ void set(int e, float x) {
-    hi[e] = to_tf32(x);
-    if constexpr (kSplit) lo[e] = to_tf32(x - __uint_as_float(hi[e]));
+    const float rounded = tf32_round(x);
+    hi[e] = __float_as_uint(rounded);
+    if constexpr (kSplit) lo[e] = tf32_bits_finite(__fsub_rn(x, rounded));
   }
 };
 
