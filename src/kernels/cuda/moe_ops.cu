@@ -25,28 +25,38 @@ unsigned elementwise_blocks(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
 }
 
+// One element of the clamped SwiGLU: out = silu(min(gate, limit)) * clamp(up, -limit, limit).
+__device__ void swiglu_element(const __nv_bfloat16& gate, const __nv_bfloat16& up, __nv_bfloat16& out,
+                               float limit) {
+  const float g = fminf(__bfloat162float(gate), limit);
+  const float u = fminf(fmaxf(__bfloat162float(up), -limit), limit);
+  out = __float2bfloat16(g * sigmoidf(g) * u);
+}
+
+// Its gradients; dgate and dup may be gate and up (everything is read before they are written).
+__device__ void swiglu_gradient_element(const __nv_bfloat16& gate, const __nv_bfloat16& up,
+                                        const __nv_bfloat16& dout, __nv_bfloat16& dgate, __nv_bfloat16& dup,
+                                        float limit) {
+  const float graw = __bfloat162float(gate), uraw = __bfloat162float(up), d = __bfloat162float(dout);
+  const float g = fminf(graw, limit), u = fminf(fmaxf(uraw, -limit), limit);
+  const float sg = sigmoidf(g);
+  dgate = __float2bfloat16(graw <= limit ? d * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f);
+  dup = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
+}
+
 __global__ void swiglu_forward_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, __nv_bfloat16* out,
                                       int64_t n, float limit) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = fminf(__bfloat162float(gate[i]), limit);
-    const float u = fminf(fmaxf(__bfloat162float(up[i]), -limit), limit);
-    out[i] = __float2bfloat16(g * sigmoidf(g) * u);
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    swiglu_element(gate[i], up[i], out[i], limit);
 }
 
 __global__ void swiglu_backward_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,
                                        const __nv_bfloat16* dout, __nv_bfloat16* dgate, __nv_bfloat16* dup,
                                        int64_t n, float limit) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float graw = __bfloat162float(gate[i]), uraw = __bfloat162float(up[i]),
-                d = __bfloat162float(dout[i]);
-    const float g = fminf(graw, limit), u = fminf(fmaxf(uraw, -limit), limit);
-    const float sg = sigmoidf(g);
-    dgate[i] = __float2bfloat16(graw <= limit ? d * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f);
-    dup[i] = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    swiglu_gradient_element(gate[i], up[i], dout[i], dgate[i], dup[i], limit);
 }
 
 // The same over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: a block per row at a
@@ -55,11 +65,8 @@ __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_
                                              int cols, float limit) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const __nv_bfloat16* gate = gate_up + r * 2 * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float g = fminf(__bfloat162float(gate[c]), limit);
-      const float u = fminf(fmaxf(__bfloat162float(gate[cols + c]), -limit), limit);
-      out[r * cols + c] = __float2bfloat16(g * sigmoidf(g) * u);
-    }
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+      swiglu_element(gate[c], gate[cols + c], out[r * cols + c], limit);
   }
 }
 
@@ -68,15 +75,15 @@ __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv
                                               int cols, float limit) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     __nv_bfloat16* gate = gate_up + r * 2 * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-      const float graw = __bfloat162float(gate[c]), uraw = __bfloat162float(gate[cols + c]),
-                  d = __bfloat162float(dout[r * cols + c]);
-      const float g = fminf(graw, limit), u = fminf(fmaxf(uraw, -limit), limit);
-      const float sg = sigmoidf(g);
-      gate[c] = __float2bfloat16(graw <= limit ? d * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f);
-      gate[cols + c] = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
-    }
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+      swiglu_gradient_element(gate[c], gate[cols + c], dout[r * cols + c], gate[c], gate[cols + c], limit);
   }
+}
+
+// Blocks for the row kernels, after checking their sizes.
+unsigned row_blocks(int64_t rows, int64_t cols, const char* what) {
+  check(cols > 0 && cols <= INT_MAX && rows >= 0, what, ": ", rows, " rows of ", cols);
+  return static_cast<unsigned>(std::min<int64_t>(rows, 65536));
 }
 
 // Warp arg-max over (value, index) pairs: larger value wins, ties to the lower index.
@@ -250,9 +257,8 @@ void clamped_swiglu_backward(const __nv_bfloat16* gate, const __nv_bfloat16* up,
 
 void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                    int64_t cols, float limit, cudaStream_t stream) {
-  check(cols > 0 && cols <= INT_MAX && rows >= 0, "clamped_swiglu_halves_forward: ", rows, " rows of ", cols);
+  const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_forward");
   if (rows == 0) return;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, 65536));
   swiglu_halves_forward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, out, rows, static_cast<int>(cols),
                                                                 limit);
   SPINDLE_LAUNCHED("swiglu_halves_forward_kernel");
@@ -260,10 +266,8 @@ void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* 
 
 void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
                                     int64_t cols, float limit, cudaStream_t stream) {
-  check(cols > 0 && cols <= INT_MAX && rows >= 0, "clamped_swiglu_halves_backward: ", rows, " rows of ",
-        cols);
+  const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_backward");
   if (rows == 0) return;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(rows, 65536));
   swiglu_halves_backward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, dout, rows, static_cast<int>(cols),
                                                                  limit);
   SPINDLE_LAUNCHED("swiglu_halves_backward_kernel");
