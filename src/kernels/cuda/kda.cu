@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     // S = diag(exp G_last) S + Kb^T u, rows 8 rg .. 8 rg + 7 (zero past dk: Kb and glast are).
 #pragma unroll
-    for (int r = 0; r < 8; ++r) Sr[r] *= expf(gl[8 * rg + r]);
+    for (int r = 0; r < 8; ++r) Sr[r] *= exp2f(gl[8 * rg + r]);
     for (int t = 0; t < kC; ++t) {
       const float ut = U[t * kTileV + jj];
       const float4 a = *reinterpret_cast<const float4*>(Kb + t * kWs + 8 * rg);
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int t = tb + r;
     const bool live = i < dk && t < n;
     const int64_t src = ((t0 + t) * heads + h) * dk + i;
-    gv[r] = live ? g[src] : 0.0f;
+    gv[r] = live ? g[src] * kLog2e : 0.0f;
     qv[r] = live ? __bfloat162float(q[src]) : 0.0f;
   }
 #pragma unroll
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   const float base = tb == 0 ? 0.0f : half_sum[i];
 #pragma unroll
-  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * expf(base + gv[r]);
+  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * exp2f(base + gv[r]);
   copy_wait_all();
   __syncthreads();
   const int mt = warp / 2, n0 = 32 * (warp % 2);

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     // dS = diag(exp G_last) dS' - W^T X + Z, rows 8 rg .. 8 rg + 7.
 #pragma unroll
-    for (int r = 0; r < 8; ++r) dSr[r] = fmaf(expf(gl[8 * rg + r]), dSr[r], z[r]);
+    for (int r = 0; r < 8; ++r) dSr[r] = fmaf(exp2f(gl[8 * rg + r]), dSr[r], z[r]);
     for (int t = 0; t < kC; ++t) {
       const float xt = X[t * kTileV + jj];
       const float4 a = *reinterpret_cast<const float4*>(W + t * kWs + 8 * rg);
@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim, x = t * kQp + i;
     const float G = Kb[x], kv = W[x];
-    W[x] = expf(G) * kv;
-    Kb[x] = expf(glast[i] - G) * kv;
+    W[x] = exp2f(G) * kv;
+    Kb[x] = exp2f(glast[i] - G) * kv;
   }
   copy_wait_all();
   __syncthreads();
@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          b.set(e, expf(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
+          b.set(e, exp2f(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
         }
         mma_tf32(row_a[nt], fa, b);
         mma_tf32(row_q[nt], fq, b);
@@ -535,14 +535,14 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i], f = expf(Gt - Gs[r * kQp + i]);
+        const float Gt = Gs[t * kQp + i], f = exp2f(Gt - Gs[r * kQp + i]);
         float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
         for (int s2 = r; s2 <= t; ++s2) {
-          const float w = expf(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
+          const float w = exp2f(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
           ra = fmaf(dA[t * kAp + s2], w, ra);
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
-        const float E = expf(Gt);
+        const float E = exp2f(Gt);
         acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
                                      ra);  // later = exp(G) dW + rowA
@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          const float f = expf(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
+          const float f = exp2f(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
           bk.set(e, f * Ks[x]);
           bq.set(e, f * Qs[x]);
         }
@@ -583,14 +583,14 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
-        const float Gt = Gs[x], f = expf(Gs[r * kQp + i] - Gt);
+        const float Gt = Gs[x], f = exp2f(Gs[r * kQp + i] - Gt);
         float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
         for (int s2 = t; s2 <= r; ++s2) {
-          const float w = expf(Gs[s2 * kQp + i] - Gt);
+          const float w = exp2f(Gs[s2 * kQp + i] - Gt);
           ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
           cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
         }
-        const float kb_part = expf(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
+        const float kb_part = exp2f(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
         const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
         if (t < n && i < dk) {
           const int64_t row = (t0 + t) * heads + h;
@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // dg_t = sum_{r>=t} dG_r, G_last's direct terms (Kb and exp(G_last) S) in
   // every row.
   for (int i = tid; i < dk; i += kGradThreads) {
-    float acc = expf(glast[i]) * sdS[i];
+    float acc = exp2f(glast[i]) * sdS[i];
     for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
     for (int t = n - 1; t >= 0; --t) {
       acc += dG[t * kMaxDim + i];

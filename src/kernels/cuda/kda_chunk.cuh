@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
@@ -14,6 +15,8 @@ namespace spindle::cuda {
 // k (unless ks is null; q unless qs is null) of tokens [t0, t0 + n) of head h as fp32, and G_t = sum_{s<=t}
 // g_s (the per-channel prefix sums of the log decays), into [C, stride] shared tiles; glast (unless null)
 // gets G of the chunk's last token. Every thread of the CTA calls it; it ends with a barrier.
+// The KDA kernels keep G in the log2 domain (times log2(e)): every decay factor exp(G_t - G_s) in
+// their formulas is one exp2f, and so is the glast they pass to each other.
 __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ q,
                                               const __nv_bfloat16* __restrict__ k,
                                               const float* __restrict__ g, int64_t t0, int n, int h,
@@ -24,7 +27,7 @@ __device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ 
     const int64_t src = ((t0 + t) * heads + h) * dk + i;
     if (qs != nullptr) qs[t * stride + i] = __bfloat162float(q[src]);
     if (ks != nullptr) ks[t * stride + i] = __bfloat162float(k[src]);
-    Gs[t * stride + i] = g[src];
+    Gs[t * stride + i] = g[src] * kLog2e;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < dk; i += blockDim.x) {
@@ -74,7 +77,7 @@ __device__ inline void load_chunk_batched(const __nv_bfloat16* __restrict__ q,
   for (int r = 0; r < L; ++r) {
     const bool live = i < dk && tb + r < n;
     const int64_t src = ((t0 + tb + r) * heads + h) * dk + i;
-    gv[r] = live ? g[src] : 0.0f;
+    gv[r] = live ? g[src] * kLog2e : 0.0f;
     kv[r] = live && k != nullptr ? __bfloat162float(k[src]) : 0.0f;
     qv[r] = live && q != nullptr ? __bfloat162float(q[src]) : 0.0f;
   }
@@ -171,7 +174,7 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int x = (r + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
-      const float f = expf(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
+      const float f = exp2f(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
       ka.set(e, m.ks[x] * f);
       qa.set(e, m.qs[x] * f);
     }
@@ -181,7 +184,7 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int x = (B * b + 8 * nt + g) * S + i0 + c + 4 * e;
-        kb.set(e, m.ks[x] * expf(fminf(gr[e] - m.Gs[x], 0.0f)));
+        kb.set(e, m.ks[x] * exp2f(fminf(gr[e] - m.Gs[x], 0.0f)));
       }
       mma_tf32(acc_a[nt], ka, kb);
       mma_tf32(acc_q[nt], qa, kb);
@@ -225,7 +228,7 @@ __device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, i
 #pragma unroll
       for (int y = 0; y < R; ++y) {
         // The clamp only touches pairs above the diagonal (s > t), which are not kept.
-        const float w = expf(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
+        const float w = exp2f(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
         acc_a[x][y] = fmaf(kt[x], w, acc_a[x][y]);
         acc_q[x][y] = fmaf(qt[x], w, acc_q[x][y]);
       }
@@ -397,13 +400,13 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;
     const bool live = t < n && i < dk;
-    kb_out[idx] = live ? expf(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
+    kb_out[idx] = live ? exp2f(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
   }
   for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
   __syncthreads();  // Kb read k and G, `keep` A, Aq and Tinv
   for (int idx = tid; idx < n * dk; idx += blockDim.x) {
     const int t = idx / dk, i = idx - t * dk, x = t * S + i;
-    const float e = expf(m.Gs[x]);
+    const float e = exp2f(m.Gs[x]);
     m.ks[x] *= e;
     if (scale_q) m.qs[x] *= e;
   }

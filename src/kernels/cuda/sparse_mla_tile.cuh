@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/tma.cuh"
@@ -16,7 +17,6 @@
 namespace spindle::cuda {
 
 constexpr int kTileKeys = 64;  // selected rows per tile
-constexpr float kLog2e = 1.4426950408889634f;
 
 // The inputs and sizes every kernel of a call reads; each kernel's arguments add its outputs.
 struct SparseMlaInputs {
