@@ -33,9 +33,11 @@ constexpr double kBf16Bound = 1e-2;
 constexpr double kFp32Bound = 1e-3;
 
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
-  // (tokens, channels, K): tokens not a multiple of the 64-token tile, channels not a multiple of
-  // 128 (or of 8), fewer tokens than taps.
+  // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
+  // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
+  // tokens than taps, the 4B model's KDA shape.
   for (auto [T, C, K] : {std::tuple<int64_t, int64_t, int64_t>{1000, 256, 4},
+                         {1029, 2048, 4},
                          {333, 100, 3},
                          {70, 1031, 4},
                          {2, 64, 4},

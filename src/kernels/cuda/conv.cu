@@ -1,8 +1,13 @@
-// Depthwise causal conv + SiLU. One thread per channel walks a tile of kTile tokens, keeping the
-// last K inputs (and, backward, the last K pre-activation gradients) in registers: each input
-// is read once per tile plus a K - 1 halo. Consecutive threads take consecutive channels, so
-// every load and store of a warp is one contiguous 64-byte run per token.
-// Later: two channels per thread (bf16x2) for 4-byte accesses when channels is even.
+// Depthwise causal conv + SiLU. One thread per V adjacent channels (V = 2, bf16x2 accesses, when
+// channels is even and the pointers 4-byte aligned; else 1) walks a tile of kTile tokens, keeping
+// the last K inputs (and, backward, the last K pre-activation gradients) in registers: each input
+// is read once per tile plus a K - 1 halo. Consecutive threads take consecutive channels, so a
+// warp's accesses are one contiguous run per token. Tokens go in batches of kBatch whose loads are
+// all issued before the batch's arithmetic: a thread's token loop is otherwise a chain of
+// dependent global loads.
+#include <cstdint>
+#include <initializer_list>
+
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
@@ -11,95 +16,159 @@ namespace spindle::cuda {
 
 namespace {
 
-constexpr int kThreads = 128;  // channels per block
+constexpr int kThreads = 128;  // threads per block
 constexpr int kTile = 64;      // tokens per thread
+constexpr int kBatch = 8;      // tokens whose loads are in flight together
 constexpr int kMaxKernel = 8;
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
-template <int K>
+template <int V>
+__device__ __forceinline__ void load_values(const __nv_bfloat16* __restrict__ p, float (&out)[V]) {
+  if constexpr (V == 2) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+    out[0] = f.x;
+    out[1] = f.y;
+  } else {
+    out[0] = __bfloat162float(*p);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_values(__nv_bfloat16* __restrict__ p, const float (&v)[V]) {
+  if constexpr (V == 2)
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
+  else
+    *p = __float2bfloat16(v[0]);
+}
+
+template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_kernel(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
-                            int64_t channels) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+                            __nv_bfloat16* __restrict__ y, int64_t tokens, int64_t channels) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t t1 = min(t0 + kTile, tokens);
-  float wr[K], win[K];  // after the shift at token t: win[j] = x[t - (K - 1) + j]
+  float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    wr[j] = w[c * K + j];
     const int64_t src = t0 - K + j;
-    win[j] = (j > 0 && src >= 0) ? __bfloat162float(x[src * channels + c]) : 0.0f;
+    float halo[V] = {};
+    if (j > 0 && src >= 0) load_values<V>(x + src * channels + c, halo);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      wr[v][j] = w[(c + v) * K + j];
+      win[v][j] = halo[v];
+    }
   }
-  for (int64_t t = t0; t < t1; ++t) {
+  for (int64_t tb = t0; tb < t1; tb += kBatch) {
+    float in[kBatch][V];
 #pragma unroll
-    for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
-    win[K - 1] = __bfloat162float(x[t * channels + c]);
-    float a = 0.0f;
+    for (int b = 0; b < kBatch; ++b)
+      if (tb + b < t1) load_values<V>(x + (tb + b) * channels + c, in[b]);
 #pragma unroll
-    for (int j = 0; j < K; ++j) a = fmaf(wr[j], win[j], a);
-    y[t * channels + c] = __float2bfloat16(a * sigmoid(a));
+    for (int b = 0; b < kBatch; ++b) {
+      if (tb + b >= t1) break;
+      float out[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+#pragma unroll
+        for (int j = 0; j + 1 < K; ++j) win[v][j] = win[v][j + 1];
+        win[v][K - 1] = in[b][v];
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
+        out[v] = a * sigmoid(a);
+      }
+      store_values<V>(y + (tb + b) * channels + c, out);
+    }
   }
 }
 
 // Walks u over [t0, t1 + K - 1): da[u] = dy[u] silu'(a[u]) (zero past the end), dw from the
 // tile's own da, and dx[t] = sum_j da[t + K - 1 - j] w[j] once da[t .. t + K - 1] are known.
-template <int K>
+template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_backward_kernel(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
-                                     __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+                                     const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
+                                     float* __restrict__ dw, int64_t tokens, int64_t channels) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t t1 = min(t0 + kTile, tokens);
-  float wr[K], win[K], dh[K], dwacc[K];  // dh[j] = da[u - (K - 1) + j]
+  const int64_t t1 = min(t0 + kTile, tokens), u1 = min(t1 + K - 1, tokens);
+  float wr[V][K], win[V][K], dh[V][K], dwacc[V][K];  // dh[v][j] = da[u - (K - 1) + j, c + v]
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    wr[j] = w[c * K + j];
     const int64_t src = t0 - K + j;
-    win[j] = (j > 0 && src >= 0) ? __bfloat162float(x[src * channels + c]) : 0.0f;
-    dh[j] = 0.0f;
-    dwacc[j] = 0.0f;
+    float halo[V] = {};
+    if (j > 0 && src >= 0) load_values<V>(x + src * channels + c, halo);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      wr[v][j] = w[(c + v) * K + j];
+      win[v][j] = halo[v];
+      dh[v][j] = 0.0f;
+      dwacc[v][j] = 0.0f;
+    }
   }
-  for (int64_t u = t0; u < t1 + K - 1; ++u) {
+  for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
+    float xin[kBatch][V] = {}, dyin[kBatch][V] = {};  // zero past the end of the sequence
 #pragma unroll
-    for (int j = 0; j + 1 < K; ++j) {
-      win[j] = win[j + 1];
-      dh[j] = dh[j + 1];
-    }
-    float da = 0.0f;
-    if (u < tokens) {
-      win[K - 1] = __bfloat162float(x[u * channels + c]);
-      float a = 0.0f;
+    for (int b = 0; b < kBatch; ++b)
+      if (ub + b < u1) {
+        load_values<V>(x + (ub + b) * channels + c, xin[b]);
+        load_values<V>(dy + (ub + b) * channels + c, dyin[b]);
+      }
 #pragma unroll
-      for (int j = 0; j < K; ++j) a = fmaf(wr[j], win[j], a);
-      const float sg = sigmoid(a);
-      da = __bfloat162float(dy[u * channels + c]) * sg * (1.0f + a * (1.0f - sg));
-    } else {
-      win[K - 1] = 0.0f;
-    }
-    dh[K - 1] = da;
-    if (u < t1) {
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t u = ub + b;
+      if (u >= t1 + K - 1) break;
+      float g[V];
 #pragma unroll
-      for (int j = 0; j < K; ++j) dwacc[j] = fmaf(da, win[j], dwacc[j]);
-    }
-    if (u >= t0 + K - 1) {
-      float g = 0.0f;
+      for (int v = 0; v < V; ++v) {
 #pragma unroll
-      for (int j = 0; j < K; ++j) g = fmaf(dh[K - 1 - j], wr[j], g);
-      dx[(u - (K - 1)) * channels + c] = __float2bfloat16(g);
+        for (int j = 0; j + 1 < K; ++j) {
+          win[v][j] = win[v][j + 1];
+          dh[v][j] = dh[v][j + 1];
+        }
+        win[v][K - 1] = xin[b][v];
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
+        const float sg = sigmoid(a);
+        const float da = dyin[b][v] * sg * (1.0f + a * (1.0f - sg));
+        dh[v][K - 1] = da;
+        if (u < t1) {
+#pragma unroll
+          for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+        }
+        g[v] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
+      }
+      if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
     }
   }
   // One atomic per tap per tile of tokens (the tile's sum is already in registers).
 #pragma unroll
-  for (int j = 0; j < K; ++j) atomicAdd(dw + c * K + j, dwacc[j]);
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < K; ++j) atomicAdd(dw + (c + v) * K + j, dwacc[v][j]);
 }
 
-dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel) {
+// Two channels per thread when every row of every tensor starts 4-byte aligned.
+int values_per_thread(int64_t channels, std::initializer_list<const void*> tensors) {
+  if (channels % 2 != 0) return 1;
+  for (const void* p : tensors)
+    if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return 1;
+  return 2;
+}
+
+dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values) {
   check(kernel >= 1 && kernel <= kMaxKernel, "causal_conv_silu: kernel size ", kernel, " (expected 1 to ",
         kMaxKernel, ")");
-  const int64_t tiles = (tokens + kTile - 1) / kTile, blocks = (channels + kThreads - 1) / kThreads;
+  const int64_t per_block = int64_t{kThreads} * values;
+  const int64_t tiles = (tokens + kTile - 1) / kTile, blocks = (channels + per_block - 1) / per_block;
   check(tiles <= 65535 && blocks <= 0x7fffffff, "causal_conv_silu: ", tokens, " tokens x ", channels,
         " channels is too large for one launch");
   return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
@@ -107,51 +176,52 @@ dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel) {
 
 }  // namespace
 
-#define SPINDLE_CONV_DISPATCH(KERNEL, ...)                   \
-  switch (kernel) {                                          \
-    case 1:                                                  \
-      KERNEL<1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 2:                                                  \
-      KERNEL<2><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 3:                                                  \
-      KERNEL<3><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 4:                                                  \
-      KERNEL<4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 5:                                                  \
-      KERNEL<5><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 6:                                                  \
-      KERNEL<6><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    case 7:                                                  \
-      KERNEL<7><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
-    default:                                                 \
-      KERNEL<8><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                 \
+#define SPINDLE_CONV_CASE(KERNEL, K, V, ...)                  \
+  case K:                                                     \
+    KERNEL<K, V><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
+    break;
+#define SPINDLE_CONV_DISPATCH(KERNEL, V, ...)                   \
+  switch (kernel) {                                             \
+    SPINDLE_CONV_CASE(KERNEL, 1, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 2, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 3, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 4, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 5, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 6, V, __VA_ARGS__)                \
+    SPINDLE_CONV_CASE(KERNEL, 7, V, __VA_ARGS__)                \
+    default:                                                    \
+      KERNEL<8, V><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
+      break;                                                    \
   }
 
 void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
-  const dim3 grid = conv_grid(tokens, channels, kernel);
+  const int values = values_per_thread(channels, {x, y});
+  const dim3 grid = conv_grid(tokens, channels, kernel, values);
   if (tokens == 0 || channels == 0) return;
-  SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, x, w, y, tokens, channels)
+  if (values == 2) {
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, 2, x, w, y, tokens, channels)
+  } else {
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, 1, x, w, y, tokens, channels)
+  }
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
 
 void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
                                __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
                                cudaStream_t stream) {
-  const dim3 grid = conv_grid(tokens, channels, kernel);
+  const int values = values_per_thread(channels, {x, dy, dx});
+  const dim3 grid = conv_grid(tokens, channels, kernel, values);
   if (tokens == 0 || channels == 0) return;
-  SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, x, w, dy, dx, dw, tokens, channels)
+  if (values == 2) {
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, 2, x, w, dy, dx, dw, tokens, channels)
+  } else {
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, 1, x, w, dy, dx, dw, tokens, channels)
+  }
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }
 
 #undef SPINDLE_CONV_DISPATCH
+#undef SPINDLE_CONV_CASE
 
 }  // namespace spindle::cuda
