@@ -67,16 +67,78 @@ __device__ int block_exclusive_scan(int value, int* shared, int& total) {
   return result;
 }
 
+// The selection's radix passes: the first over the keys' top kHeadBits (sign, exponent and three
+// mantissa bits), then two of kTailBits over the rest.
+constexpr int kHeadBits = 12, kHeadBins = 1 << kHeadBits;
+constexpr int kTailBits = 10, kTailBins = 1 << kTailBits;
+static_assert(kHeadBits + 2 * kTailBits == 32, "the passes cover the 32-bit key");
+static_assert(kHeadBins % kThreads == 0 && kTailBins % kThreads == 0, "each thread owns whole bins");
+// Keys of the threshold's first bin kept in shared memory for the later passes; a row with more
+// in that bin (many equal scores) reads the row again instead.
+constexpr int kCandidates = 4096;
+constexpr int kWarps = kThreads / 32;
+
+// hist[b] = how many of the n keys key(i) with (key & mask) == prefix have bits [shift, shift +
+// log2(bins)) equal to b. Every thread of the CTA calls it; it ends with a barrier.
+template <class Key>
+__device__ void histogram_pass(Key key, int64_t n, unsigned mask, unsigned prefix, int shift, int bins,
+                               unsigned* hist) {
+  for (int b = threadIdx.x; b < bins; b += kThreads) hist[b] = 0;
+  __syncthreads();
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const unsigned u = key(i);
+    if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & static_cast<unsigned>(bins - 1)], 1u);
+  }
+  __syncthreads();
+}
+
+// The bin of hist [bins] that holds the k-th largest key (k >= 1, at most the histogram's total)
+// and, in k, that key's rank within its bin counted from the top. Each thread sums bins / kThreads
+// adjacent bins, a CTA scan orders the sums from the top bin down. Every thread calls it and gets
+// both; it ends with a barrier.
+__device__ void threshold_bin(const unsigned* hist, int bins, unsigned& k, unsigned& bin, int* scan_shared,
+                              unsigned* found) {
+  const int per = bins / kThreads, top = bins - 1 - static_cast<int>(threadIdx.x) * per;
+  unsigned local = 0;
+  for (int b = 0; b < per; ++b) local += hist[top - b];
+  int total = 0;
+  unsigned above = static_cast<unsigned>(block_exclusive_scan(static_cast<int>(local), scan_shared, total));
+  if (above < k && above + local >= k) {
+    for (int b = 0; b < per; ++b) {
+      const unsigned h = hist[top - b];
+      if (above + h >= k) {
+        found[0] = static_cast<unsigned>(top - b);
+        found[1] = k - above;
+        break;
+      }
+      above += h;
+    }
+  }
+  __syncthreads();
+  bin = found[0];
+  k = found[1];
+  __syncthreads();
+}
+
 // One CTA per query of the block: the exact top topk/kpool of its visible pools' scores (row
 // blockIdx.x of the workspace), ties to the lower pool, in ascending pool order, expanded to
 // tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
+//
+// Three reads of the row where there are few ties: the first radix pass's histogram, the keys of
+// the threshold's bin into shared memory (the other passes run there), and the output in pool
+// order: each warp turns 32 pools into a bit word by a ballot, 32 words a warp and 8,192 pools a
+// CTA at a time, with one scan over the warps per 8,192 pools.
 __global__ void __launch_bounds__(kThreads)
     indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
                         int64_t first_query, int64_t pools, int64_t kp, int64_t topk, int64_t width,
                         int select_tail) {
-  __shared__ unsigned hist[256];
-  __shared__ unsigned s_prefix, s_k;
-  __shared__ int scan_shared[kThreads / 32 + 1];
+  __shared__ unsigned hist[kHeadBins];
+  __shared__ unsigned candidates[kCandidates];
+  __shared__ unsigned found[2], candidate_count;
+  __shared__ int scan_shared[kWarps + 1];
+  __shared__ int warp_above[kWarps], warp_equal[kWarps];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int64_t t = t0 + blockIdx.x;
   const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
   int32_t* out = selected + (t - first_query) * width;
@@ -86,52 +148,102 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t visible = min(pools, (t + 1) / kp);
   const int64_t chosen = min(topk / kp, visible);
   if (chosen > 0) {
-    // Threshold: the chosen-th largest key, and how many of the keys equal to it to take.
-    unsigned prefix = 0, mask = 0, k = static_cast<unsigned>(chosen);
+    // The threshold: the chosen-th largest key, and how many of the keys equal to it to take.
     const bool all = chosen == visible;
+    unsigned threshold = 0, equal_taken = 0;
     if (!all) {
-      for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0;
-        __syncthreads();
-        for (int64_t p = threadIdx.x; p < visible; p += kThreads) {
-          const unsigned u = ordered(scores[p]);
-          if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          unsigned above = 0;
-          for (int b = 255; b >= 0; --b) {
-            if (above + hist[b] >= k) {
-              prefix |= static_cast<unsigned>(b) << shift;
-              k -= above;
-              break;
-            }
-            above += hist[b];
-          }
-          s_prefix = prefix;
-          s_k = k;
-        }
-        __syncthreads();
-        prefix = s_prefix;
-        k = s_k;
-        mask |= 255u << shift;
+      const auto row_key = [scores](int64_t p) { return ordered(scores[p]); };
+      unsigned k = static_cast<unsigned>(chosen), bin = 0;
+      histogram_pass(row_key, visible, 0u, 0u, 32 - kHeadBits, kHeadBins, hist);
+      threshold_bin(hist, kHeadBins, k, bin, scan_shared, found);
+      unsigned prefix = bin << (32 - kHeadBits), mask = ~0u << (32 - kHeadBits);
+      if (threadIdx.x == 0) candidate_count = 0;
+      __syncthreads();
+      for (int64_t base = 0; base < visible; base += kThreads) {
+        const int64_t p = base + threadIdx.x;
+        const unsigned u = p < visible ? row_key(p) : 0u;
+        const bool in = p < visible && (u & mask) == prefix;
+        const unsigned ballot = __ballot_sync(kFull, in);
+        if (ballot == 0) continue;
+        unsigned first = 0;
+        if (lane == __ffs(ballot) - 1) first = atomicAdd(&candidate_count, __popc(ballot));
+        first = __shfl_sync(kFull, first, __ffs(ballot) - 1);
+        const unsigned slot = first + __popc(ballot & ((1u << lane) - 1u));
+        if (in && slot < kCandidates) candidates[slot] = u;
       }
+      __syncthreads();
+      const unsigned count = candidate_count;
+      for (int shift = 32 - kHeadBits - kTailBits; shift >= 0; shift -= kTailBits) {
+        if (count <= kCandidates)
+          histogram_pass([&](int64_t i) { return candidates[i]; }, count, mask, prefix, shift, kTailBins,
+                         hist);
+        else
+          histogram_pass(row_key, visible, mask, prefix, shift, kTailBins, hist);
+        threshold_bin(hist, kTailBins, k, bin, scan_shared, found);
+        prefix |= bin << shift;
+        mask |= static_cast<unsigned>(kTailBins - 1) << shift;
+      }
+      threshold = prefix;
+      equal_taken = k;
     }
-    // In pool order: take every key above the threshold and the first k equal to it.
-    int eq_before = 0, taken_before = 0;
-    for (int64_t base = 0; base < visible; base += kThreads) {
-      const int64_t p = base + threadIdx.x;
-      const unsigned u = p < visible ? ordered(scores[p]) : 0u;
-      const bool valid = p < visible;
-      int eq_total = 0, taken_total = 0;
-      const int eq_rank =
-          eq_before + block_exclusive_scan(valid && u == prefix ? 1 : 0, scan_shared, eq_total);
-      const bool take = valid && (all || u > prefix || (u == prefix && eq_rank < static_cast<int>(k)));
-      const int position = taken_before + block_exclusive_scan(take ? 1 : 0, scan_shared, taken_total);
-      if (take)
-        for (int64_t j = 0; j < kp; ++j) out[position * kp + j] = static_cast<int32_t>(p * kp + j);
-      eq_before += eq_total;
-      taken_before += taken_total;
+    // In pool order: every key above the threshold and the first equal_taken equal to it. Lane j of
+    // a warp ends with word j of the warp's 32: the pools above, and those equal.
+    int above_before = 0, equal_before = 0;  // over the earlier segments
+    for (int64_t segment = 0; segment < visible; segment += int64_t{kThreads} * 32) {
+      const int64_t word = segment / 32 + warp * 32 + lane;
+      unsigned above = 0, equal = 0;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int64_t p = (segment / 32 + warp * 32 + i) * 32 + lane;
+        const bool valid = p < visible;
+        const unsigned u = valid ? ordered(scores[p]) : 0u;
+        const unsigned a = __ballot_sync(kFull, valid && (all || u > threshold));
+        const unsigned e = __ballot_sync(kFull, valid && !all && u == threshold);
+        if (lane == i) {
+          above = a;
+          equal = e;
+        }
+      }
+      // Exclusive counts before this lane's word: within the warp by shuffles, then over the warps.
+      int a_incl = __popc(above), e_incl = __popc(equal);
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int a_up = __shfl_up_sync(kFull, a_incl, offset), e_up = __shfl_up_sync(kFull, e_incl, offset);
+        if (lane >= offset) {
+          a_incl += a_up;
+          e_incl += e_up;
+        }
+      }
+      if (lane == 31) {
+        warp_above[warp] = a_incl;
+        warp_equal[warp] = e_incl;
+      }
+      __syncthreads();
+      int a_warps = 0, e_warps = 0, a_all = 0, e_all = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        if (w < warp) {
+          a_warps += warp_above[w];
+          e_warps += warp_equal[w];
+        }
+        a_all += warp_above[w];
+        e_all += warp_equal[w];
+      }
+      __syncthreads();  // warp_above and warp_equal are read before the next segment writes them
+      const int a_excl = above_before + a_warps + a_incl - __popc(above);
+      const int e_excl = equal_before + e_warps + e_incl - __popc(equal);
+      // The first equal_taken equal keys in pool order: this word's lowest ones up to the budget.
+      int budget = max(0, min(static_cast<int>(equal_taken) - e_excl, __popc(equal)));
+      unsigned take = above;
+      for (unsigned rest = equal; budget > 0; --budget) {
+        take |= rest & (0u - rest);
+        rest &= rest - 1u;
+      }
+      int position = a_excl + min(static_cast<int>(equal_taken), e_excl);
+      for (unsigned rest = take; rest != 0; rest &= rest - 1u, ++position) {
+        const int64_t pool = word * 32 + (__ffs(rest) - 1);
+        for (int64_t j = 0; j < kp; ++j) out[position * kp + j] = static_cast<int32_t>(pool * kp + j);
+      }
+      above_before += a_all;
+      equal_before += e_all;
     }
   }
   if (select_tail && kp > 1) {
