@@ -396,6 +396,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One warp per token (8 per block), V consecutive elements per lane at a time; d_comb is a warp sum.
+// dstreams is written, not accumulated: the first gradient of a site's streams, so that no pass
+// zeroes it and this one does not read it (a quarter of the site backward's stream bytes).
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
@@ -432,9 +434,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < H; ++j) {
       float xv[V], acc[V];
       load<V>(x + j * D + d, xv);
-      load<V>(dx + j * D + d, acc);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
+        acc[e] = 0.0f;
 #pragma unroll
         for (int h = 0; h < H; ++h) {
           acc[e] = fmaf(cm[j][h], gv[h][e], acc[e]);

@@ -27,7 +27,8 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
                 const float* post, const float* comb, __nv_bfloat16* out, cudaStream_t stream);
 
 // Backward of hc_combine, the part that needs no y (so that y may come from the sublayer's
-// backward, after dy): dstreams (fp32) accumulated; dy (bf16) and d_comb (fp32) written.
+// backward, after dy): dstreams (fp32), dy (bf16) and d_comb (fp32) written (the CPU version
+// accumulates dstreams).
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
                          const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
                          float* d_comb, cudaStream_t stream);

@@ -68,7 +68,6 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   DeviceBuffer<bf16> dy = activations(L * D);
   {
     const TimedScope timed = ctx.timed("mhc");
-    SPINDLE_CUDA(cudaMemsetAsync(d_in.data(), 0, d_in.size() * sizeof(float), s));
     SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
     hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
                         d_comb.data(), s);
