@@ -224,20 +224,22 @@ __device__ void comb_softmax(int lane, const float* m, const float* base, float 
 }
 
 // One Sinkhorn pass from c into next (may alias c): along columns or rows; lane a of the calling
-// warp owns column or row a. Stores sum + eps per lane in sums when given.
+// warp owns column or row a. Divides by the sum + eps as normalize_lines does (one reciprocal),
+// so that the backward's stages are the forward's. Stores the reciprocal per lane in inv_sums.
 template <int H>
-__device__ void sinkhorn_pass(int lane, bool columns, const float* c, float* next, float eps, float* sums) {
+__device__ void sinkhorn_pass(int lane, bool columns, const float* c, float* next, float eps,
+                              float* inv_sums) {
   const int a = lane;
   if (a < H) {
     float sum = 0.0f;
 #pragma unroll
     for (int b = 0; b < H; ++b) sum += columns ? c[b * H + a] : c[a * H + b];
-    const float S = sum + eps;
-    if (sums != nullptr) sums[a] = S;
+    const float r = 1.0f / (sum + eps);
+    inv_sums[a] = r;
 #pragma unroll
     for (int b = 0; b < H; ++b) {
       const int idx = columns ? b * H + a : a * H + b;
-      next[idx] = c[idx] / S;
+      next[idx] = c[idx] * r;
     }
   }
   __syncwarp();
@@ -484,7 +486,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Floats of one warp's Sinkhorn backward scratch: m, g [M], p, dc [HH], the stages
-// [(passes + 1) HH] and each pass's sums [passes H].
+// [(passes + 1) HH] and each pass's 1 / (sum + eps) [passes H].
 template <int H>
 __host__ __device__ constexpr int sinkhorn_scratch_floats(int passes) {
   return 2 * Tile<H>::M + 2 * Tile<H>::HH + (passes + 1) * Tile<H>::HH + passes * H;
@@ -642,7 +644,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     float* p = g + M;
     float* dc = p + HH;
     float* stages = dc + HH;
-    float* sums = stages + (passes + 1) * HH;
+    float* inv_sums = stages + (passes + 1) * HH;
     for (int tt = warp; tt < count; tt += sinkhorn_warps) {
       const int64_t t = t0 + tt;
       const float* r = raw + tt * (M + 1);
@@ -650,26 +652,28 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       for (int o = lane; o < M; o += 32) m[o] = r[o] * inv;
       for (int k = lane; k < HH; k += 32) dc[k] = d_comb[t * HH + k];
       __syncwarp();
-      // Forward again, keeping each stage and each pass's sums.
+      // Forward again, keeping each stage and each pass's reciprocal sums.
       comb_softmax<H>(lane, m, base, scale[2], hc_eps, stages, p);
       for (int k = 0; k < passes; ++k)
-        sinkhorn_pass<H>(lane, k % 2 == 0, stages + k * HH, stages + (k + 1) * HH, hc_eps, sums + k * H);
-      // Back through the passes: c' = c / (S + eps) along rows or columns.
+        sinkhorn_pass<H>(lane, k % 2 == 0, stages + k * HH, stages + (k + 1) * HH, hc_eps, inv_sums + k * H);
+      // Back through the passes: c' = c r along rows or columns, r = 1 / (S + eps), so dc =
+      // (dc' - dc' . c') r = (dc' - r dc' . c) r.
       for (int k = passes - 1; k >= 0; --k) {
         const bool columns = k % 2 == 0;
         const float* c = stages + k * HH;
         if (lane < H) {
-          const float S = sums[k * H + lane];
+          const float r = inv_sums[k * H + lane];
           float dot = 0.0f;
 #pragma unroll
           for (int b = 0; b < H; ++b) {
             const int idx = columns ? b * H + lane : lane * H + b;
             dot = fmaf(dc[idx], c[idx], dot);
           }
+          const float shift = dot * r;
 #pragma unroll
           for (int b = 0; b < H; ++b) {
             const int idx = columns ? b * H + lane : lane * H + b;
-            dc[idx] = dc[idx] / S - dot / (S * S);
+            dc[idx] = (dc[idx] - shift) * r;
           }
         }
         __syncwarp();
