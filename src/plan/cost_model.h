@@ -35,13 +35,13 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 9.4% of peak (counted as 5 passes,
-  // see kCalibrationPasses; 32k keep 4.46-4.80 s, 128k stream 16k 19.3 s, 512k stream 16k + host
-  // AdamW 82.2 s and 1M 169.7 s at a0523e1, each predicted within 5%), the indexer's quadratic
-  // scores with their selection, which run once per step, at 28% (the wgmma scorer: 11.3 s per run
-  // at 1M, 2.7 s at 512k, commit 5bdf894).
-  double mfu = 0.094;
-  double indexer_mfu = 0.28;
+  // "Step time"): model FLOPs without the indexer's scores at 9.8% of peak (counted as 5 passes,
+  // see kCalibrationPasses; 32k keep 4.30-4.96 s, 128k stream 16k 18.6 s, 512k stream 16k + host
+  // AdamW 78.5-79.5 s and 1M 161.4-162.5 s at c7cacc5, each predicted within 3%), the indexer's
+  // quadratic scores with their selection, which run once per step, at 33% (the wgmma scorer and
+  // the three-read top-k: 9.5 s per run at 1M, 2.3 s at 512k, commit c7cacc5).
+  double mfu = 0.098;
+  double indexer_mfu = 0.33;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
