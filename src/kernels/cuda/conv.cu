@@ -44,15 +44,12 @@ __device__ __forceinline__ void store_values(__nv_bfloat16* __restrict__ p, cons
     *p = __float2bfloat16(v[0]);
 }
 
+// The V channels' taps, and the K - 1 inputs before token t0 (zero before the sequence) as the
+// window before its first shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
 template <int K, int V>
-__global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
-                            __nv_bfloat16* __restrict__ y, int64_t tokens, int64_t channels) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t t1 = min(t0 + kTile, tokens);
-  float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
+__device__ __forceinline__ void load_taps_and_halo(const __nv_bfloat16* __restrict__ x,
+                                                   const float* __restrict__ w, int64_t c, int64_t t0,
+                                                   int64_t channels, float (&wr)[V][K], float (&win)[V][K]) {
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int64_t src = t0 - K + j;
@@ -64,6 +61,18 @@ __global__ void __launch_bounds__(kThreads)
       win[v][j] = halo[v];
     }
   }
+}
+
+template <int K, int V>
+__global__ void __launch_bounds__(kThreads)
+    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+                            __nv_bfloat16* __restrict__ y, int64_t tokens, int64_t channels) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (c >= channels) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t t1 = min(t0 + kTile, tokens);
+  float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
+  load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
   for (int64_t tb = t0; tb < t1; tb += kBatch) {
     float in[kBatch][V];
 #pragma unroll
@@ -99,20 +108,9 @@ __global__ void __launch_bounds__(kThreads)
   if (c >= channels) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t t1 = min(t0 + kTile, tokens), u1 = min(t1 + K - 1, tokens);
-  float wr[V][K], win[V][K], dh[V][K], dwacc[V][K];  // dh[v][j] = da[u - (K - 1) + j, c + v]
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    const int64_t src = t0 - K + j;
-    float halo[V] = {};
-    if (j > 0 && src >= 0) load_values<V>(x + src * channels + c, halo);
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      wr[v][j] = w[(c + v) * K + j];
-      win[v][j] = halo[v];
-      dh[v][j] = 0.0f;
-      dwacc[v][j] = 0.0f;
-    }
-  }
+  float wr[V][K], win[V][K];
+  float dh[V][K] = {}, dwacc[V][K] = {};  // dh[v][j] = da[u - (K - 1) + j, c + v]
+  load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
   for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
     float xin[kBatch][V] = {}, dyin[kBatch][V] = {};  // zero past the end of the sequence
 #pragma unroll
