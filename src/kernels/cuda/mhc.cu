@@ -5,8 +5,9 @@
 //      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 4-stage cp.async
 //      ring (three in flight: the loads, not the MMAs, set the pace), each fn slice read once per
 //      tile, not once per token;
-//   2. the tiny per-token work: forward, the softmax and the 2 iters - 1 Sinkhorn passes in one
-//      thread's registers; backward, one warp per token with the stages in shared memory;
+//   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
+//      registers; backward, the same again keeping each pass's line sums in shared memory, then
+//      back through the passes, each pass's input rebuilt from its output and sums;
 //   3. the collapse (forward), or dstreams += dm fn with the RMS and collapse paths (backward), with
 //      several tokens' loads in flight per thread.
 // hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
@@ -196,68 +197,41 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int
   }
 }
 
-// Row softmax of the comb logits plus eps, into c [H, H]; lane i of the calling warp owns row i.
-// Also keeps the softmax itself in p when given.
-template <int H>
-__device__ void comb_softmax(int lane, const float* m, const float* base, float scale2, float eps, float* c,
-                             float* p) {
-  const int i = lane;
-  if (i < H) {
-    float row[H];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-      row[j] = m[2 * H + i * H + j] * scale2 + base[2 * H + i * H + j];
-      mx = fmaxf(mx, row[j]);
-    }
-    float z = 0.0f;
-#pragma unroll
-    for (int j = 0; j < H; ++j) z += (row[j] = expf(row[j] - mx));
-#pragma unroll
-    for (int j = 0; j < H; ++j) {
-      const float q = row[j] / z;
-      if (p != nullptr) p[i * H + j] = q;
-      c[i * H + j] = q + eps;
-    }
-  }
-  __syncwarp();
-}
-
-// One Sinkhorn pass from c into next (may alias c): along columns or rows; lane a of the calling
-// warp owns column or row a. Divides by the sum + eps as normalize_lines does (one reciprocal),
-// so that the backward's stages are the forward's. Stores the reciprocal per lane in inv_sums.
-template <int H>
-__device__ void sinkhorn_pass(int lane, bool columns, const float* c, float* next, float eps,
-                              float* inv_sums) {
-  const int a = lane;
-  if (a < H) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int b = 0; b < H; ++b) sum += columns ? c[b * H + a] : c[a * H + b];
-    const float r = 1.0f / (sum + eps);
-    inv_sums[a] = r;
-#pragma unroll
-    for (int b = 0; b < H; ++b) {
-      const int idx = columns ? b * H + a : a * H + b;
-      next[idx] = c[idx] * r;
-    }
-  }
-  __syncwarp();
-}
-
 // One Sinkhorn pass over a matrix in the calling thread's registers: each column (or row) divided
 // by its sum + eps, as a multiplication by the reciprocal (within an ulp of the division; H^2
-// divisions per pass would be most of the forward's Sinkhorn time).
+// divisions per pass would be most of the forward's Sinkhorn time). Keeps each line's sum + eps in
+// sums [H] when given, for the backward.
 template <int H, bool kColumns>
-__device__ __forceinline__ void normalize_lines(float (&c)[H][H], float eps) {
+__device__ __forceinline__ void normalize_lines(float (&c)[H][H], float eps, float* sums = nullptr) {
 #pragma unroll
   for (int a = 0; a < H; ++a) {
     float sum = 0.0f;
 #pragma unroll
     for (int b = 0; b < H; ++b) sum += kColumns ? c[b][a] : c[a][b];
-    const float r = 1.0f / (sum + eps);
+    const float S = sum + eps, r = 1.0f / S;
+    if (sums != nullptr) sums[a] = S;
 #pragma unroll
     for (int b = 0; b < H; ++b) (kColumns ? c[b][a] : c[a][b]) *= r;
+  }
+}
+
+// Back through one normalize_lines pass, given its output c' in c and its sums S: with r = 1 / S,
+// c' = c r along each line, so dc = (dc' - dc' . c') r; and c becomes the pass's input c' S.
+template <int H, bool kColumns>
+__device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float (&dc)[H][H],
+                                                         const float* sums) {
+#pragma unroll
+  for (int a = 0; a < H; ++a) {
+    const float S = sums[a], r = 1.0f / S;
+    float dot = 0.0f;
+#pragma unroll
+    for (int b = 0; b < H; ++b) dot = fmaf(kColumns ? dc[b][a] : dc[a][b], kColumns ? c[b][a] : c[a][b], dot);
+#pragma unroll
+    for (int b = 0; b < H; ++b) {
+      float& d = kColumns ? dc[b][a] : dc[a][b];
+      d = (d - dot) * r;
+      (kColumns ? c[b][a] : c[a][b]) *= S;
+    }
   }
 }
 
@@ -485,13 +459,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Floats of one warp's Sinkhorn backward scratch: m, g [M], p, dc [HH], the stages
-// [(passes + 1) HH] and each pass's 1 / (sum + eps) [passes H].
-template <int H>
-__host__ __device__ constexpr int sinkhorn_scratch_floats(int passes) {
-  return 2 * Tile<H>::M + 2 * Tile<H>::HH + (passes + 1) * Tile<H>::HH + passes * H;
-}
-
 // dx[tt, i] += inv[tt] dn[tt, i] - x[tt, i] corr[tt] + pre[tt, h] dcol[tt, d] for the tile, dn =
 // dm fn (i = h D + d). Thread i owns V adjacent columns with their fn [M] in registers; dm comes
 // from shared memory (broadcast). This pass moves most of the backward's bytes (dx in and out in
@@ -570,8 +537,8 @@ __device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16*
   }
 }
 
-// Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn stages forward
-// and back (warps 0 .. sinkhorn_warps - 1, one token each at a time), d_pre/d_post/d_comb (and the
+// Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes forward
+// and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and the
 // collapse) back to the mix gradient dm; then dstreams += inv dn - x inv^3 (dm . raw) / (H D) +
 // pre[h] dcol with dn = dm fn (the RMS-norm and collapse paths; add_stream_gradient). Adds the
 // tile's dbase and dscale, and leaves w = dm inv in the workspace as [tokens, M] for hc_dfn_kernel.
@@ -581,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                                     const float* scale, const float* d_pre, const float* d_post,
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
                                     float* dbase, float* dscale, float* workspace, int64_t tokens, int D,
-                                    float rms_eps, float hc_eps, int iters, int sinkhorn_warps, bool vec) {
+                                    float rms_eps, float hc_eps, int iters, int sinkhorn_threads, bool vec) {
   using T = Tile<H>;
   constexpr int M = T::M, HH = T::HH, MP = T::MP;
   extern __shared__ float4 shared_words[];
@@ -593,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   float* corr_s = inv_s + kTileTokens;                               // [64]
   float* dbase_s = corr_s + kTileTokens;                             // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
-  float* scratch = dscale_s + 3;                                     // per Sinkhorn warp
+  float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
   float* dm_s = reinterpret_cast<float*>(smem);                      // [64, MP], where the ring was
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
@@ -638,78 +605,90 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;          // and dscale_s
   __syncthreads();
 
-  if (warp < sinkhorn_warps) {
-    float* m = scratch + warp * sinkhorn_scratch_floats<H>(passes);
-    float* g = m + M;
-    float* p = g + M;
-    float* dc = p + HH;
-    float* stages = dc + HH;
-    float* inv_sums = stages + (passes + 1) * HH;
-    for (int tt = warp; tt < count; tt += sinkhorn_warps) {
-      const int64_t t = t0 + tt;
-      const float* r = raw + tt * (M + 1);
+  // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
+  // normalize_lines), in rounds of sinkhorn_threads tokens (a multiple of 32: whole warps, for the
+  // warp sums below).
+  if (static_cast<int>(threadIdx.x) < sinkhorn_threads) {
+    // Each pass's line sums + eps; an odd stride between threads keeps their stores in distinct banks.
+    float* sums = scratch + threadIdx.x * (passes * H + 1);
+    for (int round = 0; round < count; round += sinkhorn_threads) {
+      const int tt = round + static_cast<int>(threadIdx.x);
+      const bool live = tt < count;
+      const int64_t t = t0 + (live ? tt : 0);
+      const float* r = raw + (live ? tt : 0) * (M + 1);
       const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
-      for (int o = lane; o < M; o += 32) m[o] = r[o] * inv;
-      for (int k = lane; k < HH; k += 32) dc[k] = d_comb[t * HH + k];
-      __syncwarp();
-      // Forward again, keeping each stage and each pass's reciprocal sums.
-      comb_softmax<H>(lane, m, base, scale[2], hc_eps, stages, p);
-      for (int k = 0; k < passes; ++k)
-        sinkhorn_pass<H>(lane, k % 2 == 0, stages + k * HH, stages + (k + 1) * HH, hc_eps, inv_sums + k * H);
-      // Back through the passes: c' = c r along rows or columns, r = 1 / (S + eps), so dc =
-      // (dc' - dc' . c') r = (dc' - r dc' . c) r.
-      for (int k = passes - 1; k >= 0; --k) {
-        const bool columns = k % 2 == 0;
-        const float* c = stages + k * HH;
-        if (lane < H) {
-          const float r = inv_sums[k * H + lane];
-          float dot = 0.0f;
+      // Forward again: the comb softmax p, then the passes, keeping their sums.
+      float p[H][H], c[H][H], dc[H][H];
 #pragma unroll
-          for (int b = 0; b < H; ++b) {
-            const int idx = columns ? b * H + lane : lane * H + b;
-            dot = fmaf(dc[idx], c[idx], dot);
-          }
-          const float shift = dot * r;
+      for (int i = 0; i < H; ++i) {
+        float mx = -INFINITY;
 #pragma unroll
-          for (int b = 0; b < H; ++b) {
-            const int idx = columns ? b * H + lane : lane * H + b;
-            dc[idx] = (dc[idx] - shift) * r;
-          }
+        for (int j = 0; j < H; ++j) {
+          p[i][j] = r[2 * H + i * H + j] * inv * scale[2] + base[2 * H + i * H + j];
+          mx = fmaxf(mx, p[i][j]);
         }
-        __syncwarp();
+        float z = 0.0f;
+#pragma unroll
+        for (int j = 0; j < H; ++j) z += (p[i][j] = expf(p[i][j] - mx));
+#pragma unroll
+        for (int j = 0; j < H; ++j) {
+          p[i][j] = p[i][j] / z;
+          c[i][j] = p[i][j] + hc_eps;
+          dc[i][j] = live ? d_comb[t * HH + i * H + j] : 0.0f;
+        }
       }
-      if (lane < H) {
-        // Row softmax backward.
-        const int i = lane;
+      normalize_lines<H, true>(c, hc_eps, sums);
+      for (int it = 1; it < iters; ++it) {
+        normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
+        normalize_lines<H, true>(c, hc_eps, sums + 2 * it * H);
+      }
+      // Back through the passes, rebuilding each pass's input from its output.
+      for (int it = iters - 1; it >= 1; --it) {
+        normalize_lines_backward<H, true>(c, dc, sums + 2 * it * H);
+        normalize_lines_backward<H, false>(c, dc, sums + (2 * it - 1) * H);
+      }
+      normalize_lines_backward<H, true>(c, dc, sums);
+      // dc is now the gradient of p + eps: back through the row softmax, pre and post.
+      float g[M];
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
         float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < H; ++j) dot = fmaf(p[i * H + j], dc[i * H + j], dot);
+        for (int j = 0; j < H; ++j) dot = fmaf(p[i][j], dc[i][j], dot);
 #pragma unroll
-        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i * H + j] * (dc[i * H + j] - dot);
-        // pre (which also feeds the collapse) and post.
-        const int h = lane;
-        const float sp = sigmoid(m[h] * scale[0] + base[h]);
-        g[h] = dpre_s[tt * H + h] * sp * (1.0f - sp);
-        pre_s[tt * H + h] = sp + hc_eps;
-        const float so = sigmoid(m[H + h] * scale[1] + base[H + h]);
-        g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
+        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i][j] * (dc[i][j] - dot);
       }
-      __syncwarp();
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float sp = sigmoid(r[h] * inv * scale[0] + base[h]);
+        g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
+        const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
+        g[H + h] = live ? d_post[t * H + h] * 2.0f * so * (1.0f - so) : 0.0f;
+        if (live) pre_s[tt * H + h] = sp + hc_eps;
+      }
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
-      for (int o = lane; o < M; o += 32) {
+      float ds[3] = {};  // dscale's three parts
+#pragma unroll
+      for (int o = 0; o < M; ++o) {
         const float dm = g[o] * scale[group_of<H>(o)];
-        dm_s[tt * MP + o] = dm;
         dot = fmaf(dm, r[o], dot);
-        workspace[t * M + o] = dm * inv;
-        atomicAdd(dbase_s + o, g[o]);
-        atomicAdd(dscale_s + group_of<H>(o), g[o] * m[o]);
+        ds[group_of<H>(o)] += g[o] * r[o] * inv;
+        if (live) {
+          dm_s[tt * MP + o] = dm;
+          workspace[t * M + o] = dm * inv;
+        }
+        const float sum = warp_sum(g[o]);  // absent tokens add zero
+        if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);
       }
-      dot = warp_sum(dot);
-      if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const float sum = warp_sum(ds[k]);
+        if (threadIdx.x % 32 == 0) atomicAdd(dscale_s + k, sum);
+      }
+      if (live) {
         inv_s[tt] = inv;
         corr_s[tt] = inv * inv * inv * dot / static_cast<float>(K);
       }
-      __syncwarp();
     }
   }
   __syncthreads();
@@ -1008,18 +987,22 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
       static_cast<unsigned>((flat + kDfnColumns - 1) / kDfnColumns),
       static_cast<unsigned>((s.tokens + kDfnChunk * kDfnChunks - 1) / (kDfnChunk * kDfnChunks)));
   SPINDLE_HC_DISPATCH({
-    // As many warps run the Sinkhorn backward at once as their stages fit in shared memory (at
-    // hc_mult 4 and 20 iterations, all 8 in 112 KB: two blocks per SM).
+    // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
+    // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
+    // 4 and 20 iterations: 32 threads, 104 KB).
     const size_t fixed =
         Tile<H>::kCommonBytes + (kTileTokens * H + 2 * kTileTokens + Tile<H>::M + 3) * sizeof(float);
-    const size_t per_warp = static_cast<size_t>(sinkhorn_scratch_floats<H>(passes)) * sizeof(float);
-    const int warps = static_cast<int>(std::min<size_t>(kWarps, (kMaxDynamicShared - fixed) / per_warp));
-    check(warps >= 1, "hc_coefficients_backward: ", iters, " Sinkhorn iterations at hc_mult ", s.streams,
-          " need ", fixed + per_warp, " bytes of shared memory (at most ", kMaxDynamicShared, ")");
-    launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + warps * per_warp, stream,
+    const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
+    const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
+    int threads = kTileTokens;
+    while (threads > 32 && fixed + threads * per_thread > budget) threads -= 32;
+    check(fixed + threads * per_thread <= kMaxDynamicShared, "hc_coefficients_backward: ", iters,
+          " Sinkhorn iterations at hc_mult ", s.streams, " need ", fixed + threads * per_thread,
+          " bytes of shared memory (at most ", kMaxDynamicShared, ")");
+    launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
                  "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
-                 d_collapsed, dstreams, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, warps,
-                 vec);
+                 d_collapsed, dstreams, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters,
+                 threads, vec);
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
     hc_dfn_kernel<H>
