@@ -197,6 +197,27 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int
   }
 }
 
+// The row softmax of a token's comb logits (raw r [M + 1] times the RMS factor inv, the comb scale
+// and base) into p, in the calling thread's registers.
+template <int H>
+__device__ __forceinline__ void comb_softmax(const float* r, float inv, float comb_scale, const float* base,
+                                             float (&p)[H][H]) {
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+      p[i][j] = r[2 * H + i * H + j] * inv * comb_scale + base[2 * H + i * H + j];
+      mx = fmaxf(mx, p[i][j]);
+    }
+    float z = 0.0f;
+#pragma unroll
+    for (int j = 0; j < H; ++j) z += (p[i][j] = expf(p[i][j] - mx));
+#pragma unroll
+    for (int j = 0; j < H; ++j) p[i][j] = p[i][j] / z;
+  }
+}
+
 // One Sinkhorn pass over a matrix in the calling thread's registers: each column (or row) divided
 // by its sum + eps, as a multiplication by the reciprocal (within an ulp of the division; H^2
 // divisions per pass would be most of the forward's Sinkhorn time). Keeps each line's sum + eps in
@@ -268,20 +289,11 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     // Row softmax plus eps, then Sinkhorn as transformers writes it: one column pass, then
     // (iters - 1) row + column passes.
     float cm[H][H];
+    comb_softmax<H>(r, inv, scale[2], base, cm);
 #pragma unroll
-    for (int i = 0; i < H; ++i) {
-      float mx = -INFINITY;
+    for (int i = 0; i < H; ++i)
 #pragma unroll
-      for (int j = 0; j < H; ++j) {
-        cm[i][j] = r[2 * H + i * H + j] * inv * scale[2] + base[2 * H + i * H + j];
-        mx = fmaxf(mx, cm[i][j]);
-      }
-      float z = 0.0f;
-#pragma unroll
-      for (int j = 0; j < H; ++j) z += (cm[i][j] = expf(cm[i][j] - mx));
-#pragma unroll
-      for (int j = 0; j < H; ++j) cm[i][j] = cm[i][j] / z + hc_eps;
-    }
+      for (int j = 0; j < H; ++j) cm[i][j] += hc_eps;
     normalize_lines<H, true>(cm, hc_eps);
     for (int it = 0; it + 1 < iters; ++it) {
       normalize_lines<H, false>(cm, hc_eps);
@@ -619,24 +631,14 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
       // Forward again: the comb softmax p, then the passes, keeping their sums.
       float p[H][H], c[H][H], dc[H][H];
+      comb_softmax<H>(r, inv, scale[2], base, p);
 #pragma unroll
-      for (int i = 0; i < H; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < H; ++j) {
-          p[i][j] = r[2 * H + i * H + j] * inv * scale[2] + base[2 * H + i * H + j];
-          mx = fmaxf(mx, p[i][j]);
-        }
-        float z = 0.0f;
-#pragma unroll
-        for (int j = 0; j < H; ++j) z += (p[i][j] = expf(p[i][j] - mx));
+      for (int i = 0; i < H; ++i)
 #pragma unroll
         for (int j = 0; j < H; ++j) {
-          p[i][j] = p[i][j] / z;
           c[i][j] = p[i][j] + hc_eps;
           dc[i][j] = live ? d_comb[t * HH + i * H + j] : 0.0f;
         }
-      }
       normalize_lines<H, true>(c, hc_eps, sums);
       for (int it = 1; it < iters; ++it) {
         normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
