@@ -1,0 +1,171 @@
+// The routed experts' products at one streamed chunk of the 4B config (16 experts, hidden 2048,
+// intermediate 576, top-4 of 16,384 tokens: ~4,096 rows an expert), in the orders the MoE could
+// run them (docs/PERF.md, "Where the 1M step's 162 s go now"). An expert's product has 1 to 2
+// waves of output tiles on 132 SMs, so one after another on one stream each ends in a part-empty
+// wave. Timed by CUDA events (median of a few runs) with their FLOP/s:
+//   forward, today:        per expert gate and up (N = 576 each), then down;
+//   forward, stacked:      per expert [gate; up] as one product (N = 1152), then down;
+//   forward, stacked on L: the same with the experts spread over L side streams (the fewest rows
+//                          first), each stream with its own cuBLASLt workspace;
+//   down backward:         per expert dhidden = dy W_down (N = 576), one stream and L streams.
+//     build/bench_moe_experts [tokens] [lanes]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/stream.h"
+#include "cuda_timing.cuh"
+#include "kernels/cuda/gemm.h"
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+namespace {
+
+constexpr int64_t kExperts = 16, kTopk = 4, kHidden = 2048, kInter = 576;
+
+// Side streams that start after the legacy stream's work so far and that it waits for at the end.
+class Lanes {
+ public:
+  explicit Lanes(int count) : streams_(static_cast<size_t>(count)), done_(static_cast<size_t>(count)) {
+    for (int i = 0; i < count; ++i) gemms_.push_back(std::make_unique<Gemm>());
+  }
+  int count() const { return static_cast<int>(streams_.size()); }
+  cudaStream_t stream(int lane) const { return streams_[static_cast<size_t>(lane)].get(); }
+  Gemm& gemm(int lane) { return *gemms_[static_cast<size_t>(lane)]; }
+  void fork() {
+    forked_.record(nullptr);
+    for (const Stream& s : streams_) forked_.make_wait(s.get());
+  }
+  void join() {
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      done_[i].record(streams_[i].get());
+      done_[i].make_wait(nullptr);
+    }
+  }
+
+ private:
+  std::vector<Stream> streams_;
+  std::vector<std::unique_ptr<Gemm>> gemms_;
+  Event forked_{cudaEventDisableTiming};
+  std::vector<Event> done_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 16384;
+  const int lanes_wanted = argc > 2 ? std::atoi(argv[2]) : 4;
+  const int64_t D = kHidden, I = kInter, E = kExperts;
+  // Rows per expert: the mean share, each expert up to 20% above or below it (fixed pattern).
+  std::vector<int64_t> rows(static_cast<size_t>(E)), first(static_cast<size_t>(E));
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t mean = tokens * kTopk / E, jitter = (e * 7919) % 9 - 4;  // -4 .. 4 tenths of 20%
+    rows[static_cast<size_t>(e)] = std::max<int64_t>(1, mean + mean * jitter / 20);
+    first[static_cast<size_t>(e)] = n;
+    n += rows[static_cast<size_t>(e)];
+  }
+  auto x = random_bf16(n * D, 1), gate = random_bf16(E * I * D, 2), up = random_bf16(E * I * D, 3),
+       down = random_bf16(E * D * I, 4), stacked = random_bf16(E * 2 * I * D, 5), dy = random_bf16(n * D, 6);
+  DeviceBuffer<__nv_bfloat16> gu(static_cast<size_t>(n * 2 * I), MemoryCategory::Activations),
+      hidden(static_cast<size_t>(n * I), MemoryCategory::Activations),
+      out(static_cast<size_t>(n * D), MemoryCategory::Activations),
+      dhidden(static_cast<size_t>(n * I), MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+
+  Gemm gemm;
+  Lanes lanes(lanes_wanted);
+  // Each expert to the lane with the fewest rows so far, the busiest expert first.
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return rows[static_cast<size_t>(a)] > rows[static_cast<size_t>(b)];
+  });
+  std::vector<int> lane_of(static_cast<size_t>(E));
+  std::vector<int64_t> load(static_cast<size_t>(lanes.count()), 0);
+  for (const int64_t e : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    lane_of[static_cast<size_t>(e)] = static_cast<int>(least);
+    load[static_cast<size_t>(least)] += rows[static_cast<size_t>(e)];
+  }
+
+  const auto expert = [&](int64_t e, Gemm& g, cudaStream_t s, bool stack) {
+    const int64_t f = first[static_cast<size_t>(e)], m = rows[static_cast<size_t>(e)];
+    if (stack) {
+      g.linear(x.data() + f * D, stacked.data() + e * 2 * I * D, gu.data() + f * 2 * I, m, D, 2 * I, s);
+    } else {
+      g.linear(x.data() + f * D, gate.data() + e * I * D, gu.data() + f * 2 * I, m, D, I, s);
+      g.linear(x.data() + f * D, up.data() + e * I * D, hidden.data() + f * I, m, D, I, s);
+    }
+    g.linear(hidden.data() + f * I, down.data() + e * D * I, out.data() + f * D, m, I, D, s);
+  };
+  const auto down_backward = [&](int64_t e, Gemm& g, cudaStream_t s) {
+    const int64_t f = first[static_cast<size_t>(e)], m = rows[static_cast<size_t>(e)];
+    g.linear_backward_input(dy.data() + f * D, down.data() + e * D * I, dhidden.data() + f * I, m, I, D, s);
+  };
+  const double forward_flops = 2.0 * static_cast<double>(n) * D * 3 * I,
+               down_flops = 2.0 * static_cast<double>(n) * D * I;
+  const auto report = [](const char* what, double ms, double flops) {
+    std::printf("  %-34s %7.3f ms (%.0f TFLOP/s)\n", what, ms, flops / ms / 1e9);
+  };
+  std::printf("%lld experts, %lld rows (%lld to %lld an expert), hidden %lld, intermediate %lld, %d lanes:\n",
+              static_cast<long long>(E), static_cast<long long>(n),
+              static_cast<long long>(*std::min_element(rows.begin(), rows.end())),
+              static_cast<long long>(*std::max_element(rows.begin(), rows.end())), static_cast<long long>(D),
+              static_cast<long long>(I), lanes.count());
+  report("forward, gate and up apart",
+         median_ms(
+             [&] {
+               for (int64_t e = 0; e < E; ++e) expert(e, gemm, nullptr, false);
+             },
+             10),
+         forward_flops);
+  report("forward, gate and up stacked",
+         median_ms(
+             [&] {
+               for (int64_t e = 0; e < E; ++e) expert(e, gemm, nullptr, true);
+             },
+             10),
+         forward_flops);
+  report("forward, stacked, on the lanes",
+         median_ms(
+             [&] {
+               lanes.fork();
+               for (int64_t e = 0; e < E; ++e) {
+                 const int l = lane_of[static_cast<size_t>(e)];
+                 expert(e, lanes.gemm(l), lanes.stream(l), true);
+               }
+               lanes.join();
+             },
+             10),
+         forward_flops);
+  report("down backward (dy W_down)",
+         median_ms(
+             [&] {
+               for (int64_t e = 0; e < E; ++e) down_backward(e, gemm, nullptr);
+             },
+             10),
+         down_flops);
+  report("down backward, on the lanes",
+         median_ms(
+             [&] {
+               lanes.fork();
+               for (int64_t e = 0; e < E; ++e) {
+                 const int l = lane_of[static_cast<size_t>(e)];
+                 down_backward(e, lanes.gemm(l), lanes.stream(l));
+               }
+               lanes.join();
+             },
+             10),
+         down_flops);
+  return 0;
+}
