@@ -122,50 +122,33 @@ int main(int argc, char** argv) {
               static_cast<long long>(*std::min_element(rows.begin(), rows.end())),
               static_cast<long long>(*std::max_element(rows.begin(), rows.end())), static_cast<long long>(D),
               static_cast<long long>(I), lanes.count());
-  report("forward, gate and up apart",
-         median_ms(
-             [&] {
-               for (int64_t e = 0; e < E; ++e) expert(e, gemm, nullptr, false);
-             },
-             10),
-         forward_flops);
-  report("forward, gate and up stacked",
-         median_ms(
-             [&] {
-               for (int64_t e = 0; e < E; ++e) expert(e, gemm, nullptr, true);
-             },
-             10),
-         forward_flops);
-  report("forward, stacked, on the lanes",
-         median_ms(
-             [&] {
-               lanes.fork();
-               for (int64_t e = 0; e < E; ++e) {
-                 const int l = lane_of[static_cast<size_t>(e)];
-                 expert(e, lanes.gemm(l), lanes.stream(l), true);
-               }
-               lanes.join();
-             },
-             10),
-         forward_flops);
-  report("down backward (dy W_down)",
-         median_ms(
-             [&] {
-               for (int64_t e = 0; e < E; ++e) down_backward(e, gemm, nullptr);
-             },
-             10),
-         down_flops);
-  report("down backward, on the lanes",
-         median_ms(
-             [&] {
-               lanes.fork();
-               for (int64_t e = 0; e < E; ++e) {
-                 const int l = lane_of[static_cast<size_t>(e)];
-                 down_backward(e, lanes.gemm(l), lanes.stream(l));
-               }
-               lanes.join();
-             },
-             10),
-         down_flops);
+  // Every expert's work on the legacy stream with `gemm`, or each on its lane's stream and Gemm.
+  using Work = std::function<void(int64_t, Gemm&, cudaStream_t)>;
+  const auto on_one_stream = [&](const Work& work) {
+    return median_ms(
+        [&] {
+          for (int64_t e = 0; e < E; ++e) work(e, gemm, nullptr);
+        },
+        10);
+  };
+  const auto on_lanes = [&](const Work& work) {
+    return median_ms(
+        [&] {
+          lanes.fork();
+          for (int64_t e = 0; e < E; ++e) {
+            const int l = lane_of[static_cast<size_t>(e)];
+            work(e, lanes.gemm(l), lanes.stream(l));
+          }
+          lanes.join();
+        },
+        10);
+  };
+  const auto apart = [&](int64_t e, Gemm& g, cudaStream_t s) { expert(e, g, s, false); };
+  const auto stacked_work = [&](int64_t e, Gemm& g, cudaStream_t s) { expert(e, g, s, true); };
+  report("forward, gate and up apart", on_one_stream(apart), forward_flops);
+  report("forward, gate and up stacked", on_one_stream(stacked_work), forward_flops);
+  report("forward, stacked, on the lanes", on_lanes(stacked_work), forward_flops);
+  report("down backward (dy W_down)", on_one_stream(down_backward), down_flops);
+  report("down backward, on the lanes", on_lanes(down_backward), down_flops);
   return 0;
 }

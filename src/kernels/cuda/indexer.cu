@@ -147,12 +147,12 @@ __global__ void __launch_bounds__(kThreads)
 
   const int64_t visible = min(pools, (t + 1) / kp);
   const int64_t chosen = min(topk / kp, visible);
+  const auto row_key = [scores](int64_t p) { return ordered(scores[p]); };
   if (chosen > 0) {
     // The threshold: the chosen-th largest key, and how many of the keys equal to it to take.
     const bool all = chosen == visible;
     unsigned threshold = 0, equal_taken = 0;
     if (!all) {
-      const auto row_key = [scores](int64_t p) { return ordered(scores[p]); };
       unsigned k = static_cast<unsigned>(chosen), bin = 0;
       histogram_pass(row_key, visible, 0u, 0u, 32 - kHeadBits, kHeadBins, hist);
       threshold_bin(hist, kHeadBins, k, bin, scan_shared, found);
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 32; ++i) {
         const int64_t p = (segment / 32 + warp * 32 + i) * 32 + lane;
         const bool valid = p < visible;
-        const unsigned u = valid ? ordered(scores[p]) : 0u;
+        const unsigned u = valid ? row_key(p) : 0u;
         const unsigned a = __ballot_sync(kFull, valid && (all || u > threshold));
         const unsigned e = __ballot_sync(kFull, valid && !all && u == threshold);
         if (lane == i) {
