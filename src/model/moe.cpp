@@ -45,8 +45,9 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t 
     gate.resize(static_cast<size_t>(n * I));
     up.resize(static_cast<size_t>(n * I));
     down.resize(static_cast<size_t>(n * D));
-    linear(gathered.data(), w.experts_gate.data<T>() + e * I * D, gate.data(), n, D, I);
-    linear(gathered.data(), w.experts_up.data<T>() + e * I * D, up.data(), n, D, I);
+    const T* wg = w.experts_gate_up.data<T>() + e * 2 * I * D;
+    linear(gathered.data(), wg, gate.data(), n, D, I);
+    linear(gathered.data(), wg + I * D, up.data(), n, D, I);
     clamped_swiglu(gate.data(), up.data(), gate.data(), n * I, c.swiglu_limit);
     linear(gate.data(), w.experts_down.data<T>() + e * D * I, down.data(), n, I, D);
     for (int64_t r = 0; r < n; ++r) {
@@ -87,8 +88,8 @@ void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t
       std::copy(x + token * D, x + (token + 1) * D, gathered.begin() + r * D);
     }
     sized(gate, n * I), sized(up, n * I), sized(hidden, n * I), sized(out, n * D);
-    const T* wg = w.experts_gate.data<T>() + e * I * D;
-    const T* wu = w.experts_up.data<T>() + e * I * D;
+    const T* wg = w.experts_gate_up.data<T>() + e * 2 * I * D;
+    const T* wu = wg + I * D;
     const T* wd = w.experts_down.data<T>() + e * D * I;
     linear(gathered.data(), wg, gate.data(), n, D, I);
     linear(gathered.data(), wu, up.data(), n, D, I);
@@ -110,10 +111,9 @@ void moe_backward(const ModelConfig& c, const MoeWeights& w, const T* x, int64_t
                     n, I, D);
     clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), dgate.data(), dup.data(), n * I,
                             c.swiglu_limit);
-    linear_backward(gathered.data(), wg, dgate.data(), dgathered.data(),
-                    grad.experts_gate.data<T>() + e * I * D, n, D, I);
-    linear_backward(gathered.data(), wu, dup.data(), dgathered.data(), grad.experts_up.data<T>() + e * I * D,
-                    n, D, I);
+    T* dwg = grad.experts_gate_up.data<T>() + e * 2 * I * D;
+    linear_backward(gathered.data(), wg, dgate.data(), dgathered.data(), dwg, n, D, I);
+    linear_backward(gathered.data(), wu, dup.data(), dgathered.data(), dwg + I * D, n, D, I);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t token = list[static_cast<size_t>(r)] / k;
       for (int64_t d = 0; d < D; ++d) dx[token * D + d] += dgathered[static_cast<size_t>(r * D + d)];

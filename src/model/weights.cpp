@@ -89,8 +89,7 @@ ModelWeights build_weights(const ModelConfig& c, DType dtype, const WeightFactor
       const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
       m.router = make({E, D});
       m.correction_bias = make_tensor({E}, kFp32);
-      m.experts_gate = make({E, I, D});
-      m.experts_up = make({E, I, D});
+      m.experts_gate_up = make({E, 2 * I, D});
       m.experts_down = make({E, D, I});
       m.shared = make_mlp(D, I * c.n_shared_experts, make_tensor);
     }
@@ -171,8 +170,10 @@ std::vector<Param> parameter_table(const ModelConfig& c, ModelWeights& w) {
       add(p + "mlp.gate.e_score_correction_bias", m.correction_bias, ParamRole::RouterBias);
       for (int64_t e = 0; e < c.n_routed_experts; ++e) {
         const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-        add(x + "gate_proj.weight", m.experts_gate.select(e), ParamRole::Matrix);
-        add(x + "up_proj.weight", m.experts_up.select(e), ParamRole::Matrix);
+        const Tensor gate_up = m.experts_gate_up.select(e);
+        const int64_t I = c.moe_intermediate_size, D = c.hidden_size;
+        add(x + "gate_proj.weight", gate_up.block(0, {I, D}), ParamRole::Matrix);
+        add(x + "up_proj.weight", gate_up.block(I * D, {I, D}), ParamRole::Matrix);
         add(x + "down_proj.weight", m.experts_down.select(e), ParamRole::Matrix);
       }
       add_mlp(p + "mlp.shared_experts.", m.shared);

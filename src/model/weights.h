@@ -61,10 +61,11 @@ struct MlpWeights {
 struct MoeWeights {
   Tensor router;           // [experts, hidden]
   Tensor correction_bias;  // [experts]: e_score_correction_bias, a buffer, not a trained weight
-  Tensor experts_gate;     // [experts, moe_intermediate, hidden]
-  Tensor experts_up;       // [experts, moe_intermediate, hidden]
-  Tensor experts_down;     // [experts, hidden, moe_intermediate]
-  MlpWeights shared;       // intermediate = moe_intermediate * n_shared_experts
+  // [experts, 2 moe_intermediate, hidden]: each expert's gate rows, then its up rows, so that the
+  // GPU multiplies both in one product (the table names them apart, as checkpoints do).
+  Tensor experts_gate_up;
+  Tensor experts_down;  // [experts, hidden, moe_intermediate]
+  MlpWeights shared;    // intermediate = moe_intermediate * n_shared_experts
 };
 
 struct LayerWeights {

@@ -1,11 +1,12 @@
 // What every GPU module call shares: the stream, the GEMM plans, the fused head, the expert
-// permutation's workspace, the kernel record and the timer.
+// permutation's workspace and the experts' side streams, the kernel record and the timer.
 #pragma once
 
 #include "backend/cuda/stream.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/lm_loss.h"
 #include "kernels/cuda/moe_ops.h"
+#include "model/cuda/expert_lanes.h"
 #include "model/cuda/kernel_record.h"
 #include "model/cuda/kind_timer.h"
 
@@ -24,6 +25,7 @@ struct Context {
   Gemm gemm;
   LmHeadLoss head;
   ExpertPermutation permutation;
+  ExpertLanes lanes;  // side streams for the routed experts' products
   KernelRecord record;
   KindTimer* timer = nullptr;  // GPU time per kind of work, when someone is measuring
 

@@ -1,6 +1,9 @@
 // The feed-forward sublayers on the GPU: the dense SwiGLU MLP and the routed experts (router,
-// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, weighted
-// deterministic combine) plus the shared expert. CPU reference: model/mlp.cpp, model/moe.cpp.
+// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, the experts
+// spread over side streams (expert_lanes.h) while the shared expert runs on the main stream,
+// weighted deterministic combine). CPU reference: model/mlp.cpp, model/moe.cpp.
+#include <string>
+
 #include "kernels/cuda/balance_loss.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/moe_dispatch.h"
@@ -58,6 +61,7 @@ struct Routing {
   DeviceBuffer<float> logits, weight;
   DeviceBuffer<int32_t> expert, counts, offsets, permutation, inverse;
   std::vector<int32_t> host_offsets;  // [experts + 1], once the caller has them (wait_for_offsets)
+  std::vector<int> lane;              // [experts]: the side stream of each expert's products
   DeviceBuffer<bf16> rows;            // [assignments, hidden]: the gathered inputs
 };
 
@@ -83,58 +87,62 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   r.rows = activations(n * D);
   gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), s);
   ctx.permutation.download_offsets(r.offsets.data(), E, s);  // for_each_expert waits for them
-  ctx.record.note("moe/experts", "cublaslt per expert over sorted rows");
+  ctx.record.note("moe/experts", "cublaslt per expert over sorted rows, on " +
+                                     std::to_string(ExpertLanes::kLanes) + " streams");
   return r;
 }
 
 // The per-expert products need the row offsets on the host: route() queued their copy, so that the
 // caller can queue work that does not need them (the shared expert) before it waits here.
-void wait_for_offsets(Context& ctx, Routing& r) { r.host_offsets = ctx.permutation.host_offsets(); }
+void wait_for_offsets(Context& ctx, Routing& r) {
+  r.host_offsets = ctx.permutation.host_offsets();
+  r.lane = ExpertLanes::assign(r.host_offsets);
+}
 
-// Calls f(expert, first row, rows) for every expert with at least one row.
+// Calls f(expert, first row, rows, gemm, stream) for every expert with at least one row, with its
+// lane's GEMM plans and stream (between ctx.lanes.fork and join).
 template <class F>
-void for_each_expert(const Routing& r, F f) {
+void for_each_expert(Context& ctx, const Routing& r, F f) {
   for (size_t e = 0; e + 1 < r.host_offsets.size(); ++e) {
     const int64_t first = r.host_offsets[e], rows = r.host_offsets[e + 1] - first;
-    if (rows > 0) f(static_cast<int64_t>(e), first, rows);
+    const int lane = r.lane[e];
+    if (rows > 0) f(static_cast<int64_t>(e), first, rows, ctx.lanes.gemm(lane), ctx.lanes.stream(lane));
   }
 }
 
-// gate, up and hidden = swiglu(gate, up) of every assignment row, and the experts' outputs.
-struct ExpertActivations {
-  DeviceBuffer<bf16> gate, up, hidden, out;
-};
-
-ExpertActivations run_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
-                              int64_t n) {
+// Queues each expert's forward on its lane (after fork; the caller joins): [gate | up] = x
+// W_gate_up^T in one product ([rows, 2I]: gate and up are each row's halves), hidden =
+// swiglu(gate, up), out = hidden W_down^T.
+void queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r, bf16* gate_up,
+                   bf16* hidden, bf16* out) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
-  const cudaStream_t s = ctx.stream();
-  ExpertActivations a{activations(n * I), activations(n * I), activations(n * I), activations(n * D)};
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate) + e * I * D,
-                    a.gate.data() + first * I, rows, D, I, s);
-    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_up) + e * I * D, a.up.data() + first * I,
-                    rows, D, I, s);
+  const auto limit = static_cast<float>(c.swiglu_limit);
+  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t s) {
+    bf16 *gu = gate_up + first * 2 * I, *h = hidden + first * I;
+    gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D, gu, rows, D, 2 * I,
+                s);
+    clamped_swiglu_halves_forward(gu, h, rows, I, limit, s);
+    if (out != nullptr) gemm.linear(h, bf16_data(w.experts_down) + e * D * I, out + first * D, rows, I, D, s);
   });
-  clamped_swiglu_forward(a.gate.data(), a.up.data(), a.hidden.data(), n * I,
-                         static_cast<float>(c.swiglu_limit), s);
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    ctx.gemm.linear(a.hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I,
-                    a.out.data() + first * D, rows, I, D, s);
-  });
-  return a;
 }
 
 }  // namespace
 
 void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L, bf16* y,
                  std::vector<int64_t>* load, float* router_logits) {
-  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
+                k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   Routing r = route(ctx, c, w, x, L);
-  DeviceBuffer<bf16> shared = activations(L * D);
-  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());
+  // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
+  // the main stream frees meanwhile (the shared expert's) must not reach them.
+  DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I), out = activations(n * D),
+                     shared = activations(L * D);
+  ctx.lanes.fork(s);
+  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());  // while the host waits for the offsets
   wait_for_offsets(ctx, r);
+  queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), out.data());
+  ctx.lanes.join(s);
   if (load != nullptr) {
     load->assign(static_cast<size_t>(E), 0);
     for (int64_t e = 0; e < E; ++e)
@@ -144,8 +152,7 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   if (router_logits != nullptr)
     SPINDLE_CUDA(
         cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
-  ExpertActivations a = run_experts(ctx, c, w, r, n);
-  combine_expert_rows(a.out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
+  combine_expert_rows(out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
 }
 
 void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
@@ -154,58 +161,38 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
-  Gemm& gemm = ctx.gemm;
   Routing r = route(ctx, c, w, x, L);
+  // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
+  // the main stream frees meanwhile (the shared expert's) must not reach them.
+  DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),
+                     dy_rows = activations(n * D), dhidden = activations(n * I);
+  DeviceBuffer<float> dweight = activations_f32(n);
+  gather_expert_rows(dy, r.permutation.data(), n, k, D, dy_rows.data(), s);
+  ctx.lanes.fork(s);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
   wait_for_offsets(ctx, r);
   // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
-  // (dy W_down) . hidden, and dy W_down is the product the hidden's gradient needs anyway. Gate and
-  // up are the halves of each row of gate_up [n, 2I], so that their gradients there, against each
-  // expert's gate and up weights stacked [2I, D], give the rows' input gradient in one product,
-  // summed in fp32 and rounded once.
-  DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I);
-  const auto gate_at = [&](int64_t first) { return gate_up.data() + first * 2 * I; };
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    const bf16* x_rows = r.rows.data() + first * D;
-    gemm.matmul(true, false, I, rows, D, bf16_data(w.experts_gate) + e * I * D, D, x_rows, D, gate_at(first),
-                CUDA_R_16BF, 2 * I, 1.0f, 0.0f, s);
-    gemm.matmul(true, false, I, rows, D, bf16_data(w.experts_up) + e * I * D, D, x_rows, D,
-                gate_at(first) + I, CUDA_R_16BF, 2 * I, 1.0f, 0.0f, s);
-  });
-  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
-
-  // y[t] += weight * out with out = hidden W_down^T: from g = dy W_down per sorted row, dweight =
-  // g . hidden, the hidden's gradient weight * g, the down weight's dy^T (weight * hidden).
-  DeviceBuffer<bf16> dy_rows = activations(n * D), dhidden = activations(n * I);
-  gather_expert_rows(dy, r.permutation.data(), n, k, D, dy_rows.data(), s);
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    gemm.linear_backward_input(dy_rows.data() + first * D, bf16_data(w.experts_down) + e * D * I,
-                               dhidden.data() + first * I, rows, I, D, s);
-  });
-  DeviceBuffer<float> dweight = activations_f32(n);
-  expert_down_backward(r.permutation.data(), r.weight.data(), n, I, dhidden.data(), hidden.data(),
-                       dweight.data(), s);
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    gemm.linear_backward_weight(dy_rows.data() + first * D, hidden.data() + first * I,
-                                f32_data(grad.experts_down) + e * D * I, rows, I, D, s);
-  });
-  clamped_swiglu_halves_backward(gate_up.data(), dhidden.data(), n, I, limit, s);
-  // Each expert's gate and up weights stacked [2I, D] in turn, in one block the stream reuses.
-  DeviceBuffer<bf16> stacked = activations(2 * I * D);
-  const size_t block = static_cast<size_t>(I * D) * sizeof(bf16);
+  // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
+  queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
   DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
-  for_each_expert(r, [&](int64_t e, int64_t first, int64_t rows) {
-    const bf16* x_rows = r.rows.data() + first * D;
-    gemm.matmul(false, true, D, I, rows, x_rows, D, gate_at(first), 2 * I,
-                f32_data(grad.experts_gate) + e * I * D, CUDA_R_32F, D, 1.0f, 1.0f, s);
-    gemm.matmul(false, true, D, I, rows, x_rows, D, gate_at(first) + I, 2 * I,
-                f32_data(grad.experts_up) + e * I * D, CUDA_R_32F, D, 1.0f, 1.0f, s);
-    SPINDLE_CUDA(cudaMemcpyAsync(stacked.data(), bf16_data(w.experts_gate) + e * I * D, block,
-                                 cudaMemcpyDeviceToDevice, s));
-    SPINDLE_CUDA(cudaMemcpyAsync(stacked.data() + I * D, bf16_data(w.experts_up) + e * I * D, block,
-                                 cudaMemcpyDeviceToDevice, s));
-    gemm.linear_backward_input(gate_at(first), stacked.data(), drows.data() + first * D, rows, D, 2 * I, s);
+  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t ls) {
+    const bf16 *x_rows = r.rows.data() + first * D, *dy_e = dy_rows.data() + first * D;
+    bf16 *gu = gate_up.data() + first * 2 * I, *h = hidden.data() + first * I,
+         *dh = dhidden.data() + first * I;
+    // y[t] += weight * out with out = hidden W_down^T: from g, dweight = g . hidden, the hidden's
+    // gradient weight * g, the down weight's dy^T (weight * hidden).
+    gemm.linear_backward_input(dy_e, bf16_data(w.experts_down) + e * D * I, dh, rows, I, D, ls);
+    expert_down_backward(r.permutation.data() + first, r.weight.data(), rows, I, dh, h, dweight.data(), ls);
+    gemm.linear_backward_weight(dy_e, h, f32_data(grad.experts_down) + e * D * I, rows, I, D, ls);
+    // Gate's and up's gradients are the halves of gu's rows: against the expert's stacked [2I, D]
+    // weights they give the rows' input gradient in one product, summed in fp32 and rounded once.
+    clamped_swiglu_halves_backward(gu, dh, rows, I, limit, ls);
+    gemm.linear_backward_weight(gu, x_rows, f32_data(grad.experts_gate_up) + e * 2 * I * D, rows, D, 2 * I,
+                                ls);
+    gemm.linear_backward_input(gu, bf16_data(w.experts_gate_up) + e * 2 * I * D, drows.data() + first * D,
+                               rows, D, 2 * I, ls);
   });
+  ctx.lanes.join(s);
   scatter_expert_rows_backward(drows.data(), r.inverse.data(), L, k, D, dx, s);
 
   // The router: through the routing weights, plus the balance loss.
@@ -217,8 +204,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                           dlogits.data(), s);
   DeviceBuffer<bf16> dlogits16 = activations(L * E);
   f32_to_bf16(dlogits.data(), dlogits16.data(), L * E, s);
-  gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
-  gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
+  ctx.gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
+  ctx.gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
 }
 
 }  // namespace spindle::cuda
