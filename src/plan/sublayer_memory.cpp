@@ -178,38 +178,32 @@ Blocks route(Ledger& m, const Shapes& s, int64_t L) {
   return r;
 }
 
-// run_experts: gate, up, hidden of every routed row, and the experts' outputs.
-Blocks run_experts(Ledger& m, const Shapes& s, int64_t L) {
-  const int64_t rows = routed_rows(s, L);
-  Blocks a;
-  for (int i = 0; i < 3; ++i) a.push_back(bf16(m, rows * s.moe_inter));
-  a.push_back(bf16(m, rows * s.hidden));
-  return a;
-}
-
-// The shared expert first: it runs while the host waits for the routed rows' offsets.
+// The experts' gate and up (the halves of one [rows, 2 inter] block), hidden and outputs, and the
+// shared expert's output, all before the experts' side streams fork; then the shared expert on the
+// main stream while the host waits for the routed rows' offsets.
 void moe_forward(Ledger& m, const Shapes& s, int64_t L) {
-  Blocks r = route(m, s, L);
-  Ledger::Block shared = bf16(m, L * s.hidden);
+  const int64_t rows = routed_rows(s, L);
+  Blocks r = route(m, s, L), a;
+  a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
+  a.push_back(bf16(m, rows * s.moe_inter));      // hidden
+  a.push_back(bf16(m, rows * s.hidden));         // out
+  a.push_back(bf16(m, L * s.hidden));            // shared
   mlp_forward(m, L, s.shared_inter);
-  Blocks a = run_experts(m, s, L);
 }
 
-// The experts' gate and up (as the halves of one [rows, 2 inter] block) and hidden again (not their
-// output), then dy gathered to the sorted rows and the hidden's gradient, and each expert's gate and
-// up weights stacked for the input gradient, one expert at a time.
+// The experts' gate and up and hidden again (not their output), dy gathered to the sorted rows and
+// the hidden's gradient, then the shared expert's backward while the host waits for the offsets.
 void moe_backward(Ledger& m, const Shapes& s, int64_t L) {
   const int64_t rows = routed_rows(s, L);
   Blocks r = route(m, s, L), a;
-  mlp_backward(m, L, s.shared_inter);                // while the host waits for the offsets
-  a.push_back(bf16(m, rows * 2 * s.moe_inter));      // gate_up
-  a.push_back(bf16(m, rows * s.moe_inter));          // hidden
-  a.push_back(bf16(m, rows * s.hidden));             // dy_rows
-  a.push_back(bf16(m, rows * s.moe_inter));          // dhidden
-  a.push_back(f32(m, L * s.topk));                   // dweight
-  a.push_back(bf16(m, 2 * s.moe_inter * s.hidden));  // one expert's stacked weights
-  a.push_back(f32(m, L * s.experts));                // dlogits
-  a.push_back(bf16(m, L * s.experts));               // dlogits16
+  a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
+  a.push_back(bf16(m, rows * s.moe_inter));      // hidden
+  a.push_back(bf16(m, rows * s.hidden));         // dy_rows
+  a.push_back(bf16(m, rows * s.moe_inter));      // dhidden
+  a.push_back(f32(m, L * s.topk));               // dweight
+  mlp_backward(m, L, s.shared_inter);
+  a.push_back(f32(m, L * s.experts));   // dlogits
+  a.push_back(bf16(m, L * s.experts));  // dlogits16
 }
 
 }  // namespace
