@@ -8,8 +8,9 @@
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
 //      registers; backward, the same again keeping each pass's line sums in shared memory, then
 //      back through the passes, each pass's input rebuilt from its output and sums;
-//   3. the collapse (forward), or dstreams += dm fn with the RMS and collapse paths (backward), with
-//      several tokens' loads in flight per thread.
+//   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
+//      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
+//      (hc_stream_gradient_kernel), whose blocks come in many waves.
 // hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
 // RMS factor (left by the backward in its workspace), is a tensor-core GEMM over 1024-token chunks.
 //
@@ -82,6 +83,19 @@ struct Tile {
   static_assert(kTileTokens * MP * sizeof(float) <= kRawOffset, "dm must fit where the ring was");
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
 };
+
+// What hc_coefficients_backward_kernel leaves in its workspace for hc_dfn_kernel (w) and
+// hc_stream_gradient_kernel (all three): w = dm inv [tokens, M], corr = inv^3 (dm . raw) / K [tokens],
+// pre [tokens, H]; hc_coefficients_backward_workspace sizes it.
+template <class F>  // float or const float
+struct StreamGradientInputs {
+  F *w, *corr, *pre;
+};
+template <int H, class F>
+__device__ __forceinline__ StreamGradientInputs<F> stream_gradient_inputs(F* workspace, int64_t tokens) {
+  F* corr = workspace + tokens * Tile<H>::M;
+  return {workspace, corr, corr + tokens};
+}
 
 // Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends and in
 // fn's padding rows), as one commit group (empty past K). `vec` (D % 8 == 0, 16-byte aligned
@@ -471,78 +485,95 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dx[tt, i] += inv[tt] dn[tt, i] - x[tt, i] corr[tt] + pre[tt, h] dcol[tt, d] for the tile, dn =
-// dm fn (i = h D + d). Thread i owns V adjacent columns with their fn [M] in registers; dm comes
-// from shared memory (broadcast). This pass moves most of the backward's bytes (dx in and out in
-// fp32), so it keeps loads in flight: kBatch tokens' dx, x and dcol at a time, and the next batch's
-// issued before this one is used (two batches fit the registers with x and dcol kept as bf16).
+// The stream gradient, a pass of its own after hc_coefficients_backward_kernel has left each token's
+// w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] += dn[t, i] - x[t, i] corr[t] + pre[t, h]
+// dcol[t, d] with dn = w fn (i = h D + d). A block takes kThreads V columns of a 64-token tile; thread
+// i owns V adjacent columns with their fn [M] in registers, w comes from shared memory (broadcast).
+// This pass moves most of the backward's bytes (dx in and out in fp32), so it keeps loads in flight:
+// kBatch tokens' dx, x and dcol at a time, and the next batch's issued before this one is used (two
+// batches fit the registers with x and dcol kept as bf16); and, unlike the tile kernel's phases, its
+// blocks come in many waves, so that one block's loads overlap another's arithmetic.
 template <int H, int V>
-__device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16* dcol, const float* fn,
-                                    const float* dm_s, const float* inv_s, const float* corr_s,
-                                    const float* pre_s, float* dx, int count, int D) {
+__global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
+    hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
+                              const float* workspace, float* dstreams, int64_t tokens, int D) {
   // Two batches of 4: of 6 or 8 they spill at the 128 registers of two blocks per SM.
   constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 4;
+  __shared__ __align__(16) float w_s[kTileTokens * MP];
+  __shared__ float corr_s[kTileTokens], pre_s[kTileTokens * H];
   const int K = H * D;
-  for (int i = threadIdx.x * V; i < K; i += kThreads * V) {
-    float f[MP][V];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
+  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
+  for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) {
+    const int tt = e / MP, o = e % MP;
+    w_s[e] = tt < count && o < M ? in.w[(t0 + tt) * M + o] : 0.0f;
+  }
+  for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
+  for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
+  __syncthreads();
+  const int i = (static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x)) * V;
+  if (i >= K) return;
+  const __nv_bfloat16* x = streams + t0 * K;
+  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
+  float* dx = dstreams + t0 * K;
+  float f[MP][V];
 #pragma unroll
-    for (int o = 0; o < MP; ++o) {
-      if (o < M) {
-        load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
-      } else {
+  for (int o = 0; o < MP; ++o) {
+    if (o < M) {
+      load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
+    } else {
 #pragma unroll
-        for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
-      }
+      for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
-    const int h = i / D, d = i % D;  // V divides D: the V columns share h
-    // Two batches, [0] for batches 0, 2, 4, ... and [1] for 1, 3, 5, ...
-    Packed<float, V> g[2][kBatch];
-    Packed<__nv_bfloat16, V> xv[2][kBatch], cv[2][kBatch];
+  }
+  const int h = i / D, d = i % D;  // V divides D: the V columns share h
+  // Two batches, [0] for batches 0, 2, 4, ... and [1] for 1, 3, 5, ...
+  Packed<float, V> g[2][kBatch];
+  Packed<__nv_bfloat16, V> xv[2][kBatch], cv[2][kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (b < count) {
-        g[0][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(b) * K + i);
-        xv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(b) * K + i);
-        cv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + b * D + d);
-      }
+  for (int b = 0; b < kBatch; ++b) {
+    if (b < count) {
+      g[0][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(b) * K + i);
+      xv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(b) * K + i);
+      cv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + b * D + d);
     }
-    for (int tt0 = 0; tt0 < count; tt0 += 2 * kBatch) {
+  }
+  for (int tt0 = 0; tt0 < count; tt0 += 2 * kBatch) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int now = tt0 + half * kBatch, next = now + kBatch;
+    for (int half = 0; half < 2; ++half) {
+      const int now = tt0 + half * kBatch, next = now + kBatch;
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int tt = next + b;
-          if (tt < count) {
-            g[1 - half][b] =
-                *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(tt) * K + i);
-            xv[1 - half][b] =
-                *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
-            cv[1 - half][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
-          }
+      for (int b = 0; b < kBatch; ++b) {
+        const int tt = next + b;
+        if (tt < count) {
+          g[1 - half][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(tt) * K + i);
+          xv[1 - half][b] =
+              *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
+          cv[1 - half][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
         }
+      }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int tt = now + b;
-          if (tt < count) {
-            const float* dmr = dm_s + tt * MP;
-            float dn[V] = {};
+      for (int b = 0; b < kBatch; ++b) {
+        const int tt = now + b;
+        if (tt < count) {
+          const float* wr = w_s + tt * MP;
+          float dn[V] = {};
 #pragma unroll
-            for (int o = 0; o < MP; o += 4) {
-              const float4 q = *reinterpret_cast<const float4*>(dmr + o);
-#pragma unroll
-              for (int v = 0; v < V; ++v)
-                dn[v] = fmaf(q.x, f[o][v],
-                             fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
-            }
-            const float inv = inv_s[tt], corr = corr_s[tt], ph = pre_s[tt * H + h];
-            float out[V];
+          for (int o = 0; o < MP; o += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(wr + o);
 #pragma unroll
             for (int v = 0; v < V; ++v)
-              out[v] = g[half][b].v[v] + inv * dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
-                       ph * __bfloat162float(cv[half][b].v[v]);
-            store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
+              dn[v] = fmaf(q.x, f[o][v],
+                           fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
           }
+          const float corr = corr_s[tt], ph = pre_s[tt * H + h];
+          float out[V];
+#pragma unroll
+          for (int v = 0; v < V; ++v)
+            out[v] = g[half][b].v[v] + dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
+                     ph * __bfloat162float(cv[half][b].v[v]);
+          store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
         }
       }
     }
@@ -551,29 +582,27 @@ __device__ void add_stream_gradient(const __nv_bfloat16* x, const __nv_bfloat16*
 
 // Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes forward
 // and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and the
-// collapse) back to the mix gradient dm; then dstreams += inv dn - x inv^3 (dm . raw) / (H D) +
-// pre[h] dcol with dn = dm fn (the RMS-norm and collapse paths; add_stream_gradient). Adds the
-// tile's dbase and dscale, and leaves w = dm inv in the workspace as [tokens, M] for hc_dfn_kernel.
+// collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv,
+// corr = inv^3 (dm . raw) / (H D) and pre in the workspace (StreamGradientInputs) for hc_dfn_kernel
+// and hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse
+// paths.
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
                                     const float* scale, const float* d_pre, const float* d_post,
-                                    const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
-                                    float* dbase, float* dscale, float* workspace, int64_t tokens, int D,
-                                    float rms_eps, float hc_eps, int iters, int sinkhorn_threads, bool vec) {
+                                    const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
+                                    float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
+                                    float hc_eps, int iters, int sinkhorn_threads, bool vec) {
   using T = Tile<H>;
-  constexpr int M = T::M, HH = T::HH, MP = T::MP;
+  constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
   const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
-  float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
   float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
-  float* inv_s = dpre_s + kTileTokens * H;                           // [64]
-  float* corr_s = inv_s + kTileTokens;                               // [64]
-  float* dbase_s = corr_s + kTileTokens;                             // [M]
+  float* dbase_s = dpre_s + kTileTokens * H;                         // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
   float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
-  float* dm_s = reinterpret_cast<float*>(smem);                      // [64, MP], where the ring was
+  const StreamGradientInputs<float> out = stream_gradient_inputs<H>(workspace, tokens);
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
@@ -613,8 +642,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       if (lane == 0) dpre_s[tt * H + h] = s + (d_pre != nullptr ? d_pre[(t0 + tt) * H + h] : 0.0f);
     }
   }
-  for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) dm_s[e] = 0.0f;  // padding and absent tokens
-  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;          // and dscale_s
+  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;  // and dscale_s
   __syncthreads();
 
   // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
@@ -666,7 +694,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
         const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
         g[H + h] = live ? d_post[t * H + h] * 2.0f * so * (1.0f - so) : 0.0f;
-        if (live) pre_s[tt * H + h] = sp + hc_eps;
+        if (live) out.pre[t * H + h] = sp + hc_eps;
       }
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
       float ds[3] = {};  // dscale's three parts
@@ -675,10 +703,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         const float dm = g[o] * scale[group_of<H>(o)];
         dot = fmaf(dm, r[o], dot);
         ds[group_of<H>(o)] += g[o] * r[o] * inv;
-        if (live) {
-          dm_s[tt * MP + o] = dm;
-          workspace[t * M + o] = dm * inv;
-        }
+        if (live) workspace[t * M + o] = dm * inv;
         const float sum = warp_sum(g[o]);  // absent tokens add zero
         if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);
       }
@@ -687,21 +712,13 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         const float sum = warp_sum(ds[k]);
         if (threadIdx.x % 32 == 0) atomicAdd(dscale_s + k, sum);
       }
-      if (live) {
-        inv_s[tt] = inv;
-        corr_s[tt] = inv * inv * inv * dot / static_cast<float>(K);
-      }
+      if (live) out.corr[t] = inv * inv * inv * dot / static_cast<float>(K);
     }
   }
   __syncthreads();
 
   for (int o = threadIdx.x; o < M; o += kThreads) atomicAdd(dbase + o, dbase_s[o]);
   if (threadIdx.x < 3) atomicAdd(dscale + threadIdx.x, dscale_s[threadIdx.x]);
-  float* dx = dstreams + t0 * K;
-  if (vec)
-    add_stream_gradient<H, M <= 24 ? 2 : 1>(x, dcol, fn, dm_s, inv_s, corr_s, pre_s, dx, count, D);
-  else
-    add_stream_gradient<H, 1>(x, dcol, fn, dm_s, inv_s, corr_s, pre_s, dx, count, D);
 }
 
 constexpr int kDfnColumns = 128;  // columns of x and dfn per block: two 8-column MMA tiles per warp
@@ -992,8 +1009,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
     // 4 and 20 iterations: 32 threads, 104 KB).
-    const size_t fixed =
-        Tile<H>::kCommonBytes + (kTileTokens * H + 2 * kTileTokens + Tile<H>::M + 3) * sizeof(float);
+    const size_t fixed = Tile<H>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
     int threads = kTileTokens;
@@ -1003,8 +1019,18 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
           " bytes of shared memory (at most ", kMaxDynamicShared, ")");
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
                  "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
-                 d_collapsed, dstreams, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters,
-                 threads, vec);
+                 d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
+    const auto stream_pass = [&](auto kernel, int V) {
+      const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
+                      static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
+      kernel<<<grid, kThreads, 0, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D);
+    };
+    constexpr int kPair = Tile<H>::M <= 24 ? 2 : 1;  // two columns a thread fit the registers
+    if (vec)
+      stream_pass(hc_stream_gradient_kernel<H, kPair>, kPair);
+    else
+      stream_pass(hc_stream_gradient_kernel<H, 1>, 1);
+    SPINDLE_LAUNCHED("hc_stream_gradient_kernel");
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
     hc_dfn_kernel<H>
