@@ -17,10 +17,7 @@ uint32_t alignment_of(const void* pointer) {
 
 }  // namespace
 
-Gemm::Gemm() {
-  SPINDLE_CUBLAS(cublasLtCreate(&handle_));
-  SPINDLE_CUDA(cudaMalloc(&workspace_, workspace_bytes_));
-}
+Gemm::Gemm() { SPINDLE_CUBLAS(cublasLtCreate(&handle_)); }
 
 Gemm::~Gemm() {
   for (auto& [key, p] : plans_) {
@@ -29,8 +26,17 @@ Gemm::~Gemm() {
     cublasLtMatrixLayoutDestroy(p.a);
     cublasLtMatmulDescDestroy(p.op);
   }
-  cudaFree(workspace_);
+  for (auto& [stream, workspace] : workspaces_) cudaFree(workspace);
   cublasLtDestroy(handle_);
+}
+
+void* Gemm::workspace(cudaStream_t stream) {
+  for (const auto& [s, workspace] : workspaces_)
+    if (s == stream) return workspace;
+  void* workspace = nullptr;
+  SPINDLE_CUDA(cudaMalloc(&workspace, workspace_bytes_));
+  workspaces_.emplace_back(stream, workspace);
+  return workspace;
 }
 
 const Gemm::Plan& Gemm::plan(const PlanKey& key) {
@@ -103,7 +109,7 @@ void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int6
   const Plan& p = plan({transpose_a, transpose_b, m, n, k, lda, ldb, ldc, static_cast<int>(c_type),
                         alignment_of(a), alignment_of(b), alignment_of(c)});
   SPINDLE_CUBLAS(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo,
-                                workspace_, workspace_bytes_, stream));
+                                workspace(stream), workspace_bytes_, stream));
 }
 
 // y^T[N, M] = w^T (w stored [K, N] column-major, op T) x^T ([K, M], op N).

@@ -7,7 +7,9 @@
 // matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
 // the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
 // leading dimensions, output type and operand alignment; the heuristic runs once per shape, row
-// counts within 128 of each other counting as one (the MoE's change with every routing).
+// counts within 128 of each other counting as one (the MoE's change with every routing). One Gemm
+// serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
+// products queued on different streams may run together.
 #pragma once
 
 #include <cublasLt.h>
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 namespace spindle::cuda {
 
@@ -58,8 +61,11 @@ class Gemm {
   using AlgoKey = PlanKey;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
 
+  // The workspace of `stream`, allocated on its first product.
+  void* workspace(cudaStream_t stream);
+
   cublasLtHandle_t handle_ = nullptr;
-  void* workspace_ = nullptr;
+  std::vector<std::pair<cudaStream_t, void*>> workspaces_;
   size_t workspace_bytes_ = 32u << 20;
   std::map<PlanKey, Plan> plans_;
 };

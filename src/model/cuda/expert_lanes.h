@@ -3,9 +3,9 @@
 // tiles on 132 SMs, so one expert after another on one stream ends each product in a part-empty
 // wave. Spread over a few streams, one expert's last wave runs beside another's first
 // (bench/moe_experts.cu: the forward's products 0.78 -> 0.71 ms at a 16k chunk of the 4B config).
-// Every lane has its own cuBLASLt workspace (32 MiB).
+// The model's Gemm serves them (a cuBLASLt workspace per stream, its plans shared).
 //
-// Use: fork(main); queue each expert's work on stream(lane) with gemm(lane), lane from assign();
+// Use: fork(main); queue each expert's work on stream(lane), lane from assign();
 // the main stream may queue work of its own meanwhile; join(main) before anything on main reads
 // the lanes' results or frees their buffers.
 #pragma once
@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "backend/cuda/stream.h"
-#include "kernels/cuda/gemm.h"
 
 namespace spindle::cuda {
 
@@ -29,7 +28,6 @@ class ExpertLanes {
   void join(cudaStream_t main);
 
   cudaStream_t stream(int lane) const { return streams_[static_cast<size_t>(lane)].get(); }
-  Gemm& gemm(int lane) { return gemms_[static_cast<size_t>(lane)]; }
 
   // A lane for each expert from the row offsets ([experts + 1]): the busiest expert first, each
   // to the lane with the fewest rows so far.
@@ -37,7 +35,6 @@ class ExpertLanes {
 
  private:
   std::array<Stream, kLanes> streams_;
-  std::array<Gemm, kLanes> gemms_;
   Event forked_{cudaEventDisableTiming};
   std::array<Event, kLanes> done_{Event(cudaEventDisableTiming), Event(cudaEventDisableTiming),
                                   Event(cudaEventDisableTiming), Event(cudaEventDisableTiming)};

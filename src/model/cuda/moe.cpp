@@ -99,14 +99,14 @@ void wait_for_offsets(Context& ctx, Routing& r) {
   r.lane = ExpertLanes::assign(r.host_offsets);
 }
 
-// Calls f(expert, first row, rows, gemm, stream) for every expert with at least one row, with its
-// lane's GEMM plans and stream (between ctx.lanes.fork and join).
+// Calls f(expert, first row, rows, stream) for every expert with at least one row, with its lane's
+// stream (between ctx.lanes.fork and join).
 template <class F>
 void for_each_expert(Context& ctx, const Routing& r, F f) {
   for (size_t e = 0; e + 1 < r.host_offsets.size(); ++e) {
     const int64_t first = r.host_offsets[e], rows = r.host_offsets[e + 1] - first;
     const int lane = r.lane[e];
-    if (rows > 0) f(static_cast<int64_t>(e), first, rows, ctx.lanes.gemm(lane), ctx.lanes.stream(lane));
+    if (rows > 0) f(static_cast<int64_t>(e), first, rows, ctx.lanes.stream(lane));
   }
 }
 
@@ -117,7 +117,8 @@ void queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, cons
                    bf16* hidden, bf16* out) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const auto limit = static_cast<float>(c.swiglu_limit);
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t s) {
+  Gemm& gemm = ctx.gemm;
+  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t s) {
     bf16 *gu = gate_up + first * 2 * I, *h = hidden + first * I;
     gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D, gu, rows, D, 2 * I,
                 s);
@@ -175,7 +176,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
   queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
   DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, Gemm& gemm, cudaStream_t ls) {
+  Gemm& gemm = ctx.gemm;
+  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
     const bf16 *x_rows = r.rows.data() + first * D, *dy_e = dy_rows.data() + first * D;
     bf16 *gu = gate_up.data() + first * 2 * I, *h = hidden.data() + first * I,
          *dh = dhidden.data() + first * I;
