@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
     const int row_tile = score_tile(), key0 = score_key0() + 2 * c;
     if (row_tile < MT) {
       float s[4] = {};
-      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, keys + score_key0() * qk_stride,
-                      qk_stride, 0, a.dk);
+      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, keys + score_key0() * qk_stride, 0,
+                      qk_stride, a.dk);
       const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
       float* row_a = s_s + (row_tile * 16 + g) * kScoreStride + key0;
       float* row_b = row_a + 8 * kScoreStride;
