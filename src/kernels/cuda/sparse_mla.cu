@@ -101,16 +101,16 @@ __device__ void load_tile(__nv_bfloat16* dst, const int32_t* idx, const MlaArgs&
 __device__ __forceinline__ int score_tile() { return threadIdx.x / 32 / (kKeys / 8); }
 __device__ __forceinline__ int score_key0() { return threadIdx.x / 32 % (kKeys / 8) * 8; }
 
-// acc += rows[16, k0:dim] . keys[8, k0:dim]^T: the warp's m16 tile of rows against its 8 keys,
-// both in shared memory with the given strides (bf16).
+// acc += rows[16, :dim] . keys[8, :dim]^T: the warp's m16 tile of rows against its 8 keys, both in
+// shared memory with the given strides (bf16).
 __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bfloat16* rows, int row_stride,
-                                                const __nv_bfloat16* keys, int key_stride, int k0, int dim) {
+                                                const __nv_bfloat16* keys, int key_stride, int dim) {
   const int lane = threadIdx.x % 32;
   const uint32_t a_address = shared_address(rows + (lane % 16) * row_stride + (lane / 16) * 8);
   // x4: the warp's 8 key rows at k, k + 8, k + 16, k + 24: b0, b1 of two k16 steps.
   const uint32_t b_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
   float odd[4] = {};  // the k + 16 steps: a second chain of dependent mma
-  int k = k0;
+  int k = 0;
   for (; k + 32 <= dim; k += 32) {
     uint32_t b[4], a0[4], a1[4];
     ldmatrix_x4(b, b_address + k * 2);
@@ -127,39 +127,6 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bflo
     ldmatrix_x4(a0, a_address + k * 2);
     mma_bf16(acc, a0, b[0], b[1]);
   }
-}
-
-// The backward's two score products over the same keys: s += q[16, :dk] keys[8, :dk]^T and dp +=
-// dout[16, :dv] keys[8, :dv]^T (dv <= dk), each key fragment loaded once for both up to dv: the
-// phase is bound by its shared-memory reads, of which the keys were a third.
-__device__ __forceinline__ void scores_and_dp(float (&s)[4], float (&dp)[4], const __nv_bfloat16* q,
-                                              int q_stride, const __nv_bfloat16* dout, int dout_stride,
-                                              const __nv_bfloat16* keys, int key_stride, int dk, int dv) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t q_address = shared_address(q + (lane % 16) * q_stride + (lane / 16) * 8);
-  const uint32_t do_address = shared_address(dout + (lane % 16) * dout_stride + (lane / 16) * 8);
-  const uint32_t b_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
-  float s_odd[4] = {}, dp_odd[4] = {};  // the k + 16 steps: four chains of dependent mma in all
-  int k = 0;
-  for (; k + 32 <= dv; k += 32) {
-    uint32_t b[4], a0[4], a1[4];
-    ldmatrix_x4(b, b_address + k * 2);
-    ldmatrix_x4(a0, q_address + k * 2);
-    ldmatrix_x4(a1, q_address + (k + 16) * 2);
-    mma_bf16(s, a0, b[0], b[1]);
-    mma_bf16(s_odd, a1, b[2], b[3]);
-    ldmatrix_x4(a0, do_address + k * 2);
-    ldmatrix_x4(a1, do_address + (k + 16) * 2);
-    mma_bf16(dp, a0, b[0], b[1]);
-    mma_bf16(dp_odd, a1, b[2], b[3]);
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    s[e] += s_odd[e];
-    dp[e] += dp_odd[e];
-  }
-  rows_times_keys(s, q, q_stride, keys, key_stride, k, dk);
-  rows_times_keys(dp, dout, dout_stride, keys, key_stride, k, dv);
 }
 
 // The first column of the warp's n8 tile j: unit warp + kWarps (j / 2), then its half.
@@ -250,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
     const int row_tile = score_tile(), key0 = score_key0() + 2 * c;
     if (row_tile < MT) {
       float s[4] = {};
-      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, keys + score_key0() * qk_stride, 0,
+      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, keys + score_key0() * qk_stride,
                       qk_stride, a.dk);
       const bool v0 = idx[key0] >= 0, v1 = idx[key0 + 1] >= 0;
       float* row_a = s_s + (row_tile * 16 + g) * kScoreStride + key0;
@@ -393,8 +360,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     if (row_tile < MT) {
       float s[4] = {}, dp[4] = {};
       const __nv_bfloat16* warp_keys = keys + score_key0() * qk_stride;
-      scores_and_dp(s, dp, q_s + row_tile * 16 * qk_stride, qk_stride, do_s + row_tile * 16 * v_stride,
-                    v_stride, warp_keys, qk_stride, a.dk, a.dv);
+      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, warp_keys, qk_stride, a.dk);
+      rows_times_keys(dp, do_s + row_tile * 16 * v_stride, v_stride, warp_keys, qk_stride, a.dv);
       const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -430,30 +397,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
       float dl[2][kMaxColTiles][4] = {};
 #pragma unroll
       for (int k = 0; k < R; k += 16) {
-        // Both m16 tiles' A fragments first, so that each B fragment is loaded once for the two.
-        uint32_t ads[2][4], ap[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           const int m0 = half * 32 + mi * 16;
-          ldmatrix_x4_trans(ads[mi], ds_address + (k * kProbStride + m0) * 2);
-          ldmatrix_x4_trans(ap[mi], p_address + (k * kProbStride + m0) * 2);
-        }
+          uint32_t ads[4], ap[4];
+          ldmatrix_x4_trans(ads, ds_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ap, p_address + (k * kProbStride + m0) * 2);
 #pragma unroll
-        for (int j = 0; j < kMaxColTiles; j += 2) {
-          if (warp + kWarps * (j / 2) >= k_units) break;
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
-#pragma unroll
-          for (int mi = 0; mi < 2; ++mi) {
-            mma_bf16(dl[mi][j], ads[mi], b[0], b[1]);
-            mma_bf16(dl[mi][j + 1], ads[mi], b[2], b[3]);
-          }
-          if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
-            ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-              mma_bf16(dl[mi][j], ap[mi], b[0], b[1]);
-              mma_bf16(dl[mi][j + 1], ap[mi], b[2], b[3]);
+          for (int j = 0; j < kMaxColTiles; j += 2) {
+            if (warp + kWarps * (j / 2) >= k_units) break;
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+            mma_bf16(dl[mi][j], ads, b[0], b[1]);
+            mma_bf16(dl[mi][j + 1], ads, b[2], b[3]);
+            if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
+              ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+              mma_bf16(dl[mi][j], ap, b[0], b[1]);
+              mma_bf16(dl[mi][j + 1], ap, b[2], b[3]);
             }
           }
         }
