@@ -78,12 +78,13 @@ int main(int argc, char** argv) {
              },
              5));
   // As the model runs them: the combine's stream gradient left to the coefficients' pass, which
-  // reads dout in place of dstreams and writes dstreams once.
-  report("hc_combine_backward, no dstreams", bf16_streams + 2 * f32_streams + row,
+  // reads dout in place of dstreams and writes dstreams once, and d_post with the combine's
+  // backward where y is known before it (hc_post_gradient's pass saved).
+  report("hc_combine_backward + d_post, no ds", bf16_streams + 2 * f32_streams + row,
          median_ms(
              [&] {
                hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), nullptr,
-                                   dy.data(), d_comb.data(), nullptr);
+                                   dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
              },
              5));
   report("hc_coefficients_backward + combine", bf16_streams + 2 * f32_streams + row,

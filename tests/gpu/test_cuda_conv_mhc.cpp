@@ -139,6 +139,11 @@ TEST(CudaConvMhc, HcCombineForwardAndBackward) {
     hc_combine_backward(s, xb.data(), postb.data(), combb.data(), doutb.data(), dsb.data(), dy.data(),
                         d_comb.data(), stream.get());
     hc_post_gradient(s, yb.data(), doutb.data(), d_post.data(), stream.get());
+    // With y known: d_post in the same pass, and no dstreams (hc_coefficients_backward adds it).
+    auto dy2 = poisoned<bf16>(T * D);
+    auto d_post2 = poisoned<float>(T * H), d_comb2 = poisoned<float>(T * H * H);
+    hc_combine_backward(s, xb.data(), postb.data(), combb.data(), doutb.data(), nullptr, dy2.data(),
+                        d_comb2.data(), stream.get(), yb.data(), d_post2.data());
     stream.synchronize();
     const auto xd = to_double(x), yd = to_double(y), postd = to_double(post), combd = to_double(comb);
     const auto doutd = to_double(dout);
@@ -154,6 +159,10 @@ TEST(CudaConvMhc, HcCombineForwardAndBackward) {
     EXPECT_LT(relative_error(d_post.download(), dpost_ref), kFp32Bound) << "d_post" << where;
     EXPECT_LT(relative_error(d_comb.download(), dcomb_ref), kFp32Bound) << "d_comb" << where;
     EXPECT_LT(relative_error(dsb.download(), ds_ref), kFp32Bound) << "dstreams" << where;
+    EXPECT_LT(relative_error(dy2.download(), dy_ref), kBf16Bound) << "dy with d_post" << where;
+    EXPECT_LT(relative_error(d_post2.download(), dpost_ref), kFp32Bound)
+        << "d_post with the combine" << where;
+    EXPECT_LT(relative_error(d_comb2.download(), dcomb_ref), kFp32Bound) << "d_comb with d_post" << where;
   }
 }
 

@@ -400,20 +400,22 @@ __global__ void __launch_bounds__(kThreads)
 // One warp per token (8 per block), V consecutive elements per lane at a time; d_comb is a warp sum.
 // dstreams is written, not accumulated: the first gradient of a site's streams, so that no pass
 // zeroes it and this one does not read it (a quarter of the site backward's stream bytes); or not
-// at all (null), when hc_coefficients_backward adds this part itself.
-template <int H, int V>
+// at all (null), when hc_coefficients_backward adds this part itself. kPost: also d_post[t, h] =
+// dout[t, h, :] . y[t, :] (hc_post_gradient's work) while dout is at hand, when y is known already.
+template <int H, int V, bool kPost>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
-                               const float* dout, float* dstreams, __nv_bfloat16* dy, float* d_comb,
-                               int64_t tokens, int64_t D) {
+                               const float* dout, const __nv_bfloat16* y, float* dstreams, __nv_bfloat16* dy,
+                               float* d_comb, float* d_post, int64_t tokens, int64_t D) {
   constexpr int N = H * H;  // d_comb [j * H + h]
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
   const int lane = threadIdx.x % 32;
-  float po[H], cm[H][H], v[N];
+  float po[H], cm[H][H], v[N], vp[H];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     po[h] = post[t * H + h];
+    vp[h] = 0.0f;
 #pragma unroll
     for (int j = 0; j < H; ++j) cm[j][h] = comb[t * H * H + j * H + h];
   }
@@ -433,6 +435,14 @@ __global__ void __launch_bounds__(kThreads)
       for (int h = 0; h < H; ++h) dyv[e] = fmaf(po[h], gv[h][e], dyv[e]);
     }
     store<V>(dy + t * D + d, dyv);
+    if constexpr (kPost) {
+      float yv[V];
+      load<V>(y + t * D + d, yv);
+#pragma unroll
+      for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int e = 0; e < V; ++e) vp[h] = fmaf(gv[h][e], yv[e], vp[h]);
+    }
 #pragma unroll
     for (int j = 0; j < H; ++j) {
       float xv[V], acc[V];
@@ -453,6 +463,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < N; ++k) {
     const float sum = warp_sum(v[k]);
     if (lane == 0) d_comb[t * H * H + k] = sum;
+  }
+  if constexpr (kPost) {
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const float sum = warp_sum(vp[h]);
+      if (lane == 0) d_post[t * H + h] = sum;
+    }
   }
 }
 
@@ -972,17 +989,30 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
 
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
                          const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
-                         float* d_comb, cudaStream_t stream) {
+                         float* d_comb, cudaStream_t stream, const __nv_bfloat16* y, float* d_post) {
   check_shape(s, "hc_combine_backward");
+  check((y == nullptr) == (d_post == nullptr), "hc_combine_backward: y and d_post come together");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  if (vector_rows(s, {{streams, 2}, {dout, 4}, {dstreams != nullptr ? dstreams : dout, 4}, {dy, 2}})) {
-    SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 8><<<blocks, kThreads, 0, stream>>>(
-        streams, post, comb, dout, dstreams, dy, d_comb, s.tokens, s.hidden))
-  } else {
-    SPINDLE_HC_DISPATCH(hc_combine_backward_kernel<H, 1><<<blocks, kThreads, 0, stream>>>(
-        streams, post, comb, dout, dstreams, dy, d_comb, s.tokens, s.hidden))
-  }
+  const bool vec = vector_rows(s, {{streams, 2},
+                                   {dout, 4},
+                                   {dstreams != nullptr ? dstreams : dout, 4},
+                                   {dy, 2},
+                                   {y != nullptr ? y : dy, 2}});
+  const auto run = [&](auto kernel) {
+    kernel<<<blocks, kThreads, 0, stream>>>(streams, post, comb, dout, y, dstreams, dy, d_comb, d_post,
+                                            s.tokens, s.hidden);
+  };
+  SPINDLE_HC_DISPATCH({
+    if (vec && y != nullptr)
+      run(hc_combine_backward_kernel<H, 8, true>);
+    else if (vec)
+      run(hc_combine_backward_kernel<H, 8, false>);
+    else if (y != nullptr)
+      run(hc_combine_backward_kernel<H, 1, true>);
+    else
+      run(hc_combine_backward_kernel<H, 1, false>);
+  })
   SPINDLE_LAUNCHED("hc_combine_backward_kernel");
 }
 

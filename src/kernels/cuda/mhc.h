@@ -28,10 +28,12 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
 
 // Backward of hc_combine, the part that needs no y (so that y may come from the sublayer's
 // backward, after dy): dstreams (fp32), dy (bf16) and d_comb (fp32) written (the CPU version
-// accumulates dstreams). dstreams may be null: hc_coefficients_backward then adds this part.
+// accumulates dstreams). dstreams may be null: hc_coefficients_backward then adds this part. Given
+// y (when it is known before this call) it writes d_post too, as hc_post_gradient would.
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
                          const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
-                         float* d_comb, cudaStream_t stream);
+                         float* d_comb, cudaStream_t stream, const __nv_bfloat16* y = nullptr,
+                         float* d_post = nullptr);
 
 // The rest of hc_combine's backward: d_post[t, h] = dout[t, h, :] . y[t, :] (fp32, written).
 void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float* dout, float* d_post,

@@ -62,6 +62,7 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
         y_kept ? kept_y->size() : 0, " values for ", L, " tokens");
   DeviceBuffer<bf16> y = y_kept ? std::move(*kept_y) : activations(L * D);
   if (sublayer && !y_kept) sublayer(a.normed.data(), y.data());
+  const bool y_before = sublayer || y_kept;  // else the sublayer's backward recomputes it
 
   DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
                       d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
@@ -69,13 +70,14 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   {
     const TimedScope timed = ctx.timed("mhc");
     SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
-    // d_in's part from the combine comes with the coefficients' backward below, in one write.
+    // d_in's part from the combine comes with the coefficients' backward below, in one write; d_post
+    // comes here, while dout is read anyway, when y is known already (kept, or recomputed above).
     hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), nullptr, dy.data(),
-                        d_comb.data(), s);
+                        d_comb.data(), s, y_before ? y.data() : nullptr, y_before ? d_post.data() : nullptr);
   }
-  sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), sublayer || y_kept ? nullptr : y.data());
+  sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), y_before ? nullptr : y.data());
   const TimedScope timed = ctx.timed("mhc");
-  hc_post_gradient(shape, y.data(), dstreams.data(), d_post.data(), s);
+  if (!y_before) hc_post_gradient(shape, y.data(), dstreams.data(), d_post.data(), s);
 
   DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
   DeviceBuffer<bf16>& d_collapsed = dy;
