@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < N; ++k) v[k] = 0.0f;
   const __nv_bfloat16* x = streams + t * H * D;
   const float* g = dout + t * H * D;
-  float* dx = dstreams + t * H * D;
+  float* dx = dstreams != nullptr ? dstreams + t * H * D : nullptr;
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float gv[H][V], dyv[V];
 #pragma unroll
