@@ -5,8 +5,9 @@
 // wave. Timed by CUDA events (median of a few runs) with their FLOP/s:
 //   forward, today:        per expert gate and up (N = 576 each), then down;
 //   forward, stacked:      per expert [gate; up] as one product (N = 1152), then down;
-//   forward, stacked on L: the same with the experts spread over L side streams (the fewest rows
-//                          first), each stream with its own cuBLASLt workspace;
+//   forward, stacked on L: the same with the experts spread over L side streams (the busiest expert
+//                          first, to the lane with the fewest rows), one Gemm with a cuBLASLt
+//                          workspace per stream, as the model runs them (model/cuda/expert_lanes.h);
 //   down backward:         per expert dhidden = dy W_down (N = 576), one stream and L streams.
 //     build/bench_moe_experts [tokens] [lanes]
 #include <cuda_bf16.h>
@@ -16,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #include "backend/cuda/check.h"
@@ -24,6 +24,7 @@
 #include "backend/cuda/stream.h"
 #include "cuda_timing.cuh"
 #include "kernels/cuda/gemm.h"
+#include "model/cuda/expert_lanes.h"
 
 using namespace spindle;
 using namespace spindle::cuda;
@@ -31,33 +32,6 @@ using namespace spindle::cuda;
 namespace {
 
 constexpr int64_t kExperts = 16, kTopk = 4, kHidden = 2048, kInter = 576;
-
-// Side streams that start after the legacy stream's work so far and that it waits for at the end.
-class Lanes {
- public:
-  explicit Lanes(int count) : streams_(static_cast<size_t>(count)), done_(static_cast<size_t>(count)) {
-    for (int i = 0; i < count; ++i) gemms_.push_back(std::make_unique<Gemm>());
-  }
-  int count() const { return static_cast<int>(streams_.size()); }
-  cudaStream_t stream(int lane) const { return streams_[static_cast<size_t>(lane)].get(); }
-  Gemm& gemm(int lane) { return *gemms_[static_cast<size_t>(lane)]; }
-  void fork() {
-    forked_.record(nullptr);
-    for (const Stream& s : streams_) forked_.make_wait(s.get());
-  }
-  void join() {
-    for (size_t i = 0; i < streams_.size(); ++i) {
-      done_[i].record(streams_[i].get());
-      done_[i].make_wait(nullptr);
-    }
-  }
-
- private:
-  std::vector<Stream> streams_;
-  std::vector<std::unique_ptr<Gemm>> gemms_;
-  Event forked_{cudaEventDisableTiming};
-  std::vector<Event> done_;
-};
 
 }  // namespace
 
@@ -83,20 +57,10 @@ int main(int argc, char** argv) {
   SPINDLE_CUDA(cudaDeviceSynchronize());
 
   Gemm gemm;
-  Lanes lanes(lanes_wanted);
-  // Each expert to the lane with the fewest rows so far, the busiest expert first.
-  std::vector<int64_t> order(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return rows[static_cast<size_t>(a)] > rows[static_cast<size_t>(b)];
-  });
-  std::vector<int> lane_of(static_cast<size_t>(E));
-  std::vector<int64_t> load(static_cast<size_t>(lanes.count()), 0);
-  for (const int64_t e : order) {
-    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-    lane_of[static_cast<size_t>(e)] = static_cast<int>(least);
-    load[static_cast<size_t>(least)] += rows[static_cast<size_t>(e)];
-  }
+  ExpertLanes lanes(lanes_wanted);
+  std::vector<int32_t> offsets(first.begin(), first.end());
+  offsets.push_back(static_cast<int32_t>(n));
+  const std::vector<int> lane_of = lanes.assign(offsets);
 
   const auto expert = [&](int64_t e, Gemm& g, cudaStream_t s, bool stack) {
     const int64_t f = first[static_cast<size_t>(e)], m = rows[static_cast<size_t>(e)];
@@ -134,12 +98,9 @@ int main(int argc, char** argv) {
   const auto on_lanes = [&](const Work& work) {
     return median_ms(
         [&] {
-          lanes.fork();
-          for (int64_t e = 0; e < E; ++e) {
-            const int l = lane_of[static_cast<size_t>(e)];
-            work(e, lanes.gemm(l), lanes.stream(l));
-          }
-          lanes.join();
+          lanes.fork(nullptr);
+          for (int64_t e = 0; e < E; ++e) work(e, gemm, lanes.stream(lane_of[static_cast<size_t>(e)]));
+          lanes.join(nullptr);
         },
         10);
   };

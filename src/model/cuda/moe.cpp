@@ -88,7 +88,7 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), s);
   ctx.permutation.download_offsets(r.offsets.data(), E, s);  // for_each_expert waits for them
   ctx.record.note("moe/experts", "cublaslt per expert over sorted rows, on " +
-                                     std::to_string(ExpertLanes::kLanes) + " streams");
+                                     std::to_string(ctx.lanes.count()) + " streams");
   return r;
 }
 
@@ -96,7 +96,7 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
 // caller can queue work that does not need them (the shared expert) before it waits here.
 void wait_for_offsets(Context& ctx, Routing& r) {
   r.host_offsets = ctx.permutation.host_offsets();
-  r.lane = ExpertLanes::assign(r.host_offsets);
+  r.lane = ctx.lanes.assign(r.host_offsets);
 }
 
 // Calls f(expert, first row, rows, stream) for every expert with at least one row, with its lane's
