@@ -62,19 +62,20 @@ int main(int argc, char** argv) {
   offsets.push_back(static_cast<int32_t>(n));
   const std::vector<int> lane_of = lanes.assign(offsets);
 
-  const auto expert = [&](int64_t e, Gemm& g, cudaStream_t s, bool stack) {
+  const auto expert = [&](int64_t e, cudaStream_t s, bool stack) {
     const int64_t f = first[static_cast<size_t>(e)], m = rows[static_cast<size_t>(e)];
     if (stack) {
-      g.linear(x.data() + f * D, stacked.data() + e * 2 * I * D, gu.data() + f * 2 * I, m, D, 2 * I, s);
+      gemm.linear(x.data() + f * D, stacked.data() + e * 2 * I * D, gu.data() + f * 2 * I, m, D, 2 * I, s);
     } else {
-      g.linear(x.data() + f * D, gate.data() + e * I * D, gu.data() + f * 2 * I, m, D, I, s);
-      g.linear(x.data() + f * D, up.data() + e * I * D, hidden.data() + f * I, m, D, I, s);
+      gemm.linear(x.data() + f * D, gate.data() + e * I * D, gu.data() + f * 2 * I, m, D, I, s);
+      gemm.linear(x.data() + f * D, up.data() + e * I * D, hidden.data() + f * I, m, D, I, s);
     }
-    g.linear(hidden.data() + f * I, down.data() + e * D * I, out.data() + f * D, m, I, D, s);
+    gemm.linear(hidden.data() + f * I, down.data() + e * D * I, out.data() + f * D, m, I, D, s);
   };
-  const auto down_backward = [&](int64_t e, Gemm& g, cudaStream_t s) {
+  const auto down_backward = [&](int64_t e, cudaStream_t s) {
     const int64_t f = first[static_cast<size_t>(e)], m = rows[static_cast<size_t>(e)];
-    g.linear_backward_input(dy.data() + f * D, down.data() + e * D * I, dhidden.data() + f * I, m, I, D, s);
+    gemm.linear_backward_input(dy.data() + f * D, down.data() + e * D * I, dhidden.data() + f * I, m, I, D,
+                               s);
   };
   const double forward_flops = 2.0 * static_cast<double>(n) * D * 3 * I,
                down_flops = 2.0 * static_cast<double>(n) * D * I;
@@ -86,12 +87,12 @@ int main(int argc, char** argv) {
               static_cast<long long>(*std::min_element(rows.begin(), rows.end())),
               static_cast<long long>(*std::max_element(rows.begin(), rows.end())), static_cast<long long>(D),
               static_cast<long long>(I), lanes.count());
-  // Every expert's work on the legacy stream with `gemm`, or each on its lane's stream and Gemm.
-  using Work = std::function<void(int64_t, Gemm&, cudaStream_t)>;
+  // Every expert's work on the legacy stream, or each on its lane's stream (one Gemm serves both).
+  using Work = std::function<void(int64_t, cudaStream_t)>;
   const auto on_one_stream = [&](const Work& work) {
     return median_ms(
         [&] {
-          for (int64_t e = 0; e < E; ++e) work(e, gemm, nullptr);
+          for (int64_t e = 0; e < E; ++e) work(e, nullptr);
         },
         10);
   };
@@ -99,13 +100,13 @@ int main(int argc, char** argv) {
     return median_ms(
         [&] {
           lanes.fork(nullptr);
-          for (int64_t e = 0; e < E; ++e) work(e, gemm, lanes.stream(lane_of[static_cast<size_t>(e)]));
+          for (int64_t e = 0; e < E; ++e) work(e, lanes.stream(lane_of[static_cast<size_t>(e)]));
           lanes.join(nullptr);
         },
         10);
   };
-  const auto apart = [&](int64_t e, Gemm& g, cudaStream_t s) { expert(e, g, s, false); };
-  const auto stacked_work = [&](int64_t e, Gemm& g, cudaStream_t s) { expert(e, g, s, true); };
+  const auto apart = [&](int64_t e, cudaStream_t s) { expert(e, s, false); };
+  const auto stacked_work = [&](int64_t e, cudaStream_t s) { expert(e, s, true); };
   report("forward, gate and up apart", on_one_stream(apart), forward_flops);
   report("forward, gate and up stacked", on_one_stream(stacked_work), forward_flops);
   report("forward, stacked, on the lanes", on_lanes(stacked_work), forward_flops);
