@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   std::printf("mHC at %lld tokens, hc_mult %lld, hidden %lld (least bytes each must move; GB/s):\n",
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(D));
   const auto report = [&](const char* name, double bytes, double ms) {
-    std::printf("  %-36s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
+    std::printf("  %-26s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
   };
   report("hc_coefficients", bf16_streams + row,
          median_ms(
@@ -66,34 +66,22 @@ int main(int argc, char** argv) {
                                    dy.data(), d_comb.data(), nullptr);
              },
              5));
+  // As the model runs it where y is known before the combine's backward: d_post in the same pass.
+  report("hc_combine_backward + d_post", bf16_streams + 3 * f32_streams + 2 * row,
+         median_ms(
+             [&] {
+               hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), dstreams.data(),
+                                   dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
+             },
+             5));
   report("hc_post_gradient", f32_streams + row,
          median_ms([&] { hc_post_gradient(s, y.data(), dout.data(), d_post.data(), nullptr); }, 5));
   report("hc_coefficients_backward", bf16_streams + 2 * f32_streams + row,
          median_ms(
              [&] {
                hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
-                                        d_post.data(), d_comb.data(), d_collapsed.data(), nullptr, nullptr,
-                                        dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
-                                        workspace.data(), nullptr);
-             },
-             5));
-  // As the model runs them: the combine's stream gradient left to the coefficients' pass, which
-  // reads dout in place of dstreams and writes dstreams once, and d_post with the combine's
-  // backward where y is known before it (hc_post_gradient's pass saved).
-  report("hc_combine_backward + d_post, no ds", bf16_streams + 2 * f32_streams + row,
-         median_ms(
-             [&] {
-               hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), nullptr,
-                                   dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
-             },
-             5));
-  report("hc_coefficients_backward + combine", bf16_streams + 2 * f32_streams + row,
-         median_ms(
-             [&] {
-               hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
-                                        d_post.data(), d_comb.data(), d_collapsed.data(), comb.data(),
-                                        dout.data(), dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
-                                        workspace.data(), nullptr);
+                                        d_post.data(), d_comb.data(), d_collapsed.data(), dstreams.data(),
+                                        dfn.data(), dbase.data(), dscale.data(), workspace.data(), nullptr);
              },
              5));
   return 0;

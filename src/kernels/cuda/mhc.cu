@@ -398,9 +398,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // One warp per token (8 per block), V consecutive elements per lane at a time; d_comb is a warp sum.
 // dstreams is written, not accumulated: the first gradient of a site's streams, so that no pass
-// zeroes it and this one does not read it (a quarter of the site backward's stream bytes); or not
-// at all (null), when hc_coefficients_backward adds this part itself. kPost: also d_post[t, h] =
-// dout[t, h, :] . y[t, :] (hc_post_gradient's work) while dout is at hand, when y is known already.
+// zeroes it and this one does not read it (a quarter of the site backward's stream bytes).
+// kPost: also d_post[t, h] = dout[t, h, :] . y[t, :] (hc_post_gradient's work) while dout is at
+// hand, when y is known already.
 template <int H, int V, bool kPost>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < N; ++k) v[k] = 0.0f;
   const __nv_bfloat16* x = streams + t * H * D;
   const float* g = dout + t * H * D;
-  float* dx = dstreams != nullptr ? dstreams + t * H * D : nullptr;
+  float* dx = dstreams + t * H * D;
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float gv[H][V], dyv[V];
 #pragma unroll
@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(kThreads)
           v[j * H + h] = fmaf(gv[h][e], xv[e], v[j * H + h]);
         }
       }
-      if (dstreams != nullptr) store<V>(dx + j * D + d, acc);
+      store<V>(dx + j * D + d, acc);
     }
   }
 #pragma unroll
@@ -503,28 +503,21 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The stream gradient, a pass of its own after hc_coefficients_backward_kernel has left each token's
-// w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] = base + dn[t, i] - x[t, i] corr[t] +
-// pre[t, h] dcol[t, d] with dn = w fn (i = h D + d), and base either dx[t, i] itself (accumulated)
-// or, kCombine, hc_combine's stream gradient sum_k comb[t, h, k] dout[t, k, d] (written), so that
-// hc_combine_backward need not write dx for this pass to read back. A block takes kThreads V columns
-// of a 64-token tile; thread i owns V adjacent columns with their fn [M] in registers, w comes from
-// shared memory (broadcast). This pass moves most of the backward's bytes (dx or dout in fp32, dx
-// out), so it keeps loads in flight: kBatch tokens' rows at a time, and the next batch's issued
-// before this one is used (two batches fit the registers with x and dcol kept as bf16); and, unlike
-// the tile kernel's phases, its blocks come in many waves, so that one block's loads overlap
-// another's arithmetic. A block's columns share their d with the blocks of the other streams, not
-// its own: the H rows of dout a token's column needs come once from DRAM, the rest from L2.
-template <int H, int V, bool kCombine>
+// w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] += dn[t, i] - x[t, i] corr[t] + pre[t, h]
+// dcol[t, d] with dn = w fn (i = h D + d). A block takes kThreads V columns of a 64-token tile; thread
+// i owns V adjacent columns with their fn [M] in registers, w comes from shared memory (broadcast).
+// This pass moves most of the backward's bytes (dx in and out in fp32), so it keeps loads in flight:
+// kBatch tokens' dx, x and dcol at a time, and the next batch's issued before this one is used (two
+// batches fit the registers with x and dcol kept as bf16); and, unlike the tile kernel's phases, its
+// blocks come in many waves, so that one block's loads overlap another's arithmetic.
+template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
-                              const float* workspace, const float* comb, const float* dout, float* dstreams,
-                              int64_t tokens, int D) {
-  // fp32 rows read per token (dx's own, or dout's H) and tokens per batch: two batches of 4 rows
-  // (of 6 or 8 they spill at the 128 registers of two blocks per SM), or of 2 tokens' H rows.
-  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, HH = Tile<H>::HH, kRows = kCombine ? H : 1,
-                kBatch = kCombine ? 2 : 4;
+                              const float* workspace, float* dstreams, int64_t tokens, int D) {
+  // Two batches of 4: of 6 or 8 they spill at the 128 registers of two blocks per SM.
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 4;
   __shared__ __align__(16) float w_s[kTileTokens * MP];
-  __shared__ float corr_s[kTileTokens], pre_s[kTileTokens * H], comb_s[kCombine ? kTileTokens * HH : 1];
+  __shared__ float corr_s[kTileTokens], pre_s[kTileTokens * H];
   const int K = H * D;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
@@ -535,15 +528,12 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
   for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
-  if constexpr (kCombine)
-    for (int e = threadIdx.x; e < count * HH; e += kThreads) comb_s[e] = comb[t0 * HH + e];
   __syncthreads();
   const int i = (static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x)) * V;
   if (i >= K) return;
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
   float* dx = dstreams + t0 * K;
-  const float* rows_in = kCombine ? dout + t0 * K : dx;
   float f[MP][V];
 #pragma unroll
   for (int o = 0; o < MP; ++o) {
@@ -554,29 +544,32 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
   }
-  const int h = i / D, d = i % D;                                       // V divides D: the V columns share h
-  const auto row_at = [&](int r) { return kCombine ? r * D + d : i; };  // of a token's K
+  const int h = i / D, d = i % D;  // V divides D: the V columns share h
   // Two batches, [0] for batches 0, 2, 4, ... and [1] for 1, 3, 5, ...
-  Packed<float, V> g[2][kBatch][kRows];
+  Packed<float, V> g[2][kBatch];
   Packed<__nv_bfloat16, V> xv[2][kBatch], cv[2][kBatch];
-  const auto fetch = [&](int slot, int b, int tt) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      g[slot][b][r] =
-          *reinterpret_cast<const Packed<float, V>*>(rows_in + static_cast<int64_t>(tt) * K + row_at(r));
-    xv[slot][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
-    cv[slot][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
-  };
-#pragma unroll
-  for (int b = 0; b < kBatch; ++b)
-    if (b < count) fetch(0, b, b);
+  for (int b = 0; b < kBatch; ++b) {
+    if (b < count) {
+      g[0][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(b) * K + i);
+      xv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(b) * K + i);
+      cv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + b * D + d);
+    }
+  }
   for (int tt0 = 0; tt0 < count; tt0 += 2 * kBatch) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int now = tt0 + half * kBatch, next = now + kBatch;
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (next + b < count) fetch(1 - half, b, next + b);
+      for (int b = 0; b < kBatch; ++b) {
+        const int tt = next + b;
+        if (tt < count) {
+          g[1 - half][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(tt) * K + i);
+          xv[1 - half][b] =
+              *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
+          cv[1 - half][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
+        }
+      }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int tt = now + b;
@@ -594,17 +587,9 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
           const float corr = corr_s[tt], ph = pre_s[tt * H + h];
           float out[V];
 #pragma unroll
-          for (int v = 0; v < V; ++v) {
-            float base = g[half][b][0].v[v];
-            if constexpr (kCombine) {
-              base *= comb_s[tt * HH + h * H];
-#pragma unroll
-              for (int r = 1; r < kRows; ++r)
-                base = fmaf(comb_s[tt * HH + h * H + r], g[half][b][r].v[v], base);
-            }
-            out[v] = base + dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
+          for (int v = 0; v < V; ++v)
+            out[v] = g[half][b].v[v] + dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
                      ph * __bfloat162float(cv[half][b].v[v]);
-          }
           store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
         }
       }
@@ -993,11 +978,8 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
   check((y == nullptr) == (d_post == nullptr), "hc_combine_backward: y and d_post come together");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  const bool vec = vector_rows(s, {{streams, 2},
-                                   {dout, 4},
-                                   {dstreams != nullptr ? dstreams : dout, 4},
-                                   {dy, 2},
-                                   {y != nullptr ? y : dy, 2}});
+  const bool vec =
+      vector_rows(s, {{streams, 2}, {dout, 4}, {dstreams, 4}, {dy, 2}, {y != nullptr ? y : dy, 2}});
   const auto run = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(streams, post, comb, dout, y, dstreams, dy, d_comb, d_post,
                                             s.tokens, s.hidden);
@@ -1036,18 +1018,15 @@ int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {
 
 void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
                               const float* base, const float* scale, const float* d_pre, const float* d_post,
-                              const float* d_comb, const __nv_bfloat16* d_collapsed, const float* comb,
-                              const float* dout, float* dstreams, float* dfn, float* dbase, float* dscale,
-                              float* workspace, cudaStream_t stream) {
+                              const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
+                              float* dfn, float* dbase, float* dscale, float* workspace,
+                              cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
-  const bool combined = comb != nullptr;
-  check(combined == (dout != nullptr), "hc_coefficients_backward: comb and dout come together");
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(
-      s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}, {combined ? dout : dstreams, 4}});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}});
   const bool dfn_vec = vector_rows(s, {{streams, 2}, {workspace, 4}});
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(
@@ -1071,18 +1050,13 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     const auto stream_pass = [&](auto kernel, int V) {
       const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
                       static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
-      kernel<<<grid, kThreads, 0, stream>>>(streams, d_collapsed, fn, workspace, comb, dout, dstreams,
-                                            s.tokens, D);
+      kernel<<<grid, kThreads, 0, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D);
     };
     constexpr int kPair = Tile<H>::M <= 24 ? 2 : 1;  // two columns a thread fit the registers
-    if (vec && combined)
-      stream_pass(hc_stream_gradient_kernel<H, kPair, true>, kPair);
-    else if (vec)
-      stream_pass(hc_stream_gradient_kernel<H, kPair, false>, kPair);
-    else if (combined)
-      stream_pass(hc_stream_gradient_kernel<H, 1, true>, 1);
+    if (vec)
+      stream_pass(hc_stream_gradient_kernel<H, kPair>, kPair);
     else
-      stream_pass(hc_stream_gradient_kernel<H, 1, false>, 1);
+      stream_pass(hc_stream_gradient_kernel<H, 1>, 1);
     SPINDLE_LAUNCHED("hc_stream_gradient_kernel");
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
