@@ -1,6 +1,7 @@
 #include "plan/cost_model.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "model/flops.h"
 #include "train/adamw.h"
@@ -67,7 +68,7 @@ double all_reduce(double bytes, int64_t gpus, const Hardware& h) {
 
 }  // namespace
 
-double forward_passes(const Policy& policy, double attention_share, double core_share) {
+double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share) {
   // The attention sites' backward writes their output for the combine: one recomputation less.
   const double keep = kCalibrationPasses - attention_share;
   switch (policy.activations) {
@@ -79,10 +80,15 @@ double forward_passes(const Policy& policy, double attention_share, double core_
       // each sublayer's backward (these keep no outputs): streaming's "outputs again". Measured at
       // 128k: offload 24.4 s, stream 16k with kept outputs 20.8 s (docs/PERF.md).
       return keep + 1;
-    case ActivationPolicy::Stream:
-      // Kept outputs spare the feed-forward's recomputation for the combine and, inside each
-      // attention sublayer's backward, its core's (its projections still run again).
-      return keep + 1 - (policy.outputs_again ? 0 : 1 - attention_share + attention_share * core_share);
+    case ActivationPolicy::Stream: {
+      // The forward pass takes every chunk but the last (whose recomputation is its forward; without
+      // the balance loss, the default). Kept outputs spare the feed-forward's recomputation for the
+      // combine and, inside each attention sublayer's backward, its core's (its projections still
+      // run again).
+      const double chunks = std::ceil(static_cast<double>(tokens) / static_cast<double>(policy.chunk_tokens));
+      return keep + (chunks - 1) / chunks -
+             (policy.outputs_again ? 0 : 1 - attention_share + attention_share * core_share);
+    }
   }
   return keep;
 }
@@ -90,7 +96,7 @@ double forward_passes(const Policy& policy, double attention_share, double core_
 StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
                    const Policy& policy, const Hardware& h) {
   const Work work = gpu_work(c, p, tokens);
-  const double passes = forward_passes(policy, work.attention_share, work.core_share);
+  const double passes = forward_passes(policy, tokens, work.attention_share, work.core_share);
   // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
   const double seconds_per_pass = 3 * work.forward / h.mfu / h.peak_flops / kCalibrationPasses;
   // The indexer's scores run once per step, in the forward: every recomputation reuses the

@@ -69,8 +69,9 @@ struct StepTime {
 StepTime step_time(const ModelConfig& c, const Parallel& parallel, const StateBytes& state, int64_t tokens,
                    const Policy& policy, const Hardware& hardware);
 
-// Forward passes of work per step (see above); attention_share: the attention sites' share of a
-// forward's FLOPs; core_share: the KDA recurrence's and sparse attention's share of theirs.
-double forward_passes(const Policy& policy, double attention_share, double core_share);
+// Forward passes of work per step (see above) for a sequence of `tokens`; attention_share: the
+// attention sites' share of a forward's FLOPs; core_share: the KDA recurrence's and sparse
+// attention's share of theirs.
+double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share);
 
 }  // namespace spindle::plan

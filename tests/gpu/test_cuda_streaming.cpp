@@ -131,70 +131,74 @@ int compare_gradients(const ModelConfig& config, ModelWeights& want, ModelWeight
 // The loss, the balance loss, the indexer's KL, the expert loads and every gradient. The top-k
 // covers the sequence here, so that both passes attend to the same keys (a near-tie of two pools'
 // scores could otherwise fall either way; selection in chunks is checked by the test above and
-// exactly by the kernel tests), and the KL trains every indexer.
+// exactly by the kernel tests), and the KL trains every indexer. With the balance loss the forward
+// takes every chunk; without it, all but the last, whose recomputation is then its only forward.
 TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
   const ModelConfig config = streaming_config(512);
   ModelWeights weights = allocate_weights(config, DType::F32);
   init_weights(config, weights, 9);
   const std::vector<int32_t> tokens = dna(400);
-  LossOptions options;
-  options.indexer_kl_coef = 0.5;
-  options.aux_loss_coef = 0.01;
-  options.scale = 0.5;
-  for (const bool absorbed : {true, false}) {
-    SCOPED_TRACE(absorbed ? "absorbed MLA" : "expanded MLA");
-    auto plain = on_gpu(config, weights, absorbed);
-    const LossResult whole = plain->loss_and_gradients(tokens, options);
-    ModelWeights whole_grads = zero_gradients(config, DType::F32);
-    plain->download_gradients(whole_grads);
-    ASSERT_GT(whole.indexer_kl, 0);
-    // Chunks of 37 both ways: the forward's selections kept as pool lists (the default) and the
-    // indexer run again before each chunk's backward; 64 kept, 150 again. The recomputation keeps
-    // the sublayers' outputs for their backwards (the default) at 37, each backward computes them
-    // again at 64 and 150.
-    struct Streamed {
-      int64_t chunk;
-      bool keep_selections, keep_outputs;
-    };
-    for (const Streamed& run :
-         {Streamed{37, true, true}, {37, false, true}, {64, true, false}, {150, false, false}}) {
-      const int64_t chunk = run.chunk;
-      const bool keep = run.keep_selections;
-      SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again") +
-                   (run.keep_outputs ? ", outputs kept" : ", outputs again"));
-      LossOptions streamed_options = options;
-      streamed_options.chunk_tokens = chunk;
-      streamed_options.keep_selections = keep;
-      streamed_options.keep_outputs = run.keep_outputs;
-      auto device = on_gpu(config, weights, absorbed);
-      const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
-      ModelWeights grads = zero_gradients(config, DType::F32);
-      device->download_gradients(grads);
-      std::printf("%s, chunks of %lld%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
-                  absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk),
-                  keep ? "" : " (indexer again)", run.keep_outputs ? "" : " (outputs again)", streamed.loss,
-                  whole.loss, streamed.indexer_kl, whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
-      EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
-      EXPECT_NEAR(streamed.aux_loss, whole.aux_loss, 1e-3 * whole.aux_loss);
-      EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
-      ASSERT_EQ(streamed.expert_load.size(), whole.expert_load.size());
-      for (size_t i = 0; i < whole.expert_load.size(); ++i) {
-        ASSERT_EQ(streamed.expert_load[i].size(), whole.expert_load[i].size()) << "layer " << i;
-        int64_t routed = 0;
-        for (size_t e = 0; e < whole.expert_load[i].size(); ++e) {
-          routed += streamed.expert_load[i][e];
-          // A token near a routing tie may go either way.
-          EXPECT_NEAR(streamed.expert_load[i][e], whole.expert_load[i][e], 4)
-              << "layer " << i << " expert " << e;
+  for (const bool absorbed : {true, false})
+    for (const double aux_loss_coef : {0.01, 0.0}) {
+      SCOPED_TRACE(std::string(absorbed ? "absorbed MLA" : "expanded MLA") +
+                   (aux_loss_coef > 0 ? ", balance loss" : ", no balance loss"));
+      LossOptions options;
+      options.indexer_kl_coef = 0.5;
+      options.aux_loss_coef = aux_loss_coef;
+      options.scale = 0.5;
+      auto plain = on_gpu(config, weights, absorbed);
+      const LossResult whole = plain->loss_and_gradients(tokens, options);
+      ModelWeights whole_grads = zero_gradients(config, DType::F32);
+      plain->download_gradients(whole_grads);
+      ASSERT_GT(whole.indexer_kl, 0);
+      // Chunks of 37 both ways: the forward's selections kept as pool lists (the default) and the
+      // indexer run again before each chunk's backward; 64 kept, 150 again. The recomputation keeps
+      // the sublayers' outputs for their backwards (the default) at 37, each backward computes them
+      // again at 64 and 150.
+      struct Streamed {
+        int64_t chunk;
+        bool keep_selections, keep_outputs;
+      };
+      for (const Streamed& run :
+           {Streamed{37, true, true}, {37, false, true}, {64, true, false}, {150, false, false}}) {
+        const int64_t chunk = run.chunk;
+        const bool keep = run.keep_selections;
+        SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again") +
+                     (run.keep_outputs ? ", outputs kept" : ", outputs again"));
+        LossOptions streamed_options = options;
+        streamed_options.chunk_tokens = chunk;
+        streamed_options.keep_selections = keep;
+        streamed_options.keep_outputs = run.keep_outputs;
+        auto device = on_gpu(config, weights, absorbed);
+        const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
+        ModelWeights grads = zero_gradients(config, DType::F32);
+        device->download_gradients(grads);
+        std::printf("%s, chunks of %lld%s%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
+                    absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk),
+                    keep ? "" : " (indexer again)", run.keep_outputs ? "" : " (outputs again)",
+                    aux_loss_coef > 0 ? "" : " (no balance loss)", streamed.loss, whole.loss,
+                    streamed.indexer_kl, whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
+        EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
+        EXPECT_NEAR(streamed.aux_loss, whole.aux_loss, 1e-3 * whole.aux_loss);
+        EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
+        ASSERT_EQ(streamed.expert_load.size(), whole.expert_load.size());
+        for (size_t i = 0; i < whole.expert_load.size(); ++i) {
+          ASSERT_EQ(streamed.expert_load[i].size(), whole.expert_load[i].size()) << "layer " << i;
+          int64_t routed = 0;
+          for (size_t e = 0; e < whole.expert_load[i].size(); ++e) {
+            routed += streamed.expert_load[i][e];
+            // A token near a routing tie may go either way.
+            EXPECT_NEAR(streamed.expert_load[i][e], whole.expert_load[i][e], 4)
+                << "layer " << i << " expert " << e;
+          }
+          if (!whole.expert_load[i].empty()) {
+            EXPECT_EQ(routed, static_cast<int64_t>(tokens.size()) * config.num_experts_per_tok)
+                << "layer " << i;
+          }
         }
-        if (!whole.expert_load[i].empty()) {
-          EXPECT_EQ(routed, static_cast<int64_t>(tokens.size()) * config.num_experts_per_tok)
-              << "layer " << i;
-        }
+        EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
       }
-      EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
     }
-  }
 }
 
 }  // namespace

@@ -5,8 +5,10 @@
 // takes the chunks in reverse, recomputes each through all layers (site inputs for one chunk
 // only, and with keep_outputs the sublayer outputs their backwards would compute once more), runs
 // the head on its rows and backpropagates, handing the KDA carries' gradients and the
-// DSA caches' gradients to the chunks before. Device memory grows with the sequence only through
-// those carries, caches and pool lists.
+// DSA caches' gradients to the chunks before. The forward leaves the last chunk to that
+// recomputation, the backward's first step: no chunk after it reads what its forward would leave
+// (unless the balance loss needs every chunk's statistics before any backward). Device memory grows
+// with the sequence only through those carries, caches and pool lists.
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -45,20 +47,30 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   if (balance) SPINDLE_CUDA(cudaMemsetAsync(balance_stats.data(), 0, 2 * E * sizeof(double), s));
   double balance_rows = 0;
 
+  // Each MoE layer's tokens per expert, summed over the chunks.
+  const auto add_load = [&](size_t i, const std::vector<int64_t>& load) {
+    auto& total = result.expert_load[i];
+    total.resize(load.size(), 0);
+    for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+  };
+
   // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches, keep
   // each chunk's selections as pool lists (the recomputation before its backward reuses them
   // instead of running the indexer again), pool the balance loss's statistics over every chunk.
+  // The last chunk only with the balance loss; else its recomputation is its forward.
+  const size_t forward_chunks = balance ? chunks : chunks - 1;
   std::vector<LayerCarry> carries = start_carries(L);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
   std::vector<std::vector<DeviceBuffer<int32_t>>> kept_pools(chunks);
   Progress progress("streamed step (GPU, chunks queued)");
   for (size_t k = 0; k < chunks; ++k) {
-    progress.update("forward chunk", k, chunks);
     const int64_t start = first_token(k), n = chunk_length(k);
     kda_starts[k].resize(layers);
     kept_pools[k].resize(layers);
     for (size_t i = 0; i < layers; ++i)
       if (carries[i].kda) kda_starts[k][i].emplace(*carries[i].kda, s);
+    if (k == forward_chunks) break;
+    progress.update("forward chunk", k, forward_chunks);
     const auto keep = [&](size_t i, const DeviceBuffer<int32_t>& selection) {
       kept_pools[k][i] = keep_selection(ctx_, c, selection, start, n);
     };
@@ -77,9 +89,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                            balance_stats.data() + E, s);
         balance_rows += static_cast<double>(n);
       }
-      auto& total = result.expert_load[i];
-      total.resize(load.size(), 0);
-      for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+      add_load(i, load);
     };
     forward_chunk(sequence, start, n, carries, ffn, seen);
   }
@@ -107,6 +117,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   for (size_t k = chunks; k-- > 0;) {
     progress.update("backward chunk", chunks - 1 - k, chunks);
     const int64_t start = first_token(k), n = chunk_length(k);
+    const bool forward_here = k >= forward_chunks;  // this recomputation is the chunk's only forward
 
     // The chunk's attention from the carries it started from: a copy of the KDA carry (the
     // forward moves it on), the DSA cache as it stood before the chunk (the chunk rewrites its rows).
@@ -146,7 +157,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           2 * i, layer.attn_hc, layer.input_layernorm,
           [&](const bf16* x, bf16* y) {
             const bool dsa = layer.attention == AttentionKind::Dsa;
-            const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections;
+            const bool kept = dsa && layer.dsa.has_indexer && options.keep_selections && !forward_here;
             if (dsa && (layer.dsa.has_indexer || !selection))
               selection = std::make_shared<DeviceBuffer<int32_t>>();
             if (kept) restore_selection(ctx_, c, kept_pools[k][i], start, n, *selection);
@@ -157,7 +168,15 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           nullptr);
       run_site(
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
-          [&](const bf16* x, bf16* y) { ffn_forward(layer, x, n, y); },
+          [&](const bf16* x, bf16* y) {
+            if (!forward_here || layer.mlp == MlpKind::Dense) {
+              ffn_forward(layer, x, n, y);
+              return;
+            }
+            std::vector<int64_t> load;
+            ffn_forward(layer, x, n, y, &load);
+            add_load(i, load);
+          },
           options.keep_outputs ? &ffn_kept[i] : nullptr);
     }
 
