@@ -182,7 +182,9 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
       if (layer.own_indexer) {
         const int64_t rows = 2 * 2 * tokens * s.index_dim;  // keys and pool gates before pooling, bf16
         bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + rows : 0);
-        if (kept_selections) bytes += 4 * tokens * s.selected_pools;  // the selections as pool lists
+        // The selections as pool lists, of every chunk the forward pass takes: all but the last
+        // (without the balance loss, the default; the last one's recomputation is its forward).
+        if (kept_selections) bytes += 4 * (chunks - 1) * chunk_tokens * s.selected_pools;
       }
     }
   }

@@ -41,7 +41,8 @@ MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, i
 // v), and their gradients for one boundary; per DSA layer the bf16 latent cache [tokens,
 // kv_lora_rank + rope] and its fp32 gradient, per indexer the bf16 pooled keys (and their fp32
 // gradient when the indexer trains) and, with kept_selections, the selections as pool lists
-// (int32, topk / kpool per token).
+// (int32, topk / kpool per token) of every chunk but the last, which the forward pass leaves to
+// its recomputation.
 int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens,
                               const StepOptions& options, bool kept_selections);
 

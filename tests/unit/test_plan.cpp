@@ -314,13 +314,13 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
   // 34 KDA layers: 15 kept states [16, 64, 64] fp32 and conv windows (3 rows of q, k, v: bf16),
   // one state and window gradient (fp32); 11 DSA layers: latent [L, 512] bf16 + fp32 gradient,
   // pooled keys [L / 16, 64] bf16, the indexer's keys and pool gates before pooling, [L, 64]
-  // bf16 each (a pool can straddle two chunks), and the selections as pool lists, [L, 2048 / 16]
-  // int32.
+  // bf16 each (a pool can straddle two chunks), and the selections as pool lists, [L - C, 2048 /
+  // 16] int32 (the forward pass leaves the last chunk to its recomputation).
   const int64_t state = 16 * 64 * 64 * 4, window = 3 * 3 * 1024;
   const int64_t expected = 34 * (15 * (state + 2 * window) + state + 4 * window) + 11 * (6 * L * 512) +
-                           11 * (2 * (L / 16) * 64) + 11 * (2 * 2 * L * 64) + 11 * (4 * L * 128);
+                           11 * (2 * (L / 16) * 64) + 11 * (2 * 2 * L * 64) + 11 * (4 * (L - C) * 128);
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, true), expected);
-  EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (4 * L * 128));
+  EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (4 * (L - C) * 128));
 }
 
 TEST(Plan, TensorAndExpertParallelismShareTheState) {
