@@ -20,10 +20,10 @@
 //     0.08 ms]; 2 T K M (the mix) + 4 T K FLOPs [6.7 GFLOP: 0.1 ms on the CUDA cores' fp32, so the
 //     tensor cores]. A tile's x (1 MB) leaves L2 before its collapse reads it again: x is read
 //     twice [604 MB, 0.14 ms].
-//   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams (or, with the combine's part,
-//     dout) read and dstreams written 8 T K + w 4 T M bytes [1411 MB, 0.33 ms]; 4 T K M (the mix
-//     again and dn = dm fn) + ~8 T K FLOPs [13.9 GFLOP]. x is read three times (mix, dpre, the
-//     stream pass) and d_collapsed twice [2014 MB, 0.47 ms].
+//   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams read and written 8 T K + w
+//     4 T M bytes [1411 MB, 0.33 ms]; 4 T K M (the mix again and dn = dm fn) + ~8 T K FLOPs [13.9
+//     GFLOP]. x is read three times (mix, dpre, the stream pass) and d_collapsed twice [2014 MB,
+//     0.47 ms].
 //   hc_dfn: x 2 T K + w 4 T M + dfn's atomics 4 M K per 1024 tokens [282 MB, 0.066 ms]; 2 T K M
 //     FLOPs [6.4 GFLOP, twice that on the tensor cores for w's hi + lo].
 #include <algorithm>
