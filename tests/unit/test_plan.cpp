@@ -323,6 +323,23 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (4 * (L - C) * 128));
 }
 
+// The streamed forward pass takes every chunk but the last, whose recomputation is its forward:
+// of the extra forward streaming costs, N chunks pay (N - 1) / N.
+TEST(Plan, StreamingPaysAnExtraForwardForAllChunksButTheLast) {
+  Policy stream;
+  stream.activations = ActivationPolicy::Stream;
+  stream.chunk_tokens = 16384;
+  const double two = forward_passes(stream, 2 * 16384, 0.3, 0.5);
+  const double eight = forward_passes(stream, 8 * 16384, 0.3, 0.5);
+  const double seven_and_a_bit = forward_passes(stream, 7 * 16384 + 1, 0.3, 0.5);
+  EXPECT_NEAR(eight - two, 7.0 / 8 - 1.0 / 2, 1e-12);
+  EXPECT_NEAR(seven_and_a_bit, eight, 1e-12);  // a short last chunk is a chunk
+  stream.outputs_again = true;
+  Policy keep;
+  EXPECT_NEAR(forward_passes(stream, 8 * 16384, 0.3, 0.5) - forward_passes(keep, 8 * 16384, 0.3, 0.5),
+              7.0 / 8, 1e-12);
+}
+
 TEST(Plan, TensorAndExpertParallelismShareTheState) {
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash.json");
   const StateBytes one = state_bytes(c, {1, 1});
