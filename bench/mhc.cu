@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   std::printf("mHC at %lld tokens, hc_mult %lld, hidden %lld (least bytes each must move; GB/s):\n",
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(D));
   const auto report = [&](const char* name, double bytes, double ms) {
-    std::printf("  %-26s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
+    std::printf("  %-30s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
   };
   report("hc_coefficients", bf16_streams + row,
          median_ms(
@@ -55,6 +55,9 @@ int main(int argc, char** argv) {
                                post.data(), comb.data(), collapsed.data(), nullptr);
              },
              5));
+  // The collapse alone, as a site's backward runs it from the coefficients the recomputation kept.
+  report("hc_collapse", bf16_streams + row,
+         median_ms([&] { hc_collapse(s, streams.data(), pre.data(), collapsed.data(), nullptr); }, 5));
   report("hc_combine", 2 * bf16_streams + row,
          median_ms(
              [&] { hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), nullptr); },

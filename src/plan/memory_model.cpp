@@ -50,22 +50,33 @@ class StepReplay {
   StepReplay(Ledger& m, const Shapes& s, const Pass& pass) : m_(m), s_(s), pass_(pass) {}
 
   // residual_site_forward; `select`: the forward proper, where a DSA layer makes its selection.
-  void site_forward(const LayerShape& layer, Site site, bool select, Blocks& selections) {
+  // With `keep_coefficients`, the site's pre, post and comb stay there for its backward.
+  void site_forward(const LayerShape& layer, Site site, bool select, Blocks& selections,
+                    Blocks* keep_coefficients = nullptr) {
     Blocks a = site_activations(m_, s_, pass_.tokens);
     if (site == Site::Ffn)
       ffn_forward(m_, s_, layer, pass_);
     else if (Block chosen = attention_forward(m_, s_, layer, pass_, select); chosen.bytes() > 0)
       selections.push_back(std::move(chosen));
+    if (keep_coefficients != nullptr)
+      for (int i = 0; i < 3; ++i) keep_coefficients->push_back(std::move(a[static_cast<size_t>(i)]));
   }
 
   // residual_site_backward: the site's inputs, the feed-forward recomputed for the combine (an
   // attention sublayer's backward writes its output itself), the combine's gradients, the
   // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
   // gradient replaces `dstreams`. `kept` (freed here): the recomputation's kept outputs of this
-  // site (the feed-forward's y, or attention_kept), empty for none.
-  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept) {
+  // site (the feed-forward's y, or attention_kept), empty for none; `coefficients` (freed here):
+  // its kept pre, post and comb, with which only the collapse and its norm are new.
+  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks coefficients) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
-    Blocks a = site_activations(m_, s_, L);
+    Blocks a = std::move(coefficients);
+    if (a.empty()) {
+      a = site_activations(m_, s_, L);
+    } else {
+      a.push_back(m_.activations(2 * L * D));  // collapsed
+      a.push_back(m_.activations(2 * L * D));  // normed
+    }
     if (site == Site::Attention || kept.empty()) a.push_back(m_.activations(2 * L * D));  // y
     if (site == Site::Ffn && kept.empty()) ffn_forward(m_, s_, layer, pass_);
     Block d_in = m_.activations(4 * L * H * D);
@@ -115,16 +126,18 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       on_device.pop_front();
     }
   };
-  std::vector<Blocks> kept(2 * layers);  // Pass::keep_outputs: each site's, until its backward
+  std::vector<Blocks> kept(2 * layers);          // Pass::keep_outputs: each site's, until its backward
+  std::vector<Blocks> coefficients(2 * layers);  // likewise, each site's mHC coefficients
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
+      const size_t index = 2 * i + static_cast<size_t>(site == Site::Ffn);
       Block next = m.activations(S);
-      step.site_forward(layer, site, true, selections);
-      if (pass.keep_outputs && site == Site::Attention) kept[2 * i] = attention_kept(m, s, layer, L);
-      if (pass.keep_outputs && site == Site::Ffn) kept[2 * i + 1].push_back(m.activations(2 * L * s.hidden));
+      step.site_forward(layer, site, true, selections, pass.keep_outputs ? &coefficients[index] : nullptr);
+      if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, L);
+      if (pass.keep_outputs && site == Site::Ffn) kept[index].push_back(m.activations(2 * L * s.hidden));
       if (site == Site::Attention || all_sites)
-        store(2 * i + static_cast<size_t>(site == Site::Ffn));
+        store(index);
       else
         streams = Block();
       streams = std::move(next);
@@ -156,9 +169,11 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       Blocks none;
       step.site_forward(layer, Site::Attention, false, none);
     }
-    step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]));
+    step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]),
+                       std::move(coefficients[2 * i + 1]));
     stored[2 * i + 1] = Block();
-    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]));
+    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]),
+                       std::move(coefficients[2 * i]));
     stored[2 * i] = Block();
   }
 }

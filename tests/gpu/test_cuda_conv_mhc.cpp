@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -106,7 +107,13 @@ TEST(CudaConvMhc, HcCoefficientsForward) {
     auto collapsed = poisoned<bf16>(T * D);
     hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
                     collapsed.data(), stream.get());
+    // The collapse again from the kept pre, as a site's backward does: the very same values.
+    auto collapsed_again = poisoned<bf16>(T * D);
+    hc_collapse(s, xb.data(), pre.data(), collapsed_again.data(), stream.get());
     stream.synchronize();
+    const std::vector<bf16> first = collapsed.download(), again = collapsed_again.download();
+    EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(bf16)), 0)
+        << "hc_collapse differs from hc_coefficients' collapse, T=" << T << " H=" << H << " D=" << D;
     const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
                scaled = to_double(p.scale);
     std::vector<double> pre_ref(T * H), post_ref(T * H), comb_ref(T * H * H), col_ref(T * D);

@@ -361,6 +361,30 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
 }
 
+// hc_coefficients' collapse alone, for a site whose coefficients were kept: collapsed[t, d] =
+// sum_h pre[t, h] x[t, h, d], summed in the same order, so the same bf16 values. A thread per V
+// columns of a token, in as many waves of blocks as the tokens need (memory bound).
+template <int H, int V>
+__global__ void __launch_bounds__(kThreads)
+    hc_collapse_kernel(const __nv_bfloat16* streams, const float* pre, __nv_bfloat16* collapsed,
+                       int64_t tokens, int64_t D) {
+  const int64_t per_token = D / V, e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (e >= tokens * per_token) return;
+  const int64_t t = e / per_token, d = e % per_token * V;
+  const __nv_bfloat16* x = streams + t * H * D + d;
+  float v[H][V];
+#pragma unroll
+  for (int h = 0; h < H; ++h) load<V>(x + h * D, v[h]);
+  float acc[V] = {};
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const float ph = pre[t * H + h];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = fmaf(ph, v[h][j], acc[j]);
+  }
+  store<V>(collapsed + t * D + d, acc);
+}
+
 // One warp per token (8 per block), V consecutive elements per lane at a time.
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
@@ -954,6 +978,22 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
                  streams, fn, base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters,
                  vec);
   })
+}
+
+void hc_collapse(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* pre,
+                 __nv_bfloat16* collapsed, cudaStream_t stream) {
+  check_shape(s, "hc_collapse");
+  if (s.tokens == 0) return;
+  const auto launch = [&](auto kernel, int64_t per_token) {
+    const auto blocks = static_cast<unsigned>((s.tokens * per_token + kThreads - 1) / kThreads);
+    kernel<<<blocks, kThreads, 0, stream>>>(streams, pre, collapsed, s.tokens, s.hidden);
+  };
+  if (vector_rows(s, {{streams, 2}, {collapsed, 2}})) {
+    SPINDLE_HC_DISPATCH(launch(hc_collapse_kernel<H, 8>, s.hidden / 8))
+  } else {
+    SPINDLE_HC_DISPATCH(launch(hc_collapse_kernel<H, 1>, s.hidden))
+  }
+  SPINDLE_LAUNCHED("hc_collapse_kernel");
 }
 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,

@@ -4,7 +4,8 @@
 // Gradients of the streams are kept in fp32 [tokens, H, D] (dstreams, dout): the residual
 // gradient is a sum over every later sublayer, and fp32 keeps it from drifting in bf16.
 // CPU reference: kernels/cpu/mhc.h (same names, same argument order; its hc_combine_backward is
-// split in two here: hc_combine_backward and hc_post_gradient).
+// split in two here: hc_combine_backward and hc_post_gradient; hc_collapse is hc_coefficients'
+// last part).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,6 +22,11 @@ namespace spindle::cuda {
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                      cudaStream_t stream);
+
+// hc_coefficients' collapse alone, from coefficients kept since: collapsed = sum_h pre[h]
+// streams[h] (bf16 [tokens, D], written), the same values hc_coefficients writes for that pre.
+void hc_collapse(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* pre,
+                 __nv_bfloat16* collapsed, cudaStream_t stream);
 
 // out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :] (bf16, written).
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,

@@ -15,6 +15,7 @@
 #include "model/cuda/device_weights.h"
 #include "model/cuda/layer_offload.h"
 #include "model/cuda/modules.h"
+#include "model/cuda/residual.h"
 #include "model/cuda/sequence.h"
 #include "model/weights.h"
 
@@ -73,10 +74,12 @@ class CudaModel {
                          KdaCarry* kda = nullptr, DsaCache* cache = nullptr, AttentionKept* keep = nullptr);
   // Layer `layer`'s feed-forward residual site backward from its input streams `x` [L, hc_mult,
   // hidden]: dstreams comes in as the gradient of its output and leaves as that of its input.
-  // `kept_y` (if not null and not empty): the feed-forward's output, taken instead of recomputed.
+  // `kept_y` and `kept_coefficients` (if not null and not empty): the feed-forward's output and the
+  // site's mHC coefficients, taken instead of recomputed.
   void ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const __nv_bfloat16* x, int64_t L,
                          DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
-                         DeviceBuffer<__nv_bfloat16>* kept_y = nullptr);
+                         DeviceBuffer<__nv_bfloat16>* kept_y = nullptr,
+                         SiteCoefficients* kept_coefficients = nullptr);
   // `load` and `router_logits` as for moe_forward (MoE layers only).
   void ffn_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L, __nv_bfloat16* y,
                    std::vector<int64_t>* load = nullptr, float* router_logits = nullptr);

@@ -23,14 +23,34 @@ struct SiteActivations {
   DeviceBuffer<bf16> collapsed, normed;
 };
 
+// With `kept` holding a site's coefficients (taken), only the collapse runs again.
 SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
-                            const Tensor& norm, int64_t L, const bf16* streams) {
+                            const Tensor& norm, int64_t L, const bf16* streams,
+                            SiteCoefficients* kept = nullptr) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const TimedScope timed = ctx.timed("mhc");
-  SiteActivations a{activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H),
-                    activations(L * D), activations(L * D)};
-  hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
-                  a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+  SiteActivations a;
+  const bool coefficients_kept = kept != nullptr && kept->pre.size() != 0;
+  if (coefficients_kept) {
+    check(kept->pre.size() == static_cast<size_t>(L * H) && kept->post.size() == kept->pre.size() &&
+              kept->comb.size() == static_cast<size_t>(L * H * H),
+          "residual site: kept coefficients of ", kept->pre.size() / static_cast<size_t>(H), " tokens for ",
+          L);
+    a.pre = std::move(kept->pre);
+    a.post = std::move(kept->post);
+    a.comb = std::move(kept->comb);
+  } else {
+    a.pre = activations_f32(L * H);
+    a.post = activations_f32(L * H);
+    a.comb = activations_f32(L * H * H);
+  }
+  a.collapsed = activations(L * D);
+  a.normed = activations(L * D);
+  if (coefficients_kept)
+    hc_collapse(hc_shape(c, L), streams, a.pre.data(), a.collapsed.data(), ctx.stream());
+  else
+    hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
+                    a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
   rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
                    static_cast<float>(c.rms_norm_eps), ctx.stream());
   ctx.record.note("mhc", "cuda 64-token tiles (Sinkhorn in fp32)");
@@ -41,22 +61,26 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
 
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
-                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
+                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y,
+                           SiteCoefficients* keep_coefficients) {
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   const TimedScope timed = ctx.timed("mhc");
   hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
   if (keep_y != nullptr) *keep_y = std::move(a.collapsed);
+  if (keep_coefficients != nullptr)
+    *keep_coefficients = SiteCoefficients{std::move(a.pre), std::move(a.post), std::move(a.comb)};
 }
 
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<float>& dstreams,
                             HyperConnectionWeights& ghc, Tensor& gnorm, const SublayerForward& sublayer,
-                            const SublayerBackward& sublayer_backward, DeviceBuffer<bf16>* kept_y) {
+                            const SublayerBackward& sublayer_backward, DeviceBuffer<bf16>* kept_y,
+                            SiteCoefficients* kept_coefficients) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const cudaStream_t s = ctx.stream();
-  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, kept_coefficients);
   const bool y_kept = kept_y != nullptr && kept_y->size() != 0;
   check(!y_kept || kept_y->size() == static_cast<size_t>(L * D), "residual site backward: a kept output of ",
         y_kept ? kept_y->size() : 0, " values for ", L, " tokens");

@@ -125,6 +125,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     // is kept from the recomputation until that backward (LossOptions::keep_outputs).
     std::vector<AttentionKept> attention_kept(layers);
     std::vector<DeviceBuffer<bf16>> ffn_kept(layers);
+    std::vector<SiteCoefficients> coefficients(2 * layers);  // each site's, with keep_outputs
     const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
                                bool reuse) {
       const LayerWeights& layer = w.layers[i];
@@ -147,7 +148,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
                               const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
       DeviceBuffer<bf16> next = activations(n * H * D);
-      residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y);
+      residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y,
+                            options.keep_outputs ? &coefficients[index] : nullptr);
       site_inputs[index] = std::move(streams);
       streams = std::move(next);
     };
@@ -204,13 +206,14 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
       ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
-                        balance ? &balance_loss : nullptr, &ffn_kept[i]);
+                        balance ? &balance_loss : nullptr, &ffn_kept[i], &coefficients[2 * i + 1]);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
       DeviceBuffer<int32_t> unused;
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
       residual_site_backward(
           ctx_, c, layer.attn_hc, layer.input_layernorm, n, site_inputs[2 * i].data(), dstreams, grad.attn_hc,
-          grad.input_layernorm, {}, [&](const bf16* x, const bf16* dy, float* dx, bf16* y) {
+          grad.input_layernorm, {},
+          [&](const bf16* x, const bf16* dy, float* dx, bf16* y) {
             begin(attention_kind(layer));
             if (layer.attention == AttentionKind::Kda)
               kda_backward(ctx_, c, layer.kda, x, n, dy, dx, grad.kda, *kda_starts[k][i], *kda_grad[i], y,
@@ -219,7 +222,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
               dsa_backward(ctx_, c, layer.dsa, x, n, chosen.data(), dy, dx, grad.dsa, &indexer_loss,
                            *carries[i].dsa, start, *cache_grad[i], y, &attention_kept[i]);
             end();
-          });
+          },
+          nullptr, &coefficients[2 * i]);
       site_inputs[2 * i] = DeviceBuffer<bf16>();
     }
 
