@@ -162,6 +162,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
+  Gemm& gemm = ctx.gemm;
   Routing r = route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
@@ -176,7 +177,6 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
   queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
   DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
-  Gemm& gemm = ctx.gemm;
   for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
     const bf16 *x_rows = r.rows.data() + first * D, *dy_e = dy_rows.data() + first * D;
     bf16 *gu = gate_up.data() + first * 2 * I, *h = hidden.data() + first * I,
@@ -206,8 +206,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                           dlogits.data(), s);
   DeviceBuffer<bf16> dlogits16 = activations(L * E);
   f32_to_bf16(dlogits.data(), dlogits16.data(), L * E, s);
-  ctx.gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
-  ctx.gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
+  gemm.linear_backward_input(dlogits16.data(), bf16_data(w.router), dx, L, D, E, 1.0f, s);
+  gemm.linear_backward_weight(dlogits16.data(), x, f32_data(grad.router), L, D, E, s);
 }
 
 }  // namespace spindle::cuda

@@ -171,13 +171,9 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       run_site(
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
           [&](const bf16* x, bf16* y) {
-            if (!forward_here || layer.mlp == MlpKind::Dense) {
-              ffn_forward(layer, x, n, y);
-              return;
-            }
-            std::vector<int64_t> load;
-            ffn_forward(layer, x, n, y, &load);
-            add_load(i, load);
+            std::vector<int64_t> load;  // counted here only where this is the chunk's only forward
+            ffn_forward(layer, x, n, y, forward_here ? &load : nullptr);
+            if (forward_here) add_load(i, load);
           },
           options.keep_outputs ? &ffn_kept[i] : nullptr);
     }
