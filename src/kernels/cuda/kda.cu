@@ -1,5 +1,5 @@
-// Kimi Delta Attention, chunked (C = 64), fp32: the prep's and the output's products on the tensor
-// cores (3xTF32, kda_chunk.cuh), the state pass on the CUDA cores.
+// Kimi Delta Attention, chunked (C = 64), fp32, every product on the tensor cores as 3xTF32
+// (kda_chunk.cuh, kda_state_products.cuh).
 //
 // Forward, per segment of up to kKdaSegmentChunks chunks, three launches:
 //   1. prep, grid chunks x heads: per chunk the prefix sums G_t = sum_{s<=t} g_s, the matrices
@@ -11,10 +11,10 @@
 //      order, u = U0 - W S, S = diag(exp G_last) S + Kb^T u, each chunk's entry state into
 //      chunk_states and u over U0; the next chunk's operands arrive by cp.async meanwhile;
 //   3. output, grid value tiles of 64 x chunks x heads: o = exp(G) q S_c + Aq u.
-// The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output's) run on the tensor
-// cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks, the solve and the state pass in
-// fp32 on the CUDA cores. Every exponential is of a difference <= 0, so no
-// cumulative decay over- or underflows.
+// The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output's) and the state
+// pass's run on the tensor cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks and
+// the solve in fp32 on the CUDA cores. Every exponential is of a difference <= 0, so no cumulative
+// decay over- or underflows.
 //
 // The backward is kda_backward.cu.
 #include <algorithm>
@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
+#include "kernels/cuda/kda_state_products.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -93,119 +94,108 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   }
 }
 
-// The state pass's shared memory: the state tile and two stages of W, Kb (row stride kWs), the
-// U tile and glast.
-constexpr int kWs = kMaxDim + 4;  // 16-byte rows; rows t and t + 16 of W fall in distinct banks
-constexpr int kStageFloats = 2 * kC * kWs + kC * kTileV + kMaxDim;
-size_t scan_smem_bytes() { return sizeof(float) * static_cast<size_t>(kMaxDim * kTileV + 2 * kStageFloats); }
+// The state pass's shared memory, in floats: two stages of W [C, kKdaRowsStride] (the A operand of
+// W S), Kb [C, kKdaColumnsStride] (read transposed: Kb^T u), U0 [C, kKdaSplitStride] and glast; then
+// the state tile [kMaxDim, 16] and u [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh).
+constexpr int kOffStageKb = kC * kKdaRowsStride, kOffStageU = kOffStageKb + kC * kKdaColumnsStride,
+              kOffStageGlast = kOffStageU + kC * kKdaSplitStride;
+constexpr int kStageFloats = kOffStageGlast + kMaxDim;
+constexpr int kSplitStateFloats = kMaxDim * kKdaSplitStride, kSplitChunkFloats = kC * kKdaSplitStride;
+size_t scan_smem_bytes() {
+  return sizeof(float) *
+         static_cast<size_t>(2 * kStageFloats + 2 * kSplitStateFloats + 2 * kSplitChunkFloats);
+}
+static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
+              "the state pass: a warp per 16 rows of the state, two 8-column mma tiles");
 
 // Head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks [c0, c1) of the segment from
 // `initial` (null: zero), writing chunk_states[c0 .. c1] and replacing each block's U0 tile by u.
-// `initial` may be chunk_states[c0] itself (a later segment): each CTA reads its columns before
-// writing them back. Per chunk: u = U0 - W S, then S = diag(exp G_last) S + Kb^T u; the next
-// chunk's W, Kb, U0 and glast arrive by cp.async while this one computes.
+// `initial` may be chunk_states[c0] itself (a later segment): each thread reads the elements it
+// writes back. Per chunk, on the tensor cores (kda_state_products.cuh): u = U0 - W S, warp w the
+// tokens 16 (w / 2) .. and columns 8 (w % 2) ..; then S = diag(exp G_last) S + Kb^T u, warp w the
+// state rows 16 w .. (its tile stays in the warp's registers from chunk to chunk). The next chunk's
+// W, Kb, U0 and glast arrive by cp.async while this one computes.
 __global__ void __launch_bounds__(kThreads)
     kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, int64_t c0, int64_t c1,
                         int heads, int dk, int dv) {
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
-  const int jj = tid % kTileV, rg = tid / kTileV;  // u: tokens rg + 16 r; S: rows 8 rg .. 8 rg + 7
+  const int warp = tid / 32, g = tid % 32 / 4, q4 = tid % 4;
   const int64_t SS = static_cast<int64_t>(dk) * dv;
-  const int dk4 = (dk + 3) / 4;  // W's columns the products read, in fours (zero past dk)
-  float* S = smem;               // [kMaxDim, kTileV]
-  float* stages = S + kMaxDim * kTileV;
+  float* stages = smem;
+  uint32_t* Shi = reinterpret_cast<uint32_t*>(stages + 2 * kStageFloats);
+  uint32_t* Slo = Shi + kSplitStateFloats;
+  uint32_t* uhi = Slo + kSplitStateFloats;
+  uint32_t* ulo = uhi + kSplitChunkFloats;
   const auto load_stage = [&](int64_t c, float* stage) {
     const float* block = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats;
-    float* W = stage;
-    float* Kb = W + kC * kWs;
-    float* U = Kb + kC * kWs;
-    float* gl = U + kC * kTileV;
     // Whole rows, so that every row and column of the state tile stays zero past dk.
     for (int p = tid; p < kC * kMaxDim / 4; p += kThreads) {
       const int t = p / (kMaxDim / 4), i = 4 * (p - t * (kMaxDim / 4));
-      copy16(W + t * kWs + i, block + kOffW + t * kMaxDim + i, true);
-      copy16(Kb + t * kWs + i, block + kOffKb + t * kMaxDim + i, true);
+      copy16(stage + t * kKdaRowsStride + i, block + kOffW + t * kMaxDim + i, true);
+      copy16(stage + kOffStageKb + t * kKdaColumnsStride + i, block + kOffKb + t * kMaxDim + i, true);
     }
     for (int p = tid; p < kC * kTileV / 4; p += kThreads) {
       const int t = p / (kTileV / 4), j = 4 * (p - t * (kTileV / 4));
-      copy16(U + t * kTileV + j, block + kOffU + t * kMaxDim + j0 + j, true);
+      copy16(stage + kOffStageU + t * kKdaSplitStride + j, block + kOffU + t * kMaxDim + j0 + j, true);
     }
-    for (int p = tid; p < kMaxDim / 4; p += kThreads) copy16(gl + 4 * p, block + kOffGlast + 4 * p, true);
+    for (int p = tid; p < kMaxDim / 4; p += kThreads)
+      copy16(stage + kOffStageGlast + 4 * p, block + kOffGlast + 4 * p, true);
     copy_commit();
   };
-
-  float Sr[8];  // rows 8 rg + r, column jj
+  // The warp's state rows i0 + g (+ 8) in C fragments: S[nt][e] is row row(e), column col(nt, e).
+  const int i0 = 16 * warp;
+  const auto row = [&](int e) { return i0 + g + 8 * (e / 2); };
+  const auto col = [&](int nt, int e) { return 8 * nt + 2 * q4 + e % 2; };
+  float S[2][4];
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const int i = 8 * rg + r, j = j0 + jj;
-    Sr[r] = initial != nullptr && i < dk && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
-    S[i * kTileV + jj] = Sr[r];
-  }
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row(e), j = j0 + col(nt, e);
+      S[nt][e] = initial != nullptr && i < dk && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
+      store_tf32_split(Shi, Slo, i * kKdaSplitStride + col(nt, e), S[nt][e]);
+    }
   if (c0 < c1) load_stage(c0, stages);
   for (int64_t c = c0;; ++c) {
     float* state_out = chunk_states + (c * heads + h) * SS;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int i = 8 * rg + r, j = j0 + jj;
-      if (i < dk && j < dv) state_out[i * dv + j] = Sr[r];
-    }
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row(e), j = j0 + col(nt, e);
+        if (i < dk && j < dv) state_out[i * dv + j] = S[nt][e];
+      }
     if (c == c1) break;
-    float* stage = stages + ((c - c0) & 1) * kStageFloats;
-    if (c + 1 < c1) {
-      load_stage(c + 1, stages + ((c + 1 - c0) & 1) * kStageFloats);
-      copy_wait_all_but_newest();
-    } else {
-      copy_wait_all();
-    }
-    __syncthreads();  // this chunk's stage and the state tile are in
-    const float* W = stage;
-    const float* Kb = W + kC * kWs;
-    float* U = stage + 2 * kC * kWs;
-    const float* gl = U + kC * kTileV;
-    // u = U0 - W S for tokens rg + 16 r (rows past the chunk are zero in W and U0: u = 0 there).
-    float acc[4];
+    copy_wait_all();
+    __syncthreads();  // this chunk's stage and the split state are in; no one reads the other stage
+    if (c + 1 < c1) load_stage(c + 1, stages + ((c + 1 - c0) & 1) * kStageFloats);
+    const float* stage = stages + ((c - c0) & 1) * kStageFloats;
+    {  // u = U0 - W S (rows past the chunk are zero in W and U0: u = 0 there)
+      const int m0 = 16 * (warp / 2), n0 = 8 * (warp % 2);
+      float ws[4];
+      kda_rows_times_state(ws, stage, Shi, Slo, m0, n0);
+      float* u_out = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[r] = U[(rg + 16 * r) * kTileV + jj];
-    for (int i = 0; i < 4 * dk4; i += 4) {
-      const float s0 = S[i * kTileV + jj], s1 = S[(i + 1) * kTileV + jj], s2 = S[(i + 2) * kTileV + jj],
-                  s3 = S[(i + 3) * kTileV + jj];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float4 w = *reinterpret_cast<const float4*>(W + (rg + 16 * r) * kWs + i);
-        acc[r] = fmaf(-w.x, s0, acc[r]);
-        acc[r] = fmaf(-w.y, s1, acc[r]);
-        acc[r] = fmaf(-w.z, s2, acc[r]);
-        acc[r] = fmaf(-w.w, s3, acc[r]);
+      for (int e = 0; e < 4; ++e) {
+        const int t = m0 + g + 8 * (e / 2), j = n0 + 2 * q4 + e % 2;
+        const float u = stage[kOffStageU + t * kKdaSplitStride + j] - ws[e];
+        u_out[t * kMaxDim + j0 + j] = u;
+        store_tf32_split(uhi, ulo, t * kKdaSplitStride + j, u);
       }
     }
-    __syncthreads();  // every read of U0 and S is done
-    float* u_out = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU;
+    __syncthreads();  // u is in
+    // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
+    float ku[2][4];
+    kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);
+    const float decay[2] = {exp2f(stage[kOffStageGlast + i0 + g]), exp2f(stage[kOffStageGlast + i0 + g + 8])};
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = rg + 16 * r;
-      U[t * kTileV + jj] = acc[r];
-      u_out[t * kMaxDim + j0 + jj] = acc[r];
-    }
-    __syncthreads();
-    // S = diag(exp G_last) S + Kb^T u, rows 8 rg .. 8 rg + 7 (zero past dk: Kb and glast are).
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int r = 0; r < 8; ++r) Sr[r] *= exp2f(gl[8 * rg + r]);
-    for (int t = 0; t < kC; ++t) {
-      const float ut = U[t * kTileV + jj];
-      const float4 a = *reinterpret_cast<const float4*>(Kb + t * kWs + 8 * rg);
-      const float4 b = *reinterpret_cast<const float4*>(Kb + t * kWs + 8 * rg + 4);
-      Sr[0] = fmaf(a.x, ut, Sr[0]);
-      Sr[1] = fmaf(a.y, ut, Sr[1]);
-      Sr[2] = fmaf(a.z, ut, Sr[2]);
-      Sr[3] = fmaf(a.w, ut, Sr[3]);
-      Sr[4] = fmaf(b.x, ut, Sr[4]);
-      Sr[5] = fmaf(b.y, ut, Sr[5]);
-      Sr[6] = fmaf(b.z, ut, Sr[6]);
-      Sr[7] = fmaf(b.w, ut, Sr[7]);
-    }
-#pragma unroll
-    for (int r = 0; r < 8; ++r) S[(8 * rg + r) * kTileV + jj] = Sr[r];
-    __syncthreads();  // the next prefetch overwrites this stage; the next products read S
+      for (int e = 0; e < 4; ++e) {
+        S[nt][e] = fmaf(decay[e / 2], S[nt][e], ku[nt][e]);
+        store_tf32_split(Shi, Slo, row(e) * kKdaSplitStride + col(nt, e), S[nt][e]);
+      }
   }
 }
 

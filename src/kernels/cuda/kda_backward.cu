@@ -1,5 +1,6 @@
 // Kimi Delta Attention backward, chunk-parallel: the chunk form of docs/KDA.md
-// (CPU statement: cpu::kda_chunked_backward), scalar fp32 on the CUDA cores.
+// (CPU statement: cpu::kda_chunked_backward), fp32, the products on the tensor
+// cores as 3xTF32 (kda_chunk.cuh, kda_state_products.cuh).
 // Per segment of up to kKdaBackwardSegmentChunks chunks, last segment first,
 // three kernels:
 //   1. prep, grid chunks x heads: G, A, Aq and Tinv = (I + diag(beta) A)^-1 of
@@ -27,6 +28,7 @@
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
+#include "kernels/cuda/kda_state_products.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -152,117 +154,104 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     }
 }
 
-// Kernel 2's shared memory: the dS tile, X = Kb dS' [C, 16] and two stages of
-// W, Kb (row stride kWs) and G_last.
-constexpr int kWs = kMaxDim + 4;  // 16-byte rows; rows t and t + 16 fall in distinct banks
-constexpr int kStageFloats = 2 * kC * kWs + kMaxDim;
-size_t state_smem_floats() { return kMaxDim * kTileV + kC * kTileV + 2 * kStageFloats; }
+// Kernel 2's shared memory, in floats: two stages of W [C, kKdaColumnsStride] (read transposed: W^T
+// X), Kb [C, kKdaRowsStride] (the A operand of Kb dS') and G_last; then the dS tile [kMaxDim, 16]
+// and X [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh).
+constexpr int kOffStageKb = kC * kKdaColumnsStride, kOffStageGlast = kOffStageKb + kC * kKdaRowsStride;
+constexpr int kStageFloats = kOffStageGlast + kMaxDim;
+constexpr int kSplitStateFloats = kMaxDim * kKdaSplitStride, kSplitChunkFloats = kC * kKdaSplitStride;
+size_t state_smem_floats() { return 2 * kStageFloats + 2 * kSplitStateFloats + 2 * kSplitChunkFloats; }
+static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
+              "the state pass: a warp per 16 rows of dS, two 8-column mma tiles");
 
 // Kernel 2, head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks c1 - 1
 // down to c0 from `initial` (the gradient of the state leaving chunk c1 - 1;
-// null: zero). Per chunk: X = Kb dS', dS = diag(exp G_last) dS' - W^T X + Z, Z
-// read from slot c - c0, which then receives dS (the gradient of the state
-// entering chunk c); slot c1 - c0 receives `initial`, `carry` the gradient
-// entering chunk c0 (the next, earlier segment's `initial`: each CTA reads its
-// own columns of it before writing them), d_initial, if not null, that of chunk
-// 0. The next chunk's W, Kb and G_last arrive by cp.async while this one
-// computes.
+// null: zero). Per chunk, on the tensor cores: X = Kb dS' (warp w the tokens
+// 16 (w / 2) .., columns 8 (w % 2) ..), then dS = diag(exp G_last) dS' - W^T X
+// + Z (warp w the rows 16 w .., its tile in the warp's registers from chunk to
+// chunk), Z read from slot c - c0, which then receives dS (the gradient of the
+// state entering chunk c); slot c1 - c0 receives `initial`, `carry` the
+// gradient entering chunk c0 (the next, earlier segment's `initial`: each
+// thread reads the elements of it that it writes), d_initial, if not null,
+// that of chunk 0. The next chunk's W, Kb and G_last arrive by cp.async while
+// this one computes.
 __global__ void __launch_bounds__(kThreads)
     kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
                          float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
                          int dk, int dv) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
-  const int jj = tid % kTileV,
-            rg = tid / kTileV;  // X: tokens rg + 16 r; dS: rows 8 rg .. 8 rg + 7
-  const int j = j0 + jj;
+  const int warp = tid / 32, g = tid % 32 / 4, q4 = tid % 4;
   const int64_t SS = static_cast<int64_t>(dk) * dv;
-  const int dk4 = (dk + 3) / 4;  // Kb's columns the products read, in fours (zero past dk)
-  float* dS = smem;              // [kMaxDim, kTileV]
-  float* X = dS + kMaxDim * kTileV;
-  float* stages = X + kC * kTileV;
+  float* stages = smem;
+  uint32_t* dShi = reinterpret_cast<uint32_t*>(stages + 2 * kStageFloats);
+  uint32_t* dSlo = dShi + kSplitStateFloats;
+  uint32_t* Xhi = dSlo + kSplitStateFloats;
+  uint32_t* Xlo = Xhi + kSplitChunkFloats;
   const auto load_stage = [&](int64_t c, float* stage) {
     const float* op = ops + ((c - c0) * heads + h) * kKdaBackwardOpsFloats;
     for (int p = tid; p < kC * kMaxDim / 4; p += kThreads) {
       const int t = p / (kMaxDim / 4), i = 4 * (p - t * (kMaxDim / 4));
-      copy16(stage + t * kWs + i, op + t * kMaxDim + i, true);
-      copy16(stage + kC * kWs + t * kWs + i, op + kOpKb + t * kMaxDim + i, true);
+      copy16(stage + t * kKdaColumnsStride + i, op + t * kMaxDim + i, true);
+      copy16(stage + kOffStageKb + t * kKdaRowsStride + i, op + kOpKb + t * kMaxDim + i, true);
     }
     for (int p = tid; p < kMaxDim / 4; p += kThreads)
-      copy16(stage + 2 * kC * kWs + 4 * p, op + kOpGlast + 4 * p, true);
+      copy16(stage + kOffStageGlast + 4 * p, op + kOpGlast + 4 * p, true);
     copy_commit();
   };
-  const auto owned = [&](int r) { return 8 * rg + r < dk && j < dv; };
-  const auto at = [&](int r) { return (8 * rg + r) * dv + j; };  // offset in a [dk, dv] slot
+  // The warp's dS rows i0 + g (+ 8) in C fragments: dS[nt][e] is row row(e),
+  // column col(nt, e) of the tile.
+  const int i0 = 16 * warp;
+  const auto row = [&](int e) { return i0 + g + 8 * (e / 2); };
+  const auto col = [&](int nt, int e) { return 8 * nt + 2 * q4 + e % 2; };
+  const auto owned = [&](int nt, int e) { return row(e) < dk && j0 + col(nt, e) < dv; };
+  const auto at = [&](int nt, int e) { return row(e) * dv + j0 + col(nt, e); };  // offset in a [dk, dv] slot
 
-  float dSr[8];  // rows 8 rg + r, column j
+  float dS[2][4];
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    dSr[r] = initial != nullptr && owned(r) ? initial[h * SS + at(r)] : 0.0f;
-    dS[(8 * rg + r) * kTileV + jj] = dSr[r];
-    if (owned(r)) slots[((c1 - c0) * heads + h) * SS + at(r)] = dSr[r];
-  }
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dS[nt][e] = initial != nullptr && owned(nt, e) ? initial[h * SS + at(nt, e)] : 0.0f;
+      store_tf32_split(dShi, dSlo, row(e) * kKdaSplitStride + col(nt, e), dS[nt][e]);
+      if (owned(nt, e)) slots[((c1 - c0) * heads + h) * SS + at(nt, e)] = dS[nt][e];
+    }
   if (c1 > c0) load_stage(c1 - 1, stages);
   for (int64_t c = c1 - 1; c >= c0; --c) {
-    float* stage = stages + ((c1 - 1 - c) & 1) * kStageFloats;
-    if (c - 1 >= c0) {
-      load_stage(c - 1, stages + ((c1 - c) & 1) * kStageFloats);
-      copy_wait_all_but_newest();
-    } else {
-      copy_wait_all();
-    }
     float* slot = slots + ((c - c0) * heads + h) * SS;
-    float z[8];
+    float z[2][4];  // Z, from kernel 1
 #pragma unroll
-    for (int r = 0; r < 8; ++r) z[r] = owned(r) ? slot[at(r)] : 0.0f;  // Z, from kernel 1
-    __syncthreads();  // this chunk's stage and the dS tile are in
-    const float* W = stage;
-    const float* Kb = stage + kC * kWs;
-    const float* gl = stage + 2 * kC * kWs;
-    // X = Kb dS' for tokens rg + 16 r (rows past the chunk are zero in Kb: X =
-    // 0 there).
-    float acc[4] = {};
-    for (int i = 0; i < 4 * dk4; i += 4) {
-      const float s0 = dS[i * kTileV + jj], s1 = dS[(i + 1) * kTileV + jj], s2 = dS[(i + 2) * kTileV + jj],
-                  s3 = dS[(i + 3) * kTileV + jj];
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float4 w = *reinterpret_cast<const float4*>(Kb + (rg + 16 * r) * kWs + i);
-        acc[r] = fmaf(w.x, s0, acc[r]);
-        acc[r] = fmaf(w.y, s1, acc[r]);
-        acc[r] = fmaf(w.z, s2, acc[r]);
-        acc[r] = fmaf(w.w, s3, acc[r]);
+      for (int e = 0; e < 4; ++e) z[nt][e] = owned(nt, e) ? slot[at(nt, e)] : 0.0f;
+    copy_wait_all();
+    __syncthreads();  // this chunk's stage and the split dS are in; no one reads the other stage
+    if (c - 1 >= c0) load_stage(c - 1, stages + ((c1 - c) & 1) * kStageFloats);
+    const float* stage = stages + ((c1 - 1 - c) & 1) * kStageFloats;
+    {  // X = Kb dS' (rows past the chunk are zero in Kb: X = 0 there)
+      const int m0 = 16 * (warp / 2), n0 = 8 * (warp % 2);
+      float x[4];
+      kda_rows_times_state(x, stage + kOffStageKb, dShi, dSlo, m0, n0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        store_tf32_split(Xhi, Xlo, (m0 + g + 8 * (e / 2)) * kKdaSplitStride + n0 + 2 * q4 + e % 2, x[e]);
+    }
+    __syncthreads();  // X is in
+    // dS = diag(exp G_last) dS' - W^T X + Z.
+    float wx[2][4];
+    kda_columns_times_chunk(wx, stage, Xhi, Xlo, i0);
+    const float decay[2] = {exp2f(stage[kOffStageGlast + i0 + g]), exp2f(stage[kOffStageGlast + i0 + g + 8])};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dS[nt][e] = fmaf(decay[e / 2], dS[nt][e], z[nt][e]) - wx[nt][e];
+        store_tf32_split(dShi, dSlo, row(e) * kKdaSplitStride + col(nt, e), dS[nt][e]);
+        if (!owned(nt, e)) continue;
+        slot[at(nt, e)] = dS[nt][e];
+        if (c == c0) carry[h * SS + at(nt, e)] = dS[nt][e];
+        if (c == 0 && d_initial != nullptr) d_initial[h * SS + at(nt, e)] = dS[nt][e];
       }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) X[(rg + 16 * r) * kTileV + jj] = acc[r];
-    __syncthreads();
-    // dS = diag(exp G_last) dS' - W^T X + Z, rows 8 rg .. 8 rg + 7.
-#pragma unroll
-    for (int r = 0; r < 8; ++r) dSr[r] = fmaf(exp2f(gl[8 * rg + r]), dSr[r], z[r]);
-    for (int t = 0; t < kC; ++t) {
-      const float xt = X[t * kTileV + jj];
-      const float4 a = *reinterpret_cast<const float4*>(W + t * kWs + 8 * rg);
-      const float4 b = *reinterpret_cast<const float4*>(W + t * kWs + 8 * rg + 4);
-      dSr[0] = fmaf(-a.x, xt, dSr[0]);
-      dSr[1] = fmaf(-a.y, xt, dSr[1]);
-      dSr[2] = fmaf(-a.z, xt, dSr[2]);
-      dSr[3] = fmaf(-a.w, xt, dSr[3]);
-      dSr[4] = fmaf(-b.x, xt, dSr[4]);
-      dSr[5] = fmaf(-b.y, xt, dSr[5]);
-      dSr[6] = fmaf(-b.z, xt, dSr[6]);
-      dSr[7] = fmaf(-b.w, xt, dSr[7]);
-    }
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      dS[(8 * rg + r) * kTileV + jj] = dSr[r];
-      if (!owned(r)) continue;
-      slot[at(r)] = dSr[r];
-      if (c == c0) carry[h * SS + at(r)] = dSr[r];
-      if (c == 0 && d_initial != nullptr) d_initial[h * SS + at(r)] = dSr[r];
-    }
-    __syncthreads();  // the next prefetch overwrites this stage; the next
-                      // products read dS
   }
 }
 
