@@ -35,12 +35,12 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 10.0% of peak (counted as 5 passes,
-  // see kCalibrationPasses; 32k keep 4.21-4.56 s, 128k stream 16k 18.1 s, 512k stream 16k + host
-  // AdamW 76.6-77.1 s and 1M 158.7-158.9 s at 4bc8099, each predicted within 3%), the indexer's
+  // "Step time"): model FLOPs without the indexer's scores at 10.2% of peak (counted as 5 passes,
+  // see kCalibrationPasses; 128k stream 16k 17.0-17.4 s and 1M stream 16k + host AdamW
+  // 154.3-155.5 s at 80174d6, 512k 76.2-76.9 s at 67fd570 before its KDA state passes), the indexer's
   // quadratic scores with their selection, which run once per step, at 33% (the wgmma scorer and
   // the three-read top-k: 9.5 s per run at 1M, 2.3 s at 512k, commit c7cacc5).
-  double mfu = 0.100;
+  double mfu = 0.102;
   double indexer_mfu = 0.33;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
