@@ -12,35 +12,6 @@
 
 namespace spindle::cuda {
 
-// k (unless ks is null; q unless qs is null) of tokens [t0, t0 + n) of head h as fp32, and G_t = sum_{s<=t}
-// g_s (the per-channel prefix sums of the log decays), into [C, stride] shared tiles; glast (unless null)
-// gets G of the chunk's last token. Every thread of the CTA calls it; it ends with a barrier.
-// The KDA kernels keep G in the log2 domain (times log2(e)): every decay factor exp(G_t - G_s) in
-// their formulas is one exp2f, and so is the glast they pass to each other.
-__device__ inline void load_chunk_with_prefix(const __nv_bfloat16* __restrict__ q,
-                                              const __nv_bfloat16* __restrict__ k,
-                                              const float* __restrict__ g, int64_t t0, int n, int h,
-                                              int heads, int dk, int stride, float* qs, float* ks, float* Gs,
-                                              float* glast) {
-  for (int idx = threadIdx.x; idx < n * dk; idx += blockDim.x) {
-    const int t = idx / dk, i = idx - t * dk;
-    const int64_t src = ((t0 + t) * heads + h) * dk + i;
-    if (qs != nullptr) qs[t * stride + i] = __bfloat162float(q[src]);
-    if (ks != nullptr) ks[t * stride + i] = __bfloat162float(k[src]);
-    Gs[t * stride + i] = g[src] * kLog2e;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-    float run = 0.0f;
-    for (int t = 0; t < n; ++t) {
-      run += Gs[t * stride + i];
-      Gs[t * stride + i] = run;
-    }
-    if (glast != nullptr) glast[i] = run;
-  }
-  __syncthreads();
-}
-
 // rows x cols floats of a row-major global matrix (row stride ss) into shared rows of stride ds
 // (16-byte aligned) by cp.async, the CTA's threads taking turns, so that all of it is in flight at
 // once: 16-byte copies where every source row starts 16-byte aligned and cols is a multiple of 4,
@@ -65,6 +36,8 @@ __device__ inline void stage_rows(float* dst, int ds, const float* src, int64_t 
 // stays at the last token's), glast [kKdaMaxDim] = G of the last token. P = blockDim.x /
 // kKdaMaxDim threads per channel, each loading its C / P tokens at once, so that all the loads are
 // in flight together; part [P, kKdaMaxDim] is scratch for their partial sums. Ends with a barrier.
+// The KDA kernels keep G in the log2 domain (times log2(e)): every decay factor exp(G_t - G_s) in
+// their formulas is one exp2f, and so is the glast they pass to each other.
 template <int P>
 __device__ inline void load_chunk_batched(const __nv_bfloat16* __restrict__ q,
                                           const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
@@ -390,11 +363,12 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   for (int t = tid; t < C; t += blockDim.x) m.bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
-  // Zero past token n and channel dk, where load_chunk_with_prefix does not write: the products
-  // read whole 8-channel steps and 16-token blocks.
-  for (int idx = tid; idx < C * S; idx += blockDim.x)
-    if (idx / S >= n || idx % S >= dk) m.qs[idx] = m.ks[idx] = m.Gs[idx] = 0.0f;
-  load_chunk_with_prefix(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.gl);
+  // All of a thread's loads in flight at once, the prefix sums in registers (ns is free until the
+  // solve). Past token n and channel dk, q and k are zero, as the products need; G stays at the
+  // last token's past n, where only zero q and k meet it.
+  constexpr int P = kKdaPrepThreads / D;
+  static_assert(P * D == kKdaPrepThreads && P * D <= ChunkPrepTiles::kNFloats, "load_chunk_batched's layout");
+  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns, m.gl);
   chunk_matrices(m, n, dk);
   keep(m);
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
