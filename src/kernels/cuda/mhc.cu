@@ -67,6 +67,20 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The collapse of one token's V columns: acc = sum_h pre[h] v[h], h in order. hc_coefficients and
+// hc_collapse both sum this way, so that they write the same bf16 values.
+template <int H, int V>
+__device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const float* pre, float (&acc)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const float ph = pre[h];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = fmaf(ph, v[h][j], acc[j]);
+  }
+}
+
 // Shared-memory layout of the coefficient kernels for H streams.
 template <int H>
 struct Tile {
@@ -338,13 +352,8 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       for (int b = 0; b < kBatch; ++b) {
         const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
         if (e < n) {
-          float acc[8] = {};
-#pragma unroll
-          for (int h = 0; h < H; ++h) {
-            const float ph = pre_s[tt * H + h];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j] = fmaf(ph, v[b][h][j], acc[j]);
-          }
+          float acc[8];
+          collapse_columns<H, 8>(v[b], pre_s + tt * H, acc);
           store<8>(collapsed + (t0 + tt) * D + d, acc);
         }
       }
@@ -353,16 +362,16 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   for (int e = threadIdx.x; e < count * D; e += kThreads) {
     const int tt = e / D, d = e % D;
-    float acc = 0.0f;
+    float v[H][1], acc[1];
 #pragma unroll
-    for (int h = 0; h < H; ++h)
-      acc = fmaf(pre_s[tt * H + h], __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]), acc);
-    collapsed[(t0 + tt) * D + d] = __float2bfloat16(acc);
+    for (int h = 0; h < H; ++h) v[h][0] = __bfloat162float(x[static_cast<int64_t>(tt) * K + h * D + d]);
+    collapse_columns<H, 1>(v, pre_s + tt * H, acc);
+    collapsed[(t0 + tt) * D + d] = __float2bfloat16(acc[0]);
   }
 }
 
 // hc_coefficients' collapse alone, for a site whose coefficients were kept: collapsed[t, d] =
-// sum_h pre[t, h] x[t, h, d], summed in the same order, so the same bf16 values. A thread per V
+// sum_h pre[t, h] x[t, h, d] by collapse_columns, as hc_coefficients sums it. A thread per V
 // columns of a token, in as many waves of blocks as the tokens need (memory bound).
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
@@ -372,16 +381,10 @@ __global__ void __launch_bounds__(kThreads)
   if (e >= tokens * per_token) return;
   const int64_t t = e / per_token, d = e % per_token * V;
   const __nv_bfloat16* x = streams + t * H * D + d;
-  float v[H][V];
+  float v[H][V], acc[V];
 #pragma unroll
   for (int h = 0; h < H; ++h) load<V>(x + h * D, v[h]);
-  float acc[V] = {};
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const float ph = pre[t * H + h];
-#pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = fmaf(ph, v[h][j], acc[j]);
-  }
+  collapse_columns<H, V>(v, pre + t * H, acc);
   store<V>(collapsed + t * D + d, acc);
 }
 

@@ -30,27 +30,20 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const TimedScope timed = ctx.timed("mhc");
   SiteActivations a;
-  const bool coefficients_kept = kept != nullptr && kept->pre.size() != 0;
-  if (coefficients_kept) {
+  if (kept != nullptr && kept->pre.size() != 0) {
     check(kept->pre.size() == static_cast<size_t>(L * H) && kept->post.size() == kept->pre.size() &&
               kept->comb.size() == static_cast<size_t>(L * H * H),
           "residual site: kept coefficients of ", kept->pre.size() / static_cast<size_t>(H), " tokens for ",
           L);
-    a.pre = std::move(kept->pre);
-    a.post = std::move(kept->post);
-    a.comb = std::move(kept->comb);
-  } else {
-    a.pre = activations_f32(L * H);
-    a.post = activations_f32(L * H);
-    a.comb = activations_f32(L * H * H);
-  }
-  a.collapsed = activations(L * D);
-  a.normed = activations(L * D);
-  if (coefficients_kept)
+    a = {std::move(kept->pre), std::move(kept->post), std::move(kept->comb), activations(L * D),
+         activations(L * D)};
     hc_collapse(hc_shape(c, L), streams, a.pre.data(), a.collapsed.data(), ctx.stream());
-  else
+  } else {
+    a = {activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H), activations(L * D),
+         activations(L * D)};
     hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
                     a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+  }
   rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
                    static_cast<float>(c.rms_norm_eps), ctx.stream());
   ctx.record.note("mhc", "cuda 64-token tiles (Sinkhorn in fp32)");
