@@ -3,7 +3,9 @@
 // kda_chunked_backward (kernels/cuda/kda.h) timed by CUDA events (median of a few launches), with
 // the model FLOPs of model/flops.h (6 dk dv per token and head) for scale. The streamed step runs
 // the forward twice per chunk and layer (the forward pass and the recomputation; the backward
-// takes the recomputation's output and chunk states) and the backward once.
+// takes the recomputation's output and chunk states) and the backward once. Then the two as the
+// streamed step runs them with kept outputs: the recomputation's forward also writes the chunk
+// matrices (kept_matrices), the backward takes them.
 //     build/bench_kda [tokens]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,7 +35,9 @@ int main(int argc, char** argv) {
                       forward_workspace = floats(kda_forward_workspace_floats(T, H)),
                       backward_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv)),
                       dq = floats(T * H * dk), dkk = floats(T * H * dk), dvv = floats(T * H * dv),
-                      dg = floats(T * H * dk), dbeta = floats(T * H);
+                      dg = floats(T * H * dk), dbeta = floats(T * H),
+                      matrices = floats(kda_kept_matrices_floats(T, H)),
+                      kept_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv, true));
   SPINDLE_CUDA(cudaDeviceSynchronize());
   const double forward = median_ms(
       [&] {
@@ -48,10 +52,24 @@ int main(int argc, char** argv) {
                              backward_workspace.data(), T, H, dk, dv, nullptr);
       },
       5);
+  const double forward_keeping = median_ms(
+      [&] {
+        kda_chunked_forward(q.data(), k.data(), v.data(), g.data(), beta.data(), out.data(), states.data(),
+                            forward_workspace.data(), T, H, dk, dv, nullptr, nullptr, matrices.data());
+      },
+      5);
+  const double backward_kept = median_ms(
+      [&] {
+        kda_chunked_backward(q.data(), k.data(), v.data(), g.data(), beta.data(), dout.data(), states.data(),
+                             dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data(),
+                             kept_workspace.data(), T, H, dk, dv, nullptr, nullptr, nullptr, matrices.data());
+      },
+      5);
   const double flops = 6.0 * static_cast<double>(dk * dv) * static_cast<double>(T * H);
   std::printf("KDA recurrence at %lld tokens, %lld heads, dk = dv = %lld (model FLOPs %.1f G):\n",
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk), flops / 1e9);
   std::printf("  forward  %8.3f ms (%.1f model TFLOP/s)\n", forward, flops / forward / 1e9);
   std::printf("  backward %8.3f ms (%.2fx the forward)\n", backward, backward / forward);
+  std::printf("  with kept matrices: forward %.3f ms, backward %.3f ms\n", forward_keeping, backward_kept);
   return 0;
 }

@@ -104,6 +104,12 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   const double indexer = (policy.indexer_again ? 2 : 1) * work.indexer / h.indexer_mfu / h.peak_flops;
   StepTime time;
   time.compute = passes * seconds_per_pass + indexer;
+  if (policy.activations == ActivationPolicy::Stream && !policy.outputs_again && policy.kda_matrices_again) {
+    const auto kda_layers =
+        static_cast<double>(std::count(c.layer_types.begin(), c.layer_types.end(), AttentionKind::Kda));
+    time.compute += kda_layers * static_cast<double>(tokens) *
+                    static_cast<double>(gpu_shapes(c, p).kda_heads) * h.kda_matrices_seconds_per_token_head;
+  }
   const double forward = seconds_per_pass + indexer, backward = (passes - 1) * seconds_per_pass;
   const double L = static_cast<double>(tokens);
   const double layers = static_cast<double>(c.num_hidden_layers);

@@ -14,7 +14,8 @@
 //     its selections kept as pool lists) plus a per-chunk cost (kernel launches of every layer
 //     again, weights read again), less what the recomputation keeps for the backward (unless
 //     "outputs again"): the feed-forward's recomputation for the combine, and the attention
-//     cores' (KDA recurrence, sparse attention) inside the backward;
+//     cores' (KDA recurrence, sparse attention) inside the backward, and the KDA backward's
+//     intra-chunk matrices (unless "KDA matrices again", a measured time per token);
 //   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
 //     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
 //   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
@@ -54,6 +55,10 @@ struct Hardware {
   // about 45 s on the H200 machine (the 4B config at 128k, 5bdf894: 70.3 s first step, 24.9 s after).
   double pin_bytes_per_s = 2.1e9;
   double launch_seconds = 5e-6;  // one kernel launch
+  // A KDA layer's intra-chunk matrices computed once more in its backward (Policy::kda_matrices_again),
+  // per token and head (dk = dv = 128): build/bench_kda at 16,384 tokens and 16 heads, H200,
+  // 2026-12-01: backward 7.43 -> 6.88 ms with the matrices kept, the forward that keeps them +0.03 ms.
+  double kda_matrices_seconds_per_token_head = 0.52e-3 / (16384.0 * 16);
 };
 
 struct StepTime {

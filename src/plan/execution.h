@@ -28,6 +28,7 @@ struct Execution {
   SiteMemory site_memory = SiteMemory::KeepSites;  // for LossOptions::site_memory
   bool keep_selections = true;                     // for LossOptions::keep_selections
   bool keep_outputs = true;                        // for LossOptions::keep_outputs
+  bool keep_kda_matrices = true;                   // for LossOptions::keep_kda_matrices
   int64_t predicted_peak_bytes = 0;                // device
   bool forced = false;                             // the user chose the policy
   std::string summary;                             // one line for the log

@@ -134,7 +134,7 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       const size_t index = 2 * i + static_cast<size_t>(site == Site::Ffn);
       Block next = m.activations(S);
       step.site_forward(layer, site, true, selections, pass.keep_outputs ? &coefficients[index] : nullptr);
-      if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, L);
+      if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, pass);
       if (pass.keep_outputs && site == Site::Ffn) kept[index].push_back(m.activations(2 * L * s.hidden));
       if (site == Site::Attention || all_sites)
         store(index);
@@ -224,8 +224,14 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Block permutation = m.workspace(permutation_workspace_bytes(s, L));
   Block carries;
   if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options, !policy.indexer_again));
-  const Pass pass{
-      L, tokens, streamed, options.absorbed, options.indexer_kl, streamed && !policy.outputs_again};
+  const bool keep_outputs = streamed && !policy.outputs_again;
+  const Pass pass{L,
+                  tokens,
+                  streamed,
+                  options.absorbed,
+                  options.indexer_kl,
+                  keep_outputs,
+                  keep_outputs && !policy.kda_matrices_again};
   replay_step(m, s, pass, policy.activations);
 
   MemoryPrediction p;

@@ -26,10 +26,13 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
       for (const ActivationPolicy a : {ActivationPolicy::KeepSites, ActivationPolicy::KeepLayerInputs,
                                        ActivationPolicy::OffloadLayerInputs})
         out.push_back({a, 0, host, t, gradients});
+      // Kept outputs with the KDA matrices, kept outputs without them, or nothing kept.
       for (const int64_t chunk : chunk_lengths(tokens))
         for (const bool again : {false, true})
-          for (const bool outputs_again : {false, true})
-            out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients, again, outputs_again});
+          for (const auto& [outputs_again, matrices_again] :
+               {std::pair{false, false}, std::pair{false, true}, std::pair{true, false}})
+            out.push_back(
+                {ActivationPolicy::Stream, chunk, host, t, gradients, again, outputs_again, matrices_again});
     }
   }
   return out;

@@ -23,6 +23,7 @@ std::string Policy::name() const {
     text += " " + std::to_string(kilo ? chunk_tokens / 1024 : chunk_tokens) + (kilo ? "k" : "");
     if (indexer_again) text += ", indexer twice";
     if (outputs_again) text += ", outputs again";
+    if (kda_matrices_again) text += ", KDA matrices again";
   }
   if (optimizer_on_host) text += gradients_to_host ? " + host AdamW and gradients" : " + host AdamW";
   if (tensor_parallel > 1) text += " tp" + std::to_string(tensor_parallel);

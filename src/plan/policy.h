@@ -30,9 +30,13 @@ struct Policy {
   // attention's, the KDA recurrence's, the feed-forward's for its mHC combine) instead of keeping
   // it from the chunk's recomputation (less memory, more time).
   bool outputs_again = false;
+  // Stream with kept outputs only: the KDA backward computes each chunk's intra-chunk matrices (A,
+  // Aq, Tinv) once more instead of keeping them from the recomputation (6.8 GB for the 4B config
+  // at 16k chunks; less memory, more time).
+  bool kda_matrices_again = false;
 
-  // e.g. "keep", "stream 64k", "stream 16k, indexer twice, outputs again", "offload + host
-  // AdamW", with " tp8" when tensor parallel.
+  // e.g. "keep", "stream 64k", "stream 16k, indexer twice, outputs again", "stream 16k, KDA
+  // matrices again", "offload + host AdamW", with " tp8" when tensor parallel.
   std::string name() const;
 };
 

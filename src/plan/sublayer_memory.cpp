@@ -14,6 +14,8 @@ constexpr int64_t kKdaBackwardSegmentChunks = 128;  // kernels/cuda/kda.h
 constexpr int64_t kKdaMaxDim = 128;                 // kernels/cuda/kda.h: the blocks' strides
 constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
+// kernels/cuda/kda.h: A, Aq and Tinv packed by their lower triangles
+constexpr int64_t kKdaMatrixFloats = kKdaChunk * (kKdaChunk - 1) + kKdaChunk * (kKdaChunk + 1) / 2;
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 
 using Blocks = std::vector<Ledger::Block>;
@@ -47,17 +49,17 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept) {
   return a;
 }
 
-void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept) {
+void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrices_kept) {
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
   a.push_back(bf16(m, L * dh));                             // d_low
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
   a.push_back(f32(m, L * H));                               // dbeta
-  {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats)
+  {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats), its matrices kept
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
     const Ledger::Block workspace =
-        m.workspace(4 * (segment * H * (3 * kKdaChunk * kKdaChunk + kKdaBackwardOpsFloats) +
+        m.workspace(4 * (segment * H * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
                          (segment + 2) * H * dh * dh));
   }
 
@@ -221,11 +223,15 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
   return {};
 }
 
-std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer, int64_t L) {
+std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,
+                                          const Pass& pass) {
+  const int64_t L = pass.tokens;
   Blocks kept;
   if (layer.attention == AttentionKind::Kda) {
     kept.push_back(bf16(m, L * s.kda_width()));
     kept.push_back(f32(m, kda_chunk_state_floats(s, L)));
+    if (pass.keep_kda_matrices)
+      kept.push_back(f32(m, (L + kKdaChunk - 1) / kKdaChunk * s.kda_heads * kKdaMatrixFloats));
   } else {
     kept.push_back(bf16(m, L * s.mla_heads * s.kv_rank));
     kept.push_back(f32(m, L * s.mla_heads));
@@ -235,7 +241,7 @@ std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const Laye
 
 void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept) {
   if (layer.attention == AttentionKind::Kda)
-    kda_backward(m, s, pass.tokens, kept);
+    kda_backward(m, s, pass.tokens, kept, kept && pass.keep_kda_matrices);
   else
     dsa_backward(m, s, layer, pass, kept);
 }

@@ -25,13 +25,15 @@ struct Pass {
   // Streamed: the recomputation keeps each sublayer's output for its backward (Policy::outputs_again
   // false; LossOptions::keep_outputs).
   bool keep_outputs = false;
+  // With keep_outputs: the KDA layers' intra-chunk matrices too (Policy::kda_matrices_again false).
+  bool keep_kda_matrices = false;
 };
 
 // What the streaming executor keeps of an attention sublayer's forward for its backward
-// (AttentionKept, model/cuda/modules.h): KDA, the recurrence's output and fp32 chunk states; DSA,
-// the absorbed attention's output and log-sum-exp.
+// (AttentionKept, model/cuda/modules.h): KDA, the recurrence's output, fp32 chunk states and
+// intra-chunk matrices; DSA, the absorbed attention's output and log-sum-exp.
 std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,
-                                          int64_t tokens);
+                                          const Pass& pass);
 
 // The forward of a layer's attention sublayer. With `select` (a DSA layer with its own indexer,
 // not a recomputation) it returns the selection, which the caller keeps for the backward pass.

@@ -192,7 +192,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   std::unique_ptr<DeviceModel> device;
   int64_t device_chunk_tokens = 0;  // the planner's streaming chunk, 0: none
   SiteMemory device_site_memory = SiteMemory::KeepSites;
-  bool device_keep_selections = true, device_keep_outputs = true;
+  bool device_keep_selections = true, device_keep_outputs = true, device_keep_kda_matrices = true;
   if (options.device != Device::CPU) {
     device = open_device_model(options.device, config, model.weights, {options.strict_kernels});
     plan::StepOptions plan_options;
@@ -207,6 +207,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     device_site_memory = execution.site_memory;
     device_keep_selections = execution.keep_selections;
     device_keep_outputs = execution.keep_outputs;
+    device_keep_kda_matrices = execution.keep_kda_matrices;
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);
     device->load_optimizer(optimizer);
     log_info("training on ", device->device_name(), " (bf16 weights, fp32 gradients and optimizer state)");
@@ -241,6 +242,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   loss_options.site_memory = device_site_memory;
   loss_options.keep_selections = device_keep_selections;
   loss_options.keep_outputs = device_keep_outputs;
+  loss_options.keep_kda_matrices = device_keep_kda_matrices;
   const auto started = Clock::now();
   const int64_t first_step = state.step;
   for (int64_t step = state.step; step < last_step; ++step) {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -169,6 +170,73 @@ TEST(CudaKda, StrongDecaysWithPartialChunks) {
         {150, 2, 30, 21, true, -5.0f},
         {97, 1, 127, 9, false, -20.0f}})
     check_against_recurrence(T, H, dk, dv, carried, g_min);
+}
+
+// The streaming executor keeps a chunk's intra-chunk matrices from its recomputation's forward
+// for its backward (kept_matrices, kernels/cuda/kda.h): the forward that writes them must be the
+// same as one that does not, and the backward that takes them bit for bit the one that computes
+// them again.
+void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried) {
+  auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
+  normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
+  normalise_rows(kf, dk, 1.0f);
+  const int64_t chunks = kda_chunks(T), SS = dk * dv;
+  Stream stream;
+  auto qb = device(to_bf16(rounded(qf))), kb = device(to_bf16(rounded(kf)));
+  auto vb = device(to_bf16(random_floats(T * H * dv))), dob = device(to_bf16(random_floats(T * H * dv)));
+  auto gb = device(random_uniform(T * H * dk, -5.0f, 0.0f)), bb = device(random_uniform(T * H, 1e-3f, 1.0f));
+  auto initial = device(random_floats(H * SS, 0.3f)), d_final = device(random_floats(H * SS));
+  auto matrices = poisoned<float>(kda_kept_matrices_floats(T, H));
+  struct Run {
+    DeviceBuffer<bf16> out;
+    DeviceBuffer<float> states, dq, dk, dv, dg, dbeta, d_initial;
+  };
+  const auto run = [&](bool kept) {
+    Run r{poisoned<bf16>(T * H * dv),  poisoned<float>((chunks + 1) * H * SS),
+          poisoned<float>(T * H * dk), poisoned<float>(T * H * dk),
+          poisoned<float>(T * H * dv), poisoned<float>(T * H * dk),
+          poisoned<float>(T * H),      poisoned<float>(H * SS)};
+    auto workspace = poisoned<float>(kda_forward_workspace_floats(T, H));
+    kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), r.out.data(), r.states.data(),
+                        workspace.data(), T, H, dk, dv, stream.get(), carried ? initial.data() : nullptr,
+                        kept ? matrices.data() : nullptr);
+    auto bwd_workspace = poisoned<float>(kda_backward_workspace_floats(T, H, dk, dv, kept));
+    kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), r.states.data(),
+                         r.dq.data(), r.dk.data(), r.dv.data(), r.dg.data(), r.dbeta.data(),
+                         bwd_workspace.data(), T, H, dk, dv, stream.get(), carried ? d_final.data() : nullptr,
+                         carried ? r.d_initial.data() : nullptr, kept ? matrices.data() : nullptr);
+    stream.synchronize();
+    return r;
+  };
+  const Run computed = run(false), kept = run(true);
+  const auto where = [&] {
+    return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv
+                              << (carried ? " carried" : "");
+  };
+  const auto same = [](const auto& a, const auto& b) {
+    const auto x = a.download(), y = b.download();
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  EXPECT_TRUE(same(computed.out, kept.out)) << "out" << where();
+  EXPECT_TRUE(same(computed.states, kept.states)) << "chunk states" << where();
+  EXPECT_TRUE(same(computed.dq, kept.dq)) << "dq" << where();
+  EXPECT_TRUE(same(computed.dk, kept.dk)) << "dk" << where();
+  EXPECT_TRUE(same(computed.dv, kept.dv)) << "dv" << where();
+  EXPECT_TRUE(same(computed.dg, kept.dg)) << "dg" << where();
+  EXPECT_TRUE(same(computed.dbeta, kept.dbeta)) << "dbeta" << where();
+  if (carried) {
+    EXPECT_TRUE(same(computed.d_initial, kept.d_initial)) << "d_initial" << where();
+  }
+}
+
+TEST(CudaKda, KeptMatricesGiveTheSameBackward) {
+  // A partial last chunk and sub-chunk with dk != dv; 257 chunks, past the forward's segment of
+  // 256 and the backward's of 128; head dims that are no multiple of 4 or 8.
+  for (auto [T, H, dk, dv, carried] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, bool>{333, 2, 128, 40, false},
+        {16448, 2, 64, 64, true},
+        {150, 2, 30, 21, true}})
+    check_kept_matrices(T, H, dk, dv, carried);
 }
 
 }  // namespace

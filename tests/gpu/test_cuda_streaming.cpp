@@ -153,29 +153,34 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
       ASSERT_GT(whole.indexer_kl, 0);
       // Chunks of 37 both ways: the forward's selections kept as pool lists (the default) and the
       // indexer run again before each chunk's backward; 64 kept, 150 again. The recomputation keeps
-      // the sublayers' outputs for their backwards (the default) at 37, each backward computes them
-      // again at 64 and 150.
+      // the sublayers' outputs for their backwards (the default) at 37, with the KDA matrices (the
+      // default) and without, each backward computes them again at 64 and 150.
       struct Streamed {
         int64_t chunk;
-        bool keep_selections, keep_outputs;
+        bool keep_selections, keep_outputs, keep_kda_matrices;
       };
-      for (const Streamed& run :
-           {Streamed{37, true, true}, {37, false, true}, {64, true, false}, {150, false, false}}) {
+      for (const Streamed& run : {Streamed{37, true, true, true},
+                                  {37, false, true, false},
+                                  {64, true, false, false},
+                                  {150, false, false, false}}) {
         const int64_t chunk = run.chunk;
         const bool keep = run.keep_selections;
         SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again") +
-                     (run.keep_outputs ? ", outputs kept" : ", outputs again"));
+                     (run.keep_outputs ? ", outputs kept" : ", outputs again") +
+                     (run.keep_kda_matrices ? ", KDA matrices kept" : ""));
         LossOptions streamed_options = options;
         streamed_options.chunk_tokens = chunk;
         streamed_options.keep_selections = keep;
         streamed_options.keep_outputs = run.keep_outputs;
+        streamed_options.keep_kda_matrices = run.keep_kda_matrices;
         auto device = on_gpu(config, weights, absorbed);
         const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
         ModelWeights grads = zero_gradients(config, DType::F32);
         device->download_gradients(grads);
-        std::printf("%s, chunks of %lld%s%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
+        std::printf("%s, chunks of %lld%s%s%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
                     absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk),
                     keep ? "" : " (indexer again)", run.keep_outputs ? "" : " (outputs again)",
+                    run.keep_outputs && !run.keep_kda_matrices ? " (KDA matrices again)" : "",
                     aux_loss_coef > 0 ? "" : " (no balance loss)", streamed.loss, whole.loss,
                     streamed.indexer_kl, whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
         EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);

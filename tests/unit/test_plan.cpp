@@ -86,12 +86,15 @@ TEST(Plan, AbsorbedExecutorPeakWithinTenPercentOfTheH200) {
 // configs/glm53-flash-4b.json, H200, the policy the planner picked at each length (the optimizer
 // on the host only at 1M, where the device's would not leave 130 GB). Streaming ran the indexer
 // again before fb77a11, and keeps the selections as pool lists since; each sublayer's backward
-// computed its output again until the recomputation kept them (outputs_again false).
+// computed its output again until the recomputation kept them (outputs_again false), and the
+// KDA backward its intra-chunk matrices until the recomputation kept them too (the entries
+// measured before that say kda_matrices_again).
 struct MeasuredPolicy {
   int64_t tokens;
   int64_t chunk;  // 0: the whole sequence in one pass
   bool optimizer_on_host, indexer_again, outputs_again;
   int64_t peak_bytes;
+  bool kda_matrices_again = false;
 };
 const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {
     {32768, 0, false, false, false, 134445705728},       // 45fcb91
@@ -121,6 +124,7 @@ void expect_four_billion_peaks(const std::vector<MeasuredPolicy>& measured, doub
     policy.optimizer_on_host = m.optimizer_on_host;
     policy.indexer_again = m.indexer_again;
     policy.outputs_again = m.outputs_again;
+    policy.kda_matrices_again = m.kda_matrices_again;
     const std::optional<Candidate> it = four_billion_candidate(m.tokens, policy);
     ASSERT_TRUE(it.has_value()) << m.tokens;
     const double bytes = static_cast<double>(m.peak_bytes);
@@ -138,15 +142,15 @@ TEST(Plan, FourBillionModelPeaksWithinTenPercentOfTheH200) {
 // (its allocator counted 512-byte granules; the pages add little at 1M, whose AdamW state is on
 // the host), 512k at 7ded509 (pages counted, the AdamW state one arena on the device).
 TEST(Plan, KeptOutputsPeaksWithinOnePercentOfTheH200) {
-  expect_four_billion_peaks(
-      {{524288, 16384, false, true, false, 147130920448}, {1048576, 16384, true, false, false, 124910412288}},
-      0.01);
+  expect_four_billion_peaks({{524288, 16384, false, true, false, 147130920448, true},
+                             {1048576, 16384, true, false, false, 124910412288, true}},
+                            0.01);
 }
 
-// The kept selections and the kept outputs each cost memory and save time (an indexer pass; a
-// feed-forward pass and the attention cores' once more): the planner keeps both where they fit,
-// else gives up what saves less, and runs the indexer again where keeping the selections would
-// force a smaller chunk.
+// The kept selections, the kept outputs and the kept KDA matrices each cost memory and save time
+// (an indexer pass; a feed-forward pass and the attention cores' once more; the KDA backward's
+// matrices): the planner keeps all where they fit, else gives up what saves least first, and runs
+// the indexer again where keeping the selections would force a smaller chunk.
 TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   const ModelConfig small = load_model_config(kConfigs + "glm53-flash-4b.json");
   PlanRequest r = request(524288, 160);
@@ -158,7 +162,7 @@ TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   r.options.absorbed = true;
   const Plan fits = make_plan(small, r);
   ASSERT_TRUE(fits.pick.has_value());
-  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, indexer twice");
+  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, indexer twice, KDA matrices again");
 
   const ModelConfig real = load_model_config(kConfigs + "glm53-flash.json");
   r = request(1 << 20, 178, 1024, 8);

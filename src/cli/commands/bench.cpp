@@ -184,6 +184,7 @@ int run_bench(const std::vector<std::string>& argv) {
     loss_options.site_memory = execution.site_memory;
     loss_options.keep_selections = execution.keep_selections;
     loss_options.keep_outputs = execution.keep_outputs;
+    loss_options.keep_kda_matrices = execution.keep_kda_matrices;
     device->reset_memory_peak();
     std::vector<double> seconds;
     std::map<std::string, double> kind_ms;

@@ -49,24 +49,27 @@ constexpr int kKp = ChunkPrepTiles::kStride;  // row stride of [C, dk] tiles: co
 
 size_t prep_smem_bytes() { return sizeof(float) * ChunkPrepTiles::floats(); }
 
-// Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block. With Tinv = (I + diag(beta) A)^-1,
-// W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
+// Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block, and its A, Aq and Tinv into
+// `kept` (the segment's part of kept_matrices, kda.h) if not null. With Tinv = (I + diag(beta)
+// A)^-1, W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
 // substitution in the sequential pass; Kb = exp(G_last - G) k carries u into the next state.
 __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_fwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
-                        const float* __restrict__ beta, float* __restrict__ blocks, int64_t c0,
-                        int64_t tokens, int heads, int dk, int dv) {
-  extern __shared__ float smem[];
+                        const float* __restrict__ beta, float* __restrict__ blocks, float* __restrict__ kept,
+                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+  extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
   const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
-  float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
-  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
+  const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
+  float* block = blocks + chunk_head * kKdaForwardBlockFloats;
+  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
              [&](const ChunkPrepTiles& tiles) {
                for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads)
                  block[idx] = tiles.Aqs[idx / kC * ChunkPrepTiles::kAStride + idx % kC];
+               if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
              });
   // v over q's tile, zero past the chunk and past dv (the products read whole tiles).
   for (int idx = tid; idx < kC * kMaxDim; idx += kKdaPrepThreads) {
@@ -289,7 +292,7 @@ void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, in
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
                          float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
-                         cudaStream_t stream, const float* initial_state) {
+                         cudaStream_t stream, const float* initial_state, float* kept_matrices) {
   check_shape("kda_chunked_forward", tokens, heads, dk, dv);
   if (heads == 0) return;
   allow_shared_memory(kda_fwd_prep_kernel, prep_smem_bytes(), "kda_fwd_prep_kernel");
@@ -304,7 +307,9 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     if (c1 > c0) {
       kda_fwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_bytes(), stream>>>(
-          q, k, v, g, beta, workspace, c0, tokens, H, dki, dvi);
+          q, k, v, g, beta, workspace,
+          kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaMatrixFloats : nullptr, c0, tokens, H,
+          dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_prep_kernel");
     }
     const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;

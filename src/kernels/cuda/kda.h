@@ -27,37 +27,51 @@ inline int64_t kda_forward_workspace_floats(int64_t tokens, int64_t heads) {
   return chunks * heads * kKdaForwardBlockFloats;
 }
 
+// A chunk's intra-chunk matrices (docs/KDA.md), fp32, packed by rows of their lower triangles: A
+// below the diagonal, Aq through it, Tinv below it (its diagonal is one): 24 KB per chunk and head
+// (kda_chunk.cuh has the layout). The streaming executor keeps them from a chunk's recomputation
+// for its backward (kept_matrices below: [chunks, heads, kKdaMatrixFloats]), which then does not
+// compute them a third time.
+constexpr int64_t kKdaMatrixFloats = kKdaChunk * (kKdaChunk - 1) + kKdaChunk * (kKdaChunk + 1) / 2;
+inline int64_t kda_kept_matrices_floats(int64_t tokens, int64_t heads) {
+  return kda_chunks(tokens) * heads * kKdaMatrixFloats;
+}
+
 // Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,
 // heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta: [tokens, heads]; out: [tokens, heads,
 // dv]. initial_state: fp32 [heads, dk, dv], the state before the first token (a streamed chunk's
 // carry), or null for zero. chunk_states: fp32 [chunks + 1, heads, dk, dv], the state entering
 // each chunk (entry 0 the initial state, entry `chunks` the final state), kept for the backward.
-// workspace: kda_forward_workspace_floats(tokens, heads) floats.
+// workspace: kda_forward_workspace_floats(tokens, heads) floats. kept_matrices, if not null,
+// receives every chunk's A, Aq and Tinv (kda_kept_matrices_floats) for kda_chunked_backward.
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
                          float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
-                         cudaStream_t stream, const float* initial_state = nullptr);
+                         cudaStream_t stream, const float* initial_state = nullptr,
+                         float* kept_matrices = nullptr);
 
 // Backward from chunk_states (as kda_chunked_forward wrote them) and dout (bf16 [tokens, heads,
 // dv]), chunk-parallel (kda_backward.cu, docs/KDA.md "GPU backward kernels"): only the [dk, dv]
 // state gradient passes from chunk to chunk; everything else runs over chunks x heads at once.
 // d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later chunk
 // of a streamed sequence), or null for none; d_initial_state, if not null, receives the gradient
-// of the initial state. dq, dk: fp32 [tokens, heads, dk]; dv: fp32 [tokens, heads, dv]; dg: fp32
-// [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; every output is written exactly once (no
-// atomics: equal from run to run). The workspace (kda_backward_workspace_floats) holds one
-// segment's A, Aq and Tinv (3 x fp32 C x C per chunk and head), the state pass's operands, and the
-// state gradients at its chunks' boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this
-// many chunks:
+// of the initial state. kept_matrices, if not null: what kda_chunked_forward wrote there for the
+// same q, k, g and beta, taken instead of computed again (bit for bit the same). dq, dk: fp32 [tokens, heads,
+// dk]; dv: fp32 [tokens, heads, dv]; dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; every output
+// is written exactly once (no atomics: equal from run to run). The workspace (kda_backward_workspace_floats)
+// holds one segment's A, Aq and Tinv (kKdaMatrixFloats per chunk and head; not with kept matrices), the state
+// pass's operands, and the state gradients at its chunks' boundaries (fp32 [segment + 1, heads, dk,
+// dv]); segments of this many chunks:
 constexpr int64_t kKdaBackwardSegmentChunks = 128;
 // Per chunk and head, besides A, Aq and Tinv: the state pass's operands W, Kb [C, kKdaMaxDim]
 // and G_last (kda_backward.cu has the layout); one more [heads, dk, dv] carries the state gradient
 // from segment to segment.
 constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
-inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {
+inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
+                                             bool matrices_kept = false) {
   const int64_t chunks =
       kda_chunks(tokens) < kKdaBackwardSegmentChunks ? kda_chunks(tokens) : kKdaBackwardSegmentChunks;
-  return chunks * heads * (3 * kKdaChunk * kKdaChunk + kKdaBackwardOpsFloats) +
+  return chunks * heads * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
          (chunks + 2) * heads * dk * dv;
 }
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -65,6 +79,6 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
                           const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
                           float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
                           int64_t dv, cudaStream_t stream, const float* d_final_state = nullptr,
-                          float* d_initial_state = nullptr);
+                          float* d_initial_state = nullptr, const float* kept_matrices = nullptr);
 
 }  // namespace spindle::cuda

@@ -7,7 +7,8 @@
 //   each chunk, its
 //      WY form W = Tinv diag(beta) exp(G) k and Kb = exp(G_last - G) k, and the
 //      chunk's own share of its entry state's gradient, Z = (exp(G) q - Aq W)^T
-//      dO, into the workspace;
+//      dO, into the workspace; with kept matrices (kda.h) A, Aq and Tinv are
+//      the forward's, loaded instead of computed;
 //   2. state gradients, grid heads x value tiles of 16: the chunks in reverse,
 //   carrying only the
 //      [dk, 16] tile of dS; per chunk dS = diag(exp G_last) dS' - W^T (Kb dS')
@@ -39,8 +40,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kC = static_cast<int>(kKdaChunk);
 constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
-constexpr int kTileV = 16;          // value columns per tile
-constexpr int kMats = 3 * kC * kC;  // A, Aq, Tinv of one chunk and head in the workspace
+constexpr int kTileV = 16;                                 // value columns per tile
+constexpr int kMats = static_cast<int>(kKdaMatrixFloats);  // A, Aq, Tinv of one chunk and head
 constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
@@ -55,17 +56,18 @@ static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand bloc
 size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 
 // Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower),
-// Aq (lower) and Tinv (unit lower) into mats [chunks, heads, 3, C, C]; W, Kb
+// Aq (lower) and Tinv (unit lower) into mats [chunks, heads, 3, C, C], or, if
+// `kept` (the forward's, this segment's part), from there; W, Kb
 // and G_last into ops; and, into slot c - c0 of slots, the chunk's own share of
 // its entry state's gradient, Z = (Qg - Aq W)^T dO [dk, dv], so that the state
 // pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
 __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_bwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const float* __restrict__ g, const float* __restrict__ beta,
-                        const __nv_bfloat16* __restrict__ dout, float* __restrict__ mats,
-                        float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
-                        int heads, int dk, int dv) {
-  extern __shared__ float smem[];
+                        const __nv_bfloat16* __restrict__ dout, const float* __restrict__ kept,
+                        float* __restrict__ mats, float* __restrict__ ops, float* __restrict__ slots,
+                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+  extern __shared__ __align__(16) float smem[];
   constexpr int S = ChunkPrepTiles::kStride, AS = ChunkPrepTiles::kAStride;
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
@@ -74,16 +76,11 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   // dO; G's: then W. All zero past the chunk (and past dk / dv), as the
   // products read whole tiles.
   const ChunkPrepTiles m(smem);
-  float* op = ops + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaBackwardOpsFloats;
-  float* A = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
+  const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
+  float* op = ops + chunk_head * kKdaBackwardOpsFloats;
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
-             [&](const ChunkPrepTiles& tiles) {
-               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads) {
-                 const int t = idx / kC, s = idx - t * kC;
-                 A[idx] = tiles.As[t * AS + s];
-                 A[kC * kC + idx] = tiles.Aqs[t * AS + s];
-                 A[2 * kC * kC + idx] = tiles.Ts[t * kKdaSolveStride + s];
-               }
+             kept != nullptr ? kept + chunk_head * kMats : nullptr, [&](const ChunkPrepTiles& tiles) {
+               if (kept == nullptr) store_kda_matrices(tiles, mats + chunk_head * kMats);
              });
   // W = Tinv diag(beta) exp(G) k on the tensor cores: out, and into G's tile (G
   // is no longer needed). Warp w: columns 16 (w % 8) .. + 15, m-tiles p and 3 -
@@ -330,11 +327,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* sdS = glast + kMaxDim;     // [kMaxDim]: rowsum(S . dS')
   float* part = sdS + kMaxDim;      // [kGradParts, kMaxDim]: prefix sums', then dg's G_last parts
 
-  const float* m = mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats;
-  stage_rows(A, kAp, m, kC, kC, kC);
-  stage_rows(Aq, kAp, m + kC * kC, kC, kC, kC);
-  stage_rows(Tinv, kAp, m + 2 * kC * kC, kC, kC, kC);
-  copy_commit();
+  load_kda_matrices(mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats, n, A, kAp, Aq, kAp, Tinv,
+                    kAp);
   for (int t = tid; t < kC; t += kGradThreads) {
     bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
     dbeta_acc[t] = 0.0f;
@@ -352,7 +346,6 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     W[x] = exp2f(G) * kv;
     Kb[x] = exp2f(glast[i] - G) * kv;
   }
-  copy_wait_all();
   __syncthreads();
 
   // This warp's [16, 32] block of the [C, dk] products: rows 16 bm .., columns
@@ -622,8 +615,8 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
                           const float* g, const float* beta, const __nv_bfloat16* dout,
                           const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
                           float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
-                          int64_t dv, cudaStream_t stream, const float* d_final_state,
-                          float* d_initial_state) {
+                          int64_t dv, cudaStream_t stream, const float* d_final_state, float* d_initial_state,
+                          const float* kept_matrices) {
   check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward: dk ", dk, ", dv ",
         dv, " (expected 1 to ", kKdaMaxDim, ")");
   check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward: ", tokens, " tokens x ", heads,
@@ -642,8 +635,8 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     return;
   }
   const int64_t segment = std::min(chunks, kKdaBackwardSegmentChunks);
-  float* mats = workspace;
-  float* ops = mats + segment * heads * kMats;
+  float* mats = workspace;  // with kept matrices, each segment's part of them instead
+  float* ops = mats + (kept_matrices != nullptr ? 0 : segment * heads * kMats);
   float* slots = ops + segment * heads * kKdaBackwardOpsFloats;
   float* carry = slots + (segment + 1) * heads * SS;
   allow_shared_memory(kda_bwd_prep_kernel, prep_smem_floats() * sizeof(float), "kda_bwd_prep_kernel");
@@ -655,8 +648,9 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   for (int64_t c1 = chunks; c1 > 0;) {
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
+    const float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kMats : nullptr;
     kda_bwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float), stream>>>(
-        q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
+        q, k, g, beta, dout, kept, mats, ops, slots, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_prep_kernel");
     // A later segment left the gradient of this one's exit state in the carry.
     const float* initial = c1 == chunks ? d_final_state : carry;
@@ -665,8 +659,8 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
         ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_state_kernel");
     kda_bwd_grad_kernel<<<chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float), stream>>>(
-        q, k, v, g, beta, dout, mats, chunk_states, slots, dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki,
-        dvi);
+        q, k, v, g, beta, dout, kept != nullptr ? kept : mats, chunk_states, slots, dq, dk_out, dv_out, dg,
+        dbeta, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_grad_kernel");
     c1 = c0;
   }

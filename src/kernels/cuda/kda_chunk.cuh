@@ -350,16 +350,55 @@ __device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, 
   tile_times<NT, kSplit>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
 }
 
+// A chunk's A, Aq and Tinv in global memory (kKdaMatrixFloats, kda.h: kept_matrices and the
+// backward's workspace), packed by rows of their lower triangles, which is all chunk_matrices
+// leaves non-zero: A's row t (s < t) from t (t - 1) / 2, Aq's (s <= t) from kKdaPackedAq + t (t +
+// 1) / 2, Tinv's (s < t) from kKdaPackedTinv + t (t - 1) / 2; Tinv's diagonal is one for the
+// chunk's n tokens and zero past them.
+constexpr int kKdaPackedAq = static_cast<int>(kKdaChunk * (kKdaChunk - 1) / 2);
+constexpr int kKdaPackedTinv = kKdaPackedAq + static_cast<int>(kKdaChunk * (kKdaChunk + 1) / 2);
+static_assert(kKdaPackedTinv + kKdaPackedAq == kKdaMatrixFloats, "kda.h's packed size");
+
+// A, Aq and Tinv of one chunk and head as chunk_matrices left them, packed into out. Every thread
+// takes part.
+__device__ inline void store_kda_matrices(const ChunkPrepTiles& m, float* out) {
+  constexpr int C = ChunkPrepTiles::kC;
+  for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
+    const int t = idx / C, s = idx - t * C;
+    if (s < t) {
+      out[t * (t - 1) / 2 + s] = m.As[t * ChunkPrepTiles::kAStride + s];
+      out[kKdaPackedTinv + t * (t - 1) / 2 + s] = m.Ts[t * kKdaSolveStride + s];
+    }
+    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = m.Aqs[t * ChunkPrepTiles::kAStride + s];
+  }
+}
+
+// The packed matrices of a chunk of n tokens back into square shared tiles (row strides as, aqs,
+// ts; A's skipped if null), zero above the diagonal, exactly as chunk_matrices wrote them. Every
+// thread takes part; the caller's barrier makes them visible.
+__device__ inline void load_kda_matrices(const float* __restrict__ in, int n, float* A, int as, float* Aq,
+                                         int aqs, float* T, int ts) {
+  constexpr int C = static_cast<int>(kKdaChunk);
+  for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
+    const int t = idx / C, s = idx - t * C;
+    if (A != nullptr) A[t * as + s] = s < t ? in[t * (t - 1) / 2 + s] : 0.0f;
+    Aq[t * aqs + s] = s <= t ? in[kKdaPackedAq + t * (t + 1) / 2 + s] : 0.0f;
+    T[t * ts + s] = s < t ? in[kKdaPackedTinv + t * (t - 1) / 2 + s] : (s == t && t < n ? 1.0f : 0.0f);
+  }
+}
+
 // The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles
-// zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices); Kb = exp(G_last - G) k
-// and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past
-// dk); `keep(tiles)` (every thread) while A, Aq and Tinv are as computed; then k becomes exp(G) k,
-// q exp(G) q if scale_q, and Tinv Tinv diag(beta). kKdaPrepThreads threads; ends with a barrier.
+// zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices), or, where `kept` holds
+// them (this chunk and head's [3, C, C] as an earlier prep's `keep` wrote them), Aq and Tinv loaded
+// from there (A's tile is then not written); Kb = exp(G_last - G) k and G_last out to kb_out [C,
+// kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every
+// thread) while the matrices are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and
+// Tinv Tinv diag(beta). kKdaPrepThreads threads; ends with a barrier.
 template <class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
                            int h, int heads, int dk, const ChunkPrepTiles& m, float* kb_out, float* glast_out,
-                           bool scale_q, Keep keep) {
+                           bool scale_q, const float* kept, Keep keep) {
   constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   for (int t = tid; t < C; t += blockDim.x) m.bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
@@ -368,8 +407,11 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   // last token's past n, where only zero q and k meet it.
   constexpr int P = kKdaPrepThreads / D;
   static_assert(P * D == kKdaPrepThreads && P * D <= ChunkPrepTiles::kNFloats, "load_chunk_batched's layout");
-  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns, m.gl);
-  chunk_matrices(m, n, dk);
+  if (kept != nullptr)
+    load_kda_matrices(kept, n, nullptr, 0, m.Aqs, ChunkPrepTiles::kAStride, m.Ts, kKdaSolveStride);
+  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns,
+                        m.gl);  // ends with a barrier
+  if (kept == nullptr) chunk_matrices(m, n, dk);
   keep(m);
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;

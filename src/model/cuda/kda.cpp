@@ -23,7 +23,7 @@ namespace {
 // are its rows from kernel - 1 on.
 struct KdaActivations {
   DeviceBuffer<bf16> qp, kp, vp, qcw, kcw, vcw, q, k, f_low, gate_low, gate, core;
-  DeviceBuffer<float> f, g, beta, chunk_states;
+  DeviceBuffer<float> f, g, beta, chunk_states, matrices;  // matrices: kept ones, or empty
 };
 
 KdaDecayShape decay_shape(const ModelConfig& c, int64_t L) {
@@ -43,9 +43,11 @@ void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
 }
 
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
-// sequence); the recurrence's output and chunk states taken from `kept` where it holds them.
+// sequence); the recurrence's output, chunk states and matrices taken from `kept` where it holds
+// them. keep_matrices: the recurrence also writes its intra-chunk matrices into `matrices`.
 KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x,
-                               int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr) {
+                               int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr,
+                               bool keep_matrices = false) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
   check(dh <= kKdaMaxDim, "KDA head_dim ", dh, " exceeds the CUDA kernel's limit ", kKdaMaxDim);
@@ -66,10 +68,13 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   a.f = activations_f32(L * qkv);
   a.g = activations_f32(L * qkv);
   a.beta = activations_f32(L * H);
-  if (recurrence_kept)
+  if (recurrence_kept) {
     a.chunk_states = std::move(kept->stats);
-  else
+    a.matrices = std::move(kept->matrices);
+  } else {
     a.chunk_states = activations_f32((kda_chunks(L) + 1) * H * dh * dh);
+    if (keep_matrices) a.matrices = activations_f32(kda_kept_matrices_floats(L, H));
+  }
 
   const std::array<DeviceBuffer<bf16>*, 3> windows{&a.qp, &a.kp, &a.vp}, convolved{&a.qcw, &a.kcw, &a.vcw};
   const std::array<const Tensor*, 3> projections{&w.q_proj, &w.k_proj, &w.v_proj},
@@ -99,7 +104,8 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
                                   MemoryCategory::Workspace);
     kda_chunked_forward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), a.core.data(),
                         a.chunk_states.data(), workspace.data(), L, H, dh, dh, s,
-                        carry != nullptr ? carry->state.data() : nullptr);
+                        carry != nullptr ? carry->state.data() : nullptr,
+                        keep_matrices ? a.matrices.data() : nullptr);
   }
   ctx.gemm.linear(x, bf16_data(w.g_a_proj), a.gate_low.data(), L, D, dh, s);
   ctx.gemm.linear(a.gate_low.data(), bf16_data(w.g_b_proj), a.gate.data(), L, dh, qkv, s);
@@ -113,7 +119,7 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
              KdaCarry* carry, AttentionKept* keep) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const cudaStream_t s = ctx.stream();
-  KdaActivations a = kda_activations(ctx, c, w, x, L, carry);
+  KdaActivations a = kda_activations(ctx, c, w, x, L, carry, nullptr, keep != nullptr && keep->keep_matrices);
   if (carry != nullptr) {  // the final state and each window's last kernel - 1 rows move on
     const int64_t tail = tail_size(c);
     copy_device(carry->state.data(), a.chunk_states.data() + kda_chunks(L) * state_size(c),
@@ -128,6 +134,7 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
   if (keep != nullptr) {
     keep->out = std::move(a.core);
     keep->stats = std::move(a.chunk_states);
+    keep->matrices = std::move(a.matrices);
   }
 }
 
@@ -164,12 +171,15 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
                       d_initial = activations_f32(carry_grad ? state_size(c) : 0);
   {
     const TimedScope timed = ctx.timed("kda.recurrence_backward");
-    DeviceBuffer<float> workspace(static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh)),
-                                  MemoryCategory::Workspace);
+    const bool matrices_kept = a.matrices.size() > 0;
+    DeviceBuffer<float> workspace(
+        static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh, matrices_kept)),
+        MemoryCategory::Workspace);
     kda_chunked_backward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
                          a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
                          workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
-                         carry_grad ? d_initial.data() : nullptr);
+                         carry_grad ? d_initial.data() : nullptr,
+                         matrices_kept ? a.matrices.data() : nullptr);
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 

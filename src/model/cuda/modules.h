@@ -34,12 +34,16 @@ struct KdaCarry {
 
 // What the streaming executor keeps of an attention sublayer's forward in a chunk's
 // recomputation, so that the sublayer's backward does not compute it a third time
-// (LossOptions::keep_outputs): KDA, the recurrence's output (`out`) and fp32 chunk states
-// (`stats`); DSA, the attention's output (absorbed: o_lat, and its log-sum-exp on the tensor cores;
-// expanded: the heads' output). The backward takes them; empty, it recomputes them.
+// (LossOptions::keep_outputs): KDA, the recurrence's output (`out`), fp32 chunk states (`stats`)
+// and, if `keep_matrices` (LossOptions::keep_kda_matrices), intra-chunk matrices (`matrices`: A,
+// Aq and Tinv, kernels/cuda/kda.h kept_matrices); DSA, the attention's output (absorbed: o_lat,
+// and its log-sum-exp on the tensor cores; expanded: the heads' output). The backward takes them;
+// empty, it recomputes them.
 struct AttentionKept {
+  bool keep_matrices = false;
   DeviceBuffer<bf16> out;
   DeviceBuffer<float> stats;
+  DeviceBuffer<float> matrices;
   bool empty() const { return out.size() == 0; }
 };
 

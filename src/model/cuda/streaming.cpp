@@ -130,6 +130,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                                bool reuse) {
       const LayerWeights& layer = w.layers[i];
       AttentionKept* keep = options.keep_outputs ? &attention_kept[i] : nullptr;
+      if (keep != nullptr) keep->keep_matrices = options.keep_kda_matrices;
       if (layer.attention == AttentionKind::Kda) {
         KdaCarry carry(*kda_starts[k][i], s);
         attention_forward(layer, x, n, selection, y, reuse, &carry, nullptr, keep);
