@@ -65,17 +65,25 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* block = blocks + chunk_head * kKdaForwardBlockFloats;
+  // v, loaded now so that its loads are in flight while the matrices are computed: thread tid
+  // takes channel tid % kMaxDim of tokens tid / kMaxDim + kRows r (zero past the chunk and dv).
+  constexpr int kRows = kKdaPrepThreads / kMaxDim, kPerThread = kC / kRows;
+  const int vi = tid % kMaxDim, vt = tid / kMaxDim;
+  __nv_bfloat16 vv[kPerThread];
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int t = vt + kRows * r;
+    vv[r] = t < n && vi < dv ? v[((t0 + t) * heads + h) * dv + vi] : __float2bfloat16(0.0f);
+  }
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
              [&](const ChunkPrepTiles& tiles) {
                for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads)
                  block[idx] = tiles.Aqs[idx / kC * ChunkPrepTiles::kAStride + idx % kC];
                if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
              });
-  // v over q's tile, zero past the chunk and past dv (the products read whole tiles).
-  for (int idx = tid; idx < kC * kMaxDim; idx += kKdaPrepThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim;
-    m.qs[t * kKp + i] = t < n && i < dv ? __bfloat162float(v[((t0 + t) * heads + h) * dv + i]) : 0.0f;
-  }
+  // v over q's tile (the products read whole tiles).
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) m.qs[(vt + kRows * r) * kKp + vi] = __bfloat162float(vv[r]);
   __syncthreads();
   // W = Tinv' exp(G) k and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the tensor cores.
   // Warp w: W (w < 8) or U0, columns 32 (w % 4) .. + 31, m-tiles p and 3 - p (p = w / 4 % 2): as

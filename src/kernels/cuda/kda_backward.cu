@@ -327,14 +327,16 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* sdS = glast + kMaxDim;     // [kMaxDim]: rowsum(S . dS')
   float* part = sdS + kMaxDim;      // [kGradParts, kMaxDim]: prefix sums', then dg's G_last parts
 
-  load_kda_matrices(mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats, n, A, kAp, Aq, kAp, Tinv,
-                    kAp);
+  // The packed matrices by cp.async into dA's and dAq's tiles (zeroed once they are unpacked), in
+  // flight while the chunk loads.
+  static_assert(kMats <= 2 * kC * kAp, "the packed matrices fit in dA's and dAq's tiles");
+  stage_rows(dA, 0, mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats, 0, 1, kMats);
+  copy_commit();
   for (int t = tid; t < kC; t += kGradThreads) {
     bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
     dbeta_acc[t] = 0.0f;
   }
   for (int i = tid; i < kMaxDim; i += kGradThreads) sdS[i] = 0.0f;
-  for (int idx = tid; idx < 2 * kC * kAp; idx += kGradThreads) dA[idx] = 0.0f;  // dA and dAq
   // S's and dS''s rows past dk stay zero over the tiles (the products read
   // whole 8-row steps).
   for (int idx = tid; idx < (kMaxDim - dk) * kTs; idx += kGradThreads)
@@ -346,7 +348,12 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     W[x] = exp2f(G) * kv;
     Kb[x] = exp2f(glast[i] - G) * kv;
   }
+  copy_wait_all();
   __syncthreads();
+  unpack_kda_matrices(dA, dA + kKdaPackedAq, dA + kKdaPackedTinv, n, A, kAp, Aq, kAp, Tinv, kAp);
+  __syncthreads();
+  // The value-tile loop's first barrier orders this before dA and dAq are added to.
+  for (int idx = tid; idx < 2 * kC * kAp; idx += kGradThreads) dA[idx] = 0.0f;  // dA and dAq
 
   // This warp's [16, 32] block of the [C, dk] products: rows 16 bm .., columns
   // bn ...

@@ -373,17 +373,18 @@ __device__ inline void store_kda_matrices(const ChunkPrepTiles& m, float* out) {
   }
 }
 
-// The packed matrices of a chunk of n tokens back into square shared tiles (row strides as, aqs,
-// ts; A's skipped if null), zero above the diagonal, exactly as chunk_matrices wrote them. Every
-// thread takes part; the caller's barrier makes them visible.
-__device__ inline void load_kda_matrices(const float* __restrict__ in, int n, float* A, int as, float* Aq,
-                                         int aqs, float* T, int ts) {
+// The packed rows of a chunk of n tokens (pa, paq, pt: A's, Aq's and Tinv's, as store_kda_matrices
+// wrote them; copied to shared memory by cp.async) back into square shared tiles (row strides as,
+// aqs, ts; A's skipped if null), zero above the diagonal, exactly as chunk_matrices wrote them.
+// Every thread takes part; the caller's barrier makes them visible.
+__device__ inline void unpack_kda_matrices(const float* pa, const float* paq, const float* pt, int n, float* A,
+                                           int as, float* Aq, int aqs, float* T, int ts) {
   constexpr int C = static_cast<int>(kKdaChunk);
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
-    if (A != nullptr) A[t * as + s] = s < t ? in[t * (t - 1) / 2 + s] : 0.0f;
-    Aq[t * aqs + s] = s <= t ? in[kKdaPackedAq + t * (t + 1) / 2 + s] : 0.0f;
-    T[t * ts + s] = s < t ? in[kKdaPackedTinv + t * (t - 1) / 2 + s] : (s == t && t < n ? 1.0f : 0.0f);
+    if (A != nullptr) A[t * as + s] = s < t ? pa[t * (t - 1) / 2 + s] : 0.0f;
+    Aq[t * aqs + s] = s <= t ? paq[t * (t + 1) / 2 + s] : 0.0f;
+    T[t * ts + s] = s < t ? pt[t * (t - 1) / 2 + s] : (s == t && t < n ? 1.0f : 0.0f);
   }
 }
 
@@ -407,11 +408,24 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   // last token's past n, where only zero q and k meet it.
   constexpr int P = kKdaPrepThreads / D;
   static_assert(P * D == kKdaPrepThreads && P * D <= ChunkPrepTiles::kNFloats, "load_chunk_batched's layout");
-  if (kept != nullptr)
-    load_kda_matrices(kept, n, nullptr, 0, m.Aqs, ChunkPrepTiles::kAStride, m.Ts, kKdaSolveStride);
-  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns,
-                        m.gl);  // ends with a barrier
-  if (kept == nullptr) chunk_matrices(m, n, dk);
+  // Kept: Aq's and Tinv's packed rows (adjacent, 16 KB) by cp.async into A's tile, which this prep
+  // does not need then, in flight while the chunk loads; unpacked from there.
+  constexpr int kPackedAqT = static_cast<int>(kKdaMatrixFloats) - kKdaPackedAq;
+  static_assert(kPackedAqT <= C * ChunkPrepTiles::kAStride, "the packed rows fit in A's tile");
+  if (kept != nullptr) {
+    stage_rows(m.As, 0, kept + kKdaPackedAq, 0, 1, kPackedAqT);
+    copy_commit();
+  }
+  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns, m.gl);
+  if (kept != nullptr) {
+    copy_wait_all();
+    __syncthreads();
+    unpack_kda_matrices(nullptr, m.As, m.As + (kKdaPackedTinv - kKdaPackedAq), n, nullptr, 0, m.Aqs,
+                        ChunkPrepTiles::kAStride, m.Ts, kKdaSolveStride);
+    __syncthreads();
+  } else {
+    chunk_matrices(m, n, dk);
+  }
   keep(m);
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;
