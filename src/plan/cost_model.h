@@ -57,9 +57,9 @@ struct Hardware {
   double launch_seconds = 5e-6;  // one kernel launch
   // A KDA layer's intra-chunk matrices computed once more in its backward (Policy::kda_matrices_again),
   // per token and head (dk = dv = 128): build/bench_kda at 16,384 tokens and 16 heads, H200,
-  // 2026-12-01 (5f84280): backward 7.50 -> 7.05 ms with the matrices kept, the forward that keeps
-  // them 0.04 ms longer.
-  double kda_matrices_seconds_per_token_head = 0.43e-3 / (16384.0 * 16);
+  // 2026-12-01, with the preps' prefetches: backward 6.95 -> 6.42 ms with the matrices kept, the
+  // forward that keeps them 0.03 ms longer.
+  double kda_matrices_seconds_per_token_head = 0.50e-3 / (16384.0 * 16);
 };
 
 struct StepTime {

@@ -65,25 +65,15 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* block = blocks + chunk_head * kKdaForwardBlockFloats;
-  // v, loaded now so that its loads are in flight while the matrices are computed: thread tid
-  // takes channel tid % kMaxDim of tokens tid / kMaxDim + kRows r (zero past the chunk and dv).
-  constexpr int kRows = kKdaPrepThreads / kMaxDim, kPerThread = kC / kRows;
-  const int vi = tid % kMaxDim, vt = tid / kMaxDim;
-  __nv_bfloat16 vv[kPerThread];
-#pragma unroll
-  for (int r = 0; r < kPerThread; ++r) {
-    const int t = vt + kRows * r;
-    vv[r] = t < n && vi < dv ? v[((t0 + t) * heads + h) * dv + vi] : __float2bfloat16(0.0f);
-  }
+  PrefetchedRows vv;  // in flight while the matrices are computed
+  vv.load(v, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
              [&](const ChunkPrepTiles& tiles) {
                for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads)
                  block[idx] = tiles.Aqs[idx / kC * ChunkPrepTiles::kAStride + idx % kC];
                if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
              });
-  // v over q's tile (the products read whole tiles).
-#pragma unroll
-  for (int r = 0; r < kPerThread; ++r) m.qs[(vt + kRows * r) * kKp + vi] = __bfloat162float(vv[r]);
+  vv.store(m.qs, kKp);  // v over q's tile (the products read whole tiles)
   __syncthreads();
   // W = Tinv' exp(G) k and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the tensor cores.
   // Warp w: W (w < 8) or U0, columns 32 (w % 4) .. + 31, m-tiles p and 3 - p (p = w / 4 % 2): as

@@ -78,6 +78,8 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* op = ops + chunk_head * kKdaBackwardOpsFloats;
+  PrefetchedRows dO;  // in flight while the matrices are computed or loaded
+  dO.load(dout, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
              kept != nullptr ? kept + chunk_head * kMats : nullptr, [&](const ChunkPrepTiles& tiles) {
                if (kept == nullptr) store_kda_matrices(tiles, mats + chunk_head * kMats);
@@ -114,10 +116,7 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
         m.qs[t * S + i] -= acc[nt][e];
       }
   }
-  for (int idx = tid; idx < kC * kMaxDim; idx += kKdaPrepThreads) {
-    const int t = idx / kMaxDim, j = idx - t * kMaxDim;
-    m.ks[t * S + j] = t < n && j < dv ? __bfloat162float(dout[((t0 + t) * heads + h) * dv + j]) : 0.0f;
-  }
+  dO.store(m.ks, S);
   __syncthreads();
   // Z = P^T dO [dk, dv] over the chunk's tokens on the tensor cores: warp w
   // takes rows 16 (w / 2)
@@ -367,6 +366,22 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto pj = [&](int e) { return pn + 2 * c4 + e % 2; };         // and column
   const float* S = chunk_states + (c * heads + h) * SS;
   const float* dSn = slots + ((c + 1 - c0) * heads + h) * SS;
+  // Each value tile's v and dO, thread tid's elements tid + kGradThreads r of the [C, 16] tile, in
+  // registers from the tile before (loaded while it computes).
+  constexpr int kTileLoads = kC * kTileV / kGradThreads;
+  __nv_bfloat16 v_next[kTileLoads], dout_next[kTileLoads];
+  const auto load_tile = [&](int j0) {
+    const int nv = min(kTileV, dv - j0);
+#pragma unroll
+    for (int r = 0; r < kTileLoads; ++r) {
+      const int idx = tid + kGradThreads * r, t = idx / kTileV, jj = idx - t * kTileV;
+      const int64_t src = ((t0 + t) * heads + h) * dv + j0 + jj;
+      const bool live = t < n && jj < nv;
+      v_next[r] = live ? v[src] : __float2bfloat16(0.0f);
+      dout_next[r] = live ? dout[src] : __float2bfloat16(0.0f);
+    }
+  };
+  load_tile(0);
   for (int j0 = 0; j0 < dv; j0 += kTileV) {
     const int nv = min(kTileV, dv - j0);
     stage_rows(St, kTs, S + j0, dv, dk, nv);
@@ -376,13 +391,13 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       const int i = idx / (kTileV - nv), jj = nv + idx % (kTileV - nv);
       St[i * kTs + jj] = dSt[i * kTs + jj] = 0.0f;
     }
-    for (int idx = tid; idx < kC * kTileV; idx += kGradThreads) {
-      const int t = idx / kTileV, jj = idx - t * kTileV;
-      const int64_t src = ((t0 + t) * heads + h) * dv + j0 + jj;
-      const bool live = t < n && jj < nv;
-      X[t * kTs + jj] = live ? __bfloat162float(v[src]) : 0.0f;
-      dO[t * kTs + jj] = live ? __bfloat162float(dout[src]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < kTileLoads; ++r) {
+      const int idx = tid + kGradThreads * r, t = idx / kTileV, jj = idx - t * kTileV;
+      X[t * kTs + jj] = __bfloat162float(v_next[r]);
+      dO[t * kTs + jj] = __bfloat162float(dout_next[r]);
     }
+    if (j0 + kTileV < dv) load_tile(j0 + kTileV);
     copy_wait_all();
     __syncthreads();
     // 1. X0 = V - W S (each lane reads and writes its own elements) | du = Kb

@@ -350,6 +350,32 @@ __device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, 
   tile_times<NT, kSplit>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
 }
 
+// One chunk's rows of a head in a bf16 [tokens, heads, width] tensor (v, dO), loaded into registers
+// at a prep's start so that the loads are in flight while it computes the matrices (a loop of loads
+// and shared stores at the point of use waited on each round), and stored into a [C, stride] fp32
+// shared tile when needed. kKdaPrepThreads threads: thread tid takes channel tid % kKdaMaxDim of
+// the tokens tid / kKdaMaxDim + kRows r; zero past the chunk's n tokens and past width.
+struct PrefetchedRows {
+  static constexpr int kDim = static_cast<int>(kKdaMaxDim), kRows = kKdaPrepThreads / kDim,
+                       kPerThread = static_cast<int>(kKdaChunk) / kRows;
+  __nv_bfloat16 x[kPerThread];
+
+  __device__ void load(const __nv_bfloat16* __restrict__ src, int64_t t0, int n, int h, int heads,
+                       int width) {
+    const int i = threadIdx.x % kDim, tb = threadIdx.x / kDim;
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int t = tb + kRows * r;
+      x[r] = t < n && i < width ? src[((t0 + t) * heads + h) * width + i] : __float2bfloat16(0.0f);
+    }
+  }
+  __device__ void store(float* tile, int stride) const {
+    const int i = threadIdx.x % kDim, tb = threadIdx.x / kDim;
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) tile[(tb + kRows * r) * stride + i] = __bfloat162float(x[r]);
+  }
+};
+
 // A chunk's A, Aq and Tinv in global memory (kKdaMatrixFloats, kda.h: kept_matrices and the
 // backward's workspace), packed by rows of their lower triangles, which is all chunk_matrices
 // leaves non-zero: A's row t (s < t) from t (t - 1) / 2, Aq's (s <= t) from kKdaPackedAq + t (t +
@@ -377,8 +403,8 @@ __device__ inline void store_kda_matrices(const ChunkPrepTiles& m, float* out) {
 // wrote them; copied to shared memory by cp.async) back into square shared tiles (row strides as,
 // aqs, ts; A's skipped if null), zero above the diagonal, exactly as chunk_matrices wrote them.
 // Every thread takes part; the caller's barrier makes them visible.
-__device__ inline void unpack_kda_matrices(const float* pa, const float* paq, const float* pt, int n, float* A,
-                                           int as, float* Aq, int aqs, float* T, int ts) {
+__device__ inline void unpack_kda_matrices(const float* pa, const float* paq, const float* pt, int n,
+                                           float* A, int as, float* Aq, int aqs, float* T, int ts) {
   constexpr int C = static_cast<int>(kKdaChunk);
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
