@@ -56,8 +56,9 @@ static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand bloc
 size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 
 // Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower),
-// Aq (lower) and Tinv (unit lower) into mats [chunks, heads, 3, C, C], or, if
-// `kept` (the forward's, this segment's part), from there; W, Kb
+// Aq (lower) and Tinv (unit lower) into mats [chunks, heads, kMats] (packed,
+// kda_chunk.cuh), or, if `kept` (the forward's, this segment's part), from
+// there; W, Kb
 // and G_last into ops; and, into slot c - c0 of slots, the chunk's own share of
 // its entry state's gradient, Z = (Qg - Aq W)^T dO [dk, dv], so that the state
 // pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).

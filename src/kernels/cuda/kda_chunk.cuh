@@ -416,9 +416,9 @@ __device__ inline void unpack_kda_matrices(const float* pa, const float* paq, co
 
 // The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles
 // zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices), or, where `kept` holds
-// them (this chunk and head's [3, C, C] as an earlier prep's `keep` wrote them), Aq and Tinv loaded
-// from there (A's tile is then not written); Kb = exp(G_last - G) k and G_last out to kb_out [C,
-// kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every
+// them (this chunk and head's packed matrices, as store_kda_matrices wrote them), Aq and Tinv
+// loaded from there (A's tile then holds their packed rows, not A); Kb = exp(G_last - G) k and G_last out to
+// kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every
 // thread) while the matrices are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and
 // Tinv Tinv diag(beta). kKdaPrepThreads threads; ends with a barrier.
 template <class Keep>
