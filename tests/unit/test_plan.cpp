@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -381,6 +382,39 @@ TEST(Plan, ExecutionKeepsWhatFitsAndStreamsWhatDoesNot) {
   EXPECT_GT(million.chunk_tokens, 0);
   EXPECT_LE(million.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
   EXPECT_TRUE(executor_runs(million.policy));
+}
+
+// The KDA matrices are kept with the outputs or not (never without them): keeping them costs device
+// memory and saves time, and the 1M step keeps them under the 130 GB it must stay in.
+TEST(Plan, KdaMatricesKeptWithTheOutputsWhereTheyFit) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  PlanRequest r = request(1048576, 141);
+  r.options.absorbed = true;
+  const Plan plan = make_plan(c, r);
+  std::map<std::string, const Candidate*> by_name;
+  for (const Candidate& x : plan.candidates) {
+    EXPECT_FALSE(x.policy.outputs_again && x.policy.kda_matrices_again) << x.policy.name();
+    by_name[x.policy.name()] = &x;
+  }
+  int pairs = 0;
+  for (const Candidate& x : plan.candidates) {
+    if (!x.policy.kda_matrices_again) continue;
+    Policy kept = x.policy;
+    kept.kda_matrices_again = false;
+    ASSERT_TRUE(by_name.count(kept.name())) << kept.name();
+    const Candidate& k = *by_name[kept.name()];
+    EXPECT_LT(x.memory.device.peak_total, k.memory.device.peak_total) << x.policy.name();
+    EXPECT_GT(x.time.total(), k.time.total()) << x.policy.name();
+    ++pairs;
+  }
+  EXPECT_GT(pairs, 0);
+
+  const Execution million =
+      plan_execution(c, 1048576, Machine{1, bytes(141), bytes(128)}, r.options, std::nullopt);
+  EXPECT_EQ(million.policy.name(), "stream 16k + host AdamW");
+  EXPECT_TRUE(million.keep_outputs);
+  EXPECT_TRUE(million.keep_kda_matrices);
+  EXPECT_LE(million.predicted_peak_bytes, int64_t{130} * 1000 * 1000 * 1000);
 }
 
 TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
