@@ -428,7 +428,8 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
                            bool scale_q, const float* kept, Keep keep) {
   constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
-  for (int t = tid; t < C; t += blockDim.x) m.bt[t] = t < n ? beta[(t0 + t) * heads + h] : 0.0f;
+  // beta into a register first, stored once the chunk's loads are in: no wait before them.
+  const float beta_t = tid < n ? beta[(t0 + tid) * heads + h] : 0.0f;
   // All of a thread's loads in flight at once, the prefix sums in registers (ns is free until the
   // solve). Past token n and channel dk, q and k are zero, as the products need; G stays at the
   // last token's past n, where only zero q and k meet it.
@@ -443,6 +444,7 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
     copy_commit();
   }
   load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns, m.gl);
+  if (tid < C) m.bt[tid] = beta_t;  // read after the barriers below
   if (kept != nullptr) {
     copy_wait_all();
     __syncthreads();
