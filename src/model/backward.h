@@ -31,8 +31,9 @@ struct LossOptions {
   // the feed-forward's output for its mHC combine) until that backward; false recomputes them
   // there (less memory).
   bool keep_outputs = true;
-  // With keep_outputs: the KDA layers' intra-chunk matrices too (A, Aq, Tinv: 201 MB per layer at
-  // 16k tokens for the 4B config), which their backward then does not compute again.
+  // The streaming executor on the GPU, with keep_outputs: the KDA layers' intra-chunk matrices too
+  // (A, Aq, Tinv packed: 100 MB per layer at 16k tokens for the 4B config), which their backward
+  // then does not compute again.
   bool keep_kda_matrices = true;
 };
 

@@ -31,7 +31,7 @@ struct Policy {
   // it from the chunk's recomputation (less memory, more time).
   bool outputs_again = false;
   // Stream with kept outputs only: the KDA backward computes each chunk's intra-chunk matrices (A,
-  // Aq, Tinv) once more instead of keeping them from the recomputation (6.8 GB for the 4B config
+  // Aq, Tinv) once more instead of keeping them from the recomputation (3.4 GB for the 4B config
   // at 16k chunks; less memory, more time).
   bool kda_matrices_again = false;
 
