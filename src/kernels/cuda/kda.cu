@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* block = blocks + chunk_head * kKdaForwardBlockFloats;
-  PrefetchedRows vv;  // in flight while the matrices are computed
+  PrefetchedChunk vv;  // in flight while the matrices are computed
   vv.load(v, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
              [&](const ChunkPrepTiles& tiles) {

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* op = ops + chunk_head * kKdaBackwardOpsFloats;
-  PrefetchedRows dO;  // in flight while the matrices are computed or loaded
+  PrefetchedChunk dO;  // in flight while the matrices are computed or loaded
   dO.load(dout, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
              kept != nullptr ? kept + chunk_head * kMats : nullptr, [&](const ChunkPrepTiles& tiles) {
@@ -370,20 +370,11 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto pj = [&](int e) { return pn + 2 * c4 + e % 2; };         // and column
   const float* S = chunk_states + (c * heads + h) * SS;
   const float* dSn = slots + ((c + 1 - c0) * heads + h) * SS;
-  // Each value tile's v and dO, thread tid's elements tid + kGradThreads r of the [C, 16] tile, in
-  // registers from the tile before (loaded while it computes).
-  constexpr int kTileLoads = kC * kTileV / kGradThreads;
-  __nv_bfloat16 v_next[kTileLoads], dout_next[kTileLoads];
+  // Each value tile's v and dO in registers from the tile before (loaded while it computes).
+  PrefetchedRows<kTileV, kGradThreads> v_next, dout_next;
   const auto load_tile = [&](int j0) {
-    const int nv = min(kTileV, dv - j0);
-#pragma unroll
-    for (int r = 0; r < kTileLoads; ++r) {
-      const int idx = tid + kGradThreads * r, t = idx / kTileV, jj = idx - t * kTileV;
-      const int64_t src = ((t0 + t) * heads + h) * dv + j0 + jj;
-      const bool live = t < n && jj < nv;
-      v_next[r] = live ? v[src] : __float2bfloat16(0.0f);
-      dout_next[r] = live ? dout[src] : __float2bfloat16(0.0f);
-    }
+    v_next.load(v, t0, n, h, heads, dv, j0);
+    dout_next.load(dout, t0, n, h, heads, dv, j0);
   };
   // The S and dS' columns of the tile from j0 into St, dSt by cp.async (one commit group), zero
   // past dv.
@@ -404,12 +395,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     const bool odd = j0 / kTileV % 2 == 1;
     float* const St = odd ? St1 : St0;
     float* const dSt = odd ? dSt1 : dSt0;
-#pragma unroll
-    for (int r = 0; r < kTileLoads; ++r) {
-      const int idx = tid + kGradThreads * r, t = idx / kTileV, jj = idx - t * kTileV;
-      X[t * kTs + jj] = __bfloat162float(v_next[r]);
-      dO[t * kTs + jj] = __bfloat162float(dout_next[r]);
-    }
+    v_next.store(X, kTs);
+    dout_next.store(dO, kTs);
     if (j0 + kTileV < dv) load_tile(j0 + kTileV);
     copy_wait_all();  // this tile's S and dS', committed a tile before
     __syncthreads();

@@ -350,19 +350,21 @@ __device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, 
   tile_times<NT, kSplit>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
 }
 
-// One chunk's rows of a head in a bf16 [tokens, heads, width] tensor (v, dO), loaded into registers
-// at a prep's start so that the loads are in flight while it computes the matrices (a loop of loads
-// and shared stores at the point of use waited on each round), and stored into a [C, stride] fp32
-// shared tile when needed. kKdaPrepThreads threads: thread tid takes channel tid % kKdaMaxDim of
-// the tokens tid / kKdaMaxDim + kRows r; zero past the chunk's n tokens and past width.
+// Columns col0 .. col0 + kCols of one chunk's rows of a head in a bf16 [tokens, heads, width]
+// tensor (v, dO), loaded into registers ahead of their use so that the loads are in flight while
+// the kernel computes (a loop of loads and shared stores at the point of use waited on each
+// round), and stored into a [C, stride] fp32 shared tile when needed. kThreads threads: thread tid
+// takes column tid % kCols of the tokens tid / kCols + kRows r; zero past the chunk's n tokens and
+// past width.
+template <int kCols, int kThreads>
 struct PrefetchedRows {
-  static constexpr int kDim = static_cast<int>(kKdaMaxDim), kRows = kKdaPrepThreads / kDim,
-                       kPerThread = static_cast<int>(kKdaChunk) / kRows;
+  static constexpr int kRows = kThreads / kCols, kPerThread = static_cast<int>(kKdaChunk) / kRows;
+  static_assert(kRows * kCols == kThreads && kPerThread * kRows == kKdaChunk, "whole rows per thread");
   __nv_bfloat16 x[kPerThread];
 
-  __device__ void load(const __nv_bfloat16* __restrict__ src, int64_t t0, int n, int h, int heads,
-                       int width) {
-    const int i = threadIdx.x % kDim, tb = threadIdx.x / kDim;
+  __device__ void load(const __nv_bfloat16* __restrict__ src, int64_t t0, int n, int h, int heads, int width,
+                       int col0 = 0) {
+    const int i = col0 + static_cast<int>(threadIdx.x) % kCols, tb = threadIdx.x / kCols;
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) {
       const int t = tb + kRows * r;
@@ -370,11 +372,13 @@ struct PrefetchedRows {
     }
   }
   __device__ void store(float* tile, int stride) const {
-    const int i = threadIdx.x % kDim, tb = threadIdx.x / kDim;
+    const int i = threadIdx.x % kCols, tb = threadIdx.x / kCols;
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) tile[(tb + kRows * r) * stride + i] = __bfloat162float(x[r]);
   }
 };
+// A prep's whole [C, kKdaMaxDim] rows.
+using PrefetchedChunk = PrefetchedRows<static_cast<int>(kKdaMaxDim), kKdaPrepThreads>;
 
 // A chunk's A, Aq and Tinv in global memory (kKdaMatrixFloats, kda.h: kept_matrices and the
 // backward's workspace), packed by rows of their lower triangles, which is all chunk_matrices
