@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Kernel 3: 16 warps, so that twice as many as before hide the shared-memory
-// and exponential latencies (one CTA per SM: 225 KB of shared memory, at most
+// and exponential latencies (one CTA per SM: 209 KB of shared memory, at most
 // 128 registers a thread).
 constexpr int kGradThreads = 512;
 constexpr int kTs = kTileV + 4;   // value tiles' row stride: 4 mod 8 words, read both ways by the mma
@@ -261,16 +261,14 @@ constexpr int kAp = kC + 4;       // C x C matrices' row stride (mma A operands:
 constexpr int kQp = kMaxDim + 4;  // [C, dk] tiles' row stride, likewise
 // Shared memory, in floats: a region for W, Kb, A, Aq, Tinv (then q, k, G); dA
 // and dAq; the value tile's S, dS' [dk, 16] and V/X0/X, Xb = diag(beta) X0, dO,
-// du, u, dR [C, 16] (then dG [C, dk]); row vectors; a second S, dS' pair, so
-// that the next tile's arrive while this one computes.
+// du, u, dR [C, 16] (then dG [C, dk]); row vectors.
 constexpr int kGradMats = 2 * kC * kQp + 3 * kC * kAp;
 constexpr int kGradTiles = 2 * kMaxDim * kTs + 6 * kC * kTs;
 static_assert(3 * kC * kQp <= kGradMats, "q, k and G fit where W, Kb and the matrices were");
 static_assert(kC * kMaxDim <= kGradTiles, "dG fits where the value tiles were");
 constexpr int kGradParts = kGradThreads / kMaxDim;  // load_chunk_batched's threads per channel
-constexpr int kGradStates = 2 * kMaxDim * kTs;      // one S, dS' pair
 size_t grad_smem_floats() {
-  return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim + kGradStates;
+  return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim;
 }
 
 // Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
@@ -312,24 +310,22 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* Qs = smem;             // after the value tiles: [C, kQp] q, k and G
   float* Ks = Qs + kC * kQp;
   float* Gs = Ks + kC * kQp;
-  float* dA = smem + kGradMats;              // [C, kAp]
-  float* dAq = dA + kC * kAp;                // [C, kAp]
-  float* St0 = dAq + kC * kAp;               // [kMaxDim, kTs]: S, columns of the even tiles
-  float* dSt0 = St0 + kMaxDim * kTs;         // [kMaxDim, kTs]: dS'
-  float* X = dSt0 + kMaxDim * kTs;           // [C, kTs]: V, then X0, then X
-  float* Xb = X + kC * kTs;                  // [C, kTs]
-  float* dO = Xb + kC * kTs;                 // [C, kTs]
-  float* du = dO + kC * kTs;                 // [C, kTs]
-  float* u = du + kC * kTs;                  // [C, kTs]
-  float* dR = u + kC * kTs;                  // [C, kTs]
-  float* dG = St0;                           // after the value tiles: [C, kMaxDim]
-  float* bt = St0 + kGradTiles;              // [C]
-  float* dbeta_acc = bt + kC;                // [C]
-  float* glast = dbeta_acc + kC;             // [kMaxDim]: G_last
-  float* sdS = glast + kMaxDim;              // [kMaxDim]: rowsum(S . dS')
-  float* part = sdS + kMaxDim;               // [kGradParts, kMaxDim]: prefix sums', then dg's G_last parts
-  float* St1 = part + kGradParts * kMaxDim;  // [kMaxDim, kTs]: S, columns of the odd tiles
-  float* dSt1 = St1 + kMaxDim * kTs;         // [kMaxDim, kTs]: dS'
+  float* dA = smem + kGradMats;     // [C, kAp]
+  float* dAq = dA + kC * kAp;       // [C, kAp]
+  float* St = dAq + kC * kAp;       // [kMaxDim, kTs]: S, columns of the tile
+  float* dSt = St + kMaxDim * kTs;  // [kMaxDim, kTs]: dS'
+  float* X = dSt + kMaxDim * kTs;   // [C, kTs]: V, then X0, then X
+  float* Xb = X + kC * kTs;         // [C, kTs]
+  float* dO = Xb + kC * kTs;        // [C, kTs]
+  float* du = dO + kC * kTs;        // [C, kTs]
+  float* u = du + kC * kTs;         // [C, kTs]
+  float* dR = u + kC * kTs;         // [C, kTs]
+  float* dG = St;                   // after the value tiles: [C, kMaxDim]
+  float* bt = St + kGradTiles;      // [C]
+  float* dbeta_acc = bt + kC;       // [C]
+  float* glast = dbeta_acc + kC;    // [kMaxDim]: G_last
+  float* sdS = glast + kMaxDim;     // [kMaxDim]: rowsum(S . dS')
+  float* part = sdS + kMaxDim;      // [kGradParts, kMaxDim]: prefix sums', then dg's G_last parts
 
   // The packed matrices by cp.async into dA's and dAq's tiles (zeroed once they are unpacked), in
   // flight while the chunk loads.
@@ -342,7 +338,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // S's and dS''s rows past dk stay zero over the tiles (the products read
   // whole 8-row steps).
   for (int idx = tid; idx < (kMaxDim - dk) * kTs; idx += kGradThreads)
-    St0[dk * kTs + idx] = dSt0[dk * kTs + idx] = St1[dk * kTs + idx] = dSt1[dk * kTs + idx] = 0.0f;
+    St[dk * kTs + idx] = dSt[dk * kTs + idx] = 0.0f;
   load_chunk_batched<kGradParts>(nullptr, k, g, t0, n, h, heads, dk, kQp, nullptr, W, Kb, part, glast);
   if (tid < kC) bt[tid] = beta_t;
   for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
@@ -376,9 +372,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     v_next.load(v, t0, n, h, heads, dv, j0);
     dout_next.load(dout, t0, n, h, heads, dv, j0);
   };
-  // The S and dS' columns of the tile from j0 into St, dSt by cp.async (one commit group), zero
-  // past dv.
-  const auto stage_states = [&](int j0, float* St, float* dSt) {
+  load_tile(0);
+  for (int j0 = 0; j0 < dv; j0 += kTileV) {
     const int nv = min(kTileV, dv - j0);
     stage_rows(St, kTs, S + j0, dv, dk, nv);
     stage_rows(dSt, kTs, dSn + j0, dv, dk, nv);
@@ -387,22 +382,11 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       const int i = idx / (kTileV - nv), jj = nv + idx % (kTileV - nv);
       St[i * kTs + jj] = dSt[i * kTs + jj] = 0.0f;
     }
-  };
-  load_tile(0);
-  stage_states(0, St0, dSt0);
-  for (int j0 = 0; j0 < dv; j0 += kTileV) {
-    const int nv = min(kTileV, dv - j0);
-    const bool odd = j0 / kTileV % 2 == 1;
-    float* const St = odd ? St1 : St0;
-    float* const dSt = odd ? dSt1 : dSt0;
     v_next.store(X, kTs);
     dout_next.store(dO, kTs);
     if (j0 + kTileV < dv) load_tile(j0 + kTileV);
-    copy_wait_all();  // this tile's S and dS', committed a tile before
+    copy_wait_all();
     __syncthreads();
-    // The next tile's S and dS' into the other pair, which the tile before read (its last barrier
-    // is behind us), in flight while this one computes.
-    if (j0 + kTileV < dv) stage_states(j0 + kTileV, odd ? St0 : St1, odd ? dSt0 : dSt1);
     // 1. X0 = V - W S (each lane reads and writes its own elements) | du = Kb
     // dS' + Aq^T dO (Aq^T
     //    is upper: tokens s >= 16 pm).
@@ -500,8 +484,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       warp_mma<4, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0, k0 + 8);
       warp_mma<4, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0, k0 + 8);
     }
-    __syncthreads();  // the next tile's stores and S, dS' (and q, k, G after
-                      // the last) overwrite what was read
+    __syncthreads();  // the next tile's loads (and q, k, G after the last)
+                      // overwrite what was read
   }
 
   // q, k and G again, where W, Kb and the matrices were.
