@@ -189,7 +189,8 @@ __global__ void __launch_bounds__(kThreads)
     // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
     float ku[2][4];
     kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);
-    const float decay[2] = {exp2f(stage[kOffStageGlast + i0 + g]), exp2f(stage[kOffStageGlast + i0 + g + 8])};
+    const float decay[2] = {exp2_ftz(stage[kOffStageGlast + i0 + g]),
+                            exp2_ftz(stage[kOffStageGlast + i0 + g + 8])};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   const float base = tb == 0 ? 0.0f : half_sum[i];
 #pragma unroll
-  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * exp2f(base + gv[r]);
+  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * exp2_ftz(base + gv[r]);
   copy_wait_all();
   __syncthreads();
   const int mt = warp / 2, n0 = 32 * (warp % 2);

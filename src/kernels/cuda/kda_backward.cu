@@ -237,7 +237,8 @@ __global__ void __launch_bounds__(kThreads)
     // dS = diag(exp G_last) dS' - W^T X + Z.
     float wx[2][4];
     kda_columns_times_chunk(wx, stage, Xhi, Xlo, i0);
-    const float decay[2] = {exp2f(stage[kOffStageGlast + i0 + g]), exp2f(stage[kOffStageGlast + i0 + g + 8])};
+    const float decay[2] = {exp2_ftz(stage[kOffStageGlast + i0 + g]),
+                            exp2_ftz(stage[kOffStageGlast + i0 + g + 8])};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -344,8 +345,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
     const int t = idx / kMaxDim, i = idx - t * kMaxDim, x = t * kQp + i;
     const float G = Kb[x], kv = W[x];
-    W[x] = exp2f(G) * kv;
-    Kb[x] = exp2f(glast[i] - G) * kv;
+    W[x] = exp2_ftz(G) * kv;
+    Kb[x] = exp2_ftz(glast[i] - G) * kv;
   }
   copy_wait_all();
   __syncthreads();
@@ -515,7 +516,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          b.set(e, exp2f(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
+          b.set(e, exp2_ftz(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
         }
         mma_tf32(row_a[nt], fa, b);
         mma_tf32(row_q[nt], fq, b);
@@ -526,14 +527,14 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i], f = exp2f(Gt - Gs[r * kQp + i]);
+        const float Gt = Gs[t * kQp + i], f = exp2_ftz(Gt - Gs[r * kQp + i]);
         float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
         for (int s2 = r; s2 <= t; ++s2) {
-          const float w = exp2f(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
+          const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
           ra = fmaf(dA[t * kAp + s2], w, ra);
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
-        const float E = exp2f(Gt);
+        const float E = exp2_ftz(Gt);
         acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
                                      ra);  // later = exp(G) dW + rowA
@@ -561,7 +562,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          const float f = exp2f(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
+          const float f = exp2_ftz(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
           bk.set(e, f * Ks[x]);
           bq.set(e, f * Qs[x]);
         }
@@ -574,14 +575,14 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
-        const float Gt = Gs[x], f = exp2f(Gs[r * kQp + i] - Gt);
+        const float Gt = Gs[x], f = exp2_ftz(Gs[r * kQp + i] - Gt);
         float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
         for (int s2 = t; s2 <= r; ++s2) {
-          const float w = exp2f(Gs[s2 * kQp + i] - Gt);
+          const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
           ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
           cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
         }
-        const float kb_part = exp2f(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
+        const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
         const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
         if (t < n && i < dk) {
           const int64_t row = (t0 + t) * heads + h;
@@ -608,7 +609,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // dg_t = sum_{r>=t} dG_r, G_last's direct terms (Kb and exp(G_last) S) in
   // every row.
   for (int i = tid; i < dk; i += kGradThreads) {
-    float acc = exp2f(glast[i]) * sdS[i];
+    float acc = exp2_ftz(glast[i]) * sdS[i];
     for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
     for (int t = n - 1; t >= 0; --t) {
       acc += dG[t * kMaxDim + i];

@@ -37,7 +37,7 @@ __device__ inline void stage_rows(float* dst, int ds, const float* src, int64_t 
 // kKdaMaxDim threads per channel, each loading its C / P tokens at once, so that all the loads are
 // in flight together; part [P, kKdaMaxDim] is scratch for their partial sums. Ends with a barrier.
 // The KDA kernels keep G in the log2 domain (times log2(e)): every decay factor exp(G_t - G_s) in
-// their formulas is one exp2f, and so is the glast they pass to each other.
+// their formulas is one exp2_ftz, and so is the glast they pass to each other.
 template <int P>
 __device__ inline void load_chunk_batched(const __nv_bfloat16* __restrict__ q,
                                           const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
@@ -147,7 +147,7 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int x = (r + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
-      const float f = exp2f(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
+      const float f = exp2_ftz(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
       ka.set(e, m.ks[x] * f);
       qa.set(e, m.qs[x] * f);
     }
@@ -157,7 +157,7 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int x = (B * b + 8 * nt + g) * S + i0 + c + 4 * e;
-        kb.set(e, m.ks[x] * exp2f(fminf(gr[e] - m.Gs[x], 0.0f)));
+        kb.set(e, m.ks[x] * exp2_ftz(fminf(gr[e] - m.Gs[x], 0.0f)));
       }
       mma_tf32(acc_a[nt], ka, kb);
       mma_tf32(acc_q[nt], qa, kb);
@@ -201,7 +201,7 @@ __device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, i
 #pragma unroll
       for (int y = 0; y < R; ++y) {
         // The clamp only touches pairs above the diagonal (s > t), which are not kept.
-        const float w = exp2f(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
+        const float w = exp2_ftz(fminf(gt[x] - gs[y], 0.0f)) * kv[y];
         acc_a[x][y] = fmaf(kt[x], w, acc_a[x][y]);
         acc_q[x][y] = fmaf(qt[x], w, acc_q[x][y]);
       }
@@ -462,13 +462,13 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;
     const bool live = t < n && i < dk;
-    kb_out[idx] = live ? exp2f(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
+    kb_out[idx] = live ? exp2_ftz(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
   }
   for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
   __syncthreads();  // Kb read k and G, `keep` A, Aq and Tinv
   for (int idx = tid; idx < n * dk; idx += blockDim.x) {
     const int t = idx / dk, i = idx - t * dk, x = t * S + i;
-    const float e = exp2f(m.Gs[x]);
+    const float e = exp2_ftz(m.Gs[x]);
     m.ks[x] *= e;
     if (scale_q) m.qs[x] *= e;
   }

@@ -1,5 +1,5 @@
 // The sparse MLA forward on wgmma; see sparse_mla_hopper.h for the design. Scores are kept in the
-// log2 domain (scaled by scale * log2(e)) so that exp2f is one instruction.
+// log2 domain (scaled by scale * log2(e)) so that each exponential is one instruction (exp2_ftz).
 #include <cmath>
 
 #include "backend/cuda/check.h"
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float m_new = m_run[i];
 #pragma unroll
       for (int w = 0; w < 4; ++w) m_new = fmaxf(m_new, red_max[w * kHeads + head]);
-      alpha[i] = m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);
+      alpha[i] = m_new == -INFINITY ? 1.0f : exp2_ftz(m_run[i] - m_new);
       m_run[i] = m_new;
       sum[i] = 0.0f;
     }
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int i = 2 * (j / 4) + j % 2, head = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
-      const float p = m_run[i] == -INFINITY ? 0.0f : exp2f(s[j] - m_run[i]);
+      const float p = m_run[i] == -INFINITY ? 0.0f : exp2_ftz(s[j] - m_run[i]);
       *reinterpret_cast<__nv_bfloat16*>(p_s + core_offset(head, key_a + 8 * ((j / 2) % 2), kKeys)) =
           __float2bfloat16(p);
       sum[i] += p;
@@ -259,8 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 8; ++i) {
       const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
       const float m1 = merge_ml[head], l1 = merge_ml[kHeads + head], m = fmaxf(m_run[i], m1);
-      const float a0 = m == -INFINITY ? 0.0f : exp2f(m_run[i] - m),
-                  a1 = m == -INFINITY ? 0.0f : exp2f(m1 - m);
+      const float a0 = m == -INFINITY ? 0.0f : exp2_ftz(m_run[i] - m),
+                  a1 = m == -INFINITY ? 0.0f : exp2_ftz(m1 - m);
       const float l = l_run[i] * a0 + l1 * a1, inv = l > 0.0f ? 1.0f / l : 0.0f;
       w0[i] = a0 * inv;
       w1[i] = a1 * inv;

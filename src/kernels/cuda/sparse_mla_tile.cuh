@@ -25,7 +25,7 @@ struct SparseMlaInputs {
   const int32_t* selected;
   int64_t width, latent_stride;
   int heads, dk, dv;
-  float scale, scale2;  // scale2 = scale * log2(e): scores in the log2 domain, exp2f one instruction
+  float scale, scale2;  // scale2 = scale * log2(e): scores in the log2 domain, exp2_ftz one instruction
 };
 
 inline SparseMlaInputs sparse_mla_inputs(const SparseMlaShape& s, const __nv_bfloat16* q,
