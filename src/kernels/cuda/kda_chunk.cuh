@@ -79,9 +79,8 @@ constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows
 constexpr int kKdaPrepThreads = 512;
 
 // The preps' products on the tensor cores: TF32 mma, as 3xTF32 (each fp32 operand split into two
-// TF32 parts, three mma per product) so that A, Aq, W and U0 keep fp32-level accuracy (~1e-6
-// relative instead of TF32's ~3e-4): the mma are a small part of the preps' time (the exponentials
-// dominate). false: plain TF32, one mma per product.
+// TF32 parts by tf32_split, three mma per product) so that A, Aq, W and U0 keep fp32-level
+// accuracy (~1e-6 relative instead of TF32's ~3e-4). false: plain TF32, one mma per product.
 constexpr bool kKdaSplitTf32 = true;
 using KdaFragA = Tf32Frag<4, kKdaSplitTf32>;
 using KdaFragB = Tf32Frag<2, kKdaSplitTf32>;

@@ -25,11 +25,9 @@ constexpr int kKdaRowsStride = static_cast<int>(kKdaMaxDim) + 4;
 constexpr int kKdaColumnsStride = static_cast<int>(kKdaMaxDim) + 8;
 constexpr int kKdaSplitStride = 16 + 8;
 
-// A value's TF32 parts into the split tiles hi and lo at idx (hi + lo = x to about 2^-22).
+// A value's TF32 parts (tf32_split) into the split tiles hi and lo at idx.
 __device__ __forceinline__ void store_tf32_split(uint32_t* hi, uint32_t* lo, int idx, float x) {
-  const float rounded = tf32_round(x);
-  hi[idx] = __float_as_uint(rounded);
-  lo[idx] = tf32_bits_finite(__fsub_rn(x, rounded));
+  tf32_split(x, hi[idx], lo[idx]);
 }
 
 // out (the C fragment of a 16 x 8 tile: rows m0 + g, m0 + g + 8, columns n0 + 2c, + 1) = A[m0 .. m0

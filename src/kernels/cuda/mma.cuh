@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/tf32_round.h"
+#include "kernels/cuda/tf32_split.h"
 
 namespace spindle::cuda {
 
@@ -90,8 +90,8 @@ __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint3
   lo = pack_bf16(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
 }
 
-// TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, rounded to nearest on
-// the FP32 pipes, tf32_round.h) and fp32 accumulation. Fragment layout (g = lane / 4, c = lane % 4):
+// TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, split or truncated
+// by tf32_split.h) and fp32 accumulation. Fragment layout (g = lane / 4, c = lane % 4):
 // A (16 x 8, row-major) a0 = (g, c), a1 = (g+8, c), a2 = (g, c+4), a3 = (g+8, c+4); B (8 x 8, "col")
 // b0 = (k c, n g), b1 = (k c+4, n g); C as for m16n8k16.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -101,17 +101,19 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// N fp32 values of a TF32 operand fragment: hi = tf32(x) and, when kSplit, lo = tf32(x - hi), the
-// part hi leaves out (x - hi is exact). The 3xTF32 product hi*hi + hi*lo + lo*hi misses only
-// lo*lo, about 2^-22 relative: fp32-level accuracy for three mma instead of one.
+// N fp32 values of a TF32 operand fragment: when kSplit, x = hi + lo (tf32_split: the 3xTF32
+// product hi*hi + hi*lo + lo*hi keeps x y to about 2^-19, fp32-level accuracy for three mma instead
+// of one); otherwise hi alone, x truncated to TF32 (2^-10).
 template <int N, bool kSplit>
 struct Tf32Frag {
   uint32_t hi[N];
   uint32_t lo[kSplit ? N : 1];
   __device__ __forceinline__ void set(int e, float x) {
-    const float rounded = tf32_round(x);
-    hi[e] = __float_as_uint(rounded);
-    if constexpr (kSplit) lo[e] = tf32_bits_finite(__fsub_rn(x, rounded));
+    if constexpr (kSplit) {
+      tf32_split(x, hi[e], lo[e]);
+    } else {
+      hi[e] = __float_as_uint(x) & 0xffffe000u;
+    }
   }
 };
 
