@@ -58,8 +58,9 @@ void normalise_rows(std::vector<float>& x, int64_t width, float scale) {
 
 // One case: (tokens, heads, dk, dv) and whether the sequence continues a streamed one (an initial
 // state in, the final state's gradient in, the initial state's gradient out).
-void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried,
-                              float g_min = -0.5f) {
+// Returns the log decays it drew.
+std::vector<float> check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried,
+                                            float g_min = -0.5f) {
   auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
   normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
   normalise_rows(kf, dk, 1.0f);
@@ -124,6 +125,30 @@ void check_against_recurrence(int64_t T, int64_t H, int64_t dk, int64_t dv, bool
   if (carried) {
     EXPECT_LT(relative_error(d_initial.download(), d_initial_ref), kFp32Bound) << "d_initial" << where();
   }
+  return g;
+}
+
+// Chunk-heads of g [T, H, dk] (natural log decays) whose G falls by more than kKdaHalfDecayBound
+// (log2 domain) over half of one of its sub-chunks, as the grad kernel measures it (G stays at the
+// last token's past the chunk): those take its diagonal blocks element by element.
+int64_t chunks_past_the_decay_bound(const std::vector<float>& g, int64_t T, int64_t H, int64_t dk) {
+  int64_t past = 0;
+  for (int64_t t0 = 0; t0 < T; t0 += kKdaChunk)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t n = std::min(kKdaChunk, T - t0);
+      bool beyond = false;
+      for (int64_t i = 0; i < dk; ++i) {
+        std::vector<double> G(n);
+        double sum = 0.0;
+        for (int64_t t = 0; t < n; ++t) G[t] = sum += g[((t0 + t) * H + h) * dk + i] * 1.4426950408889634;
+        const auto at = [&](int64_t t) { return G[std::min(t, n - 1)]; };
+        for (int64_t a = 0; a < kKdaChunk; a += 16)
+          beyond =
+              beyond || at(a) - at(a + 8) > kKdaHalfDecayBound || at(a + 8) - at(a + 15) > kKdaHalfDecayBound;
+      }
+      past += beyond ? 1 : 0;
+    }
+  return past;
 }
 
 TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
@@ -170,6 +195,18 @@ TEST(CudaKda, StrongDecaysWithPartialChunks) {
         {150, 2, 30, 21, true, -5.0f},
         {97, 1, 127, 9, false, -20.0f}})
     check_against_recurrence(T, H, dk, dv, carried, g_min);
+}
+
+TEST(CudaKda, DiagonalBlocksOnBothPaths) {
+  // The grad kernel takes a chunk's diagonal blocks on the tensor cores while its decay over each
+  // half sub-chunk stays within kKdaHalfDecayBound (kda_chunk.cuh), element by element past it
+  // (decays below about -5.5 per token): decays down to -7 put part of these chunks past it, and
+  // the check needs both kinds.
+  const int64_t T = 2600, H = 2, dk = 16;
+  const auto g = check_against_recurrence(T, H, dk, 32, true, -7.0f);
+  const int64_t past = chunks_past_the_decay_bound(g, T, H, dk), all = kda_chunks(T) * H;
+  EXPECT_GT(past, 0) << "no chunk took the element-by-element diagonal";
+  EXPECT_LT(past, all) << "no chunk took the diagonal on the tensor cores";
 }
 
 // The streaming executor keeps a chunk's intra-chunk matrices from its recomputation's forward

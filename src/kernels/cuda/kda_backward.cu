@@ -491,17 +491,32 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 
   // q, k and G again, where W, Kb and the matrices were.
   load_chunk_batched<kGradParts>(q, k, g, t0, n, h, heads, dk, kQp, Qs, Ks, Gs, part, glast);
+  // The diagonal blocks (s and t in the same sub-chunk) by mma against the block's middle token m
+  // where every sub-chunk's decay over each half stays within kKdaHalfDecayBound, so that neither
+  // factor of exp(G_t - G_s) = exp(G_t - G_m) exp(G_m - G_s) exceeds 2^64; else element by element.
+  // One (sub-chunk, channel) per thread; a barrier.
+  static_assert(kGradThreads == kC / 16 * kMaxDim, "one (sub-chunk, channel) per thread");
+  const bool diagonal_mma = [&] {
+    const int a = 16 * (tid / kMaxDim), i = tid % kMaxDim;
+    const float first = Gs[a * kQp + i] - Gs[(a + 8) * kQp + i],
+                second = Gs[(a + 8) * kQp + i] - Gs[(a + 15) * kQp + i];
+    return __syncthreads_or(!(fmaxf(first, second) <= kKdaHalfDecayBound)) == 0;
+  }();
   // The warp's fragment elements: row et(e), column ei(nt, e).
   const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
   const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };
-  // Rows: through r = 16 bm for the sub-chunks before, then within it (s from r
-  // to t). Two column halves one after the other, so that fewer accumulators
-  // are live next to the [C, dk] ones.
+  const int mid = 16 * bm + 8;  // the block's middle token
+  // Rows: through r = 16 bm for the sub-chunks before (exp(G_r - G_s) <= 1, then exp(G_t - G_r)),
+  // then within the block: two more mma steps against mid, or element by element (s from r to t).
+  // Two column halves one after the other, so that fewer accumulators are live next to the [C, dk]
+  // ones.
 #pragma unroll
   for (int nh = 0; nh < 2; ++nh) {
     const int r = 16 * bm;
     float row_a[2][4] = {}, row_q[2][4] = {};
-    for (int k0 = 0; k0 < r; k0 += 8) {
+    // row_a, row_q += dA, dAq [rows r .., tokens k0 .. k0 + 7] (exp(G_ref - G_s) k_s) (the clamp: the
+    // sub-chunks before, where the exponent is never positive).
+    const auto row_step = [&](int k0, int ref, bool clamp) {
       KdaFragA fa, fq;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -516,23 +531,47 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          b.set(e, exp2_ftz(fminf(Gs[r * kQp + i] - Gs[x], 0.0f)) * Ks[x]);
+          const float d = Gs[ref * kQp + i] - Gs[x];
+          b.set(e, exp2_ftz(clamp ? fminf(d, 0.0f) : d) * Ks[x]);
         }
         mma_tf32(row_a[nt], fa, b);
         mma_tf32(row_q[nt], fq, b);
       }
+    };
+    for (int k0 = 0; k0 < r; k0 += 8) row_step(k0, r, true);
+    if (diagonal_mma) {  // from exp(G_r - G_s) to exp(G_mid - G_s): times exp(G_mid - G_r) <= 1
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = ei(2 * nh + nt, e);
+          const float f = exp2_ftz(Gs[mid * kQp + i] - Gs[r * kQp + i]);
+          row_a[nt][e] *= f;
+          row_q[nt][e] *= f;
+        }
+      row_step(r, mid, false);  // dA and dAq are zero above their diagonals
+      row_step(r + 8, mid, false);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i], f = exp2_ftz(Gt - Gs[r * kQp + i]);
-        float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
-        for (int s2 = r; s2 <= t; ++s2) {
-          const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
-          ra = fmaf(dA[t * kAp + s2], w, ra);
-          rq = fmaf(dAq[t * kAp + s2], w, rq);
+        const float Gt = Gs[t * kQp + i];
+        float ra, rq;
+        if (diagonal_mma) {
+          const float f = exp2_ftz(Gt - Gs[mid * kQp + i]);
+          ra = row_a[nt][e] * f;
+          rq = row_q[nt][e] * f;
+        } else {
+          const float f = exp2_ftz(Gt - Gs[r * kQp + i]);
+          ra = row_a[nt][e] * f;
+          rq = row_q[nt][e] * f;
+          for (int s2 = r; s2 <= t; ++s2) {
+            const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
+            ra = fmaf(dA[t * kAp + s2], w, ra);
+            rq = fmaf(dAq[t * kAp + s2], w, rq);
+          }
         }
         const float E = exp2_ftz(Gt);
         acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
@@ -540,14 +579,16 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                                      ra);  // later = exp(G) dW + rowA
       }
   }
-  // Columns: through r = 16 bm + 15 for the sub-chunks after, then within it (s
-  // from t to r); the column halves again.
+  // Columns: through r = 16 bm + 15 for the sub-chunks after (exp(G_s - G_r) <= 1, then exp(G_r -
+  // G_t)), then within the block: two more mma steps against mid, or element by element (s from t
+  // to r); the column halves again.
 #pragma unroll
   for (int nh = 0; nh < 2; ++nh) {
     const int r = 16 * bm + 15;
     float gpart[2][2] = {};  // sum over the thread's rows of k exp(G_last - G) dKb, per column
     float col_a[2][4] = {}, col_q[2][4] = {};
-    for (int k0 = r + 1; k0 < kC; k0 += 8) {
+    // col_a, col_q += dA, dAq^T [tokens k0 .. k0 + 7, columns 16 bm ..] (exp(G_s - G_ref) k_s, q_s).
+    const auto col_step = [&](int k0, int ref, bool clamp) {
       KdaFragA fa, fq;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -562,25 +603,49 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int x = (k0 + c4 + 4 * e) * kQp + i;
-          const float f = exp2_ftz(fminf(Gs[x] - Gs[r * kQp + i], 0.0f));
+          const float d = Gs[x] - Gs[ref * kQp + i];
+          const float f = exp2_ftz(clamp ? fminf(d, 0.0f) : d);
           bk.set(e, f * Ks[x]);
           bq.set(e, f * Qs[x]);
         }
         mma_tf32(col_a[nt], fa, bk);
         mma_tf32(col_q[nt], fq, bq);
       }
+    };
+    for (int k0 = r + 1; k0 < kC; k0 += 8) col_step(k0, r, true);
+    if (diagonal_mma) {  // from exp(G_s - G_r) to exp(G_s - G_mid): times exp(G_r - G_mid) <= 1
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = ei(2 * nh + nt, e);
+          const float f = exp2_ftz(Gs[r * kQp + i] - Gs[mid * kQp + i]);
+          col_a[nt][e] *= f;
+          col_q[nt][e] *= f;
+        }
+      col_step(16 * bm, mid, false);  // dA and dAq are zero above their diagonals
+      col_step(16 * bm + 8, mid, false);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
-        const float Gt = Gs[x], f = exp2_ftz(Gs[r * kQp + i] - Gt);
-        float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
-        for (int s2 = t; s2 <= r; ++s2) {
-          const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
-          ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
-          cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
+        const float Gt = Gs[x];
+        float ca, cq;
+        if (diagonal_mma) {
+          const float f = exp2_ftz(Gs[mid * kQp + i] - Gt);
+          ca = col_a[nt][e] * f;
+          cq = col_q[nt][e] * f;
+        } else {
+          const float f = exp2_ftz(Gs[r * kQp + i] - Gt);
+          ca = col_a[nt][e] * f;
+          cq = col_q[nt][e] * f;
+          for (int s2 = t; s2 <= r; ++s2) {
+            const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
+            ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
+            cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
+          }
         }
         const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
         const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
