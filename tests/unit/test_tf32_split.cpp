@@ -14,8 +14,8 @@
 
 namespace {
 
-using spindle::cuda::bits_float;
-using spindle::cuda::float_bits;
+float bits_float(uint32_t bits) { return spindle::cuda::bits_as<float>(bits); }
+uint32_t float_bits(float x) { return spindle::cuda::bits_as<uint32_t>(x); }
 
 // Finite floats of both signs and magnitudes from 2^-100 to 2^111, with every mantissa pattern.
 std::vector<float> samples(unsigned seed) {

@@ -506,6 +506,18 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
   const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };
   const int mid = 16 * bm + 8;  // the block's middle token
+  // The accumulators a, b of column half nh times exp(G_x - G_y), column by column.
+  const auto rescale = [&](float(&a)[2][4], float(&b)[2][4], int nh, int x, int y) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = ei(2 * nh + nt, e);
+        const float f = exp2_ftz(Gs[x * kQp + i] - Gs[y * kQp + i]);
+        a[nt][e] *= f;
+        b[nt][e] *= f;
+      }
+  };
   // Rows: through r = 16 bm for the sub-chunks before (exp(G_r - G_s) <= 1, then exp(G_t - G_r)),
   // then within the block: two more mma steps against mid, or element by element (s from r to t).
   // Two column halves one after the other, so that fewer accumulators are live next to the [C, dk]
@@ -539,17 +551,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       }
     };
     for (int k0 = 0; k0 < r; k0 += 8) row_step(k0, r, true);
-    if (diagonal_mma) {  // from exp(G_r - G_s) to exp(G_mid - G_s): times exp(G_mid - G_r) <= 1
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = ei(2 * nh + nt, e);
-          const float f = exp2_ftz(Gs[mid * kQp + i] - Gs[r * kQp + i]);
-          row_a[nt][e] *= f;
-          row_q[nt][e] *= f;
-        }
-      row_step(r, mid, false);  // dA and dAq are zero above their diagonals
+    if (diagonal_mma) {
+      rescale(row_a, row_q, nh, mid, r);  // from exp(G_r - G_s) to exp(G_mid - G_s): times <= 1
+      row_step(r, mid, false);            // dA and dAq are zero above their diagonals
       row_step(r + 8, mid, false);
     }
 #pragma unroll
@@ -613,17 +617,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       }
     };
     for (int k0 = r + 1; k0 < kC; k0 += 8) col_step(k0, r, true);
-    if (diagonal_mma) {  // from exp(G_s - G_r) to exp(G_s - G_mid): times exp(G_r - G_mid) <= 1
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = ei(2 * nh + nt, e);
-          const float f = exp2_ftz(Gs[r * kQp + i] - Gs[mid * kQp + i]);
-          col_a[nt][e] *= f;
-          col_q[nt][e] *= f;
-        }
-      col_step(16 * bm, mid, false);  // dA and dAq are zero above their diagonals
+    if (diagonal_mma) {
+      rescale(col_a, col_q, nh, r, mid);  // from exp(G_s - G_r) to exp(G_s - G_mid): times <= 1
+      col_step(16 * bm, mid, false);      // dA and dAq are zero above their diagonals
       col_step(16 * bm + 8, mid, false);
     }
 #pragma unroll

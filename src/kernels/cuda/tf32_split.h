@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define SPINDLE_HOST_DEVICE __host__ __device__
@@ -17,23 +18,20 @@
 
 namespace spindle::cuda {
 
-SPINDLE_HOST_DEVICE inline uint32_t float_bits(float x) {
+// A float's bits as uint32_t, or the float of given bits (To: the other one of the two).
+template <class To, class From>
+SPINDLE_HOST_DEVICE inline To bits_as(From x) {
+  static_assert(sizeof(To) == 4 && sizeof(From) == 4, "a float and its bits");
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
+  if constexpr (std::is_same_v<To, float>) {
+    return __uint_as_float(x);
+  } else {
+    return __float_as_uint(x);
+  }
 #else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-#endif
-}
-
-SPINDLE_HOST_DEVICE inline float bits_float(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
 #endif
 }
 
@@ -41,7 +39,7 @@ SPINDLE_HOST_DEVICE inline float bits_float(uint32_t bits) {
 // (as cvt.rna), by two integer operations: for the split's small second part, which is finite
 // wherever x is. (On a NaN this may give an infinity or zero: the first part carries the NaN.)
 SPINDLE_HOST_DEVICE inline uint32_t tf32_bits_finite(float x) {
-  return (float_bits(x) + 0x1000u) & 0xffffe000u;
+  return (bits_as<uint32_t>(x) + 0x1000u) & 0xffffe000u;
 }
 
 // x = hi + lo as TF32 bit patterns: hi is x truncated to TF32 (NaN and infinities stay what they
@@ -49,11 +47,11 @@ SPINDLE_HOST_DEVICE inline uint32_t tf32_bits_finite(float x) {
 // |x|). A 3xTF32 product then misses lo * lo and the rounding of each lo, at most about 2^-19 of
 // |x y| (2^-21 with hi rounded to nearest, at two more instructions per value).
 SPINDLE_HOST_DEVICE inline void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = float_bits(x) & 0xffffe000u;
+  hi = bits_as<uint32_t>(x) & 0xffffe000u;
 #if defined(__CUDA_ARCH__)
   lo = tf32_bits_finite(__fsub_rn(x, __uint_as_float(hi)));
 #else
-  lo = tf32_bits_finite(x - bits_float(hi));
+  lo = tf32_bits_finite(x - bits_as<float>(hi));
 #endif
 }
 
