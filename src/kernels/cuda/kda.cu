@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(kThreads)
     // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
     float ku[2][4];
     kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);
-    const float decay[2] = {exp2_ftz(stage[kOffStageGlast + i0 + g]),
-                            exp2_ftz(stage[kOffStageGlast + i0 + g + 8])};
+    float decay[2];
+    kda_state_row_decays(stage + kOffStageGlast, i0, decay);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll

@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(kThreads)
     // dS = diag(exp G_last) dS' - W^T X + Z.
     float wx[2][4];
     kda_columns_times_chunk(wx, stage, Xhi, Xlo, i0);
-    const float decay[2] = {exp2_ftz(stage[kOffStageGlast + i0 + g]),
-                            exp2_ftz(stage[kOffStageGlast + i0 + g + 8])};
+    float decay[2];
+    kda_state_row_decays(stage + kOffStageGlast, i0, decay);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -561,21 +561,12 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i];
-        float ra, rq;
-        if (diagonal_mma) {
-          const float f = exp2_ftz(Gt - Gs[mid * kQp + i]);
-          ra = row_a[nt][e] * f;
-          rq = row_q[nt][e] * f;
-        } else {
-          const float f = exp2_ftz(Gt - Gs[r * kQp + i]);
-          ra = row_a[nt][e] * f;
-          rq = row_q[nt][e] * f;
-          for (int s2 = r; s2 <= t; ++s2) {
-            const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
-            ra = fmaf(dA[t * kAp + s2], w, ra);
-            rq = fmaf(dAq[t * kAp + s2], w, rq);
-          }
+        const float Gt = Gs[t * kQp + i], f = exp2_ftz(Gt - Gs[(diagonal_mma ? mid : r) * kQp + i]);
+        float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
+        for (int s2 = r; !diagonal_mma && s2 <= t; ++s2) {
+          const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
+          ra = fmaf(dA[t * kAp + s2], w, ra);
+          rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
         const float E = exp2_ftz(Gt);
         acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
@@ -627,21 +618,12 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
-        const float Gt = Gs[x];
-        float ca, cq;
-        if (diagonal_mma) {
-          const float f = exp2_ftz(Gs[mid * kQp + i] - Gt);
-          ca = col_a[nt][e] * f;
-          cq = col_q[nt][e] * f;
-        } else {
-          const float f = exp2_ftz(Gs[r * kQp + i] - Gt);
-          ca = col_a[nt][e] * f;
-          cq = col_q[nt][e] * f;
-          for (int s2 = t; s2 <= r; ++s2) {
-            const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
-            ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
-            cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
-          }
+        const float Gt = Gs[x], f = exp2_ftz(Gs[(diagonal_mma ? mid : r) * kQp + i] - Gt);
+        float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
+        for (int s2 = t; !diagonal_mma && s2 <= r; ++s2) {
+          const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
+          ca = fmaf(dA[s2 * kAp + t] * w, Ks[s2 * kQp + i], ca);
+          cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
         }
         const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
         const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];

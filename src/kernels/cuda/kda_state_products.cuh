@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/kda.h"
+#include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
@@ -28,6 +29,14 @@ constexpr int kKdaSplitStride = 16 + 8;
 // A value's TF32 parts (tf32_split) into the split tiles hi and lo at idx.
 __device__ __forceinline__ void store_tf32_split(uint32_t* hi, uint32_t* lo, int idx, float x) {
   tf32_split(x, hi[idx], lo[idx]);
+}
+
+// exp(G_last) of the warp's state rows i0 + g and i0 + g + 8, by which each chunk decays them
+// (glast: the chunk's G_last [kKdaMaxDim], log2 domain).
+__device__ __forceinline__ void kda_state_row_decays(const float* glast, int i0, float (&decay)[2]) {
+  const int g = threadIdx.x % 32 / 4;
+  decay[0] = exp2_ftz(glast[i0 + g]);
+  decay[1] = exp2_ftz(glast[i0 + g + 8]);
 }
 
 // out (the C fragment of a 16 x 8 tile: rows m0 + g, m0 + g + 8, columns n0 + 2c, + 1) = A[m0 .. m0

@@ -112,7 +112,7 @@ struct Tf32Frag {
     if constexpr (kSplit) {
       tf32_split(x, hi[e], lo[e]);
     } else {
-      hi[e] = __float_as_uint(x) & 0xffffe000u;
+      hi[e] = tf32_truncated_bits(x);
     }
   }
 };

@@ -42,12 +42,18 @@ SPINDLE_HOST_DEVICE inline uint32_t tf32_bits_finite(float x) {
   return (bits_as<uint32_t>(x) + 0x1000u) & 0xffffe000u;
 }
 
+// The bits of x truncated to TF32 (the low 13 mantissa bits cleared; NaN and infinities stay what
+// they are): one LOP3.
+SPINDLE_HOST_DEVICE inline uint32_t tf32_truncated_bits(float x) {
+  return bits_as<uint32_t>(x) & 0xffffe000u;
+}
+
 // x = hi + lo as TF32 bit patterns: hi is x truncated to TF32 (NaN and infinities stay what they
 // are), lo the rest, x - hi, exact in fp32 (|x - hi| < 2^-10 |x|) and rounded to TF32 (to 2^-21 of
 // |x|). A 3xTF32 product then misses lo * lo and the rounding of each lo, at most about 2^-19 of
 // |x y| (2^-21 with hi rounded to nearest, at two more instructions per value).
 SPINDLE_HOST_DEVICE inline void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = bits_as<uint32_t>(x) & 0xffffe000u;
+  hi = tf32_truncated_bits(x);
 #if defined(__CUDA_ARCH__)
   lo = tf32_bits_finite(__fsub_rn(x, __uint_as_float(hi)));
 #else
