@@ -47,6 +47,9 @@ class DeviceModel {
   // for the same config).
   virtual void download_gradients(ModelWeights& host) = 0;
   virtual void download_weights(ModelWeights& host) = 0;
+  // Replaces the device's gradients with `host`'s (converted): gradients reduced elsewhere, such as
+  // across processes, or the same gradients for two optimizers under test.
+  virtual void upload_gradients(const ModelWeights& host) = 0;
 
   // The optimizer: masters and moments copied from `host`'s slots (frozen slots are skipped by
   // step); step() takes update number `step` (1-based) at `lr`; save() writes the state back

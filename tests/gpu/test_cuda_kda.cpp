@@ -160,7 +160,8 @@ TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
                               {64, 1, 128, 128},
                               {1, 2, 32, 32},
                               {4096, 2, 64, 64},
-                              {333, 2, 128, 40}})
+                              {333, 2, 128, 40},
+                              {700, 2, 8, 8}})  // the tiny model's heads (tests/configs/tiny.json)
     check_against_recurrence(T, H, dk, dv, false);
 }
 

@@ -5,6 +5,7 @@
 // the distance to transformers' fp32 log-probs is printed beside it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -232,18 +233,26 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   init_weights(config, weights, 9);
   std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
   tokens.resize(256);
+  // One backward per step, on the device-optimizer model, its gradients handed to both: the
+  // backward's fp32 atomics vary from run to run, and AdamW turns a near-zero gradient's noise into
+  // a whole step of either sign, which two backward passes would compare instead of the optimizers.
+  auto device_side_model = on_gpu(config, weights), host_side_model = on_gpu(config, weights);
+  host_side_model->set_optimizer_on_host(true);
+  device_side_model->init_optimizer();
+  host_side_model->init_optimizer();
+  ModelWeights grads = zero_gradients(config, DType::F32);
+  for (int64_t step = 1; step <= 3; ++step) {
+    device_side_model->zero_gradients();
+    device_side_model->loss_and_gradients(tokens, {});
+    device_side_model->download_gradients(grads);
+    host_side_model->upload_gradients(grads);
+    device_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
+    host_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
+  }
   std::vector<ModelWeights> after;
-  for (const bool on_host : {false, true}) {
-    auto device = on_gpu(config, weights);
-    device->set_optimizer_on_host(on_host);
-    device->init_optimizer();
-    for (int64_t step = 1; step <= 3; ++step) {
-      device->zero_gradients();
-      device->loss_and_gradients(tokens, {});
-      device->optimizer_step(AdamWOptions{}, 1e-3, step);
-    }
+  for (auto* model : {device_side_model.get(), host_side_model.get()}) {
     ModelWeights result = allocate_weights(config, DType::F32);
-    device->download_weights(result);
+    model->download_weights(result);
     after.push_back(std::move(result));
   }
   double diff = 0, norm = 0, moved = 0;
@@ -271,7 +280,11 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
 // model: the feed-forward sites' inputs rebuilt by the same deterministic kernels and the layer
 // inputs copied through pinned host memory and back give the same loss, and the same gradients
 // up to the order of the backward's fp32 atomics. Indexer KL and balance loss on, so that every
-// path of the backward runs.
+// path of the backward runs. That order is not always harmless on this small random model: in
+// 12 of 32 comparisons (8 repeats on an H200, keeping every site against itself among them) the
+// gradients differed by 1.357e-3 every time, the others by ~1.5e-7; the first tensors to differ
+// are layer 3's sparse attention's (~1e-4), and the difference grows through the three KDA
+// layers below. A wrong or stale site input changes a layer's gradient outright, far past 1e-2.
 TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
   ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
   config.initializer_range = 0.1;
@@ -285,9 +298,13 @@ TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
   auto device = on_gpu(config, weights);
   std::vector<LossResult> results;
   std::vector<ModelWeights> grads;
-  // Offload twice: the second step reuses the pinned pool.
-  for (const SiteMemory memory : {SiteMemory::KeepSites, SiteMemory::KeepLayerInputs,
-                                  SiteMemory::OffloadLayerInputs, SiteMemory::OffloadLayerInputs}) {
+  // Offload twice: the second step reuses the pinned pool. Keeping every site again last: the
+  // backward repeats itself (no state left from an earlier step, no memory read before written).
+  const std::vector<SiteMemory> runs = {SiteMemory::KeepSites, SiteMemory::KeepLayerInputs,
+                                        SiteMemory::OffloadLayerInputs, SiteMemory::OffloadLayerInputs,
+                                        SiteMemory::KeepSites};
+  const char* names[] = {"keep", "recompute", "offload", "offload, second step", "keep again"};
+  for (const SiteMemory memory : runs) {
     options.site_memory = memory;
     device->zero_gradients();
     results.push_back(device->loss_and_gradients(tokens, options));
@@ -296,24 +313,31 @@ TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
   }
   const auto keep = parameter_table(config, grads[0]);
   for (size_t k = 1; k < results.size(); ++k) {
-    SCOPED_TRACE(k == 1 ? "recompute" : k == 2 ? "offload" : "offload, second step");
+    SCOPED_TRACE(names[k]);
     EXPECT_EQ(results[k].loss, results[0].loss);
     EXPECT_NEAR(results[k].indexer_kl, results[0].indexer_kl, 1e-6 * results[0].indexer_kl);
     EXPECT_EQ(results[k].aux_loss, results[0].aux_loss);
     EXPECT_EQ(results[k].expert_load, results[0].expert_load);
     const auto other = parameter_table(config, grads[k]);
-    double diff = 0, norm = 0;
-    for (size_t i = 0; i < keep.size(); ++i)
+    double diff = 0, norm = 0, worst = -1;
+    std::string worst_name;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      double tensor_diff = 0, tensor_norm = 0;
       for (int64_t j = 0; j < keep[i].tensor.numel(); ++j) {
         const double a = keep[i].tensor.item_as_double(j), b = other[i].tensor.item_as_double(j);
         ASSERT_TRUE(std::isfinite(b)) << other[i].name << " element " << j;
-        diff += (a - b) * (a - b);
-        norm += a * a;
+        tensor_diff += (a - b) * (a - b);
+        tensor_norm += a * a;
       }
-    std::printf("site memory %zu: loss %.7f, gradient |diff| / |keep| %.3e\n", k, results[k].loss,
-                std::sqrt(diff / norm));
+      diff += tensor_diff;
+      norm += tensor_norm;
+      const double relative = std::sqrt(tensor_diff / std::max(tensor_norm, 1e-300));
+      if (relative > worst) worst = relative, worst_name = keep[i].name;
+    }
+    std::printf("%s: loss %.7f, gradient |diff| / |keep| %.3e, worst tensor %s %.3e\n", names[k],
+                results[k].loss, std::sqrt(diff / norm), worst_name.c_str(), worst);
     EXPECT_GT(norm, 0.0);
-    EXPECT_LT(std::sqrt(diff / norm), 1e-4);
+    EXPECT_LT(std::sqrt(diff / norm), 1e-2);
   }
 }
 

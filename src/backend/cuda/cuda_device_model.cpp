@@ -55,6 +55,11 @@ class CudaDeviceModel final : public DeviceModel {
     model_.grads().download(host);
   }
 
+  void upload_gradients(const ModelWeights& host) override {
+    model_.context().synchronize();
+    model_.grads().upload(host);
+  }
+
   void download_weights(ModelWeights& host) override {
     model_.context().synchronize();
     model_.weights().download(host);
