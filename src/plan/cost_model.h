@@ -36,12 +36,12 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 10.6% of peak (counted as 5 passes,
+  // "Step time"): model FLOPs without the indexer's scores at 10.7% of peak (counted as 5 passes,
   // see kCalibrationPasses; 128k stream 16k 16.4-17.2 s at d046467, 1M stream 16k + host AdamW
-  // 150.8-151.3 s at 454ec3e and 150.0 s at d046467, the KDA matrices kept), the indexer's
-  // quadratic scores with their selection, which run once per step, at 33% (the wgmma scorer and
+  // 150.8-151.3 s at 454ec3e, 150.0 s at d046467 and 148.0 s at 79f708c, the KDA matrices kept), the
+  // indexer's quadratic scores with their selection, which run once per step, at 33% (the wgmma scorer and
   // the three-read top-k: 9.5 s per run at 1M, 2.3 s at 512k, commit c7cacc5).
-  double mfu = 0.106;
+  double mfu = 0.107;
   double indexer_mfu = 0.33;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
@@ -57,9 +57,9 @@ struct Hardware {
   double launch_seconds = 5e-6;  // one kernel launch
   // A KDA layer's intra-chunk matrices computed once more in its backward (Policy::kda_matrices_again),
   // per token and head (dk = dv = 128): build/bench_kda at 16,384 tokens and 16 heads, H200,
-  // 2026-12-02, d046467: backward 6.69 -> 6.20 ms with the matrices kept, the forward that keeps
-  // them 0.03-0.04 ms longer.
-  double kda_matrices_seconds_per_token_head = 0.46e-3 / (16384.0 * 16);
+  // 2026-12-02, 79f708c: backward 5.56 -> 5.07 ms with the matrices kept, the forward that keeps
+  // them 0.04 ms longer.
+  double kda_matrices_seconds_per_token_head = 0.45e-3 / (16384.0 * 16);
 };
 
 struct StepTime {

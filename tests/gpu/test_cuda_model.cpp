@@ -272,8 +272,9 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   std::printf("host vs device AdamW after 3 steps: |diff| %.3e, |update| %.3e, |w| %.3e\n", std::sqrt(diff),
               std::sqrt(moved), std::sqrt(norm));
   EXPECT_GT(moved, 0.0) << "the optimizer did not move the weights";
-  // Each weight may differ by one bf16 rounding of the same value: far below the update itself.
-  EXPECT_LT(std::sqrt(diff), 0.05 * std::sqrt(moved));
+  // Each weight may differ by one bf16 rounding of the same value: far below the update itself
+  // (measured on an H200: 7.3e-8 to 7.7e-8 against an update of 0.52).
+  EXPECT_LT(std::sqrt(diff), 1e-4 * std::sqrt(moved));
 }
 
 // Recompute and offload (LossOptions::site_memory) against keeping every site, on one device
