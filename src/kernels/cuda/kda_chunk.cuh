@@ -130,39 +130,23 @@ __device__ inline void offdiag_block_index(int p, int& a, int& b) {
   b = p - a * (a - 1) / 2;
 }
 
-// Whether the diagonal 16 x 16 blocks take their mma form (kda.h, kKdaHalfDecayBound): G ([kC,
-// stride], log2 domain) falls by at most the bound over each half of every sub-chunk, in every
-// channel. One (sub-chunk, channel) per thread, kC / 16 * kKdaMaxDim threads; a barrier.
-__device__ inline bool diagonal_blocks_on_mma(const float* G, int stride) {
-  const int a = 16 * (threadIdx.x / static_cast<int>(kKdaMaxDim)),
-            i = threadIdx.x % static_cast<int>(kKdaMaxDim);
-  const float first = G[a * stride + i] - G[(a + 8) * stride + i],
-              second = G[(a + 8) * stride + i] - G[(a + 15) * stride + i];
-  return __syncthreads_or(!(fmaxf(first, second) <= kKdaHalfDecayBound)) == 0;
-}
-
-// One warp: the 16 x 16 block (a, b), b <= a, of A and Aq on the tensor cores, a plain product
-// over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r - G_s) through a reference
-// token r. Below the diagonal (b < a), r = 16 a, the first token of t's sub-chunk: s < r <= t for
-// every pair, both factors <= 1 (nothing overflows, however strong the decay; a factor that
-// underflows belongs to a pair that decays to nothing anyway). On it (b = a, where
-// diagonal_blocks_on_mma said so), r is the block's middle token: one factor may exceed 1, by at
-// most 2^kKdaHalfDecayBound, and the pairs s > t (or s = t for A), whose products may overflow,
-// are not kept. The tiles are zero past token n and channel dk; the clamps at 0 below the diagonal
-// only matter there.
-__device__ inline void block_matrices(const ChunkPrepTiles& m, int a, int b, int n, int dk) {
+// One warp: the off-diagonal 16 x 16 block (a, b), b < a, of A and Aq on the tensor cores. With
+// the reference r = 16 a, the first token of t's sub-chunk, s < r <= t for every pair, so
+// exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with both factors <= 1 (nothing overflows, however
+// strong the decay; a factor that underflows belongs to a pair that decays to nothing anyway), and
+// the block is a plain product over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r -
+// G_s). The tiles are zero past token n and channel dk; the clamps at 0 only matter there.
+__device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, int n, int dk) {
   constexpr int S = ChunkPrepTiles::kStride, B = ChunkPrepTiles::kSub, C = ChunkPrepTiles::kAStride;
-  const bool diagonal = a == b;
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r = B * a + (diagonal ? B / 2 : 0);
-  const auto factor = [&](float d) { return exp2_ftz(diagonal ? d : fminf(d, 0.0f)); };
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r = B * a;
   float acc_a[2][4] = {}, acc_q[2][4] = {};
   for (int i0 = 0; i0 < dk; i0 += 8) {
     const float gr[2] = {m.Gs[r * S + i0 + c], m.Gs[r * S + i0 + c + 4]};  // columns c and c + 4
     KdaFragA ka, qa;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int x = (B * a + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
-      const float f = factor(m.Gs[x] - gr[e >> 1]);
+      const int x = (r + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
+      const float f = exp2_ftz(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
       ka.set(e, m.ks[x] * f);
       qa.set(e, m.qs[x] * f);
     }
@@ -172,7 +156,7 @@ __device__ inline void block_matrices(const ChunkPrepTiles& m, int a, int b, int
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int x = (B * b + 8 * nt + g) * S + i0 + c + 4 * e;
-        kb.set(e, m.ks[x] * factor(gr[e] - m.Gs[x]));
+        kb.set(e, m.ks[x] * exp2_ftz(fminf(gr[e] - m.Gs[x], 0.0f)));
       }
       mma_tf32(acc_a[nt], ka, kb);
       mma_tf32(acc_q[nt], qa, kb);
@@ -182,15 +166,14 @@ __device__ inline void block_matrices(const ChunkPrepTiles& m, int a, int b, int
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = B * a + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
-      m.As[t * C + s] = t < n && (!diagonal || s < t) ? acc_a[nt][e] : 0.0f;
-      m.Aqs[t * C + s] = t < n && (!diagonal || s <= t) ? acc_q[nt][e] : 0.0f;
+      const int t = r + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
+      m.As[t * C + s] = t < n ? acc_a[nt][e] : 0.0f;
+      m.Aqs[t * C + s] = t < n ? acc_q[nt][e] : 0.0f;
     }
 }
 
-// One of the 320 tasks of the diagonal 16 x 16 blocks of A and Aq past kKdaHalfDecayBound, where
-// no reference token keeps both factors in range: exp(G_t - G_s) per element, in fp32 on the CUDA
-// cores. Task = (block a,
+// One of the 320 tasks of the diagonal 16 x 16 blocks of A and Aq, where no reference token lies
+// between every s and t: exp(G_t - G_s) per element, in fp32 on the CUDA cores. Task = (block a,
 // one of its 10 lower 4 x 4 tiles of (t, s), channel slice sl: channels sl, sl + 8, ..); the 8
 // slices of a tile are adjacent lanes, summed by shuffles. A 4 x 4 tile loads 20 values per
 // channel for 16 pairs. All 32 lanes of the warp must call it.
@@ -249,24 +232,19 @@ __device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, i
 //   Aq[t][s] likewise with q_t, s <= t (row stride kAStride),
 //   Tinv = (I + diag(beta) A)^-1, unit lower (row stride kKdaSolveStride),
 // all zero past token n. By 16 x 16 blocks of sub-chunks: the 6 below the diagonal on the tensor
-// cores (warps 0-5, block_matrices), the 4 on it too (warps 6-9) where diagonal_blocks_on_mma says
-// so, else element by element (warps 6-15, diag_matrices). kKdaPrepThreads threads, q, k and G
-// loaded; ends with a barrier.
+// cores (warps 0-5, offdiag_matrices), the 4 on it element by element (warps 6-15, diag_matrices).
+// Exponents are differences <= 0 (G only falls along the chunk). kKdaPrepThreads threads; ends
+// with a barrier.
 __device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
   constexpr int C = ChunkPrepTiles::kC, B = ChunkPrepTiles::kSub, T = kKdaSolveStride;
   constexpr int AS = ChunkPrepTiles::kAStride;
   constexpr int kMmaWarps = ChunkPrepTiles::kOffDiag, kDiagTasks = ChunkPrepTiles::kSubs * 10 * 8;
   static_assert(kMmaWarps * 32 + kDiagTasks == kKdaPrepThreads, "one block or diagonal task per thread");
-  static_assert(kKdaPrepThreads == ChunkPrepTiles::kSubs * kKdaMaxDim, "diagonal_blocks_on_mma's threads");
   const int tid = threadIdx.x, warp = tid / 32;
-  const bool diagonal_mma = diagonal_blocks_on_mma(m.Gs, ChunkPrepTiles::kStride);
   if (warp < kMmaWarps) {
     int a, b;
     offdiag_block_index(warp, a, b);
-    block_matrices(m, a, b, n, dk);
-  } else if (diagonal_mma) {
-    if (warp < kMmaWarps + ChunkPrepTiles::kSubs)
-      block_matrices(m, warp - kMmaWarps, warp - kMmaWarps, n, dk);
+    offdiag_matrices(m, a, b, n, dk);
   } else {
     diag_matrices(m, tid - 32 * kMmaWarps, n, dk);
   }
