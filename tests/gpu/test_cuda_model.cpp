@@ -255,7 +255,12 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
     model->download_weights(result);
     after.push_back(std::move(result));
   }
+  // The same updates, rounded to bf16 weights from fp32 masters on the device and double ones on
+  // the host: a weight whose update lands next to a bf16 rounding boundary may round the other
+  // way (measured on an H200: none in some runs, one weight off by 2.4e-4 in another), by one bf16
+  // step at most (2^-7 of it), and only a few of them; a wrong update moves most weights.
   double diff = 0, norm = 0, moved = 0;
+  int64_t weights_total = 0, differing = 0, beyond_one_step = 0;
   const auto device_side = parameter_table(config, after[0]), host_side = parameter_table(config, after[1]),
              start = parameter_table(config, weights);
   for (size_t i = 0; i < device_side.size(); ++i) {
@@ -267,14 +272,21 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
       diff += double(a[j] - b[j]) * (a[j] - b[j]);
       norm += double(a[j]) * a[j];
       moved += double(a[j] - w0[j]) * (a[j] - w0[j]);
+      // (fp32 parameters differ by their rounding of the same update: far under 2^-16.)
+      const float gap = std::fabs(a[j] - b[j]), size = std::max(std::fabs(a[j]), std::fabs(b[j]));
+      ++weights_total;
+      if (gap > 0x1p-16f * size) ++differing;
+      if (gap > 0x1p-7f * size) ++beyond_one_step;
     }
   }
-  std::printf("host vs device AdamW after 3 steps: |diff| %.3e, |update| %.3e, |w| %.3e\n", std::sqrt(diff),
-              std::sqrt(moved), std::sqrt(norm));
+  std::printf(
+      "host vs device AdamW after 3 steps: |diff| %.3e, |update| %.3e, |w| %.3e; %lld of %lld weights "
+      "differ\n",
+      std::sqrt(diff), std::sqrt(moved), std::sqrt(norm), static_cast<long long>(differing),
+      static_cast<long long>(weights_total));
   EXPECT_GT(moved, 0.0) << "the optimizer did not move the weights";
-  // Each weight may differ by one bf16 rounding of the same value: far below the update itself
-  // (measured on an H200: 7.3e-8 to 7.7e-8 against an update of 0.52).
-  EXPECT_LT(std::sqrt(diff), 1e-4 * std::sqrt(moved));
+  EXPECT_EQ(beyond_one_step, 0) << "weights that differ by more than one bf16 step";
+  EXPECT_LE(differing, weights_total / 1000) << "weights that differ";
 }
 
 // Recompute and offload (LossOptions::site_memory) against keeping every site, on one device
