@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/register.h"
@@ -313,12 +314,13 @@ TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
   std::vector<ModelWeights> grads;
   // Offload twice: the second step reuses the pinned pool. Keeping every site again last: the
   // backward repeats itself (no state left from an earlier step, no memory read before written).
-  const std::vector<SiteMemory> runs = {SiteMemory::KeepSites, SiteMemory::KeepLayerInputs,
-                                        SiteMemory::OffloadLayerInputs, SiteMemory::OffloadLayerInputs,
-                                        SiteMemory::KeepSites};
-  const char* names[] = {"keep", "recompute", "offload", "offload, second step", "keep again"};
-  for (const SiteMemory memory : runs) {
-    options.site_memory = memory;
+  const std::pair<SiteMemory, const char*> runs[] = {{SiteMemory::KeepSites, "keep"},
+                                                     {SiteMemory::KeepLayerInputs, "recompute"},
+                                                     {SiteMemory::OffloadLayerInputs, "offload"},
+                                                     {SiteMemory::OffloadLayerInputs, "offload, second step"},
+                                                     {SiteMemory::KeepSites, "keep again"}};
+  for (const auto& run : runs) {
+    options.site_memory = run.first;
     device->zero_gradients();
     results.push_back(device->loss_and_gradients(tokens, options));
     grads.push_back(zero_gradients(config, DType::F32));
@@ -326,7 +328,8 @@ TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
   }
   const auto keep = parameter_table(config, grads[0]);
   for (size_t k = 1; k < results.size(); ++k) {
-    SCOPED_TRACE(names[k]);
+    const char* name = runs[k].second;
+    SCOPED_TRACE(name);
     EXPECT_EQ(results[k].loss, results[0].loss);
     EXPECT_NEAR(results[k].indexer_kl, results[0].indexer_kl, 1e-6 * results[0].indexer_kl);
     EXPECT_EQ(results[k].aux_loss, results[0].aux_loss);
@@ -347,8 +350,8 @@ TEST(CudaModel, RecomputeAndOffloadMatchKeepingEverySite) {
       const double relative = std::sqrt(tensor_diff / std::max(tensor_norm, 1e-300));
       if (relative > worst) worst = relative, worst_name = keep[i].name;
     }
-    std::printf("%s: loss %.7f, gradient |diff| / |keep| %.3e, worst tensor %s %.3e\n", names[k],
-                results[k].loss, std::sqrt(diff / norm), worst_name.c_str(), worst);
+    std::printf("%s: loss %.7f, gradient |diff| / |keep| %.3e, worst tensor %s %.3e\n", name, results[k].loss,
+                std::sqrt(diff / norm), worst_name.c_str(), worst);
     EXPECT_GT(norm, 0.0);
     EXPECT_LT(std::sqrt(diff / norm), 1e-2);
   }

@@ -288,8 +288,9 @@ size_t grad_smem_floats() {
 // warp blocks: the rows (t the later token) below t's sub-chunk through its
 // first token r, exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), the columns (t
 // the earlier token) past it through its last, both factors
-// <= 1, so each is one mma; within the sub-chunk element by element. dq, dk, dG
-// from the registers, and dg by the reverse prefix sum.
+// <= 1, so each is one mma; within the sub-chunk two more mma against its middle
+// token where the decays allow (kKdaHalfDecayBound), else element by element. dq,
+// dk, dG from the registers, and dg by the reverse prefix sum.
 __global__ void __launch_bounds__(kGradThreads, 1)
     kda_bwd_grad_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
