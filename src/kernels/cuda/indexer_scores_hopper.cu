@@ -15,11 +15,12 @@ namespace {
 
 constexpr int kGroups = 2, kThreads = 128 * kGroups;
 constexpr int kGroupQueries = 8, kQueries = kGroups * kGroupQueries;
-constexpr int kSlots = 32;  // head slots per query: N = 8 x 32 = 256
+constexpr int kSlots = 32;  // head slots per query
 constexpr int kPools = 64;  // pools per tile: M
+// A warpgroup multiplies its queries in two halves, N = 4 x 32 = 128 each, so that the first
+// half's epilogue runs while the second half's products do.
+constexpr int kHalfQueries = kGroupQueries / 2;
 constexpr int kStages = 3;
-constexpr int kOutStride = kPools + 8;  // a row per query; 8 floats apart: the 4 query rows a store
-                                        // touches land in distinct banks
 
 struct Args {
   const __nv_bfloat16* q;
@@ -35,7 +36,7 @@ struct Args {
 struct Layout {
   uint32_t q_bytes;     // one warpgroup's q, [256][head_dim] bf16
   uint32_t tile_bytes;  // one key tile, [64][head_dim] bf16
-  uint32_t keys, weights, out, total;
+  uint32_t keys, weights, total;
 };
 
 __host__ __device__ constexpr Layout layout(int head_dim) {
@@ -44,8 +45,7 @@ __host__ __device__ constexpr Layout layout(int head_dim) {
   l.tile_bytes = static_cast<uint32_t>(kPools * head_dim * 2);
   l.keys = kGroups * l.q_bytes;
   l.weights = l.keys + kStages * l.tile_bytes;
-  l.out = l.weights + kQueries * kSlots * 4;
-  l.total = l.out + kGroups * kGroupQueries * kOutStride * 4;
+  l.total = l.weights + kQueries * kSlots * 4;
   return l;
 }
 
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   // Through a shuffle, so that the compiler sees them uniform and does not serialise the wgmma.
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
             warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
-  const int tid = threadIdx.x, wt = tid % 128, lane = tid % 32, c = lane % 4;
+  const int tid = threadIdx.x, lane = tid % 32, c = lane % 4;
 
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kQueries;  // the CTA's first row, < rows
   const int64_t last = min(a.rows, q0 + kQueries) - 1;
@@ -99,41 +99,37 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   if (mine > 1) load_keys(1);
   copy_commit();
 
-  const uint32_t q_address = shared_address(shared) + group * L.q_bytes, keys_address = shared_address(keys);
+  const uint32_t keys_address = shared_address(keys);
   constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
+  // The warpgroup's two halves of q: 128 rows (16 groups of 8) each.
+  const uint32_t q_half[2] = {shared_address(shared) + group * L.q_bytes,
+                              shared_address(shared) + group * L.q_bytes + 16 * kGroupBytes};
   const float2* group_weights = reinterpret_cast<const float2*>(weights) + group * kGroupQueries * kSlots / 2;
-  float* out = reinterpret_cast<float*>(shared + L.out) + group * kGroupQueries * kOutStride;
-  float acc[128] = {};
-  for (int64_t i = 0; i < mine; ++i) {
-    copy_wait<1>();  // tile i (and q) landed for this thread
-    fence_async_shared();
-    __syncthreads();  // ... for every thread; stage (i + 2) % 3 was last read for tile i - 1
-    if (i + 2 < mine) load_keys(i + 2);
-    copy_commit();  // possibly empty: the group count stays uniform
-
-    // scores^T [64 pools, 8 queries x 32 heads] = K Q^T over head_dim.
+  // scores^T [64 pools, 4 queries x 32 heads] = K Q^T over head_dim for one half, asynchronous.
+  const auto issue = [&](float(&acc)[64], int64_t i, int half) {
     const uint32_t tile_address = keys_address + (i % kStages) * L.tile_bytes;
 #pragma unroll
-    for (int j = 0; j < 128; ++j) wgmma_hold(acc[j]);
+    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < KSteps; ++k)
-      wgmma_m64n256k16(acc, wgmma_descriptor(tile_address + k * 256, 128, kGroupBytes),
-                       wgmma_descriptor(q_address + k * 256, 128, kGroupBytes), k > 0);
+      wgmma_m64n128k16(acc, wgmma_descriptor(tile_address + k * 256, 128, kGroupBytes),
+                       wgmma_descriptor(q_half[half] + k * 256, 128, kGroupBytes), k > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  // The scores of a finished half (tile i): per pool row (16 warp + lane / 4 + 8 h) and query, its
+  // heads 8 jj + 2 c + e of this thread, relu times weight in explicit FMAs (one rounding path for
+  // every pool), then added across the 4 lanes of the row.
+  const auto store = [&](float(&acc)[64], int64_t i, int half) {
 #pragma unroll
-    for (int j = 0; j < 128; ++j) wgmma_hold(acc[j]);
-
-    // Per pool row (16 warp + lane / 4 + 8 h) and query: its heads 8 jj + 2 c + e of this thread,
-    // relu times weight, in explicit FMAs (one rounding path for every pool).
-    float part[16];  // [h][query]
+    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    float part[2 * kHalfQueries];  // [h][query]
 #pragma unroll
-    for (int query = 0; query < kGroupQueries; ++query) {
+    for (int query = 0; query < kHalfQueries; ++query) {
       float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const float2 w = group_weights[query * kSlots / 2 + 4 * jj + c];
+        const float2 w = group_weights[(kHalfQueries * half + query) * kSlots / 2 + 4 * jj + c];
         const float* d = acc + 4 * (4 * query + jj);
         s0 = __fmaf_rn(w.x, fmaxf(d[0], 0.0f), s0);
         s0 = __fmaf_rn(w.y, fmaxf(d[1], 0.0f), s0);
@@ -141,32 +137,44 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
         s1 = __fmaf_rn(w.y, fmaxf(d[3], 0.0f), s1);
       }
       part[query] = s0;
-      part[kGroupQueries + query] = s1;
+      part[kHalfQueries + query] = s1;
     }
-    // Across the 4 lanes of a row: after the two steps lane c holds the sums f = 4 m + c.
+    // Two butterfly steps: lane c ends with the sums f = 4 m + c, query c of pool row h = m.
     const bool b0 = (c & 1) != 0, b1 = (c & 2) != 0;
-    float half[8], sum[4];
+    float pair[kHalfQueries], sum[2];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < kHalfQueries; ++k) {
       const float send = b0 ? part[2 * k] : part[2 * k + 1], keep = b0 ? part[2 * k + 1] : part[2 * k];
-      half[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+      pair[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
     }
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const float send = b1 ? half[2 * m] : half[2 * m + 1], keep = b1 ? half[2 * m + 1] : half[2 * m];
+    for (int m = 0; m < 2; ++m) {
+      const float send = b1 ? pair[2 * m] : pair[2 * m + 1], keep = b1 ? pair[2 * m + 1] : pair[2 * m];
       sum[m] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
     }
+    // A warp's store covers 8 consecutive pools of 4 queries: whole 32-byte sectors.
+    const int64_t row = q0 + kGroupQueries * group + kHalfQueries * half + c;
+    const int64_t pool = (blockIdx.y + i * gridDim.y) * kPools + 16 * warp + lane / 4;
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
-      out[(4 * (m % 2) + c) * kOutStride + 16 * warp + lane / 4 + 8 * (m / 2)] = sum[m];
-    warpgroup_barrier(group);
-    const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
-#pragma unroll
-    for (int k = 0; k < kGroupQueries / 2; ++k) {
-      const int query = 2 * k + wt / kPools, column = wt % kPools;
-      const int64_t row = q0 + kGroupQueries * group + query, pool = p0 + column;
-      if (row < a.rows && pool < a.pools) a.scores[row * a.pools + pool] = out[query * kOutStride + column];
-    }
+    for (int m = 0; m < 2; ++m)
+      if (row < a.rows && pool + 8 * m < a.pools) a.scores[row * a.pools + pool + 8 * m] = sum[m];
+  };
+
+  // Both halves' products are queued at once; the first half's scores are folded and stored while
+  // the second's products run (their wgmma groups complete in order).
+  float acc0[64] = {}, acc1[64] = {};
+  for (int64_t i = 0; i < mine; ++i) {
+    copy_wait<1>();  // tile i (and q) landed for this thread
+    fence_async_shared();
+    __syncthreads();  // ... for every thread; stage (i + 2) % 3 was last read for tile i - 1
+    if (i + 2 < mine) load_keys(i + 2);
+    copy_commit();  // possibly empty: the group count stays uniform
+    issue(acc0, i, 0);
+    issue(acc1, i, 1);
+    wgmma_wait<1>();
+    store(acc0, i, 0);
+    wgmma_wait<0>();
+    store(acc1, i, 1);
   }
 }
 
