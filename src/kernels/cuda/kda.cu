@@ -2,9 +2,9 @@
 // (kda_chunk.cuh, kda_state_products.cuh).
 //
 // Forward, per segment of up to kKdaSegmentChunks chunks, three launches:
-//   1. prep, grid chunks x heads: per chunk the prefix sums G_t = sum_{s<=t} g_s, the matrices
-//      A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq likewise with q_t (s <= t),
-//      Tinv = (I + diag(beta) A)^-1 by forward substitution, and the chunk's WY form
+//   1. prep, grid chunks x heads, two CTAs per SM: per chunk the prefix sums G_t = sum_{s<=t} g_s,
+//      the matrices A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i (s < t) and Aq likewise with
+//      q_t (s <= t), Tinv = (I + diag(beta) A)^-1 by forward substitution, and the chunk's WY form
 //      W = Tinv diag(beta) exp(G) k, U0 = Tinv diag(beta) v, Kb = exp(G_last - G) k, G_last;
 //   2. state pass, grid heads x value tiles of 16 (the recurrence is independent per value
 //      column: S's column j sees only v[:, j]): the [dk, 16] state tile walks the chunks in
@@ -47,13 +47,25 @@ constexpr int kOffW = kC * kC, kOffKb = kOffW + kC * kMaxDim, kOffU = kOffKb + k
 static_assert(kOffGlast + kMaxDim == kKdaForwardBlockFloats, "kda.h's block size matches this layout");
 constexpr int kKp = ChunkPrepTiles::kStride;  // row stride of [C, dk] tiles: conflict-free column walks
 
-size_t prep_smem_bytes() { return sizeof(float) * ChunkPrepTiles::floats(); }
+// The prep's shared memory: q and k as bf16 (exact, they are bf16 inputs; the products read them
+// as fp32), Aq straight into the workspace block instead of a tile of its own: 111 KB, and 256
+// threads of at most 128 registers, so that two CTAs share an SM (one CTA of 16 warps left 47% of
+// cycles with no warp to issue: docs/KDA.md). Once chunk_prep is done, v [C, kVs] takes q's and
+// k's tiles (8 mod 32 words: U0 reads it as the mma's B operand).
+using FwdPrepTiles = KdaPrepTiles<__nv_bfloat16, false, kThreads>;
+constexpr int kVs = 2 * FwdPrepTiles::kQkFloats / kC;
+static_assert(kVs * kC == 2 * FwdPrepTiles::kQkFloats && kVs >= kMaxDim, "v fits where q and k were");
+constexpr size_t kPrepSmemBytes = sizeof(float) * FwdPrepTiles::floats();
+static_assert(2 * (kPrepSmemBytes + 1024) <= 228 * 1024, "two preps per sm_90 SM (1 KB reserved per CTA)");
+size_t prep_smem_bytes() { return kPrepSmemBytes; }
 
 // Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block, and its A, Aq and Tinv into
 // `kept` (the segment's part of kept_matrices, kda.h) if not null. With Tinv = (I + diag(beta)
 // A)^-1, W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
 // substitution in the sequential pass; Kb = exp(G_last - G) k carries u into the next state.
-__global__ void __launch_bounds__(kKdaPrepThreads, 1)
+// Every element's arithmetic is that of the backward's prep (fp32 q and k tiles, 512 threads), so
+// A, Aq and Tinv (kept) and W and Kb are bit for bit its; only threads and operands' places differ.
+__global__ void __launch_bounds__(kThreads, 2)
     kda_fwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, float* __restrict__ blocks, float* __restrict__ kept,
@@ -62,35 +74,37 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  const ChunkPrepTiles m(smem);  // q's tile takes v once A and Aq are done
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* block = blocks + chunk_head * kKdaForwardBlockFloats;
-  PrefetchedChunk vv;  // in flight while the matrices are computed
+  const FwdPrepTiles m(smem, block);     // Aq: the block's first [C, C]
+  PrefetchedRows<kMaxDim, kThreads> vv;  // in flight while the matrices are computed
   vv.load(v, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
-             [&](const ChunkPrepTiles& tiles) {
-               for (int idx = tid; idx < kC * kC; idx += kKdaPrepThreads)
-                 block[idx] = tiles.Aqs[idx / kC * ChunkPrepTiles::kAStride + idx % kC];
+             [&](const FwdPrepTiles& tiles) {
                if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
              });
-  vv.store(m.qs, kKp);  // v over q's tile (the products read whole tiles)
+  float* vs = smem;
+  vv.store(vs, kVs);
   __syncthreads();
-  // W = Tinv' exp(G) k and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the tensor cores.
-  // Warp w: W (w < 8) or U0, columns 32 (w % 4) .. + 31, m-tiles p and 3 - p (p = w / 4 % 2): as
-  // m-tile mt sums over 16 (mt + 1) tokens, every warp takes 10 steps of 8. Rows past the chunk
+  // W = Tinv' exp(G) k (in G's tile) and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the
+  // tensor cores. Warp w: columns 32 (w % 4) .. + 31 of both, m-tiles p and 3 - p (p = w / 4): as
+  // m-tile mt sums over 16 (mt + 1) tokens, every warp takes 2 x 10 steps of 8. Rows past the chunk
   // and columns past dk / dv come out zero, as the tiles are there.
-  const int warp = tid / 32, lane = tid % 32, p = warp / 4 % 2, n0 = 32 * (warp % 4);
-  const float* X = warp < 8 ? m.ks : m.qs;
-  float* out = block + (warp < 8 ? kOffW : kOffU);
-  for (int half = 0; half < 2; ++half) {
-    const int mt = half == 0 ? p : 3 - p;
-    float acc[4][4] = {};
-    lower_times(acc, m.Ts, kKdaSolveStride, X, kKp, mt, n0);
+  const int warp = tid / 32, lane = tid % 32, p = warp / 4, n0 = 32 * (warp % 4);
+  for (int product = 0; product < 2; ++product) {
+    const float* X = product == 0 ? m.Gs : vs;
+    const int xs = product == 0 ? FwdPrepTiles::kStride : kVs;
+    float* out = block + (product == 0 ? kOffW : kOffU);
+    for (int half = 0; half < 2; ++half) {
+      const int mt = half == 0 ? p : 3 - p;
+      float acc[4][4] = {};
+      lower_times(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int t = 16 * mt + lane / 4, i = n0 + 8 * nt + 2 * (lane % 4);
-      *reinterpret_cast<float2*>(out + t * kMaxDim + i) = make_float2(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<float2*>(out + (t + 8) * kMaxDim + i) = make_float2(acc[nt][2], acc[nt][3]);
+      for (int nt = 0; nt < 4; ++nt) {
+        const int t = 16 * mt + lane / 4, i = n0 + 8 * nt + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(out + t * kMaxDim + i) = make_float2(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<float2*>(out + (t + 8) * kMaxDim + i) = make_float2(acc[nt][2], acc[nt][3]);
+      }
     }
   }
 }
@@ -305,7 +319,7 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
     const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     if (c1 > c0) {
-      kda_fwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_bytes(), stream>>>(
+      kda_fwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_bytes(), stream>>>(
           q, k, v, g, beta, workspace,
           kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaMatrixFloats : nullptr, c0, tokens, H,
           dki, dvi);

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/log2_domain.h"
@@ -33,50 +34,84 @@ __device__ inline void stage_rows(float* dst, int ds, const float* src, int64_t 
 
 // The chunk's k and q (each unless null) as fp32 and its prefix sums G into [C, stride] shared
 // tiles, every column < kKdaMaxDim written (zero past dk; past the chunk k and q are zero and G
-// stays at the last token's), glast [kKdaMaxDim] = G of the last token. P = blockDim.x /
-// kKdaMaxDim threads per channel, each loading its C / P tokens at once, so that all the loads are
-// in flight together; part [P, kKdaMaxDim] is scratch for their partial sums. Ends with a barrier.
+// stays at the last token's), glast [kKdaMaxDim] = G of the last token. Each channel's C tokens in
+// P parts of C / P, each summed by one thread, then offset by the parts before it (part [P,
+// kKdaMaxDim]: scratch for their sums); kThreads threads take P kKdaMaxDim / kThreads parts each,
+// all of a thread's loads in flight at once. G's rounding depends on P, not on kThreads: kernels
+// that must agree bit for bit take the same P. Ends with a barrier.
 // The KDA kernels keep G in the log2 domain (times log2(e)): every decay factor exp(G_t - G_s) in
 // their formulas is one exp2_ftz, and so is the glast they pass to each other.
-template <int P>
+template <int P, int kThreads = static_cast<int>(kKdaMaxDim) * P>
 __device__ inline void load_chunk_batched(const __nv_bfloat16* __restrict__ q,
                                           const __nv_bfloat16* __restrict__ k, const float* __restrict__ g,
                                           int64_t t0, int n, int h, int heads, int dk, int stride, float* qs,
                                           float* ks, float* Gs, float* part, float* glast) {
   constexpr int D = static_cast<int>(kKdaMaxDim), L = static_cast<int>(kKdaChunk) / P;
-  const int i = threadIdx.x % D, p = threadIdx.x / D, tb = p * L;
-  float gv[L], kv[L], qv[L];
+  constexpr int R = P * D / kThreads;  // parts per thread: p, p + kThreads / D, ..
+  static_assert(R * kThreads == P * D, "whole parts per thread");
+  const int i = threadIdx.x % D, p0 = threadIdx.x / D;
+  float gv[R][L], kv[R][L], qv[R][L];
 #pragma unroll
-  for (int r = 0; r < L; ++r) {
-    const bool live = i < dk && tb + r < n;
-    const int64_t src = ((t0 + tb + r) * heads + h) * dk + i;
-    gv[r] = live ? g[src] * kLog2e : 0.0f;
-    kv[r] = live && k != nullptr ? __bfloat162float(k[src]) : 0.0f;
-    qv[r] = live && q != nullptr ? __bfloat162float(q[src]) : 0.0f;
+  for (int j = 0; j < R; ++j) {
+    const int tb = (p0 + kThreads / D * j) * L;
+#pragma unroll
+    for (int r = 0; r < L; ++r) {
+      const bool live = i < dk && tb + r < n;
+      const int64_t src = ((t0 + tb + r) * heads + h) * dk + i;
+      gv[j][r] = live ? g[src] * kLog2e : 0.0f;
+      kv[j][r] = live && k != nullptr ? __bfloat162float(k[src]) : 0.0f;
+      qv[j][r] = live && q != nullptr ? __bfloat162float(q[src]) : 0.0f;
+    }
   }
 #pragma unroll
-  for (int r = 1; r < L; ++r) gv[r] += gv[r - 1];
-  part[p * D + i] = gv[L - 1];
+  for (int j = 0; j < R; ++j) {
+#pragma unroll
+    for (int r = 1; r < L; ++r) gv[j][r] += gv[j][r - 1];
+    part[(p0 + kThreads / D * j) * D + i] = gv[j][L - 1];
+  }
   __syncthreads();
-  float base = 0.0f;
 #pragma unroll
-  for (int pp = 0; pp < P - 1; ++pp)
-    if (pp < p) base += part[pp * D + i];
-  if (p == P - 1) glast[i] = base + gv[L - 1];
+  for (int j = 0; j < R; ++j) {
+    const int p = p0 + kThreads / D * j, tb = p * L;
+    float base = 0.0f;
 #pragma unroll
-  for (int r = 0; r < L; ++r) {
-    Gs[(tb + r) * stride + i] = base + gv[r];
-    if (ks != nullptr) ks[(tb + r) * stride + i] = kv[r];
-    if (qs != nullptr) qs[(tb + r) * stride + i] = qv[r];
+    for (int pp = 0; pp < P - 1; ++pp)
+      if (pp < p) base += part[pp * D + i];
+    if (p == P - 1) glast[i] = base + gv[j][L - 1];
+#pragma unroll
+    for (int r = 0; r < L; ++r) {
+      Gs[(tb + r) * stride + i] = base + gv[j][r];
+      if (ks != nullptr) ks[(tb + r) * stride + i] = kv[j][r];
+      if (qs != nullptr) qs[(tb + r) * stride + i] = qv[j][r];
+    }
   }
   __syncthreads();
 }
 
-constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
+// The chunk's rows of head h in a bf16 [tokens, heads, dk] tensor (q, k) into a [C, stride] bf16
+// tile (16-byte aligned rows), zero past its n tokens and past dk: a copy, so by cp.async (commits
+// nothing; no registers held while the loads are in flight) on pairs of values where dk is even,
+// by plain loads where it is odd.
+__device__ inline void stage_chunk_rows(__nv_bfloat16* dst, int stride, const __nv_bfloat16* src, int64_t t0,
+                                        int n, int h, int heads, int dk) {
+  constexpr int C = static_cast<int>(kKdaChunk), D = static_cast<int>(kKdaMaxDim);
+  const __nv_bfloat16* rows = src + (t0 * heads + h) * dk;
+  const int64_t ss = static_cast<int64_t>(heads) * dk;
+  const bool pairs = dk % 2 == 0;
+  if (pairs)
+    stage_rows(reinterpret_cast<float*>(dst), stride / 2, reinterpret_cast<const float*>(rows), ss / 2, n,
+               dk / 2);
+  for (int p = threadIdx.x; p < C * D; p += blockDim.x) {
+    const int t = p / D, i = p - t * D;
+    if (t >= n || i >= dk) {
+      dst[t * stride + i] = __float2bfloat16(0.0f);
+    } else if (!pairs) {
+      dst[t * stride + i] = rows[t * ss + i];
+    }
+  }
+}
 
-// Threads of both prep kernels: one CTA per SM fits their shared memory, so 16 warps, not 8, hide
-// the latencies of its shared-memory loops. chunk_matrices divides its work for exactly this many.
-constexpr int kKdaPrepThreads = 512;
+constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
 
 // The preps' products on the tensor cores: TF32 mma, as 3xTF32 (each fp32 operand split into two
 // TF32 parts by tf32_split, three mma per product) so that A, Aq, W and U0 keep fp32-level
@@ -85,42 +120,71 @@ constexpr bool kKdaSplitTf32 = true;
 using KdaFragA = Tf32Frag<4, kKdaSplitTf32>;
 using KdaFragB = Tf32Frag<2, kKdaSplitTf32>;
 
-// The prep kernels' shared memory (both preps, kda.cu and kda_backward.cu): q, k and G as [C,
-// kStride] tiles (kStride = 4 mod 32: the mma fragments' rows g and columns c, a row-major [token,
-// channel] tile read as g * kStride + c, fall in 32 distinct banks), A, Aq (row stride kAStride,
-// likewise), Tinv, the Tinv solve's block products, beta and G_last.
-struct ChunkPrepTiles {
+// A q or k tile's value as fp32 (bf16 tiles hold bf16 inputs: exact either way).
+__device__ inline float tile_float(float x) { return x; }
+__device__ inline float tile_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// The parts that both preps sum a chunk's G in (load_chunk_batched; the backward's grad kernel
+// takes as many): whatever their thread counts, their G, and all that follows from it, are bit for
+// bit the same.
+constexpr int kKdaPrepParts = 4;
+
+// A prep kernel's chunk in shared memory (both preps, kda.cu and kda_backward.cu), for kThreadsT
+// threads: q and k as [C, kQkStride] tiles of E, G [C, kStride] (fp32), A [C, kAStride], Tinv, the
+// Tinv solve's block products, beta and G_last; Aq in a [C, kAStride] tile of its own if kAqTile,
+// else in the caller's global [C, C]. Row strides of 4 mod 32 words: the mma fragments' rows g and
+// columns c, a row-major [token, channel] tile read as g * stride + c, fall in distinct banks (in
+// 16 banks for bf16, two columns a word).
+template <class E, bool kAqTile, int kThreadsT>
+struct KdaPrepTiles {
+  static constexpr bool kFp32 = std::is_same_v<E, float>;  // q and k as fp32, else bf16
+  static constexpr int kThreads = kThreadsT;
   static constexpr int kStride = static_cast<int>(kKdaMaxDim) + 4;
+  static constexpr int kQkStride = static_cast<int>(kKdaMaxDim) + 16 / static_cast<int>(sizeof(E));
   static constexpr int kC = static_cast<int>(kKdaChunk);
-  static constexpr int kSub = 16;                           // sub-chunk: one mma's rows
-  static constexpr int kSubs = kC / kSub;                   // sub-chunks per chunk
-  static constexpr int kAStride = kC + 4;                   // A and Aq: mma A operands too
+  static constexpr int kSub = 16;          // sub-chunk: one mma's rows
+  static constexpr int kSubs = kC / kSub;  // sub-chunks per chunk
+  static constexpr int kAStride = kC + 4;  // A and Aq: mma A operands too
+  static constexpr int kAqStride = kAqTile ? kAStride : kC;
   static constexpr int kOffDiag = kSubs * (kSubs - 1) / 2;  // blocks below the diagonal
   static constexpr int kNFloats = kOffDiag * kSub * kSub;   // ns
+  static constexpr int kQkFloats = kC * kQkStride * static_cast<int>(sizeof(E)) / 4;  // q's or k's tile
+  static_assert(kQkFloats * 4 % 16 == 0, "tiles 16-byte aligned");
   static constexpr size_t floats() {
-    return 3 * kC * kStride + 2 * kC * kAStride + kC * kKdaSolveStride + kNFloats + kC +
-           static_cast<int>(kKdaMaxDim);
+    return 2 * kQkFloats + kC * kStride + (kAqTile ? 2 : 1) * kC * kAStride + kC * kKdaSolveStride +
+           kNFloats + kC + static_cast<int>(kKdaMaxDim);
   }
-  explicit __device__ ChunkPrepTiles(float* smem)
-      : qs(smem),
-        ks(qs + kC * kStride),
-        Gs(ks + kC * kStride),
+  // aq: where Aq goes without a tile of its own.
+  explicit __device__ KdaPrepTiles(float* smem, float* aq = nullptr)
+      : qs(reinterpret_cast<E*>(smem)),
+        ks(reinterpret_cast<E*>(smem + kQkFloats)),
+        Gs(smem + 2 * kQkFloats),
         As(Gs + kC * kStride),
-        Aqs(As + kC * kAStride),
-        Ts(Aqs + kC * kAStride),
+        Aqs(kAqTile ? As + kC * kAStride : aq),
+        Ts(As + (kAqTile ? 2 : 1) * kC * kAStride),
         ns(Ts + kC * kKdaSolveStride),
         bt(ns + kNFloats),
         gl(bt + kC) {}
-  float* qs;   // [C, kStride]: q (then as each prep uses it)
-  float* ks;   // [C, kStride]: k, then exp(G) k
-  float* Gs;   // [C, kStride]: G
+  __device__ float q(int t, int i) const { return tile_float(qs[t * kQkStride + i]); }
+  __device__ float k(int t, int i) const { return tile_float(ks[t * kQkStride + i]); }
+  E* qs;       // [C, kQkStride]: q (then as each prep uses it)
+  E* ks;       // [C, kQkStride]: k (fp32: then exp(G) k)
+  float* Gs;   // [C, kStride]: G (bf16 q and k: then exp(G) k)
   float* As;   // [C, kAStride]
-  float* Aqs;  // [C, kAStride]
+  float* Aqs;  // [C, kAqStride]
   float* Ts;   // [C, kKdaSolveStride]: Tinv, then Tinv diag(beta)
   float* ns;   // [kOffDiag, kSub, kSub]: the solve's T_aa diag(beta_a) A_ac (c < a)
   float* bt;   // [C]: beta (zero past the chunk)
   float* gl;   // [kKdaMaxDim]: G of the chunk's last token
 };
+
+// Threads of the backward's prep: one CTA per SM fits its shared memory, so 16 warps, not 8, hide
+// the latencies of its shared-memory loops.
+constexpr int kKdaPrepThreads = 512;
+
+// The backward's prep: fp32 q and k (it scales both in place, exp(G) q and exp(G) k), Aq in a tile
+// (P = exp(G) q - Aq W reads it). The forward's (kda.cu) takes bf16 q and k, Aq into global memory.
+using ChunkPrepTiles = KdaPrepTiles<float, true, kKdaPrepThreads>;
 
 // The sub-chunks (a, b), b < a, of the off-diagonal block number p (row by row: (1, 0), (2, 0),
 // (2, 1), (3, 0), ...); ns holds the solve's products in this order.
@@ -136,8 +200,9 @@ __device__ inline void offdiag_block_index(int p, int& a, int& b) {
 // strong the decay; a factor that underflows belongs to a pair that decays to nothing anyway), and
 // the block is a plain product over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r -
 // G_s). The tiles are zero past token n and channel dk; the clamps at 0 only matter there.
-__device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, int n, int dk) {
-  constexpr int S = ChunkPrepTiles::kStride, B = ChunkPrepTiles::kSub, C = ChunkPrepTiles::kAStride;
+template <class Tiles>
+__device__ inline void offdiag_matrices(const Tiles& m, int a, int b, int n, int dk) {
+  constexpr int S = Tiles::kStride, B = Tiles::kSub, C = Tiles::kAStride, Cq = Tiles::kAqStride;
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r = B * a;
   float acc_a[2][4] = {}, acc_q[2][4] = {};
   for (int i0 = 0; i0 < dk; i0 += 8) {
@@ -145,18 +210,18 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
     KdaFragA ka, qa;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int x = (r + g + 8 * (e & 1)) * S + i0 + c + 4 * (e >> 1);
-      const float f = exp2_ftz(fminf(m.Gs[x] - gr[e >> 1], 0.0f));
-      ka.set(e, m.ks[x] * f);
-      qa.set(e, m.qs[x] * f);
+      const int t = r + g + 8 * (e & 1), i = i0 + c + 4 * (e >> 1);
+      const float f = exp2_ftz(fminf(m.Gs[t * S + i] - gr[e >> 1], 0.0f));
+      ka.set(e, m.k(t, i) * f);
+      qa.set(e, m.q(t, i) * f);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       KdaFragB kb;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int x = (B * b + 8 * nt + g) * S + i0 + c + 4 * e;
-        kb.set(e, m.ks[x] * exp2_ftz(fminf(gr[e] - m.Gs[x], 0.0f)));
+        const int s = B * b + 8 * nt + g, i = i0 + c + 4 * e;
+        kb.set(e, m.k(s, i) * exp2_ftz(fminf(gr[e] - m.Gs[s * S + i], 0.0f)));
       }
       mma_tf32(acc_a[nt], ka, kb);
       mma_tf32(acc_q[nt], qa, kb);
@@ -168,7 +233,7 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
     for (int e = 0; e < 4; ++e) {
       const int t = r + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
       m.As[t * C + s] = t < n ? acc_a[nt][e] : 0.0f;
-      m.Aqs[t * C + s] = t < n ? acc_q[nt][e] : 0.0f;
+      m.Aqs[t * Cq + s] = t < n ? acc_q[nt][e] : 0.0f;
     }
 }
 
@@ -177,23 +242,23 @@ __device__ inline void offdiag_matrices(const ChunkPrepTiles& m, int a, int b, i
 // one of its 10 lower 4 x 4 tiles of (t, s), channel slice sl: channels sl, sl + 8, ..); the 8
 // slices of a tile are adjacent lanes, summed by shuffles. A 4 x 4 tile loads 20 values per
 // channel for 16 pairs. All 32 lanes of the warp must call it.
-__device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, int dk) {
-  constexpr int C = ChunkPrepTiles::kAStride, S = ChunkPrepTiles::kStride, R = 4;
+template <class Tiles>
+__device__ inline void diag_matrices(const Tiles& m, int task, int n, int dk) {
+  constexpr int C = Tiles::kAStride, Cq = Tiles::kAqStride, S = Tiles::kStride, R = 4;
   const int a = task / 80, tile = task % 80 / 8, sl = task % 8;
   int tr = 0;  // tile row within the block: tiles are numbered row by row, tr + 1 of them in row tr
   while ((tr + 1) * (tr + 2) / 2 <= tile) ++tr;
-  const int t0 = ChunkPrepTiles::kSub * a + R * tr,
-            s0 = ChunkPrepTiles::kSub * a + R * (tile - tr * (tr + 1) / 2);
+  const int t0 = Tiles::kSub * a + R * tr, s0 = Tiles::kSub * a + R * (tile - tr * (tr + 1) / 2);
   float acc_a[R][R] = {}, acc_q[R][R] = {};
   for (int i = sl; i < dk; i += 8) {
     float gt[R], kt[R], qt[R], gs[R], kv[R];
 #pragma unroll
     for (int x = 0; x < R; ++x) {
       gt[x] = m.Gs[(t0 + x) * S + i];
-      kt[x] = m.ks[(t0 + x) * S + i];
-      qt[x] = m.qs[(t0 + x) * S + i];
+      kt[x] = m.k(t0 + x, i);
+      qt[x] = m.q(t0 + x, i);
       gs[x] = m.Gs[(s0 + x) * S + i];
-      kv[x] = m.ks[(s0 + x) * S + i];
+      kv[x] = m.k(s0 + x, i);
     }
 #pragma unroll
     for (int x = 0; x < R; ++x)
@@ -222,42 +287,50 @@ __device__ inline void diag_matrices(const ChunkPrepTiles& m, int task, int n, i
     if (p % 8 != sl) continue;
     const int t = t0 + p / R, s = s0 + p % R;
     m.As[t * C + s] = t < n && s < t ? acc_a[p / R][p % R] : 0.0f;
-    m.Aqs[t * C + s] = t < n && s <= t ? acc_q[p / R][p % R] : 0.0f;
+    m.Aqs[t * Cq + s] = t < n && s <= t ? acc_q[p / R][p % R] : 0.0f;
   }
 }
 
 // The intra-chunk matrices of one chunk of n tokens, from q, k and G (zero past token n and past
-// channel dk) and bt (beta, zero past token n), into shared memory:
-//   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (row stride kAStride),
-//   Aq[t][s] likewise with q_t, s <= t (row stride kAStride),
-//   Tinv = (I + diag(beta) A)^-1, unit lower (row stride kKdaSolveStride),
+// channel dk) and bt (beta, zero past token n):
+//   A[t][s] = sum_i k_t,i exp(G_t,i - G_s,i) k_s,i for s < t (m.As, row stride kAStride),
+//   Aq[t][s] likewise with q_t, s <= t (m.Aqs, row stride kAqStride),
+//   Tinv = (I + diag(beta) A)^-1, unit lower (m.Ts, row stride kKdaSolveStride),
 // all zero past token n. By 16 x 16 blocks of sub-chunks: the 6 below the diagonal on the tensor
-// cores (warps 0-5, offdiag_matrices), the 4 on it element by element (warps 6-15, diag_matrices).
-// Exponents are differences <= 0 (G only falls along the chunk). kKdaPrepThreads threads; ends
-// with a barrier.
-__device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
-  constexpr int C = ChunkPrepTiles::kC, B = ChunkPrepTiles::kSub, T = kKdaSolveStride;
-  constexpr int AS = ChunkPrepTiles::kAStride;
-  constexpr int kMmaWarps = ChunkPrepTiles::kOffDiag, kDiagTasks = ChunkPrepTiles::kSubs * 10 * 8;
-  static_assert(kMmaWarps * 32 + kDiagTasks == kKdaPrepThreads, "one block or diagonal task per thread");
+// cores (a warp each, offdiag_matrices), the 4 on it element by element (320 tasks, diag_matrices,
+// 10 warps' worth). Every element's arithmetic is the same whichever thread takes it, so the
+// matrices do not depend on Tiles::kThreads. Exponents are differences <= 0 (G only falls along
+// the chunk). Ends with a barrier.
+template <class Tiles>
+__device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
+  constexpr int C = Tiles::kC, B = Tiles::kSub, T = kKdaSolveStride, AS = Tiles::kAStride;
+  constexpr int kMmaWarps = Tiles::kOffDiag, kDiagWarps = Tiles::kSubs * 10 * 8 / 32;
+  constexpr int kWarps = Tiles::kThreads / 32;
+  static_assert(Tiles::kThreads >= 4 * C, "the diagonal blocks' substitution: four threads a column");
   const int tid = threadIdx.x, warp = tid / 32;
-  if (warp < kMmaWarps) {
-    int a, b;
-    offdiag_block_index(warp, a, b);
-    offdiag_matrices(m, a, b, n, dk);
-  } else {
-    diag_matrices(m, tid - 32 * kMmaWarps, n, dk);
+  // The warps' shares in rounds: warp w takes shares w, w + kWarps, .. (one round with 16 warps, two
+  // with 8): an off-diagonal block each first, then 32 diagonal tasks each.
+  for (int share = warp; share < kMmaWarps + kDiagWarps; share += kWarps) {
+    if (share < kMmaWarps) {
+      int a, b;
+      offdiag_block_index(share, a, b);
+      offdiag_matrices(m, a, b, n, dk);
+    } else {
+      diag_matrices(m, 32 * (share - kMmaWarps) + tid % 32, n, dk);
+    }
   }
-  for (int idx = tid; idx < C * C; idx += blockDim.x) {  // the 4 x 4 tiles above the diagonal
+  // Zero above the diagonal: A's and Aq's 4 x 4 tiles there, Tinv's 16 x 16 blocks.
+  for (int idx = tid; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
-    if (s / 4 > t / 4) m.As[t * AS + s] = m.Aqs[t * AS + s] = 0.0f;
+    if (s / 4 > t / 4) m.As[t * AS + s] = m.Aqs[t * Tiles::kAqStride + s] = 0.0f;
+    if (s / B > t / B) m.Ts[t * T + s] = 0.0f;
   }
   __syncthreads();
   // Tinv = M^-1, M = I + diag(beta) A, by blocks: from M T = I, T_ab = -T_aa sum_{b<=c<a} M_ac T_cb
   // for b < a, with M_ac = diag(beta_a) A_ac. First the diagonal blocks T_aa = M_aa^-1 by forward
   // substitution, column s by four lanes of one warp ((I + diag(beta) A) x = e_s within the block:
   // x_t = -beta_t sum_{r<t} A[t][r] x_r), rows following each other with only a warp barrier; a
-  // warp's 8 columns share a block. Meanwhile the other threads zero the blocks above the diagonal.
+  // warp's 8 columns share a block.
   if (tid < 4 * C) {
     const int s = tid / 4, sub = tid % 4, r0 = s / B * B;
     for (int t = r0; t < r0 + B; ++t) {
@@ -272,15 +345,10 @@ __device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
       }
       __syncwarp();
     }
-  } else {
-    for (int idx = tid - 4 * C; idx < C * C; idx += blockDim.x - 4 * C) {
-      const int t = idx / C, s = idx - t * C;
-      if (s / B > t / B) m.Ts[t * T + s] = 0.0f;
-    }
   }
   __syncthreads();
   // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower).
-  for (int idx = tid; idx < ChunkPrepTiles::kNFloats; idx += blockDim.x) {
+  for (int idx = tid; idx < Tiles::kNFloats; idx += blockDim.x) {
     const int p = idx / (B * B), x = idx / B % B, y = idx % B;
     int a, c;
     offdiag_block_index(p, a, c);
@@ -292,8 +360,8 @@ __device__ inline void chunk_matrices(const ChunkPrepTiles& m, int n, int dk) {
   }
   __syncthreads();
   // T_ab = -sum_{b<=c<a} N_ac T_cb, by distance a - b: each level reads blocks of the levels before.
-  for (int d = 1; d < ChunkPrepTiles::kSubs; ++d) {
-    for (int idx = tid; idx < (ChunkPrepTiles::kSubs - d) * B * B; idx += blockDim.x) {
+  for (int d = 1; d < Tiles::kSubs; ++d) {
+    for (int idx = tid; idx < (Tiles::kSubs - d) * B * B; idx += blockDim.x) {
       const int b = idx / (B * B), a = b + d, x = idx / B % B, y = idx % B;
       float acc = 0.0f;
       for (int c = b; c < a; ++c) {
@@ -376,7 +444,7 @@ struct PrefetchedRows {
     for (int r = 0; r < kPerThread; ++r) tile[(tb + kRows * r) * stride + i] = __bfloat162float(x[r]);
   }
 };
-// A prep's whole [C, kKdaMaxDim] rows.
+// The backward prep's whole [C, kKdaMaxDim] rows.
 using PrefetchedChunk = PrefetchedRows<static_cast<int>(kKdaMaxDim), kKdaPrepThreads>;
 
 // A chunk's A, Aq and Tinv in global memory (kKdaMatrixFloats, kda.h: kept_matrices and the
@@ -390,15 +458,16 @@ static_assert(kKdaPackedTinv + kKdaPackedAq == kKdaMatrixFloats, "kda.h's packed
 
 // A, Aq and Tinv of one chunk and head as chunk_matrices left them, packed into out. Every thread
 // takes part.
-__device__ inline void store_kda_matrices(const ChunkPrepTiles& m, float* out) {
-  constexpr int C = ChunkPrepTiles::kC;
+template <class Tiles>
+__device__ inline void store_kda_matrices(const Tiles& m, float* out) {
+  constexpr int C = Tiles::kC;
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
     if (s < t) {
-      out[t * (t - 1) / 2 + s] = m.As[t * ChunkPrepTiles::kAStride + s];
+      out[t * (t - 1) / 2 + s] = m.As[t * Tiles::kAStride + s];
       out[kKdaPackedTinv + t * (t - 1) / 2 + s] = m.Ts[t * kKdaSolveStride + s];
     }
-    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = m.Aqs[t * ChunkPrepTiles::kAStride + s];
+    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = m.Aqs[t * Tiles::kAqStride + s];
   }
 }
 
@@ -420,57 +489,72 @@ __device__ inline void unpack_kda_matrices(const float* pa, const float* paq, co
 // The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles
 // zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices), or, where `kept` holds
 // them (this chunk and head's packed matrices, as store_kda_matrices wrote them), Aq and Tinv
-// loaded from there (A's tile then holds their packed rows, not A); Kb = exp(G_last - G) k and G_last out to
-// kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past dk); `keep(tiles)` (every
-// thread) while the matrices are as computed; then k becomes exp(G) k, q exp(G) q if scale_q, and
-// Tinv Tinv diag(beta). kKdaPrepThreads threads; ends with a barrier.
-template <class Keep>
+// loaded from there (A's tile then holds their packed rows, not A); `keep(tiles)` (every thread)
+// while the matrices are as computed (it may read A, Aq and Tinv, not q, k or G); Kb = exp(G_last -
+// G) k and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and
+// past dk); W's operand exp(G) k, in k's own tile where that is fp32 (and q's becomes exp(G) q if
+// scale_q), else over G's; then Tinv becomes Tinv diag(beta). Tiles::kThreads threads; ends with a
+// barrier.
+template <class Tiles, class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
-                           int h, int heads, int dk, const ChunkPrepTiles& m, float* kb_out, float* glast_out,
+                           int h, int heads, int dk, const Tiles& m, float* kb_out, float* glast_out,
                            bool scale_q, const float* kept, Keep keep) {
-  constexpr int C = ChunkPrepTiles::kC, S = ChunkPrepTiles::kStride, D = static_cast<int>(kKdaMaxDim);
+  constexpr int C = Tiles::kC, S = Tiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   // beta into a register first, stored once the chunk's loads are in: no wait before them.
   const float beta_t = tid < n ? beta[(t0 + tid) * heads + h] : 0.0f;
   // All of a thread's loads in flight at once, the prefix sums in registers (ns is free until the
   // solve). Past token n and channel dk, q and k are zero, as the products need; G stays at the
   // last token's past n, where only zero q and k meet it.
-  constexpr int P = kKdaPrepThreads / D;
-  static_assert(P * D == kKdaPrepThreads && P * D <= ChunkPrepTiles::kNFloats, "load_chunk_batched's layout");
+  static_assert(kKdaPrepParts * D <= Tiles::kNFloats, "load_chunk_batched's partial sums fit in ns");
   // Kept: Aq's and Tinv's packed rows (adjacent, 16 KB) by cp.async into A's tile, which this prep
   // does not need then, in flight while the chunk loads; unpacked from there.
   constexpr int kPackedAqT = static_cast<int>(kKdaMatrixFloats) - kKdaPackedAq;
-  static_assert(kPackedAqT <= C * ChunkPrepTiles::kAStride, "the packed rows fit in A's tile");
+  static_assert(kPackedAqT <= C * Tiles::kAStride, "the packed rows fit in A's tile");
   if (kept != nullptr) {
     stage_rows(m.As, 0, kept + kKdaPackedAq, 0, 1, kPackedAqT);
     copy_commit();
   }
-  load_chunk_batched<P>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs, m.ns, m.gl);
+  if constexpr (Tiles::kFp32) {
+    load_chunk_batched<kKdaPrepParts, Tiles::kThreads>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs,
+                                                       m.ns, m.gl);
+  } else {  // bf16 q and k copied, in flight with no registers held while G loads
+    stage_chunk_rows(m.qs, Tiles::kQkStride, q, t0, n, h, heads, dk);
+    stage_chunk_rows(m.ks, Tiles::kQkStride, k, t0, n, h, heads, dk);
+    copy_commit();
+    load_chunk_batched<kKdaPrepParts, Tiles::kThreads>(nullptr, nullptr, g, t0, n, h, heads, dk, S, nullptr,
+                                                       nullptr, m.Gs, m.ns, m.gl);
+    copy_wait_all();
+    __syncthreads();
+  }
   if (tid < C) m.bt[tid] = beta_t;  // read after the barriers below
   if (kept != nullptr) {
     copy_wait_all();
     __syncthreads();
     unpack_kda_matrices(nullptr, m.As, m.As + (kKdaPackedTinv - kKdaPackedAq), n, nullptr, 0, m.Aqs,
-                        ChunkPrepTiles::kAStride, m.Ts, kKdaSolveStride);
+                        Tiles::kAqStride, m.Ts, kKdaSolveStride);
     __syncthreads();
   } else {
     chunk_matrices(m, n, dk);
   }
   keep(m);
+  // Each element of q, k and G read and rewritten by one thread: nothing else reads them now.
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
     const int t = idx / D, i = idx - t * D;
     const bool live = t < n && i < dk;
-    kb_out[idx] = live ? exp2_ftz(m.gl[i] - m.Gs[t * S + i]) * m.ks[t * S + i] : 0.0f;
+    const float G = m.Gs[t * S + i], kv = m.k(t, i), e = exp2_ftz(G);
+    kb_out[idx] = live ? exp2_ftz(m.gl[i] - G) * kv : 0.0f;
+    if constexpr (Tiles::kFp32) {
+      const int x = t * Tiles::kQkStride + i;
+      m.ks[x] = live ? kv * e : 0.0f;
+      if (scale_q) m.qs[x] = live ? m.qs[x] * e : 0.0f;
+    } else {
+      m.Gs[t * S + i] = live ? kv * e : 0.0f;
+    }
   }
   for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
-  __syncthreads();  // Kb read k and G, `keep` A, Aq and Tinv
-  for (int idx = tid; idx < n * dk; idx += blockDim.x) {
-    const int t = idx / dk, i = idx - t * dk, x = t * S + i;
-    const float e = exp2_ftz(m.Gs[x]);
-    m.ks[x] *= e;
-    if (scale_q) m.qs[x] *= e;
-  }
+  __syncthreads();  // `keep` read Tinv
   for (int idx = tid; idx < n * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
     if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
