@@ -20,7 +20,9 @@ constexpr int kPools = 64;  // pools per tile: M
 // A warpgroup multiplies its queries in two halves, N = 4 x 32 = 128 each, so that the first
 // half's epilogue runs while the second half's products do.
 constexpr int kHalfQueries = kGroupQueries / 2;
-constexpr int kStages = 3;
+// A ring of 4 key tiles, loaded 2 tiles ahead (measured faster than 3 ahead, and than a ring of 3).
+constexpr int kStages = 4, kAhead = 2;
+static_assert(kAhead < kStages, "a stage is reloaded only after the barrier that follows its last read");
 
 struct Args {
   const __nv_bfloat16* q;
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
         valid ? a.scale * __bfloat162float(a.head_weights[(offset + q0 + query) * a.heads + head]) : 0.0f;
   }
   unsigned char* keys = shared + L.keys;
-  const auto load_keys = [&](int64_t i) {  // the CTA's i-th tile into stage i % 3, zero past the last pool
+  const auto load_keys = [&](int64_t i) {  // the CTA's i-th tile into stage i % 4, zero past the last pool
     unsigned char* dst = keys + (i % kStages) * L.tile_bytes;
     const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
     for (int u = tid; u < kPools * kChunks; u += kThreads) {
@@ -94,10 +96,13 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
       copy16(dst + u * 16, valid ? a.pool_keys + pool * kDim + u / 8 % kChunks * 8 : a.pool_keys, valid);
     }
   };
-  load_keys(0);
-  copy_commit();  // q and the first tile
-  if (mine > 1) load_keys(1);
-  copy_commit();
+  // kAhead commit groups, possibly empty, so that the count stays uniform: q and the first tile,
+  // then the next tiles.
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) {
+    if (i < mine) load_keys(i);
+    copy_commit();
+  }
 
   const uint32_t keys_address = shared_address(keys);
   constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
@@ -164,10 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   // the second's products run (their wgmma groups complete in order).
   float acc0[64] = {}, acc1[64] = {};
   for (int64_t i = 0; i < mine; ++i) {
-    copy_wait<1>();  // tile i (and q) landed for this thread
+    copy_wait<kAhead - 1>();  // tile i (and q) landed for this thread
     fence_async_shared();
-    __syncthreads();  // ... for every thread; stage (i + 2) % 3 was last read for tile i - 1
-    if (i + 2 < mine) load_keys(i + 2);
+    __syncthreads();  // ... for every thread; stage (i + 2) % 4 was last read for tile i - 2
+    if (i + kAhead < mine) load_keys(i + kAhead);
     copy_commit();  // possibly empty: the group count stays uniform
     issue(acc0, i, 0);
     issue(acc1, i, 1);

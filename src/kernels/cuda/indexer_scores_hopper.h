@@ -3,23 +3,23 @@
 //
 // One CTA of two warpgroups takes 16 queries (warpgroup g its 8 queries 8 g .. 8 g + 7, all their
 // heads) and walks the pool tiles of 64 that its last query sees, tile blockIdx.y, + gridDim.y, ..
-// Both warpgroups read the same tile (a 3-stage cp.async ring, one barrier per tile). Each computes
-// scores^T [64 pools, 4 queries x 32 head slots] = K Q^T for its two halves of 4 queries, two
-// m64n128k16 chains over head_dim queued together (K-major operands in the no-swizzle core-matrix
-// layout, wgmma.cuh); heads past `heads` are zero rows. The epilogue of a half folds relu and the
-// head weights (scale included) into 8 sums per thread (its two pool rows x 4 queries, over its 8 of
-// each query's 32 head columns), adds them across the 4 lanes that share a row (two butterfly
-// steps, the same tree for every pool, so that equal keys give bit-equal scores), and stores them
-// (a warp's store: 8 consecutive pools of 4 queries). The first half's epilogue runs while the
-// second half's products do.
+// Both warpgroups read the same tile (a 4-stage cp.async ring, 2 tiles in flight, one barrier per
+// tile). Each computes scores^T [64 pools, 4 queries x 32 head slots] = K Q^T for its two halves of
+// 4 queries, two m64n128k16 chains over head_dim queued together (K-major operands in the
+// no-swizzle core-matrix layout, wgmma.cuh); heads past `heads` are zero rows. The epilogue of a
+// half folds relu and the head weights (scale included) into 8 sums per thread (its two pool rows x
+// 4 queries, over its 8 of each query's 32 head columns), adds them across the 4 lanes that share a
+// row (two butterfly steps, the same tree for every pool, so that equal keys give bit-equal
+// scores), and stores them (a warp's store: 8 consecutive pools of 4 queries). The first half's
+// epilogue runs while the second half's products do.
 //
 // Why this shape: each 16 KB key tile feeds 2 x 4.2 MFLOP (512 FLOP per byte from L2), and the
 // tensor cores work during half of the epilogues. Measured on the H200 (docs/PERF.md): one
 // m64n256k16 chain per warpgroup, the epilogue after it, 498 TFLOP/s; these halves 543; quarters
 // (m64n64k16) 414; one warpgroup per CTA and two CTAs per multiprocessor 445.
 //
-// Shared memory: q 2 x 256 rows x head_dim bf16 (128 KiB at 128), 3 key tiles of 64 x head_dim
-// (48 KiB) and the head weights [16][32] fp32: 178 KiB at head_dim 128.
+// Shared memory: q 2 x 256 rows x head_dim bf16 (128 KiB at 128), 4 key tiles of 64 x head_dim
+// (64 KiB) and the head weights [16][32] fp32: 194 KiB at head_dim 128.
 #pragma once
 
 #include <cuda_bf16.h>
