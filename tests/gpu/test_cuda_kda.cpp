@@ -200,7 +200,7 @@ TEST(CudaKda, StrongDecaysWithPartialChunks) {
 
 TEST(CudaKda, DiagonalBlocksOnBothPaths) {
   // The grad kernel takes a chunk's diagonal blocks on the tensor cores while its decay over each
-  // half sub-chunk stays within kKdaHalfDecayBound (kda_chunk.cuh), element by element past it
+  // half sub-chunk stays within kKdaHalfDecayBound (kda.h), element by element past it
   // (decays below about -5.5 per token): decays down to -7 put part of these chunks past it, and
   // the check needs both kinds.
   const int64_t T = 2600, H = 2, dk = 16;

@@ -19,7 +19,7 @@ constexpr int kSlots = 32;  // head slots per query
 constexpr int kPools = 64;  // pools per tile: M
 // A warpgroup multiplies its queries in two halves, N = 4 x 32 = 128 each, so that the first
 // half's epilogue runs while the second half's products do.
-constexpr int kHalfQueries = kGroupQueries / 2;
+constexpr int kHalfQueries = kGroupQueries / 2, kHalfColumns = kHalfQueries * kSlots;
 // A ring of 4 key tiles, loaded 2 tiles ahead (measured faster than 3 ahead, and than a ring of 3).
 constexpr int kStages = 4, kAhead = 2;
 static_assert(kAhead < kStages, "a stage is reloaded only after the barrier that follows its last read");
@@ -87,9 +87,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
         valid ? a.scale * __bfloat162float(a.head_weights[(offset + q0 + query) * a.heads + head]) : 0.0f;
   }
   unsigned char* keys = shared + L.keys;
+  const auto first_pool = [&](int64_t i) { return (blockIdx.y + i * gridDim.y) * kPools; };  // tile i's
   const auto load_keys = [&](int64_t i) {  // the CTA's i-th tile into stage i % 4, zero past the last pool
     unsigned char* dst = keys + (i % kStages) * L.tile_bytes;
-    const int64_t p0 = (blockIdx.y + i * gridDim.y) * kPools;
+    const int64_t p0 = first_pool(i);
     for (int u = tid; u < kPools * kChunks; u += kThreads) {
       const int64_t pool = p0 + u / (8 * kChunks) * 8 + u % 8;
       const bool valid = pool < a.pools;
@@ -106,15 +107,15 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 
   const uint32_t keys_address = shared_address(keys);
   constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
-  // The warpgroup's two halves of q: 128 rows (16 groups of 8) each.
+  // The warpgroup's two halves of q: kHalfColumns rows (groups of 8) each.
   const uint32_t q_half[2] = {shared_address(shared) + group * L.q_bytes,
-                              shared_address(shared) + group * L.q_bytes + 16 * kGroupBytes};
+                              shared_address(shared) + group * L.q_bytes + kHalfColumns / 8 * kGroupBytes};
   const float2* group_weights = reinterpret_cast<const float2*>(weights) + group * kGroupQueries * kSlots / 2;
   // scores^T [64 pools, 4 queries x 32 heads] = K Q^T over head_dim for one half, asynchronous.
-  const auto issue = [&](float(&acc)[64], int64_t i, int half) {
+  const auto issue = [&](float(&acc)[kHalfColumns / 2], int64_t i, int half) {
     const uint32_t tile_address = keys_address + (i % kStages) * L.tile_bytes;
 #pragma unroll
-    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    for (int j = 0; j < kHalfColumns / 2; ++j) wgmma_hold(acc[j]);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < KSteps; ++k)
@@ -125,9 +126,9 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   // The scores of a finished half (tile i): per pool row (16 warp + lane / 4 + 8 h) and query, its
   // heads 8 jj + 2 c + e of this thread, relu times weight in explicit FMAs (one rounding path for
   // every pool), then added across the 4 lanes of the row.
-  const auto store = [&](float(&acc)[64], int64_t i, int half) {
+  const auto store = [&](float(&acc)[kHalfColumns / 2], int64_t i, int half) {
 #pragma unroll
-    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    for (int j = 0; j < kHalfColumns / 2; ++j) wgmma_hold(acc[j]);
     float part[2 * kHalfQueries];  // [h][query]
 #pragma unroll
     for (int query = 0; query < kHalfQueries; ++query) {
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
     }
     // A warp's store covers 8 consecutive pools of 4 queries: whole 32-byte sectors.
     const int64_t row = q0 + kGroupQueries * group + kHalfQueries * half + c;
-    const int64_t pool = (blockIdx.y + i * gridDim.y) * kPools + 16 * warp + lane / 4;
+    const int64_t pool = first_pool(i) + 16 * warp + lane / 4;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
       if (row < a.rows && pool + 8 * m < a.pools) a.scores[row * a.pools + pool + 8 * m] = sum[m];
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 
   // Both halves' products are queued at once; the first half's scores are folded and stored while
   // the second's products run (their wgmma groups complete in order).
-  float acc0[64] = {}, acc1[64] = {};
+  float acc0[kHalfColumns / 2] = {}, acc1[kHalfColumns / 2] = {};
   for (int64_t i = 0; i < mine; ++i) {
     copy_wait<kAhead - 1>();  // tile i (and q) landed for this thread
     fence_async_shared();
