@@ -16,15 +16,16 @@ namespace {
 using Block = Ledger::Block;
 using Blocks = std::vector<Block>;
 
-// The fused lm_head + loss (kernels/cuda/lm_loss.cpp): its workspace grows to the larger of the
-// forward's and the backward's and stays (a member of the Context), for token blocks of at most
-// 4096 rows and vocabulary chunks of at most 16384 (the Context's LmHeadLoss defaults).
+// The fused lm_head + loss (kernels/cuda/lm_loss.cpp): the step's forward_backward keeps a token
+// block's logits over the whole vocabulary; its workspace grows to that and stays (a member of
+// the Context), for token blocks of at most 2048 rows and vocabulary chunks of at most 16384 (the
+// Context's LmHeadLoss defaults).
 int64_t head_workspace_bytes(const Shapes& s, int64_t L) {
   const auto floats = [](int64_t n) { return (n + 63) / 64 * 64; };  // 256-byte aligned regions
-  const int64_t Lb = std::min<int64_t>(L, 4096), C = (std::min<int64_t>(s.vocab, 16384) + 7) / 8 * 8;
-  const int64_t forward = floats(Lb * C) + 3 * floats(Lb);
-  const int64_t backward = floats(Lb * C) + floats((Lb * C + 1) / 2) + floats(Lb * s.hidden);
-  return 4 * std::max(forward, backward);
+  const int64_t Lb = std::min<int64_t>(L, 2048), chunk = 16384, C = (std::min(s.vocab, chunk) + 7) / 8 * 8;
+  const int64_t chunks = (s.vocab + chunk - 1) / chunk, last = s.vocab - (chunks - 1) * chunk;
+  const int64_t kept = (chunks - 1) * floats(Lb * C) + (Lb - 1) * C + last;
+  return 4 * (floats(kept) + 4 * floats(Lb) + floats((Lb * C + 1) / 2) + floats(Lb * s.hidden));
 }
 
 int64_t stream_bytes(const Shapes& s, int64_t L) { return L * s.streams * s.hidden * 2; }
@@ -151,7 +152,6 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   streams = Block();
   head.push_back(m.activations(4 * L));             // targets
   head.push_back(m.activations(4 * L));             // log_prob
-  head.push_back(m.activations(4 * L));             // lse
   head.push_back(m.activations(4));                 // loss
   head.push_back(m.activations(2 * L * s.hidden));  // dhidden
   head.push_back(m.activations(2 * L * s.hidden));  // dmean

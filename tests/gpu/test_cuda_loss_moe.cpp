@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -63,11 +64,14 @@ TEST(CudaLossMoe, ChunkedLmHeadLossMatchesTheCpu) {
     SPINDLE_CUDA(cudaMemset(dweight.data(), 0, V * D * sizeof(float)));
     loss_op.forward(dh.data(), dw.data(), dt.data(), logprob.data(), lse.data(), loss.data(), L, D, V,
                     stream.get());
-    loss_op.backward(dh.data(), dw.data(), dt.data(), lse.data(), scale, dhidden.data(), dweight.data(), L, D,
-                     V, stream.get());
-    // Without the saved log-sum-exp (recomputed inside) and without the weight gradient.
-    loss_op.backward(dh.data(), dw.data(), dt.data(), nullptr, scale, dhidden2.data(), nullptr, L, D, V,
-                     stream.get());
+    // Training's pass: the forward's outputs again (the same products, so the same bits) and the
+    // gradients; then without lse, loss and the weight gradient.
+    auto logprob2 = poisoned<float>(L), lse2 = poisoned<float>(L), loss2 = poisoned<float>(1);
+    loss_op.forward_backward(dh.data(), dw.data(), dt.data(), logprob2.data(), lse2.data(), loss2.data(),
+                             scale, dhidden.data(), dweight.data(), L, D, V, stream.get());
+    auto logprob3 = poisoned<float>(L);
+    loss_op.forward_backward(dh.data(), dw.data(), dt.data(), logprob3.data(), nullptr, nullptr, scale,
+                             dhidden2.data(), nullptr, L, D, V, stream.get());
     stream.synchronize();
 
     // Reference in double: the full logits, log-probs, (softmax - onehot) * scale, linear_backward.
@@ -100,8 +104,14 @@ TEST(CudaLossMoe, ChunkedLmHeadLossMatchesTheCpu) {
         EXPECT_EQ(lp_got[r], 0.0f) << "ignored row " << r << ", " << where;
       }
     EXPECT_LT(relative_error(dhidden.download(), dx_ref), 8e-3) << "dhidden, " << where;
-    EXPECT_LT(relative_error(dhidden2.download(), dx_ref), 8e-3) << "dhidden (lse recomputed), " << where;
     EXPECT_LT(relative_error(dweight.download(), dw_ref), 8e-3) << "dweight, " << where;
+    EXPECT_EQ(logprob2.download(), lp_got) << "forward_backward's log-probs, " << where;
+    EXPECT_EQ(logprob3.download(), lp_got) << "forward_backward's log-probs without lse, " << where;
+    EXPECT_EQ(lse2.download(), lse.download()) << "forward_backward's lse, " << where;
+    EXPECT_EQ(loss2.download(), loss.download()) << "forward_backward's loss, " << where;
+    const auto dhidden_once = dhidden.download(), dhidden_again = dhidden2.download();
+    EXPECT_EQ(std::memcmp(dhidden_once.data(), dhidden_again.data(), dhidden_once.size() * sizeof(bf16)), 0)
+        << "dhidden without lse and the weight gradient, " << where;
   }
 }
 

@@ -19,6 +19,18 @@ size_t round_up(size_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlig
 // Row stride of the logits chunk: a multiple of 8 elements keeps bf16 and fp32 rows 16-byte aligned.
 int64_t chunk_ld(int64_t V, int64_t vocab_chunk) { return (std::min(V, vocab_chunk) + 7) / 8 * 8; }
 
+// A token block's logits over the whole vocabulary: chunk j's at j * kept_chunk_stride (ld C_max
+// and aligned as the forward's one-chunk buffer, so that the products are the same); the last
+// chunk needs only its own columns of its last row.
+size_t kept_chunk_stride(int64_t Lb, int64_t V, int64_t vocab_chunk) {
+  return round_up(static_cast<size_t>(Lb * chunk_ld(V, vocab_chunk)));
+}
+size_t kept_logits_floats(int64_t Lb, int64_t V, int64_t vocab_chunk) {
+  const int64_t chunks = (V + vocab_chunk - 1) / vocab_chunk, last = V - (chunks - 1) * vocab_chunk;
+  return static_cast<size_t>(chunks - 1) * kept_chunk_stride(Lb, V, vocab_chunk) +
+         static_cast<size_t>((Lb - 1) * chunk_ld(V, vocab_chunk) + last);
+}
+
 }  // namespace
 
 LmHeadLoss::LmHeadLoss(int64_t vocab_chunk, int64_t token_block)
@@ -34,10 +46,11 @@ size_t LmHeadLoss::forward_workspace_bytes(int64_t L, int64_t V) const {
   return (round_up(Lb * C) + 3 * round_up(Lb)) * sizeof(float);
 }
 
-size_t LmHeadLoss::backward_workspace_bytes(int64_t L, int64_t D, int64_t V) const {
+size_t LmHeadLoss::forward_backward_workspace_bytes(int64_t L, int64_t D, int64_t V) const {
   const size_t Lb = static_cast<size_t>(std::min(L, token_block_)),
                C = static_cast<size_t>(chunk_ld(V, vocab_chunk_));
-  return (round_up(Lb * C) + round_up((Lb * C + 1) / 2) + round_up(Lb * static_cast<size_t>(D))) *
+  return (round_up(kept_logits_floats(static_cast<int64_t>(Lb), V, vocab_chunk_)) + 4 * round_up(Lb) +
+          round_up((Lb * C + 1) / 2) + round_up(Lb * static_cast<size_t>(D))) *
          sizeof(float);
 }
 
@@ -78,32 +91,44 @@ void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weigh
   if (loss) lm_loss_detail::mean_loss(logprob, target, L, loss, stream);
 }
 
-void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
-                          const float* lse, float scale, __nv_bfloat16* dhidden, float* dweight, int64_t L,
-                          int64_t D, int64_t V, cudaStream_t stream) {
-  check(V > 0 && D > 0, "LmHeadLoss::backward: empty head ", V, "x", D);
-  if (L == 0) return;
-  DeviceBuffer<float> own_lse;
-  if (lse == nullptr) {
-    own_lse = DeviceBuffer<float>(2 * static_cast<size_t>(L), MemoryCategory::Workspace);
-    forward(hidden, weight, target, own_lse.data() + L, own_lse.data(), nullptr, L, D, V, stream);
-    lse = own_lse.data();
+void LmHeadLoss::forward_backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight,
+                                  const int32_t* target, float* logprob, float* lse, float* loss, float scale,
+                                  __nv_bfloat16* dhidden, float* dweight, int64_t L, int64_t D, int64_t V,
+                                  cudaStream_t stream) {
+  check(V > 0 && D > 0, "LmHeadLoss::forward_backward: empty head ", V, "x", D);
+  if (L == 0) {
+    if (loss) SPINDLE_CUDA(cudaMemsetAsync(loss, 0, sizeof(float), stream));
+    return;
   }
-  ensure_workspace(backward_workspace_bytes(L, D, V));
+  ensure_workspace(forward_backward_workspace_bytes(L, D, V));
   const int64_t Lb_max = std::min(L, token_block_), C_max = chunk_ld(V, vocab_chunk_);
+  const size_t kept = round_up(kept_logits_floats(Lb_max, V, vocab_chunk_)),
+               stride = kept_chunk_stride(Lb_max, V, vocab_chunk_);
   float* logits = workspace_.data();
-  auto* dlogits = reinterpret_cast<__nv_bfloat16*>(logits + round_up(static_cast<size_t>(Lb_max * C_max)));
-  float* dh = logits + round_up(static_cast<size_t>(Lb_max * C_max)) +
+  float* run_max = logits + kept;
+  float* run_sum = run_max + round_up(static_cast<size_t>(Lb_max));
+  float* target_logit = run_sum + round_up(static_cast<size_t>(Lb_max));
+  float* row_lse = target_logit + round_up(static_cast<size_t>(Lb_max));  // when the caller keeps none
+  auto* dlogits = reinterpret_cast<__nv_bfloat16*>(row_lse + round_up(static_cast<size_t>(Lb_max)));
+  float* dh = row_lse + round_up(static_cast<size_t>(Lb_max)) +
               round_up(static_cast<size_t>((Lb_max * C_max + 1) / 2));
   for (int64_t r0 = 0; r0 < L; r0 += token_block_) {
     const int64_t Lb = std::min(token_block_, L - r0);
+    float* block_lse = lse ? lse + r0 : row_lse;
     for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
       const int64_t C = std::min(vocab_chunk_, V - c0);
-      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max,
-                   1.0f, 0.0f, stream);
-      lm_loss_detail::softmax_grad(logits, C_max, target + r0, lse + r0, Lb, c0, C, scale, dlogits, stream);
-      // dh[Lb, D] (+)= dl[Lb, C] W_c[C, D]; column-major: [D, Lb] = W_c^T([D, C], op N) * dl^T([C, Lb], op
-      // N).
+      float* chunk_logits = logits + c0 / vocab_chunk_ * stride;
+      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, chunk_logits, CUDA_R_32F,
+                   C_max, 1.0f, 0.0f, stream);
+      lm_loss_detail::fold_chunk(chunk_logits, C_max, target + r0, Lb, c0, C, run_max, run_sum, target_logit,
+                                 c0 == 0, c0 + C >= V, logprob + r0, block_lse, stream);
+    }
+    for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
+      const int64_t C = std::min(vocab_chunk_, V - c0);
+      lm_loss_detail::softmax_grad(logits + c0 / vocab_chunk_ * stride, C_max, target + r0, block_lse, Lb, c0,
+                                   C, scale, dlogits, stream);
+      // dh[Lb, D] (+)= dl[Lb, C] W_c[C, D]; column-major: [D, Lb] = W_c^T([D, C], op N) * dl^T([C, Lb],
+      // op N).
       gemm_.matmul(false, false, D, Lb, C, weight + c0 * D, D, dlogits, C_max, dh, CUDA_R_32F, D, 1.0f,
                    c0 == 0 ? 0.0f : 1.0f, stream);
       // dW_c[C, D] += dl^T h; column-major: [D, C] = h^T([D, Lb], op N) * dl([C, Lb] stored, op T).
@@ -113,6 +138,7 @@ void LmHeadLoss::backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weig
     }
     f32_to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
   }
+  if (loss) lm_loss_detail::mean_loss(logprob, target, L, loss, stream);
 }
 
 }  // namespace spindle::cuda

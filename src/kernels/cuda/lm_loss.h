@@ -6,14 +6,18 @@
 //   forward:  logits[Lb, C] (fp32) = hidden_block * W_chunk^T (cuBLASLt, bf16 in, fp32 accumulate);
 //             an online max / sum-exp per row and the target's logit are kept across chunks;
 //             logprob[r] = logit[r, target[r]] - logsumexp(logits[r, :]).
-//   backward: the chunk's logits are recomputed, dlogits = (softmax - onehot) * scale in bf16,
-//             dhidden_block (fp32) += dlogits * W_chunk, dW_chunk (fp32, the caller's buffer)
-//             += dlogits^T * hidden_block; dhidden is written in bf16 after the last chunk.
+//   forward_backward (training): the forward with each chunk's logits kept, so the block's logits
+//             over the whole vocabulary are computed once; then, chunk by chunk, dlogits =
+//             (softmax - onehot) * scale in bf16, dhidden_block (fp32) += dlogits * W_chunk,
+//             dW_chunk (fp32, the caller's buffer) += dlogits^T * hidden_block; dhidden is written
+//             in bf16 after the last chunk.
 // Workspace (owned, grown on demand, category Workspace), with Lb = min(L, token_block) and
 // C = min(V, vocab_chunk):
-//   forward:  Lb*C*4 (fp32 logits) + Lb*12 bytes (running max, sum, target logit);
-//   backward: Lb*C*(4 + 2) (fp32 logits + bf16 dlogits) + Lb*D*4 (fp32 dhidden) bytes;
-//   plus cuBLASLt's own 32 MiB. Example: Lb 4096, C 16384, D 4096: 384 MiB + 64 MiB.
+//   forward:          Lb*C*4 (fp32 logits) + Lb*12 bytes (running max, sum, target logit);
+//   forward_backward: about Lb*V*4 (the block's logits) + Lb*C*2 (bf16 dlogits) + Lb*D*4 (fp32
+//                     dhidden) + Lb*16 bytes; plus cuBLASLt's own 32 MiB.
+// The default token block, 2048, keeps the weight gradient's products (K = Lb) compute-bound, for
+// 1.35 GB of workspace at GLM's 154,880 tokens and D 2048.
 // Matches cpu::target_log_probs, cpu::target_log_probs_backward and cpu::linear_backward.
 #pragma once
 
@@ -30,28 +34,28 @@ namespace spindle::cuda {
 
 class LmHeadLoss {
  public:
-  explicit LmHeadLoss(int64_t vocab_chunk = 16384, int64_t token_block = 4096);
+  explicit LmHeadLoss(int64_t vocab_chunk = 16384, int64_t token_block = 2048);
   LmHeadLoss(const LmHeadLoss&) = delete;
   LmHeadLoss& operator=(const LmHeadLoss&) = delete;
 
   int64_t vocab_chunk() const { return vocab_chunk_; }
   int64_t token_block() const { return token_block_; }
-  // Device bytes forward / backward need besides cuBLASLt's workspace (see above).
+  // Device bytes forward / forward_backward need besides cuBLASLt's workspace (see above).
   size_t forward_workspace_bytes(int64_t L, int64_t V) const;
-  size_t backward_workspace_bytes(int64_t L, int64_t D, int64_t V) const;
+  size_t forward_backward_workspace_bytes(int64_t L, int64_t D, int64_t V) const;
 
   // logprob [L] (fp32, written; 0 at ignored positions); lse [L] (fp32, written, may be null):
-  // each row's log-sum-exp, which backward can reuse instead of a second pass; loss (fp32
-  // device scalar, may be null): mean of -logprob over the positions not ignored (0 if none).
+  // each row's log-sum-exp; loss (fp32 device scalar, may be null): mean of -logprob over the
+  // positions not ignored (0 if none).
   void forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
                float* logprob, float* lse, float* loss, int64_t L, int64_t D, int64_t V, cudaStream_t stream);
 
-  // Gradients of -scale * sum_r logprob[r] (scale = 1 / number of targets for the mean loss):
-  // dhidden [L, D] bf16 written; dweight [V, D] fp32 accumulated (may be null). lse from
-  // forward; when null it is recomputed here (one more pass over the vocabulary).
-  void backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
-                const float* lse, float scale, __nv_bfloat16* dhidden, float* dweight, int64_t L, int64_t D,
-                int64_t V, cudaStream_t stream);
+  // forward's outputs, and the gradients of -scale * sum_r logprob[r] (scale = 1 / number of
+  // targets for the mean loss): dhidden [L, D] bf16 written; dweight [V, D] fp32 accumulated (may be
+  // null).
+  void forward_backward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
+                        float* logprob, float* lse, float* loss, float scale, __nv_bfloat16* dhidden,
+                        float* dweight, int64_t L, int64_t D, int64_t V, cudaStream_t stream);
 
  private:
   void ensure_workspace(size_t bytes);

@@ -261,13 +261,12 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   DeviceBuffer<bf16> mean = activations(L * D), hidden = activations(L * D);
   head_input(streams.data(), L, mean.data(), hidden.data());
   streams = DeviceBuffer<bf16>();
-  DeviceBuffer<float> log_prob = activations_f32(L), lse = activations_f32(L), loss = activations_f32(1);
-  ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), log_prob.data(), lse.data(),
-                    loss.data(), L, D, V, s);
+  DeviceBuffer<float> log_prob = activations_f32(L), loss = activations_f32(1);
   DeviceBuffer<bf16> dhidden = activations(L * D), dmean = activations(L * D);
-  ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), lse.data(),
-                     static_cast<float>(options.scale / static_cast<double>(L - 1)), dhidden.data(),
-                     f32_data(g.lm_head), L, D, V, s);
+  ctx_.head.forward_backward(hidden.data(), bf16_data(w.lm_head), sequence.targets.data(), log_prob.data(),
+                             nullptr, loss.data(),
+                             static_cast<float>(options.scale / static_cast<double>(L - 1)), dhidden.data(),
+                             f32_data(g.lm_head), L, D, V, s);
   rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), L, D,
                     static_cast<float>(c.rms_norm_eps), s);
   DeviceBuffer<float> dstreams = activations_f32(L * H * D);

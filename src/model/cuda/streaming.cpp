@@ -186,12 +186,9 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     head_input(streams.data(), n, mean.data(), hidden.data());
     streams = DeviceBuffer<bf16>();
     const int32_t* targets = sequence.targets.data() + start;
-    DeviceBuffer<float> lse = activations_f32(n);
-    ctx_.head.forward(hidden.data(), bf16_data(w.lm_head), targets, log_prob.data() + start, lse.data(),
-                      nullptr, n, D, V, s);
     DeviceBuffer<bf16> dhidden = activations(n * D), dmean = activations(n * D);
-    ctx_.head.backward(hidden.data(), bf16_data(w.lm_head), targets, lse.data(), scale, dhidden.data(),
-                       f32_data(g.lm_head), n, D, V, s);
+    ctx_.head.forward_backward(hidden.data(), bf16_data(w.lm_head), targets, log_prob.data() + start, nullptr,
+                               nullptr, scale, dhidden.data(), f32_data(g.lm_head), n, D, V, s);
     rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), n, D,
                       static_cast<float>(c.rms_norm_eps), s);
     DeviceBuffer<float> dstreams = activations_f32(n * H * D);
