@@ -65,8 +65,13 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
 
   a.push_back(bf16(m, L * H));  // db
   a.push_back(bf16(m, L * w));  // df
-  // The small gradients' three weights stacked for their one product into dx.
-  const Ledger::Block small_w = m.workspace(2 * (2 * dh + H) * s.hidden);
+  {
+    // The small gradients' weights stacked for their one product into dx, freed after it.
+    const Ledger::Block small_w = m.workspace(2 * (2 * dh + H) * s.hidden);
+  }
+  const int64_t rows = s.conv_kernel - 1 + L;  // a projection's window
+  a.push_back(bf16(m, rows * w));              // dconv
+  a.push_back(bf16(m, rows * w));              // dwindow
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and
