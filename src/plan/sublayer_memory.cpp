@@ -53,7 +53,7 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  a.push_back(bf16(m, L * dh));                             // d_low
+  a.push_back(bf16(m, L * (2 * dh + H)));                   // d_low of the gate, db, d_low of f
   for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
   a.push_back(f32(m, L * H));                               // dbeta
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats), its matrices kept
@@ -65,6 +65,13 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
 
   a.push_back(bf16(m, L * H));  // db
   a.push_back(bf16(m, L * w));  // df
+  {
+    // The small gradients' weights stacked for their one product into dx, freed after it.
+    const Ledger::Block small_w = m.workspace(2 * (2 * dh + H) * s.hidden);
+  }
+  const int64_t rows = s.conv_kernel - 1 + L;  // a projection's window
+  a.push_back(bf16(m, rows * w));              // dconv
+  a.push_back(bf16(m, rows * w));              // dwindow
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and

@@ -42,6 +42,18 @@ void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
   SPINDLE_CUDA(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
 }
 
+// Gemm::linear_backward_input into, and linear_backward_weight from, columns of a wider row-major
+// buffer whose rows are `ld` values apart.
+void backward_input_into_columns(Gemm& gemm, const bf16* dy, const bf16* w, bf16* dx, int64_t ld, int64_t M,
+                                 int64_t K, int64_t N, cudaStream_t s) {
+  gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s);
+}
+
+void backward_weight_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* x, float* dw, int64_t M,
+                                  int64_t K, int64_t N, cudaStream_t s) {
+  gemm.matmul(false, true, K, N, M, x, K, dy, ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s);
+}
+
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
 // sequence); the recurrence's output, chunk states and matrices taken from `kept` where it holds
 // them. keep_matrices: the recurrence also writes its intra-chunk matrices into `matrices`.
@@ -157,11 +169,16 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   gemm.linear_backward_weight(dy, z.data(), f32_data(grad.o_proj), L, qkv, D, s);
   gated_rms_norm_backward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), dz.data(), dcore.data(),
                           dgate.data(), f32_data(grad.o_norm), L * H, dh, eps, s);
-  DeviceBuffer<bf16> d_low = activations(L * dh);
-  gemm.linear_backward_input(dgate.data(), bf16_data(w.g_b_proj), d_low.data(), L, dh, qkv, s);
+  // The three small input gradients (the gate's low-rank, db, the forget gate's low-rank) side by
+  // side in one [L, dh + H + dh], so that dx takes them in one product: every product into dx reads
+  // and writes all of the fp32 dx, several times the work of a small one.
+  const int64_t small = 2 * dh + H;
+  DeviceBuffer<bf16> small_grads = activations(L * small);
+  bf16 *d_low_g = small_grads.data(), *db_cols = small_grads.data() + dh,
+       *d_low_f = small_grads.data() + dh + H;
+  backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, small, L, dh, qkv, s);
   gemm.linear_backward_weight(dgate.data(), a.gate_low.data(), f32_data(grad.g_b_proj), L, dh, qkv, s);
-  gemm.linear_backward_input(d_low.data(), bf16_data(w.g_a_proj), dx, L, D, dh, 1.0f, s);
-  gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.g_a_proj), L, D, dh, s);
+  backward_weight_from_columns(gemm, d_low_g, small, x, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
@@ -186,14 +203,21 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
   sigmoid_backward(a.beta.data(), dbeta.data(), db.data(), L * H, s);
-  gemm.linear_backward_input(db.data(), bf16_data(w.b_proj), dx, L, D, H, 1.0f, s);
+  SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, small * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16),
+                                 L, cudaMemcpyDeviceToDevice, s));
   gemm.linear_backward_weight(db.data(), x, f32_data(grad.b_proj), L, D, H, s);
   kda_decay_backward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), dg.data(),
                      df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
-  gemm.linear_backward_input(df.data(), bf16_data(w.f_b_proj), d_low.data(), L, dh, qkv, s);
+  backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, small, L, dh, qkv, s);
   gemm.linear_backward_weight(df.data(), a.f_low.data(), f32_data(grad.f_b_proj), L, dh, qkv, s);
-  gemm.linear_backward_input(d_low.data(), bf16_data(w.f_a_proj), dx, L, D, dh, 1.0f, s);
-  gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.f_a_proj), L, D, dh, s);
+  backward_weight_from_columns(gemm, d_low_f, small, x, f32_data(grad.f_a_proj), L, D, dh, s);
+  {  // their weights stacked the same way for the one product (a copy: 2 (2 dh + H) D bytes)
+    DeviceBuffer<bf16> small_w(static_cast<size_t>(small * D), MemoryCategory::Workspace);
+    copy_device(small_w.data(), bf16_data(w.g_a_proj), dh * D * sizeof(bf16), s);
+    copy_device(small_w.data() + dh * D, bf16_data(w.b_proj), H * D * sizeof(bf16), s);
+    copy_device(small_w.data() + (dh + H) * D, bf16_data(w.f_a_proj), dh * D * sizeof(bf16), s);
+    gemm.linear_backward_input(small_grads.data(), small_w.data(), dx, L, D, small, 1.0f, s);
+  }
 
   // l2 norms (the query scale inside), convs, projections, each branch over its window: the conv's
   // outputs of the carried rows were not used (zero gradient); the rows this chunk handed on also
