@@ -41,6 +41,12 @@ __device__ __forceinline__ void copy_wait_all_but_newest() {
 
 __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// Shared memory written by the threads (or cp.async) that the async proxy (wgmma, the TMA) reads
+// next: each writer fences, then a barrier.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // Waits until at most N committed groups (the newest N) are still in flight: a ring of N + 2 stages.
 template <int N>
 __device__ __forceinline__ void copy_wait() {

@@ -341,16 +341,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   const int k_units = a.dk / 16;
   float dq[MT][kMaxColTiles][4] = {};
 
-  // Rows and indices by tile as in the forward (the atomics read tile - 2's slot last, before
-  // the barrier of tile - 1).
+  // Rows and indices by tile as in the forward. Once dQ has read a tile's keys, their buffer stages
+  // the selected rows' gradient, 32 rows at a time (dk fp32 each, dk + kPad apart: the buffer's
+  // size exactly), which the TMA adds into d_latent while the warps go on; thread 0 issues the
+  // bulk reductions and waits for their reads of the buffer before it is written again (the next
+  // half, or the next tile's keys two tiles on).
+  const int staged_stride = a.dk + kPad;
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int buf = static_cast<int>(tile & 1);
     int32_t* next_idx = idx_s + ((tile + 1) % 3) * kKeys;
     if (tid < kKeys) next_idx[tid] = next_index;
     copy_wait_all();
-    __syncthreads();  // the tile landed; the other buffer, p_s and ds_s are free
-    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
-    copy_commit();
+    __syncthreads();  // the tile landed; p_s and ds_s are free
     next_index = tile_index(a, t, tile + 2);
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
     const int32_t* idx = idx_s + (tile % 3) * kKeys;
@@ -377,13 +379,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
         *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
       }
     }
+    if (tid == 0) bulk_wait_read<0>();  // the previous tile's gradient has left the other buffer
     __syncthreads();
+    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
+    copy_commit();
 
     // dQ += dS K over the warp's dk columns.
     probs_times_values<MT>(dq, ds_s, keys, qk_stride, k_units);
+    __syncthreads();  // nobody reads the keys any more
+    float* staged = reinterpret_cast<float*>(kv_s + buf * kKeys * qk_stride);
 
     // The selected rows' gradient, [64 keys, dk] = dS^T Q + P^T dO (the value part: columns < dv),
-    // 32 keys at a time (two m16 tiles), the warp's dk columns, added with atomics.
+    // 32 keys at a time (two m16 tiles), the warp's dk columns.
     // A = dS^T from ds_s [row][key] by transposed loads: matrices (keys m0.., rows k0..),
     // (keys m0 + 8.., rows k0..), (keys m0.., rows k0 + 8..), (keys m0 + 8.., rows k0 + 8..).
     const int a_row = (lane % 8) + (lane / 16) * 8, a_key = ((lane / 8) % 2) * 8;
@@ -419,23 +426,37 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
           }
         }
       }
+      if (half > 0) {  // the first half's rows have left the buffer
+        if (tid == 0) bulk_wait_read<0>();
+        __syncthreads();
+      }
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-          const int32_t index = idx[half * 32 + mi * 16 + g + 8 * rh];
-          if (index < 0) continue;
-          float* dst = a.d_latent + static_cast<int64_t>(index) * a.latent_stride + 2 * c;
+          float* dst = staged + (mi * 16 + g + 8 * rh) * staged_stride + 2 * c;
 #pragma unroll
           for (int j = 0; j < kMaxColTiles; ++j) {
             if (warp + kWarps * (j / 2) >= k_units) break;
-            atomicAdd(reinterpret_cast<float2*>(dst + tile_column(j)),
-                      make_float2(dl[mi][j][2 * rh], dl[mi][j][2 * rh + 1]));
+            *reinterpret_cast<float2*>(dst + tile_column(j)) =
+                make_float2(dl[mi][j][2 * rh], dl[mi][j][2 * rh + 1]);
           }
         }
       }
+      fence_async_shared();
+      __syncthreads();
+      if (tid == 0) {
+        for (int r = 0; r < 32; ++r) {
+          const int32_t index = idx[half * 32 + r];
+          if (index >= 0)
+            bulk_reduce_add(a.d_latent + static_cast<int64_t>(index) * a.latent_stride,
+                            staged + r * staged_stride, static_cast<uint32_t>(a.dk) * 4);
+        }
+        bulk_commit();
+      }
     }
   }
+  if (tid == 0) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
 
 #pragma unroll
   for (int m = 0; m < MT; ++m) {

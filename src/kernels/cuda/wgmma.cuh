@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/mma.cuh"  // fence_async_shared
+
 // wgmma exists only in sm_90a code; the build's portable compute_90 PTX gets a trap instead (the
 // H200 runs the sm_90a machine code).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -58,12 +60,6 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int Pending>
 __device__ __forceinline__ void wgmma_wait() {
   SPINDLE_WGMMA("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
-}
-
-// Shared memory written by the threads (or cp.async) that wgmma reads next: each writer fences,
-// then a barrier.
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // A barrier of warpgroup `group`'s 128 threads alone (barrier 0 is __syncthreads').
