@@ -15,8 +15,9 @@
 //   log-sum-exp for the backward.
 //   backward: per tile, S and dP = dO V^T (each warp 8 keys), P = exp(S - lse),
 //   dS = P (dP - rowsum(dO o O)) scale; dQ += dS K in registers (16-column units per warp); the
-//   latent's gradient dS^T Q + P^T dO ([64 keys, dk]) added to its rows with fp32x2 atomics,
-//   because many queries select the same row.
+//   latent's gradient dS^T Q + P^T dO ([64 keys, dk], fp32) staged 32 rows at a time in the
+//   tile's spent key buffer and added to its rows by TMA bulk reductions (many queries select the
+//   same row), which run while the warps go on.
 // Limits: dk and dv multiples of 16 with dv <= dk <= 512 (shared memory), rows 16-byte aligned.
 #pragma once
 

@@ -11,8 +11,8 @@
 // block, N = 32 heads, K = 64 keys; the tile's rows read transposed as V^T). The other warpgroup's
 // gathers overlap one's arithmetic.
 //
-// The backward stays on mma.sync (sparse_mla.cu): a wgmma backward measured no faster (docs/PERF.md),
-// both bound by DRAM on the latent gradient's fp32 atomics.
+// The backward stays on mma.sync (sparse_mla.cu): a wgmma backward measured no faster when both
+// were bound by DRAM on the latent gradient's fp32 atomics (docs/PERF.md).
 #pragma once
 
 #include "kernels/cuda/sparse_mla.h"
