@@ -62,6 +62,24 @@ void LmHeadLoss::ensure_workspace(size_t bytes) {
   }
 }
 
+void LmHeadLoss::fold_block(const __nv_bfloat16* hidden_block, const __nv_bfloat16* weight,
+                            const int32_t* target_block, int64_t Lb, int64_t D, int64_t V, float* logits,
+                            size_t chunk_stride, float* row_stats, size_t stats_stride, float* logprob_block,
+                            float* lse_block, cudaStream_t stream) {
+  const int64_t C_max = chunk_ld(V, vocab_chunk_);
+  float *run_max = row_stats, *run_sum = row_stats + stats_stride, *target_logit = run_sum + stats_stride;
+  for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
+    const int64_t C = std::min(vocab_chunk_, V - c0);
+    float* chunk_logits = logits + c0 / vocab_chunk_ * chunk_stride;
+    // logits[Lb, C] row-major (ld C_max) = h W_c^T; column-major: [C, Lb] = W_c^T(op T on [D, C]) * h^T([D,
+    // Lb]).
+    gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden_block, D, chunk_logits, CUDA_R_32F, C_max,
+                 1.0f, 0.0f, stream);
+    lm_loss_detail::fold_chunk(chunk_logits, C_max, target_block, Lb, c0, C, run_max, run_sum, target_logit,
+                               c0 == 0, c0 + C >= V, logprob_block, lse_block, stream);
+  }
+}
+
 void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weight, const int32_t* target,
                          float* logprob, float* lse, float* loss, int64_t L, int64_t D, int64_t V,
                          cudaStream_t stream) {
@@ -73,21 +91,11 @@ void LmHeadLoss::forward(const __nv_bfloat16* hidden, const __nv_bfloat16* weigh
   ensure_workspace(forward_workspace_bytes(L, V));
   const int64_t Lb_max = std::min(L, token_block_), C_max = chunk_ld(V, vocab_chunk_);
   float* logits = workspace_.data();
-  float* run_max = logits + round_up(static_cast<size_t>(Lb_max * C_max));
-  float* run_sum = run_max + round_up(static_cast<size_t>(Lb_max));
-  float* target_logit = run_sum + round_up(static_cast<size_t>(Lb_max));
-  for (int64_t r0 = 0; r0 < L; r0 += token_block_) {
-    const int64_t Lb = std::min(token_block_, L - r0);
-    for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
-      const int64_t C = std::min(vocab_chunk_, V - c0);
-      // logits[Lb, C] row-major (ld C_max) = h W_c^T; column-major: [C, Lb] = W_c^T(op T on [D, C]) * h^T([D,
-      // Lb]).
-      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, logits, CUDA_R_32F, C_max,
-                   1.0f, 0.0f, stream);
-      lm_loss_detail::fold_chunk(logits, C_max, target + r0, Lb, c0, C, run_max, run_sum, target_logit,
-                                 c0 == 0, c0 + C >= V, logprob + r0, lse ? lse + r0 : nullptr, stream);
-    }
-  }
+  float* row_stats = logits + round_up(static_cast<size_t>(Lb_max * C_max));
+  for (int64_t r0 = 0; r0 < L; r0 += token_block_)
+    fold_block(hidden + r0 * D, weight, target + r0, std::min(token_block_, L - r0), D, V, logits, 0,
+               row_stats, round_up(static_cast<size_t>(Lb_max)), logprob + r0, lse ? lse + r0 : nullptr,
+               stream);
   if (loss) lm_loss_detail::mean_loss(logprob, target, L, loss, stream);
 }
 
@@ -105,24 +113,16 @@ void LmHeadLoss::forward_backward(const __nv_bfloat16* hidden, const __nv_bfloat
   const size_t kept = round_up(kept_logits_floats(Lb_max, V, vocab_chunk_)),
                stride = kept_chunk_stride(Lb_max, V, vocab_chunk_);
   float* logits = workspace_.data();
-  float* run_max = logits + kept;
-  float* run_sum = run_max + round_up(static_cast<size_t>(Lb_max));
-  float* target_logit = run_sum + round_up(static_cast<size_t>(Lb_max));
-  float* row_lse = target_logit + round_up(static_cast<size_t>(Lb_max));  // when the caller keeps none
+  float* row_stats = logits + kept;  // running max, sum and target logit
+  float* row_lse = row_stats + 3 * round_up(static_cast<size_t>(Lb_max));  // when the caller keeps none
   auto* dlogits = reinterpret_cast<__nv_bfloat16*>(row_lse + round_up(static_cast<size_t>(Lb_max)));
   float* dh = row_lse + round_up(static_cast<size_t>(Lb_max)) +
               round_up(static_cast<size_t>((Lb_max * C_max + 1) / 2));
   for (int64_t r0 = 0; r0 < L; r0 += token_block_) {
     const int64_t Lb = std::min(token_block_, L - r0);
     float* block_lse = lse ? lse + r0 : row_lse;
-    for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
-      const int64_t C = std::min(vocab_chunk_, V - c0);
-      float* chunk_logits = logits + c0 / vocab_chunk_ * stride;
-      gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden + r0 * D, D, chunk_logits, CUDA_R_32F,
-                   C_max, 1.0f, 0.0f, stream);
-      lm_loss_detail::fold_chunk(chunk_logits, C_max, target + r0, Lb, c0, C, run_max, run_sum, target_logit,
-                                 c0 == 0, c0 + C >= V, logprob + r0, block_lse, stream);
-    }
+    fold_block(hidden + r0 * D, weight, target + r0, Lb, D, V, logits, stride, row_stats,
+               round_up(static_cast<size_t>(Lb_max)), logprob + r0, block_lse, stream);
     for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
       const int64_t C = std::min(vocab_chunk_, V - c0);
       lm_loss_detail::softmax_grad(logits + c0 / vocab_chunk_ * stride, C_max, target + r0, block_lse, Lb, c0,

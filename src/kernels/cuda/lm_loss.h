@@ -59,6 +59,12 @@ class LmHeadLoss {
 
  private:
   void ensure_workspace(size_t bytes);
+  // One token block's logits chunk by chunk over the vocabulary (chunk j's at logits + j *
+  // chunk_stride, ld the chunk's width rounded to 8: stride 0 reuses one chunk's buffer), folded
+  // into the running max, sum and target logit (row_stats, stats_stride apart), then logprob and lse.
+  void fold_block(const __nv_bfloat16* hidden_block, const __nv_bfloat16* weight, const int32_t* target_block,
+                  int64_t Lb, int64_t D, int64_t V, float* logits, size_t chunk_stride, float* row_stats,
+                  size_t stats_stride, float* logprob_block, float* lse_block, cudaStream_t stream);
 
   int64_t vocab_chunk_, token_block_;
   Gemm gemm_;
