@@ -492,23 +492,30 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
       float dl[2][kMaxColTiles][4] = {};
 #pragma unroll
       for (int k = 0; k < R; k += 16) {
+        // Both m16 tiles' A first, so that each B fragment of Q and dO is read once for both.
+        uint32_t ads[2][4], ap[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           const int m0 = half * 32 + mi * 16;
-          uint32_t ads[4], ap[4];
-          ldmatrix_x4_trans(ads, ds_address + (k * kProbStride + m0) * 2);
-          ldmatrix_x4_trans(ap, p_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ads[mi], ds_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ap[mi], p_address + (k * kProbStride + m0) * 2);
+        }
 #pragma unroll
-          for (int j = 0; j < kMaxColTiles; j += 2) {
-            if (warp + kWarps * (j / 2) >= k_units) break;
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
-            mma_bf16(dl[mi][j], ads, b[0], b[1]);
-            mma_bf16(dl[mi][j + 1], ads, b[2], b[3]);
-            if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
-              ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
-              mma_bf16(dl[mi][j], ap, b[0], b[1]);
-              mma_bf16(dl[mi][j + 1], ap, b[2], b[3]);
+        for (int j = 0; j < kMaxColTiles; j += 2) {
+          if (warp + kWarps * (j / 2) >= k_units) break;
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_bf16(dl[mi][j], ads[mi], b[0], b[1]);
+            mma_bf16(dl[mi][j + 1], ads[mi], b[2], b[3]);
+          }
+          if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
+            ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              mma_bf16(dl[mi][j], ap[mi], b[0], b[1]);
+              mma_bf16(dl[mi][j + 1], ap[mi], b[2], b[3]);
             }
           }
         }
