@@ -32,8 +32,13 @@ constexpr int kProbStride = kKeys + kPad;  // bf16 probabilities per shared row
 struct Layout {
   int rows;  // heads per CTA: 16 * MT
   int qk_stride, v_stride;
-  size_t q_bytes, do_bytes, kv_bytes, s_bytes, p_bytes, total;
+  size_t q_bytes, do_bytes, kv_bytes, s_bytes, p_bytes, partial_bytes, total;
 };
+
+// The backward's scores: warp w takes row tile w % 2, keys 16 ((w / 2) % 4) .. + 15 and half w / 8
+// of the reduction (dk for S, dv for dP); the second halves' partial sums pass through shared
+// memory, [8 warps][4 float4][32 lanes].
+constexpr size_t kPartialBytes = 8 * 4 * 32 * 16;
 
 Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   Layout l{};
@@ -45,8 +50,10 @@ Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   l.kv_bytes = 2 * static_cast<size_t>(kKeys) * l.qk_stride * 2;
   l.s_bytes = backward ? 0 : static_cast<size_t>(l.rows) * kScoreStride * 4;
   l.p_bytes = static_cast<size_t>(backward ? 2 : 1) * l.rows * kProbStride * 2;
+  l.partial_bytes = backward ? kPartialBytes : 0;
   // + per-row statistics (3 floats) and three tiles' selected indices
-  l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + 3 * l.rows * 4 + 3 * kKeys * 4;
+  l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + l.partial_bytes + 3 * l.rows * 4 +
+            3 * kKeys * 4;
   return l;
 }
 
@@ -126,6 +133,61 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bflo
     ldmatrix_x2(b, b_address + k * 2);
     ldmatrix_x4(a0, a_address + k * 2);
     mma_bf16(acc, a0, b[0], b[1]);
+  }
+}
+
+// The backward's scores over one range of the reduction: s[n] += q[16, k0:k1) . keys[8 n .. 8 n + 7,
+// k0:k1)^T and dp[n] += dO[16, k0:kv) . keys[.., k0:kv)^T for n = 0, 1 (the warp's 16 keys), kv =
+// min(k1, dv): both products read each key fragment once, and each row fragment serves both n8
+// tiles. k0, k1 and dv multiples of 16.
+__device__ __forceinline__ void scores_over_range(float (&s)[2][4], float (&dp)[2][4], const __nv_bfloat16* q,
+                                                  int q_stride, const __nv_bfloat16* dout, int do_stride,
+                                                  const __nv_bfloat16* keys, int key_stride, int k0, int k1,
+                                                  int dv) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t q_address = shared_address(q + (lane % 16) * q_stride + (lane / 16) * 8);
+  const uint32_t do_address = shared_address(dout + (lane % 16) * do_stride + (lane / 16) * 8);
+  // x4: 8 key rows at k, k + 8, k + 16, k + 24 (b0, b1 of two k16 steps), for keys 0-7 and 8-15.
+  const uint32_t key_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
+  const uint32_t key_step = 8 * key_stride * 2;  // bytes from keys 0-7 to 8-15
+  int k = k0;
+  for (; k + 32 <= k1; k += 32) {
+    uint32_t b[2][4], a0[4], a1[4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) ldmatrix_x4(b[n], key_address + n * key_step + k * 2);
+    ldmatrix_x4(a0, q_address + k * 2);
+    ldmatrix_x4(a1, q_address + (k + 16) * 2);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      mma_bf16(s[n], a0, b[n][0], b[n][1]);
+      mma_bf16(s[n], a1, b[n][2], b[n][3]);
+    }
+    if (k + 32 <= dv) {
+      ldmatrix_x4(a0, do_address + k * 2);
+      ldmatrix_x4(a1, do_address + (k + 16) * 2);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        mma_bf16(dp[n], a0, b[n][0], b[n][1]);
+        mma_bf16(dp[n], a1, b[n][2], b[n][3]);
+      }
+    } else if (k < dv) {  // dv ends inside this k32 step
+      ldmatrix_x4(a0, do_address + k * 2);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) mma_bf16(dp[n], a0, b[n][0], b[n][1]);
+    }
+  }
+  if (k < k1) {  // a last 16
+    uint32_t b[2][2], a0[4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) ldmatrix_x2(b[n], key_address + n * key_step + k * 2);
+    ldmatrix_x4(a0, q_address + k * 2);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) mma_bf16(s[n], a0, b[n][0], b[n][1]);
+    if (k < dv) {
+      ldmatrix_x4(a0, do_address + k * 2);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) mma_bf16(dp[n], a0, b[n][0], b[n][1]);
+    }
   }
 }
 
@@ -305,14 +367,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   const int h0 = blockIdx.y * R, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4,
             c = lane % 4;
   const int qk_stride = a.dk + kPad, v_stride = a.dv + kPad;
-  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);      // [R][qk_stride]
-  __nv_bfloat16* do_s = q_s + R * qk_stride;                          // [R][v_stride]
-  __nv_bfloat16* kv_s = do_s + R * v_stride;                          // [2][kKeys][qk_stride]
-  __nv_bfloat16* p_s = kv_s + 2 * kKeys * qk_stride;                  // [R][kProbStride]
-  __nv_bfloat16* ds_s = p_s + R * kProbStride;                        // [R][kProbStride]
-  float* delta_s = reinterpret_cast<float*>(ds_s + R * kProbStride);  // [R] rowsum(dO o O)
-  float* lse_s = delta_s + R;                                         // [R] log2 domain
-  int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);         // [3][kKeys]
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);        // [R][qk_stride]
+  __nv_bfloat16* do_s = q_s + R * qk_stride;                            // [R][v_stride]
+  __nv_bfloat16* kv_s = do_s + R * v_stride;                            // [2][kKeys][qk_stride]
+  __nv_bfloat16* p_s = kv_s + 2 * kKeys * qk_stride;                    // [R][kProbStride]
+  __nv_bfloat16* ds_s = p_s + R * kProbStride;                          // [R][kProbStride]
+  float* partial_s = reinterpret_cast<float*>(ds_s + R * kProbStride);  // kPartialBytes: the scores' halves
+  float* delta_s = partial_s + kPartialBytes / 4;                       // [R] rowsum(dO o O)
+  float* lse_s = delta_s + R;                                           // [R] log2 domain
+  int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);           // [3][kKeys]
 
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
   load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
@@ -357,26 +420,50 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
     const int32_t* idx = idx_s + (tile % 3) * kKeys;
 
-    // P and dS for the warp's m16 tile and 8 keys.
-    const int row_tile = score_tile(), key0 = score_key0() + 2 * c;
+    // S and dP for the warp's m16 tile and 16 keys over its half of the reduction; the second
+    // halves' sums pass to the first, which make P and dS.
+    const int row_tile = warp % 2, key16 = (warp / 2) % 4 * 16, k_half = warp / 8;
+    float s[2][4] = {}, dp[2][4] = {};
     if (row_tile < MT) {
-      float s[4] = {}, dp[4] = {};
-      const __nv_bfloat16* warp_keys = keys + score_key0() * qk_stride;
-      rows_times_keys(s, q_s + row_tile * 16 * qk_stride, qk_stride, warp_keys, qk_stride, a.dk);
-      rows_times_keys(dp, do_s + row_tile * 16 * v_stride, v_stride, warp_keys, qk_stride, a.dv);
-      const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
+      const int k_mid = a.dk / 32 * 16;  // a multiple of 16: the first half's end
+      scores_over_range(s, dp, q_s + row_tile * 16 * qk_stride, qk_stride, do_s + row_tile * 16 * v_stride,
+                        v_stride, keys + key16 * qk_stride, qk_stride, k_half == 0 ? 0 : k_mid,
+                        k_half == 0 ? k_mid : a.dk, a.dv);
+      if (k_half == 1) {
+        float4* to = reinterpret_cast<float4*>(partial_s) + (warp - 8) * 4 * 32 + lane;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row_tile * 16 + g + 8 * half;
-        float p[2], d[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          // exp2f, not exp2_ftz: this DRAM-bound kernel measured 0.2% slower with it (two pairs).
-          p[e] = valid[e] ? exp2f(s[2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
-          d[e] = p[e] * (dp[2 * half + e] - delta_s[row]) * a.scale;
+        for (int n = 0; n < 2; ++n) {
+          to[(2 * n) * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+          to[(2 * n + 1) * 32] = make_float4(dp[n][0], dp[n][1], dp[n][2], dp[n][3]);
         }
-        *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
-        *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
+      }
+    }
+    __syncthreads();
+    if (row_tile < MT && k_half == 0) {
+      const float4* from = reinterpret_cast<const float4*>(partial_s) + warp * 4 * 32 + lane;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float4 ps = from[(2 * n) * 32], pd = from[(2 * n + 1) * 32];
+        s[n][0] += ps.x, s[n][1] += ps.y, s[n][2] += ps.z, s[n][3] += ps.w;
+        dp[n][0] += pd.x, dp[n][1] += pd.y, dp[n][2] += pd.z, dp[n][3] += pd.w;
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int key0 = key16 + 8 * n + 2 * c;
+        const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = row_tile * 16 + g + 8 * half;
+          float p[2], d[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            // exp2f, not exp2_ftz: this DRAM-bound kernel measured 0.2% slower with it (two pairs).
+            p[e] = valid[e] ? exp2f(s[n][2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
+            d[e] = p[e] * (dp[n][2 * half + e] - delta_s[row]) * a.scale;
+          }
+          *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
+          *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
+        }
       }
     }
     if (tid == 0) bulk_wait_read<0>();  // the previous tile's gradient has left the other buffer
@@ -405,23 +492,30 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
       float dl[2][kMaxColTiles][4] = {};
 #pragma unroll
       for (int k = 0; k < R; k += 16) {
+        // Both m16 tiles' A first, so that each B fragment of Q and dO is read once for both.
+        uint32_t ads[2][4], ap[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           const int m0 = half * 32 + mi * 16;
-          uint32_t ads[4], ap[4];
-          ldmatrix_x4_trans(ads, ds_address + (k * kProbStride + m0) * 2);
-          ldmatrix_x4_trans(ap, p_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ads[mi], ds_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ap[mi], p_address + (k * kProbStride + m0) * 2);
+        }
 #pragma unroll
-          for (int j = 0; j < kMaxColTiles; j += 2) {
-            if (warp + kWarps * (j / 2) >= k_units) break;
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
-            mma_bf16(dl[mi][j], ads, b[0], b[1]);
-            mma_bf16(dl[mi][j + 1], ads, b[2], b[3]);
-            if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
-              ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
-              mma_bf16(dl[mi][j], ap, b[0], b[1]);
-              mma_bf16(dl[mi][j + 1], ap, b[2], b[3]);
+        for (int j = 0; j < kMaxColTiles; j += 2) {
+          if (warp + kWarps * (j / 2) >= k_units) break;
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_bf16(dl[mi][j], ads[mi], b[0], b[1]);
+            mma_bf16(dl[mi][j + 1], ads[mi], b[2], b[3]);
+          }
+          if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
+            ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              mma_bf16(dl[mi][j], ap[mi], b[0], b[1]);
+              mma_bf16(dl[mi][j + 1], ap[mi], b[2], b[3]);
             }
           }
         }

@@ -13,7 +13,8 @@
 //   fp32, O += P V (16-column units of the output dealt to the warps in turn, accumulators in
 //   registers); writes out and the row's
 //   log-sum-exp for the backward.
-//   backward: per tile, S and dP = dO V^T (each warp 8 keys), P = exp(S - lse),
+//   backward: per tile, S and dP = dO V^T (each warp 16 keys over half of dk and dv, the halves
+//   summed through shared memory), P = exp(S - lse),
 //   dS = P (dP - rowsum(dO o O)) scale; dQ += dS K in registers (16-column units per warp); the
 //   latent's gradient dS^T Q + P^T dO ([64 keys, dk], fp32) staged 32 rows at a time in the
 //   tile's spent key buffer and added to its rows by TMA bulk reductions (many queries select the
