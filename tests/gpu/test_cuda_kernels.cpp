@@ -118,6 +118,41 @@ TEST(CudaKernels, GemmMatchesTheCpuProduct) {
   }
 }
 
+// The attention's per-head products in one launch: heads interleaved in the activations' rows
+// (strides of a head's width) and spaced in the weight (W_k,h then W_v,h per head), as dsa.cpp
+// lays them out; both output types, the fp32 one accumulated onto a prior value.
+TEST(CudaKernels, BatchedGemmMatchesTheCpuProductPerHead) {
+  Gemm gemm;
+  const int64_t H = 5, L = 203, dk = 48, dv = 32, kr = 64, rows = dk + dv;
+  const auto w = rounded(random_floats(H * rows * kr, 0.1f)), q = rounded(random_floats(L * H * dk)),
+             o = rounded(random_floats(L * H * kr)), dout = rounded(random_floats(L * H * dv));
+  const auto prior = random_floats(H * rows * kr);
+  Stream stream;
+  auto dw = device(to_bf16(w), MemoryCategory::Weights);
+  auto dq = device(to_bf16(q)), d_o = device(to_bf16(o)), d_dout = device(to_bf16(dout));
+  auto q_lat = poisoned<bf16>(L * H * kr);
+  auto grad = device(prior, MemoryCategory::Gradients);
+  // q_lat_h [L, kr] = q_h [L, dk] W_k,h [dk, kr]; dW_v,h [dv, kr] += dout_h^T o_h.
+  gemm.matmul_batched(false, false, kr, L, dk, dw.data(), kr, rows * kr, dq.data(), H * dk, dk, q_lat.data(),
+                      CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f, stream.get());
+  gemm.matmul_batched(false, true, kr, dv, L, d_o.data(), H * kr, kr, d_dout.data(), H * dv, dv,
+                      grad.data() + dk * kr, CUDA_R_32F, kr, rows * kr, H, 1.0f, 1.0f, stream.get());
+  stream.synchronize();
+  std::vector<double> want_q(L * H * kr, 0.0), want_grad(prior.begin(), prior.end());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t j = 0; j < kr; ++j) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < dk; ++i) sum += double(q[(t * H + h) * dk + i]) * w[(h * rows + i) * kr + j];
+        want_q[(t * H + h) * kr + j] = sum;
+        for (int64_t i = 0; i < dv; ++i)
+          want_grad[(h * rows + dk + i) * kr + j] +=
+              double(dout[(t * H + h) * dv + i]) * o[(t * H + h) * kr + j];
+      }
+  EXPECT_LT(relative_error(q_lat.download(), want_q), 6e-3);
+  EXPECT_LT(relative_error(grad.download(), want_grad), 1e-4);
+}
+
 TEST(CudaKernels, AllocatorCachesAndCounts) {
   auto& allocator = DeviceAllocator::instance();
   const int64_t before = allocator.stats().current_total;

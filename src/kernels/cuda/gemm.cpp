@@ -8,12 +8,15 @@ namespace {
 
 // The largest power of two (at most 256) dividing the address: cuBLASLt assumes 256-byte
 // aligned operands unless told otherwise, and row offsets into a matrix are not.
-uint32_t alignment_of(const void* pointer) {
+// Batched, every operand of the batch is aligned to what both its first address and the stride give.
+uint32_t alignment_of(const void* pointer, int64_t stride_bytes = 0) {
   const auto address = reinterpret_cast<uintptr_t>(pointer);
   uint32_t align = 256;
-  while (align > 1 && address % align != 0) align /= 2;
+  while (align > 1 && (address % align != 0 || stride_bytes % align != 0)) align /= 2;
   return align;
 }
+
+size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 
 }  // namespace
 
@@ -42,7 +45,8 @@ void* Gemm::workspace(cudaStream_t stream) {
 const Gemm::Plan& Gemm::plan(const PlanKey& key) {
   auto found = plans_.find(key);
   if (found != plans_.end()) return found->second;
-  const auto [transpose_a, transpose_b, m, n, k, lda, ldb, ldc, c_type, align_a, align_b, align_c] = key;
+  const auto [transpose_a, transpose_b, m, n, k, lda, ldb, ldc, c_type, align_a, align_b, align_c, batch,
+              stride_a, stride_b, stride_c] = key;
   Plan p;
   SPINDLE_CUBLAS(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -55,13 +59,26 @@ const Gemm::Plan& Gemm::plan(const PlanKey& key) {
   SPINDLE_CUBLAS(
       cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, u(transpose_b ? n : k), u(transpose_b ? k : n), ldb));
   SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, static_cast<cudaDataType_t>(c_type), u(m), u(n), ldc));
+  if (batch > 1) {
+    const auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
+      const auto count = static_cast<int32_t>(batch);
+      SPINDLE_CUBLAS(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+      SPINDLE_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &stride, sizeof stride));
+    };
+    strided(p.a, stride_a);
+    strided(p.b, stride_b);
+    strided(p.c, stride_c);
+  }
   // The heuristic takes far longer than a product of the MoE's sizes, whose row counts change with
   // every routing: for a dimension of at least 1024 that is not a multiple of 64 (a row count, not
   // a model size) its choice is kept per bucket of 128 (a negative id) and reused for any product
   // in that bucket that cuBLASLt confirms it supports.
   const auto bucket = [](int64_t v) { return v >= 1024 && v % 64 != 0 ? -((v + 127) / 128) : v; };
   const AlgoKey algo_key{transpose_a, transpose_b, bucket(m), bucket(n), bucket(k), lda,
-                         ldb,         ldc,         c_type,    align_a,   align_b,   align_c};
+                         ldb,         ldc,         c_type,    align_a,   align_b,   align_c,
+                         batch,       stride_a,    stride_b,  stride_c};
   if (auto near = algos_.find(algo_key); near != algos_.end()) {
     cublasLtMatmulHeuristicResult_t checked{};
     if (cublasLtMatmulAlgoCheck(handle_, p.op, p.a, p.b, p.c, p.c, &near->second, &checked) ==
@@ -100,14 +117,27 @@ void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int6
   if (k == 0) {  // an empty sum: cuBLASLt refuses k = 0, the answer is beta * c
     check(beta == 1.0f || beta == 0.0f, "Gemm: k = 0 with beta ", beta);
     if (beta == 0.0f) {
-      const size_t element = c_type == CUDA_R_32F ? 4 : 2;
+      const size_t element = element_bytes(c_type);
       SPINDLE_CUDA(cudaMemset2DAsync(c, static_cast<size_t>(ldc) * element, 0,
                                      static_cast<size_t>(m) * element, static_cast<size_t>(n), stream));
     }
     return;
   }
+  matmul_batched(transpose_a, transpose_b, m, n, k, a, lda, 0, b, ldb, 0, c, c_type, ldc, 0, 1, alpha, beta,
+                 stream);
+}
+
+void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
+                          int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b,
+                          void* c, cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch,
+                          float alpha, float beta, cudaStream_t stream) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  check(k > 0, "Gemm: a batched product with k = 0");
+  if (batch == 1) stride_a = stride_b = stride_c = 0;
+  const int64_t c_bytes = static_cast<int64_t>(element_bytes(c_type));
   const Plan& p = plan({transpose_a, transpose_b, m, n, k, lda, ldb, ldc, static_cast<int>(c_type),
-                        alignment_of(a), alignment_of(b), alignment_of(c)});
+                        alignment_of(a, 2 * stride_a), alignment_of(b, 2 * stride_b),
+                        alignment_of(c, c_bytes * stride_c), batch, stride_a, stride_b, stride_c});
   SPINDLE_CUBLAS(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo,
                                 workspace(stream), workspace_bytes_, stream));
 }

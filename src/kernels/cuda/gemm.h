@@ -7,7 +7,9 @@
 // matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
 // the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
 // leading dimensions, output type and operand alignment; the heuristic runs once per shape, row
-// counts within 128 of each other counting as one (the MoE's change with every routing). One Gemm
+// counts within 128 of each other counting as one (the MoE's change with every routing).
+// matmul_batched runs many products of one shape at fixed element strides in one launch (the
+// attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
 // products queued on different streams may run together.
 #pragma once
@@ -46,6 +48,12 @@ class Gemm {
   void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
               const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float alpha,
               float beta, cudaStream_t stream);
+  // `batch` products c_i = alpha op(a_i) op(b_i) + beta c_i with a_i = a + i stride_a, b_i = b + i
+  // stride_b, c_i = c + i stride_c (strides in elements; the c_i must not overlap).
+  void matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
+                      int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b, void* c,
+                      cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch, float alpha,
+                      float beta, cudaStream_t stream);
 
  private:
   struct Plan {
@@ -53,8 +61,9 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
+  // transposes, m, n, k, leading dimensions, c's type, alignments, then batch and strides.
   using PlanKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t,
-                             uint32_t, uint32_t>;
+                             uint32_t, uint32_t, int64_t, int64_t, int64_t, int64_t>;
   const Plan& plan(const PlanKey& key);
 
   // The heuristic's algorithms by shape, row counts by bucket (plan()).

@@ -172,6 +172,8 @@ int64_t cache_row(const ModelConfig& c, bool absorbed) {
 // kv_b_proj's rows for head h: W_k,h ([qk_head_dim, kv_lora_rank]) then W_v,h ([v, kv_lora_rank]).
 int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() + c.v_head_dim); }
 int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
+// Elements from one head's W_k,h (or W_v,h) to the next's: the per-head products run batched.
+int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_lora_rank; }
 
 // Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
 // attention's output comes from an AttentionKept (not allocated here).
@@ -201,9 +203,10 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   a.q_lat = activations(L * H * kr);
   if (!output_kept) a.o_lat = activations(L * H * kr);
   const bf16* wkv = bf16_data(w.kv_b_proj);
-  for (int64_t h = 0; h < H; ++h)  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr]
-    ctx.gemm.matmul(false, false, kr, L, dqk, wkv + key_rows(c, h) * kr, kr, a.q.data() + h * dqk, H * dqk,
-                    a.q_lat.data() + h * kr, CUDA_R_16BF, H * kr, 1.0f, 0.0f, s);
+  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr], every head h in one launch.
+  ctx.gemm.matmul_batched(false, false, kr, L, dqk, wkv + key_rows(c, 0) * kr, kr, head_weight_stride(c),
+                          a.q.data(), H * dqk, dqk, a.q_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f,
+                          s);
   ctx.record.note("dsa/projections", "cublaslt bf16 (queries absorbed into the latent)");
   return a;
 }
@@ -227,9 +230,9 @@ void append_kv(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t 
 void project_attended(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a) {
   const int64_t H = c.num_attention_heads, kr = c.kv_lora_rank, dv = c.v_head_dim;
   const bf16* wkv = bf16_data(w.kv_b_proj);
-  for (int64_t h = 0; h < H; ++h)
-    ctx.gemm.matmul(true, false, dv, L, kr, wkv + value_rows(c, h) * kr, kr, a.o_lat.data() + h * kr, H * kr,
-                    a.attended.data() + h * dv, CUDA_R_16BF, H * dv, 1.0f, 0.0f, ctx.stream());
+  ctx.gemm.matmul_batched(true, false, dv, L, kr, wkv + value_rows(c, 0) * kr, kr, head_weight_stride(c),
+                          a.o_lat.data(), H * kr, kr, a.attended.data(), CUDA_R_16BF, H * dv, dv, H, 1.0f,
+                          0.0f, ctx.stream());
 }
 
 // What the forward's attention left in `kept` back into `a` (the form's output, and the
@@ -295,25 +298,22 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
   const bf16* wkv = bf16_data(w.kv_b_proj);
   float* gkv = f32_data(grad.kv_b_proj);
   DeviceBuffer<bf16> d_o_lat = activations(L * H * kr), dq_lat = activations(L * H * kr);
-  for (int64_t h = 0; h < H; ++h) {
-    // d_o_lat_h = d_attended_h W_v,h; dW_v,h += d_attended_h^T o_lat_h.
-    ctx.gemm.matmul(false, false, kr, L, dv, wkv + value_rows(c, h) * kr, kr, d_attended + h * dv, H * dv,
-                    d_o_lat.data() + h * kr, CUDA_R_16BF, H * kr, 1.0f, 0.0f, s);
-    ctx.gemm.matmul(false, true, kr, dv, L, a.o_lat.data() + h * kr, H * kr, d_attended + h * dv, H * dv,
-                    gkv + value_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
-  }
+  const int64_t ws = head_weight_stride(c);
+  // For every head h at once: d_o_lat_h = d_attended_h W_v,h; dW_v,h += d_attended_h^T o_lat_h.
+  ctx.gemm.matmul_batched(false, false, kr, L, dv, wkv + value_rows(c, 0) * kr, kr, ws, d_attended, H * dv,
+                          dv, d_o_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f, s);
+  ctx.gemm.matmul_batched(false, true, kr, dv, L, a.o_lat.data(), H * kr, kr, d_attended, H * dv, dv,
+                          gkv + value_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s);
   if (tensor_cores)  // the latent's gradient lands in the cache gradient's rows
     sparse_mla_backward(mla_shape(c, L, cache_row(c, true)), a.q_lat.data(), kv, selection, a.o_lat.data(),
                         a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv, s);
   else
     sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
-  for (int64_t h = 0; h < H; ++h) {
-    // dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
-    ctx.gemm.matmul(true, false, dqk, L, kr, wkv + key_rows(c, h) * kr, kr, dq_lat.data() + h * kr, H * kr,
-                    dq + h * dqk, CUDA_R_16BF, H * dqk, 1.0f, 0.0f, s);
-    ctx.gemm.matmul(false, true, kr, dqk, L, dq_lat.data() + h * kr, H * kr, a.q.data() + h * dqk, H * dqk,
-                    gkv + key_rows(c, h) * kr, CUDA_R_32F, kr, 1.0f, 1.0f, s);
-  }
+  // For every head h at once: dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
+  ctx.gemm.matmul_batched(true, false, dqk, L, kr, wkv + key_rows(c, 0) * kr, kr, ws, dq_lat.data(), H * kr,
+                          kr, dq, CUDA_R_16BF, H * dqk, dqk, H, 1.0f, 0.0f, s);
+  ctx.gemm.matmul_batched(false, true, kr, dqk, L, dq_lat.data(), H * kr, kr, a.q.data(), H * dqk, dqk,
+                          gkv + key_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s);
 }
 
 // The chunk's own rows of the keys' and values' gradient (fp32 [L, row], complete) to the
