@@ -1,8 +1,7 @@
 // The feed-forward sublayers on the GPU: the dense SwiGLU MLP and the routed experts (router,
 // expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, the experts
-// spread over side streams (expert_lanes.h) while the shared expert runs on the main stream, the
-// elementwise steps between products over every expert's rows at once, weighted deterministic
-// combine). CPU reference: model/mlp.cpp, model/moe.cpp.
+// spread over side streams (expert_lanes.h) while the shared expert runs on the main stream,
+// weighted deterministic combine). CPU reference: model/mlp.cpp, model/moe.cpp.
 #include <string>
 
 #include "kernels/cuda/balance_loss.h"
@@ -111,20 +110,21 @@ void for_each_expert(Context& ctx, const Routing& r, F f) {
   }
 }
 
-// Each expert's [gate | up] = x W_gate_up^T in one product ([rows, 2I]: gate and up are each
-// row's halves) on its lane, then hidden = swiglu(gate, up) over every expert's rows at once on the
-// main stream (the rows are contiguous in expert order: one launch instead of one per expert, each
-// too small to fill the GPU). Between ctx.lanes.fork and join; joins the lanes itself.
-void gate_up_and_swiglu(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r,
-                        bf16* gate_up, bf16* hidden) {
+// Queues each expert's forward on its lane (after fork; the caller joins): [gate | up] = x
+// W_gate_up^T in one product ([rows, 2I]: gate and up are each row's halves), hidden =
+// swiglu(gate, up), out = hidden W_down^T.
+void queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, const Routing& r, bf16* gate_up,
+                   bf16* hidden, bf16* out) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const auto limit = static_cast<float>(c.swiglu_limit);
+  Gemm& gemm = ctx.gemm;
   for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t s) {
-    ctx.gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D,
-                    gate_up + first * 2 * I, rows, D, 2 * I, s);
+    bf16 *gu = gate_up + first * 2 * I, *h = hidden + first * I;
+    gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D, gu, rows, D, 2 * I,
+                s);
+    clamped_swiglu_halves_forward(gu, h, rows, I, limit, s);
+    if (out != nullptr) gemm.linear(h, bf16_data(w.experts_down) + e * D * I, out + first * D, rows, I, D, s);
   });
-  ctx.lanes.join(ctx.stream());
-  clamped_swiglu_halves_forward(gate_up, hidden, r.host_offsets.back(), I, static_cast<float>(c.swiglu_limit),
-                                ctx.stream());
 }
 
 }  // namespace
@@ -142,12 +142,7 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   ctx.lanes.fork(s);
   mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());  // while the host waits for the offsets
   wait_for_offsets(ctx, r);
-  gate_up_and_swiglu(ctx, c, w, r, gate_up.data(), hidden.data());
-  ctx.lanes.fork(s);
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
-    ctx.gemm.linear(hidden.data() + first * I, bf16_data(w.experts_down) + e * D * I, out.data() + first * D,
-                    rows, I, D, ls);
-  });
+  queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), out.data());
   ctx.lanes.join(s);
   if (load != nullptr) {
     load->assign(static_cast<size_t>(E), 0);
@@ -180,25 +175,20 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   wait_for_offsets(ctx, r);
   // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
   // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
-  for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
-    gemm.linear_backward_input(dy_rows.data() + first * D, bf16_data(w.experts_down) + e * D * I,
-                               dhidden.data() + first * I, rows, I, D, ls);
-  });
-  gate_up_and_swiglu(ctx, c, w, r, gate_up.data(), hidden.data());
-  // Every expert's rows at once: y[t] += weight * out with out = hidden W_down^T gives, from g,
-  // dweight = g . hidden, the hidden's gradient weight * g and hidden scaled by weight (for the
-  // down weight's gradient dy^T (weight * hidden)); then the gradient of gate and up, in place.
-  expert_down_backward(r.permutation.data(), r.weight.data(), n, I, dhidden.data(), hidden.data(),
-                       dweight.data(), s);
-  clamped_swiglu_halves_backward(gate_up.data(), dhidden.data(), n, I, limit, s);
+  queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
   DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
-  ctx.lanes.fork(s);
   for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
-    const bf16 *x_rows = r.rows.data() + first * D, *gu = gate_up.data() + first * 2 * I;
-    gemm.linear_backward_weight(dy_rows.data() + first * D, hidden.data() + first * I,
-                                f32_data(grad.experts_down) + e * D * I, rows, I, D, ls);
+    const bf16 *x_rows = r.rows.data() + first * D, *dy_e = dy_rows.data() + first * D;
+    bf16 *gu = gate_up.data() + first * 2 * I, *h = hidden.data() + first * I,
+         *dh = dhidden.data() + first * I;
+    // y[t] += weight * out with out = hidden W_down^T: from g, dweight = g . hidden, the hidden's
+    // gradient weight * g, the down weight's dy^T (weight * hidden).
+    gemm.linear_backward_input(dy_e, bf16_data(w.experts_down) + e * D * I, dh, rows, I, D, ls);
+    expert_down_backward(r.permutation.data() + first, r.weight.data(), rows, I, dh, h, dweight.data(), ls);
+    gemm.linear_backward_weight(dy_e, h, f32_data(grad.experts_down) + e * D * I, rows, I, D, ls);
     // Gate's and up's gradients are the halves of gu's rows: against the expert's stacked [2I, D]
     // weights they give the rows' input gradient in one product, summed in fp32 and rounded once.
+    clamped_swiglu_halves_backward(gu, dh, rows, I, limit, ls);
     gemm.linear_backward_weight(gu, x_rows, f32_data(grad.experts_gate_up) + e * 2 * I * D, rows, D, 2 * I,
                                 ls);
     gemm.linear_backward_input(gu, bf16_data(w.experts_gate_up) + e * 2 * I * D, drows.data() + first * D,
