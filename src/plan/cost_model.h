@@ -36,12 +36,12 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 11.2% of peak (counted as 5 passes,
-  // see kCalibrationPasses; 1M stream 16k + host AdamW 142.25 s at 3c5f1b0 (146.6, 147.2 s at
-  // 382829f; 128k stream 16k 16.4-17.2 s at d046467), the KDA matrices kept),
+  // "Step time"): model FLOPs without the indexer's scores at 11.5% of peak (counted as 5 passes,
+  // see kCalibrationPasses; 1M stream 16k + host AdamW 139.05 s at cac0719 (142.25 s at 3c5f1b0;
+  // 128k stream 16k 16.4-17.2 s at d046467), the KDA matrices kept),
   // the indexer's quadratic scores with their selection, which run once per step, at 34% (the wgmma
   // scorer in halves and the three-read top-k: 9.25-9.31 s per run at 1M, 2026-12-02).
-  double mfu = 0.112;
+  double mfu = 0.115;
   double indexer_mfu = 0.34;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
