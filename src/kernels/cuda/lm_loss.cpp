@@ -112,17 +112,18 @@ void LmHeadLoss::forward_backward(const __nv_bfloat16* hidden, const __nv_bfloat
   const int64_t Lb_max = std::min(L, token_block_), C_max = chunk_ld(V, vocab_chunk_);
   const size_t kept = round_up(kept_logits_floats(Lb_max, V, vocab_chunk_)),
                stride = kept_chunk_stride(Lb_max, V, vocab_chunk_);
+  const size_t rows = round_up(static_cast<size_t>(Lb_max));  // one value per row of a block
   float* logits = workspace_.data();
-  float* row_stats = logits + kept;  // running max, sum and target logit
-  float* row_lse = row_stats + 3 * round_up(static_cast<size_t>(Lb_max));  // when the caller keeps none
-  auto* dlogits = reinterpret_cast<__nv_bfloat16*>(row_lse + round_up(static_cast<size_t>(Lb_max)));
-  float* dh = row_lse + round_up(static_cast<size_t>(Lb_max)) +
-              round_up(static_cast<size_t>((Lb_max * C_max + 1) / 2));
+  float* row_stats = logits + kept;        // running max, sum and target logit
+  float* row_lse = row_stats + 3 * rows;   // when the caller keeps none
+  float* dlogits_floats = row_lse + rows;  // bf16 [Lb, C_max]
+  auto* dlogits = reinterpret_cast<__nv_bfloat16*>(dlogits_floats);
+  float* dh = dlogits_floats + round_up(static_cast<size_t>((Lb_max * C_max + 1) / 2));
   for (int64_t r0 = 0; r0 < L; r0 += token_block_) {
     const int64_t Lb = std::min(token_block_, L - r0);
     float* block_lse = lse ? lse + r0 : row_lse;
-    fold_block(hidden + r0 * D, weight, target + r0, Lb, D, V, logits, stride, row_stats,
-               round_up(static_cast<size_t>(Lb_max)), logprob + r0, block_lse, stream);
+    fold_block(hidden + r0 * D, weight, target + r0, Lb, D, V, logits, stride, row_stats, rows, logprob + r0,
+               block_lse, stream);
     for (int64_t c0 = 0; c0 < V; c0 += vocab_chunk_) {
       const int64_t C = std::min(vocab_chunk_, V - c0);
       lm_loss_detail::softmax_grad(logits + c0 / vocab_chunk_ * stride, C_max, target + r0, block_lse, Lb, c0,

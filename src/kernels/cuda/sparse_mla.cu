@@ -136,6 +136,20 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bflo
   }
 }
 
+// acc[n] += rows [16, k:k+32) . keys [8 n .. 8 n + 7, k:k+32)^T for n = 0, 1: the rows' two k16
+// fragments from row_address (row k's), the keys' from b (one x4 per n8 tile).
+__device__ __forceinline__ void rows_by_keys_k32(float (&acc)[2][4], uint32_t row_address,
+                                                 const uint32_t (&b)[2][4]) {
+  uint32_t a0[4], a1[4];
+  ldmatrix_x4(a0, row_address);
+  ldmatrix_x4(a1, row_address + 32);
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    mma_bf16(acc[n], a0, b[n][0], b[n][1]);
+    mma_bf16(acc[n], a1, b[n][2], b[n][3]);
+  }
+}
+
 // The backward's scores over one range of the reduction: s[n] += q[16, k0:k1) . keys[8 n .. 8 n + 7,
 // k0:k1)^T and dp[n] += dO[16, k0:kv) . keys[.., k0:kv)^T for n = 0, 1 (the warp's 16 keys), kv =
 // min(k1, dv): both products read each key fragment once, and each row fragment serves both n8
@@ -152,25 +166,14 @@ __device__ __forceinline__ void scores_over_range(float (&s)[2][4], float (&dp)[
   const uint32_t key_step = 8 * key_stride * 2;  // bytes from keys 0-7 to 8-15
   int k = k0;
   for (; k + 32 <= k1; k += 32) {
-    uint32_t b[2][4], a0[4], a1[4];
+    uint32_t b[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) ldmatrix_x4(b[n], key_address + n * key_step + k * 2);
-    ldmatrix_x4(a0, q_address + k * 2);
-    ldmatrix_x4(a1, q_address + (k + 16) * 2);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      mma_bf16(s[n], a0, b[n][0], b[n][1]);
-      mma_bf16(s[n], a1, b[n][2], b[n][3]);
-    }
+    rows_by_keys_k32(s, q_address + k * 2, b);
     if (k + 32 <= dv) {
-      ldmatrix_x4(a0, do_address + k * 2);
-      ldmatrix_x4(a1, do_address + (k + 16) * 2);
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        mma_bf16(dp[n], a0, b[n][0], b[n][1]);
-        mma_bf16(dp[n], a1, b[n][2], b[n][3]);
-      }
+      rows_by_keys_k32(dp, do_address + k * 2, b);
     } else if (k < dv) {  // dv ends inside this k32 step
+      uint32_t a0[4];
       ldmatrix_x4(a0, do_address + k * 2);
 #pragma unroll
       for (int n = 0; n < 2; ++n) mma_bf16(dp[n], a0, b[n][0], b[n][1]);
