@@ -120,16 +120,21 @@ TEST(CudaNormsGates, RmsNormPlainAndGatedForwardAndBackward) {
     const int64_t R = c.rows, D = c.D, n = R * D;
     const auto x = rounded(random_floats(n)), w = rounded(random_floats(D, 0.5f));
     const auto gate = rounded(random_floats(n, 2.0f)), dy = rounded(random_floats(n));
+    const auto dy32 = random_floats(n);  // an fp32 gradient, not rounded to bf16 (the mHC site's)
     const auto dw0 = random_floats(D), dwg0 = random_floats(D);
     Stream stream;
     Placed<bf16> xb(to_bf16(x), c.offset), wb(to_bf16(w), c.offset), gb(to_bf16(gate), c.offset),
         dyb(to_bf16(dy), c.offset);
+    Placed<float> dy32b(dy32, c.offset);
+    auto dx32 = Placed<bf16>::poisoned(n, c.offset);
+    auto dw32b = device(dw0, MemoryCategory::Gradients);
     auto y = Placed<bf16>::poisoned(n, c.offset), dx = Placed<bf16>::poisoned(n, c.offset);
     auto yg = Placed<bf16>::poisoned(n, c.offset), dxg = Placed<bf16>::poisoned(n, c.offset),
          dgate = Placed<bf16>::poisoned(n, c.offset);
     auto dwb = device(dw0, MemoryCategory::Gradients), dwgb = device(dwg0, MemoryCategory::Gradients);
     rms_norm_forward(xb.get(), wb.get(), y.get(), R, D, 1e-6f, stream.get());
     rms_norm_backward(xb.get(), wb.get(), dyb.get(), dx.get(), dwb.data(), R, D, 1e-6f, stream.get());
+    rms_norm_backward(xb.get(), wb.get(), dy32b.get(), dx32.get(), dw32b.data(), R, D, 1e-6f, stream.get());
     gated_rms_norm_forward(xb.get(), wb.get(), gb.get(), yg.get(), R, D, 1e-6f, stream.get());
     gated_rms_norm_backward(xb.get(), wb.get(), gb.get(), dyb.get(), dxg.get(), dgate.get(), dwgb.data(), R,
                             D, 1e-6f, stream.get());
@@ -139,12 +144,18 @@ TEST(CudaNormsGates, RmsNormPlainAndGatedForwardAndBackward) {
         dwg_ref(D, 0.0);
     cpu::rms_norm(xd.data(), wd.data(), y_ref.data(), R, D, 1e-6);
     cpu::rms_norm_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), R, D, 1e-6);
+    std::vector<double> dx32_ref(n), dw32_ref(D, 0.0);
+    cpu::rms_norm_backward(xd.data(), wd.data(), to_double(dy32).data(), dx32_ref.data(), dw32_ref.data(), R,
+                           D, 1e-6);
     cpu::gated_rms_norm(xd.data(), wd.data(), gd.data(), yg_ref.data(), R, D, 1e-6);
     cpu::gated_rms_norm_backward(xd.data(), wd.data(), gd.data(), dyd.data(), dxg_ref.data(),
                                  dgate_ref.data(), dwg_ref.data(), R, D, 1e-6);
     EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "rms y" << where(c);
     EXPECT_LT(relative_error(dx.download(), dx_ref), kBf16Bound) << "rms dx" << where(c);
     EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound) << "rms dweight" << where(c);
+    EXPECT_LT(relative_error(dx32.download(), dx32_ref), kBf16Bound) << "rms dx, fp32 dy" << where(c);
+    EXPECT_LT(increment_error(dw32b.download(), dw0, dw32_ref), kFp32Bound)
+        << "rms dweight, fp32 dy" << where(c);
     EXPECT_LT(relative_error(yg.download(), yg_ref), kBf16Bound) << "gated y" << where(c);
     EXPECT_LT(relative_error(dxg.download(), dxg_ref), kBf16Bound) << "gated dx" << where(c);
     EXPECT_LT(relative_error(dgate.download(), dgate_ref), kBf16Bound) << "gated dgate" << where(c);

@@ -2,15 +2,17 @@
 // channels is even and the pointers 4-byte aligned; else 1) walks a tile of kTile tokens, keeping
 // the last K inputs (and, backward, the last K pre-activation gradients) in registers: each input
 // is read once per tile plus a K - 1 halo. Consecutive threads take consecutive channels, so a
-// warp's accesses are one contiguous run per token. Tokens go in batches of kBatch whose loads are
-// all issued before the batch's arithmetic: a thread's token loop is otherwise a chain of
-// dependent global loads.
+// warp's accesses are one contiguous run per token. A thread's token loop would otherwise be a
+// chain of dependent global loads: the forward issues the loads of kBatch tokens before their
+// arithmetic, the backward (two inputs per token and more registers) stages its whole tile by
+// cp.async first.
 #include <cstdint>
 #include <initializer_list>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
@@ -97,57 +99,107 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The backward's tile: fewer tokens than the forward's, so that its staged rows (below) leave room
+// for several blocks per SM.
+constexpr int kBackwardTile = 32;
+
+template <int K>
+constexpr int kStagedRows = 2 * kBackwardTile + 3 * (K - 1);  // x's rows then dy's, per thread column
+
+// Dynamic shared memory of a launch: the backward's staged rows at V = 2, else none.
+template <int K, int V>
+constexpr size_t kNoShared = 0;
+template <int K, int V>
+constexpr size_t kBackwardShared = V == 2 ? size_t{kStagedRows<K>} * kThreads * sizeof(__nv_bfloat162) : 0;
+
 // Walks u over [t0, t1 + K - 1): da[u] = dy[u] silu'(a[u]) (zero past the end), dw from the
-// tile's own da, and dx[t] = sum_j da[t + K - 1 - j] w[j] once da[t .. t + K - 1] are known.
+// tile's own da, and dx[t] = sum_j da[t + K - 1 - j] w[j] once da[t .. t + K - 1] are known. With two
+// channels a thread (V = 2) it first copies its column of the tile's x and dy rows into shared
+// memory by cp.async, all in flight at once without holding registers, in two groups so that the
+// first half's arithmetic overlaps the second half's loads; each thread reads back only what it
+// copied, so no barrier. With one (odd channels or unaligned rows) it reads them from global memory.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                                      const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
                                      float* __restrict__ dw, int64_t tokens, int64_t channels) {
+  extern __shared__ __nv_bfloat162 staged[];  // [kStagedRows<K>][kThreads]: x rows, then dy rows
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t t1 = min(t0 + kTile, tokens), u1 = min(t1 + K - 1, tokens);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kBackwardTile;
+  const int64_t t1 = min(t0 + kBackwardTile, tokens), u1 = min(t1 + K - 1, tokens);
+  const int64_t x0 = t0 - (K - 1);  // x's first staged row: the halo before the tile
+  const int x_rows = static_cast<int>(u1 - x0);
+  __nv_bfloat162* column = staged + threadIdx.x;
+  if constexpr (V == 2) {
+    const auto stage = [&](int64_t from, int64_t to) {  // rows [from, to) of both, clipped to each's own
+      for (int64_t u = max(from, x0); u < min(to, u1); ++u)
+        copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
+      for (int64_t u = max(from, t0); u < min(to, u1); ++u)
+        copy4(column + (x_rows + u - t0) * kThreads, dy + u * channels + c, true);
+      copy_commit();
+    };
+    const int64_t middle = t0 + kBackwardTile / 2;
+    stage(x0, middle);
+    stage(middle, u1);
+  }
+  const auto read = [&](const __nv_bfloat16* global, int staged_row, int64_t u, float(&out)[V]) {
+    if constexpr (V == 2) {
+      const float2 f = __bfloat1622float2(column[staged_row * kThreads]);
+      out[0] = f.x;
+      out[1] = f.y;
+    } else {
+      load_values<V>(global + u * channels + c, out);
+    }
+  };
   float wr[V][K], win[V][K];
   float dh[V][K] = {}, dwacc[V][K] = {};  // dh[v][j] = da[u - (K - 1) + j, c + v]
-  load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
-  for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
-    float xin[kBatch][V] = {}, dyin[kBatch][V] = {};  // zero past the end of the sequence
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (ub + b < u1) {
-        load_values<V>(x + (ub + b) * channels + c, xin[b]);
-        load_values<V>(dy + (ub + b) * channels + c, dyin[b]);
-      }
+  for (int j = 0; j < K; ++j) {
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t u = ub + b;
-      if (u >= t1 + K - 1) break;
-      float g[V];
+    for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
+  }
+  if constexpr (V == 2) copy_wait_all_but_newest();
+    // The window before the tile's first shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
+  for (int j = 1; j < K; ++j) {
+    const int64_t u = t0 - K + j;
+    float halo[V] = {};
+    if (u >= 0) read(x, static_cast<int>(u - x0), u, halo);
 #pragma unroll
-        for (int j = 0; j + 1 < K; ++j) {
-          win[v][j] = win[v][j + 1];
-          dh[v][j] = dh[v][j + 1];
-        }
-        win[v][K - 1] = xin[b][v];
-        float a = 0.0f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
-        const float sg = sigmoid(a);
-        const float da = dyin[b][v] * sg * (1.0f + a * (1.0f - sg));
-        dh[v][K - 1] = da;
-        if (u < t1) {
-#pragma unroll
-          for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
-        }
-        g[v] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
-      }
-      if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
+    for (int v = 0; v < V; ++v) win[v][j] = halo[v];
+  }
+  for (int64_t u = t0; u < t1 + K - 1; ++u) {
+    if (V == 2 && u == t0 + kBackwardTile / 2) copy_wait_all();
+    float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
+    if (u < u1) {
+      read(x, static_cast<int>(u - x0), u, xin);
+      read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
     }
+    float g[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+#pragma unroll
+      for (int j = 0; j + 1 < K; ++j) {
+        win[v][j] = win[v][j + 1];
+        dh[v][j] = dh[v][j + 1];
+      }
+      win[v][K - 1] = xin[v];
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
+      const float sg = sigmoid(a);
+      const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
+      dh[v][K - 1] = da;
+      if (u < t1) {
+#pragma unroll
+        for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+      }
+      g[v] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
+    }
+    if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
   }
   // One atomic per tap per tile of tokens (the tile's sum is already in registers).
 #pragma unroll
@@ -164,11 +216,11 @@ int values_per_thread(int64_t channels, std::initializer_list<const void*> tenso
   return 2;
 }
 
-dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values) {
+dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values, int64_t tile) {
   check(kernel >= 1 && kernel <= kMaxKernel, "causal_conv_silu: kernel size ", kernel, " (expected 1 to ",
         kMaxKernel, ")");
   const int64_t per_block = int64_t{kThreads} * values;
-  const int64_t tiles = (tokens + kTile - 1) / kTile, blocks = (channels + per_block - 1) / per_block;
+  const int64_t tiles = (tokens + tile - 1) / tile, blocks = (channels + per_block - 1) / per_block;
   check(tiles <= 65535 && blocks <= 0x7fffffff, "causal_conv_silu: ", tokens, " tokens x ", channels,
         " channels is too large for one launch");
   return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
@@ -176,33 +228,33 @@ dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values) {
 
 }  // namespace
 
-#define SPINDLE_CONV_CASE(KERNEL, K, V, ...)                  \
-  case K:                                                     \
-    KERNEL<K, V><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
+#define SPINDLE_CONV_CASE(KERNEL, SHARED, K, V, ...)                     \
+  case K:                                                                \
+    KERNEL<K, V><<<grid, kThreads, SHARED<K, V>, stream>>>(__VA_ARGS__); \
     break;
-#define SPINDLE_CONV_DISPATCH(KERNEL, V, ...)                   \
-  switch (kernel) {                                             \
-    SPINDLE_CONV_CASE(KERNEL, 1, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 2, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 3, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 4, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 5, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 6, V, __VA_ARGS__)                \
-    SPINDLE_CONV_CASE(KERNEL, 7, V, __VA_ARGS__)                \
-    default:                                                    \
-      KERNEL<8, V><<<grid, kThreads, 0, stream>>>(__VA_ARGS__); \
-      break;                                                    \
+#define SPINDLE_CONV_DISPATCH(KERNEL, SHARED, V, ...)                      \
+  switch (kernel) {                                                        \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 1, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 2, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 3, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 4, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 5, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 6, V, __VA_ARGS__)                   \
+    SPINDLE_CONV_CASE(KERNEL, SHARED, 7, V, __VA_ARGS__)                   \
+    default:                                                               \
+      KERNEL<8, V><<<grid, kThreads, SHARED<8, V>, stream>>>(__VA_ARGS__); \
+      break;                                                               \
   }
 
 void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, y});
-  const dim3 grid = conv_grid(tokens, channels, kernel, values);
+  const dim3 grid = conv_grid(tokens, channels, kernel, values, kTile);
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, 2, x, w, y, tokens, channels)
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, kNoShared, 2, x, w, y, tokens, channels)
   } else {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, 1, x, w, y, tokens, channels)
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, kNoShared, 1, x, w, y, tokens, channels)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
@@ -211,12 +263,14 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __n
                                __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
                                cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, dy, dx});
-  const dim3 grid = conv_grid(tokens, channels, kernel, values);
+  const dim3 grid = conv_grid(tokens, channels, kernel, values, kBackwardTile);
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, 2, x, w, dy, dx, dw, tokens, channels)
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, kBackwardShared, 2, x, w, dy, dx, dw, tokens,
+                          channels)
   } else {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, 1, x, w, dy, dx, dw, tokens, channels)
+    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, kBackwardShared, 1, x, w, dy, dx, dw, tokens,
+                          channels)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }

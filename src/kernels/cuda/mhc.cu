@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
@@ -533,21 +534,80 @@ __global__ void __launch_bounds__(kThreads)
 // w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] += dn[t, i] - x[t, i] corr[t] + pre[t, h]
 // dcol[t, d] with dn = w fn (i = h D + d). A block takes kThreads V columns of a 64-token tile; thread
 // i owns V adjacent columns with their fn [M] in registers, w comes from shared memory (broadcast).
-// This pass moves most of the backward's bytes (dx in and out in fp32), so it keeps loads in flight:
-// kBatch tokens' dx, x and dcol at a time, and the next batch's issued before this one is used (two
-// batches fit the registers with x and dcol kept as bf16); and, unlike the tile kernel's phases, its
-// blocks come in many waves, so that one block's loads overlap another's arithmetic.
+// This pass moves most of the backward's bytes (dx in and out in fp32), and fn leaves the registers
+// little room for loads in flight: dx, x and dcol come through a ring of shared-memory stages of
+// kStreamRows tokens by cp.async instead (two stages loading while one is used), and the blocks come
+// in many waves, so that one block's loads overlap another's arithmetic.
+constexpr int kStreamRows = 8;    // tokens per stage
+constexpr int kStreamStages = 3;  // stages in the ring
+
+template <int V>
+struct StreamStage {
+  static constexpr int kColumns = kThreads * V;
+  static constexpr size_t kDxBytes = kStreamRows * kColumns * sizeof(float);
+  static constexpr size_t kRowBytes = kStreamRows * kColumns * sizeof(__nv_bfloat16);  // x, dcol
+  static constexpr size_t kBytes = kDxBytes + 2 * kRowBytes;
+  static constexpr size_t kRingBytes = kStreamStages * kBytes;
+  static_assert(kDxBytes % 16 == 0 && kRowBytes % 16 == 0, "stages must be 16-byte aligned");
+};
+
+// Stages rows [r0, r0 + kStreamRows) of the tile's dx, x and dcol at columns [i0, i0 + kColumns) into
+// buf (zeros past the tile's tokens and past K), as one commit group. `vec` (D % 8 == 0, 16-byte
+// aligned rows): by cp.async, 8 columns a copy, which never straddle a stream's end; else plain loads.
+template <int V>
+__device__ void stage_stream_rows(const float* dx, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
+                                  int count, int K, int D, int i0, int r0, bool vec, unsigned char* buf) {
+  using S = StreamStage<V>;
+  constexpr int C = S::kColumns;
+  float* dxs = reinterpret_cast<float*>(buf);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kDxBytes);
+  __nv_bfloat16* cs = xs + kStreamRows * C;
+  if (vec) {
+    for (int e = threadIdx.x; e < kStreamRows * C / 4; e += kThreads) {
+      const int r = e / (C / 4), c = e % (C / 4) * 4, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      copy16(dxs + r * C + c, valid ? dx + static_cast<int64_t>(t) * K + i : dx, valid);
+    }
+    for (int e = threadIdx.x; e < kStreamRows * C / 8; e += kThreads) {
+      const int r = e / (C / 8), c = e % (C / 8) * 8, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      copy16(xs + r * C + c, valid ? x + static_cast<int64_t>(t) * K + i : x, valid);
+      copy16(cs + r * C + c, valid ? dcol + static_cast<int64_t>(t) * D + i % D : dcol, valid);
+    }
+  } else {
+    for (int e = threadIdx.x; e < kStreamRows * C; e += kThreads) {
+      const int r = e / C, c = e % C, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      dxs[e] = valid ? dx[static_cast<int64_t>(t) * K + i] : 0.0f;
+      xs[e] = valid ? x[static_cast<int64_t>(t) * K + i] : __float2bfloat16(0.0f);
+      cs[e] = valid ? dcol[static_cast<int64_t>(t) * D + i % D] : __float2bfloat16(0.0f);
+    }
+  }
+  copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
+}
+
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
-                              const float* workspace, float* dstreams, int64_t tokens, int D) {
-  // Two batches of 4: of 6 or 8 they spill at the 128 registers of two blocks per SM.
-  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, kBatch = 4;
-  __shared__ __align__(16) float w_s[kTileTokens * MP];
-  __shared__ float corr_s[kTileTokens], pre_s[kTileTokens * H];
+                              const float* workspace, float* dstreams, int64_t tokens, int D, bool vec) {
+  using S = StreamStage<V>;
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::kColumns;
+  extern __shared__ float4 shared_words[];
+  unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
+  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP]
+  float* corr_s = w_s + kTileTokens * MP;                       // [64]
+  float* pre_s = corr_s + kTileTokens;                          // [64, H]
   const int K = H * D;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int i0 = static_cast<int>(blockIdx.x) * C;
+  const __nv_bfloat16* x = streams + t0 * K;
+  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
+  float* dx = dstreams + t0 * K;
+#pragma unroll
+  for (int s = 0; s < kStreamStages - 1; ++s)
+    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, s * kStreamRows, vec, ring + s * S::kBytes);
+
   const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
   for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) {
     const int tt = e / MP, o = e % MP;
@@ -555,73 +615,58 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
   for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
-  __syncthreads();
-  const int i = (static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x)) * V;
-  if (i >= K) return;
-  const __nv_bfloat16* x = streams + t0 * K;
-  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
-  float* dx = dstreams + t0 * K;
+  const int c = static_cast<int>(threadIdx.x) * V, i = i0 + c;
+  const bool mine = i < K;
   float f[MP][V];
 #pragma unroll
   for (int o = 0; o < MP; ++o) {
-    if (o < M) {
+    if (o < M && mine) {
       load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
     } else {
 #pragma unroll
       for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
   }
-  const int h = i / D, d = i % D;  // V divides D: the V columns share h
-  // Two batches, [0] for batches 0, 2, 4, ... and [1] for 1, 3, 5, ...
-  Packed<float, V> g[2][kBatch];
-  Packed<__nv_bfloat16, V> xv[2][kBatch], cv[2][kBatch];
+  const int h = i / D;  // V divides D: the V columns share h
+
+  const int stages = (count + kStreamRows - 1) / kStreamRows;
+  for (int s = 0; s < stages; ++s) {
+    copy_wait<kStreamStages - 2>();  // this thread's copies of stage s have landed
+    __syncthreads();                 // everyone's have; stage s - 1 is no longer read
+    const int next = s + kStreamStages - 1;
+    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, next * kStreamRows, vec,
+                         ring + next % kStreamStages * S::kBytes);
+    if (!mine) continue;
+    const unsigned char* buf = ring + s % kStreamStages * S::kBytes;
+    const float* dxs = reinterpret_cast<const float*>(buf);
+    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kDxBytes);
+    const __nv_bfloat16* cs = xs + kStreamRows * C;
 #pragma unroll
-  for (int b = 0; b < kBatch; ++b) {
-    if (b < count) {
-      g[0][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(b) * K + i);
-      xv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(b) * K + i);
-      cv[0][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + b * D + d);
+    for (int r = 0; r < kStreamRows; ++r) {
+      const int tt = s * kStreamRows + r;
+      if (tt >= count) break;
+      const float* wr = w_s + tt * MP;
+      float dn[V] = {};
+#pragma unroll
+      for (int o = 0; o < MP; o += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(wr + o);
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          dn[v] = fmaf(q.x, f[o][v],
+                       fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
+      }
+      float g[V], xv[V], cv[V];
+      load<V>(dxs + r * C + c, g);
+      load<V>(xs + r * C + c, xv);
+      load<V>(cs + r * C + c, cv);
+      const float corr = corr_s[tt], ph = pre_s[tt * H + h];
+      float out[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) out[v] = g[v] + dn[v] - xv[v] * corr + ph * cv[v];
+      store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
     }
   }
-  for (int tt0 = 0; tt0 < count; tt0 += 2 * kBatch) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int now = tt0 + half * kBatch, next = now + kBatch;
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int tt = next + b;
-        if (tt < count) {
-          g[1 - half][b] = *reinterpret_cast<const Packed<float, V>*>(dx + static_cast<int64_t>(tt) * K + i);
-          xv[1 - half][b] =
-              *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(x + static_cast<int64_t>(tt) * K + i);
-          cv[1 - half][b] = *reinterpret_cast<const Packed<__nv_bfloat16, V>*>(dcol + tt * D + d);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int tt = now + b;
-        if (tt < count) {
-          const float* wr = w_s + tt * MP;
-          float dn[V] = {};
-#pragma unroll
-          for (int o = 0; o < MP; o += 4) {
-            const float4 q = *reinterpret_cast<const float4*>(wr + o);
-#pragma unroll
-            for (int v = 0; v < V; ++v)
-              dn[v] = fmaf(q.x, f[o][v],
-                           fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
-          }
-          const float corr = corr_s[tt], ph = pre_s[tt * H + h];
-          float out[V];
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            out[v] = g[half][b].v[v] + dn[v] - __bfloat162float(xv[half][b].v[v]) * corr +
-                     ph * __bfloat162float(cv[half][b].v[v]);
-          store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
-        }
-      }
-    }
-  }
+  copy_wait<0>();
 }
 
 // Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes forward
@@ -1090,16 +1135,20 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
                  "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
-    const auto stream_pass = [&](auto kernel, int V) {
+    const auto stream_pass = [&](auto kernel, auto width) {
+      constexpr int V = decltype(width)::value;
       const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
                       static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
-      kernel<<<grid, kThreads, 0, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D);
+      const size_t bytes = StreamStage<V>::kRingBytes + kTileTokens * (Tile<H>::MP + 1 + H) * sizeof(float);
+      allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
+      kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D,
+                                                vec);
     };
     constexpr int kPair = Tile<H>::M <= 24 ? 2 : 1;  // two columns a thread fit the registers
     if (vec)
-      stream_pass(hc_stream_gradient_kernel<H, kPair>, kPair);
+      stream_pass(hc_stream_gradient_kernel<H, kPair>, std::integral_constant<int, kPair>{});
     else
-      stream_pass(hc_stream_gradient_kernel<H, 1>, 1);
+      stream_pass(hc_stream_gradient_kernel<H, 1>, std::integral_constant<int, 1>{});
     SPINDLE_LAUNCHED("hc_stream_gradient_kernel");
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);

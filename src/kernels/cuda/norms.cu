@@ -67,6 +67,45 @@ __device__ void store_row(bf16* row, const RowSlot& s, int D, const float* in) {
   }
 }
 
+// The rows a thread reads, one after another. Where a thread holds few elements of a row (C = 1:
+// one vector), it fetches its next row before it waits on this row's sums, so that the row sums'
+// barriers do not leave the memory idle; with more (or unaligned rows, a register per element) a
+// second row would spill, and it reads each row when it needs it.
+template <class T, int V, int C>
+struct RowReader {
+  static constexpr bool kEarly = C == 1 && V > 1;
+  const T* data;
+  Packed<T, V> next[C];
+
+  __device__ void start(const RowSlot& s, int64_t count, int D) {
+    if (kEarly && s.row < count) fetch(s.row, s, D);
+  }
+
+  // Row r (the thread's current one) as fp32, zeros past D; then the thread's next row is fetched.
+  __device__ void read(int64_t r, const RowSlot& s, int64_t count, int D, float* out) {
+    if constexpr (kEarly) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const bool inside = element(s, c, V) < D;
+#pragma unroll
+        for (int j = 0; j < V; ++j) out[c * V + j] = inside ? to_float(next[c].v[j]) : 0.0f;
+      }
+      if (r + s.stride < count) fetch(r + s.stride, s, D);
+    } else {
+      load_row<V, C>(data + r * D, s, D, out);
+    }
+  }
+
+ private:
+  __device__ void fetch(int64_t r, const RowSlot& s, int D) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int e = element(s, c, V);
+      if (e < D) next[c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
+    }
+  }
+};
+
 // v -= m on the thread's elements of the row; the zeros past D stay zero.
 template <int V, int C>
 __device__ void center_row(float* v, float m, const RowSlot& s, int D) {
@@ -160,9 +199,13 @@ __global__ void __launch_bounds__(kMaxBlock)
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
+  RowReader<bf16, V, C> x_rows{x}, gate_rows{gate};
+  x_rows.start(s, rows, D);
+  if constexpr (kGated) gate_rows.start(s, rows, D);
   for (int64_t r = s.row; r < rows; r += s.stride) {
-    float v[E], w[E];
-    load_row<V, C>(x + r * D, s, D, v);
+    float v[E], w[E], sg[E];
+    x_rows.read(r, s, rows, D, v);
+    if constexpr (kGated) gate_rows.read(r, s, rows, D, sg);
     float sum[1] = {0.0f};
 #pragma unroll
     for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
@@ -172,32 +215,36 @@ __global__ void __launch_bounds__(kMaxBlock)
 #pragma unroll
     for (int i = 0; i < E; ++i) v[i] = w[i] * (v[i] * inv);
     if constexpr (kGated) {
-      load_row<V, C>(gate + r * D, s, D, w);
 #pragma unroll
-      for (int i = 0; i < E; ++i) v[i] *= sigmoid(w[i]);
+      for (int i = 0; i < E; ++i) v[i] *= sigmoid(sg[i]);
     }
     store_row<V, C>(y + r * D, s, D, v);
   }
 }
 
 // With dn = dy * sigmoid(gate), the gradient of the normed row: dx = inv w dn - x inv^3
-// sum(w dn x) / D, dweight += dn x inv, dgate = dn (1 - sigmoid(gate)) w x inv.
-template <int V, int C, int kGroup, bool kGated>
+// sum(w dn x) / D, dweight += dn x inv, dgate = dn (1 - sigmoid(gate)) w x inv. dy bf16 or fp32 (DY).
+template <int V, int C, int kGroup, bool kGated, class DY>
 __global__ void __launch_bounds__(kMaxBlock)
-    rms_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* gate, const bf16* dy, bf16* dx,
+    rms_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* gate, const DY* dy, bf16* dx,
                              bf16* dgate, float* dweight, int64_t rows, int D, float eps) {
   constexpr int E = C * V;
   __shared__ float shared[64];
   __shared__ float combine[kMaxWarpD];
   const RowSlot s = row_slot<kGroup>();
+  RowReader<bf16, V, C> x_rows{x}, gate_rows{gate};
+  RowReader<DY, V, C> dy_rows{dy};
+  x_rows.start(s, rows, D);
+  dy_rows.start(s, rows, D);
+  if constexpr (kGated) gate_rows.start(s, rows, D);
   float dw[E] = {};
   for (int64_t r = s.row; r < rows; r += s.stride) {
     float v[E], w[E], dn[E], sg[E];
-    load_row<V, C>(x + r * D, s, D, v);
+    x_rows.read(r, s, rows, D, v);
+    dy_rows.read(r, s, rows, D, dn);
+    if constexpr (kGated) gate_rows.read(r, s, rows, D, sg);
     load_row<V, C>(weight, s, D, w);
-    load_row<V, C>(dy + r * D, s, D, dn);
     if constexpr (kGated) {
-      load_row<V, C>(gate + r * D, s, D, sg);
 #pragma unroll
       for (int i = 0; i < E; ++i) {
         sg[i] = sigmoid(sg[i]);
@@ -395,15 +442,15 @@ void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight
   SPINDLE_LAUNCHED(name);
 }
 
-template <bool kGated>
+template <bool kGated, class DY>
 void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weight, const bf16* gate,
-                              const bf16* dy, bf16* dx, bf16* dgate, float* dweight, int64_t rows, int64_t D,
+                              const DY* dy, bf16* dx, bf16* dgate, float* dweight, int64_t rows, int64_t D,
                               float eps, cudaStream_t stream) {
   const RowPlan p =
-      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, kB}, {dx, kB}, {dgate, kB}});
+      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>
+    rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>
         <<<p.blocks, p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,
                                              static_cast<int>(D), eps);
   });
@@ -418,6 +465,12 @@ void rms_norm_forward(const bf16* x, const bf16* weight, bf16* y, int64_t rows, 
 }
 
 void rms_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
+                       int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  launch_rms_norm_backward<false>("rms_norm_backward", x, weight, nullptr, dy, dx, nullptr, dweight, rows, D,
+                                  eps, stream);
+}
+
+void rms_norm_backward(const bf16* x, const bf16* weight, const float* dy, bf16* dx, float* dweight,
                        int64_t rows, int64_t D, float eps, cudaStream_t stream) {
   launch_rms_norm_backward<false>("rms_norm_backward", x, weight, nullptr, dy, dx, nullptr, dweight, rows, D,
                                   eps, stream);

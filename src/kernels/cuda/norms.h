@@ -21,6 +21,10 @@ void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_
 void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,
                        __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
                        cudaStream_t stream);
+// The same from an fp32 dy (a gradient summed in fp32, used as it is rather than rounded first).
+void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const float* dy,
+                       __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
+                       cudaStream_t stream);
 
 // y = (x - mean) / sqrt(var + eps) * weight + bias, biased variance (cpu::layer_norm).
 void layer_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias,

@@ -3,7 +3,6 @@
 #include <utility>
 
 #include "core/error.h"
-#include "kernels/cuda/convert.h"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/norms.h"
 #include "model/cuda/device_weights.h"
@@ -95,11 +94,9 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   const TimedScope timed = ctx.timed("mhc");
   if (!y_before) hc_post_gradient(shape, y.data(), dstreams.data(), d_post.data(), s);
 
-  DeviceBuffer<bf16>& d_normed16 = y;  // the sublayer output is not read again
   DeviceBuffer<bf16>& d_collapsed = dy;
-  f32_to_bf16(d_normed.data(), d_normed16.data(), L * D, s);
-  rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed16.data(), d_collapsed.data(),
-                    f32_data(gnorm), L, D, static_cast<float>(c.rms_norm_eps), s);
+  rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed.data(), d_collapsed.data(), f32_data(gnorm),
+                    L, D, static_cast<float>(c.rms_norm_eps), s);
   DeviceBuffer<float> workspace = activations_f32(hc_coefficients_backward_workspace(shape));
   hc_coefficients_backward(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), nullptr,
                            d_post.data(), d_comb.data(), d_collapsed.data(), d_in.data(), f32_data(ghc.fn),
