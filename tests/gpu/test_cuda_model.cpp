@@ -262,6 +262,8 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   // step at most (2^-7 of it), and only a few of them; a wrong update moves most weights.
   double diff = 0, norm = 0, moved = 0;
   int64_t weights_total = 0, differing = 0, beyond_one_step = 0;
+  std::string worst;  // the weight furthest apart, relative to its size
+  float worst_ratio = 0;
   const auto device_side = parameter_table(config, after[0]), host_side = parameter_table(config, after[1]),
              start = parameter_table(config, weights);
   for (size_t i = 0; i < device_side.size(); ++i) {
@@ -278,6 +280,11 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
       ++weights_total;
       if (gap > 0x1p-16f * size) ++differing;
       if (gap > 0x1p-7f * size) ++beyond_one_step;
+      if (gap > worst_ratio * size) {
+        worst_ratio = gap / size;
+        worst = device_side[i].name + "[" + std::to_string(j) + "]: device " + std::to_string(a[j]) +
+                ", host " + std::to_string(b[j]) + ", before " + std::to_string(w0[j]);
+      }
     }
   }
   std::printf(
@@ -286,7 +293,8 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
       std::sqrt(diff), std::sqrt(moved), std::sqrt(norm), static_cast<long long>(differing),
       static_cast<long long>(weights_total));
   EXPECT_GT(moved, 0.0) << "the optimizer did not move the weights";
-  EXPECT_EQ(beyond_one_step, 0) << "weights that differ by more than one bf16 step";
+  EXPECT_EQ(beyond_one_step, 0) << "weights that differ by more than one bf16 step; the furthest apart: "
+                                << worst;
   EXPECT_LE(differing, weights_total / 1000) << "weights that differ";
 }
 

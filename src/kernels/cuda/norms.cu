@@ -67,41 +67,48 @@ __device__ void store_row(bf16* row, const RowSlot& s, int D, const float* in) {
   }
 }
 
-// The rows a thread reads, one after another. Where a thread holds few elements of a row (C = 1:
-// one vector), it fetches its next row before it waits on this row's sums, so that the row sums'
-// barriers do not leave the memory idle; with more (or unaligned rows, a register per element) a
-// second row would spill, and it reads each row when it needs it.
+// The rows a thread reads, one after another. Where a thread holds one vector of a row (C = 1), it
+// keeps the loads of its next kAhead rows in flight while it works on this one: a block's rows are
+// otherwise loaded one at a time between the row sums' barriers, too few bytes in flight to keep
+// the memory busy. With more elements (or unaligned rows, a register per element) the rows ahead
+// would spill, and it reads each row when it needs it.
 template <class T, int V, int C>
 struct RowReader {
-  static constexpr bool kEarly = C == 1 && V > 1;
+  static constexpr int kAhead = C == 1 && V > 1 ? 3 : 0;
   const T* data;
-  Packed<T, V> next[C];
+  Packed<T, V> ahead[kAhead > 0 ? kAhead : 1][C];  // rows r + stride, r + 2 stride, ...
 
   __device__ void start(const RowSlot& s, int64_t count, int D) {
-    if (kEarly && s.row < count) fetch(s.row, s, D);
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) fetch(k, s.row + k * s.stride, s, count, D);
   }
 
-  // Row r (the thread's current one) as fp32, zeros past D; then the thread's next row is fetched.
+  // Row r (the thread's current one) as fp32, zeros past D; then the row kAhead strides on is fetched.
   __device__ void read(int64_t r, const RowSlot& s, int64_t count, int D, float* out) {
-    if constexpr (kEarly) {
+    if constexpr (kAhead > 0) {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         const bool inside = element(s, c, V) < D;
 #pragma unroll
-        for (int j = 0; j < V; ++j) out[c * V + j] = inside ? to_float(next[c].v[j]) : 0.0f;
+        for (int j = 0; j < V; ++j) out[c * V + j] = inside ? to_float(ahead[0][c].v[j]) : 0.0f;
       }
-      if (r + s.stride < count) fetch(r + s.stride, s, D);
+#pragma unroll
+      for (int k = 0; k + 1 < kAhead; ++k)
+#pragma unroll
+        for (int c = 0; c < C; ++c) ahead[k][c] = ahead[k + 1][c];
+      fetch(kAhead - 1, r + kAhead * s.stride, s, count, D);
     } else {
       load_row<V, C>(data + r * D, s, D, out);
     }
   }
 
  private:
-  __device__ void fetch(int64_t r, const RowSlot& s, int D) {
+  __device__ void fetch(int slot, int64_t r, const RowSlot& s, int64_t count, int D) {
+    if (r >= count) return;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int e = element(s, c, V);
-      if (e < D) next[c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
+      if (e < D) ahead[slot][c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
     }
   }
 };
