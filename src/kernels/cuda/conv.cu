@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(kThreads)
 // The backward's tile: fewer tokens than the forward's, so that its staged rows (below) leave room
 // for several blocks per SM.
 constexpr int kBackwardTile = 32;
+static_assert(kBackwardTile / 2 % kBatch == 0, "the second half of the staged rows starts a batch");
 
 template <int K>
 constexpr int kStagedRows = 2 * kBackwardTile + 3 * (K - 1);  // x's rows then dy's, per thread column
@@ -169,37 +170,43 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int v = 0; v < V; ++v) win[v][j] = halo[v];
   }
-  for (int64_t u = t0; u < t1 + K - 1; ++u) {
-    if (V == 2 && u == t0 + kBackwardTile / 2) copy_wait_all();
-    float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
-    if (u < u1) {
-      read(x, static_cast<int>(u - x0), u, xin);
-      read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
-    }
-    float g[V];
+  // In unrolled batches of kBatch tokens: the windows' shifts become renamed registers, not moves.
+  for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
+    if (V == 2 && ub == t0 + kBackwardTile / 2) copy_wait_all();
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-#pragma unroll
-      for (int j = 0; j + 1 < K; ++j) {
-        win[v][j] = win[v][j + 1];
-        dh[v][j] = dh[v][j + 1];
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t u = ub + b;
+      if (u >= t1 + K - 1) break;
+      float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
+      if (u < u1) {
+        read(x, static_cast<int>(u - x0), u, xin);
+        read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
       }
-      win[v][K - 1] = xin[v];
-      float a = 0.0f;
+      float g[V];
 #pragma unroll
-      for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
-      const float sg = sigmoid(a);
-      const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
-      dh[v][K - 1] = da;
-      if (u < t1) {
+      for (int v = 0; v < V; ++v) {
 #pragma unroll
-        for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+        for (int j = 0; j + 1 < K; ++j) {
+          win[v][j] = win[v][j + 1];
+          dh[v][j] = dh[v][j + 1];
+        }
+        win[v][K - 1] = xin[v];
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
+        const float sg = sigmoid(a);
+        const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
+        dh[v][K - 1] = da;
+        if (u < t1) {
+#pragma unroll
+          for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+        }
+        g[v] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
       }
-      g[v] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
+      if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
     }
-    if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
   }
   // One atomic per tap per tile of tokens (the tile's sum is already in registers).
 #pragma unroll

@@ -1,6 +1,6 @@
 // Row normalisations. A row goes to one warp when 32 threads can hold it (D <= 512 elements), else
-// to a block of up to 512 threads; each thread keeps its (up to 16) elements of the row in
-// registers, so x is read once, with vector accesses where D and the pointers allow. The grid
+// to a block of up to 512 threads with 16 elements each; each thread keeps its elements of the row
+// in registers, so x is read once, with vector accesses where D and the pointers allow. The grid
 // holds as many blocks as the GPU runs at once and strides over the rows; weight gradients are
 // summed in registers over a thread's rows and added with one atomic per element per block (a
 // block of warp rows combines its warps in shared memory first).
@@ -67,48 +67,41 @@ __device__ void store_row(bf16* row, const RowSlot& s, int D, const float* in) {
   }
 }
 
-// The rows a thread reads, one after another. Where a thread holds one vector of a row (C = 1), it
-// keeps the loads of its next kAhead rows in flight while it works on this one: a block's rows are
-// otherwise loaded one at a time between the row sums' barriers, too few bytes in flight to keep
-// the memory busy. With more elements (or unaligned rows, a register per element) the rows ahead
-// would spill, and it reads each row when it needs it.
+// The rows a thread reads, one after another. Where a thread holds few elements of a row (C = 1:
+// one vector), it fetches its next row before it waits on this row's sums, so that the row sums'
+// barriers do not leave the memory idle; with more (or unaligned rows, a register per element) a
+// second row would spill, and it reads each row when it needs it.
 template <class T, int V, int C>
 struct RowReader {
-  static constexpr int kAhead = C == 1 && V > 1 ? 3 : 0;
+  static constexpr bool kEarly = C == 1 && V > 1;
   const T* data;
-  Packed<T, V> ahead[kAhead > 0 ? kAhead : 1][C];  // rows r + stride, r + 2 stride, ...
+  Packed<T, V> next[C];
 
   __device__ void start(const RowSlot& s, int64_t count, int D) {
-#pragma unroll
-    for (int k = 0; k < kAhead; ++k) fetch(k, s.row + k * s.stride, s, count, D);
+    if (kEarly && s.row < count) fetch(s.row, s, D);
   }
 
-  // Row r (the thread's current one) as fp32, zeros past D; then the row kAhead strides on is fetched.
+  // Row r (the thread's current one) as fp32, zeros past D; then the thread's next row is fetched.
   __device__ void read(int64_t r, const RowSlot& s, int64_t count, int D, float* out) {
-    if constexpr (kAhead > 0) {
+    if constexpr (kEarly) {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         const bool inside = element(s, c, V) < D;
 #pragma unroll
-        for (int j = 0; j < V; ++j) out[c * V + j] = inside ? to_float(ahead[0][c].v[j]) : 0.0f;
+        for (int j = 0; j < V; ++j) out[c * V + j] = inside ? to_float(next[c].v[j]) : 0.0f;
       }
-#pragma unroll
-      for (int k = 0; k + 1 < kAhead; ++k)
-#pragma unroll
-        for (int c = 0; c < C; ++c) ahead[k][c] = ahead[k + 1][c];
-      fetch(kAhead - 1, r + kAhead * s.stride, s, count, D);
+      if (r + s.stride < count) fetch(r + s.stride, s, D);
     } else {
       load_row<V, C>(data + r * D, s, D, out);
     }
   }
 
  private:
-  __device__ void fetch(int slot, int64_t r, const RowSlot& s, int64_t count, int D) {
-    if (r >= count) return;
+  __device__ void fetch(int64_t r, const RowSlot& s, int D) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int e = element(s, c, V);
-      if (e < D) ahead[slot][c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
+      if (e < D) next[c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
     }
   }
 };
@@ -403,12 +396,13 @@ RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_li
     p.chunks = vectors <= 32 ? 1 : static_cast<int>(most);
     p.group = 32;
     p.threads = kWarpRowsBlock;
-  } else if (vectors <= kMaxBlock) {  // a block per row, one vector per thread
-    p.chunks = 1;
-    p.group = p.threads = static_cast<int>((vectors + 31) / 32 * 32);
-  } else {
+  } else {  // a block per row, 16 elements a thread: a thread's share of a row's sums and barriers
+    // costs more instructions than its elements do, so the fewer threads to a row the better.
+    // Unaligned rows (one element a vector) take the widest block, whose offsets are constants:
+    // with 16 single elements a thread, offsets in registers would spill.
     p.chunks = static_cast<int>(most);
-    p.group = p.threads = kMaxBlock;
+    p.group = p.threads =
+        p.vec == 1 ? kMaxBlock : static_cast<int>(((vectors + most - 1) / most + 31) / 32 * 32);
   }
   const int64_t rows_per_block = p.threads / p.group;
   p.blocks = static_cast<unsigned>(std::max<int64_t>(
@@ -428,10 +422,10 @@ void with_plan(const RowPlan& p, Launch&& launch) {
       launch(width, Width<1>{}, Width<32>{});
     else if (p.group == 32)
       launch(width, Width<most>{}, Width<32>{});
-    else if (p.chunks == 1)
-      launch(width, Width<1>{}, Width<0>{});
-    else
+    else if constexpr (decltype(width)::value == 1)
       launch(width, Width<most>{}, Width<kMaxBlock>{});
+    else
+      launch(width, Width<most>{}, Width<0>{});
   });
 }
 

@@ -1,0 +1,70 @@
+// The row normalisations and the short convolution at the shapes a streamed 16k chunk of the 4B
+// config gives them (16,384 tokens by default): each timed by CUDA events (median of a few
+// launches), with the bytes it must move at the least and the bandwidth that makes.
+//     build/bench_norms [tokens]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
+#include "cuda_timing.cuh"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/norms.h"
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+int main(int argc, char** argv) {
+  const int64_t T = argc > 1 ? std::atoll(argv[1]) : 16384;
+  const int64_t D = 2048, heads = 16, head_dim = 128, kv_rank = 512, q_rank = 1024, conv = 4;
+  auto x = random_bf16(T * D, 1), dy = random_bf16(T * D, 2), gate = random_bf16(T * D, 3),
+       w = random_bf16(D, 4);
+  auto dy32 = random_f32(T * D, 5, -1, 1), dw = random_f32(D, 6, -1, 1),
+       taps = random_f32(D * conv, 7, -1, 1);
+  DeviceBuffer<__nv_bfloat16> y(static_cast<size_t>(T * D), MemoryCategory::Activations),
+      dx(static_cast<size_t>(T * D), MemoryCategory::Activations),
+      dgate(static_cast<size_t>(T * D), MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  const float eps = 1e-6f;
+  std::printf("Row norms and the short conv at %lld tokens (least bytes each must move; GB/s):\n",
+              static_cast<long long>(T));
+  const auto report = [&](const char* name, double bytes, double ms) {
+    std::printf("  %-44s %8.3f ms  %7.0f MB  %6.0f GB/s\n", name, ms, bytes / 1e6, bytes / ms / 1e6);
+  };
+  const auto time = [](const auto& run) { return median_ms(run, 10); };
+  // A residual site's norm (rows of the hidden size), DSA's latent norms, KDA's gated output norm.
+  for (const int64_t width : {D, q_rank, kv_rank}) {
+    const int64_t rows = T * D / width;
+    const double row_bytes = 2.0 * T * D;
+    char name[64];
+    std::snprintf(name, sizeof(name), "rms_norm_forward, rows of %lld", static_cast<long long>(width));
+    report(name, 2 * row_bytes,
+           time([&] { rms_norm_forward(x.data(), w.data(), y.data(), rows, width, eps, nullptr); }));
+    std::snprintf(name, sizeof(name), "rms_norm_backward, rows of %lld", static_cast<long long>(width));
+    report(name, 3 * row_bytes, time([&] {
+             rms_norm_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), rows, width, eps,
+                               nullptr);
+           }));
+  }
+  report("rms_norm_backward, fp32 dy, rows of 2048", 2.0 * T * D * 4, time([&] {
+           rms_norm_backward(x.data(), w.data(), dy32.data(), dx.data(), dw.data(), T, D, eps, nullptr);
+         }));
+  report("gated_rms_norm_forward, rows of 128", 2.0 * T * D * 3, time([&] {
+           gated_rms_norm_forward(x.data(), w.data(), gate.data(), y.data(), T * heads, head_dim, eps,
+                                  nullptr);
+         }));
+  report("gated_rms_norm_backward, rows of 128", 2.0 * T * D * 5, time([&] {
+           gated_rms_norm_backward(x.data(), w.data(), gate.data(), dy.data(), dx.data(), dgate.data(),
+                                   dw.data(), T * heads, head_dim, eps, nullptr);
+         }));
+  report("causal_conv_silu, 2048 channels", 2.0 * T * D * 2,
+         time([&] { causal_conv_silu(x.data(), taps.data(), y.data(), T, D, conv, nullptr); }));
+  report("causal_conv_silu_backward, 2048 channels", 2.0 * T * D * 3, time([&] {
+           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), dw.data(), T, D, conv,
+                                     nullptr);
+         }));
+  return 0;
+}
