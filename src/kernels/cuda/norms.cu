@@ -159,16 +159,31 @@ __device__ float center_and_inv_std(float (&v)[C * V], const RowSlot& s, int D, 
   return rsqrtf(sum[0] / static_cast<float>(D) + eps);
 }
 
+// grad[i, i + 4) += v by one vector atomic where grad is 16-byte aligned (the atomics of every block on
+// the same D addresses take most of a backward's time when they go one float at a time).
+__device__ __forceinline__ bool vector_atomics(const float* grad) {
+  return reinterpret_cast<uintptr_t>(grad) % 16 == 0;
+}
+
 // grad (fp32, global) += the thread's per-element sums. Every thread of the block calls it.
 template <int V, int C>
 __device__ void add_gradient(const float* sums, float* grad, const RowSlot& s, int D, float* combine) {
+  const bool vec = vector_atomics(grad);
   if (s.group > 32) {  // the block is one row's threads: each element has one owner
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int e = element(s, c, V);
-      if (e < D)
+      if (e >= D) continue;
+      if (V % 4 == 0 && vec) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4)
+          atomicAdd(
+              reinterpret_cast<float4*>(grad + e + j),
+              make_float4(sums[c * V + j], sums[c * V + j + 1], sums[c * V + j + 2], sums[c * V + j + 3]));
+      } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) atomicAdd(grad + e + j, sums[c * V + j]);
+      }
     }
     return;
   }
@@ -182,7 +197,12 @@ __device__ void add_gradient(const float* sums, float* grad, const RowSlot& s, i
       for (int j = 0; j < V; ++j) atomicAdd(combine + e + j, sums[c * V + j]);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < D; i += blockDim.x) atomicAdd(grad + i, combine[i]);
+  if (D % 4 == 0 && vec) {
+    for (int i = threadIdx.x * 4; i < D; i += blockDim.x * 4)
+      atomicAdd(reinterpret_cast<float4*>(grad + i), *reinterpret_cast<const float4*>(combine + i));
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) atomicAdd(grad + i, combine[i]);
+  }
   __syncthreads();  // the next call reuses `combine`
 }
 
@@ -230,7 +250,7 @@ __global__ void __launch_bounds__(kMaxBlock)
                              bf16* dgate, float* dweight, int64_t rows, int D, float eps) {
   constexpr int E = C * V;
   __shared__ float shared[64];
-  __shared__ float combine[kMaxWarpD];
+  __shared__ __align__(16) float combine[kMaxWarpD];
   const RowSlot s = row_slot<kGroup>();
   RowReader<bf16, V, C> x_rows{x}, gate_rows{gate};
   RowReader<DY, V, C> dy_rows{dy};
@@ -304,7 +324,7 @@ __global__ void __launch_bounds__(kMaxBlock)
                                float* dbias, int64_t rows, int D, float eps) {
   constexpr int E = C * V;
   __shared__ float shared[64];
-  __shared__ float combine[kMaxWarpD];
+  __shared__ __align__(16) float combine[kMaxWarpD];
   const RowSlot s = row_slot<kGroup>();
   float dw[E] = {}, db[E] = {};
   for (int64_t r = s.row; r < rows; r += s.stride) {
@@ -405,9 +425,16 @@ RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_li
         p.vec == 1 ? kMaxBlock : static_cast<int>(((vectors + most - 1) / most + 31) / 32 * 32);
   }
   const int64_t rows_per_block = p.threads / p.group;
-  p.blocks = static_cast<unsigned>(std::max<int64_t>(
-      1, std::min((rows + rows_per_block - 1) / rows_per_block, resident_blocks(p.threads))));
+  p.blocks = static_cast<unsigned>(std::max<int64_t>(1, (rows + rows_per_block - 1) / rows_per_block));
   return p;
+}
+
+// The plan's grid for `kernel`: no more blocks than the GPU holds at once (each adds its weight
+// gradient sums by atomics once, and a block strides over its rows).
+template <class Kernel>
+unsigned grid(const RowPlan& p, Kernel kernel) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(p.blocks, resident_blocks_of(reinterpret_cast<const void*>(kernel), p.threads)));
 }
 
 template <int V>
@@ -437,8 +464,9 @@ void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight
   const RowPlan p = plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>
-        <<<p.blocks, p.threads, 0, stream>>>(x, weight, gate, y, rows, static_cast<int>(D), eps);
+    const auto kernel =
+        rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, y, rows, static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
@@ -451,9 +479,10 @@ void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weigh
       plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>
-        <<<p.blocks, p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,
-                                             static_cast<int>(D), eps);
+    const auto kernel =
+        rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,
+                                                      static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
@@ -494,8 +523,8 @@ void layer_norm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf1
   const RowPlan p = plan_rows("layer_norm_forward", rows, D, {{x, kB}, {weight, kB}, {bias, kB}, {y, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    layer_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
-        <<<p.blocks, p.threads, 0, stream>>>(x, weight, bias, y, rows, static_cast<int>(D), eps);
+    const auto kernel = layer_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, bias, y, rows, static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED("layer_norm_forward");
 }
@@ -505,9 +534,10 @@ void layer_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16
   const RowPlan p = plan_rows("layer_norm_backward", rows, D, {{x, kB}, {weight, kB}, {dy, kB}, {dx, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    layer_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
-        <<<p.blocks, p.threads, 0, stream>>>(x, weight, dy, dx, dweight, dbias, rows, static_cast<int>(D),
-                                             eps);
+    const auto kernel =
+        layer_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, dy, dx, dweight, dbias, rows,
+                                                      static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED("layer_norm_backward");
 }
@@ -517,8 +547,9 @@ void l2_normalize_forward(const bf16* x, bf16* y, int64_t rows, int64_t D, float
   const RowPlan p = plan_rows("l2_normalize_forward", rows, D, {{x, kB}, {y, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    l2_normalize_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
-        <<<p.blocks, p.threads, 0, stream>>>(x, y, rows, static_cast<int>(D), eps, scale);
+    const auto kernel =
+        l2_normalize_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, y, rows, static_cast<int>(D), eps, scale);
   });
   SPINDLE_LAUNCHED("l2_normalize_forward");
 }
@@ -528,8 +559,9 @@ void l2_normalize_backward(const bf16* x, const float* dy, bf16* dx, int64_t row
   const RowPlan p = plan_rows("l2_normalize_backward", rows, D, {{x, kB}, {dy, kF}, {dx, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
-    l2_normalize_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>
-        <<<p.blocks, p.threads, 0, stream>>>(x, dy, dx, rows, static_cast<int>(D), eps, scale);
+    const auto kernel =
+        l2_normalize_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
+    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, dy, dx, rows, static_cast<int>(D), eps, scale);
   });
   SPINDLE_LAUNCHED("l2_normalize_backward");
 }
