@@ -6,12 +6,14 @@
 // chain of dependent global loads: the forward issues the loads of kBatch tokens before their
 // arithmetic, the backward (two inputs per token and more registers) stages its whole tile by
 // cp.async first.
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
@@ -107,9 +109,7 @@ static_assert(kBackwardTile / 2 % kBatch == 0, "the second half of the staged ro
 template <int K>
 constexpr int kStagedRows = 2 * kBackwardTile + 3 * (K - 1);  // x's rows then dy's, per thread column
 
-// Dynamic shared memory of a launch: the backward's staged rows at V = 2, else none.
-template <int K, int V>
-constexpr size_t kNoShared = 0;
+// Dynamic shared memory of the backward: its staged rows at V = 2, else none.
 template <int K, int V>
 constexpr size_t kBackwardShared = V == 2 ? size_t{kStagedRows<K>} * kThreads * sizeof(__nv_bfloat162) : 0;
 
@@ -119,96 +119,103 @@ constexpr size_t kBackwardShared = V == 2 ? size_t{kStagedRows<K>} * kThreads * 
 // memory by cp.async, all in flight at once without holding registers, in two groups so that the
 // first half's arithmetic overlaps the second half's loads; each thread reads back only what it
 // copied, so no barrier. With one (odd channels or unaligned rows) it reads them from global memory.
+// A block takes `tiles` consecutive tiles and adds its dw sums once: every block's atomics land on
+// the same channels K addresses, and one set per 32-token tile took most of the kernel's time.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                                      const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
-                                     float* __restrict__ dw, int64_t tokens, int64_t channels) {
+                                     float* __restrict__ dw, int64_t tokens, int64_t channels, int tiles) {
   extern __shared__ __nv_bfloat162 staged[];  // [kStagedRows<K>][kThreads]: x rows, then dy rows
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kBackwardTile;
-  const int64_t t1 = min(t0 + kBackwardTile, tokens), u1 = min(t1 + K - 1, tokens);
-  const int64_t x0 = t0 - (K - 1);  // x's first staged row: the halo before the tile
-  const int x_rows = static_cast<int>(u1 - x0);
   __nv_bfloat162* column = staged + threadIdx.x;
-  if constexpr (V == 2) {
-    const auto stage = [&](int64_t from, int64_t to) {  // rows [from, to) of both, clipped to each's own
-      for (int64_t u = max(from, x0); u < min(to, u1); ++u)
-        copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
-      for (int64_t u = max(from, t0); u < min(to, u1); ++u)
-        copy4(column + (x_rows + u - t0) * kThreads, dy + u * channels + c, true);
-      copy_commit();
-    };
-    const int64_t middle = t0 + kBackwardTile / 2;
-    stage(x0, middle);
-    stage(middle, u1);
-  }
-  const auto read = [&](const __nv_bfloat16* global, int staged_row, int64_t u, float(&out)[V]) {
-    if constexpr (V == 2) {
-      const float2 f = __bfloat1622float2(column[staged_row * kThreads]);
-      out[0] = f.x;
-      out[1] = f.y;
-    } else {
-      load_values<V>(global + u * channels + c, out);
-    }
-  };
-  float wr[V][K], win[V][K];
-  float dh[V][K] = {}, dwacc[V][K] = {};  // dh[v][j] = da[u - (K - 1) + j, c + v]
+  float wr[V][K], dwacc[V][K] = {};
 #pragma unroll
   for (int j = 0; j < K; ++j) {
 #pragma unroll
     for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
   }
-  if constexpr (V == 2) copy_wait_all_but_newest();
+  const int64_t tile_count = (tokens + kBackwardTile - 1) / kBackwardTile;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * tiles, last = min(first + tiles, tile_count);
+#pragma unroll 1
+  for (int64_t tile = first; tile < last; ++tile) {
+    const int64_t t0 = tile * kBackwardTile;
+    const int64_t t1 = min(t0 + kBackwardTile, tokens), u1 = min(t1 + K - 1, tokens);
+    const int64_t x0 = t0 - (K - 1);  // x's first staged row: the halo before the tile
+    const int x_rows = static_cast<int>(u1 - x0);
+    if constexpr (V == 2) {
+      const auto stage = [&](int64_t from, int64_t to) {  // rows [from, to) of both, clipped to each's own
+        for (int64_t u = max(from, x0); u < min(to, u1); ++u)
+          copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
+        for (int64_t u = max(from, t0); u < min(to, u1); ++u)
+          copy4(column + (x_rows + u - t0) * kThreads, dy + u * channels + c, true);
+        copy_commit();
+      };
+      const int64_t middle = t0 + kBackwardTile / 2;
+      stage(x0, middle);
+      stage(middle, u1);
+    }
+    const auto read = [&](const __nv_bfloat16* global, int staged_row, int64_t u, float(&out)[V]) {
+      if constexpr (V == 2) {
+        const float2 f = __bfloat1622float2(column[staged_row * kThreads]);
+        out[0] = f.x;
+        out[1] = f.y;
+      } else {
+        load_values<V>(global + u * channels + c, out);
+      }
+    };
+    if constexpr (V == 2) copy_wait_all_but_newest();
     // The window before the tile's first shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
+    float win[V][K], dh[V][K] = {};  // dh[v][j] = da[u - (K - 1) + j, c + v]
 #pragma unroll
-  for (int j = 1; j < K; ++j) {
-    const int64_t u = t0 - K + j;
-    float halo[V] = {};
-    if (u >= 0) read(x, static_cast<int>(u - x0), u, halo);
+    for (int j = 1; j < K; ++j) {
+      const int64_t u = t0 - K + j;
+      float halo[V] = {};
+      if (u >= 0) read(x, static_cast<int>(u - x0), u, halo);
 #pragma unroll
-    for (int v = 0; v < V; ++v) win[v][j] = halo[v];
-  }
-  // In unrolled batches of kBatch tokens: the windows' shifts become renamed registers, not moves.
-  for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
-    if (V == 2 && ub == t0 + kBackwardTile / 2) copy_wait_all();
+      for (int v = 0; v < V; ++v) win[v][j] = halo[v];
+    }
+    // In unrolled batches of kBatch tokens: the windows' shifts become renamed registers, not moves.
+    for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
+      if (V == 2 && ub == t0 + kBackwardTile / 2) copy_wait_all();
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t u = ub + b;
-      if (u >= t1 + K - 1) break;
-      float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
-      if (u < u1) {
-        read(x, static_cast<int>(u - x0), u, xin);
-        read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
-      }
-      float g[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-#pragma unroll
-        for (int j = 0; j + 1 < K; ++j) {
-          win[v][j] = win[v][j + 1];
-          dh[v][j] = dh[v][j + 1];
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t u = ub + b;
+        if (u >= t1 + K - 1) break;
+        float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
+        if (u < u1) {
+          read(x, static_cast<int>(u - x0), u, xin);
+          read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
         }
-        win[v][K - 1] = xin[v];
-        float a = 0.0f;
+        float g[V];
 #pragma unroll
-        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
-        const float sg = sigmoid(a);
-        const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
-        dh[v][K - 1] = da;
-        if (u < t1) {
+        for (int v = 0; v < V; ++v) {
 #pragma unroll
-          for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+          for (int j = 0; j + 1 < K; ++j) {
+            win[v][j] = win[v][j + 1];
+            dh[v][j] = dh[v][j + 1];
+          }
+          win[v][K - 1] = xin[v];
+          float a = 0.0f;
+#pragma unroll
+          for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
+          const float sg = sigmoid(a);
+          const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
+          dh[v][K - 1] = da;
+          if (u < t1) {
+#pragma unroll
+            for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+          }
+          g[v] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
         }
-        g[v] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
+        if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
       }
-      if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
     }
   }
-  // One atomic per tap per tile of tokens (the tile's sum is already in registers).
+  // One atomic per tap for the block's tiles (their sum is already in registers).
 #pragma unroll
   for (int v = 0; v < V; ++v)
 #pragma unroll
@@ -235,33 +242,70 @@ dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values, int
 
 }  // namespace
 
-#define SPINDLE_CONV_CASE(KERNEL, SHARED, K, V, ...)                     \
-  case K:                                                                \
-    KERNEL<K, V><<<grid, kThreads, SHARED<K, V>, stream>>>(__VA_ARGS__); \
-    break;
-#define SPINDLE_CONV_DISPATCH(KERNEL, SHARED, V, ...)                      \
-  switch (kernel) {                                                        \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 1, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 2, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 3, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 4, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 5, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 6, V, __VA_ARGS__)                   \
-    SPINDLE_CONV_CASE(KERNEL, SHARED, 7, V, __VA_ARGS__)                   \
-    default:                                                               \
-      KERNEL<8, V><<<grid, kThreads, SHARED<8, V>, stream>>>(__VA_ARGS__); \
-      break;                                                               \
+namespace {
+
+template <int K, int V>
+void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
+                    int64_t channels, cudaStream_t stream) {
+  causal_conv_silu_kernel<K, V>
+      <<<conv_grid(tokens, channels, K, V, kTile), kThreads, 0, stream>>>(x, w, y, tokens, channels);
+}
+
+// The backward's grid: its tiles in runs, about one wave of blocks in all.
+template <int K, int V>
+void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy, __nv_bfloat16* dx,
+                     float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
+  const auto kernel = causal_conv_silu_backward_kernel<K, V>;
+  const dim3 all = conv_grid(tokens, channels, K, V, kBackwardTile);
+  const int64_t resident =
+      resident_blocks_of(reinterpret_cast<const void*>(kernel), kThreads, kBackwardShared<K, V>);
+  const int64_t runs = std::max<int64_t>(1, resident / all.x);
+  const int64_t tiles = (all.y + runs - 1) / runs;
+  const dim3 grid(all.x, static_cast<unsigned>((all.y + tiles - 1) / tiles));
+  kernel<<<grid, kThreads, kBackwardShared<K, V>, stream>>>(x, w, dy, dx, dw, tokens, channels,
+                                                            static_cast<int>(tiles));
+}
+
+// Calls LAUNCH<K, V>(args...) for the runtime kernel size (1 to kMaxKernel).
+#define SPINDLE_CONV_DISPATCH(LAUNCH, V, ...) \
+  switch (kernel) {                           \
+    case 1:                                   \
+      LAUNCH<1, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 2:                                   \
+      LAUNCH<2, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 3:                                   \
+      LAUNCH<3, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 4:                                   \
+      LAUNCH<4, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 5:                                   \
+      LAUNCH<5, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 6:                                   \
+      LAUNCH<6, V>(__VA_ARGS__);              \
+      break;                                  \
+    case 7:                                   \
+      LAUNCH<7, V>(__VA_ARGS__);              \
+      break;                                  \
+    default:                                  \
+      LAUNCH<8, V>(__VA_ARGS__);              \
+      break;                                  \
   }
+
+}  // namespace
 
 void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, y});
-  const dim3 grid = conv_grid(tokens, channels, kernel, values, kTile);
+  conv_grid(tokens, channels, kernel, values, kTile);  // checks the shape
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, kNoShared, 2, x, w, y, tokens, channels)
+    SPINDLE_CONV_DISPATCH(launch_forward, 2, x, w, y, tokens, channels, stream)
   } else {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_kernel, kNoShared, 1, x, w, y, tokens, channels)
+    SPINDLE_CONV_DISPATCH(launch_forward, 1, x, w, y, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
@@ -270,19 +314,16 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __n
                                __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
                                cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, dy, dx});
-  const dim3 grid = conv_grid(tokens, channels, kernel, values, kBackwardTile);
+  conv_grid(tokens, channels, kernel, values, kBackwardTile);  // checks the shape
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, kBackwardShared, 2, x, w, dy, dx, dw, tokens,
-                          channels)
+    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dw, tokens, channels, stream)
   } else {
-    SPINDLE_CONV_DISPATCH(causal_conv_silu_backward_kernel, kBackwardShared, 1, x, w, dy, dx, dw, tokens,
-                          channels)
+    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, w, dy, dx, dw, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }
 
 #undef SPINDLE_CONV_DISPATCH
-#undef SPINDLE_CONV_CASE
 
 }  // namespace spindle::cuda

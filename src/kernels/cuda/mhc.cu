@@ -10,7 +10,7 @@
 //      back through the passes, each pass's input rebuilt from its output and sums;
 //   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
 //      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
-//      (hc_stream_gradient_kernel: dm fn on the tensor cores), whose blocks come in many waves.
+//      (hc_stream_gradient_kernel), whose blocks come in many waves.
 // hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
 // RMS factor (left by the backward in its workspace), is a tensor-core GEMM over 1024-token chunks.
 //
@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
@@ -84,8 +85,9 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
 // Shared-memory layout of the coefficient kernels for H streams.
 template <int H>
 struct Tile {
-  static constexpr int M = (2 + H) * H;   // mix outputs
-  static constexpr int NT = (M + 7) / 8;  // MMA column tiles of the mix (fn rows staged: 8 NT)
+  static constexpr int M = (2 + H) * H;       // mix outputs
+  static constexpr int NT = (M + 7) / 8;      // MMA column tiles of the mix (fn rows staged: 8 NT)
+  static constexpr int MP = (M + 3) / 4 * 4;  // w's row stride in the stream pass (float4 reads)
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
@@ -530,190 +532,138 @@ __global__ void __launch_bounds__(kThreads)
 
 // The stream gradient, a pass of its own after hc_coefficients_backward_kernel has left each token's
 // w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] += dn[t, i] - x[t, i] corr[t] + pre[t, h]
-// dcol[t, d] with dn = w fn (i = h D + d). A block takes kStreamColumns columns of a run of tokens,
-// each of its warps 32 of the columns. dn is a thin product on the tensor cores, w (A) and fn (B,
-// in the warp's registers for the whole run) split in bf16 hi + lo so that it keeps fp32 accuracy:
-// on the CUDA cores its (2 + H) H multiply-adds per element made the pass issue-bound. The pass
-// moves most of the backward's bytes (dx in and out in fp32): each token's dx, x, dcol, w, corr and
-// pre come through a ring of shared-memory stages of 16 tokens (one MMA row tile) by cp.async, two
-// loading while one is used; a block's run is long (about one wave of blocks in all), so that the
-// fn fragments and the ring's first loads are paid once per block, not once per 64 tokens.
-constexpr int kStreamRows = 16;      // tokens per stage: one MMA row tile
-constexpr int kStreamStages = 3;     // stages in the ring
-constexpr int kStreamColumns = 256;  // per block: 8 warps of 32
-constexpr int kStreamWarpTiles = 4;  // MMA column tiles of 8 per warp
-// Staged row strides: 8 words past a multiple of 32 (dx, fp32) and 4 (x, dcol, bf16), so that the
-// fragment's 8 rows g by 4 column pairs c read distinct banks.
-constexpr int kDxStride = kStreamColumns + 8;   // floats
-constexpr int kRowStride = kStreamColumns + 8;  // bf16
+// dcol[t, d] with dn = w fn (i = h D + d). A block takes kThreads V columns of a 64-token tile; thread
+// i owns V adjacent columns with their fn [M] in registers, w comes from shared memory (broadcast).
+// This pass moves most of the backward's bytes (dx in and out in fp32), and fn leaves the registers
+// little room for loads in flight: dx, x and dcol come through a ring of shared-memory stages of
+// kStreamRows tokens by cp.async instead (two stages loading while one is used), and the blocks come
+// in many waves, so that one block's loads overlap another's arithmetic.
+constexpr int kStreamRows = 8;    // tokens per stage
+constexpr int kStreamStages = 3;  // stages in the ring
 
-// A stage's layout for H streams: dx [16, kDxStride] fp32, x and dcol [16, kRowStride] bf16, w [16,
-// kWStride] fp32 (zeros past M), corr [16] and pre [16, H].
-template <int H>
+template <int V>
 struct StreamStage {
-  static constexpr int M = Tile<H>::M;
-  static constexpr int KS = (M + 15) / 16;      // k steps of 16
-  static constexpr int kWStride = 16 * KS + 4;  // floats
-  static constexpr size_t kXOffset = kStreamRows * kDxStride * sizeof(float);
-  static constexpr size_t kColOffset = kXOffset + kStreamRows * kRowStride * sizeof(__nv_bfloat16);
-  static constexpr size_t kWOffset = kColOffset + kStreamRows * kRowStride * sizeof(__nv_bfloat16);
-  static constexpr size_t kCorrOffset = kWOffset + kStreamRows * kWStride * sizeof(float);
-  static constexpr size_t kPreOffset = kCorrOffset + kStreamRows * sizeof(float);
-  static constexpr size_t kBytes = (kPreOffset + kStreamRows * H * sizeof(float) + 15) / 16 * 16;
+  static constexpr int kColumns = kThreads * V;
+  static constexpr size_t kDxBytes = kStreamRows * kColumns * sizeof(float);
+  static constexpr size_t kRowBytes = kStreamRows * kColumns * sizeof(__nv_bfloat16);  // x, dcol
+  static constexpr size_t kBytes = kDxBytes + 2 * kRowBytes;
   static constexpr size_t kRingBytes = kStreamStages * kBytes;
-  static_assert(kXOffset % 16 == 0 && kColOffset % 16 == 0 && kWOffset % 16 == 0, "16-byte aligned rows");
+  static_assert(kDxBytes % 16 == 0 && kRowBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
-// Stages tokens [t, t + kStreamRows) of dx, x and dcol at columns [i0, i0 + kStreamColumns), and
-// their w, corr and pre, into buf (zeros past the tokens, past K and past M), as one commit group.
-// `vec` (D % 8 == 0, 16-byte aligned rows): the rows by cp.async, 8 columns a copy, which never
-// straddle a stream's end; else by plain loads. w, corr and pre 4 bytes a copy.
-template <int H>
+// Stages rows [r0, r0 + kStreamRows) of the tile's dx, x and dcol at columns [i0, i0 + kColumns) into
+// buf (zeros past the tile's tokens and past K), as one commit group. `vec` (D % 8 == 0, 16-byte
+// aligned rows): by cp.async, 8 columns a copy, which never straddle a stream's end; else plain loads.
+template <int V>
 __device__ void stage_stream_rows(const float* dx, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
-                                  StreamGradientInputs<const float> in, int64_t tokens, int K, int D, int i0,
-                                  int64_t t, bool vec, unsigned char* buf) {
-  using S = StreamStage<H>;
-  constexpr int C = kStreamColumns, M = S::M;
+                                  int count, int K, int D, int i0, int r0, bool vec, unsigned char* buf) {
+  using S = StreamStage<V>;
+  constexpr int C = S::kColumns;
   float* dxs = reinterpret_cast<float*>(buf);
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kXOffset);
-  __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(buf + S::kColOffset);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kDxBytes);
+  __nv_bfloat16* cs = xs + kStreamRows * C;
   if (vec) {
     for (int e = threadIdx.x; e < kStreamRows * C / 4; e += kThreads) {
-      const int r = e / (C / 4), c = e % (C / 4) * 4, i = i0 + c;
-      const bool valid = t + r < tokens && i < K;
-      copy16(dxs + r * kDxStride + c, valid ? dx + (t + r) * K + i : dx, valid);
+      const int r = e / (C / 4), c = e % (C / 4) * 4, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      copy16(dxs + r * C + c, valid ? dx + static_cast<int64_t>(t) * K + i : dx, valid);
     }
     for (int e = threadIdx.x; e < kStreamRows * C / 8; e += kThreads) {
-      const int r = e / (C / 8), c = e % (C / 8) * 8, i = i0 + c;
-      const bool valid = t + r < tokens && i < K;
-      copy16(xs + r * kRowStride + c, valid ? x + (t + r) * K + i : x, valid);
-      copy16(cs + r * kRowStride + c, valid ? dcol + (t + r) * D + i % D : dcol, valid);
+      const int r = e / (C / 8), c = e % (C / 8) * 8, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      copy16(xs + r * C + c, valid ? x + static_cast<int64_t>(t) * K + i : x, valid);
+      copy16(cs + r * C + c, valid ? dcol + static_cast<int64_t>(t) * D + i % D : dcol, valid);
     }
   } else {
     for (int e = threadIdx.x; e < kStreamRows * C; e += kThreads) {
-      const int r = e / C, c = e % C, i = i0 + c;
-      const bool valid = t + r < tokens && i < K;
-      dxs[r * kDxStride + c] = valid ? dx[(t + r) * K + i] : 0.0f;
-      xs[r * kRowStride + c] = valid ? x[(t + r) * K + i] : __float2bfloat16(0.0f);
-      cs[r * kRowStride + c] = valid ? dcol[(t + r) * D + i % D] : __float2bfloat16(0.0f);
+      const int r = e / C, c = e % C, t = r0 + r, i = i0 + c;
+      const bool valid = t < count && i < K;
+      dxs[e] = valid ? dx[static_cast<int64_t>(t) * K + i] : 0.0f;
+      xs[e] = valid ? x[static_cast<int64_t>(t) * K + i] : __float2bfloat16(0.0f);
+      cs[e] = valid ? dcol[static_cast<int64_t>(t) * D + i % D] : __float2bfloat16(0.0f);
     }
-  }
-  float* ws = reinterpret_cast<float*>(buf + S::kWOffset);
-  for (int e = threadIdx.x; e < kStreamRows * 16 * S::KS; e += kThreads) {
-    const int r = e / (16 * S::KS), o = e % (16 * S::KS);
-    const bool valid = t + r < tokens && o < M;
-    copy4(ws + r * S::kWStride + o, valid ? in.w + (t + r) * M + o : in.w, valid);
-  }
-  float* corr = reinterpret_cast<float*>(buf + S::kCorrOffset);
-  float* pre = reinterpret_cast<float*>(buf + S::kPreOffset);
-  for (int e = threadIdx.x; e < kStreamRows * (1 + H); e += kThreads) {
-    const int r = e < kStreamRows ? e : (e - kStreamRows) / H;
-    const bool valid = t + r < tokens;
-    if (e < kStreamRows)
-      copy4(corr + r, valid ? in.corr + t + r : in.corr, valid);
-    else
-      copy4(pre + (e - kStreamRows), valid ? in.pre + t * H + (e - kStreamRows) : in.pre, valid);
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
 }
 
-template <int H>
+template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
-                              const float* workspace, float* dstreams, int64_t tokens, int D, int64_t run,
-                              bool vec) {
-  using S = StreamStage<H>;
-  constexpr int M = S::M, KS = S::KS;
+                              const float* workspace, float* dstreams, int64_t tokens, int D, bool vec) {
+  using S = StreamStage<V>;
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::kColumns;
   extern __shared__ float4 shared_words[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
+  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP]
+  float* corr_s = w_s + kTileTokens * MP;                       // [64]
+  float* pre_s = corr_s + kTileTokens;                          // [64, H]
   const int K = H * D;
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * run;
-  const int64_t last = first + run < tokens ? first + run : tokens;
-  const int i0 = static_cast<int>(blockIdx.x) * kStreamColumns;
-  const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
-  const auto stage = [&](int s) {  // the run's stage s into its ring slot
-    stage_stream_rows<H>(dstreams, streams, d_collapsed, in, last, K, D, i0, first + s * kStreamRows, vec,
-                         ring + s % kStreamStages * S::kBytes);
-  };
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
+  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int i0 = static_cast<int>(blockIdx.x) * C;
+  const __nv_bfloat16* x = streams + t0 * K;
+  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
+  float* dx = dstreams + t0 * K;
 #pragma unroll
-  for (int s = 0; s < kStreamStages - 1; ++s) stage(s);
+  for (int s = 0; s < kStreamStages - 1; ++s)
+    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, s * kStreamRows, vec, ring + s * S::kBytes);
 
-  // B = fn^T's fragments for the warp's columns, split: b[nt][ks][0..1] hi, [2..3] lo; column
-  // i0 + 32 warp + 8 nt + g, rows k = 16 ks + 2 c (+1, +8, +9); zeros past M and past K.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int warp_column = warp * 8 * kStreamWarpTiles;
-  uint32_t b[kStreamWarpTiles][KS][4];
+  const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
+  for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) {
+    const int tt = e / MP, o = e % MP;
+    w_s[e] = tt < count && o < M ? in.w[(t0 + tt) * M + o] : 0.0f;
+  }
+  for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
+  for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
+  const int c = static_cast<int>(threadIdx.x) * V, i = i0 + c;
+  const bool mine = i < K;
+  float f[MP][V];
 #pragma unroll
-  for (int nt = 0; nt < kStreamWarpTiles; ++nt) {
-    const int i = i0 + warp_column + nt * 8 + g;
+  for (int o = 0; o < MP; ++o) {
+    if (o < M && mine) {
+      load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      float f[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int o = ks * 16 + 2 * c + q % 2 + q / 2 * 8;
-        f[q] = o < M && i < K ? fn[static_cast<int64_t>(o) * K + i] : 0.0f;
-      }
-      split_bf16(f[0], f[1], b[nt][ks][0], b[nt][ks][2]);
-      split_bf16(f[2], f[3], b[nt][ks][1], b[nt][ks][3]);
+      for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
   }
+  const int h = i / D;  // V divides D: the V columns share h
 
-  const int stages = static_cast<int>((last - first + kStreamRows - 1) / kStreamRows);
+  const int stages = (count + kStreamRows - 1) / kStreamRows;
   for (int s = 0; s < stages; ++s) {
     copy_wait<kStreamStages - 2>();  // this thread's copies of stage s have landed
     __syncthreads();                 // everyone's have; stage s - 1 is no longer read
-    stage(s + kStreamStages - 1);
+    const int next = s + kStreamStages - 1;
+    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, next * kStreamRows, vec,
+                         ring + next % kStreamStages * S::kBytes);
+    if (!mine) continue;
     const unsigned char* buf = ring + s % kStreamStages * S::kBytes;
     const float* dxs = reinterpret_cast<const float*>(buf);
-    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kXOffset);
-    const __nv_bfloat16* cs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kColOffset);
-    const float* ws = reinterpret_cast<const float*>(buf + S::kWOffset);
-    const float* corr = reinterpret_cast<const float*>(buf + S::kCorrOffset);
-    const float* pre = reinterpret_cast<const float*>(buf + S::kPreOffset);
-    // A = w's fragments, split: a0 (row g, k 2 c), a1 (row g + 8), a2 (row g, k 2 c + 8), a3 (row g + 8).
-    uint32_t a_hi[KS][4], a_lo[KS][4];
+    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kDxBytes);
+    const __nv_bfloat16* cs = xs + kStreamRows * C;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int r = 0; r < kStreamRows; ++r) {
+      const int tt = s * kStreamRows + r;
+      if (tt >= count) break;
+      const float* wr = w_s + tt * MP;
+      float dn[V] = {};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 v = *reinterpret_cast<const float2*>(ws + (g + 8 * (q % 2)) * S::kWStride + ks * 16 +
-                                                          2 * c + 8 * (q / 2));
-        split_bf16(v.x, v.y, a_hi[ks][q], a_lo[ks][q]);
+      for (int o = 0; o < MP; o += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(wr + o);
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          dn[v] = fmaf(q.x, f[o][v],
+                       fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
       }
-    }
-    const int64_t t = first + static_cast<int64_t>(s) * kStreamRows;
+      float g[V], xv[V], cv[V];
+      load<V>(dxs + r * C + c, g);
+      load<V>(xs + r * C + c, xv);
+      load<V>(cs + r * C + c, cv);
+      const float corr = corr_s[tt], ph = pre_s[tt * H + h];
+      float out[V];
 #pragma unroll
-    for (int nt = 0; nt < kStreamWarpTiles; ++nt) {
-      float dn[4] = {};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        mma_bf16(dn, a_hi[ks], b[nt][ks][0], b[nt][ks][1]);
-        mma_bf16(dn, a_lo[ks], b[nt][ks][0], b[nt][ks][1]);
-        mma_bf16(dn, a_hi[ks], b[nt][ks][2], b[nt][ks][3]);
-      }
-      // dn[e] is (row g + 8 (e / 2), column 2 c + e % 2) of the warp's column tile nt.
-      const int column = warp_column + nt * 8 + 2 * c, i = i0 + column;
-      const int h0 = i / D, h1 = min((i + 1) / D, H - 1);  // (column i + 1 may lie past K)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = g + 8 * half;
-        if (t + r >= last || i >= K) continue;
-        const float2 d = *reinterpret_cast<const float2*>(dxs + r * kDxStride + column);
-        const float2 xv =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xs + r * kRowStride + column));
-        const float2 cv =
-            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(cs + r * kRowStride + column));
-        const float out0 = d.x + dn[2 * half] - xv.x * corr[r] + pre[r * H + h0] * cv.x;
-        const float out1 = d.y + dn[2 * half + 1] - xv.y * corr[r] + pre[r * H + h1] * cv.y;
-        float* out = dstreams + (t + r) * K + i;
-        if (vec) {
-          *reinterpret_cast<float2*>(out) = make_float2(out0, out1);
-        } else {
-          out[0] = out0;
-          if (i + 1 < K) out[1] = out1;
-        }
-      }
+      for (int v = 0; v < V; ++v) out[v] = g[v] + dn[v] - xv[v] * corr + ph * cv[v];
+      store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
     }
   }
   copy_wait<0>();
@@ -1185,19 +1135,20 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
                  "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
-    // Runs of tokens long enough for about one wave of blocks over the columns' blocks.
-    const auto stream_kernel = hc_stream_gradient_kernel<H>;
-    const size_t stream_bytes = StreamStage<H>::kRingBytes;
-    allow_shared_memory(stream_kernel, stream_bytes, "hc_stream_gradient_kernel: hc_mult ", H);
-    const int64_t column_blocks = (flat + kStreamColumns - 1) / kStreamColumns;
-    const int64_t runs = std::max<int64_t>(
-        1, resident_blocks_of(reinterpret_cast<const void*>(stream_kernel), kThreads, stream_bytes) /
-               column_blocks);
-    const int64_t run = ((s.tokens + runs - 1) / runs + kStreamRows - 1) / kStreamRows * kStreamRows;
-    const dim3 stream_grid(static_cast<unsigned>(column_blocks),
-                           static_cast<unsigned>((s.tokens + run - 1) / run));
-    stream_kernel<<<stream_grid, kThreads, stream_bytes, stream>>>(streams, d_collapsed, fn, workspace,
-                                                                   dstreams, s.tokens, D, run, vec);
+    const auto stream_pass = [&](auto kernel, auto width) {
+      constexpr int V = decltype(width)::value;
+      const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
+                      static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
+      const size_t bytes = StreamStage<V>::kRingBytes + kTileTokens * (Tile<H>::MP + 1 + H) * sizeof(float);
+      allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
+      kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D,
+                                                vec);
+    };
+    constexpr int kPair = Tile<H>::M <= 24 ? 2 : 1;  // two columns a thread fit the registers
+    if (vec)
+      stream_pass(hc_stream_gradient_kernel<H, kPair>, std::integral_constant<int, kPair>{});
+    else
+      stream_pass(hc_stream_gradient_kernel<H, 1>, std::integral_constant<int, 1>{});
     SPINDLE_LAUNCHED("hc_stream_gradient_kernel");
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
