@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mhc.h"
@@ -111,16 +112,36 @@ __device__ __forceinline__ StreamGradientInputs<F> stream_gradient_inputs(F* wor
   return {workspace, corr, corr + tokens};
 }
 
-// Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] into buf (zeros past the ends and in
-// fn's padding rows), as one commit group (empty past K). `vec` (D % 8 == 0, 16-byte aligned
-// pointers): by cp.async, to be waited for; else plain loads.
+// fn split once per call into bf16 hi + lo (hi + lo = fn to about 2^-16), a 32-bit word per value:
+// hi in the low half, lo in the high half. The mix's MMAs take fn's B fragments as bf16 pairs; split
+// at the mix, the 12 conversions per thread and slice were most of its integer instructions.
+__global__ void __launch_bounds__(kThreads) split_fn_kernel(const float* fn, uint32_t* split, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
+    const float f = fn[i];
+    const __nv_bfloat16 hi = __float2bfloat16_rn(f), lo = __float2bfloat16_rn(f - __bfloat162float(hi));
+    split[i] = static_cast<uint32_t>(__bfloat16_as_ushort(hi)) |
+               static_cast<uint32_t>(__bfloat16_as_ushort(lo)) << 16;
+  }
+}
+
+// The bf16x2 pair (first's, second's) of two split words' hi halves, and of their lo halves.
+__device__ __forceinline__ uint32_t high_halves(uint32_t first, uint32_t second) {
+  return __byte_perm(first, second, 0x5410);
+}
+__device__ __forceinline__ uint32_t low_halves(uint32_t first, uint32_t second) {
+  return __byte_perm(first, second, 0x7632);
+}
+
+// Stages slice [k0, k0 + kSlice) of x [count, K] and fn [M, K] (split, split_fn_kernel) into buf
+// (zeros past the ends and in fn's padding rows), as one commit group (empty past K). `vec` (D % 8 == 0,
+// 16-byte aligned pointers): by cp.async, to be waited for; else plain loads.
 template <int H>
-__device__ void stage_slice(const __nv_bfloat16* x, int count, const float* fn, int K, int k0, bool vec,
+__device__ void stage_slice(const __nv_bfloat16* x, int count, const uint32_t* fn, int K, int k0, bool vec,
                             unsigned char* buf) {
   using T = Tile<H>;
   constexpr int kRows = T::NT * 8;
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
-  float* fs = reinterpret_cast<float*>(buf + T::kXBytes);
+  uint32_t* fs = reinterpret_cast<uint32_t*>(buf + T::kXBytes);
   if (k0 < K && vec) {
     for (int e = threadIdx.x; e < kTileTokens * kSlice / 8; e += kThreads) {
       const int tt = e / (kSlice / 8), kk = e % (kSlice / 8) * 8, k = k0 + kk;
@@ -140,7 +161,7 @@ __device__ void stage_slice(const __nv_bfloat16* x, int count, const float* fn, 
     }
     for (int e = threadIdx.x; e < kRows * kSlice; e += kThreads) {
       const int o = e / kSlice, kk = e % kSlice, k = k0 + kk;
-      fs[o * kFStride + kk] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0.0f;
+      fs[o * kFStride + kk] = o < T::M && k < K ? __ldg(fn + static_cast<int64_t>(o) * K + k) : 0u;
     }
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
@@ -156,7 +177,7 @@ __device__ void stage_slice(const __nv_bfloat16* x, int count, const float* fn, 
 // The sums of squares come from two more MMAs per k16: x x^T of the 16 rows against rows 0-7 and
 // 8-15 (B is the thread's own x registers), whose diagonals are the sums (bf16 products are exact).
 template <int H>
-__device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int K, bool vec,
+__device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, int K, bool vec,
                          unsigned char* smem) {
   using T = Tile<H>;
   constexpr int M = T::M, NT = T::NT;
@@ -175,7 +196,7 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int
                    smem + (s + kStages - 1) % kStages * T::kStageBytes);
     const unsigned char* buf = smem + s % kStages * T::kStageBytes;
     const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
-    const float* fs = reinterpret_cast<const float*>(buf + T::kXBytes);
+    const uint32_t* fs = reinterpret_cast<const uint32_t*>(buf + T::kXBytes);
     const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
     const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
     const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
@@ -185,13 +206,12 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const float* fn, int
     mma_bf16(sq_bottom, a1, bottom.z, bottom.w);
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const float* f = fs + (n * 8 + g) * kFStride + kc;
-      const float4 f0 = *reinterpret_cast<const float4*>(f), f1 = *reinterpret_cast<const float4*>(f + 4);
-      uint32_t hi[4], lo[4];
-      split_bf16(f0.x, f0.y, hi[0], lo[0]);
-      split_bf16(f0.z, f0.w, hi[1], lo[1]);
-      split_bf16(f1.x, f1.y, hi[2], lo[2]);
-      split_bf16(f1.z, f1.w, hi[3], lo[3]);
+      const uint32_t* f = fs + (n * 8 + g) * kFStride + kc;
+      const uint4 f0 = *reinterpret_cast<const uint4*>(f), f1 = *reinterpret_cast<const uint4*>(f + 4);
+      const uint32_t hi[4] = {high_halves(f0.x, f0.y), high_halves(f0.z, f0.w), high_halves(f1.x, f1.y),
+                              high_halves(f1.z, f1.w)};
+      const uint32_t lo[4] = {low_halves(f0.x, f0.y), low_halves(f0.z, f0.w), low_halves(f1.x, f1.y),
+                              low_halves(f1.z, f1.w)};
       mma_bf16(acc[n], a0, hi[0], hi[1]);
       mma_bf16(acc[n], a0, lo[0], lo[1]);
       mma_bf16(acc[n], a1, hi[2], hi[3]);
@@ -286,7 +306,7 @@ __device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float
 
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_coefficients_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
+    hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* base,
                            const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                            int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
   using T = Tile<H>;
@@ -677,7 +697,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
 // paths.
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* fn, const float* base,
+    hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* base,
                                     const float* scale, const float* d_pre, const float* d_post,
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
                                     float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
@@ -1003,6 +1023,15 @@ bool vector_rows(const cpu::HcShape& s, std::initializer_list<Access> accesses) 
   return vector_width(accesses, s.hidden) == 8;
 }
 
+// fn [(2 + H) H, H D] split for the mix (split_fn_kernel), in a buffer of the call's.
+DeviceBuffer<uint32_t> split_fn(const cpu::HcShape& s, const float* fn, cudaStream_t stream) {
+  const int64_t n = (2 + s.streams) * s.streams * s.streams * s.hidden;
+  DeviceBuffer<uint32_t> split(static_cast<size_t>(n), MemoryCategory::Workspace);
+  split_fn_kernel<<<grid_blocks(n, kThreads), kThreads, 0, stream>>>(fn, split.data(), n);
+  SPINDLE_LAUNCHED("split_fn_kernel");
+  return split;
+}
+
 // Launches `kernel` with `bytes` of dynamic shared memory, raising its limit past 48 KiB if needed.
 template <class Kernel, class... Args>
 void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream_t stream, const char* name,
@@ -1021,10 +1050,11 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
   const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {collapsed, 2}});
+  const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
   SPINDLE_HC_DISPATCH({
     launch_tiled(hc_coefficients_kernel<H>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
-                 streams, fn, base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters,
-                 vec);
+                 streams, split.data(), base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps,
+                 iters, vec);
   })
 }
 
@@ -1132,8 +1162,9 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     check(fixed + threads * per_thread <= kMaxDynamicShared, "hc_coefficients_backward: ", iters,
           " Sinkhorn iterations at hc_mult ", s.streams, " need ", fixed + threads * per_thread,
           " bytes of shared memory (at most ", kMaxDynamicShared, ")");
+    const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
-                 "hc_coefficients_backward_kernel", streams, fn, base, scale, d_pre, d_post, d_comb,
+                 "hc_coefficients_backward_kernel", streams, split.data(), base, scale, d_pre, d_post, d_comb,
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
     const auto stream_pass = [&](auto kernel, auto width) {
       constexpr int V = decltype(width)::value;
