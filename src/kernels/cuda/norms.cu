@@ -1,9 +1,10 @@
 // Row normalisations. A row goes to one warp when 32 threads can hold it (D <= 512 elements), else
 // to a block of up to 512 threads with 16 elements each; each thread keeps its elements of the row
 // in registers, so x is read once, with vector accesses where D and the pointers allow. The grid
-// holds as many blocks as the GPU runs at once and strides over the rows; weight gradients are
-// summed in registers over a thread's rows and added with one atomic per element per block (a
-// block of warp rows combines its warps in shared memory first).
+// holds as many blocks of the kernel as the GPU runs at once (its occupancy) and strides over the
+// rows; weight gradients are summed in registers over a thread's rows and added once per block,
+// four elements an atomic where aligned (a block of warp rows combines its warps in shared memory
+// first): every block adds to the same D addresses, and those atomics bounded the backward.
 #include <algorithm>
 
 #include "backend/cuda/check.h"
