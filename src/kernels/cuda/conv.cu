@@ -257,8 +257,7 @@ void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16
                      float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
   const dim3 all = conv_grid(tokens, channels, K, V, kBackwardTile);
-  const int64_t resident =
-      resident_blocks_of(reinterpret_cast<const void*>(kernel), kThreads, kBackwardShared<K, V>);
+  const int64_t resident = resident_blocks_of(kernel, kThreads, kBackwardShared<K, V>);
   const int64_t runs = std::max<int64_t>(1, resident / all.x);
   const int64_t tiles = (all.y + runs - 1) / runs;
   const dim3 grid(all.x, static_cast<unsigned>((all.y + tiles - 1) / tiles));

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -110,20 +111,24 @@ inline int64_t resident_blocks(int threads) {
 // Blocks of `kernel`, `threads` each with `shared` bytes of dynamic shared memory, that the GPU
 // holds at once as the kernel's registers and shared memory allow: a grid-stride kernel that adds
 // per-block sums into global memory by atomics wants no more blocks than run at once. Computed once
-// per kernel and block size.
-inline int64_t resident_blocks_of(const void* kernel, int threads, size_t shared = 0) {
+// per kernel, block size and shared memory.
+inline int64_t resident_blocks_of(const void* kernel, int threads, size_t shared) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int64_t> known;
+  static std::map<std::tuple<const void*, int, size_t>, int64_t> known;
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({kernel, threads});
-  if (found != known.end()) return found->second;
+  const auto key = std::make_tuple(kernel, threads, shared);
+  if (const auto found = known.find(key); found != known.end()) return found->second;
   int device = 0, sms = 0, per_sm = 0;
   SPINDLE_CUDA(cudaGetDevice(&device));
   SPINDLE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   SPINDLE_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared));
   const int64_t blocks = static_cast<int64_t>(sms) * std::max(1, per_sm);
-  known.emplace(std::make_pair(kernel, threads), blocks);
+  known.emplace(key, blocks);
   return blocks;
+}
+template <class Kernel>
+int64_t resident_blocks_of(Kernel kernel, int threads, size_t shared = 0) {
+  return resident_blocks_of(reinterpret_cast<const void*>(kernel), threads, shared);
 }
 
 // Grid of a grid-stride loop over `items` work items, one per thread.

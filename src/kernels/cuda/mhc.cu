@@ -571,6 +571,11 @@ struct StreamStage {
   static_assert(kDxBytes % 16 == 0 && kRowBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
+// The stream pass's shared memory for H streams: the ring, then w [64, MP], corr [64], pre [64, H].
+template <int H, int V>
+constexpr size_t kStreamGradientBytes = StreamStage<V>::kRingBytes +
+                                        kTileTokens*(Tile<H>::MP + 1 + H) * sizeof(float);
+
 // Stages rows [r0, r0 + kStreamRows) of the tile's dx, x and dcol at columns [i0, i0 + kColumns) into
 // buf (zeros past the tile's tokens and past K), as one commit group. `vec` (D % 8 == 0, 16-byte
 // aligned rows): by cp.async, 8 columns a copy, which never straddle a stream's end; else plain loads.
@@ -614,7 +619,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::kColumns;
   extern __shared__ float4 shared_words[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
-  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP]
+  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP] (kStreamGradientBytes)
   float* corr_s = w_s + kTileTokens * MP;                       // [64]
   float* pre_s = corr_s + kTileTokens;                          // [64, H]
   const int K = H * D;
@@ -1049,7 +1054,7 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {collapsed, 2}});
+  const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
   const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
   SPINDLE_HC_DISPATCH({
     launch_tiled(hc_coefficients_kernel<H>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
@@ -1170,7 +1175,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
       constexpr int V = decltype(width)::value;
       const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
                       static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
-      const size_t bytes = StreamStage<V>::kRingBytes + kTileTokens * (Tile<H>::MP + 1 + H) * sizeof(float);
+      constexpr size_t bytes = kStreamGradientBytes<H, V>;
       allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
       kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D,
                                                 vec);

@@ -434,8 +434,7 @@ RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_li
 // gradient sums by atomics once, and a block strides over its rows).
 template <class Kernel>
 unsigned grid(const RowPlan& p, Kernel kernel) {
-  return static_cast<unsigned>(
-      std::min<int64_t>(p.blocks, resident_blocks_of(reinterpret_cast<const void*>(kernel), p.threads)));
+  return static_cast<unsigned>(std::min<int64_t>(p.blocks, resident_blocks_of(kernel, p.threads)));
 }
 
 template <int V>
