@@ -77,14 +77,33 @@ int main(int argc, char** argv) {
                                    dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
              },
              5));
+  // As the model runs it: the streams' gradient left to the coefficients' stream pass.
+  report("hc_combine_backward + d_post, no dstreams", bf16_streams + f32_streams + 2 * row,
+         median_ms(
+             [&] {
+               hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), nullptr,
+                                   dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
+             },
+             5));
   report("hc_post_gradient", f32_streams + row,
          median_ms([&] { hc_post_gradient(s, y.data(), dout.data(), d_post.data(), nullptr); }, 5));
   report("hc_coefficients_backward", bf16_streams + 2 * f32_streams + row,
          median_ms(
              [&] {
                hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
-                                        d_post.data(), d_comb.data(), d_collapsed.data(), dstreams.data(),
-                                        dfn.data(), dbase.data(), dscale.data(), workspace.data(), nullptr);
+                                        d_post.data(), d_comb.data(), d_collapsed.data(), nullptr, nullptr,
+                                        dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
+                                        workspace.data(), nullptr);
+             },
+             5));
+  // As the model runs it: dstreams written from the combine's dout and comb as well.
+  report("hc_coefficients_backward + comb^T dout", bf16_streams + 2 * f32_streams + row,
+         median_ms(
+             [&] {
+               hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
+                                        d_post.data(), d_comb.data(), d_collapsed.data(), comb.data(),
+                                        dout.data(), dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
+                                        workspace.data(), nullptr);
              },
              5));
   return 0;

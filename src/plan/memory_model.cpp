@@ -90,7 +90,7 @@ class StepReplay {
     else
       attention_backward(m_, s_, layer, pass_, !kept.empty());
     if (site == Site::Attention) kept.clear();  // the sublayer's backward took and freed them
-    a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1)));  // hc_coefficients_backward_workspace
+    a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1 + H)));  // hc_coefficients_backward_workspace
     dstreams = std::move(d_in);
   }
 

@@ -194,8 +194,25 @@ TEST(CudaConvMhc, HcCoefficientsBackward) {
          dscaleb = device(dscale0, MemoryCategory::Gradients);
     auto workspace = poisoned<float>(static_cast<size_t>(hc_coefficients_backward_workspace(s)));
     hc_coefficients_backward(s, xb.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
-                             d_postb.data(), d_combb.data(), dcolb.data(), dsb.data(), dfnb.data(),
-                             dbaseb.data(), dscaleb.data(), workspace.data(), stream.get());
+                             d_postb.data(), d_combb.data(), dcolb.data(), nullptr, nullptr, dsb.data(),
+                             dfnb.data(), dbaseb.data(), dscaleb.data(), workspace.data(), stream.get());
+    // The fused form: dstreams written as hc_combine's part (comb^T dout) plus this one's, while
+    // hc_combine_backward leaves dstreams alone (its other outputs, as above).
+    const auto comb = random_uniform(T * H * H, 0.0f, 1.0f), post = random_uniform(T * H, 0.0f, 2.0f);
+    const auto dout = random_floats(T * H * D);
+    auto combb = device(comb), postb = device(post);
+    auto doutb = device(dout, MemoryCategory::Gradients);
+    auto fused = poisoned<float>(T * H * D);  // written, not accumulated
+    auto dy_fused = poisoned<bf16>(T * D);
+    auto d_comb_fused = poisoned<float>(T * H * H);
+    hc_combine_backward(s, xb.data(), postb.data(), combb.data(), doutb.data(), nullptr, dy_fused.data(),
+                        d_comb_fused.data(), stream.get());
+    auto dfn2 = device(dfn0, MemoryCategory::Gradients), dbase2 = device(dbase0, MemoryCategory::Gradients),
+         dscale2 = device(dscale0, MemoryCategory::Gradients);
+    hc_coefficients_backward(s, xb.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
+                             d_postb.data(), d_combb.data(), dcolb.data(), combb.data(), doutb.data(),
+                             fused.data(), dfn2.data(), dbase2.data(), dscale2.data(), workspace.data(),
+                             stream.get());
     stream.synchronize();
     const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
                scaled = to_double(p.scale);
@@ -212,6 +229,20 @@ TEST(CudaConvMhc, HcCoefficientsBackward) {
     EXPECT_LT(increment_error(dfnb.download(), dfn0, dfn_ref), kFp32Bound) << "dfn" << where;
     EXPECT_LT(increment_error(dbaseb.download(), dbase0, dbase_ref), kFp32Bound) << "dbase" << where;
     EXPECT_LT(increment_error(dscaleb.download(), dscale0, dscale_ref), kFp32Bound) << "dscale" << where;
+    // The CPU's two parts of the fused form: hc_combine_backward's streams' gradient, then this one's.
+    std::vector<double> fused_ref(T * H * D, 0.0), y_zero(T * D, 0.0), dy_ref(T * D), dpost_ref(T * H),
+        dcomb_ref(T * H * H), dfn_scratch(M * H * D, 0.0), dbase_scratch(M, 0.0), dscale_scratch(3, 0.0);
+    const auto combd = to_double(comb), postd = to_double(post), doutd = to_double(dout);
+    cpu::hc_combine_backward(s, xd.data(), y_zero.data(), postd.data(), combd.data(), doutd.data(),
+                             fused_ref.data(), dy_ref.data(), dpost_ref.data(), dcomb_ref.data());
+    cpu::hc_coefficients_backward(s, xd.data(), fnd.data(), based.data(), scaled.data(), dpred.data(),
+                                  dpostd.data(), dcombd.data(), dcold.data(), fused_ref.data(),
+                                  dfn_scratch.data(), dbase_scratch.data(), dscale_scratch.data());
+    EXPECT_LT(relative_error(fused.download(), fused_ref), kFp32Bound) << "dstreams, fused" << where;
+    EXPECT_LT(relative_error(dy_fused.download(), dy_ref), kBf16Bound) << "dy, no dstreams" << where;
+    EXPECT_LT(relative_error(d_comb_fused.download(), dcomb_ref), kFp32Bound)
+        << "d_comb, no dstreams" << where;
+    EXPECT_LT(increment_error(dfn2.download(), dfn0, dfn_ref), kFp32Bound) << "dfn, fused" << where;
   }
 }
 

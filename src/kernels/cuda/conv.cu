@@ -1,11 +1,10 @@
 // Depthwise causal conv + SiLU. One thread per V adjacent channels (V = 2, bf16x2 accesses, when
-// channels is even and the pointers 4-byte aligned; else 1) walks a tile of kTile tokens, keeping
+// channels is even and the pointers 4-byte aligned; else 1) walks a tile of kStagedTile tokens, keeping
 // the last K inputs (and, backward, the last K pre-activation gradients) in registers: each input
 // is read once per tile plus a K - 1 halo. Consecutive threads take consecutive channels, so a
 // warp's accesses are one contiguous run per token. A thread's token loop would otherwise be a
-// chain of dependent global loads: the forward issues the loads of kBatch tokens before their
-// arithmetic, the backward (two inputs per token and more registers) stages its whole tile by
-// cp.async first.
+// chain of dependent global loads: both directions stage the thread's column of the tile by
+// cp.async first (with unaligned rows, loads of kBatch tokens are issued before their arithmetic).
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -21,7 +20,6 @@ namespace spindle::cuda {
 namespace {
 
 constexpr int kThreads = 128;  // threads per block
-constexpr int kTile = 64;      // tokens per thread
 constexpr int kBatch = 8;      // tokens whose loads are in flight together
 constexpr int kMaxKernel = 8;
 
@@ -67,21 +65,64 @@ __device__ __forceinline__ void load_taps_and_halo(const __nv_bfloat16* __restri
   }
 }
 
+// Tokens per tile: few enough that the staged rows (below) leave room for several blocks per SM.
+constexpr int kStagedTile = 32;
+static_assert(kStagedTile / 2 % kBatch == 0, "the second half of the staged rows starts a batch");
+
+// With two channels a thread (V = 2) the forward, like the backward below, first copies its column
+// of the tile's x rows (and the K - 1 before them) into shared memory by cp.async, in two groups;
+// each thread reads back only what it copied. With one it reads them from global memory in batches.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                             __nv_bfloat16* __restrict__ y, int64_t tokens, int64_t channels) {
+  extern __shared__ __nv_bfloat162 staged_x[];  // [kStagedTile + K - 1][kThreads]
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t t1 = min(t0 + kTile, tokens);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kStagedTile;
+  const int64_t t1 = min(t0 + kStagedTile, tokens);
+  const int64_t x0 = t0 - (K - 1);  // the first staged row: the halo before the tile
+  __nv_bfloat162* column = staged_x + threadIdx.x;
+  if constexpr (V == 2) {
+    const int64_t middle = min(t0 + kStagedTile / 2, t1);
+    for (int64_t u = x0; u < middle; ++u)
+      copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
+    copy_commit();
+    for (int64_t u = middle; u < t1; ++u) copy4(column + (u - x0) * kThreads, x + u * channels + c, true);
+    copy_commit();
+  }
   float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
-  load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
+  if constexpr (V == 2) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
+    }
+    copy_wait_all_but_newest();
+#pragma unroll
+    for (int j = 1; j < K; ++j) {  // zeros before the sequence were staged as zeros
+      const float2 f = __bfloat1622float2(column[(j - 1) * kThreads]);
+      win[0][j] = f.x;
+      win[1][j] = f.y;
+    }
+  } else {
+    load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
+  }
   for (int64_t tb = t0; tb < t1; tb += kBatch) {
+    if (V == 2 && tb == t0 + kStagedTile / 2) copy_wait_all();
     float in[kBatch][V];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (tb + b < t1) load_values<V>(x + (tb + b) * channels + c, in[b]);
+    for (int b = 0; b < kBatch; ++b) {
+      if (tb + b < t1) {
+        if constexpr (V == 2) {
+          const float2 f = __bfloat1622float2(column[(tb + b - x0) * kThreads]);
+          in[b][0] = f.x;
+          in[b][1] = f.y;
+        } else {
+          load_values<V>(x + (tb + b) * channels + c, in[b]);
+        }
+      }
+    }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (tb + b >= t1) break;
@@ -101,13 +142,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The backward's tile: fewer tokens than the forward's, so that its staged rows (below) leave room
-// for several blocks per SM.
-constexpr int kBackwardTile = 32;
-static_assert(kBackwardTile / 2 % kBatch == 0, "the second half of the staged rows starts a batch");
-
 template <int K>
-constexpr int kStagedRows = 2 * kBackwardTile + 3 * (K - 1);  // x's rows then dy's, per thread column
+constexpr int kStagedRows = 2 * kStagedTile + 3 * (K - 1);  // x's rows then dy's, per thread column
 
 // Dynamic shared memory of the backward: its staged rows at V = 2, else none.
 template <int K, int V>
@@ -136,12 +172,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
   }
-  const int64_t tile_count = (tokens + kBackwardTile - 1) / kBackwardTile;
+  const int64_t tile_count = (tokens + kStagedTile - 1) / kStagedTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * tiles, last = min(first + tiles, tile_count);
 #pragma unroll 1
   for (int64_t tile = first; tile < last; ++tile) {
-    const int64_t t0 = tile * kBackwardTile;
-    const int64_t t1 = min(t0 + kBackwardTile, tokens), u1 = min(t1 + K - 1, tokens);
+    const int64_t t0 = tile * kStagedTile;
+    const int64_t t1 = min(t0 + kStagedTile, tokens), u1 = min(t1 + K - 1, tokens);
     const int64_t x0 = t0 - (K - 1);  // x's first staged row: the halo before the tile
     const int x_rows = static_cast<int>(u1 - x0);
     if constexpr (V == 2) {
@@ -152,7 +188,7 @@ __global__ void __launch_bounds__(kThreads)
           copy4(column + (x_rows + u - t0) * kThreads, dy + u * channels + c, true);
         copy_commit();
       };
-      const int64_t middle = t0 + kBackwardTile / 2;
+      const int64_t middle = t0 + kStagedTile / 2;
       stage(x0, middle);
       stage(middle, u1);
     }
@@ -178,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     // In unrolled batches of kBatch tokens: the windows' shifts become renamed registers, not moves.
     for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
-      if (V == 2 && ub == t0 + kBackwardTile / 2) copy_wait_all();
+      if (V == 2 && ub == t0 + kStagedTile / 2) copy_wait_all();
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int64_t u = ub + b;
@@ -247,8 +283,9 @@ namespace {
 template <int K, int V>
 void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                     int64_t channels, cudaStream_t stream) {
-  causal_conv_silu_kernel<K, V>
-      <<<conv_grid(tokens, channels, K, V, kTile), kThreads, 0, stream>>>(x, w, y, tokens, channels);
+  constexpr size_t shared = V == 2 ? size_t{kStagedTile + K - 1} * kThreads * sizeof(__nv_bfloat162) : 0;
+  causal_conv_silu_kernel<K, V><<<conv_grid(tokens, channels, K, V, kStagedTile), kThreads, shared, stream>>>(
+      x, w, y, tokens, channels);
 }
 
 // The backward's grid: its tiles in runs, about one wave of blocks in all.
@@ -256,7 +293,7 @@ template <int K, int V>
 void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy, __nv_bfloat16* dx,
                      float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
-  const dim3 all = conv_grid(tokens, channels, K, V, kBackwardTile);
+  const dim3 all = conv_grid(tokens, channels, K, V, kStagedTile);
   const int64_t resident = resident_blocks_of(kernel, kThreads, kBackwardShared<K, V>);
   const int64_t runs = std::max<int64_t>(1, resident / all.x);
   const int64_t tiles = (all.y + runs - 1) / runs;
@@ -299,7 +336,7 @@ void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16
 void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, y});
-  conv_grid(tokens, channels, kernel, values, kTile);  // checks the shape
+  conv_grid(tokens, channels, kernel, values, kStagedTile);  // checks the shape
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
     SPINDLE_CONV_DISPATCH(launch_forward, 2, x, w, y, tokens, channels, stream)
@@ -313,7 +350,7 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __n
                                __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
                                cudaStream_t stream) {
   const int values = values_per_thread(channels, {x, dy, dx});
-  conv_grid(tokens, channels, kernel, values, kBackwardTile);  // checks the shape
+  conv_grid(tokens, channels, kernel, values, kStagedTile);  // checks the shape
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
     SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dw, tokens, channels, stream)

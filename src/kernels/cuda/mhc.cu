@@ -12,7 +12,8 @@
 //      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
 //      (hc_stream_gradient_kernel), whose blocks come in many waves.
 // hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
-// RMS factor (left by the backward in its workspace), is a tensor-core GEMM over 1024-token chunks.
+// RMS factor (left by the backward in its workspace, transposed and split in bf16 hi + lo), is a
+// tensor-core GEMM over 1024-token chunks.
 //
 // What each call must move and compute at T tokens, K = H D, M = (2 + H) H (in brackets: H = 4,
 // D = 2048, T = 16384, K = 8192, M = 24, at the ~4.3 TB/s an H200 reaches):
@@ -99,9 +100,10 @@ struct Tile {
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
-// What hc_coefficients_backward_kernel leaves in its workspace for hc_dfn_kernel (w) and
-// hc_stream_gradient_kernel (all three): w = dm inv [tokens, M], corr = inv^3 (dm . raw) / K [tokens],
-// pre [tokens, H]; hc_coefficients_backward_workspace sizes it.
+// What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel (w,
+// corr, pre) and hc_dfn_kernel (w^T split): w = dm inv [tokens, M], corr = inv^3 (dm . raw) / K
+// [tokens], pre [tokens, H], and w^T as bf16 hi and lo [M, tokens] each (the dfn product's A operand,
+// split once rather than in each of its column blocks); hc_coefficients_backward_workspace sizes it.
 template <class F>  // float or const float
 struct StreamGradientInputs {
   F *w, *corr, *pre;
@@ -110,6 +112,12 @@ template <int H, class F>
 __device__ __forceinline__ StreamGradientInputs<F> stream_gradient_inputs(F* workspace, int64_t tokens) {
   F* corr = workspace + tokens * Tile<H>::M;
   return {workspace, corr, corr + tokens};
+}
+template <int H, class F,
+          class B = std::conditional_t<std::is_const_v<F>, const __nv_bfloat16, __nv_bfloat16>>
+__device__ __forceinline__ B* split_w_transposed(F* workspace,
+                                                 int64_t tokens) {  // hi; lo follows M tokens on
+  return reinterpret_cast<B*>(workspace + tokens * (Tile<H>::M + 1 + H));
 }
 
 // fn split once per call into bf16 hi + lo (hi + lo = fn to about 2^-16), a 32-bit word per value:
@@ -470,7 +478,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < N; ++k) v[k] = 0.0f;
   const __nv_bfloat16* x = streams + t * H * D;
   const float* g = dout + t * H * D;
-  float* dx = dstreams + t * H * D;
+  const bool write_streams = dstreams != nullptr;  // else the coefficients' stream pass adds this part
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float gv[H][V], dyv[V];
 #pragma unroll
@@ -492,18 +500,22 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int j = 0; j < H; ++j) {
-      float xv[V], acc[V];
+      float xv[V];
       load<V>(x + j * D + d, xv);
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        acc[e] = 0.0f;
+      for (int e = 0; e < V; ++e)
 #pragma unroll
-        for (int h = 0; h < H; ++h) {
-          acc[e] = fmaf(cm[j][h], gv[h][e], acc[e]);
-          v[j * H + h] = fmaf(gv[h][e], xv[e], v[j * H + h]);
+        for (int h = 0; h < H; ++h) v[j * H + h] = fmaf(gv[h][e], xv[e], v[j * H + h]);
+      if (write_streams) {
+        float acc[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          acc[e] = 0.0f;
+#pragma unroll
+          for (int h = 0; h < H; ++h) acc[e] = fmaf(cm[j][h], gv[h][e], acc[e]);
         }
+        store<V>(dstreams + (t * H + j) * D + d, acc);
       }
-      store<V>(dx + j * D + d, acc);
     }
   }
 #pragma unroll
@@ -551,61 +563,89 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The stream gradient, a pass of its own after hc_coefficients_backward_kernel has left each token's
-// w = dm inv [M], corr and pre [H] in the workspace: dx[t, i] += dn[t, i] - x[t, i] corr[t] + pre[t, h]
-// dcol[t, d] with dn = w fn (i = h D + d). A block takes kThreads V columns of a 64-token tile; thread
-// i owns V adjacent columns with their fn [M] in registers, w comes from shared memory (broadcast).
-// This pass moves most of the backward's bytes (dx in and out in fp32), and fn leaves the registers
-// little room for loads in flight: dx, x and dcol come through a ring of shared-memory stages of
-// kStreamRows tokens by cp.async instead (two stages loading while one is used), and the blocks come
-// in many waves, so that one block's loads overlap another's arithmetic.
+// w = dm inv [M], corr and pre [H] in the workspace: dx[t, h, d] = g + dn[t, i] - x[t, i] corr[t] +
+// pre[t, h] dcol[t, d] with dn = w fn (i = h D + d), where g is dx itself (accumulated) or, given
+// the site's comb and dout, hc_combine's part sum_k comb[t, h, k] dout[t, k, d] (dx written once:
+// hc_combine_backward then leaves dx alone). A block takes kStreamColumns<H, V> columns d of every
+// stream of a 64-token tile, so that each dout value is read once and used by the H streams' threads;
+// thread (h, d) owns V adjacent columns with their fn [M] in registers, w comes from shared memory
+// (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, in fp32), and fn
+// leaves the registers little room for loads in flight: the rows come through a ring of
+// shared-memory stages of kStreamRows tokens by cp.async instead (two stages loading while one is
+// used), and the blocks come in many waves, so that one block's loads overlap another's arithmetic.
 constexpr int kStreamRows = 8;    // tokens per stage
 constexpr int kStreamStages = 3;  // stages in the ring
 
-template <int V>
+// Columns d per block for H streams at V a thread: the block's threads over the H streams, in
+// multiples of 8 (whole 16-byte copies of bf16).
+template <int H, int V>
+constexpr int kStreamColumns = kThreads* V / H / 8 * 8;
+
+// A stage: g [rows, H, C] fp32 (dx or dout), x [rows, H, C] bf16, dcol [rows, C] bf16, comb [rows,
+// H, H] fp32 (C = kStreamColumns).
+template <int H, int V>
 struct StreamStage {
-  static constexpr int kColumns = kThreads * V;
-  static constexpr size_t kDxBytes = kStreamRows * kColumns * sizeof(float);
-  static constexpr size_t kRowBytes = kStreamRows * kColumns * sizeof(__nv_bfloat16);  // x, dcol
-  static constexpr size_t kBytes = kDxBytes + 2 * kRowBytes;
+  static constexpr int C = kStreamColumns<H, V>;
+  static constexpr size_t kXOffset = kStreamRows * H * C * sizeof(float);
+  static constexpr size_t kColOffset = kXOffset + kStreamRows * H * C * sizeof(__nv_bfloat16);
+  static constexpr size_t kCombOffset = kColOffset + kStreamRows * C * sizeof(__nv_bfloat16);
+  static constexpr size_t kBytes = (kCombOffset + kStreamRows * H * H * sizeof(float) + 15) / 16 * 16;
   static constexpr size_t kRingBytes = kStreamStages * kBytes;
-  static_assert(kDxBytes % 16 == 0 && kRowBytes % 16 == 0, "stages must be 16-byte aligned");
+  static_assert(kXOffset % 16 == 0 && kColOffset % 16 == 0 && kCombOffset % 16 == 0, "16-byte aligned rows");
 };
 
 // The stream pass's shared memory for H streams: the ring, then w [64, MP], corr [64], pre [64, H].
 template <int H, int V>
-constexpr size_t kStreamGradientBytes = StreamStage<V>::kRingBytes +
+constexpr size_t kStreamGradientBytes = StreamStage<H, V>::kRingBytes +
                                         kTileTokens*(Tile<H>::MP + 1 + H) * sizeof(float);
 
-// Stages rows [r0, r0 + kStreamRows) of the tile's dx, x and dcol at columns [i0, i0 + kColumns) into
-// buf (zeros past the tile's tokens and past K), as one commit group. `vec` (D % 8 == 0, 16-byte
-// aligned rows): by cp.async, 8 columns a copy, which never straddle a stream's end; else plain loads.
-template <int V>
-__device__ void stage_stream_rows(const float* dx, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
-                                  int count, int K, int D, int i0, int r0, bool vec, unsigned char* buf) {
-  using S = StreamStage<V>;
-  constexpr int C = S::kColumns;
-  float* dxs = reinterpret_cast<float*>(buf);
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kDxBytes);
-  __nv_bfloat16* cs = xs + kStreamRows * C;
+// Stages rows [r0, r0 + kStreamRows) of the tile's g, x and dcol at columns [d0, d0 + C) of every
+// stream (and comb, when given) into buf: zeros past the tile's tokens and past D, as one commit
+// group. `vec` (D % 8 == 0, 16-byte aligned rows): by cp.async, 4 or 8 columns a copy; else by plain
+// loads.
+template <int H, int V>
+__device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
+                                  const float* comb, int count, int D, int d0, int r0, bool vec,
+                                  unsigned char* buf) {
+  using S = StreamStage<H, V>;
+  constexpr int C = S::C;
+  const int K = H * D;
+  float* gs = reinterpret_cast<float*>(buf);
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kXOffset);
+  __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(buf + S::kColOffset);
   if (vec) {
-    for (int e = threadIdx.x; e < kStreamRows * C / 4; e += kThreads) {
-      const int r = e / (C / 4), c = e % (C / 4) * 4, t = r0 + r, i = i0 + c;
-      const bool valid = t < count && i < K;
-      copy16(dxs + r * C + c, valid ? dx + static_cast<int64_t>(t) * K + i : dx, valid);
+    for (int e = threadIdx.x; e < kStreamRows * H * C / 4; e += kThreads) {
+      const int r = e / (H * C / 4), h = e / (C / 4) % H, c = e % (C / 4) * 4, t = r0 + r, d = d0 + c;
+      const bool valid = t < count && d < D;
+      copy16(gs + (r * H + h) * C + c, valid ? g + static_cast<int64_t>(t) * K + h * D + d : g, valid);
+    }
+    for (int e = threadIdx.x; e < kStreamRows * H * C / 8; e += kThreads) {
+      const int r = e / (H * C / 8), h = e / (C / 8) % H, c = e % (C / 8) * 8, t = r0 + r, d = d0 + c;
+      const bool valid = t < count && d < D;
+      copy16(xs + (r * H + h) * C + c, valid ? x + static_cast<int64_t>(t) * K + h * D + d : x, valid);
     }
     for (int e = threadIdx.x; e < kStreamRows * C / 8; e += kThreads) {
-      const int r = e / (C / 8), c = e % (C / 8) * 8, t = r0 + r, i = i0 + c;
-      const bool valid = t < count && i < K;
-      copy16(xs + r * C + c, valid ? x + static_cast<int64_t>(t) * K + i : x, valid);
-      copy16(cs + r * C + c, valid ? dcol + static_cast<int64_t>(t) * D + i % D : dcol, valid);
+      const int r = e / (C / 8), c = e % (C / 8) * 8, t = r0 + r, d = d0 + c;
+      const bool valid = t < count && d < D;
+      copy16(cs + r * C + c, valid ? dcol + static_cast<int64_t>(t) * D + d : dcol, valid);
     }
   } else {
+    for (int e = threadIdx.x; e < kStreamRows * H * C; e += kThreads) {
+      const int r = e / (H * C), h = e / C % H, c = e % C, t = r0 + r, d = d0 + c;
+      const bool valid = t < count && d < D;
+      gs[e] = valid ? g[static_cast<int64_t>(t) * K + h * D + d] : 0.0f;
+      xs[e] = valid ? x[static_cast<int64_t>(t) * K + h * D + d] : __float2bfloat16(0.0f);
+    }
     for (int e = threadIdx.x; e < kStreamRows * C; e += kThreads) {
-      const int r = e / C, c = e % C, t = r0 + r, i = i0 + c;
-      const bool valid = t < count && i < K;
-      dxs[e] = valid ? dx[static_cast<int64_t>(t) * K + i] : 0.0f;
-      xs[e] = valid ? x[static_cast<int64_t>(t) * K + i] : __float2bfloat16(0.0f);
-      cs[e] = valid ? dcol[static_cast<int64_t>(t) * D + i % D] : __float2bfloat16(0.0f);
+      const int r = e / C, c = e % C, t = r0 + r, d = d0 + c;
+      cs[e] = t < count && d < D ? dcol[static_cast<int64_t>(t) * D + d] : __float2bfloat16(0.0f);
+    }
+  }
+  if (comb != nullptr) {
+    float* ms = reinterpret_cast<float*>(buf + S::kCombOffset);
+    for (int e = threadIdx.x; e < kStreamRows * H * H; e += kThreads) {
+      const bool valid = r0 + e / (H * H) < count;
+      copy4(ms + e, valid ? comb + static_cast<int64_t>(r0) * H * H + e : comb, valid);
     }
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
@@ -614,9 +654,10 @@ __device__ void stage_stream_rows(const float* dx, const __nv_bfloat16* x, const
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
-                              const float* workspace, float* dstreams, int64_t tokens, int D, bool vec) {
-  using S = StreamStage<V>;
-  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::kColumns;
+                              const float* workspace, const float* comb, const float* dout, float* dstreams,
+                              int64_t tokens, int D, bool vec) {
+  using S = StreamStage<H, V>;
+  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::C;
   extern __shared__ float4 shared_words[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
   float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP] (kStreamGradientBytes)
@@ -625,13 +666,16 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int K = H * D;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
-  const int i0 = static_cast<int>(blockIdx.x) * C;
+  const int d0 = static_cast<int>(blockIdx.x) * C;
+  const bool fused = comb != nullptr;
+  const float* g = (fused ? dout : dstreams) + t0 * K;
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
+  const float* tile_comb = fused ? comb + t0 * H * H : nullptr;
   float* dx = dstreams + t0 * K;
 #pragma unroll
   for (int s = 0; s < kStreamStages - 1; ++s)
-    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, s * kStreamRows, vec, ring + s * S::kBytes);
+    stage_stream_rows<H, V>(g, x, dcol, tile_comb, count, D, d0, s * kStreamRows, vec, ring + s * S::kBytes);
 
   const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
   for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) {
@@ -640,8 +684,9 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
   for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
-  const int c = static_cast<int>(threadIdx.x) * V, i = i0 + c;
-  const bool mine = i < K;
+  const int h = static_cast<int>(threadIdx.x) / (C / V), c = static_cast<int>(threadIdx.x) % (C / V) * V;
+  const bool mine = h < H && d0 + c < D;
+  const int64_t i = static_cast<int64_t>(h) * D + d0 + c;  // the thread's first column of dx
   float f[MP][V];
 #pragma unroll
   for (int o = 0; o < MP; ++o) {
@@ -652,21 +697,21 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
   }
-  const int h = i / D;  // V divides D: the V columns share h
 
   const int stages = (count + kStreamRows - 1) / kStreamRows;
   for (int s = 0; s < stages; ++s) {
     copy_wait<kStreamStages - 2>();  // this thread's copies of stage s have landed
     __syncthreads();                 // everyone's have; stage s - 1 is no longer read
     const int next = s + kStreamStages - 1;
-    stage_stream_rows<V>(dx, x, dcol, count, K, D, i0, next * kStreamRows, vec,
-                         ring + next % kStreamStages * S::kBytes);
+    stage_stream_rows<H, V>(g, x, dcol, tile_comb, count, D, d0, next * kStreamRows, vec,
+                            ring + next % kStreamStages * S::kBytes);
     if (!mine) continue;
     const unsigned char* buf = ring + s % kStreamStages * S::kBytes;
-    const float* dxs = reinterpret_cast<const float*>(buf);
-    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kDxBytes);
-    const __nv_bfloat16* cs = xs + kStreamRows * C;
-#pragma unroll
+    const float* gs = reinterpret_cast<const float*>(buf);
+    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kXOffset);
+    const __nv_bfloat16* cs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kColOffset);
+    const float* ms = reinterpret_cast<const float*>(buf + S::kCombOffset);
+#pragma unroll 1
     for (int r = 0; r < kStreamRows; ++r) {
       const int tt = s * kStreamRows + r;
       if (tt >= count) break;
@@ -680,14 +725,25 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
           dn[v] = fmaf(q.x, f[o][v],
                        fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
       }
-      float g[V], xv[V], cv[V];
-      load<V>(dxs + r * C + c, g);
-      load<V>(xs + r * C + c, xv);
+      float gv[V] = {}, xv[V], cv[V];
+      if (fused) {
+#pragma unroll
+        for (int k = 0; k < H; ++k) {
+          float gk[V];
+          load<V>(gs + (r * H + k) * C + c, gk);
+          const float weight = ms[(r * H + h) * H + k];
+#pragma unroll
+          for (int v = 0; v < V; ++v) gv[v] = fmaf(weight, gk[v], gv[v]);
+        }
+      } else {
+        load<V>(gs + (r * H + h) * C + c, gv);
+      }
+      load<V>(xs + (r * H + h) * C + c, xv);
       load<V>(cs + r * C + c, cv);
       const float corr = corr_s[tt], ph = pre_s[tt * H + h];
       float out[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) out[v] = g[v] + dn[v] - xv[v] * corr + ph * cv[v];
+      for (int v = 0; v < V; ++v) out[v] = gv[v] + dn[v] - xv[v] * corr + ph * cv[v];
       store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
     }
   }
@@ -717,6 +773,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   float* dscale_s = dbase_s + M;                                     // [3]
   float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
   const StreamGradientInputs<float> out = stream_gradient_inputs<H>(workspace, tokens);
+  __nv_bfloat16* w_hi_t = split_w_transposed<H>(workspace, tokens);
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
@@ -817,7 +874,12 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         const float dm = g[o] * scale[group_of<H>(o)];
         dot = fmaf(dm, r[o], dot);
         ds[group_of<H>(o)] += g[o] * r[o] * inv;
-        if (live) workspace[t * M + o] = dm * inv;
+        if (live) {
+          workspace[t * M + o] = dm * inv;
+          const __nv_bfloat16 hi = __float2bfloat16_rn(dm * inv);
+          w_hi_t[o * tokens + t] = hi;
+          w_hi_t[(M + o) * tokens + t] = __float2bfloat16_rn(dm * inv - __bfloat162float(hi));
+        }
         const float sum = warp_sum(g[o]);  // absent tokens add zero
         if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);
       }
@@ -843,31 +905,30 @@ constexpr int kDfnStages = 3;     // stages in the ring: two loading while one i
 constexpr int kDfnXStride = kDfnColumns + 8;  // bf16
 constexpr int kDfnWStride = kDfnChunk + 8;    // bf16
 
-// Shared-memory layout of hc_dfn_kernel: the ring of stages (x [64, 128] bf16, then w [64, M] fp32
-// as it is in the workspace), then w^T split in bf16 hi and lo [16 MT, 64] each (the A operand).
+// Shared-memory layout of hc_dfn_kernel: a ring of stages, each x [64, 128] bf16 and w^T's hi and lo
+// [16 MT, 64] bf16 (the A operand, zeros past M and past the tokens).
 template <int H>
 struct DfnTile {
   static constexpr int M = (2 + H) * H;
   static constexpr int MT = (M + 15) / 16;  // MMA row tiles of dfn
   static constexpr size_t kXBytes = kDfnChunk * kDfnXStride * sizeof(__nv_bfloat16);
-  static constexpr size_t kWBytes = (kDfnChunk * M * sizeof(float) + 15) / 16 * 16;
-  static constexpr size_t kStageBytes = kXBytes + kWBytes;
-  static constexpr size_t kSplitOffset = kDfnStages * kStageBytes;
-  static constexpr size_t kBytes = kSplitOffset + 2 * MT * 16 * kDfnWStride * sizeof(__nv_bfloat16);
-  static_assert(kXBytes % 16 == 0, "stages must be 16-byte aligned");
+  static constexpr size_t kWBytes = MT * 16 * kDfnWStride * sizeof(__nv_bfloat16);  // each of hi, lo
+  static constexpr size_t kStageBytes = kXBytes + 2 * kWBytes;
+  static constexpr size_t kBytes = kDfnStages * kStageBytes;
+  static_assert(kXBytes % 16 == 0 && kWBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
-// Stages chunk [t0, t0 + 64) of x's columns [i0, i0 + 128) (zeros past the ends) and of w, as one
-// commit group (empty past the tokens). `vec` (flat % 8 == 0, 16-byte aligned pointers): by
-// cp.async; w's chunk is then whole 16-byte pieces, reading at most 3 floats past its last token
-// (still inside the workspace, and never used).
+// Stages chunk [t0, t0 + 64) of x's columns [i0, i0 + 128) and of w^T's split rows (zeros past the
+// ends), as one commit group (empty past the tokens). `vec` (flat % 8 == 0, tokens % 8 == 0, 16-byte
+// aligned pointers): by cp.async; else plain loads.
 template <int H>
-__device__ void stage_dfn(const __nv_bfloat16* streams, const float* w, int64_t tokens, int64_t flat,
-                          int64_t t0, int64_t i0, bool vec, unsigned char* buf) {
+__device__ void stage_dfn(const __nv_bfloat16* streams, const __nv_bfloat16* w_hi_t, int64_t tokens,
+                          int64_t all_tokens, int64_t flat, int64_t t0, int64_t i0, bool vec,
+                          unsigned char* buf) {
   using T = DfnTile<H>;
-  constexpr int M = T::M;
+  constexpr int M = T::M, kRows = T::MT * 16;
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
-  float* ws = reinterpret_cast<float*>(buf + T::kXBytes);
+  __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(buf + T::kXBytes);  // hi, then lo
   const int nt = static_cast<int>(tokens - t0 < kDfnChunk ? tokens - t0 : kDfnChunk);
   if (nt > 0 && vec) {
     for (int e = threadIdx.x; e < kDfnChunk * kDfnColumns / 8; e += kThreads) {
@@ -876,8 +937,13 @@ __device__ void stage_dfn(const __nv_bfloat16* streams, const float* w, int64_t 
       const bool valid = tt < nt && i < flat;
       copy16(xs + tt * kDfnXStride + cc, valid ? streams + (t0 + tt) * flat + i : streams, valid);
     }
-    for (int e = threadIdx.x; e < (nt * M + 3) / 4; e += kThreads)
-      copy16(ws + 4 * e, w + t0 * M + 4 * e, true);
+    for (int e = threadIdx.x; e < 2 * kRows * kDfnChunk / 8; e += kThreads) {
+      const int half = e / (kRows * kDfnChunk / 8), o = e / (kDfnChunk / 8) % kRows,
+                tt = e % (kDfnChunk / 8) * 8;
+      const bool valid = o < M && tt < nt;
+      copy16(hs + (half * kRows + o) * kDfnWStride + tt,
+             valid ? w_hi_t + (half * M + o) * all_tokens + t0 + tt : w_hi_t, valid);
+    }
   } else if (nt > 0) {
     for (int e = threadIdx.x; e < kDfnChunk * kDfnColumns; e += kThreads) {
       const int tt = e / kDfnColumns, cc = e % kDfnColumns;
@@ -885,7 +951,11 @@ __device__ void stage_dfn(const __nv_bfloat16* streams, const float* w, int64_t 
       xs[tt * kDfnXStride + cc] =
           tt < nt && i < flat ? streams[(t0 + tt) * flat + i] : __float2bfloat16(0.0f);
     }
-    for (int e = threadIdx.x; e < nt * M; e += kThreads) ws[e] = w[t0 * M + e];
+    for (int e = threadIdx.x; e < 2 * kRows * kDfnChunk; e += kThreads) {
+      const int half = e / (kRows * kDfnChunk), o = e / kDfnChunk % kRows, tt = e % kDfnChunk;
+      hs[(half * kRows + o) * kDfnWStride + tt] =
+          o < M && tt < nt ? w_hi_t[(half * M + o) * all_tokens + t0 + tt] : __float2bfloat16(0.0f);
+    }
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
 }
@@ -895,14 +965,13 @@ __device__ void stage_dfn(const __nv_bfloat16* streams, const float* w, int64_t 
 // already), so the sum keeps fp32 accuracy. Warp k owns columns 16 k .. 16 k + 15 and every row o.
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_dfn_kernel(const __nv_bfloat16* streams, const float* w, float* dfn, int64_t tokens, int64_t flat,
-                  bool vec) {
+    hc_dfn_kernel(const __nv_bfloat16* streams, const float* workspace, float* dfn, int64_t tokens,
+                  int64_t flat, bool vec) {
   using T = DfnTile<H>;
   constexpr int M = T::M, MT = T::MT;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
-  __nv_bfloat16* w_hi = reinterpret_cast<__nv_bfloat16*>(smem + T::kSplitOffset);
-  __nv_bfloat16* w_lo = w_hi + MT * 16 * kDfnWStride;
+  const __nv_bfloat16* w_hi_t = split_w_transposed<H>(workspace, tokens);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kDfnColumns;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * kDfnChunk * kDfnChunks;
   const int64_t left = (tokens - first + kDfnChunk - 1) / kDfnChunk;
@@ -911,31 +980,18 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   float acc[MT][2][4] = {};
 #pragma unroll
   for (int s = 0; s < kDfnStages - 1; ++s)
-    stage_dfn<H>(streams, w, s < chunks ? tokens : 0, flat, first + s * kDfnChunk, i0, vec,
+    stage_dfn<H>(streams, w_hi_t, s < chunks ? tokens : 0, tokens, flat, first + s * kDfnChunk, i0, vec,
                  smem + s * T::kStageBytes);
   for (int s = 0; s < chunks; ++s) {
     copy_wait<kDfnStages - 2>();  // this thread's copies of chunk s have landed
-    __syncthreads();              // everyone's have; chunk s - 1 and the split w are no longer read
+    __syncthreads();              // everyone's have; chunk s - 1 is no longer read
     const int next = s + kDfnStages - 1;
-    stage_dfn<H>(streams, w, next < chunks ? tokens : 0, flat, first + next * kDfnChunk, i0, vec,
+    stage_dfn<H>(streams, w_hi_t, next < chunks ? tokens : 0, tokens, flat, first + next * kDfnChunk, i0, vec,
                  smem + next % kDfnStages * T::kStageBytes);
     const unsigned char* buf = smem + s % kDfnStages * T::kStageBytes;
-    const float* ws = reinterpret_cast<const float*>(buf + T::kXBytes);
-    const int64_t t0 = first + static_cast<int64_t>(s) * kDfnChunk;
-    const int nt = static_cast<int>(tokens - t0 < kDfnChunk ? tokens - t0 : kDfnChunk);
-    // w^T [o, t] as bf16 hi + lo, zero past M and past the chunk's tokens; consecutive threads take
-    // consecutive o (conflict-free reads of w's rows).
-    for (int e = threadIdx.x; e < MT * 16 * kDfnChunk / 2; e += kThreads) {
-      const int o = e % (MT * 16), tt = e / (MT * 16) * 2;
-      const float a = o < M && tt < nt ? ws[tt * M + o] : 0.0f;
-      const float b = o < M && tt + 1 < nt ? ws[(tt + 1) * M + o] : 0.0f;
-      uint32_t hi, lo;
-      split_bf16(a, b, hi, lo);
-      *reinterpret_cast<uint32_t*>(w_hi + o * kDfnWStride + tt) = hi;
-      *reinterpret_cast<uint32_t*>(w_lo + o * kDfnWStride + tt) = lo;
-    }
-    __syncthreads();
     const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
+    const __nv_bfloat16* w_hi = reinterpret_cast<const __nv_bfloat16*>(buf + T::kXBytes);
+    const __nv_bfloat16* w_lo = w_hi + MT * 16 * kDfnWStride;
 #pragma unroll
     for (int k = 0; k < kDfnChunk; k += 16) {
       // B: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) of the
@@ -1136,21 +1192,22 @@ void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float
 }
 
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {
-  return s.tokens * (2 * (2 + s.streams) * s.streams + 1);
+  return s.tokens * (2 * (2 + s.streams) * s.streams + 1 + s.streams);
 }
 
 void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
                               const float* base, const float* scale, const float* d_pre, const float* d_post,
-                              const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
-                              float* dfn, float* dbase, float* dscale, float* workspace,
-                              cudaStream_t stream) {
+                              const float* d_comb, const __nv_bfloat16* d_collapsed, const float* comb,
+                              const float* dout, float* dstreams, float* dfn, float* dbase, float* dscale,
+                              float* workspace, cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
+  check((comb == nullptr) == (dout == nullptr), "hc_coefficients_backward: comb and dout come together");
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}});
-  const bool dfn_vec = vector_rows(s, {{streams, 2}, {workspace, 4}});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}, {dout, 4}});
+  const bool dfn_vec = vector_rows(s, {{streams, 2}, {workspace, 4}}) && s.tokens % 8 == 0;
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(
       static_cast<unsigned>((flat + kDfnColumns - 1) / kDfnColumns),
@@ -1173,14 +1230,16 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
     const auto stream_pass = [&](auto kernel, auto width) {
       constexpr int V = decltype(width)::value;
-      const dim3 grid(static_cast<unsigned>((flat + kThreads * V - 1) / (kThreads * V)),
+      const dim3 grid(static_cast<unsigned>((s.hidden + kStreamColumns<H, V> - 1) / kStreamColumns<H, V>),
                       static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
       constexpr size_t bytes = kStreamGradientBytes<H, V>;
       allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
-      kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, dstreams, s.tokens, D,
-                                                vec);
+      kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, comb, dout, dstreams,
+                                                s.tokens, D, vec);
     };
-    constexpr int kPair = Tile<H>::M <= 24 ? 2 : 1;  // two columns a thread fit the registers
+    // Two columns a thread where they fit the registers, with H a power of two (at H = 3 the
+    // thread's stream and column cost the registers of a spill).
+    constexpr int kPair = Tile<H>::M <= 24 && (H & (H - 1)) == 0 ? 2 : 1;
     if (vec)
       stream_pass(hc_stream_gradient_kernel<H, kPair>, std::integral_constant<int, kPair>{});
     else

@@ -34,8 +34,8 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
 
 // Backward of hc_combine, the part that needs no y (so that y may come from the sublayer's
 // backward, after dy): dstreams (fp32), dy (bf16) and d_comb (fp32) written (the CPU version
-// accumulates dstreams). Given y (when it is known before this call) it writes d_post too, as
-// hc_post_gradient would.
+// accumulates dstreams). dstreams may be null: hc_coefficients_backward then writes that part.
+// Given y (when it is known before this call) it writes d_post too, as hc_post_gradient would.
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
                          const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
                          float* d_comb, cudaStream_t stream, const __nv_bfloat16* y = nullptr,
@@ -45,15 +45,18 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
 void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float* dout, float* d_post,
                       cudaStream_t stream);
 
-// Floats of workspace hc_coefficients_backward needs: tokens * (2 (2 + H) H + 1).
+// Floats of workspace hc_coefficients_backward needs: tokens * (2 (2 + H) H + 1 + H).
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s);
 
 // Backward of hc_coefficients (with the collapse): d_pre (may be null: zero), d_post, d_comb fp32,
-// d_collapsed bf16. dstreams, dfn, dbase, dscale (fp32) accumulated. `workspace` holds
-// hc_coefficients_backward_workspace(s) floats, used by this call only.
+// d_collapsed bf16. dfn, dbase, dscale (fp32) accumulated; dstreams (fp32) accumulated, or, given the
+// site's comb and the gradient dout of hc_combine's output (both or neither), written as
+// hc_combine's part (what hc_combine_backward with null dstreams leaves out) plus this one's.
+// `workspace` holds hc_coefficients_backward_workspace(s) floats, used by this call only.
 void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
                               const float* base, const float* scale, const float* d_pre, const float* d_post,
-                              const float* d_comb, const __nv_bfloat16* d_collapsed, float* dstreams,
-                              float* dfn, float* dbase, float* dscale, float* workspace, cudaStream_t stream);
+                              const float* d_comb, const __nv_bfloat16* d_collapsed, const float* comb,
+                              const float* dout, float* dstreams, float* dfn, float* dbase, float* dscale,
+                              float* workspace, cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -87,7 +87,8 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
     const TimedScope timed = ctx.timed("mhc");
     SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
     // d_post comes here, while dout is read anyway, when y is known already (kept, or recomputed above).
-    hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), d_in.data(), dy.data(),
+    // The combine's part of the streams' gradient comes with the coefficients' below (d_in written once).
+    hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), nullptr, dy.data(),
                         d_comb.data(), s, y_before ? y.data() : nullptr, y_before ? d_post.data() : nullptr);
   }
   sublayer_backward(a.normed.data(), dy.data(), d_normed.data(), y_before ? nullptr : y.data());
@@ -99,8 +100,9 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
                     L, D, static_cast<float>(c.rms_norm_eps), s);
   DeviceBuffer<float> workspace = activations_f32(hc_coefficients_backward_workspace(shape));
   hc_coefficients_backward(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), nullptr,
-                           d_post.data(), d_comb.data(), d_collapsed.data(), d_in.data(), f32_data(ghc.fn),
-                           f32_data(ghc.base), f32_data(ghc.scale), workspace.data(), s);
+                           d_post.data(), d_comb.data(), d_collapsed.data(), a.comb.data(), dstreams.data(),
+                           d_in.data(), f32_data(ghc.fn), f32_data(ghc.base), f32_data(ghc.scale),
+                           workspace.data(), s);
   dstreams = std::move(d_in);
 }
 
