@@ -23,6 +23,32 @@
 namespace spindle::cuda {
 namespace {
 
+// Queries [L, H, d] (bf16-rounded) none of whose dots with the pool keys [P, d] is within 1e-3 of
+// zero: each score is a ReLU of such a dot, whose sign fp32 (the GPU) and double (the CPU) may
+// disagree on there, and one term that flips moves the pool keys' summed gradient by about 1e-3
+// of its norm. A query head with a dot that close is drawn again.
+std::vector<float> queries_off_the_kink(int64_t L, int64_t H, int64_t d,
+                                        const std::vector<float>& pool_keys) {
+  std::vector<float> q = rounded(random_floats(L * H * d));
+  const int64_t P = static_cast<int64_t>(pool_keys.size()) / d;
+  for (int64_t row = 0; row < L * H; ++row) {
+    float* v = q.data() + row * d;
+    const auto near_kink = [&] {
+      for (int64_t p = 0; p < P; ++p) {
+        double z = 0;
+        for (int64_t i = 0; i < d; ++i) z += double(v[i]) * pool_keys[p * d + i];
+        if (std::abs(z) < 1e-3) return true;
+      }
+      return false;
+    };
+    while (near_kink()) {
+      const auto fresh = rounded(random_floats(d));
+      std::copy(fresh.begin(), fresh.end(), v);
+    }
+  }
+  return q;
+}
+
 // The indexer's selection for these inputs, then holes its contract allows beyond the trailing
 // -1 it pads with: from t = 1 every 5th row loses one whole chosen run, from t = 2 one slot after
 // a run's first, from t = 3 a run's first slot (the run then names no pool; its other slots stay).
@@ -108,7 +134,7 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail, c.first};
     const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools(), width = s.width();
     const int64_t f = c.first, Q = s.queries();
-    const auto q = rounded(random_floats(L * H * d)), pool_keys = rounded(random_floats(P * d)),
+    const auto pool_keys = rounded(random_floats(P * d)), q = queries_off_the_kink(L, H, d, pool_keys),
                weights = rounded(random_floats(L * H, 1.0f / std::sqrt(static_cast<float>(H))));
     const auto sel = select_with_holes(whole, q, pool_keys, weights);
     // Attention mass: zero on unused slots (as attention_mass writes it), on whole rows (t = 4
