@@ -58,9 +58,19 @@ inline std::vector<double> to_double(const std::vector<float>& v) {
   return std::vector<double>(v.begin(), v.end());
 }
 
+// A buffer the test may write from the host or the legacy stream. The allocator hands out a block
+// as soon as it is released, and a kernel under test may still be reading a temporary its launcher
+// released (hc_coefficients' split fn): wait for the device first, as only work queued after on
+// the kernel's own stream may reuse such a block.
+template <class T>
+DeviceBuffer<T> fresh_buffer(size_t n, MemoryCategory category) {
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  return DeviceBuffer<T>(n, category);
+}
+
 template <class T>
 DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = MemoryCategory::Activations) {
-  DeviceBuffer<T> buffer(host.size(), category);
+  DeviceBuffer<T> buffer = fresh_buffer<T>(host.size(), category);
   buffer.upload(host);
   return buffer;
 }
@@ -68,7 +78,7 @@ DeviceBuffer<T> device(const std::vector<T>& host, MemoryCategory category = Mem
 // An output buffer filled with NaN (bf16 and fp32; -1 for int32), so unwritten elements show.
 template <class T>
 DeviceBuffer<T> poisoned(size_t n) {
-  DeviceBuffer<T> buffer(n, MemoryCategory::Activations);
+  DeviceBuffer<T> buffer = fresh_buffer<T>(n, MemoryCategory::Activations);
   SPINDLE_CUDA(cudaMemset(buffer.data(), 0xff, n * sizeof(T)));
   // cudaMemset is asynchronous on the legacy stream; the kernels under test run on their own.
   SPINDLE_CUDA(cudaStreamSynchronize(cudaStreamLegacy));

@@ -1,6 +1,8 @@
 // Device memory from one caching allocator: blocks are kept per exact size class after release
 // and reused, so steady-state training makes no cudaMalloc calls. Statistics per category
-// (weights, gradients, optimizer, activations, workspace): current, peak, cached.
+// (weights, gradients, optimizer, activations, workspace): current, peak, cached. Release is not
+// stream-ordered: a block goes to the next allocation at once, while work queued before its
+// release may still use it; only work queued after on that same stream may use it safely.
 #pragma once
 
 #include <cstddef>
