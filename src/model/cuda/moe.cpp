@@ -2,6 +2,7 @@
 // expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, the experts
 // spread over side streams (expert_lanes.h) while the shared expert runs on the main stream,
 // weighted deterministic combine). CPU reference: model/mlp.cpp, model/moe.cpp.
+#include <optional>
 #include <string>
 
 #include "kernels/cuda/balance_loss.h"
@@ -134,16 +135,21 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
+  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
   Routing r = route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I), out = activations(n * D),
                      shared = activations(L * D);
   ctx.lanes.fork(s);
+  part.emplace(ctx.timer, "moe.shared", s);
   mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());  // while the host waits for the offsets
+  // From the shared expert's end to the last lane's: the routed products, and any wait for the host.
+  part.emplace(ctx.timer, "moe.experts", s);
   wait_for_offsets(ctx, r);
   queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), out.data());
   ctx.lanes.join(s);
+  part.emplace(ctx.timer, "moe.combine", s);
   if (load != nullptr) {
     load->assign(static_cast<size_t>(E), 0);
     for (int64_t e = 0; e < E; ++e)
@@ -163,6 +169,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
+  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
   Routing r = route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
@@ -171,7 +178,9 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   DeviceBuffer<float> dweight = activations_f32(n);
   gather_expert_rows(dy, r.permutation.data(), n, k, D, dy_rows.data(), s);
   ctx.lanes.fork(s);
+  part.emplace(ctx.timer, "moe.shared_backward", s);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+  part.emplace(ctx.timer, "moe.experts_backward", s);
   wait_for_offsets(ctx, r);
   // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
   // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
@@ -195,6 +204,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                                rows, D, 2 * I, ls);
   });
   ctx.lanes.join(s);
+  part.emplace(ctx.timer, "moe.router_backward", s);
   scatter_expert_rows_backward(drows.data(), r.inverse.data(), L, k, D, dx, s);
 
   // The router: through the routing weights, plus the balance loss.
