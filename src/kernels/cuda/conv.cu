@@ -46,22 +46,28 @@ __device__ __forceinline__ void store_values(__nv_bfloat16* __restrict__ p, cons
     *p = __float2bfloat16(v[0]);
 }
 
-// The V channels' taps, and the K - 1 inputs before token t0 (zero before the sequence) as the
-// window before its first shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
+// The V channels' taps, wr[v][j] = w[c + v, j].
 template <int K, int V>
-__device__ __forceinline__ void load_taps_and_halo(const __nv_bfloat16* __restrict__ x,
-                                                   const float* __restrict__ w, int64_t c, int64_t t0,
-                                                   int64_t channels, float (&wr)[V][K], float (&win)[V][K]) {
+__device__ __forceinline__ void load_taps(const float* __restrict__ w, int64_t c, float (&wr)[V][K]) {
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
+  }
+}
+
+// The K - 1 inputs before token t0 (zero before the sequence) as the window before its first
+// shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
+template <int K, int V>
+__device__ __forceinline__ void load_halo(const __nv_bfloat16* __restrict__ x, int64_t c, int64_t t0,
+                                          int64_t channels, float (&win)[V][K]) {
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int64_t src = t0 - K + j;
     float halo[V] = {};
     if (j > 0 && src >= 0) load_values<V>(x + src * channels + c, halo);
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      wr[v][j] = w[(c + v) * K + j];
-      win[v][j] = halo[v];
-    }
+    for (int v = 0; v < V; ++v) win[v][j] = halo[v];
   }
 }
 
@@ -92,12 +98,8 @@ __global__ void __launch_bounds__(kThreads)
     copy_commit();
   }
   float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
+  load_taps<K, V>(w, c, wr);
   if constexpr (V == 2) {
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-#pragma unroll
-      for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
-    }
     copy_wait_all_but_newest();
 #pragma unroll
     for (int j = 1; j < K; ++j) {  // zeros before the sequence were staged as zeros
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
       win[1][j] = f.y;
     }
   } else {
-    load_taps_and_halo<K, V>(x, w, c, t0, channels, wr, win);
+    load_halo<K, V>(x, c, t0, channels, win);
   }
   for (int64_t tb = t0; tb < t1; tb += kBatch) {
     if (V == 2 && tb == t0 + kStagedTile / 2) copy_wait_all();
@@ -142,6 +144,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Dynamic shared memory of the forward: its staged x rows (the tile and its halo) at V = 2, else none.
+template <int K, int V>
+constexpr size_t kForwardShared = V == 2 ? size_t{kStagedTile + K - 1} * kThreads * sizeof(__nv_bfloat162)
+                                         : 0;
+
 template <int K>
 constexpr int kStagedRows = 2 * kStagedTile + 3 * (K - 1);  // x's rows then dy's, per thread column
 
@@ -167,11 +174,7 @@ __global__ void __launch_bounds__(kThreads)
   if (c >= channels) return;
   __nv_bfloat162* column = staged + threadIdx.x;
   float wr[V][K], dwacc[V][K] = {};
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-#pragma unroll
-    for (int v = 0; v < V; ++v) wr[v][j] = w[(c + v) * K + j];
-  }
+  load_taps<K, V>(w, c, wr);
   const int64_t tile_count = (tokens + kStagedTile - 1) / kStagedTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * tiles, last = min(first + tiles, tile_count);
 #pragma unroll 1
@@ -283,9 +286,9 @@ namespace {
 template <int K, int V>
 void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                     int64_t channels, cudaStream_t stream) {
-  constexpr size_t shared = V == 2 ? size_t{kStagedTile + K - 1} * kThreads * sizeof(__nv_bfloat162) : 0;
-  causal_conv_silu_kernel<K, V><<<conv_grid(tokens, channels, K, V, kStagedTile), kThreads, shared, stream>>>(
-      x, w, y, tokens, channels);
+  causal_conv_silu_kernel<K, V>
+      <<<conv_grid(tokens, channels, K, V, kStagedTile), kThreads, kForwardShared<K, V>, stream>>>(
+          x, w, y, tokens, channels);
 }
 
 // The backward's grid: its tiles in runs, about one wave of blocks in all.

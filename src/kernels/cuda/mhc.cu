@@ -125,10 +125,9 @@ __device__ __forceinline__ B* split_w_transposed(F* workspace,
 // at the mix, the 12 conversions per thread and slice were most of its integer instructions.
 __global__ void __launch_bounds__(kThreads) split_fn_kernel(const float* fn, uint32_t* split, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
-    const float f = fn[i];
-    const __nv_bfloat16 hi = __float2bfloat16_rn(f), lo = __float2bfloat16_rn(f - __bfloat162float(hi));
-    split[i] = static_cast<uint32_t>(__bfloat16_as_ushort(hi)) |
-               static_cast<uint32_t>(__bfloat16_as_ushort(lo)) << 16;
+    const Bf16Split f = split_bf16(fn[i]);
+    split[i] = static_cast<uint32_t>(__bfloat16_as_ushort(f.hi)) |
+               static_cast<uint32_t>(__bfloat16_as_ushort(f.lo)) << 16;
   }
 }
 
@@ -875,10 +874,11 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         dot = fmaf(dm, r[o], dot);
         ds[group_of<H>(o)] += g[o] * r[o] * inv;
         if (live) {
-          workspace[t * M + o] = dm * inv;
-          const __nv_bfloat16 hi = __float2bfloat16_rn(dm * inv);
-          w_hi_t[o * tokens + t] = hi;
-          w_hi_t[(M + o) * tokens + t] = __float2bfloat16_rn(dm * inv - __bfloat162float(hi));
+          const float w = dm * inv;
+          workspace[t * M + o] = w;
+          const Bf16Split split = split_bf16(w);
+          w_hi_t[o * tokens + t] = split.hi;
+          w_hi_t[(M + o) * tokens + t] = split.lo;
         }
         const float sum = warp_sum(g[o]);  // absent tokens add zero
         if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);

@@ -88,12 +88,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Two fp32 values a, b as bf16x2 pairs hi + lo with a = hi.x + lo.x and b = hi.y + lo.y to about
-// 2^-17 relative (lo rounds what hi left): bf16 x (hi + lo) on the tensor cores keeps an fp32
-// operand's accuracy at twice the bf16 MMAs.
-__device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint32_t& lo) {
-  hi = pack_bf16(a, b);
-  lo = pack_bf16(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+// An fp32 value as bf16 hi + lo, f = hi + lo to about 2^-17 relative (lo rounds what hi left):
+// bf16 x (hi + lo) on the tensor cores keeps an fp32 operand's accuracy at twice the bf16 MMAs.
+struct Bf16Split {
+  __nv_bfloat16 hi, lo;
+};
+__device__ __forceinline__ Bf16Split split_bf16(float f) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(f);
+  return {hi, __float2bfloat16_rn(f - __bfloat162float(hi))};
 }
 
 // TF32 for fp32 data: mma.sync.m16n8k8 with tf32 operands (10 mantissa bits, split or truncated
