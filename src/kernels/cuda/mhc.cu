@@ -2,9 +2,9 @@
 // per block of 256 threads, H a template parameter:
 //   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
 //      GEMM on the tensor cores: x is bf16 already and fn (fp32) is split into bf16 hi + lo, so
-//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 4-stage cp.async
-//      ring (three in flight: the loads, not the MMAs, set the pace), each fn slice read once per
-//      tile, not once per token;
+//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 2-stage cp.async
+//      ring (one loading while one is multiplied), each fn slice read once per tile, not once per
+//      token;
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
 //      registers; backward, the same again keeping each pass's line sums in shared memory, then
 //      back through the passes, each pass's input rebuilt from its output and sums;
@@ -48,8 +48,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
 constexpr int kTileTokens = 64;  // tokens per block of the coefficient kernels: 4 MMA rows of 16
-constexpr int kSlice = 64;       // mix reduction slice: two 32-wide k chunks, one per half of the warps
-constexpr int kStages = 4;       // slices in the ring: three loading while one is multiplied
+// Mix reduction slice: 32-wide k chunks, alternately for each half of the warps. Two stages of 128
+// (one loading while one is multiplied) leave the backward's Sinkhorn room for all 64 tokens' sums
+// at two blocks per SM; four stages of 64 measured no faster in the forward and left room for 32.
+constexpr int kSlice = 128;
+constexpr int kStages = 2;
 // Row strides of a staged slice. A quarter warp reads rows g and g + 1 with 16-byte accesses at 16 c
 // (x) or 32 c (fn) bytes: rows 64 mod 128 bytes apart (x) or 4 words mod 32 (fn) hit disjoint banks.
 constexpr int kXStride = kSlice + 32;             // bf16
@@ -176,7 +179,8 @@ __device__ void stage_slice(const __nv_bfloat16* x, int count, const uint32_t* f
 
 // Mix of one tile into raw (see Tile): raw[tt, o] = sum_k x[tt, k] fn[o, k] for o < M and raw[tt, M]
 // = sum_k x[tt, k]^2, for the tile's `count` tokens x [count, K]. Warp w multiplies tokens
-// 16 (w % 4) .. + 15 by k chunk w / 4 (32 wide) of every slice; the two halves add up in raw.
+// 16 (w % 4) .. + 15 by k chunks w / 4, w / 4 + 2, ... (32 wide) of every slice; the two halves add
+// up in raw.
 //
 // Within a chunk the k order is permuted (the sum does not care): thread (g, c) = (lane / 4, lane % 4)
 // reads elements 8c .. 8c + 7 of its rows g and g + 8 in one 16-byte access each and gives them to
@@ -190,7 +194,7 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, 
   constexpr int M = T::M, NT = T::NT;
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int row = (warp % 4) * 16 + g, half = warp / 4, kc = half * 32 + 8 * c;
+  const int row = (warp % 4) * 16 + g, half = warp / 4;
   float acc[NT][4] = {}, sq_top[4] = {}, sq_bottom[4] = {};
   const int slices = (K + kSlice - 1) / kSlice;
 #pragma unroll
@@ -204,25 +208,29 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, 
     const unsigned char* buf = smem + s % kStages * T::kStageBytes;
     const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
     const uint32_t* fs = reinterpret_cast<const uint32_t*>(buf + T::kXBytes);
-    const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
-    const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
-    const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
-    mma_bf16(sq_top, a0, top.x, top.y);
-    mma_bf16(sq_top, a1, top.z, top.w);
-    mma_bf16(sq_bottom, a0, bottom.x, bottom.y);
-    mma_bf16(sq_bottom, a1, bottom.z, bottom.w);
+#pragma unroll 1
+    for (int sub = 0; sub < kSlice / 64; ++sub) {
+      const int kc = sub * 64 + half * 32 + 8 * c;
+      const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
+      const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
+      const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
+      mma_bf16(sq_top, a0, top.x, top.y);
+      mma_bf16(sq_top, a1, top.z, top.w);
+      mma_bf16(sq_bottom, a0, bottom.x, bottom.y);
+      mma_bf16(sq_bottom, a1, bottom.z, bottom.w);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const uint32_t* f = fs + (n * 8 + g) * kFStride + kc;
-      const uint4 f0 = *reinterpret_cast<const uint4*>(f), f1 = *reinterpret_cast<const uint4*>(f + 4);
-      const uint32_t hi[4] = {high_halves(f0.x, f0.y), high_halves(f0.z, f0.w), high_halves(f1.x, f1.y),
-                              high_halves(f1.z, f1.w)};
-      const uint32_t lo[4] = {low_halves(f0.x, f0.y), low_halves(f0.z, f0.w), low_halves(f1.x, f1.y),
-                              low_halves(f1.z, f1.w)};
-      mma_bf16(acc[n], a0, hi[0], hi[1]);
-      mma_bf16(acc[n], a0, lo[0], lo[1]);
-      mma_bf16(acc[n], a1, hi[2], hi[3]);
-      mma_bf16(acc[n], a1, lo[2], lo[3]);
+      for (int n = 0; n < NT; ++n) {
+        const uint32_t* f = fs + (n * 8 + g) * kFStride + kc;
+        const uint4 f0 = *reinterpret_cast<const uint4*>(f), f1 = *reinterpret_cast<const uint4*>(f + 4);
+        const uint32_t hi[4] = {high_halves(f0.x, f0.y), high_halves(f0.z, f0.w), high_halves(f1.x, f1.y),
+                                high_halves(f1.z, f1.w)};
+        const uint32_t lo[4] = {low_halves(f0.x, f0.y), low_halves(f0.z, f0.w), low_halves(f1.x, f1.y),
+                                low_halves(f1.z, f1.w)};
+        mma_bf16(acc[n], a0, hi[0], hi[1]);
+        mma_bf16(acc[n], a0, lo[0], lo[1]);
+        mma_bf16(acc[n], a1, hi[2], hi[3]);
+        mma_bf16(acc[n], a1, lo[2], lo[3]);
+      }
     }
   }
   copy_wait<0>();  // only empty groups are left, but the ring is reused after this
@@ -1215,7 +1223,7 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   SPINDLE_HC_DISPATCH({
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
-    // 4 and 20 iterations: 32 threads, 104 KB).
+    // 4 and 20 iterations: 64 threads, 113 KB).
     const size_t fixed = Tile<H>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
