@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <vector>
 
 #include "backend/cuda/check.h"
@@ -22,6 +21,7 @@
 #include "cuda_timing.cuh"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "sparse_selection.h"
 
 using namespace spindle;
 using namespace spindle::cuda;
@@ -33,28 +33,7 @@ int main(int argc, char** argv) {
   const int64_t heads = 32, dim = 512, kpool = 16, pools = 128, tail = kpool - 1,
                 width = pools * kpool + tail;
   const int64_t first = tokens - queries;
-  // Query t's selection: 128 distinct complete pools before it (drawn once per group of `share`
-  // queries, among those the group's first query sees), ascending, then its tail.
-  std::vector<int32_t> selected(static_cast<size_t>(queries * width), -1);
-  std::mt19937_64 rng(7);
-  std::vector<int32_t> chosen;
-  for (int64_t i = 0; i < queries; ++i) {
-    const int64_t t = first + i, visible = (first + i / share * share + 1) / kpool;
-    if (i % share == 0) {
-      chosen.clear();
-      std::uniform_int_distribution<int64_t> pick(0, visible - 1);
-      while (static_cast<int64_t>(chosen.size()) < std::min(pools, visible)) {
-        const auto p = static_cast<int32_t>(pick(rng));
-        if (std::find(chosen.begin(), chosen.end(), p) == chosen.end()) chosen.push_back(p);
-      }
-      std::sort(chosen.begin(), chosen.end());
-    }
-    int32_t* row = selected.data() + i * width;
-    for (size_t k = 0; k < chosen.size(); ++k)
-      for (int64_t j = 0; j < kpool; ++j) row[k * kpool + j] = static_cast<int32_t>(chosen[k] * kpool + j);
-    for (int64_t j = 0; j < (t + 1) % kpool; ++j)
-      row[pools * kpool + j] = static_cast<int32_t>(t + 1 - (t + 1) % kpool + j);
-  }
+  const std::vector<int32_t> selected = random_pool_selection(first, queries, pools, kpool, share, 7);
   // The queries' rows of the latent sit at their positions; q, dout and the outputs per query.
   auto latent = random_bf16(tokens * dim, 1), q = random_bf16(queries * heads * dim, 2),
        dout = random_bf16(queries * heads * dim, 3);
