@@ -28,8 +28,8 @@ struct LossOptions {
   bool keep_selections = true;
   // The streaming executor on the GPU: keep from each chunk's recomputation what each sublayer's
   // backward would compute once more (the sparse attention's and the KDA recurrence's outputs,
-  // the feed-forward's output for its mHC combine) until that backward; false recomputes them
-  // there (less memory).
+  // the feed-forward's output for its mHC combine, a MoE's routing) until that backward; false
+  // recomputes them there (less memory).
   bool keep_outputs = true;
   // The streaming executor on the GPU, with keep_outputs: the KDA layers' intra-chunk matrices too
   // (A, Aq, Tinv packed: 100 MB per layer at 16k tokens for the 4B config), which their backward

@@ -51,12 +51,13 @@ class StepReplay {
   StepReplay(Ledger& m, const Shapes& s, const Pass& pass) : m_(m), s_(s), pass_(pass) {}
 
   // residual_site_forward; `select`: the forward proper, where a DSA layer makes its selection.
-  // With `keep_coefficients`, the site's pre, post and comb stay there for its backward.
+  // With `keep_coefficients`, the site's pre, post and comb stay there for its backward, with
+  // `keep_routing` a MoE's routing.
   void site_forward(const LayerShape& layer, Site site, bool select, Blocks& selections,
-                    Blocks* keep_coefficients = nullptr) {
+                    Blocks* keep_coefficients = nullptr, Blocks* keep_routing = nullptr) {
     Blocks a = site_activations(m_, s_, pass_.tokens);
     if (site == Site::Ffn)
-      ffn_forward(m_, s_, layer, pass_);
+      ffn_forward(m_, s_, layer, pass_, keep_routing);
     else if (Block chosen = attention_forward(m_, s_, layer, pass_, select); chosen.bytes() > 0)
       selections.push_back(std::move(chosen));
     if (keep_coefficients != nullptr)
@@ -68,8 +69,10 @@ class StepReplay {
   // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
   // gradient replaces `dstreams`. `kept` (freed here): the recomputation's kept outputs of this
   // site (the feed-forward's y, or attention_kept), empty for none; `coefficients` (freed here):
-  // its kept pre, post and comb, with which only the collapse and its norm are new.
-  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks coefficients) {
+  // its kept pre, post and comb, with which only the collapse and its norm are new; `routing`
+  // (freed in the feed-forward's backward): a MoE's kept routing.
+  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks coefficients,
+                     Blocks routing = {}) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
     Blocks a = std::move(coefficients);
     if (a.empty()) {
@@ -86,7 +89,7 @@ class StepReplay {
     a.push_back(m_.activations(4 * L * D));      // d_normed
     a.push_back(m_.activations(2 * L * D));      // dy
     if (site == Site::Ffn)
-      ffn_backward(m_, s_, layer, pass_);
+      ffn_backward(m_, s_, layer, pass_, std::move(routing));
     else
       attention_backward(m_, s_, layer, pass_, !kept.empty());
     if (site == Site::Attention) kept.clear();  // the sublayer's backward took and freed them
@@ -129,12 +132,14 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   };
   std::vector<Blocks> kept(2 * layers);          // Pass::keep_outputs: each site's, until its backward
   std::vector<Blocks> coefficients(2 * layers);  // likewise, each site's mHC coefficients
+  std::vector<Blocks> routings(layers);          // and each MoE's routing
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
       const size_t index = 2 * i + static_cast<size_t>(site == Site::Ffn);
       Block next = m.activations(S);
-      step.site_forward(layer, site, true, selections, pass.keep_outputs ? &coefficients[index] : nullptr);
+      step.site_forward(layer, site, true, selections, pass.keep_outputs ? &coefficients[index] : nullptr,
+                        pass.keep_outputs && site == Site::Ffn ? &routings[i] : nullptr);
       if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, pass);
       if (pass.keep_outputs && site == Site::Ffn) kept[index].push_back(m.activations(2 * L * s.hidden));
       if (site == Site::Attention || all_sites)
@@ -170,7 +175,7 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       step.site_forward(layer, Site::Attention, false, none);
     }
     step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]),
-                       std::move(coefficients[2 * i + 1]));
+                       std::move(coefficients[2 * i + 1]), std::move(routings[i]));
     stored[2 * i + 1] = Block();
     step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]),
                        std::move(coefficients[2 * i]));

@@ -189,8 +189,9 @@ Blocks route(Ledger& m, const Shapes& s, int64_t L) {
 
 // The experts' gate and up (the halves of one [rows, 2 inter] block), hidden and outputs, and the
 // shared expert's output, all before the experts' side streams fork; then the shared expert on the
-// main stream while the host waits for the routed rows' offsets.
-void moe_forward(Ledger& m, const Shapes& s, int64_t L) {
+// main stream while the host waits for the routed rows' offsets. `keep`: takes the logits, weights,
+// choices, permutation and inverse.
+void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep) {
   const int64_t rows = routed_rows(s, L);
   Blocks r = route(m, s, L), a;
   a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
@@ -198,13 +199,20 @@ void moe_forward(Ledger& m, const Shapes& s, int64_t L) {
   a.push_back(bf16(m, rows * s.hidden));         // out
   a.push_back(bf16(m, L * s.hidden));            // shared
   mlp_forward(m, L, s.shared_inter);
+  if (keep != nullptr)
+    for (const size_t kept : {0, 1, 2, 5, 6}) keep->push_back(std::move(r[kept]));
 }
 
 // The experts' gate and up and hidden again (not their output), dy gathered to the sorted rows and
 // the hidden's gradient, then the shared expert's backward while the host waits for the offsets.
-void moe_backward(Ledger& m, const Shapes& s, int64_t L) {
+// With the forward's routing `kept`, only the rows are gathered again.
+void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept) {
   const int64_t rows = routed_rows(s, L);
-  Blocks r = route(m, s, L), a;
+  Blocks r, a;
+  if (kept.empty())
+    r = route(m, s, L);
+  else
+    r.push_back(bf16(m, rows * s.hidden));
   a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
   a.push_back(bf16(m, rows * s.moe_inter));      // hidden
   a.push_back(bf16(m, rows * s.hidden));         // dy_rows
@@ -253,18 +261,20 @@ void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, con
     dsa_backward(m, s, layer, pass, kept);
 }
 
-void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                 Blocks* keep_routing) {
   if (layer.mlp == MlpKind::Dense)
     mlp_forward(m, pass.tokens, s.dense_inter);
   else
-    moe_forward(m, s, pass.tokens);
+    moe_forward(m, s, pass.tokens, keep_routing);
 }
 
-void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass) {
+void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                  Blocks kept_routing) {
   if (layer.mlp == MlpKind::Dense)
     mlp_backward(m, pass.tokens, s.dense_inter);
   else
-    moe_backward(m, s, pass.tokens);
+    moe_backward(m, s, pass.tokens, std::move(kept_routing));
 }
 
 int64_t routed_rows(const Shapes& s, int64_t tokens) {

@@ -41,8 +41,13 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
                                 bool select);
 // `kept`: the forward's attention_kept blocks are live (the caller frees them) and not recomputed.
 void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept);
-void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
-void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass);
+// `keep_routing` (if not null, a MoE layer's): takes the routing's blocks that the streaming
+// executor keeps for the backward (MoeRouting, model/cuda/modules.h).
+void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                 std::vector<Ledger::Block>* keep_routing = nullptr);
+// `kept_routing`: those blocks (freed here), with which the backward routes nothing again.
+void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
+                  std::vector<Ledger::Block> kept_routing = {});
 
 // Routed rows this GPU's experts compute for `tokens` tokens (the busiest GPU's share).
 int64_t routed_rows(const Shapes& s, int64_t tokens);

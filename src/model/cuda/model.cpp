@@ -68,18 +68,19 @@ void CudaModel::attention_forward(const LayerWeights& layer, const bf16* x, int6
 }
 
 void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L, bf16* y,
-                            std::vector<int64_t>* load, float* router_logits) {
+                            std::vector<int64_t>* load, float* router_logits, MoeRouting* keep_routing) {
   begin(mlp_kind(layer));
   if (layer.mlp == MlpKind::Dense)
     mlp_forward(ctx_, layer.dense, config_.swiglu_limit, x, L, y);
   else
-    moe_forward(ctx_, config_, layer.moe, x, L, y, load, router_logits);
+    moe_forward(ctx_, config_, layer.moe, x, L, y, load, router_logits, keep_routing);
   end();
 }
 
 void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const bf16* x, int64_t L,
                                   DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
-                                  DeviceBuffer<bf16>* kept_y, SiteCoefficients* kept_coefficients) {
+                                  DeviceBuffer<bf16>* kept_y, SiteCoefficients* kept_coefficients,
+                                  MoeRouting* kept_routing) {
   const ModelConfig& c = config_;
   residual_site_backward(
       ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, x, dstreams, grad.ffn_hc,
@@ -89,7 +90,7 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
         if (layer.mlp == MlpKind::Dense)
           mlp_backward(ctx_, layer.dense, c.swiglu_limit, in, L, dy, dx, grad.dense);
         else
-          moe_backward(ctx_, c, layer.moe, in, L, dy, dx, grad.moe, balance_loss);
+          moe_backward(ctx_, c, layer.moe, in, L, dy, dx, grad.moe, balance_loss, kept_routing);
         end();
       },
       kept_y, kept_coefficients);

@@ -139,12 +139,28 @@ struct BalanceLoss {
   double rows = 0.0;               // tokens over all MoE layers
 };
 
+// A MoE sublayer's routing of its tokens, which the streaming executor keeps from a chunk's
+// recomputation for that sublayer's backward (LossOptions::keep_outputs), so that the backward
+// neither routes the same rows again nor waits for the experts' row offsets: the router's logits
+// [tokens, experts], each (token, choice) assignment's weight and expert, the expert-sorted
+// permutation of the assignments and its inverse, and the experts' first rows (host, [experts + 1]).
+struct MoeRouting {
+  DeviceBuffer<float> logits, weight;
+  DeviceBuffer<int32_t> expert, permutation, inverse;
+  std::vector<int32_t> host_offsets;
+  bool empty() const { return host_offsets.empty(); }
+};
+
 // `load` (host, may be null): tokens routed to each expert. `router_logits` (device fp32
-// [tokens, experts], may be null): written.
+// [tokens, experts], may be null): written. `keep` (may be null): takes the routing.
 void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L, bf16* y,
-                 std::vector<int64_t>* load = nullptr, float* router_logits = nullptr);
+                 std::vector<int64_t>* load = nullptr, float* router_logits = nullptr,
+                 MoeRouting* keep = nullptr);
+// `kept` (if not null and not empty): the forward's routing of the same x, taken instead of routing
+// again.
 void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance = nullptr);
+                  const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance = nullptr,
+                  MoeRouting* kept = nullptr);
 
 // A bf16 activation buffer of n elements (category Activations).
 inline DeviceBuffer<bf16> activations(int64_t n) {

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "core/error.h"
 #include "kernels/cuda/balance_loss.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/moe_dispatch.h"
@@ -57,13 +58,12 @@ cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
           c.routed_scaling_factor};
 }
 
-// Routing and the expert-sorted rows: what both passes start from.
-struct Routing {
-  DeviceBuffer<float> logits, weight;
-  DeviceBuffer<int32_t> expert, counts, offsets, permutation, inverse;
-  std::vector<int32_t> host_offsets;  // [experts + 1], once the caller has them (wait_for_offsets)
-  std::vector<int> lane;              // [experts]: the side stream of each expert's products
-  DeviceBuffer<bf16> rows;            // [assignments, hidden]: the gathered inputs
+// Routing and the expert-sorted rows: what both passes start from. host_offsets: once the caller
+// has them (wait_for_offsets), or at once where a kept routing was taken.
+struct Routing : MoeRouting {
+  DeviceBuffer<int32_t> counts, offsets;
+  std::vector<int> lane;    // [experts]: the side stream of each expert's products
+  DeviceBuffer<bf16> rows;  // [assignments, hidden]: the gathered inputs
 };
 
 Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L) {
@@ -93,9 +93,26 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   return r;
 }
 
+// The forward's routing of the same x (moe_backward's `kept`): the rows gathered again, nothing to
+// wait for.
+Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const bf16* x, int64_t L) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
+  check(
+      kept.weight.size() == static_cast<size_t>(n) && kept.host_offsets.size() == static_cast<size_t>(E + 1),
+      "MoE backward: a kept routing of ", kept.weight.size(), " assignments for ", n);
+  Routing r;
+  static_cast<MoeRouting&>(r) = std::move(kept);
+  kept = MoeRouting();
+  r.lane = ctx.lanes.assign(r.host_offsets);
+  r.rows = activations(n * D);
+  gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), ctx.stream());
+  return r;
+}
+
 // The per-expert products need the row offsets on the host: route() queued their copy, so that the
 // caller can queue work that does not need them (the shared expert) before it waits here.
 void wait_for_offsets(Context& ctx, Routing& r) {
+  if (!r.lane.empty()) return;  // a kept routing's
   r.host_offsets = ctx.permutation.host_offsets();
   r.lane = ctx.lanes.assign(r.host_offsets);
 }
@@ -131,7 +148,7 @@ void queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, cons
 }  // namespace
 
 void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L, bf16* y,
-                 std::vector<int64_t>* load, float* router_logits) {
+                 std::vector<int64_t>* load, float* router_logits, MoeRouting* keep) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
@@ -160,17 +177,18 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
     SPINDLE_CUDA(
         cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
   combine_expert_rows(out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
+  if (keep != nullptr) *keep = std::move(static_cast<MoeRouting&>(r));
 }
 
 void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance) {
+                  const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance, MoeRouting* kept) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
   std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
-  Routing r = route(ctx, c, w, x, L);
+  Routing r = kept != nullptr && !kept->empty() ? take_routing(ctx, c, *kept, x, L) : route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),

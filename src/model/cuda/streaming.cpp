@@ -122,9 +122,11 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     // The chunk's attention from the carries it started from: a copy of the KDA carry (the
     // forward moves it on), the DSA cache as it stood before the chunk (the chunk rewrites its rows).
     // With keep_outputs, each sublayer's forward output its backward would compute a third time
-    // is kept from the recomputation until that backward (LossOptions::keep_outputs).
+    // (and a MoE's routing) is kept from the recomputation until that backward
+    // (LossOptions::keep_outputs).
     std::vector<AttentionKept> attention_kept(layers);
     std::vector<DeviceBuffer<bf16>> ffn_kept(layers);
+    std::vector<MoeRouting> routing_kept(layers);
     std::vector<SiteCoefficients> coefficients(2 * layers);  // each site's, with keep_outputs
     const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
                                bool reuse) {
@@ -173,7 +175,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
           [&](const bf16* x, bf16* y) {
             std::vector<int64_t> load;  // counted here only where this is the chunk's only forward
-            ffn_forward(layer, x, n, y, forward_here ? &load : nullptr);
+            ffn_forward(layer, x, n, y, forward_here ? &load : nullptr, nullptr,
+                        options.keep_outputs ? &routing_kept[i] : nullptr);
             if (forward_here) add_load(i, load);
           },
           options.keep_outputs ? &ffn_kept[i] : nullptr);
@@ -200,7 +203,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
       ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
-                        balance ? &balance_loss : nullptr, &ffn_kept[i], &coefficients[2 * i + 1]);
+                        balance ? &balance_loss : nullptr, &ffn_kept[i], &coefficients[2 * i + 1],
+                        &routing_kept[i]);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
       DeviceBuffer<int32_t> unused;
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
