@@ -20,8 +20,7 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_timing.cuh"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/sparse_mla.h"
-#include "sparse_selection.h"
+#include "sparse_mla_chunk.cuh"
 
 using namespace spindle;
 using namespace spindle::cuda;
@@ -61,23 +60,11 @@ double together_ms(const std::function<void(cudaStream_t, cudaStream_t)>& run, c
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
   const int products = argc > 2 ? std::atoi(argv[2]) : 24;
-  const int64_t queries = 16384, heads = 32, dim = 512, kpool = 16, pools = 128,
-                width = pools * kpool + kpool - 1;
-  const int64_t first = tokens - queries;
-  const std::vector<int32_t> selected = random_pool_selection(first, queries, pools, kpool, 1, 7);
-  auto latent = random_bf16(tokens * dim, 1), q = random_bf16(queries * heads * dim, 2),
-       dout = random_bf16(queries * heads * dim, 3);
-  DeviceBuffer<int32_t> selection(selected.size(), MemoryCategory::Activations);
-  selection.upload(selected);
-  DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(queries * heads * dim), MemoryCategory::Activations),
-      dq(static_cast<size_t>(queries * heads * dim), MemoryCategory::Activations);
-  DeviceBuffer<float> lse(static_cast<size_t>(queries * heads), MemoryCategory::Activations),
-      d_latent(static_cast<size_t>(tokens * dim), MemoryCategory::Gradients);
+  SparseMlaChunk chunk(tokens, 16384, 1);
   const int64_t rows = 16384, D = 2048;
   auto x = random_bf16(rows * D, 4), dy = random_bf16(rows * D, 5);
   DeviceBuffer<float> dw(static_cast<size_t>(D * D), MemoryCategory::Gradients);
   SPINDLE_CUDA(cudaDeviceSynchronize());
-  const SparseMlaShape s{queries, heads, dim, dim, width, dim, 1.0f / std::sqrt(static_cast<float>(dim))};
 
   int least = 0, greatest = 0;
   SPINDLE_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -91,13 +78,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < products; ++i)
       gemm.linear_backward_weight(dy.data(), x.data(), dw.data(), rows, D, D, stream);
   };
-  const auto forward = [&](cudaStream_t stream) {
-    sparse_mla_forward(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(), stream);
-  };
-  const auto backward = [&](cudaStream_t stream) {
-    sparse_mla_backward(s, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
-                        dq.data(), d_latent.data(), stream);
-  };
+  const auto forward = [&](cudaStream_t stream) { chunk.forward(stream); };
+  const auto backward = [&](cudaStream_t stream) { chunk.backward(stream); };
   const int repeats = 5;
   const double alone_products =
       together_ms([&](cudaStream_t, cudaStream_t b) { run_products(b); }, plain_a, plain_b, repeats);
