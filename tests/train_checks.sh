@@ -2,6 +2,7 @@
 # Training checks through the CLI, on real DNA (a chr22 snippet from Debian's hisat2 example):
 #   overfit:  the loss on one 256-token window falls by at least 85% within 20 steps;
 #   resume:   10 steps straight == 5 steps + checkpoint + --resume + 5 steps, bit for bit;
+#   model only: [checkpoint] optimizer = false, the same model without the AdamW state;
 #   refusal:  an existing checkpoint directory is never overwritten without --resume.
 set -u
 spindle=$1
@@ -85,6 +86,22 @@ b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
 print(f"resume: losses straight {a[-1]!r}, resumed {b[-1]!r}, {len(a)} and {len(b)} steps")
 sys.exit(0 if a == b and len(a) == 10 else 1)
 PY
+
+# --- model only: [checkpoint] optimizer = false trains the same model, writes no AdamW state, and
+# a resume says why it cannot
+{ run_toml modelonly; echo "optimizer = false"; } > "$work/modelonly.toml"
+"$spindle" train --config "$work/modelonly.toml" > "$work/modelonly.log" 2>&1 || { cat "$work/modelonly.log"; fail "model-only run"; }
+if ! cmp -s "$work/straight/step-000010/model.safetensors" "$work/modelonly/step-000010/model.safetensors"; then
+  fail "model only: model.safetensors differs from the straight run's"
+elif [ -e "$work/modelonly/step-000010/optimizer.safetensors" ]; then
+  fail "model only: the checkpoint holds optimizer.safetensors"
+elif "$spindle" train --config "$work/modelonly.toml" --resume > "$work/modelonly_resume.log" 2>&1; then
+  fail "model only: --resume was accepted"
+elif ! grep -q "cannot be resumed" "$work/modelonly_resume.log"; then
+  fail "model only: resume message: $(cat "$work/modelonly_resume.log")"
+else
+  echo "model only: the straight run's model, no optimizer state; resume refused"
+fi
 
 # --- never overwrite
 before=$(cat "$work/straight/latest")

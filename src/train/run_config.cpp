@@ -38,7 +38,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"optim", {"lr", "min_lr", "warmup", "beta1", "beta2", "eps", "weight_decay", "clip"}},
       {"indexer", {"kl_coef", "freeze"}},
       {"moe", {"bias_update_rate", "aux_loss_coef"}},
-      {"checkpoint", {"dir", "every", "keep"}},
+      {"checkpoint", {"dir", "every", "keep", "optimizer"}},
       {"eval", {"every", "windows", "bucket"}},
   };
   return sections;
@@ -432,6 +432,7 @@ RunConfig parse_run_config(std::string_view text, const std::string& path) {
   c.checkpoint.dir = *checkpoint_dir;
   c.checkpoint.every = at_least(r, "checkpoint", "every", c.checkpoint.every, 0, " (0 = only at the end)");
   c.checkpoint.keep = at_least(r, "checkpoint", "keep", c.checkpoint.keep, 1);
+  c.checkpoint.optimizer = r.boolean("checkpoint", "optimizer").value_or(c.checkpoint.optimizer);
 
   c.eval.every = at_least(r, "eval", "every", c.eval.every, 0, " (0 = only at the end)");
   c.eval.windows = at_least(r, "eval", "windows", c.eval.windows, 1);
@@ -479,6 +480,8 @@ std::string describe(const RunConfig& c) {
       << "\naux_loss_coef = " << real_text(c.moe.aux_loss_coef) << "\n";
   out << "\n[checkpoint]\ndir = " << quoted(c.checkpoint.dir) << "\nevery = " << c.checkpoint.every
       << "\nkeep = " << c.checkpoint.keep << "\n";
+  // Only when off, so that the settings' hash of runs from before the key stays what it was.
+  if (!c.checkpoint.optimizer) out << "optimizer = false\n";
   out << "\n[eval]\nevery = " << c.eval.every << "\nwindows = " << c.eval.windows
       << "\nbucket = " << c.eval.bucket << "\n";
   return out.str();

@@ -14,7 +14,9 @@
 //                 beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, clip = 1.0 (0 = off)
 //   [indexer]     kl_coef = 1.0, freeze = false
 //   [moe]         bias_update_rate = 1e-3, aux_loss_coef = 0.0
-//   [checkpoint]  dir = "runs/NAME" (required), every = 100 (steps; 0 = only at the end), keep = 2
+//   [checkpoint]  dir = "runs/NAME" (required), every = 100 (steps; 0 = only at the end), keep = 2,
+//                 optimizer = true (false: without the AdamW state, three times the model's size:
+//                 a model to load, not a run to resume)
 //   [eval]        every = 0 (0 = only at the end), windows = 8, bucket = 1024
 //
 // Unknown sections or keys, wrong types and out-of-range values are errors naming the file, the
@@ -85,6 +87,7 @@ struct RunConfig {
     std::string dir;
     int64_t every = 100;
     int64_t keep = 2;
+    bool optimizer = true;
   } checkpoint;
 
   struct Eval {

@@ -54,7 +54,7 @@ int64_t parse_trainer_state(const json& j, const std::string& path, TrainState& 
         " is not supported (expected ", kVersion, ")");
   static const std::set<std::string> known = {"format",        "version",       "step", "optimizer_steps",
                                               "schedule_step", "data_position", "rng",  "loss_history",
-                                              "config_hash"};
+                                              "config_hash",   "optimizer"};
   for (const auto& [key, value] : j.items())
     check(known.count(key) != 0, path, ": unknown field '", key, "'");
 
@@ -87,19 +87,22 @@ int64_t parse_trainer_state(const json& j, const std::string& path, TrainState& 
 
 }  // namespace
 
-void save_train_state(const std::string& dir, const TrainState& state, const AdamW& optimizer) {
+void save_train_state(const std::string& dir, const TrainState& state, const AdamW& optimizer,
+                      bool with_optimizer) {
   check(state.step >= 0 && state.schedule_step >= 0, "train state: step and schedule step must be >= 0");
   const std::string step_text = std::to_string(state.step);
-  NamedTensors tensors;
-  for (const AdamW::Slot& s : optimizer.slots()) {
-    tensors.emplace_back(s.name + ".master", s.master);
-    tensors.emplace_back(s.name + ".exp_avg", s.exp_avg);
-    tensors.emplace_back(s.name + ".exp_avg_sq", s.exp_avg_sq);
+  if (with_optimizer) {
+    NamedTensors tensors;
+    for (const AdamW::Slot& s : optimizer.slots()) {
+      tensors.emplace_back(s.name + ".master", s.master);
+      tensors.emplace_back(s.name + ".exp_avg", s.exp_avg);
+      tensors.emplace_back(s.name + ".exp_avg_sq", s.exp_avg_sq);
+    }
+    write_safetensors((fs::path(dir) / kOptimizerFile).string(), tensors,
+                      {{"format", "spindle-optimizer"},
+                       {"step", step_text},
+                       {"optimizer_steps", std::to_string(optimizer.steps())}});
   }
-  write_safetensors((fs::path(dir) / kOptimizerFile).string(), tensors,
-                    {{"format", "spindle-optimizer"},
-                     {"step", step_text},
-                     {"optimizer_steps", std::to_string(optimizer.steps())}});
 
   json j = json::object();
   j["format"] = kFormat;
@@ -112,6 +115,7 @@ void save_train_state(const std::string& dir, const TrainState& state, const Ada
   for (uint64_t word : state.rng) j["rng"].push_back(hex_word(word));
   j["loss_history"] = state.loss_history;
   j["config_hash"] = state.config_hash;
+  if (!with_optimizer) j["optimizer"] = false;
   const std::string path = (fs::path(dir) / kTrainerStateFile).string();
   std::ofstream out(path, std::ios::binary);
   out << j.dump(2) << '\n';
@@ -137,6 +141,9 @@ TrainState load_train_state(const std::string& dir, AdamW& optimizer) {
   } catch (const json::exception& e) {
     fail(path, ": ", e.what());
   }
+  check(!j.contains("optimizer") || j["optimizer"] == true, dir,
+        " holds no optimizer state (its run set [checkpoint] optimizer = false): it loads as a model "
+        "([model] dir, --model), and cannot be resumed");
   // The optimizer file must belong to the same checkpoint and to this model.
   const std::string file = (fs::path(dir) / kOptimizerFile).string();
   const SafetensorsReader reader = SafetensorsReader::open(file);
@@ -182,10 +189,11 @@ TrainState load_train_state(const std::string& dir, AdamW& optimizer) {
 }
 
 std::string save_checkpoint(CheckpointWriter& writer, const TrainState& state, const AdamW& optimizer,
-                            const std::function<void(const std::string& dir)>& write_model) {
+                            const std::function<void(const std::string& dir)>& write_model,
+                            bool with_optimizer) {
   return writer.write(state.step, [&](const std::string& dir) {
     write_model(dir);
-    save_train_state(dir, state, optimizer);
+    save_train_state(dir, state, optimizer, with_optimizer);
   });
 }
 

@@ -32,18 +32,22 @@ struct TrainState {
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kTrainerStateFile = "trainer_state.json";
 
-// Writes optimizer.safetensors and trainer_state.json into `dir` (which must exist).
-void save_train_state(const std::string& dir, const TrainState& state, const AdamW& optimizer);
+// Writes optimizer.safetensors (unless `with_optimizer` is false) and trainer_state.json into
+// `dir` (which must exist).
+void save_train_state(const std::string& dir, const TrainState& state, const AdamW& optimizer,
+                      bool with_optimizer = true);
 
 // Reads them from `dir` into `optimizer` (masters, moments, update count; every trained
 // parameter must be present with its shape, and nothing else) and writes the model weights from
-// the masters. Errors name the file and the tensor or field at fault.
+// the masters. Errors name the file and the tensor or field at fault, and a checkpoint written
+// without its optimizer state.
 TrainState load_train_state(const std::string& dir, AdamW& optimizer);
 
 // One atomic checkpoint of `state.step`: `write_model(dir)` saves the model into the temporary
 // directory (e.g. with save_model), then the train state is added and the directory committed.
 std::string save_checkpoint(CheckpointWriter& writer, const TrainState& state, const AdamW& optimizer,
-                            const std::function<void(const std::string& dir)>& write_model);
+                            const std::function<void(const std::string& dir)>& write_model,
+                            bool with_optimizer = true);
 
 struct LoadedCheckpoint {
   std::string dir;  // load the model from here

@@ -219,12 +219,13 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   std::cout << describe(run) << std::flush;
 
   auto checkpoint = [&] {
-    if (device) device->save_optimizer(optimizer);
+    if (device) device->save_optimizer(optimizer);  // the host's masters, and its weights from them
     state.data_position = static_cast<uint64_t>(sampler.position());
     state.rng = sampler.random_state();
-    const std::string dir = save_checkpoint(writer, state, optimizer, [&](const std::string& tmp) {
-      save_model(tmp, config, model.weights, dtype);
-    });
+    const std::string dir = save_checkpoint(
+        writer, state, optimizer,
+        [&](const std::string& tmp) { save_model(tmp, config, model.weights, dtype); },
+        run.checkpoint.optimizer);
     log_info("checkpoint ", dir);
     return dir;
   };

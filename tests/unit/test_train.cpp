@@ -565,6 +565,7 @@ aux_loss_coef = 1e-4
 dir = "runs/full"
 every = 25
 keep = 3
+optimizer = false
 
 [eval]
 every = 100
@@ -603,6 +604,7 @@ bucket = 32768
   EXPECT_EQ(c.checkpoint.dir, (sub / "runs/full").string());
   EXPECT_EQ(c.checkpoint.every, 25);
   EXPECT_EQ(c.checkpoint.keep, 3);
+  EXPECT_FALSE(c.checkpoint.optimizer);
   EXPECT_EQ(c.eval.every, 100);
   EXPECT_EQ(c.eval.windows, 4);
   EXPECT_EQ(c.eval.bucket, 32768);
@@ -638,6 +640,9 @@ TEST_F(RunConfigTest, DefaultsAndInference) {
   EXPECT_EQ(c.optim.clip, 1.0);
   EXPECT_EQ(c.indexer.kl_coef, 1.0);
   EXPECT_FALSE(c.indexer.freeze);
+  EXPECT_TRUE(c.checkpoint.optimizer);
+  // The default is not written out: runs from before the key keep their settings' hash.
+  EXPECT_EQ(describe(c).find("optimizer"), std::string::npos);
   EXPECT_EQ(c.moe.bias_update_rate, 1e-3);
   EXPECT_EQ(c.moe.aux_loss_coef, 0.0);
   EXPECT_EQ(c.checkpoint.every, 100);
@@ -854,6 +859,30 @@ TEST_F(TrainStateTest, MismatchedCheckpointsAreErrors) {
   j["surprise"] = 1;
   std::ofstream(two / kTrainerStateFile) << j.dump();
   EXPECT_ERROR(load_train_state(two.string(), *a.adamw), "unknown field 'surprise'");
+}
+
+// [checkpoint] optimizer = false: the model and the trainer state only, and a resume that says why
+// it cannot.
+TEST_F(TrainStateTest, WithoutTheOptimizerLoadsAsAModelOnly) {
+  const ModelConfig config = tiny_config();
+  Trainable a(config, DType::F32, 1);
+  a.step(10);
+  TrainState state;
+  state.step = 1;
+  state.rng = Random(1).state();
+  CheckpointWriter writer(dir_.string(), 1);
+  const std::string dir = save_checkpoint(
+      writer, state, *a.adamw, [&](const std::string& d) { a.save(d); }, false);
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / kOptimizerFile));
+  Model model = load_model(dir, DType::F32);  // the trained weights, bit for bit
+  const auto table = parameter_table(config, model.weights);
+  for (const AdamW::Slot& slot : a.adamw->slots())
+    for (const auto& p : table)
+      if (p.name == slot.name) expect_bit_equal(p.tensor, slot.weight, slot.name);
+  Trainable b(config, DType::F32, 2);
+  EXPECT_ERROR(load_train_state(dir, *b.adamw), "holds no optimizer state", "optimizer = false",
+               "cannot be resumed");
 }
 
 // Writes a small checkpoint of `step` whose files all carry `step`, through the real writer.

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The 1M step from trained weights. The benches run the 4B model from random weights, whose indexer
+# picks pools that neighbouring queries hardly share; a trained indexer's neighbours share most of
+# theirs (docs/PERF.md, "Do neighbouring queries select the same pools?"), and the sparse
+# attention's gathers and gradient reductions then meet in the L2. Fine-tuning at full length
+# starts from trained weights, so this measures that case: (1) `train` trains the model from its
+# config (seed 1) at SEQ_LEN tokens on an N-free chrX window for STEPS steps on the GPU and keeps
+# the last checkpoint, without the AdamW state ([checkpoint] optimizer = false: the fp32 model,
+# 16.7 GB for the 4B model, where the state would add 50 GB to the device's 64 GB disk); (2)
+# `bench` runs one step at 1,048,576 tokens from it, as
+# run_4b_h200.sh does from random weights. Each phase fits one device call (train: about 6 min at
+# 100 steps of 32k). The variables CONFIG, SEQ_LEN, STEPS, BENCH_LEN and DEVICE override the
+# defaults (a CPU dry run: CONFIG=tests/configs/tiny.json SEQ_LEN=256 STEPS=2 BENCH_LEN=512
+# DEVICE=cpu, with bench skipped).
+#     bash bench/trained_1m_h200.sh OUT_DIR train
+#     bash bench/trained_1m_h200.sh OUT_DIR bench
+set -euo pipefail
+out=$(realpath -m "$1") phase=$2
+cd "$(dirname "$0")/.."
+if [ -d build/devlibs ]; then export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"; fi
+config=$(realpath "${CONFIG:-configs/glm53-flash-4b.json}")
+seq_len=${SEQ_LEN:-32768} steps=${STEPS:-100} bench_len=${BENCH_LEN:-1048576} device=${DEVICE:-cuda}
+tokens=$(realpath data/hs37chrXtrunc.fa.gz)
+warmup=$((steps < 10 ? steps : 10))
+mkdir -p "$out"
+case "$phase" in
+  train)
+    cat > "$out/run.toml" <<TOML
+# Written by bench/trained_1m_h200.sh.
+[model]
+config = "$config"
+seed = 1
+
+[data]
+train = "$tokens"
+
+[train]
+seq_len = $seq_len
+steps = $steps
+seed = 1
+
+[optim]
+lr = 1e-3
+min_lr = 1e-4
+warmup = $warmup
+
+[checkpoint]
+dir = "$out/run"
+every = 0
+keep = 1
+optimizer = false
+TOML
+    ./build/spindle train --config "$out/run.toml" --device "$device" 2> >(tee "$out/train.log" >&2)
+    ;;
+  bench)
+    model="$out/run/$(cat "$out/run/latest")"
+    extra=()
+    if [ "$bench_len" -ge 524288 ]; then extra=(--host-optimizer); fi
+    ./build/spindle bench --model "$model" --seq-len "$bench_len" --steps 1 --warmup 0 --tokens "$tokens" \
+      "${extra[@]}" --out "$out/spindle.jsonl" 2> "$out/spindle.log"
+    cat "$out/spindle.jsonl"
+    ;;
+  *)
+    echo "usage: bash bench/trained_1m_h200.sh OUT_DIR train|bench" >&2
+    exit 2
+    ;;
+esac
