@@ -3,15 +3,16 @@
 # picks pools that neighbouring queries hardly share; a trained indexer's neighbours share most of
 # theirs (docs/PERF.md, "Do neighbouring queries select the same pools?"), and the sparse
 # attention's gathers and gradient reductions then meet in the L2. Fine-tuning at full length
-# starts from trained weights, so this measures that case: (1) `train` trains the model from its
-# config (seed 1) at SEQ_LEN tokens on an N-free chrX window for STEPS steps on the GPU and keeps
-# the last checkpoint, without the AdamW state ([checkpoint] optimizer = false: the fp32 model,
-# 16.7 GB for the 4B model, where the state would add 50 GB to the device's 64 GB disk); (2)
-# `bench` runs one step at 1,048,576 tokens from it, as
-# run_4b_h200.sh does from random weights. Each phase fits one device call (train: about 6 min at
-# 100 steps of 32k). The variables CONFIG, SEQ_LEN, STEPS, BENCH_LEN and DEVICE override the
-# defaults (a CPU dry run: CONFIG=tests/configs/tiny.json SEQ_LEN=256 STEPS=2 BENCH_LEN=512
-# DEVICE=cpu, with bench skipped).
+# starts from trained weights, so this measures that case:
+#   train: trains the model from its config (seed 1) at SEQ_LEN tokens (32k) on an N-free chrX
+#          window for STEPS steps (80) on the GPU and keeps the last checkpoint without the AdamW
+#          state ([checkpoint] optimizer = false: the fp32 model, 16.7 GB for the 4B model, where
+#          the state would add 50 GB to the device's 64 GB disk);
+#   bench: one step at BENCH_LEN tokens (1,048,576) from it, as run_4b_h200.sh does from random
+#          weights.
+# Each phase fits one device call (train: about 5 min of steps at 3.7 s, and 2-3 min of setup and
+# checkpoint). CONFIG and DEVICE override the model config and the device (a CPU dry run:
+# CONFIG=tests/configs/tiny.json SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU).
 #     bash bench/trained_1m_h200.sh OUT_DIR train
 #     bash bench/trained_1m_h200.sh OUT_DIR bench
 set -euo pipefail
@@ -19,7 +20,7 @@ out=$(realpath -m "$1") phase=$2
 cd "$(dirname "$0")/.."
 if [ -d build/devlibs ]; then export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"; fi
 config=$(realpath "${CONFIG:-configs/glm53-flash-4b.json}")
-seq_len=${SEQ_LEN:-32768} steps=${STEPS:-100} bench_len=${BENCH_LEN:-1048576} device=${DEVICE:-cuda}
+seq_len=${SEQ_LEN:-32768} steps=${STEPS:-80} bench_len=${BENCH_LEN:-1048576} device=${DEVICE:-cuda}
 tokens=$(realpath data/hs37chrXtrunc.fa.gz)
 warmup=$((steps < 10 ? steps : 10))
 mkdir -p "$out"
