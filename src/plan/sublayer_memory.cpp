@@ -171,36 +171,39 @@ void mlp_backward(Ledger& m, int64_t L, int64_t inter) {
   Ledger::Block gate = bf16(m, L * inter), up = bf16(m, L * inter), hidden = bf16(m, L * inter);
 }
 
-// Routing (model/cuda/moe.cpp route): router logits, weights, choices, the permutation and its
-// inverse over every (token, choice) assignment; the gathered rows of this GPU's experts.
-Blocks route(Ledger& m, const Shapes& s, int64_t L) {
-  const int64_t all = L * s.topk, rows = routed_rows(s, L);
+// Routing (model/cuda/moe.cpp route), what a kept routing holds (MoeRouting): router logits,
+// weights, choices, the permutation and its inverse over every (token, choice) assignment.
+Blocks routing(Ledger& m, const Shapes& s, int64_t L) {
+  const int64_t all = L * s.topk;
   Blocks r;
   r.push_back(f32(m, L * s.experts));  // logits
   r.push_back(f32(m, all));            // weight
   r.push_back(i32(m, all));            // expert
-  r.push_back(i32(m, s.experts));      // counts
-  r.push_back(i32(m, s.experts + 1));  // offsets
   r.push_back(i32(m, all));            // permutation
   r.push_back(i32(m, all));            // inverse
-  r.push_back(bf16(m, rows * s.hidden));
   return r;
+}
+
+// The rest of route: the experts' counts and offsets, and the gathered rows of this GPU's experts.
+void expert_rows(Ledger& m, const Shapes& s, int64_t L, Blocks& r) {
+  r.push_back(i32(m, s.experts));      // counts
+  r.push_back(i32(m, s.experts + 1));  // offsets
+  r.push_back(bf16(m, routed_rows(s, L) * s.hidden));
 }
 
 // The experts' gate and up (the halves of one [rows, 2 inter] block), hidden and outputs, and the
 // shared expert's output, all before the experts' side streams fork; then the shared expert on the
-// main stream while the host waits for the routed rows' offsets. `keep`: takes the logits, weights,
-// choices, permutation and inverse.
+// main stream while the host waits for the routed rows' offsets. `keep`: takes the routing.
 void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep) {
   const int64_t rows = routed_rows(s, L);
-  Blocks r = route(m, s, L), a;
+  Blocks kept = routing(m, s, L), r, a;
+  expert_rows(m, s, L, r);
   a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
   a.push_back(bf16(m, rows * s.moe_inter));      // hidden
   a.push_back(bf16(m, rows * s.hidden));         // out
   a.push_back(bf16(m, L * s.hidden));            // shared
   mlp_forward(m, L, s.shared_inter);
-  if (keep != nullptr)
-    for (const size_t kept : {0, 1, 2, 5, 6}) keep->push_back(std::move(r[kept]));
+  if (keep != nullptr) *keep = std::move(kept);
 }
 
 // The experts' gate and up and hidden again (not their output), dy gathered to the sorted rows and
@@ -208,11 +211,12 @@ void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep) {
 // With the forward's routing `kept`, only the rows are gathered again.
 void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept) {
   const int64_t rows = routed_rows(s, L);
-  Blocks r, a;
-  if (kept.empty())
-    r = route(m, s, L);
+  const bool taken = !kept.empty();
+  Blocks r = taken ? std::move(kept) : routing(m, s, L), a;
+  if (taken)
+    r.push_back(bf16(m, rows * s.hidden));  // the rows gathered again
   else
-    r.push_back(bf16(m, rows * s.hidden));
+    expert_rows(m, s, L, r);
   a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
   a.push_back(bf16(m, rows * s.moe_inter));      // hidden
   a.push_back(bf16(m, rows * s.hidden));         // dy_rows

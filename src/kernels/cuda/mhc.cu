@@ -116,10 +116,10 @@ __device__ __forceinline__ StreamGradientInputs<F> stream_gradient_inputs(F* wor
   F* corr = workspace + tokens * Tile<H>::M;
   return {workspace, corr, corr + tokens};
 }
+// w^T's hi rows [M, tokens]; the lo rows follow them.
 template <int H, class F,
           class B = std::conditional_t<std::is_const_v<F>, const __nv_bfloat16, __nv_bfloat16>>
-__device__ __forceinline__ B* split_w_transposed(F* workspace,
-                                                 int64_t tokens) {  // hi; lo follows M tokens on
+__device__ __forceinline__ B* split_w_transposed(F* workspace, int64_t tokens) {
   return reinterpret_cast<B*>(workspace + tokens * (Tile<H>::M + 1 + H));
 }
 

@@ -58,8 +58,8 @@ cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
           c.routed_scaling_factor};
 }
 
-// Routing and the expert-sorted rows: what both passes start from. host_offsets: once the caller
-// has them (wait_for_offsets), or at once where a kept routing was taken.
+// Routing and the expert-sorted rows: what both passes start from. host_offsets and lane: once the
+// caller has them (wait_for_offsets), or at once where a kept routing was taken.
 struct Routing : MoeRouting {
   DeviceBuffer<int32_t> counts, offsets;
   std::vector<int> lane;    // [experts]: the side stream of each expert's products
@@ -112,7 +112,6 @@ Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const
 // The per-expert products need the row offsets on the host: route() queued their copy, so that the
 // caller can queue work that does not need them (the shared expert) before it waits here.
 void wait_for_offsets(Context& ctx, Routing& r) {
-  if (!r.lane.empty()) return;  // a kept routing's
   r.host_offsets = ctx.permutation.host_offsets();
   r.lane = ctx.lanes.assign(r.host_offsets);
 }
@@ -188,7 +187,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
   std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
-  Routing r = kept != nullptr && !kept->empty() ? take_routing(ctx, c, *kept, x, L) : route(ctx, c, w, x, L);
+  const bool taken = kept != nullptr && !kept->empty();
+  Routing r = taken ? take_routing(ctx, c, *kept, x, L) : route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),
@@ -199,7 +199,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   part.emplace(ctx.timer, "moe.shared_backward", s);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
   part.emplace(ctx.timer, "moe.experts_backward", s);
-  wait_for_offsets(ctx, r);
+  if (!taken) wait_for_offsets(ctx, r);
   // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
   // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
   queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
