@@ -69,7 +69,7 @@ struct SparseMlaChunk {
   }
   void backward(cudaStream_t stream) {
     sparse_mla_backward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
-                        dq.data(), d_latent.data(), stream);
+                        dq.data(), d_latent.data(), nullptr, stream);
   }
 
   int64_t tokens, queries, first;

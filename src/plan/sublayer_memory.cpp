@@ -150,15 +150,18 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
 void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a = mla_projections(m, s, p, kept);
-  if (p.indexer_kl && layer.own_indexer) {
-    Ledger::Block mass = f32(m, L * s.width);
-    train_indexer(m, s, p);
-  }
   a.push_back(bf16(m, L * H * s.v_dim));   // d_attended
   a.push_back(bf16(m, L * H * s.qk_dim));  // dq
   a.push_back(bf16(m, L * s.kv_rank));     // d_normed
   a.push_back(bf16(m, L * s.kv_rank));     // d_low
-  attention_gradients(m, s, p);
+  {
+    // The attention mass, summed by the attention's backward, then the indexer's KL on it.
+    const bool kl = p.indexer_kl && layer.own_indexer;
+    Blocks mass;
+    if (kl) mass.push_back(f32(m, L * s.width));
+    attention_gradients(m, s, p);
+    if (kl) train_indexer(m, s, p);
+  }
   a.push_back(bf16(m, L * s.q_rank));  // d_resid
   a.push_back(bf16(m, L * s.q_rank));  // dq_low
 }

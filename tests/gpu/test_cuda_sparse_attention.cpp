@@ -179,11 +179,13 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     auto out = poisoned<bf16>(L * H * c.dv), dq = poisoned<bf16>(L * H * c.dk);
     auto lse = poisoned<float>(L * H);
     DeviceBuffer<float> d_latent(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
+    DeviceBuffer<float> mass(static_cast<size_t>(L * c.width), MemoryCategory::Activations);
     SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
+    SPINDLE_CUDA(cudaMemset(mass.data(), 0, mass.size() * sizeof(float)));
     SPINDLE_CUDA(cudaDeviceSynchronize());
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
     sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
-                        dq.data(), d_latent.data(), stream.get());
+                        dq.data(), d_latent.data(), mass.data(), stream.get());
     stream.synchronize();
 
     // The reference: one key head whose key is the latent's first dk values and value its first dv.
@@ -196,8 +198,9 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     const auto qd = to_double(q), doutd = to_double(dout);
     std::vector<double> out_ref(static_cast<size_t>(L * H * c.dv)), dq_ref(static_cast<size_t>(L * H * c.dk)),
         dkv_ref(kv.size(), 0.0), lse_ref(static_cast<size_t>(L * H)),
-        d_latent_ref(static_cast<size_t>(L * stride), 0.0);
+        d_latent_ref(static_cast<size_t>(L * stride), 0.0), mass_ref(static_cast<size_t>(L * c.width));
     cpu::sparse_attention<double>(ref_shape, qd.data(), kv.data(), sel.data(), out_ref.data());
+    cpu::attention_mass<double>(ref_shape, qd.data(), kv.data(), sel.data(), mass_ref.data());
     cpu::sparse_attention_backward<double>(ref_shape, qd.data(), kv.data(), sel.data(), doutd.data(),
                                            dq_ref.data(), dkv_ref.data());
     for (int64_t t = 0; t < L; ++t) {
@@ -227,6 +230,8 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
     EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
+    // The mass sums the fp32 probabilities (not their bf16 copies) from fp32 scores and the forward's lse.
+    EXPECT_LT(relative_error(mass.download(), mass_ref), 2e-3) << "mass, " << what;
     const auto lse_got = lse.download();
     double worst = 0;
     for (size_t i = 0; i < lse_got.size(); ++i) {

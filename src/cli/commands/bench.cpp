@@ -102,7 +102,7 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args("bench", argv,
                   {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy"},
-                  {"random-tokens", "strict-kernels", "host-optimizer"});
+                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -149,6 +149,9 @@ int run_bench(const std::vector<std::string>& argv) {
   const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
   plan::StepOptions plan_options;
   plan_options.absorbed = mla == "absorbed";
+  // Training the indexers on their KL to the attention, as `spindle train` does by default.
+  const bool indexer_kl = args.flag("indexer-kl");
+  plan_options.indexer_kl = indexer_kl;
   // The optimizer's place, once for all lengths: the host when asked, else where the longest
   // length needs it.
   const bool optimizer_on_host =
@@ -185,6 +188,7 @@ int run_bench(const std::vector<std::string>& argv) {
     loss_options.keep_selections = execution.keep_selections;
     loss_options.keep_outputs = execution.keep_outputs;
     loss_options.keep_kda_matrices = execution.keep_kda_matrices;
+    loss_options.indexer_kl_coef = indexer_kl ? 1.0 : 0.0;
     device->reset_memory_peak();
     std::vector<double> seconds;
     std::map<std::string, double> kind_ms;
@@ -215,6 +219,7 @@ int run_bench(const std::vector<std::string>& argv) {
         {"model", source},
         {"device", device->device_name()},
         {"mla", mla},
+        {"indexer_kl", indexer_kl},
         {"seq_len", L},
         {"policy", execution.policy.name()},
         {"policy_forced", execution.forced},

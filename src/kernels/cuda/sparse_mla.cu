@@ -51,9 +51,10 @@ Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   l.s_bytes = backward ? 0 : static_cast<size_t>(l.rows) * kScoreStride * 4;
   l.p_bytes = static_cast<size_t>(backward ? 2 : 1) * l.rows * kProbStride * 2;
   l.partial_bytes = backward ? kPartialBytes : 0;
-  // + per-row statistics (3 floats) and three tiles' selected indices
+  // + per-row statistics (3 floats), three tiles' selected indices and, backward, a tile's
+  // probability mass per m16 tile of heads
   l.total = l.q_bytes + l.do_bytes + l.kv_bytes + l.s_bytes + l.p_bytes + l.partial_bytes + 3 * l.rows * 4 +
-            3 * kKeys * 4;
+            3 * kKeys * 4 + (backward ? 2 * kKeys * 4 : 0);
   return l;
 }
 
@@ -67,6 +68,7 @@ struct MlaArgs : SparseMlaInputs {
   float* lse;                   // forward
   __nv_bfloat16* dq;            // backward
   float* d_latent;              // backward
+  float* mass;                  // backward, optional: the probabilities summed over the heads
 };
 
 // The CTA's query rows (heads h0 ..) of `src` ([tokens, heads, dim]) into shared rows of `stride`,
@@ -379,6 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   float* delta_s = partial_s + kPartialBytes / 4;                       // [R] rowsum(dO o O)
   float* lse_s = delta_s + R;                                           // [R] log2 domain
   int32_t* idx_s = reinterpret_cast<int32_t*>(lse_s + 2 * R);           // [3][kKeys]
+  float* mass_s = reinterpret_cast<float*>(idx_s + 3 * kKeys);          // [2][kKeys] by row tile
 
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
   load_rows(q_s, a.q, t, h0, R, a.heads, a.dk, qk_stride);
@@ -454,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
       for (int n = 0; n < 2; ++n) {
         const int key0 = key16 + 8 * n + 2 * c;
         const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
+        float column[2] = {};  // the fp32 probabilities of the lane's two keys over its two rows
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = row_tile * 16 + g + 8 * half;
@@ -461,11 +465,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             // exp2f, not exp2_ftz: this DRAM-bound kernel measured 0.2% slower with it (two pairs).
+            // Head rows past the last have lse +inf: p = 0.
             p[e] = valid[e] ? exp2f(s[n][2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
             d[e] = p[e] * (dp[n][2 * half + e] - delta_s[row]) * a.scale;
+            column[e] += p[e];
           }
           *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
           *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
+        }
+        if (a.mass != nullptr) {  // over the m16 tile's rows: the lanes of equal c
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int offset = 4; offset < 32; offset *= 2)
+              column[e] += __shfl_xor_sync(0xffffffffu, column[e], offset);
+          }
+          if (g == 0)
+            *reinterpret_cast<float2*>(mass_s + row_tile * kKeys + key0) = make_float2(column[0], column[1]);
         }
       }
     }
@@ -473,6 +489,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     __syncthreads();
     if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
     copy_commit();
+    if (a.mass != nullptr && tid < kKeys && tile * kKeys + tid < a.width) {
+      // One add per slot and CTA: with one CTA per query (heads <= R) it lands on the caller's
+      // zero alone, so the sum is deterministic; mass_s is written again after the next barrier.
+      const float column = MT == 2 ? mass_s[tid] + mass_s[kKeys + tid] : mass_s[tid];
+      atomicAdd(a.mass + t * a.width + tile * kKeys + tid, column);
+    }
 
     // dQ += dS K over the warp's dk columns.
     probs_times_values<MT>(dq, ds_s, keys, qk_stride, k_units);
@@ -630,7 +652,8 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
 
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
-                         const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, cudaStream_t stream) {
+                         const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
+                         cudaStream_t stream) {
   check_supported(s, q, latent);
   check(reinterpret_cast<uintptr_t>(dout) % 16 == 0, "sparse MLA: dout must be 16-byte aligned (cp.async)");
   if (s.tokens == 0) return;
@@ -640,6 +663,7 @@ void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const 
   args.dout = dout;
   args.dq = dq;
   args.d_latent = d_latent;
+  args.mass = mass;
   launch(m_tiles(s) == 1 ? sparse_mla_backward_kernel<1> : sparse_mla_backward_kernel<2>, s, args,
          layout(s, m_tiles(s), true).total, stream, "sparse_mla_backward_kernel");
 }

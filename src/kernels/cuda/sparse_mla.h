@@ -18,7 +18,8 @@
 //   dS = P (dP - rowsum(dO o O)) scale; dQ += dS K in registers (16-column units per warp); the
 //   latent's gradient dS^T Q + P^T dO ([64 keys, dk], fp32) staged 32 rows at a time in the
 //   tile's spent key buffer and added to its rows by TMA bulk reductions (many queries select the
-//   same row), which run while the warps go on.
+//   same row), which run while the warps go on. Where asked, P summed over the heads per slot
+//   (the attention mass that trains the indexer) from the fp32 probabilities, at no extra pass.
 // Limits: dk and dv multiples of 16 with dv <= dk <= 512 (shared memory), rows 16-byte aligned.
 #pragma once
 
@@ -51,9 +52,12 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
 
 // From the forward's out and lse and dout ([tokens, heads, dv] bf16): dq [tokens, heads, dk] bf16
 // written; d_latent [tokens, latent_stride] fp32, the first dk values of each selected row
-// accumulated (zero it first).
+// accumulated (zero it first). mass, unless null: [tokens, width] fp32 accumulated (zero it first)
+// with the softmax's probabilities summed over the heads, cpu::attention_mass's contract (zero on
+// unused slots); deterministic while heads <= 32 (one CTA per query).
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
-                         const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, cudaStream_t stream);
+                         const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
+                         cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -129,7 +129,7 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
                       draw.data(), f32_data(grad.k_norm_weight), f32_data(grad.k_norm_bias), L, d,
                       kIndexerNormEps, s);
   ctx.gemm.linear_backward_weight(draw.data(), x, f32_data(grad.wk), L, D, d, s);
-  ctx.record.note("dsa/indexer_kl", "cuda attention mass + KL backward");
+  ctx.record.note("dsa/indexer_kl", "cuda KL backward on the attention mass");
 }
 
 // MLA's activations. In the absorbed form every head attends over the 512-wide
@@ -283,14 +283,27 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
 // From the attention output's gradient to the gradient of the keys and values the queries read
 // (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
 // ([L, H, qk_head_dim], bf16).
+// The attention's probabilities summed over the heads, [L, width] (written), where the sparse MLA
+// backward cannot add them itself: a pass of its own on the CUDA cores, ~100x the cost.
+void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActivations& a, const bf16* kv,
+                         const int32_t* selection, float* mass) {
+  cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
+  if (ctx.absorbed_mla)
+    shape.v_dim = cache_row(c, true) - shape.qk_dim;  // the mass reads keys only: row stride
+  attention_mass(shape, a.attention_query(), kv, selection, mass, ctx.stream());
+  ctx.record.note("dsa/attention_mass", "cuda attention mass in a pass of its own (CUDA cores, slow)");
+}
+
+// mass, unless null: the attention mass that trains the indexer, [L, width] fp32, zeroed here.
 void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
                         const bf16* kv, const int32_t* selection, const bf16* d_attended, bf16* dq,
-                        float* dkv, DsaWeights& grad) {
+                        float* dkv, float* mass, DsaWeights& grad) {
   const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim, kr = c.kv_lora_rank;
   const cudaStream_t s = ctx.stream();
   const bool absorbed = ctx.absorbed_mla;
   const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
   const bool tensor_cores = a.lse.size() != 0;  // the absorbed forward ran on the tensor cores
+  if (mass != nullptr && !tensor_cores) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
   if (!absorbed) {
     sparse_attention_backward(shape, a.q.data(), kv, selection, d_attended, dq, dkv, s);
     return;
@@ -304,10 +317,11 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
                           dv, d_o_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f, s);
   ctx.gemm.matmul_batched(false, true, kr, dv, L, a.o_lat.data(), H * kr, kr, d_attended, H * dv, dv,
                           gkv + value_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s);
-  if (tensor_cores)  // the latent's gradient lands in the cache gradient's rows
+  if (tensor_cores) {  // the latent's gradient lands in the cache gradient's rows
+    if (mass != nullptr) SPINDLE_CUDA(cudaMemsetAsync(mass, 0, L * shape.width * sizeof(float), s));
     sparse_mla_backward(mla_shape(c, L, cache_row(c, true)), a.q_lat.data(), kv, selection, a.o_lat.data(),
-                        a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv, s);
-  else
+                        a.lse.data(), d_o_lat.data(), dq_lat.data(), dkv, mass, s);
+  } else
     sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
   // For every head h at once: dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
   ctx.gemm.matmul_batched(true, false, dqk, L, kr, wkv + key_rows(c, 0) * kr, kr, ws, dq_lat.data(), H * kr,
@@ -358,26 +372,27 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
   }
   if (y != nullptr) gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, H * dv, D, s);
 
-  if (indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0) {
-    const TimedScope timed = ctx.timed("dsa.indexer_kl");
-    cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
-    if (ctx.absorbed_mla) shape.v_dim = cache.row - shape.qk_dim;  // the mass reads keys only: row stride
-    DeviceBuffer<float> mass = activations_f32(L * shape.width);
-    attention_mass(shape, a.attention_query(), cache.kv.data(), selection, mass.data(), s);
-    train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), cache, first, cache_grad,
-                  *indexer_loss, grad.indexer);
-  }
-
   DeviceBuffer<bf16> d_attended = activations(L * H * dv), dq = activations(L * H * dqk);
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), d_attended.data(), L, H * dv, D, s);
   gemm.linear_backward_weight(dy, a.attended.data(), f32_data(grad.o_proj), L, H * dv, D, s);
   DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
   {
-    const TimedScope timed = ctx.timed("dsa.attention_backward");
-    attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, d_attended.data(), dq.data(),
-                       cache_grad.kv.data(), grad);
-    // This chunk's keys and values have every gradient they will get: later chunks ran first.
-    latent_backward(ctx, c, w, L, a, cache_grad.kv.data() + first * cache.row, d_normed.data(), grad);
+    // The indexer learns from the attention's mass, which the attention's backward sums as it goes.
+    const bool kl = indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0;
+    DeviceBuffer<float> mass =
+        kl ? activations_f32(L * attention_shape(c, L, ctx.absorbed_mla).width) : DeviceBuffer<float>();
+    {
+      const TimedScope timed = ctx.timed("dsa.attention_backward");
+      attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, d_attended.data(), dq.data(),
+                         cache_grad.kv.data(), kl ? mass.data() : nullptr, grad);
+      // This chunk's keys and values have every gradient they will get: later chunks ran first.
+      latent_backward(ctx, c, w, L, a, cache_grad.kv.data() + first * cache.row, d_normed.data(), grad);
+    }
+    if (kl) {
+      const TimedScope timed = ctx.timed("dsa.indexer_kl");
+      train_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, selection, mass.data(), cache, first,
+                    cache_grad, *indexer_loss, grad.indexer);
+    }
   }
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
