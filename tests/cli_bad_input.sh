@@ -122,6 +122,8 @@ fi
 # spindle select: the same token sources as route; a good run prints a row per DSA layer.
 expect_failure select-no-tokens "exactly one of --tokens FILE and --random-tokens" "$spindle" select --model "$work/model"
 expect_failure select-length-too-long "length must be in \\[2, 8\\]" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --length 9
+expect_failure select-bad-device "device must be cpu or cuda, got 'gpu'" "$spindle" select --model "$work/model" --random-tokens --length 20 --device gpu
+expect_failure select-dtype-on-gpu "dtype applies to the CPU forward" "$spindle" select --model "$work/model" --random-tokens --length 20 --device cuda --dtype f64
 expect_failure select-negative-chunk "chunk must be" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
 if output=$("$spindle" select --model "$work/model" --random-tokens --length 200 --chunk 64 --out "$work/select.json" 2>&1) &&
   grep -q "^layer  queries" <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/select.json"; then

@@ -37,6 +37,13 @@ class DeviceModel {
   // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1 (bf16 weights and activations, fp32 math), in
   // chunks of DeviceModelOptions::chunk_tokens.
   virtual std::vector<float> log_probs(const std::vector<int32_t>& tokens) = 0;
+  // As log_probs, handing each DSA layer's selection (layers with their own indexer) to `seen` as
+  // each chunk makes it: the layer, the chunk's first query and its rows [queries, width] on the
+  // host, in cpu::indexer_select's layout (spindle select).
+  using SelectionSink =
+      std::function<void(int64_t layer, int64_t first, const std::vector<int32_t>& selection)>;
+  virtual std::vector<float> log_probs_and_selections(const std::vector<int32_t>& tokens,
+                                                      const SelectionSink& seen) = 0;
 
   // As spindle::loss_and_gradients, accumulating into the device's fp32 gradients.
   virtual LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) = 0;

@@ -32,10 +32,11 @@ commands:
                                                 per chunk (default 4096 tokens); random ids are uniform
                                                 over the vocabulary (--length N of them)
   select    --model DIR (--tokens FILE | --random-tokens) [--length N] [--seed N] [--chunk N]
-            [--dtype f32|f64] [--out FILE.json]
+            [--dtype f32|f64] [--device cpu|cuda] [--out FILE.json]
                                                 how much neighbouring queries' DSA selections overlap,
-                                                per DSA layer (CPU forward): pools shared by t and t+1,
-                                                and the union of G neighbours' pools over their sum
+                                                per DSA layer (CPU forward, or the GPU's in bf16): pools
+                                                shared by t and t+1, and the union of G neighbours'
+                                                pools over their sum
   grads     --model DIR --tokens FILE --out FILE.safetensors [--dtype f32|f64] [--chunk N]
                                                 gradient of the mean next-token loss, on-disk names
   data      get [--dir DIR] [--only chr22,chrX,chr20]

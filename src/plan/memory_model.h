@@ -18,7 +18,7 @@ namespace spindle::plan {
 
 struct StepOptions {
   bool absorbed = false;    // MLA over the shared latent (spindle bench --mla absorbed)
-  bool indexer_kl = false;  // the indexer's KL training (off in spindle bench)
+  bool indexer_kl = false;  // the indexer's KL training (spindle train's default; bench --indexer-kl)
 };
 
 // Host memory the process holds beyond what a plan allocates: the CUDA runtime, cuBLASLt, the

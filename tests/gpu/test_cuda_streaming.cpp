@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -92,6 +93,46 @@ TEST(CudaStreaming, LogProbsInChunksEqualTheWholeSequence) {
                   absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk), mean, most, spread);
       EXPECT_LE(mean, 0.01) << "chunks of " << chunk;
     }
+  }
+}
+
+// spindle select --device cuda: every chunk's selections of each layer with its own indexer reach
+// the caller in order, every query's row once, each pointing at tokens it may see; taking them
+// changes nothing in the log probabilities.
+TEST(CudaStreaming, SelectionsOfEveryChunkReachTheCaller) {
+  const ModelConfig config = streaming_config(32);
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 7);
+  const std::vector<int32_t> tokens = dna(1000);
+  const auto L = static_cast<int64_t>(tokens.size());
+  const int64_t width =
+      config.index_topk + (config.index_kpool_always_select_tail ? config.index_kpool - 1 : 0);
+  for (const int64_t chunk : {int64_t{0}, int64_t{300}}) {
+    SCOPED_TRACE("chunks of " + std::to_string(chunk));
+    auto device = on_gpu(config, weights, true, chunk);
+    const std::vector<float> plain = device->log_probs(tokens);
+    std::map<int64_t, int64_t> next_query;  // layer -> the first query of its next chunk
+    int64_t chosen = 0;
+    const std::vector<float> seen = device->log_probs_and_selections(
+        tokens, [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
+          EXPECT_EQ(first, next_query[layer]) << "layer " << layer;
+          ASSERT_EQ(static_cast<int64_t>(selection.size()) % width, 0) << "layer " << layer;
+          const int64_t queries = static_cast<int64_t>(selection.size()) / width;
+          EXPECT_EQ(queries, std::min(chunk > 0 ? chunk : L, L - first)) << "layer " << layer;
+          for (int64_t q = 0; q < queries; ++q)
+            for (int64_t i = 0; i < width; ++i) {
+              const int32_t token = selection[q * width + i];
+              EXPECT_GE(token, -1);
+              EXPECT_LE(token, first + q) << "layer " << layer << " query " << first + q << " sees ahead";
+              chosen += token >= 0;
+            }
+          next_query[layer] = first + queries;
+        });
+    // Layers 1 and 4 have their own indexer; layer 2 shares layer 1's.
+    EXPECT_EQ(next_query, (std::map<int64_t, int64_t>{{1, L}, {4, L}}));
+    EXPECT_GT(chosen, 2 * L) << "the selections are mostly empty";
+    ASSERT_EQ(seen.size(), plain.size());
+    for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], plain[i]) << "position " << i + 1;
   }
 }
 

@@ -28,6 +28,15 @@ class CudaDeviceModel final : public DeviceModel {
     return model_.log_probs(tokens, chunk_tokens_);
   }
 
+  std::vector<float> log_probs_and_selections(const std::vector<int32_t>& tokens,
+                                              const SelectionSink& seen) override {
+    return model_.log_probs(tokens, chunk_tokens_,
+                            [&](size_t layer, int64_t first, const DeviceBuffer<int32_t>& selection) {
+                              model_.context().synchronize();
+                              seen(static_cast<int64_t>(layer), first, selection.download());
+                            });
+  }
+
   LossResult loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options) override {
     return model_.loss_and_gradients(tokens, options);
   }

@@ -1,6 +1,7 @@
 #include "cli/commands/cpu_analysis.h"
 
 #include <fstream>
+#include <set>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -8,9 +9,11 @@
 
 namespace spindle {
 
-Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv) {
-  return Args(command, argv, {"model", "tokens", "length", "seed", "chunk", "dtype", "out"},
-              {"random-tokens"});
+Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv,
+                       const std::vector<std::string>& extra_options) {
+  std::set<std::string> options = {"model", "tokens", "length", "seed", "chunk", "dtype", "out"};
+  options.insert(extra_options.begin(), extra_options.end());
+  return Args(command, argv, options, {"random-tokens"});
 }
 
 CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {

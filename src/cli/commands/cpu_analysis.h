@@ -23,8 +23,9 @@ struct CpuAnalysis {
 };
 
 // The command line both take: --model, --tokens | --random-tokens, --length, --seed, --chunk,
-// --dtype and --out.
-Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv);
+// --dtype and --out, and the command's own `extra_options`.
+Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv,
+                       const std::vector<std::string>& extra_options = {});
 
 // Parses --model, --dtype, --chunk and the sequence: --tokens FILE (its first --length), or
 // --random-tokens --length N [--seed S] (ids uniform over the vocabulary, special ids included, as

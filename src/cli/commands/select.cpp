@@ -1,5 +1,6 @@
 // spindle select: how much neighbouring queries' DSA selections overlap, per DSA layer, on one
-// sequence (real tokens or uniformly random ids), from a forward pass on the CPU. The sparse
+// sequence (real tokens or uniformly random ids), from a forward pass on the CPU (or, with
+// --device cuda, the GPU's bf16 forward: minutes on the CPU are a second there). The sparse
 // attention gathers every query's pools separately; the union of G neighbours' pools is what a
 // kernel taking them together would gather (eval/selection_overlap.h).
 #include <cstdio>
@@ -7,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "backend/device_model.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "cli/commands/cpu_analysis.h"
@@ -29,40 +31,60 @@ struct Selections {
 };
 using LayerPools = std::map<int64_t, Selections>;
 
+// The chunk of queries from `first` on of DSA layer `layer` ([queries, width] selected tokens) as
+// pool lists, appended to the layer's.
+void add_selection(const ModelConfig& c, LayerPools& pools, int64_t layer, int64_t first,
+                   const std::vector<int32_t>& selection) {
+  cpu::IndexerShape shape{
+      0,    c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk, c.index_kpool_always_select_tail,
+      first};
+  const int64_t queries = static_cast<int64_t>(selection.size()) / shape.width();
+  shape.tokens = first + queries;
+  const int64_t per_query = shape.topk / shape.kpool;
+  std::vector<int32_t> lists(static_cast<size_t>(queries * per_query));
+  cpu::selection_to_pools(shape, selection.data(), lists.data());
+  Selections& out = pools[layer];
+  for (int64_t q = 0; q < queries; ++q) {
+    out.pools.emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
+    out.latest.push_back((first + q + 1) / shape.kpool - 1);
+  }
+}
+
 template <class T>
 LayerPools select(const Model& model, const std::vector<int32_t>& tokens, int64_t chunk) {
-  const ModelConfig& c = model.config;
   LayerPools pools;
   ForwardOptions options;
   options.chunk_tokens = chunk;
   options.on_selection = [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
-    cpu::IndexerShape shape{0,
-                            c.index_n_heads,
-                            c.index_head_dim,
-                            c.index_kpool,
-                            c.index_topk,
-                            c.index_kpool_always_select_tail,
-                            first};
-    const int64_t queries = static_cast<int64_t>(selection.size()) / shape.width();
-    shape.tokens = first + queries;
-    const int64_t per_query = shape.topk / shape.kpool;
-    std::vector<int32_t> lists(static_cast<size_t>(queries * per_query));
-    cpu::selection_to_pools(shape, selection.data(), lists.data());
-    Selections& out = pools[layer];
-    for (int64_t q = 0; q < queries; ++q) {
-      out.pools.emplace_back(lists.begin() + q * per_query, lists.begin() + (q + 1) * per_query);
-      out.latest.push_back((first + q + 1) / shape.kpool - 1);
-    }
+    add_selection(model.config, pools, layer, first, selection);
   };
   options.on_layer = layer_progress(model.config, tokens.size());
   sequence_log_probs<T>(model.config, model.weights, tokens, options);
   return pools;
 }
 
+// The same from the device's forward: the layers with their own indexer (a layer sharing one
+// chooses what its source chose).
+LayerPools select_on_device(const Model& model, const std::vector<int32_t>& tokens, int64_t chunk,
+                            Device device) {
+  DeviceModelOptions options;
+  options.chunk_tokens = chunk;
+  const auto on_device = open_device_model(device, model.config, model.weights, options);
+  LayerPools pools;
+  on_device->log_probs_and_selections(
+      tokens, [&](int64_t layer, int64_t first, const std::vector<int32_t>& selection) {
+        add_selection(model.config, pools, layer, first, selection);
+      });
+  return pools;
+}
+
 }  // namespace
 
 int run_select(const std::vector<std::string>& argv) {
-  const Args args = cpu_analysis_args("select", argv);
+  const Args args = cpu_analysis_args("select", argv, {"device"});
+  const Device device = parse_device(args.value_or("device", "cpu"), "--device");
+  check(device == Device::CPU || !args.optional("dtype"),
+        "--dtype applies to the CPU forward (--device cpu); the GPU's runs in bf16");
   const CpuAnalysis run = load_cpu_analysis(args, "select");
   const auto& [dir, dtype, chunk, model, tokens, source] = run;
   const ModelConfig& c = model.config;
@@ -70,8 +92,9 @@ int run_select(const std::vector<std::string>& argv) {
         "' has no k-pool indexer (kpool ", c.index_kpool, ", topk ", c.index_topk, ")");
   const auto L = static_cast<int64_t>(tokens.size());
 
-  const LayerPools pools =
-      dtype == DType::F64 ? select<double>(model, tokens, chunk) : select<float>(model, tokens, chunk);
+  const LayerPools pools = device != Device::CPU ? select_on_device(model, tokens, chunk, device)
+                           : dtype == DType::F64 ? select<double>(model, tokens, chunk)
+                                                 : select<float>(model, tokens, chunk);
   check(!pools.empty(), "model '", dir, "' has no DSA layer");
   const int64_t full = c.index_topk / c.index_kpool;
 
@@ -111,13 +134,15 @@ int run_select(const std::vector<std::string>& argv) {
     std::cout << "note: every query sees at most " << L / c.index_kpool << " pools and chooses up to " << full
               << ": overlap here says little\n";
 
-  write_analysis_json(args, {{"model", dir},
-                             {"tokens", source},
-                             {"length", L},
-                             {"dtype", dtype_name(dtype)},
-                             {"kpool", c.index_kpool},
-                             {"pools_per_query", full},
-                             {"layers", layers}});
+  write_analysis_json(args,
+                      {{"model", dir},
+                       {"tokens", source},
+                       {"length", L},
+                       {"dtype", device != Device::CPU ? std::string("bf16 (") + device_name(device) + ")"
+                                                       : std::string(dtype_name(dtype))},
+                       {"kpool", c.index_kpool},
+                       {"pools_per_query", full},
+                       {"layers", layers}});
   return 0;
 }
 

@@ -131,7 +131,8 @@ void CudaModel::head_input(const bf16* streams, int64_t n, bf16* mean, bf16* hid
                    static_cast<float>(c.rms_norm_eps), ctx_.stream());
 }
 
-std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens) {
+std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens,
+                                        const ChunkSelectionSeen& selected) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const auto L = static_cast<int64_t>(tokens.size());
@@ -147,9 +148,12 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int6
 
   for (int64_t start = 0; start < L; start += chunk) {
     const int64_t n = std::min(chunk, L - start);
-    const DeviceBuffer<bf16> streams =
-        forward_chunk(sequence, start, n, carries,
-                      [&](size_t i, const bf16* x, bf16* y) { ffn_forward(w.layers[i], x, n, y); });
+    SelectionSeen seen;
+    if (selected)
+      seen = [&](size_t i, const DeviceBuffer<int32_t>& selection) { selected(i, start, selection); };
+    const DeviceBuffer<bf16> streams = forward_chunk(
+        sequence, start, n, carries,
+        [&](size_t i, const bf16* x, bf16* y) { ffn_forward(w.layers[i], x, n, y); }, seen);
 
     // The head over this chunk's rows: row r predicts token start + r + 1 (the last row of the
     // sequence predicts nothing).
