@@ -9,7 +9,9 @@
 #          state ([checkpoint] optimizer = false: the fp32 model, 16.7 GB for the 4B model, where
 #          the state would add 50 GB to the device's 64 GB disk);
 #   bench: one step at BENCH_LEN tokens (1,048,576) from it, as run_4b_h200.sh does from random
-#          weights.
+#          weights;
+#   select: the overlap of neighbouring queries' selections in it (`spindle select --device`),
+#          over SELECT_LEN tokens of chr22 (65,536).
 # Each phase fits one device call (train: about 5 min of steps at 3.9 s with the indexers' KL
 # training, measured at 75726c6, and 1.5-2 min of setup and checkpoint; bench: about 3 min). The
 # checkpoint stays on the device machine, so bench must follow at once (an idle machine is given
@@ -18,6 +20,7 @@
 # SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU).
 #     bash bench/trained_1m_h200.sh OUT_DIR train
 #     bash bench/trained_1m_h200.sh OUT_DIR bench
+#     bash bench/trained_1m_h200.sh OUT_DIR select
 set -euo pipefail
 out=$(realpath -m "$1") phase=$2
 cd "$(dirname "$0")/.."
@@ -64,8 +67,15 @@ TOML
       "${extra[@]}" --out "$out/spindle.jsonl" 2> "$out/spindle.log"
     cat "$out/spindle.jsonl"
     ;;
+  select)
+    # How much neighbouring queries' selections overlap in the trained model (docs/PERF.md, "Do
+    # neighbouring queries select the same pools?"), from the GPU's forward over 64k tokens of chr22.
+    model="$out/run/$(cat "$out/run/latest")"
+    ./build/spindle select --model "$model" --tokens bench/chr22_70k.tokens --length "${SELECT_LEN:-65536}" \
+      --chunk 16384 --device "$device" --out "$out/select.json" 2> "$out/select.log"
+    ;;
   *)
-    echo "usage: bash bench/trained_1m_h200.sh OUT_DIR train|bench" >&2
+    echo "usage: bash bench/trained_1m_h200.sh OUT_DIR train|bench|select" >&2
     exit 2
     ;;
 esac
