@@ -46,6 +46,22 @@ std::string clock_text(double seconds) {
   return text;
 }
 
+// The time since the previous lap, as text ("12.3 s"): the setup's phases, logged (a large model
+// takes minutes before its first step).
+class Laps {
+ public:
+  std::string lap() {
+    const auto now = Clock::now();
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f s", std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+    return text;
+  }
+
+ private:
+  Clock::time_point last_ = Clock::now();
+};
+
 Model initial_model(const RunConfig& run, DType dtype) {
   if (!run.model.dir.empty()) return load_model(run.model.dir, dtype);
   Model model{load_model_config(run.model.config), {}};
@@ -142,9 +158,15 @@ void evaluate_and_report(const RunConfig& run, const Model& model, const TokenSe
 template <class T>
 std::string run_training(const RunConfig& run, const TrainOptions& options) {
   const DType dtype = dtype_of<T>();
+  Laps setup;
   Model model = initial_model(run, dtype);
   const ModelConfig& config = model.config;
+  log_info("model ",
+           run.model.dir.empty() ? "initialised (seed " + std::to_string(run.model.seed) + ")"
+                                 : "loaded from " + run.model.dir,
+           " in ", setup.lap());
   RunData data = open_data(run, config);
+  log_info("data opened in ", setup.lap());
 
   AdamWOptions adam;
   adam.lr = run.optim.lr;
@@ -156,6 +178,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   if (run.indexer.freeze)
     for (auto& slot : optimizer.slots()) slot.frozen = slot.name.find(".indexer.") != std::string::npos;
   const LrSchedule schedule({run.optim.lr, run.optim.min_lr, run.optim.warmup, run.train.steps});
+  log_info("AdamW state on the host in ", setup.lap());
 
   WindowPolicy policy;
   policy.length = run.train.seq_len;
@@ -181,7 +204,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           ": the training data or its settings changed since this "
           "checkpoint (the window sampler does not reach the saved state at position ",
           state.data_position, ")");
-    log_info("resumed from ", *existing, " at step ", state.step);
+    log_info("resumed from ", *existing, " at step ", state.step, " in ", setup.lap());
   } else {
     check(!existing.has_value(), run.checkpoint.dir, " already holds checkpoint ", existing.value_or(""),
           ": pass --resume to continue it, or choose another checkpoint.dir (nothing was overwritten)");
@@ -210,7 +233,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     device_keep_kda_matrices = execution.keep_kda_matrices;
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);
     device->load_optimizer(optimizer);
-    log_info("training on ", device->device_name(), " (bf16 weights, fp32 gradients and optimizer state)");
+    log_info("training on ", device->device_name(),
+             " (bf16 weights, fp32 gradients and optimizer state), set up in ", setup.lap());
   }
 
   const std::string metrics_path = run.checkpoint.dir + "/metrics.jsonl";
@@ -219,6 +243,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   std::cout << describe(run) << std::flush;
 
   auto checkpoint = [&] {
+    Laps writing;
     if (device) device->save_optimizer(optimizer);  // the host's masters, and its weights from them
     state.data_position = static_cast<uint64_t>(sampler.position());
     state.rng = sampler.random_state();
@@ -226,7 +251,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
         writer, state, optimizer,
         [&](const std::string& tmp) { save_model(tmp, config, model.weights, dtype); },
         run.checkpoint.optimizer);
-    log_info("checkpoint ", dir);
+    log_info("checkpoint ", dir, " written in ", writing.lap());
     return dir;
   };
 
