@@ -213,7 +213,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   // On a GPU the weights, gradients and optimizer state live there; the host copies are
   // refreshed for checkpoints.
   std::unique_ptr<DeviceModel> device;
-  int64_t device_chunk_tokens = 0;  // the planner's streaming chunk, 0: none
+  int64_t device_chunk_tokens = 0;    // the planner's streaming chunk, 0: none
+  int64_t device_predicted_peak = 0;  // the planner's device peak, to set beside the measured one
   SiteMemory device_site_memory = SiteMemory::KeepSites;
   bool device_keep_selections = true, device_keep_outputs = true, device_keep_kda_matrices = true;
   if (options.device != Device::CPU) {
@@ -227,6 +228,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                              options.optimizer_on_host, options.site_policy);
     log_info("memory ", execution.summary);
     device_chunk_tokens = execution.chunk_tokens;
+    device_predicted_peak = execution.predicted_peak_bytes;
     device_site_memory = execution.site_memory;
     device_keep_selections = execution.keep_selections;
     device_keep_outputs = execution.keep_outputs;
@@ -331,6 +333,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                            {"tokens_per_second", tokens_per_second},
                            {"seconds", elapsed}};
     if (loss_options.indexer_kl_coef > 0) line["indexer_kl"] = kl;
+    if (device) line["device_peak_bytes"] = device->memory().peak_total;
     if (loss_options.aux_loss_coef > 0) line["aux_loss"] = aux;
     metrics << line.dump() << '\n' << std::flush;
     char progress[200];
@@ -339,6 +342,13 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                   static_cast<long long>(state.step), static_cast<long long>(run.train.steps), loss, lr, norm,
                   tokens_per_second, clock_text(elapsed).c_str(), clock_text(left).c_str());
     std::cerr << progress << '\n';
+    if (device && done == 1) {  // the first step has touched every buffer a step needs
+      char peak[160];
+      std::snprintf(peak, sizeof peak, "device memory peak %.2f GiB (the planner predicted %.2f GiB)",
+                    static_cast<double>(device->memory().peak_total) / (1 << 30),
+                    static_cast<double>(device_predicted_peak) / (1 << 30));
+      log_info(peak);
+    }
 
     const int64_t completed = state.step;
     if (run.checkpoint.every > 0 && completed % run.checkpoint.every == 0 && completed < last_step)
