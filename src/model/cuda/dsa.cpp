@@ -280,11 +280,9 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
                     "cuda-core sparse attention over [c | c] (tensor cores: " + unsupported + ")", true);
 }
 
-// From the attention output's gradient to the gradient of the keys and values the queries read
-// (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
-// ([L, H, qk_head_dim], bf16).
 // The attention's probabilities summed over the heads, [L, width] (written), where the sparse MLA
-// backward cannot add them itself: a pass of its own on the CUDA cores, ~100x the cost.
+// backward cannot add them itself: a pass of its own on the CUDA cores (at 32k on the 4B model
+// 20x the sparse MLA backward's time, docs/PERF.md).
 void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActivations& a, const bf16* kv,
                          const int32_t* selection, float* mass) {
   cpu::SparseAttentionShape shape = attention_shape(c, L, ctx.absorbed_mla);
@@ -294,7 +292,10 @@ void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActiv
   ctx.record.note("dsa/attention_mass", "cuda attention mass in a pass of its own (CUDA cores, slow)");
 }
 
-// mass, unless null: the attention mass that trains the indexer, [L, width] fp32, zeroed here.
+// From the attention output's gradient to the gradient of the keys and values the queries read
+// (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
+// ([L, H, qk_head_dim], bf16). mass, unless null: the attention mass that trains the indexer,
+// [L, width] fp32, written.
 void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
                         const bf16* kv, const int32_t* selection, const bf16* d_attended, bf16* dq,
                         float* dkv, float* mass, DsaWeights& grad) {
