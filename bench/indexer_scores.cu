@@ -3,11 +3,15 @@
 // pool before it (65536 at 1M), in query blocks as the executor runs them. Times, by CUDA events,
 // the wgmma scorer, the mma.sync scorer and the whole selection (scores + radix select), each the
 // median of a few launches, with the scores' TFLOP/s (2 x heads x head_dim per visible pool).
-//     build/bench_indexer_scores [tokens] [queries] [block]
+// zero_share (0 by default, in eighths): that share of the pools get all-zero keys, so that their
+// scores are exactly 0 for every query, as a trained indexer's relu leaves many pools: the radix
+// select's histograms then meet many equal keys in one bin.
+//     build/bench_indexer_scores [tokens] [queries] [block] [zero_share]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -25,12 +29,21 @@ int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
   const int64_t queries = argc > 2 ? std::atoll(argv[2]) : 16384;
   const int64_t block = argc > 3 ? std::atoll(argv[3]) : 8192;
+  const int zero_eighths = static_cast<int>(std::lround((argc > 4 ? std::atof(argv[4]) : 0.0) * 8));
+  if (zero_eighths < 0 || zero_eighths > 8) {
+    std::fprintf(stderr, "zero_share must be in [0, 1], got %s\n", argv[4]);
+    return 2;
+  }
   const int64_t heads = 32, dim = 128, kpool = 16, topk = 2048;
   cpu::IndexerShape s{tokens, heads, dim, kpool, topk, true};
   s.first_query = tokens - queries;
   const int64_t pools = s.complete_pools();
   auto q = random_bf16(queries * heads * dim, 1), keys = random_bf16(pools * dim, 2),
        weights = random_bf16(queries * heads, 3);
+  if (zero_eighths > 0) {  // pools p with p % 8 < zero_eighths
+    const size_t row = dim * sizeof(__nv_bfloat16);
+    SPINDLE_CUDA(cudaMemset2D(keys.data(), 8 * row, 0, zero_eighths * row, static_cast<size_t>(pools / 8)));
+  }
   DeviceBuffer<float> scores(static_cast<size_t>(block * pools), MemoryCategory::Workspace);
   DeviceBuffer<int32_t> selected(static_cast<size_t>(queries * s.width()), MemoryCategory::Activations);
   double flops = 0;
@@ -49,12 +62,12 @@ int main(int argc, char** argv) {
       3);
   const double blocks = static_cast<double>((queries + block - 1) / block);
   std::printf(
-      "indexer at %lld tokens (%lld pools), queries %lld .. %lld in blocks of %lld:\n"
+      "indexer at %lld tokens (%lld pools, %d/8 of them zero), queries %lld .. %lld in blocks of %lld:\n"
       "  scores, one block: %s %.3f ms (%.0f TFLOP/s), mma.sync %.3f ms (%.0f TFLOP/s)\n"
       "  selection of all %lld queries (scores + radix select): %.3f ms; radix select about %.3f ms\n",
-      static_cast<long long>(tokens), static_cast<long long>(pools), static_cast<long long>(s.first_query),
-      static_cast<long long>(tokens), static_cast<long long>(block), indexer_scorer(s), wgmma,
-      flops / wgmma / 1e9, mma, flops / mma / 1e9, static_cast<long long>(queries), select,
-      select - blocks * wgmma);
+      static_cast<long long>(tokens), static_cast<long long>(pools), zero_eighths,
+      static_cast<long long>(s.first_query), static_cast<long long>(tokens), static_cast<long long>(block),
+      indexer_scorer(s), wgmma, flops / wgmma / 1e9, mma, flops / mma / 1e9, static_cast<long long>(queries),
+      select, select - blocks * wgmma);
   return 0;
 }
