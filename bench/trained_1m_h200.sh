@@ -11,7 +11,7 @@
 #   bench: one step at BENCH_LEN tokens (1,048,576) from it, as run_4b_h200.sh does from random
 #          weights;
 #   select: the overlap of neighbouring queries' selections in it (`spindle select --device`),
-#          over SELECT_LEN tokens of chr22 (65,536).
+#          over an N-free window of SELECT_LEN tokens of chrX (65,536).
 # Each phase fits one device call (train: about 5 min of steps at 3.9 s with the indexers' KL
 # training, measured at 75726c6, and 1.5-2 min of setup and checkpoint; bench: about 3 min). The
 # checkpoint stays on the device machine, so bench must follow at once (an idle machine is given
@@ -69,9 +69,9 @@ TOML
     ;;
   select)
     # How much neighbouring queries' selections overlap in the trained model (docs/PERF.md, "Do
-    # neighbouring queries select the same pools?"), from the GPU's forward over 64k tokens of chr22.
+    # neighbouring queries select the same pools?"), from the GPU's forward over 64k tokens of chrX.
     model="$out/run/$(cat "$out/run/latest")"
-    ./build/spindle select --model "$model" --tokens bench/chr22_70k.tokens --length "${SELECT_LEN:-65536}" \
+    ./build/spindle select --model "$model" --tokens "$tokens" --length "${SELECT_LEN:-65536}" \
       --chunk 16384 --device "$device" --out "$out/select.json" 2> "$out/select.log"
     ;;
   *)

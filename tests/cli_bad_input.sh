@@ -124,12 +124,19 @@ expect_failure select-no-tokens "exactly one of --tokens FILE and --random-token
 expect_failure select-length-too-long "length must be in \\[2, 8\\]" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --length 9
 expect_failure select-bad-device "device must be cpu or cuda, got 'gpu'" "$spindle" select --model "$work/model" --random-tokens --length 20 --device gpu
 expect_failure select-dtype-on-gpu "dtype applies to the CPU forward" "$spindle" select --model "$work/model" --random-tokens --length 20 --device cuda --dtype f64
+expect_failure select-fasta-no-length "is a sequence file: give --length" "$spindle" select --model "$work/model" --tokens "$here/data/chr22_256.fa"
 expect_failure select-negative-chunk "chunk must be" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
 if output=$("$spindle" select --model "$work/model" --random-tokens --length 200 --chunk 64 --out "$work/select.json" 2>&1) &&
   grep -q "^layer  queries" <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/select.json"; then
   echo "ok   select: $(grep -A1 '^layer  queries' <<<"$output" | tail -1)"
 else
   echo "FAIL select: $output"; failures=$((failures + 1))
+fi
+if output=$("$spindle" select --model "$work/model" --tokens "$here/data/chr22_256.fa" --length 200 --chunk 64 2>&1) &&
+  grep -q "chr22_256.fa (an N-free window)" <<<"$output" && grep -q "^layer  queries" <<<"$output"; then
+  echo "ok   select on a FASTA window: $(grep -A1 '^layer  queries' <<<"$output" | tail -1)"
+else
+  echo "FAIL select on a FASTA window: $output"; failures=$((failures + 1))
 fi
 
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi

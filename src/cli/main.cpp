@@ -29,8 +29,9 @@ commands:
             [--dtype f32|f64] [--out FILE.json]
                                                 routed-expert load per MoE layer (CPU forward): busiest
                                                 expert / mean, CV, idle experts, over the sequence and
-                                                per chunk (default 4096 tokens); random ids are uniform
-                                                over the vocabulary (--length N of them)
+                                                per chunk (default 4096 tokens); --tokens: a token text
+                                                or a sequence file (an N-free window of --length N);
+                                                random ids are uniform over the vocabulary
   select    --model DIR (--tokens FILE | --random-tokens) [--length N] [--seed N] [--chunk N]
             [--dtype f32|f64] [--device cpu|cuda] [--out FILE.json]
                                                 how much neighbouring queries' DSA selections overlap,

@@ -21,9 +21,7 @@
 #include "cli/commands.h"
 #include "core/host_memory.h"
 #include "core/log.h"
-#include "data/sequence_source.h"
-#include "data/window_sampler.h"
-#include "io/token_text.h"
+#include "data/token_source.h"
 #include "model/checkpoint.h"
 #include "model/flops.h"
 #include "model/init.h"
@@ -64,32 +62,6 @@ Model bench_model(const std::string& source) {
 // Where the benchmark's tokens come from: any sequence file (FASTA, u32, Megatron), from which
 // each length takes one window free of N drawn with a fixed seed, or else a token text file
 // (bench/chr22_70k.tokens), whose first tokens it takes.
-class BenchTokens {
- public:
-  explicit BenchTokens(const std::string& path) : path_(path) {
-    if (sequence_format_of(path))
-      sequences_ = open_sequences(path);
-    else
-      text_ = read_token_text(path);
-  }
-
-  std::vector<int32_t> window(int64_t length) const {
-    if (!sequences_) {
-      check(static_cast<int64_t>(text_.size()) >= length, path_, " has ", text_.size(), " tokens, --seq-len ",
-            length, " needs more (give a longer --tokens file, e.g. a FASTA, or --random-tokens)");
-      return {text_.begin(), text_.begin() + length};
-    }
-    std::vector<int32_t> tokens(static_cast<size_t>(length));
-    WindowSampler(*sequences_, length, 1, 0.0).next(tokens.data());
-    return tokens;
-  }
-
- private:
-  std::string path_;
-  std::vector<int32_t> text_;
-  std::unique_ptr<TokenSequences> sequences_;
-};
-
 nlohmann::json memory_json(const MemoryStats& stats) {
   nlohmann::json out = {{"peak_total_bytes", stats.peak_total}};
   for (int c = 0; c < kMemoryCategories; ++c)
@@ -134,8 +106,8 @@ int run_bench(const std::vector<std::string>& argv) {
   // Every length's tokens before the minutes of initialising a large model: bad data fails first.
   std::map<int64_t, std::vector<int32_t>> dna;
   if (!random_tokens) {
-    const BenchTokens source(token_file);
-    for (const int64_t L : lengths) dna[L] = source.window(L);
+    const TokenSource source(token_file);
+    for (const int64_t L : lengths) dna[L] = source.window(L, "--seq-len");
   }
   end_phase("tokens");
   const Model model = bench_model(source);

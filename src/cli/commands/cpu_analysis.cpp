@@ -5,7 +5,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
-#include "io/token_text.h"
+#include "data/token_source.h"
 
 namespace spindle {
 
@@ -28,6 +28,24 @@ CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {
   check(chunk >= 0, "--chunk must be a number of tokens >= 1 (or 0: the whole sequence), got ", chunk);
 
   CpuAnalysis a{args.required("model"), dtype, chunk, {}, {}, {}};
+  if (!random_tokens) {  // read before the model loads: bad data fails first
+    const std::string path = *args.optional("tokens");
+    const TokenSource source(path);
+    if (source.is_text()) {
+      const int64_t length = args.int_or("length", source.text_size());
+      check(length >= 2 && length <= source.text_size(), "--length must be in [2, ", source.text_size(),
+            "] (the tokens in '", path, "'), got ", length);
+      a.tokens = source.window(length, "--length");
+      a.source = path;
+    } else {
+      check(args.optional("length").has_value(), "--tokens ", path,
+            " is a sequence file: give --length N (an N-free window of N tokens is read)");
+      const int64_t length = args.int_or("length", 0);
+      check(length >= 2, "--length must be >= 2 tokens, got ", length);
+      a.tokens = source.window(length, "--length");
+      a.source = path + " (an N-free window)";
+    }
+  }
   a.model = load_model(a.dir, dtype);
   const int64_t vocab = a.model.config.vocab_size;
   if (random_tokens) {
@@ -38,14 +56,6 @@ CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command) {
     for (int64_t i = 0; i < length; ++i)
       a.tokens.push_back(static_cast<int32_t>(random.uniform() * static_cast<double>(vocab)));
     a.source = "random ids uniform over [0, " + std::to_string(vocab) + "), seed " + std::to_string(seed);
-  } else {
-    const std::string path = *args.optional("tokens");
-    a.tokens = read_token_text(path);
-    const int64_t length = args.int_or("length", static_cast<int64_t>(a.tokens.size()));
-    check(length >= 2 && length <= static_cast<int64_t>(a.tokens.size()), "--length must be in [2, ",
-          a.tokens.size(), "] (the tokens in '", path, "'), got ", length);
-    a.tokens.resize(static_cast<size_t>(length));
-    a.source = path;
   }
   return a;
 }

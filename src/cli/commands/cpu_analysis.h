@@ -27,7 +27,8 @@ struct CpuAnalysis {
 Args cpu_analysis_args(const std::string& command, const std::vector<std::string>& argv,
                        const std::vector<std::string>& extra_options = {});
 
-// Parses --model, --dtype, --chunk and the sequence: --tokens FILE (its first --length), or
+// Parses --model, --dtype, --chunk and the sequence: --tokens FILE (a token text's first --length,
+// or an N-free window of --length tokens of a sequence file such as a FASTA), or
 // --random-tokens --length N [--seed S] (ids uniform over the vocabulary, special ids included, as
 // `spindle bench --random-tokens`). Every option error is reported before the model loads.
 CpuAnalysis load_cpu_analysis(const Args& args, const std::string& command);
