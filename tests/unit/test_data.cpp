@@ -29,6 +29,7 @@
 #include "data/nucleotide_tokenizer.h"
 #include "data/sequence_source.h"
 #include "data/token_runs.h"
+#include "data/token_source.h"
 #include "data/u32_sequences.h"
 #include "data/window_sampler.h"
 
@@ -475,6 +476,27 @@ TEST(TokenRuns, CountsMatchBruteForce) {
     }
     EXPECT_EQ(runs.fewest(0, length), std::make_pair(best_start, best)) << length;
   }
+}
+
+// A run's one window (bench, route, select): a token text's first tokens, or an N-free window of
+// a sequence file, the same every time.
+TEST_F(Data, TokenSourceReadsTextsAndSequenceWindows) {
+  write_plain(path("t.txt"), "3 1 4\n1 5\n");
+  const TokenSource text(path("t.txt"));
+  EXPECT_TRUE(text.is_text());
+  EXPECT_EQ(text.text_size(), 5);
+  EXPECT_EQ(text.window(3, "--length"), (std::vector<int32_t>{3, 1, 4}));
+  EXPECT_ERROR(text.window(6, "--seq-len"), "has 5 tokens, --seq-len 6 needs more");
+
+  const std::string bases = "ACGTTGCAACGGTTCA";  // no window of 8 repeats another
+  write_plain(path("s.fa"), ">s\nNNNNNN" + bases + "NNNNNN\n");
+  const TokenSource fasta(path("s.fa"));
+  EXPECT_FALSE(fasta.is_text());
+  const std::vector<int32_t> window = fasta.window(8, "--length");
+  EXPECT_EQ(fasta.window(8, "--length"), window);
+  const std::vector<int32_t> encoded = NucleotideTokenizer().encode(bases);
+  EXPECT_NE(std::search(encoded.begin(), encoded.end(), window.begin(), window.end()), encoded.end())
+      << "the window is not a stretch of the sequence's N-free bases";
 }
 
 TEST(WindowSampler, SameSeedSameWindows) {
