@@ -1,6 +1,6 @@
 // spindle select: how much neighbouring queries' DSA selections overlap, per DSA layer, on one
 // sequence (real tokens or uniformly random ids), from a forward pass on the CPU (or, with
-// --device cuda, the GPU's bf16 forward: minutes on the CPU are a second there). The sparse
+// --device cuda, the GPU's bf16 forward, for models too large for the CPU's). The sparse
 // attention gathers every query's pools separately; the union of G neighbours' pools is what a
 // kernel taking them together would gather (eval/selection_overlap.h).
 #include <cstdio>
