@@ -333,7 +333,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                            {"tokens_per_second", tokens_per_second},
                            {"seconds", elapsed}};
     if (loss_options.indexer_kl_coef > 0) line["indexer_kl"] = kl;
-    if (device) line["device_peak_bytes"] = device->memory().peak_total;
+    const int64_t device_peak = device ? device->memory().peak_total : 0;
+    if (device) line["device_peak_bytes"] = device_peak;
     if (loss_options.aux_loss_coef > 0) line["aux_loss"] = aux;
     metrics << line.dump() << '\n' << std::flush;
     char progress[200];
@@ -345,7 +346,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     if (device && done == 1) {  // the first step has touched every buffer a step needs
       char peak[160];
       std::snprintf(peak, sizeof peak, "device memory peak %.2f GiB (the planner predicted %.2f GiB)",
-                    static_cast<double>(device->memory().peak_total) / (1 << 30),
+                    static_cast<double>(device_peak) / (1 << 30),
                     static_cast<double>(device_predicted_peak) / (1 << 30));
       log_info(peak);
     }

@@ -115,7 +115,8 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
                                               carry.kda ? &*carry.kda : nullptr,
                                               carry.dsa ? &*carry.dsa : nullptr);
                           });
-    if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer) selected(i, selection);
+    if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer)
+      selected(i, start, selection);
     std::swap(streams, next);
     residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
                           next.data(), [&](const bf16* x, bf16* y) { ffn(i, x, y); });
@@ -132,7 +133,7 @@ void CudaModel::head_input(const bf16* streams, int64_t n, bf16* mean, bf16* hid
 }
 
 std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens,
-                                        const ChunkSelectionSeen& selected) {
+                                        const SelectionSeen& selected) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const auto L = static_cast<int64_t>(tokens.size());
@@ -148,12 +149,9 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int6
 
   for (int64_t start = 0; start < L; start += chunk) {
     const int64_t n = std::min(chunk, L - start);
-    SelectionSeen seen;
-    if (selected)
-      seen = [&](size_t i, const DeviceBuffer<int32_t>& selection) { selected(i, start, selection); };
     const DeviceBuffer<bf16> streams = forward_chunk(
         sequence, start, n, carries,
-        [&](size_t i, const bf16* x, bf16* y) { ffn_forward(w.layers[i], x, n, y); }, seen);
+        [&](size_t i, const bf16* x, bf16* y) { ffn_forward(w.layers[i], x, n, y); }, selected);
 
     // The head over this chunk's rows: row r predicts token start + r + 1 (the last row of the
     // sequence predicts nothing).

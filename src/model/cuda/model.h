@@ -36,17 +36,16 @@ class CudaModel {
   DeviceWeights& grads() { return grads_; }
   void set_timer(KindTimer* timer) { ctx_.timer = timer; }
 
-  // Sees the selection of each DSA layer with its own indexer ([n, width] on the device).
-  using SelectionSeen = std::function<void(size_t layer, const DeviceBuffer<int32_t>& selection)>;
-  // As SelectionSeen, for the chunk of queries from `first` on.
-  using ChunkSelectionSeen =
+  // Sees the selection of each DSA layer with its own indexer for a chunk of queries from `first`
+  // on ([queries, width] on the device).
+  using SelectionSeen =
       std::function<void(size_t layer, int64_t first, const DeviceBuffer<int32_t>& selection)>;
 
   // log p(tokens[i] | tokens[<i]) for i = 1 .. n-1, computed chunk_tokens tokens at a time through
   // all layers (0: the whole sequence as one chunk; the same values within bf16 rounding).
   // selected, where set, sees every chunk's DSA selections.
   std::vector<float> log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens = 0,
-                               const ChunkSelectionSeen& selected = {});
+                               const SelectionSeen& selected = {});
 
   // As spindle::loss_and_gradients: accumulates the gradients into grads(). With
   // options.chunk_tokens in (0, tokens), the streaming executor (docs/STREAMING.md); else what
@@ -62,7 +61,7 @@ class CudaModel {
 
   // Tokens start .. start + n of `sequence` forward through all layers, each attention sublayer
   // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer;
-  // selected(i, selection), where set, sees the selection of each DSA layer i with its own
+  // selected(i, start, selection), where set, sees the selection of each DSA layer i with its own
   // indexer. Returns the last layer's output streams [n, hc_mult, hidden].
   using FfnForward = std::function<void(size_t layer, const __nv_bfloat16* x, __nv_bfloat16* y)>;
   DeviceBuffer<__nv_bfloat16> forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,

@@ -71,8 +71,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       if (carries[i].kda) kda_starts[k][i].emplace(*carries[i].kda, s);
     if (k == forward_chunks) break;
     progress.update("forward chunk", k, forward_chunks);
-    const auto keep = [&](size_t i, const DeviceBuffer<int32_t>& selection) {
-      kept_pools[k][i] = keep_selection(ctx_, c, selection, start, n);
+    const auto keep = [&](size_t i, int64_t first, const DeviceBuffer<int32_t>& selection) {
+      kept_pools[k][i] = keep_selection(ctx_, c, selection, first, n);
     };
     const SelectionSeen seen = options.keep_selections ? SelectionSeen(keep) : SelectionSeen();
     const auto ffn = [&](size_t i, const bf16* x, bf16* y) {
