@@ -1,8 +1,8 @@
 // The DSA indexer's training on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh
 // random inputs: the attention mass (head widths 32 to 576, 1 to 66 heads, selection widths 32 to
-// 4096 + 3), the KL backward (up to 64 heads x 128) and the pooling backward. Selections are made
-// by cpu::indexer_select, then given -1 holes; written outputs are poisoned with NaN, accumulated
-// ones pre-filled (their increments are compared); references in double on the bf16-rounded inputs.
+// 4096 + 3), the KL backward (up to 64 heads x 128, 128 pools of 16) and the pooling backward. Selections are
+// made by cpu::indexer_select, then given -1 holes; written outputs are poisoned with NaN, accumulated ones
+// pre-filled (their increments are compared); references in double on the bf16-rounded inputs.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -124,10 +124,12 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     bool tail;
     int64_t first;  // the first query
   };
-  const Case cases[] = {{300, 4, 32, 4, 32, true, 0},     {300, 8, 64, 4, 32, false, 0},
-                        {777, 3, 32, 16, 128, false, 0},  {600, 64, 128, 4, 256, true, 0},
-                        {300, 4, 32, 4, 32, true, 101},   {777, 3, 32, 16, 128, false, 333},
-                        {600, 64, 128, 4, 256, true, 450}};  // shared memory past 48 KiB
+  const Case cases[] = {{300, 4, 32, 4, 32, true, 0},         {300, 8, 64, 4, 32, false, 0},
+                        {777, 3, 32, 16, 128, false, 0},      {600, 64, 128, 4, 256, true, 0},
+                        {300, 4, 32, 4, 32, true, 101},       {777, 3, 32, 16, 128, false, 333},
+                        {600, 64, 128, 4, 256, true, 450},       // shared memory past 48 KiB
+                        {300, 5, 20, 4, 40, true, 0},            // heads, head_dim and runs off the tiles
+                        {3000, 32, 128, 16, 2048, true, 1000}};  // the 4B config's indexer
   const float scale = 0.37f;
   for (const Case& c : cases) {
     const cpu::IndexerShape whole{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail};

@@ -1,17 +1,13 @@
-// DSA indexer training (version 1: correct first, CUDA cores, fp32 arithmetic). See
+// DSA indexer training: the attention mass (CUDA cores, for the paths whose attention backward
+// does not sum it), the KL backward (tensor cores) and the pooling's backward. See
 // indexer_training.h for the contracts and launch shapes.
-//
-// Next steps for speed (not done here): the pool scores are a small GEMM per query (heads x
-// head_dim times head_dim x chosen pools) that tensor cores could take, with the relu mask kept
-// for the backward instead of recomputed; dpool_keys could be summed per pool without atomics
-// through a transposed index (for each pool, the queries that chose it), as noted in
-// sparse_attention.cu for dkv.
 #include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/indexer_training.h"
+#include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
@@ -20,7 +16,7 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMassWarps = 4;
-constexpr int kKlWarps = 8;
+constexpr int kKlWarps = 4;
 constexpr int kPoolChannels = 32, kPoolRows = 8, kPoolThreads = kPoolChannels * kPoolRows;
 constexpr int64_t kPoolBlocksMax = 1024;  // pool-walking CTAs per channel tile: fills the GPU
 
@@ -53,14 +49,10 @@ __device__ __forceinline__ float block_reduce(float value, float* scratch, Op op
   return total;
 }
 
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
-
-// q . k over the warp's lanes (lane c, c + 32, ...); q in shared memory as fp32, k bf16 or fp32.
-template <class K>
-__device__ __forceinline__ float warp_dot(const float* q, const K* k, int64_t n, int lane) {
+// q . k over the warp's lanes (lane c, c + 32, ...); q in shared memory as fp32.
+__device__ __forceinline__ float warp_dot(const float* q, const __nv_bfloat16* k, int64_t n, int lane) {
   float dot = 0.0f;
-  for (int64_t c = lane; c < n; c += 32) dot += q[c] * to_float(k[c]);
+  for (int64_t c = lane; c < n; c += 32) dot += q[c] * __bfloat162float(k[c]);
   return warp_reduce(dot, Sum());
 }
 
@@ -117,39 +109,93 @@ __global__ void __launch_bounds__(kMassWarps * 32)
   }
 }
 
+// The KL backward's shared memory for one query (see indexer_training.h): bf16 tiles padded to the
+// tensor cores' 16 (heads, head_dim, runs), rows 8 bf16 (or fp32) longer so that ldmatrix and the
+// fragments' stores meet no bank conflicts.
+struct KlLayout {
+  int64_t heads, dim, runs;                                       // padded to 16
+  int64_t q_stride, g_stride, z_stride;                           // elements per row
+  int64_t q, keys, g_hi, g_lo, z, w, score, target, pool, bytes;  // byte offsets
+  __host__ __device__ KlLayout(int64_t H, int64_t d, int64_t R) {
+    heads = (H + 15) / 16 * 16;
+    dim = (d + 15) / 16 * 16;
+    runs = (R + 15) / 16 * 16;
+    q_stride = dim + 8;
+    g_stride = runs + 8;
+    z_stride = runs + 8;
+    q = 0;                               // [heads, q_stride] bf16: the query's heads
+    keys = q + heads * q_stride * 2;     // [runs, q_stride] bf16: the chosen pools' keys
+    g_hi = keys + runs * q_stride * 2;   // [heads, g_stride] bf16: d loss / d z, high part
+    g_lo = g_hi + heads * g_stride * 2;  //   and what it left
+    z = g_lo + heads * g_stride * 2;     // [heads, z_stride] fp32: q_h . k_r / sqrt(d)
+    w = z + heads * z_stride * 4;        // [heads] fp32 head weights
+    score = w + heads * 4;               // [runs] fp32 scores, then d loss / d score
+    target = score + runs * 4;           // [runs] fp32 attention mass per run
+    pool = target + runs * 4;            // [runs] int32 the run's pool, -1 when unused
+    bytes = pool + runs * 4;
+  }
+};
+
+// A 16 x 16 bf16 A fragment from a row-major [m, k] tile (ldmatrix: lane l names row l % 16 of the
+// columns (l / 16) * 8 on).
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* tile, int64_t stride,
+                                       int lane) {
+  ldmatrix_x4(a, shared_address(tile + (lane % 16) * stride + (lane / 16) * 8));
+}
+
+// The same fragment from a [k, m] tile: the transposed matrices, k rows (l / 16) * 8 on, m columns
+// ((l / 8) % 2) * 8 on.
+__device__ __forceinline__ void load_a_transposed(uint32_t (&a)[4], const __nv_bfloat16* tile, int64_t stride,
+                                                  int lane) {
+  ldmatrix_x4_trans(a, shared_address(tile + ((lane / 16) * 8 + lane % 8) * stride + ((lane / 8) % 2) * 8));
+}
+
+// B fragments of two n8 tiles (b[0..1] the first, b[2..3] the second) from an [n, k] tile.
+__device__ __forceinline__ void load_b_pair(uint32_t (&b)[4], const __nv_bfloat16* tile, int64_t stride,
+                                            int lane) {
+  ldmatrix_x4(b, shared_address(tile + ((lane / 16) * 8 + lane % 8) * stride + ((lane / 8) % 2) * 8));
+}
+
+// The same from a [k, n] tile.
+__device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const __nv_bfloat16* tile,
+                                                       int64_t stride, int lane) {
+  ldmatrix_x4_trans(b, shared_address(tile + (((lane / 8) % 2) * 8 + lane % 8) * stride + (lane / 16) * 8));
+}
+
+// One query's KL gradient on the tensor cores (see indexer_training.h). z = q k^T / sqrt(d) is kept
+// in shared memory between the scores and the gradients; d loss / d z enters the two gradient
+// products as bf16 hi + lo, so that they keep fp32 accuracy (q and the keys are bf16 already).
 __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ pool_keys,
     const __nv_bfloat16* __restrict__ head_weights, const int32_t* __restrict__ selected,
     const float* __restrict__ mass, __nv_bfloat16* __restrict__ dq, float* __restrict__ dpool_keys,
     __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ kl_sum, int64_t queries, int64_t H,
     int64_t d, int64_t kp, int64_t runs, int64_t width, float scale, float score_scale) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) unsigned char kl_smem[];
   __shared__ float scratch[kKlWarps];
+  const KlLayout lay(H, d, runs);
+  auto* qs = reinterpret_cast<__nv_bfloat16*>(kl_smem + lay.q);
+  auto* ks = reinterpret_cast<__nv_bfloat16*>(kl_smem + lay.keys);
+  auto* g_hi = reinterpret_cast<__nv_bfloat16*>(kl_smem + lay.g_hi);
+  auto* g_lo = reinterpret_cast<__nv_bfloat16*>(kl_smem + lay.g_lo);
+  auto* zs = reinterpret_cast<float*>(kl_smem + lay.z);
+  auto* ws = reinterpret_cast<float*>(kl_smem + lay.w);
+  auto* score = reinterpret_cast<float*>(kl_smem + lay.score);
+  auto* target = reinterpret_cast<float*>(kl_smem + lay.target);
+  auto* pool = reinterpret_cast<int*>(kl_smem + lay.pool);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  float* qs = smem;                                   // [H, d] the query's heads
-  float* dqs = qs + H * d;                            // [H, d] their gradient
-  float* ws = dqs + H * d;                            // [H] head weights
-  float* dws = ws + H;                                // [H] their gradient
-  float* score = dws + H;                             // [runs] pool scores, then d loss / d score
-  float* target = score + runs;                       // [runs] attention mass of each run's pool
-  int* pool = reinterpret_cast<int*>(target + runs);  // [runs] the run's pool, -1 when unused
-  float* ks = reinterpret_cast<float*>(pool + runs) + warp * 2 * d;  // [d] this warp's pool key
-  float* dks = ks + d;                                               // [d] its gradient
-  double kl_local = 0.0;                                             // thread 0's sum over this CTA's queries
-  for (int64_t t = blockIdx.x; t < queries; t += gridDim.x) {        // t: a row of the chunk
-    for (int64_t i = threadIdx.x; i < H * d; i += blockDim.x) {
-      qs[i] = __bfloat162float(q[t * H * d + i]);
-      dqs[i] = 0.0f;
-    }
-    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-      ws[h] = __bfloat162float(head_weights[t * H + h]);
-      dws[h] = 0.0f;
-    }
+  const int g = lane / 4, c = lane % 4;
+  const int64_t qst = lay.q_stride, gst = lay.g_stride, zst = lay.z_stride;
+  const int64_t m_tiles = lay.heads / 16, d_pairs = lay.dim / 16, r_tiles = lay.runs / 16;
+  const __nv_bfloat16* const parts[2] = {g_hi, g_lo};
+  const bool rows_16_byte = d % 8 == 0;  // every row of q and the keys starts 16-byte aligned
+  double kl_local = 0.0;                 // thread 0's sum over this CTA's queries
+  for (int64_t t = blockIdx.x; t < queries; t += gridDim.x) {  // t: a row of the chunk
     // The chosen complete pools: runs of kpool slots at the front of the selection, named by
     // their first slot.
     float count = 0.0f, mass_sum = 0.0f;
-    for (int64_t r = threadIdx.x; r < runs; r += blockDim.x) {
-      const int32_t first = selected[t * width + r * kp];
+    for (int64_t r = threadIdx.x; r < lay.runs; r += blockDim.x) {
+      const int32_t first = r < runs ? selected[t * width + r * kp] : -1;
       float m = 0.0f;
       if (first >= 0) {
         for (int64_t j = 0; j < kp; ++j) m += mass[t * width + r * kp + j];
@@ -159,64 +205,158 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
       pool[r] = first >= 0 ? static_cast<int>(first / kp) : -1;
       target[r] = m;
     }
-    count = block_reduce(count, scratch, Sum());
+    for (int64_t h = threadIdx.x; h < lay.heads; h += blockDim.x)
+      ws[h] = h < H ? __bfloat162float(head_weights[t * H + h]) : 0.0f;
+    count = block_reduce(count, scratch, Sum());  // its barriers publish pool[] and ws[]
     mass_sum = block_reduce(mass_sum, scratch, Sum());
-    if (count >= 2.0f && mass_sum > 0.0f) {  // one pool or no mass: nothing to learn, zeros
-      // Pass 1: score_r = sum_h w_h relu(q_h . k_r / sqrt(d)), a warp per run.
-      for (int64_t r = warp; r < runs; r += kKlWarps) {
-        if (pool[r] < 0) continue;
-        for (int64_t c = lane; c < d; c += 32) ks[c] = __bfloat162float(pool_keys[pool[r] * d + c]);
-        float sc = 0.0f;
-        for (int64_t h = 0; h < H; ++h)
-          sc += ws[h] * fmaxf(warp_dot(qs + h * d, ks, d, lane) * score_scale, 0.0f);
-        if (lane == 0) score[r] = sc;
+    if (count < 2.0f || mass_sum <= 0.0f) {  // one pool or no mass: nothing to learn, zeros
+      for (int64_t i = threadIdx.x; i < H * d; i += blockDim.x) dq[t * H * d + i] = __float2bfloat16(0.0f);
+      for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dhead_weights[t * H + h] = __float2bfloat16(0.0f);
+      continue;  // nothing past the reductions was read: the next query may overwrite
+    }
+    // The query's heads and its pools' keys, zero past H, d and the used runs.
+    const __nv_bfloat16* qt = q + t * H * d;
+    if (rows_16_byte) {
+      const int64_t pieces = lay.dim / 8;
+      for (int64_t i = threadIdx.x; i < lay.heads * pieces; i += blockDim.x) {
+        const int64_t h = i / pieces, col = i % pieces * 8;
+        const bool valid = h < H && col < d;
+        copy16(qs + h * qst + col, valid ? qt + h * d + col : qt, valid);
       }
-      __syncthreads();
-      // The indexer's softmax over the chosen pools against the normalised mass; each run stays
-      // with one thread from here to the gradient it leaves in score[r].
-      float mx = -INFINITY;
-      for (int64_t r = threadIdx.x; r < runs; r += blockDim.x)
-        if (pool[r] >= 0) mx = fmaxf(mx, score[r]);
-      mx = block_reduce(mx, scratch, Max());
-      float z_sum = 0.0f;
-      for (int64_t r = threadIdx.x; r < runs; r += blockDim.x)
-        if (pool[r] >= 0) z_sum += expf(score[r] - mx);
-      z_sum = block_reduce(z_sum, scratch, Sum());
-      const float log_z = logf(z_sum);
-      float kl = 0.0f;
-      for (int64_t r = threadIdx.x; r < runs; r += blockDim.x) {
-        if (pool[r] < 0) continue;
-        const float shifted = score[r] - mx, pi = target[r] / mass_sum;
-        kl += pi > 0.0f ? pi * (logf(pi) - (shifted - log_z)) : 0.0f;  // log rho without underflow
-        score[r] = (expf(shifted) / z_sum - pi) * scale;
+      for (int64_t i = threadIdx.x; i < lay.runs * pieces; i += blockDim.x) {
+        const int64_t r = i / pieces, col = i % pieces * 8;
+        const bool valid = pool[r] >= 0 && col < d;
+        copy16(ks + r * qst + col, valid ? pool_keys + pool[r] * d + col : pool_keys, valid);
       }
-      kl = block_reduce(kl, scratch, Sum());  // its barriers also publish score[]
-      if (threadIdx.x == 0) kl_local += kl;
-      // Pass 2: recompute q_h . k_r; where the relu passes, d score / d w_h = relu(.) and
-      // d score / d(q_h . k_r) = w_h / sqrt(d).
-      for (int64_t r = warp; r < runs; r += kKlWarps) {
-        if (pool[r] < 0) continue;
-        const float dscore = score[r];
-        for (int64_t c = lane; c < d; c += 32) {
-          ks[c] = __bfloat162float(pool_keys[pool[r] * d + c]);
-          dks[c] = 0.0f;
+      copy_commit();
+      copy_wait_all();
+    } else {
+      const __nv_bfloat16 zero = __float2bfloat16(0.0f);
+      for (int64_t i = threadIdx.x; i < lay.heads * lay.dim; i += blockDim.x) {
+        const int64_t h = i / lay.dim, col = i % lay.dim;
+        qs[h * qst + col] = h < H && col < d ? qt[h * d + col] : zero;
+      }
+      for (int64_t i = threadIdx.x; i < lay.runs * lay.dim; i += blockDim.x) {
+        const int64_t r = i / lay.dim, col = i % lay.dim;
+        ks[r * qst + col] = pool[r] >= 0 && col < d ? pool_keys[pool[r] * d + col] : zero;
+      }
+    }
+    __syncthreads();
+    // z = q k^T / sqrt(d): [heads, runs], a warp per 16 x 16 tile.
+    for (int64_t tile = warp; tile < m_tiles * r_tiles; tile += kKlWarps) {
+      const int64_t mi = tile / r_tiles, ni = tile % r_tiles;
+      float acc[2][4] = {};
+      for (int64_t kk = 0; kk < d_pairs; ++kk) {
+        uint32_t a[4], b[4];
+        load_a(a, qs + mi * 16 * qst + kk * 16, qst, lane);
+        load_b_pair(b, ks + ni * 16 * qst + kk * 16, qst, lane);
+        mma_bf16(acc[0], a, b[0], b[1]);
+        mma_bf16(acc[1], a, b[2], b[3]);
+      }
+      for (int n = 0; n < 2; ++n) {
+        float* z = zs + (mi * 16 + g) * zst + ni * 16 + n * 8 + 2 * c;
+        *reinterpret_cast<float2*>(z) = make_float2(acc[n][0] * score_scale, acc[n][1] * score_scale);
+        *reinterpret_cast<float2*>(z + 8 * zst) =
+            make_float2(acc[n][2] * score_scale, acc[n][3] * score_scale);
+      }
+    }
+    __syncthreads();
+    // score_r = sum_h w_h relu(z_hr); the indexer's softmax over the chosen pools against the
+    // normalised mass. Each run stays with one thread from here to the gradient it leaves in
+    // score[r] (zero for unused and padding runs).
+    for (int64_t r = threadIdx.x; r < runs; r += blockDim.x) {
+      if (pool[r] < 0) continue;
+      float sc = 0.0f;
+      for (int64_t h = 0; h < H; ++h) sc += ws[h] * fmaxf(zs[h * zst + r], 0.0f);
+      score[r] = sc;
+    }
+    float mx = -INFINITY;
+    for (int64_t r = threadIdx.x; r < runs; r += blockDim.x)
+      if (pool[r] >= 0) mx = fmaxf(mx, score[r]);
+    mx = block_reduce(mx, scratch, Max());
+    float z_sum = 0.0f;
+    for (int64_t r = threadIdx.x; r < runs; r += blockDim.x)
+      if (pool[r] >= 0) z_sum += expf(score[r] - mx);
+    z_sum = block_reduce(z_sum, scratch, Sum());
+    const float log_z = logf(z_sum);
+    float kl = 0.0f;
+    for (int64_t r = threadIdx.x; r < lay.runs; r += blockDim.x) {
+      if (pool[r] < 0) {
+        score[r] = 0.0f;
+        continue;
+      }
+      const float shifted = score[r] - mx, pi = target[r] / mass_sum;
+      kl += pi > 0.0f ? pi * (logf(pi) - (shifted - log_z)) : 0.0f;  // log rho without underflow
+      score[r] = (expf(shifted) / z_sum - pi) * scale;
+    }
+    kl = block_reduce(kl, scratch, Sum());  // its barriers also publish score[]
+    if (threadIdx.x == 0) kl_local += kl;
+    // Where the relu passes, d loss / d z_hr = dscore_r w_h and d loss / d w_h = sum_r dscore_r z_hr;
+    // the 1 / sqrt(d) of z goes into the first.
+    for (int64_t i = threadIdx.x; i < lay.heads * lay.runs; i += blockDim.x) {
+      const int64_t h = i / lay.runs, r = i % lay.runs;
+      const float gz = zs[h * zst + r] > 0.0f ? score[r] * ws[h] * score_scale : 0.0f;
+      const Bf16Split split = split_bf16(gz);
+      g_hi[h * gst + r] = split.hi;
+      g_lo[h * gst + r] = split.lo;
+    }
+    for (int64_t h = warp; h < H; h += kKlWarps) {
+      float dw = 0.0f;
+      for (int64_t r = lane; r < runs; r += 32) dw += score[r] * fmaxf(zs[h * zst + r], 0.0f);
+      dw = warp_reduce(dw, Sum());
+      if (lane == 0) dhead_weights[t * H + h] = __float2bfloat16(dw);
+    }
+    __syncthreads();
+    // dq = G k: [heads, d] over the runs.
+    for (int64_t tile = warp; tile < m_tiles * d_pairs; tile += kKlWarps) {
+      const int64_t mi = tile / d_pairs, ni = tile % d_pairs;
+      float acc[2][4] = {};
+      for (int64_t kk = 0; kk < r_tiles; ++kk) {
+        uint32_t b[4];
+        load_b_pair_transposed(b, ks + kk * 16 * qst + ni * 16, qst, lane);
+        for (const __nv_bfloat16* part : parts) {
+          uint32_t a[4];
+          load_a(a, part + mi * 16 * gst + kk * 16, gst, lane);
+          mma_bf16(acc[0], a, b[0], b[1]);
+          mma_bf16(acc[1], a, b[2], b[3]);
         }
-        for (int64_t h = 0; h < H; ++h) {
-          const float z = warp_dot(qs + h * d, ks, d, lane) * score_scale;
-          if (z <= 0.0f) continue;  // warp-uniform
-          if (lane == 0) atomicAdd(dws + h, dscore * z);
-          const float g = dscore * ws[h] * score_scale;
-          for (int64_t c = lane; c < d; c += 32) {
-            atomicAdd(dqs + h * d + c, g * ks[c]);
-            dks[c] += g * qs[h * d + c];
+      }
+      for (int n = 0; n < 2; ++n)
+        for (int e = 0; e < 4; ++e) {
+          const int64_t h = mi * 16 + g + (e / 2) * 8, col = ni * 16 + n * 8 + 2 * c + e % 2;
+          if (h < H && col < d) dq[(t * H + h) * d + col] = __float2bfloat16(acc[n][e]);
+        }
+    }
+    // dpool += G^T q: [runs, d] over the heads, added where the run names a pool.
+    for (int64_t tile = warp; tile < r_tiles * d_pairs; tile += kKlWarps) {
+      const int64_t mi = tile / d_pairs, ni = tile % d_pairs;
+      float acc[2][4] = {};
+      for (int64_t kk = 0; kk < m_tiles; ++kk) {
+        uint32_t b[4];
+        load_b_pair_transposed(b, qs + kk * 16 * qst + ni * 16, qst, lane);
+        for (const __nv_bfloat16* part : parts) {
+          uint32_t a[4];
+          load_a_transposed(a, part + kk * 16 * gst + mi * 16, gst, lane);
+          mma_bf16(acc[0], a, b[0], b[1]);
+          mma_bf16(acc[1], a, b[2], b[3]);
+        }
+      }
+      for (int half = 0; half < 2; ++half) {
+        const int p = pool[mi * 16 + g + half * 8];
+        if (p < 0) continue;
+        float* row = dpool_keys + static_cast<int64_t>(p) * d;
+        for (int n = 0; n < 2; ++n) {
+          const int64_t col = ni * 16 + n * 8 + 2 * c;
+          const float x = acc[n][2 * half], y = acc[n][2 * half + 1];
+          if (col + 1 < d && d % 2 == 0) {
+            atomicAdd(reinterpret_cast<float2*>(row + col), make_float2(x, y));
+          } else {
+            if (col < d) atomicAdd(row + col, x);
+            if (col + 1 < d) atomicAdd(row + col + 1, y);
           }
         }
-        for (int64_t c = lane; c < d; c += 32) atomicAdd(dpool_keys + pool[r] * d + c, dks[c]);
       }
-      __syncthreads();
     }
-    for (int64_t i = threadIdx.x; i < H * d; i += blockDim.x) dq[t * H * d + i] = __float2bfloat16(dqs[i]);
-    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dhead_weights[t * H + h] = __float2bfloat16(dws[h]);
     __syncthreads();  // the next query overwrites shared memory
   }
   if (threadIdx.x == 0 && kl_local != 0.0) atomicAdd(kl_sum, kl_local);
@@ -308,9 +448,7 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
   const int64_t queries = s.queries();  // the kernel's rows; pools come from the selection
   if (queries == 0) return;
   const int64_t runs = s.topk / s.kpool;
-  const size_t bytes =
-      static_cast<size_t>(2 * s.heads * s.head_dim + 2 * s.heads + 3 * runs + kKlWarps * 2 * s.head_dim) *
-      sizeof(float);
+  const auto bytes = static_cast<size_t>(KlLayout(s.heads, s.head_dim, runs).bytes);
   allow_shared_memory(indexer_kl_backward_kernel, bytes, "indexer_kl_backward: heads ", s.heads,
                       ", head_dim ", s.head_dim, " and topk / kpool ", runs);
   int device = 0, sms = 0, per_sm = 0;

@@ -16,7 +16,7 @@
 //   keys, gate     [tokens, head_dim]                   bf16
 //   ape            [kpool, head_dim]                    bf16
 //
-// Launch shapes (version 1, correct first, CUDA cores):
+// Launch shapes:
 //  - attention_mass: one CTA per query, up to 4 warps, each warp one head at a time (heads
 //    h = warp, warp + warps, ...) with two passes over the slots like sparse_attention_forward
 //    (online max and denominator, then the probabilities). Each warp adds its heads' probabilities
@@ -24,13 +24,15 @@
 //    the end: deterministic, no atomics. Shared memory: (width + qk_dim) fp32 per warp (10.3 KiB
 //    for 2051 + 576); warps shrink when that passes 48 KiB, then the limit is raised up to the
 //    device's opt-in maximum (227 KiB on Hopper), else it fails loudly.
-//  - indexer_kl_backward: persistent CTAs of 8 warps, each walking queries t = blockIdx.x,
-//    + gridDim.x, ... (so the KL sum takes one double atomic per CTA). Per query: the q rows and
-//    their dq accumulators, heads x head_dim fp32 each, and topk / kpool pool scores in shared
-//    memory (79 KiB for 64 heads x 128 and 512 pools; the limit is raised as above); a warp per
-//    chosen pool scores it (one warp reduction per head), then a second pass recomputes q_h . k_p
-//    and adds the gradients: dq and dhead_weights through shared-memory atomics (their order of
-//    summation varies), dpool_keys through one fp32 global atomic per (query, pool, channel).
+//  - indexer_kl_backward: persistent CTAs of 4 warps on the tensor cores (mma.sync m16n8k16),
+//    each walking queries t = blockIdx.x, + gridDim.x, ... (so the KL sum takes one double atomic
+//    per CTA). Per query, in shared memory: q [heads, head_dim] and the chosen pools' keys
+//    [topk / kpool, head_dim] in bf16 (padded to 16 with zeros), z = q k^T / sqrt(d) in fp32
+//    (kept from the scores to the gradients: the relu's mask and d loss / d w), and d loss / d z as
+//    bf16 hi + lo (fp32 accuracy from two products). dq = G k is written, dpool_keys += G^T q by
+//    float2 global atomics (one per (query, pool, channel pair)). 78 KiB for 32 heads x 128 and
+//    128 pools (two CTAs per SM). head_dim need not be a multiple of 8 (the rows are then copied
+//    element by element).
 //  - indexer_pool_keys_backward: a thread per (pool, channel), CTAs of 32 channels x 8 pools
 //    walking the pools; dape summed per CTA in shared memory, one atomic per (CTA, pool slot,
 //    channel). The incomplete pool's tokens get zeros.
