@@ -201,7 +201,9 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
       bytes += 2 * latent + 4 * latent;
       if (layer.own_indexer) {
         const int64_t rows = 2 * 2 * tokens * s.index_dim;  // keys and pool gates before pooling, bf16
-        bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + rows : 0);
+        // The KL's gradients: fp32 pooled keys, and the rows' over a chunk and one straddling pool.
+        const int64_t window = 2 * 2 * std::min(tokens, chunk_tokens + s.kpool - 1) * s.index_dim;
+        bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + window : 0);
         // The selections as pool lists, of every chunk the forward pass takes: all but the last
         // (without the balance loss, the default; the last one's recomputation is its forward).
         if (kept_selections) bytes += 4 * (chunks - 1) * chunk_tokens * s.selected_pools;

@@ -334,6 +334,12 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
                            11 * (2 * (L / 16) * 64) + 11 * (2 * 2 * L * 64) + 11 * (4 * (L - C) * 128);
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, true), expected);
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (4 * (L - C) * 128));
+  // The indexer's KL adds the pooled keys' fp32 gradient for the sequence and the keys' and gates'
+  // bf16 gradients over one chunk and the pool that straddles its start, not over the sequence.
+  StepOptions kl;
+  kl.indexer_kl = true;
+  EXPECT_EQ(streaming_carry_bytes(s, L, C, kl, true),
+            expected + 11 * (4 * (L / 16) * 64) + 11 * (2 * 2 * (C + 15) * 64));
 }
 
 // The streamed forward pass takes every chunk but the last, whose recomputation is its forward:

@@ -88,6 +88,42 @@ void run_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, co
                                      ") + radix select in query blocks");
 }
 
+// Rows of the indexer keys' and gates' gradient window: a chunk and the pool before it that
+// straddles its start.
+int64_t index_window_rows(const ModelConfig& c, int64_t tokens, int64_t chunk_tokens) {
+  return std::min(tokens, chunk_tokens + c.index_kpool - 1);
+}
+
+// Moves the window of the indexer rows' gradients to the rows [row0, end) of the chunk about to
+// run (row0 its first pool's first row): the rows the window held there (the straddling pool's,
+// written by the chunk after) keep their values, every other row is zero.
+void slide_index_rows(DsaCacheGrad& g, int64_t row0, int64_t end, int64_t d, cudaStream_t s) {
+  const int64_t capacity = static_cast<int64_t>(g.index_keys.size()) / d;
+  check(row0 <= end && end - row0 <= capacity, "the indexer's gradient window holds ", capacity,
+        " rows, a chunk needs ", end - row0);
+  const int64_t kept0 = std::max(row0, g.index_rows_first),
+                kept1 = std::min(end, g.index_rows_first + capacity);
+  const int64_t kept = std::max<int64_t>(0, kept1 - kept0);
+  DeviceBuffer<bf16> saved(static_cast<size_t>(2 * kept * d), MemoryCategory::Workspace);
+  const auto bytes = [d](int64_t rows) { return static_cast<size_t>(rows * d) * sizeof(bf16); };
+  const int64_t from = (kept0 - g.index_rows_first) * d, to = (kept0 - row0) * d;
+  if (kept > 0) {
+    SPINDLE_CUDA(
+        cudaMemcpyAsync(saved.data(), g.index_keys.data() + from, bytes(kept), cudaMemcpyDeviceToDevice, s));
+    SPINDLE_CUDA(cudaMemcpyAsync(saved.data() + kept * d, g.index_gate.data() + from, bytes(kept),
+                                 cudaMemcpyDeviceToDevice, s));
+  }
+  SPINDLE_CUDA(cudaMemsetAsync(g.index_keys.data(), 0, bytes(capacity), s));
+  SPINDLE_CUDA(cudaMemsetAsync(g.index_gate.data(), 0, bytes(capacity), s));
+  if (kept > 0) {
+    SPINDLE_CUDA(
+        cudaMemcpyAsync(g.index_keys.data() + to, saved.data(), bytes(kept), cudaMemcpyDeviceToDevice, s));
+    SPINDLE_CUDA(cudaMemcpyAsync(g.index_gate.data() + to, saved.data() + kept * d, bytes(kept),
+                                 cudaMemcpyDeviceToDevice, s));
+  }
+  g.index_rows_first = row0;
+}
+
 // KL(attention || indexer) on the indexer's own selection for the L queries first .. first + L;
 // gradients reach the indexer only. The queries add their pooled keys' gradients to cache_grad;
 // the pools that end inside the chunk then have all of theirs (later chunks ran first, earlier
@@ -100,10 +136,13 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
                    IndexerWeights& grad) {
   const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
   const int64_t end = first + L;
-  check(cache.index_keys.size() >= static_cast<size_t>(end * d) &&
-            cache_grad.index_keys.size() == static_cast<size_t>(cache_grad.tokens * d),
+  check(cache.index_keys.size() >= static_cast<size_t>(end * d) && cache_grad.index_keys.size() > 0,
         "the indexer's KL training needs the sequence's indexer keys and their gradient buffers");
   const cudaStream_t s = ctx.stream();
+  const int64_t p0 = first / kp, p1 = end / kp;  // the pools that end inside this chunk
+  slide_index_rows(cache_grad, p0 * kp, end, d, s);
+  const auto dkeys = [&](int64_t row) { return cache_grad.index_keys.data() + (row - p0 * kp) * d; };
+  const auto dgate = [&](int64_t row) { return cache_grad.index_gate.data() + (row - p0 * kp) * d; };
   IndexerQueries a = indexer_queries(ctx, c, w, x, q_resid, L);
   DeviceBuffer<bf16> dq = activations(L * Hi * d), dhw = activations(L * Hi);
   indexer_kl_backward(indexer_shape(c, end, first), a.q.data(), cache.pool_keys.data(), a.head_weights.data(),
@@ -113,21 +152,18 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   ctx.gemm.linear_backward_weight(dhw.data(), x, f32_data(grad.weights_proj), L, D, Hi, s,
                                   1.0f / std::sqrt(static_cast<float>(Hi)));
   ctx.gemm.linear_backward_weight(dq.data(), q_resid, f32_data(grad.wq_b), L, c.q_lora_rank, Hi * d, s);
-  const int64_t p0 = first / kp, p1 = end / kp;  // the pools that end inside this chunk
   if (p1 > p0) {
     const int64_t at = p0 * kp * d;
     indexer_pool_keys_backward(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + at,
                                cache.index_gate.data() + at, bf16_data(w.compress_ape),
-                               cache_grad.pool_keys.data() + p0 * d, cache_grad.index_keys.data() + at,
-                               cache_grad.index_gate.data() + at, f32_data(grad.compress_ape), s);
+                               cache_grad.pool_keys.data() + p0 * d, dkeys(p0 * kp), dgate(p0 * kp),
+                               f32_data(grad.compress_ape), s);
   }
-  ctx.gemm.linear_backward_weight(cache_grad.index_gate.data() + first * d, x, f32_data(grad.compress_gate),
-                                  L, D, d, s);
+  ctx.gemm.linear_backward_weight(dgate(first), x, f32_data(grad.compress_gate), L, D, d, s);
   DeviceBuffer<bf16> raw = activations(L * d), draw = activations(L * d);
   ctx.gemm.linear(x, bf16_data(w.wk), raw.data(), L, D, d, s);
-  layer_norm_backward(raw.data(), bf16_data(w.k_norm_weight), cache_grad.index_keys.data() + first * d,
-                      draw.data(), f32_data(grad.k_norm_weight), f32_data(grad.k_norm_bias), L, d,
-                      kIndexerNormEps, s);
+  layer_norm_backward(raw.data(), bf16_data(w.k_norm_weight), dkeys(first), draw.data(),
+                      f32_data(grad.k_norm_weight), f32_data(grad.k_norm_bias), L, d, kIndexerNormEps, s);
   ctx.gemm.linear_backward_weight(draw.data(), x, f32_data(grad.wk), L, D, d, s);
   ctx.record.note("dsa/indexer_kl", "cuda KL backward on the attention mass");
 }
@@ -422,16 +458,18 @@ DsaCache::DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_
                     indexer ? std::max<int64_t>(1, capacity_tokens / c.index_kpool) * c.index_head_dim : 0),
                 MemoryCategory::Activations) {}
 
-DsaCacheGrad::DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t sequence_tokens, bool indexer,
-                           cudaStream_t stream)
+DsaCacheGrad::DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t sequence_tokens,
+                           int64_t chunk_tokens, bool indexer, cudaStream_t stream)
     : tokens(sequence_tokens),
       kv(static_cast<size_t>(sequence_tokens * cache.row), MemoryCategory::Activations),
       pool_keys(static_cast<size_t>(
                     indexer ? std::max<int64_t>(1, sequence_tokens / c.index_kpool) * c.index_head_dim : 0),
                 MemoryCategory::Activations),
-      index_keys(static_cast<size_t>(indexer ? sequence_tokens * c.index_head_dim : 0),
+      index_keys(static_cast<size_t>(
+                     indexer ? index_window_rows(c, sequence_tokens, chunk_tokens) * c.index_head_dim : 0),
                  MemoryCategory::Activations),
-      index_gate(index_keys.size(), MemoryCategory::Activations) {
+      index_gate(index_keys.size(), MemoryCategory::Activations),
+      index_rows_first(sequence_tokens) {
   SPINDLE_CUDA(cudaMemsetAsync(kv.data(), 0, kv.size() * sizeof(float), stream));
   SPINDLE_CUDA(cudaMemsetAsync(pool_keys.data(), 0, pool_keys.size() * sizeof(float), stream));
   SPINDLE_CUDA(cudaMemsetAsync(index_keys.data(), 0, index_keys.size() * sizeof(bf16), stream));
@@ -507,7 +545,7 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
   append_kv(ctx, c, w, L, a.kv_normed.data(), cache);
   if (trained) append_index_keys(ctx, c, w.indexer, x, L, cache);
   cache.tokens = L;
-  DsaCacheGrad cache_grad(c, cache, L, trained, ctx.stream());
+  DsaCacheGrad cache_grad(c, cache, L, L, trained, ctx.stream());
   backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad, y,
                       nullptr);
 }

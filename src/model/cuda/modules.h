@@ -80,14 +80,17 @@ struct DsaCache {
 
 // The gradients of a whole sequence's DsaCache gathered over a backward in chunks (last chunk
 // first): keys and values (fp32, like kv) and, when the indexer is trained, its pooled keys (fp32)
-// and its keys and gates (bf16, each pool's rows written once, by the chunk where the pool ends).
-// Zero to begin with. `tokens`: the whole sequence.
+// and its keys and gates (bf16) for a window of rows: the chunk being backpropagated and the pool
+// that straddles its start, whose rows before the chunk this chunk writes and the one before reads
+// (slide_index_rows moves the window). Zero to begin with. `tokens`: the whole sequence;
+// `chunk_tokens`: the longest chunk.
 struct DsaCacheGrad {
-  DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t tokens, bool indexer,
-               cudaStream_t stream);
+  DsaCacheGrad(const ModelConfig& c, const DsaCache& cache, int64_t tokens, int64_t chunk_tokens,
+               bool indexer, cudaStream_t stream);
   int64_t tokens;
   DeviceBuffer<float> kv, pool_keys;
-  DeviceBuffer<bf16> index_keys, index_gate;
+  DeviceBuffer<bf16> index_keys, index_gate;  // [window rows, index_head_dim]
+  int64_t index_rows_first;                   // the sequence position of the window's first row
 };
 
 // One layer's carry across the chunks of a streamed sequence: its KdaCarry or its DsaCache.

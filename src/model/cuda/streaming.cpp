@@ -107,7 +107,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   for (size_t i = 0; i < layers; ++i) {
     if (carries[i].kda) kda_grad[i].emplace(c, s);
     if (carries[i].dsa)
-      cache_grad[i].emplace(c, *carries[i].dsa, L, indexer_trained && w.layers[i].dsa.has_indexer, s);
+      cache_grad[i].emplace(c, *carries[i].dsa, L, chunk, indexer_trained && w.layers[i].dsa.has_indexer, s);
   }
   DeviceBuffer<double> indexer_kl(1, MemoryCategory::Workspace);
   SPINDLE_CUDA(cudaMemsetAsync(indexer_kl.data(), 0, sizeof(double), s));
