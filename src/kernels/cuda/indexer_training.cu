@@ -162,6 +162,30 @@ __device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const _
   ldmatrix_x4_trans(b, shared_address(tile + (((lane / 8) % 2) * 8 + lane % 8) * stride + (lane / 16) * 8));
 }
 
+// acc += (hi + lo) B over `steps` k16 steps, a 16 x 16 output tile (two n8 tiles): A from both
+// parts at element a0 (a_step further each step; a [k, m] tile when kTransposed, else [m, k]), B
+// from the [k, n] tile b (16 rows further each step).
+template <bool kTransposed>
+__device__ __forceinline__ void split_times(float (&acc)[2][4], const __nv_bfloat16* const (&parts)[2],
+                                            int64_t a0, int64_t a_step, int64_t a_stride,
+                                            const __nv_bfloat16* b, int64_t b_stride, int64_t steps,
+                                            int lane) {
+  for (int64_t kk = 0; kk < steps; ++kk) {
+    uint32_t bf[4];
+    load_b_pair_transposed(bf, b + kk * 16 * b_stride, b_stride, lane);
+    for (const __nv_bfloat16* part : parts) {
+      uint32_t a[4];
+      if constexpr (kTransposed) {
+        load_a_transposed(a, part + a0 + kk * a_step, a_stride, lane);
+      } else {
+        load_a(a, part + a0 + kk * a_step, a_stride, lane);
+      }
+      mma_bf16(acc[0], a, bf[0], bf[1]);
+      mma_bf16(acc[1], a, bf[2], bf[3]);
+    }
+  }
+}
+
 // One query's KL gradient on the tensor cores (see indexer_training.h). z = q k^T / sqrt(d) is kept
 // in shared memory between the scores and the gradients; d loss / d z enters the two gradient
 // products as bf16 hi + lo, so that they keep fp32 accuracy (q and the keys are bf16 already).
@@ -311,16 +335,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     for (int64_t tile = warp; tile < m_tiles * d_pairs; tile += kKlWarps) {
       const int64_t mi = tile / d_pairs, ni = tile % d_pairs;
       float acc[2][4] = {};
-      for (int64_t kk = 0; kk < r_tiles; ++kk) {
-        uint32_t b[4];
-        load_b_pair_transposed(b, ks + kk * 16 * qst + ni * 16, qst, lane);
-        for (const __nv_bfloat16* part : parts) {
-          uint32_t a[4];
-          load_a(a, part + mi * 16 * gst + kk * 16, gst, lane);
-          mma_bf16(acc[0], a, b[0], b[1]);
-          mma_bf16(acc[1], a, b[2], b[3]);
-        }
-      }
+      split_times<false>(acc, parts, mi * 16 * gst, 16, gst, ks + ni * 16, qst, r_tiles, lane);
       for (int n = 0; n < 2; ++n)
         for (int e = 0; e < 4; ++e) {
           const int64_t h = mi * 16 + g + (e / 2) * 8, col = ni * 16 + n * 8 + 2 * c + e % 2;
@@ -331,16 +346,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     for (int64_t tile = warp; tile < r_tiles * d_pairs; tile += kKlWarps) {
       const int64_t mi = tile / d_pairs, ni = tile % d_pairs;
       float acc[2][4] = {};
-      for (int64_t kk = 0; kk < m_tiles; ++kk) {
-        uint32_t b[4];
-        load_b_pair_transposed(b, qs + kk * 16 * qst + ni * 16, qst, lane);
-        for (const __nv_bfloat16* part : parts) {
-          uint32_t a[4];
-          load_a_transposed(a, part + kk * 16 * gst + mi * 16, gst, lane);
-          mma_bf16(acc[0], a, b[0], b[1]);
-          mma_bf16(acc[1], a, b[2], b[3]);
-        }
-      }
+      split_times<true>(acc, parts, mi * 16, 16 * gst, gst, qs + ni * 16, qst, m_tiles, lane);
       for (int half = 0; half < 2; ++half) {
         const int p = pool[mi * 16 + g + half * 8];
         if (p < 0) continue;
