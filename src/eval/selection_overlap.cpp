@@ -53,6 +53,11 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
     }
   }
   o.consecutive_jaccard = pairs > 0 ? jaccard / static_cast<double>(pairs) : 0.0;
+  std::vector<std::vector<int32_t>> distinct;
+  for (const std::vector<int32_t>& s : sets)
+    if (!s.empty()) distinct.push_back(s);
+  std::sort(distinct.begin(), distinct.end());
+  o.distinct_selections = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
   o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
   for (int64_t g : group_sizes) {
     int64_t unions = 0, sum = 0;

@@ -12,6 +12,9 @@ namespace spindle {
 struct SelectionOverlap {
   int64_t queries = 0;             // queries counted: those with every one of their pools chosen
   double consecutive_jaccard = 0;  // mean |A and B| / |A or B| of the pools of queries t and t + 1
+  // How many different pool sets the counted queries chose: 1 for an indexer that ignores its
+  // query (collapsed: every score equal, or the same pools best for all).
+  int64_t distinct_selections = 0;
   // Of the chosen pools, the share among the query's 2 x full latest complete pools (the recent
   // context, as far back as twice what it may choose).
   double recent_share = 0;

@@ -22,6 +22,7 @@ TEST(SelectionOverlap, HandMadeUnions) {
   const std::vector<int64_t> latest = {7, 10, 9, 10};
   const SelectionOverlap o = selection_overlap(pools, latest, 2, {1, 2, 4});
   EXPECT_EQ(o.queries, 4);
+  EXPECT_EQ(o.distinct_selections, 3);  // {3, 5} twice, {5, 9}, {1, 2}
   EXPECT_DOUBLE_EQ(o.recent_share, 2.0 / 8.0);
   // Jaccard of (0, 1), (1, 2), (2, 3): 1, 1/3, 0.
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 1.0 / 3.0 + 0.0) / 3.0, 1e-15);
@@ -39,6 +40,7 @@ TEST(SelectionOverlap, OnlyQueriesWithEveryPoolCount) {
   const std::vector<int64_t> latest = {4, 8, 8, 8};
   const SelectionOverlap o = selection_overlap(pools, latest, 2, {2});
   EXPECT_EQ(o.queries, 3);
+  EXPECT_EQ(o.distinct_selections, 2);                           // query 0 does not count
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 0.0) / 2.0, 1e-15);  // (1, 2) and (2, 3)
   EXPECT_DOUBLE_EQ(o.union_over_sum[0], 4.0 / 4.0);              // only {2, 3} counts
   // Recent (the latest 4 of 8: pools 5 to 8): 6, 6, 7 and 8 of the 6 counted.
@@ -47,6 +49,15 @@ TEST(SelectionOverlap, OnlyQueriesWithEveryPoolCount) {
   EXPECT_THROW(selection_overlap(pools, latest, 2, {0}), Error);
   EXPECT_THROW(selection_overlap(pools, latest, 0, {2}), Error);
   EXPECT_THROW(selection_overlap(pools, {1, 2}, 2, {2}), Error);
+}
+
+// A collapsed indexer: every query the same pools, in any order.
+TEST(SelectionOverlap, OneSelectionForEveryQueryIsOneDistinct) {
+  const std::vector<std::vector<int32_t>> pools = {{0, 1, 2}, {2, 0, 1}, {1, 2, 0}, {0, 2, 1}};
+  const SelectionOverlap o = selection_overlap(pools, {3, 4, 5, 6}, 3, {2, 4});
+  EXPECT_EQ(o.distinct_selections, 1);
+  EXPECT_DOUBLE_EQ(o.consecutive_jaccard, 1.0);
+  EXPECT_DOUBLE_EQ(o.union_over_sum[1], 1.0 / 4.0);
 }
 
 TEST(SelectionOverlap, ForwardReportsEveryDsaLayerOnce) {

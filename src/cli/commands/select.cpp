@@ -7,6 +7,8 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
 
 #include "backend/device_model.h"
 #include "cli/args.h"
@@ -104,7 +106,8 @@ int run_select(const std::vector<std::string>& argv) {
       << "union / sum: the pools G neighbouring queries chose, gathered once, over their gathers one by "
          "one (1: none shared, 1/G: all the same)\n"
       << "recent: the chosen pools among the query's latest " << 2 * full << " (twice what it chooses)\n"
-      << "layer  queries  recent  jaccard(t, t+1)";
+      << "distinct: how many different pool sets the queries chose (1: the indexer ignores the query)\n"
+      << "layer  queries distinct  recent  jaccard(t, t+1)";
   for (int64_t g : kGroups) {
     char head[16];
     std::snprintf(head, sizeof head, " %7s", ("G=" + std::to_string(g)).c_str());
@@ -112,24 +115,32 @@ int run_select(const std::vector<std::string>& argv) {
   }
   std::cout << '\n';
   nlohmann::json layers = nlohmann::json::array();
+  std::vector<std::pair<int64_t, int64_t>> collapsed;  // (layer, queries) of one distinct selection
   for (const auto& [layer, selections] : pools) {
     const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, kGroups);
     char line[200];
-    std::snprintf(line, sizeof line, "%-6lld %7lld %7.3f %16.3f", static_cast<long long>(layer),
-                  static_cast<long long>(o.queries), o.recent_share, o.consecutive_jaccard);
+    std::snprintf(line, sizeof line, "%-6lld %7lld %8lld %7.3f %16.3f", static_cast<long long>(layer),
+                  static_cast<long long>(o.queries), static_cast<long long>(o.distinct_selections),
+                  o.recent_share, o.consecutive_jaccard);
     std::cout << line;
     for (double r : o.union_over_sum) {
       std::snprintf(line, sizeof line, " %7.3f", r);
       std::cout << line;
     }
     std::cout << '\n';
+    if (o.queries > 1 && o.distinct_selections == 1) collapsed.emplace_back(layer, o.queries);
     layers.push_back({{"layer", layer},
                       {"queries", o.queries},
                       {"recent_share", o.recent_share},
                       {"consecutive_jaccard", o.consecutive_jaccard},
+                      {"distinct_selections", o.distinct_selections},
                       {"group_sizes", o.group_sizes},
                       {"union_over_sum", o.union_over_sum}});
   }
+  for (const auto& [layer, queries] : collapsed)
+    std::cout << "warning: layer " << layer << ": all " << queries
+              << " queries chose the same pools; its indexer ignores the query (collapsed: its scores "
+                 "all equal, or the same pools best for every query)\n";
   if (full * c.index_kpool >= L)
     std::cout << "note: every query sees at most " << L / c.index_kpool << " pools and chooses up to " << full
               << ": overlap here says little\n";
