@@ -20,7 +20,7 @@
 # checkpoint stays on the device machine, so bench must follow at once (an idle machine is given
 # back), or both phases run in one call with STEPS=30 (7 min, as measured). CONFIG and DEVICE
 # override the model config and the device (a CPU dry run: CONFIG=tests/configs/tiny.json
-# SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU).
+# SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU), LR and MIN_LR the schedule (1e-3 to 1e-4).
 #     bash bench/trained_1m_h200.sh OUT_DIR train
 #     bash bench/trained_1m_h200.sh OUT_DIR bench
 #     bash bench/trained_1m_h200.sh OUT_DIR select
@@ -30,6 +30,7 @@ cd "$(dirname "$0")/.."
 if [ -d build/devlibs ]; then export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"; fi
 config=$(realpath "${CONFIG:-configs/glm53-flash-4b.json}")
 seq_len=${SEQ_LEN:-32768} steps=${STEPS:-80} bench_len=${BENCH_LEN:-1048576} device=${DEVICE:-cuda}
+lr=${LR:-1e-3} min_lr=${MIN_LR:-1e-4}
 tokens=$(realpath data/hs37chrXtrunc.fa.gz)
 warmup=$((steps < 10 ? steps : 10))
 mkdir -p "$out"
@@ -50,8 +51,8 @@ steps = $steps
 seed = 1
 
 [optim]
-lr = 1e-3
-min_lr = 1e-4
+lr = $lr
+min_lr = $min_lr
 warmup = $warmup
 
 [checkpoint]
