@@ -138,6 +138,27 @@ if output=$("$spindle" select --model "$work/model" --tokens "$here/data/chr22_2
 else
   echo "FAIL select on a FASTA window: $output"; failures=$((failures + 1))
 fi
+# A dead indexer (its queries zeroed: every score 0, every query takes the lowest pools) is named;
+# the healthy one above is not.
+cp -r "$work/model" "$work/dead"
+python3 - "$work/dead/model.safetensors" <<'PY'
+import json, struct, sys
+path = sys.argv[1]
+data = bytearray(open(path, "rb").read())
+size = struct.unpack("<Q", data[:8])[0]
+for name, info in json.loads(data[8:8 + size]).items():
+    if name.endswith("indexer.wq_b.weight"):
+        begin, end = info["data_offsets"]
+        data[8 + size + begin:8 + size + end] = bytes(end - begin)
+open(path, "wb").write(data)
+PY
+if output=$("$spindle" select --model "$work/dead" --random-tokens --length 200 --chunk 64 2>&1) &&
+  grep -q "ties every score" <<<"$output" &&
+  ! "$spindle" select --model "$work/model" --random-tokens --length 200 --chunk 64 2>&1 | grep -q "^warning"; then
+  echo "ok   select names a dead indexer: $(grep -m1 '^warning' <<<"$output")"
+else
+  echo "FAIL select on a dead indexer: $output"; failures=$((failures + 1))
+fi
 
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
 echo "all bad-input cases fail cleanly"

@@ -53,6 +53,10 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
     }
   }
   o.consecutive_jaccard = pairs > 0 ? jaccard / static_cast<double>(pairs) : 0.0;
+  int64_t lowest = 0;
+  for (const std::vector<int32_t>& set : sets)
+    if (!set.empty() && set.back() == full - 1) ++lowest;  // sorted, distinct, >= 0: 0 .. full - 1
+  o.lowest_pools_share = o.queries > 0 ? static_cast<double>(lowest) / static_cast<double>(o.queries) : 0.0;
   std::vector<std::vector<int32_t>> distinct;
   for (const std::vector<int32_t>& s : sets)
     if (!s.empty()) distinct.push_back(s);

@@ -15,6 +15,9 @@ struct SelectionOverlap {
   // How many different pool sets the counted queries chose: 1 for an indexer that ignores its
   // query (collapsed: every score equal, or the same pools best for all).
   int64_t distinct_selections = 0;
+  // Of the counted queries, the share that chose exactly the `full` lowest pools, what a row of
+  // equal scores gives (ties go to the lower pool): near 1, the indexer scores every pool the same.
+  double lowest_pools_share = 0;
   // Of the chosen pools, the share among the query's 2 x full latest complete pools (the recent
   // context, as far back as twice what it may choose).
   double recent_share = 0;

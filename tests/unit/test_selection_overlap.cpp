@@ -23,6 +23,7 @@ TEST(SelectionOverlap, HandMadeUnions) {
   const SelectionOverlap o = selection_overlap(pools, latest, 2, {1, 2, 4});
   EXPECT_EQ(o.queries, 4);
   EXPECT_EQ(o.distinct_selections, 3);  // {3, 5} twice, {5, 9}, {1, 2}
+  EXPECT_DOUBLE_EQ(o.lowest_pools_share, 0.0);
   EXPECT_DOUBLE_EQ(o.recent_share, 2.0 / 8.0);
   // Jaccard of (0, 1), (1, 2), (2, 3): 1, 1/3, 0.
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 1.0 / 3.0 + 0.0) / 3.0, 1e-15);
@@ -56,6 +57,7 @@ TEST(SelectionOverlap, OneSelectionForEveryQueryIsOneDistinct) {
   const std::vector<std::vector<int32_t>> pools = {{0, 1, 2}, {2, 0, 1}, {1, 2, 0}, {0, 2, 1}};
   const SelectionOverlap o = selection_overlap(pools, {3, 4, 5, 6}, 3, {2, 4});
   EXPECT_EQ(o.distinct_selections, 1);
+  EXPECT_DOUBLE_EQ(o.lowest_pools_share, 1.0);  // pools 0, 1, 2: a row of tied scores
   EXPECT_DOUBLE_EQ(o.consecutive_jaccard, 1.0);
   EXPECT_DOUBLE_EQ(o.union_over_sum[1], 1.0 / 4.0);
 }

@@ -115,7 +115,7 @@ int run_select(const std::vector<std::string>& argv) {
   }
   std::cout << '\n';
   nlohmann::json layers = nlohmann::json::array();
-  std::vector<std::pair<int64_t, int64_t>> collapsed;  // (layer, queries) of one distinct selection
+  std::vector<std::pair<int64_t, SelectionOverlap>> collapsed;  // the layers of one distinct selection
   for (const auto& [layer, selections] : pools) {
     const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, kGroups);
     char line[200];
@@ -128,19 +128,24 @@ int run_select(const std::vector<std::string>& argv) {
       std::cout << line;
     }
     std::cout << '\n';
-    if (o.queries > 1 && o.distinct_selections == 1) collapsed.emplace_back(layer, o.queries);
+    if (o.queries > 1 && o.distinct_selections == 1) collapsed.emplace_back(layer, o);
     layers.push_back({{"layer", layer},
                       {"queries", o.queries},
                       {"recent_share", o.recent_share},
                       {"consecutive_jaccard", o.consecutive_jaccard},
                       {"distinct_selections", o.distinct_selections},
+                      {"lowest_pools_share", o.lowest_pools_share},
                       {"group_sizes", o.group_sizes},
                       {"union_over_sum", o.union_over_sum}});
   }
-  for (const auto& [layer, queries] : collapsed)
-    std::cout << "warning: layer " << layer << ": all " << queries
-              << " queries chose the same pools; its indexer ignores the query (collapsed: its scores "
-                 "all equal, or the same pools best for every query)\n";
+  for (const auto& [layer, o] : collapsed)
+    std::cout
+        << "warning: layer " << layer << ": all " << o.queries
+        << " queries chose the same pools; its indexer ignores the query"
+        << (o.lowest_pools_share == 1.0
+                ? " and ties every score (they all take the lowest pools): every relu closed (its KL then "
+                  "trains it no more) or its head weights zero\n"
+                : " (the same pools score best for every query)\n");
   if (full * c.index_kpool >= L)
     std::cout << "note: every query sees at most " << L / c.index_kpool << " pools and chooses up to " << full
               << ": overlap here says little\n";
