@@ -53,16 +53,17 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
     }
   }
   o.consecutive_jaccard = pairs > 0 ? jaccard / static_cast<double>(pairs) : 0.0;
-  int64_t lowest = 0;
-  for (const std::vector<int32_t>& set : sets)
-    if (!set.empty() && set.back() == full - 1) ++lowest;  // sorted, distinct, >= 0: 0 .. full - 1
-  o.lowest_pools_share = o.queries > 0 ? static_cast<double>(lowest) / static_cast<double>(o.queries) : 0.0;
+  o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
   std::vector<std::vector<int32_t>> distinct;
-  for (const std::vector<int32_t>& s : sets)
-    if (!s.empty()) distinct.push_back(s);
+  int64_t lowest = 0;
+  for (const std::vector<int32_t>& set : sets) {
+    if (set.empty()) continue;
+    distinct.push_back(set);
+    lowest += set.back() == full - 1 ? 1 : 0;  // sorted, distinct, >= 0: exactly 0 .. full - 1
+  }
   std::sort(distinct.begin(), distinct.end());
   o.distinct_selections = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
-  o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
+  o.lowest_pools_share = o.queries > 0 ? static_cast<double>(lowest) / static_cast<double>(o.queries) : 0.0;
   for (int64_t g : group_sizes) {
     int64_t unions = 0, sum = 0;
     for (size_t first = 0; first + static_cast<size_t>(g) <= sets.size(); first += static_cast<size_t>(g)) {
