@@ -159,6 +159,18 @@ if output=$("$spindle" select --model "$work/dead" --random-tokens --length 200 
 else
   echo "FAIL select on a dead indexer: $output"; failures=$((failures + 1))
 fi
+# Training it says so too (every relu closed: the KL cannot revive it); training the healthy model
+# does not.
+printf '[model]\ndir = "%s"\n[data]\ntrain = "%s"\n[train]\nseq_len = 64\nsteps = 2\n[checkpoint]\ndir = "%s"\n' \
+  "$work/dead" "$here/data/chr22_256.fa" "$work/dead_run" > "$work/dead.toml"
+sed -e "s#$work/dead\"#$work/model\"#" -e "s#dead_run#healthy_run#" "$work/dead.toml" > "$work/healthy.toml"
+if output=$("$spindle" train --config "$work/dead.toml" 2>&1) && grep -q "dead indexers" <<<"$output" &&
+  grep -q '"indexer_closed":1' "$work/dead_run/metrics.jsonl" &&
+  healthy=$("$spindle" train --config "$work/healthy.toml" 2>&1) && ! grep -q "dead indexers" <<<"$healthy"; then
+  echo "ok   train names dead indexers: $(grep -m1 'dead indexers' <<<"$output" | head -c 160)"
+else
+  echo "FAIL train on a dead indexer: $output ${healthy:-}"; failures=$((failures + 1))
+fi
 
 if [ $failures -ne 0 ]; then echo "$failures bad-input case(s) failed"; exit 1; fi
 echo "all bad-input cases fail cleanly"

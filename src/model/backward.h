@@ -40,7 +40,11 @@ struct LossOptions {
 struct LossResult {
   double loss = 0.0;        // mean next-token loss (nats)
   double indexer_kl = 0.0;  // mean over indexer layers of the mean KL over queries (when trained)
-  double aux_loss = 0.0;    // the balance loss before its coefficient (when enabled)
+  // The share of the indexer queries the KL trains whose every relu was closed on their chosen
+  // pools (when trained): their scores all tie at 0, the KL cannot move them, and their sparse
+  // attention takes the lowest pools. A layer whose queries are all closed has a dead indexer.
+  double indexer_closed = 0.0;
+  double aux_loss = 0.0;                          // the balance loss before its coefficient (when enabled)
   std::vector<std::vector<int64_t>> expert_load;  // per layer: tokens routed to each expert (MoE layers)
 };
 

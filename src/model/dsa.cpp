@@ -81,10 +81,12 @@ void train_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, co
   // The mean over the whole sequence's queries, whichever chunk they are in.
   const auto total = static_cast<double>(cache.tokens);
   std::vector<T> dq = buffer(L * Hi * d), dhw = buffer(L * Hi);
-  const double kl =
+  const IndexerKlSums sums =
       indexer_kl_backward(shape, q.data(), pool_keys.data(), head_weights.data(), selection.data(), mass,
                           loss.coef / total, dq.data(), cache_grad.pool_keys.data(), dhw.data());
-  loss.kl_sum += kl / total;
+  loss.kl_sum += sums.kl / total;
+  loss.trained_queries += sums.trained;
+  loss.closed_queries += sums.closed;
   if (first == 0) loss.layers += 1;  // a layer counts once, at its first chunk
 
   for (T& g : dhw) g *= head_scale;

@@ -69,6 +69,8 @@ struct IndexerLoss {
   double coef = 0.0;    // the loss weight; gradients of coef * mean KL go to the indexer only
   double kl_sum = 0.0;  // sum over layers of the mean KL over queries
   int64_t layers = 0;   // layers that contributed
+  // Summed over layers and queries: what cpu::IndexerKlSums counts.
+  int64_t trained_queries = 0, closed_queries = 0;
 };
 
 // Backward passes. Each recomputes its sublayer's forward from the input x, then accumulates the

@@ -161,7 +161,7 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   head.push_back(m.activations(2 * L * s.hidden));  // dhidden
   head.push_back(m.activations(2 * L * s.hidden));  // dmean
   Block dstreams = m.activations(4 * L * s.streams * s.hidden);
-  Block indexer_kl = m.workspace(8);
+  Block indexer_kl = m.workspace(3 * 8);  // the KL training's three sums
 
   for (size_t i = layers; i-- > 0;) {
     const LayerShape& layer = s.layers[i];

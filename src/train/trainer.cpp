@@ -273,13 +273,14 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   loss_options.keep_kda_matrices = device_keep_kda_matrices;
   const auto started = Clock::now();
   const int64_t first_step = state.step;
+  bool warned_closed = false;  // dead indexers are reported once; metrics.jsonl has every step
   for (int64_t step = state.step; step < last_step; ++step) {
     const auto step_start = Clock::now();
     if (device)
       device->zero_gradients();
     else
       zero_grads(config, grads);
-    double loss = 0, kl = 0, aux = 0;
+    double loss = 0, kl = 0, closed = 0, aux = 0;
     std::vector<std::vector<int64_t>> load(config.layer_types.size());
     for (int64_t m = 0; m < micro_batches; ++m) {
       sampler.next(tokens.data());
@@ -295,6 +296,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
       }
       loss += r.loss / static_cast<double>(micro_batches);
       kl += r.indexer_kl / static_cast<double>(micro_batches);
+      closed += r.indexer_closed / static_cast<double>(micro_batches);
       aux += r.aux_loss / static_cast<double>(micro_batches);
       for (size_t l = 0; l < load.size(); ++l) {
         if (load[l].empty())
@@ -332,7 +334,10 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                            {"grad_norm", norm},
                            {"tokens_per_second", tokens_per_second},
                            {"seconds", elapsed}};
-    if (loss_options.indexer_kl_coef > 0) line["indexer_kl"] = kl;
+    if (loss_options.indexer_kl_coef > 0) {
+      line["indexer_kl"] = kl;
+      line["indexer_closed"] = closed;
+    }
     const int64_t device_peak = device ? device->memory().peak_total : 0;
     if (device) line["device_peak_bytes"] = device_peak;
     if (loss_options.aux_loss_coef > 0) line["aux_loss"] = aux;
@@ -343,6 +348,16 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
                   static_cast<long long>(state.step), static_cast<long long>(run.train.steps), loss, lr, norm,
                   tokens_per_second, clock_text(elapsed).c_str(), clock_text(left).c_str());
     std::cerr << progress << '\n';
+    // A healthy indexer has some relu open for nearly every query (32 heads x 128 pools in the
+    // 4B config), so a share past 1% means whole layers whose scores all tie.
+    if (loss_options.indexer_kl_coef > 0 && closed > 0.01 && !warned_closed) {
+      log_warn(
+          "step ", state.step, ": ", std::round(1000 * closed) / 10,
+          "% of the indexers' queries had every relu closed on their chosen pools: their scores tie at 0, "
+          "the KL cannot train them, and their sparse attention takes the lowest pools (dead indexers; "
+          "`spindle select --model CHECKPOINT` names the layers; metrics.jsonl has indexer_closed per step)");
+      warned_closed = true;
+    }
     if (device && done == 1) {  // the first step has touched every buffer a step needs
       char peak[160];
       std::snprintf(peak, sizeof peak, "device memory peak %.2f GiB (the planner predicted %.2f GiB)",

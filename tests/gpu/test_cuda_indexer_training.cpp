@@ -136,8 +136,11 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     const cpu::IndexerShape s{c.tokens, c.heads, c.head_dim, c.kpool, c.topk, c.tail, c.first};
     const int64_t L = c.tokens, H = c.heads, d = c.head_dim, P = s.complete_pools(), width = s.width();
     const int64_t f = c.first, Q = s.queries();
-    const auto pool_keys = rounded(random_floats(P * d)), q = queries_off_the_kink(L, H, d, pool_keys),
+    const auto pool_keys = rounded(random_floats(P * d)),
                weights = rounded(random_floats(L * H, 1.0f / std::sqrt(static_cast<float>(H))));
+    // Every relu closed (q = 0, z = 0 exactly) for t = 6 mod 13: counted, no gradient.
+    auto q = queries_off_the_kink(L, H, d, pool_keys);
+    for (int64_t t = 6; t < L; t += 13) std::fill(q.begin() + t * H * d, q.begin() + (t + 1) * H * d, 0.0f);
     const auto sel = select_with_holes(whole, q, pool_keys, weights);
     // Attention mass: zero on unused slots (as attention_mass writes it), on whole rows (t = 4
     // mod 11: nothing to learn) and on a row's first run (t = 5 mod 7: a chosen pool of target 0).
@@ -149,7 +152,7 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
         mass[t * width + i] = zero ? 0.0f : uniform(rng());
       }
     const auto dpool0 = random_floats(P * d, 0.01f);
-    const double kl0 = 1.25;
+    const std::vector<double> sums0 = {1.25, 3.0, 2.0};  // accumulated into
 
     // The device holds the whole sequence's rows and is given the chunk's from row f on.
     Stream stream;
@@ -158,14 +161,12 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     auto dmass = device(mass);
     auto dq = poisoned<bf16>(Q * H * d), dhw = poisoned<bf16>(Q * H);
     auto dpool = device(dpool0, MemoryCategory::Gradients);
-    DeviceBuffer<double> kl(1, MemoryCategory::Gradients);
-    SPINDLE_CUDA(cudaMemcpy(kl.data(), &kl0, sizeof(double), cudaMemcpyHostToDevice));
+    auto sums = device(sums0, MemoryCategory::Gradients);
     indexer_kl_backward(s, dq_in.data() + f * H * d, dk_in.data(), dw_in.data() + f * H,
                         dsel.data() + f * width, dmass.data() + f * width, scale, dq.data(), dpool.data(),
-                        dhw.data(), kl.data(), stream.get());
+                        dhw.data(), sums.data(), stream.get());
     stream.synchronize();
-    double kl_got = 0;
-    SPINDLE_CUDA(cudaMemcpy(&kl_got, kl.data(), sizeof(double), cudaMemcpyDeviceToHost));
+    const std::vector<double> sums_got = sums.download();
 
     // The CPU reference on the chunk's rows.
     const auto rows = [f](const auto& v, int64_t per_row) {
@@ -176,7 +177,7 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
     const auto sel_rows = rows(sel, width);
     std::vector<double> dq_ref(static_cast<size_t>(Q * H * d)), dhw_ref(static_cast<size_t>(Q * H)),
         dpool_ref(static_cast<size_t>(P * d), 0.0);
-    const double kl_ref =
+    const cpu::IndexerKlSums ref =
         cpu::indexer_kl_backward<double>(s, qd.data(), kd.data(), wd.data(), sel_rows.data(), md.data(),
                                          scale, dq_ref.data(), dpool_ref.data(), dhw_ref.data());
     const auto dq_got = dq.download(), dhw_got = dhw.download();
@@ -199,13 +200,16 @@ TEST(CudaIndexerTraining, KlBackwardMatchesTheCpu) {
                              std::to_string(d) + " kpool " + std::to_string(c.kpool) + " topk " +
                              std::to_string(c.topk) + " tail " + std::to_string(c.tail) + " first query " +
                              std::to_string(f);
-    ASSERT_GT(kl_ref, 0.0) << what;
+    ASSERT_GT(ref.kl, 0.0) << what;
+    ASSERT_GT(ref.closed, 0) << what;
     // bf16 outputs: one rounding (~2^-9 relative) on top of fp32 arithmetic; dpool and the KL fp32.
     EXPECT_LT(relative_error(dq_got, dq_ref), 8e-3) << "dq, " << what;
     EXPECT_LT(relative_error(dhw_got, dhw_ref), 8e-3) << "dhead_weights, " << what;
     EXPECT_LT(relative_error(dpool_added, dpool_ref), 1e-4) << "dpool_keys, " << what;
-    EXPECT_LT(std::abs((kl_got - kl0) - kl_ref) / kl_ref, 1e-5)
-        << "kl_sum " << kl_got - kl0 << " vs " << kl_ref << ", " << what;
+    EXPECT_LT(std::abs((sums_got[0] - sums0[0]) - ref.kl) / ref.kl, 1e-5)
+        << "kl " << sums_got[0] - sums0[0] << " vs " << ref.kl << ", " << what;
+    EXPECT_EQ(sums_got[1] - sums0[1], static_cast<double>(ref.trained)) << "queries trained, " << what;
+    EXPECT_EQ(sums_got[2] - sums0[2], static_cast<double>(ref.closed)) << "queries closed, " << what;
     EXPECT_EQ(nonzero_rows, 0) << "queries with nothing to learn, " << what;
   }
 }

@@ -168,6 +168,7 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
                 gpu.loss, cpu.indexer_kl, gpu.indexer_kl, cpu.aux_loss, gpu.aux_loss);
     EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss);
     EXPECT_NEAR(gpu.indexer_kl, cpu.indexer_kl, 5e-2 * cpu.indexer_kl + 1e-4);
+    EXPECT_NEAR(gpu.indexer_closed, cpu.indexer_closed, 0.02);  // a dot near 0 may close on one side only
     EXPECT_NEAR(gpu.aux_loss, cpu.aux_loss, 5e-2 * cpu.aux_loss);
     ASSERT_EQ(gpu.expert_load.size(), cpu.expert_load.size());
 

@@ -227,6 +227,7 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
         EXPECT_NEAR(streamed.aux_loss, whole.aux_loss, 1e-3 * whole.aux_loss);
         EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
+        EXPECT_NEAR(streamed.indexer_closed, whole.indexer_closed, 0.02);
         ASSERT_EQ(streamed.expert_load.size(), whole.expert_load.size());
         for (size_t i = 0; i < whole.expert_load.size(); ++i) {
           ASSERT_EQ(streamed.expert_load[i].size(), whole.expert_load[i].size()) << "layer " << i;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -586,6 +587,7 @@ TEST(Streaming, LossAndGradientsWithTheIndexersKlInChunksEqualTheWholeSequence) 
     const LossResult streamed = loss_and_gradients<double>(c, w, tokens, chunked, options);
     EXPECT_NEAR(streamed.loss, plain.loss, 1e-12 * plain.loss) << "chunks of " << chunk;
     EXPECT_NEAR(streamed.indexer_kl, plain.indexer_kl, 1e-12 * plain.indexer_kl) << "chunks of " << chunk;
+    EXPECT_EQ(streamed.indexer_closed, plain.indexer_closed) << "chunks of " << chunk;
     EXPECT_NEAR(streamed.aux_loss, plain.aux_loss, 1e-12 * plain.aux_loss) << "chunks of " << chunk;
     auto a = parameter_table(c, chunked);
     for (size_t p = 0; p < a.size(); ++p) {
@@ -593,6 +595,47 @@ TEST(Streaming, LossAndGradientsWithTheIndexersKlInChunksEqualTheWholeSequence) 
       EXPECT_LE(diff, 1e-9 * size + 1e-15) << a[p].name << ", chunks of " << chunk;
     }
   }
+}
+
+// An indexer whose queries are all zero has every relu closed: its scores tie at 0 and the KL
+// gives it no gradient. The loss reports the share of such queries (spindle train warns on it):
+// all of them here, against few at initialisation (4 heads and 2-4 pools a query can close by
+// chance in the tiny config).
+TEST(IndexerKl, QueriesWithEveryReluClosedAreCountedAndGetNoGradient) {
+  ModelConfig c = load_model_config(kTiny);
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, 21);
+  Random rng(22);
+  std::vector<int32_t> tokens(160);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  LossOptions options;
+  options.indexer_kl_coef = 0.5;
+  const auto indexer_gradient = [&](ModelWeights& g) {
+    double largest = 0;
+    for (const Param& p : parameter_table(c, g))
+      if (p.name.find(".indexer.") != std::string::npos)
+        largest = std::max(largest, tensor_gap(p.tensor, p.tensor).second);
+    return largest;
+  };
+  ModelWeights healthy = zero_gradients(c, DType::F64);
+  const LossResult before = loss_and_gradients<double>(c, w, tokens, healthy, options);
+  EXPECT_LT(before.indexer_closed, 0.1);
+  EXPECT_GT(indexer_gradient(healthy), 1e-6);
+
+  int dead = 0;
+  for (LayerWeights& layer : w.layers) {
+    if (!layer.dsa.has_indexer) continue;
+    Tensor& wq_b = layer.dsa.indexer.wq_b;
+    std::fill(wq_b.data<double>(), wq_b.data<double>() + wq_b.numel(), 0.0);
+    ++dead;
+  }
+  ASSERT_GT(dead, 0);
+  ModelWeights closed = zero_gradients(c, DType::F64);
+  const LossResult after = loss_and_gradients<double>(c, w, tokens, closed, options);
+  EXPECT_EQ(after.indexer_closed, 1.0);
+  EXPECT_GT(after.indexer_kl, 0);  // the attention's mass is not uniform: there is something to learn
+  EXPECT_EQ(indexer_gradient(closed), 0.0);
 }
 
 }  // namespace

@@ -199,14 +199,14 @@ void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, cons
 }
 
 template <class T>
-double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
-                           const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
-                           T* dhead_weights) {
+IndexerKlSums indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys,
+                                  const T* head_weights, const int32_t* selected, const T* mass, double scale,
+                                  T* dq, T* dpool_keys, T* dhead_weights) {
   const int64_t H = s.heads, d = s.head_dim, kp = s.kpool, width = s.width();
   check(s.first_query >= 0 && s.first_query <= s.tokens, "indexer_kl_backward: first query ", s.first_query,
         " outside ", s.tokens, " tokens");
   const T score_scale = T(1) / std::sqrt(T(d));
-  double total = 0;
+  IndexerKlSums sums;
   std::vector<int64_t> pools;
   std::vector<T> target, score;
   // Row t of q, head_weights, selected, mass, dq and dhead_weights is the query at position
@@ -228,21 +228,25 @@ double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys
       target_sum += m;
     }
     if (pools.size() < 2 || target_sum <= T(0)) continue;  // one pool: nothing to learn
+    ++sums.trained;
     score.assign(pools.size(), T(0));
     T mx = -std::numeric_limits<T>::infinity();
+    bool open = false;
     for (size_t p = 0; p < pools.size(); ++p) {
       for (int64_t h = 0; h < H; ++h) {
         T z = 0;
         for (int64_t c = 0; c < d; ++c) z += q[(t * H + h) * d + c] * pool_keys[pools[p] * d + c];
+        open = open || z > T(0);
         score[p] += head_weights[t * H + h] * std::max(T(0), z * score_scale);
       }
       mx = std::max(mx, score[p]);
     }
+    if (!open) ++sums.closed;
     T z_sum = 0;
     for (T& v : score) z_sum += (v = std::exp(v - mx));
     for (size_t p = 0; p < pools.size(); ++p) {
       const T rho = score[p] / z_sum, pi = target[p] / target_sum;
-      if (pi > T(0)) total += static_cast<double>(pi * (std::log(pi) - std::log(rho)));
+      if (pi > T(0)) sums.kl += static_cast<double>(pi * (std::log(pi) - std::log(rho)));
       const T dscore = (rho - pi) * T(scale);
       for (int64_t h = 0; h < H; ++h) {
         const T* qh = q + (t * H + h) * d;
@@ -260,7 +264,7 @@ double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys
       }
     }
   }
-  return total;
+  return sums;
 }
 
 template <class T>
@@ -323,16 +327,16 @@ void pools_to_selection(const IndexerShape& s, const int32_t* pools, int32_t* se
   }
 }
 
-#define SPINDLE_INSTANTIATE(T)                                                                              \
-  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);                \
-  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);             \
-  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);   \
-  template void sparse_attention_backward<T>(const SparseAttentionShape&, const T*, const T*,               \
-                                             const int32_t*, const T*, T*, T*);                             \
-  template void attention_mass<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);     \
-  template double indexer_kl_backward<T>(const IndexerShape&, const T*, const T*, const T*, const int32_t*, \
-                                         const T*, double, T*, T*, T*);                                     \
-  template void indexer_pool_keys_backward<T>(const IndexerShape&, const T*, const T*, const T*, const T*,  \
+#define SPINDLE_INSTANTIATE(T)                                                                             \
+  template void indexer_pool_keys<T>(const IndexerShape&, const T*, const T*, const T*, T*);               \
+  template void indexer_select<T>(const IndexerShape&, const T*, const T*, const T*, int32_t*);            \
+  template void sparse_attention<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);  \
+  template void sparse_attention_backward<T>(const SparseAttentionShape&, const T*, const T*,              \
+                                             const int32_t*, const T*, T*, T*);                            \
+  template void attention_mass<T>(const SparseAttentionShape&, const T*, const T*, const int32_t*, T*);    \
+  template IndexerKlSums indexer_kl_backward<T>(const IndexerShape&, const T*, const T*, const T*,         \
+                                                const int32_t*, const T*, double, T*, T*, T*);             \
+  template void indexer_pool_keys_backward<T>(const IndexerShape&, const T*, const T*, const T*, const T*, \
                                               T*, T*, T*);
 SPINDLE_INSTANTIATE(float)
 SPINDLE_INSTANTIATE(double)

@@ -81,13 +81,20 @@ void attention_mass(const SparseAttentionShape& s, const T* q, const T* kv, cons
 // the complete pools it selected, the target is the attention mass of each pool's tokens
 // normalised over those pools, and the indexer's distribution is the softmax of its pool scores;
 // the loss is KL(target || indexer) times `scale` (summed over queries). Writes dq and
-// dhead_weights, accumulates dpool_keys; returns the unscaled sum of KL over queries. Rows of q,
-// head_weights, selected, mass, dq and dhead_weights are the queries from first_query on;
-// pool_keys and dpool_keys hold every complete pool of the `tokens` keys.
+// dhead_weights, accumulates dpool_keys; returns the sums below. Rows of q, head_weights, selected,
+// mass, dq and dhead_weights are the queries from first_query on; pool_keys and dpool_keys hold
+// every complete pool of the `tokens` keys.
+struct IndexerKlSums {
+  double kl = 0.0;      // the unscaled KL summed over the queries
+  int64_t trained = 0;  // queries with two or more chosen pools and attention mass on them
+  // Of those, the queries whose every relu is closed on their chosen pools: all their scores are 0,
+  // so the selection is the lowest pools and the KL gives them no gradient (a dead indexer).
+  int64_t closed = 0;
+};
 template <class T>
-double indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys, const T* head_weights,
-                           const int32_t* selected, const T* mass, double scale, T* dq, T* dpool_keys,
-                           T* dhead_weights);
+IndexerKlSums indexer_kl_backward(const IndexerShape& s, const T* q, const T* pool_keys,
+                                  const T* head_weights, const int32_t* selected, const T* mass, double scale,
+                                  T* dq, T* dpool_keys, T* dhead_weights);
 
 // Backward of indexer_pool_keys: dkeys and dgate written, dape accumulated.
 template <class T>

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ pool_keys,
     const __nv_bfloat16* __restrict__ head_weights, const int32_t* __restrict__ selected,
     const float* __restrict__ mass, __nv_bfloat16* __restrict__ dq, float* __restrict__ dpool_keys,
-    __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ kl_sum, int64_t queries, int64_t H,
+    __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ sums, int64_t queries, int64_t H,
     int64_t d, int64_t kp, int64_t runs, int64_t width, float scale, float score_scale) {
   extern __shared__ __align__(16) unsigned char kl_smem[];
   __shared__ float scratch[kKlWarps];
@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
   const int64_t m_tiles = lay.heads / 16, d_pairs = lay.dim / 16, r_tiles = lay.runs / 16;
   const __nv_bfloat16* const parts[2] = {g_hi, g_lo};
   const bool rows_16_byte = d % 8 == 0;  // every row of q and the keys starts 16-byte aligned
-  double kl_local = 0.0;                 // thread 0's sum over this CTA's queries
+  double kl_local = 0.0;                 // thread 0's sums over this CTA's queries
+  int64_t trained_local = 0, closed_local = 0;
   for (int64_t t = blockIdx.x; t < queries; t += gridDim.x) {  // t: a row of the chunk
     // The chosen complete pools: runs of kpool slots at the front of the selection, named by
     // their first slot.
@@ -238,6 +239,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
       for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dhead_weights[t * H + h] = __float2bfloat16(0.0f);
       continue;  // nothing past the reductions was read: the next query may overwrite
     }
+    ++trained_local;
     // The query's heads and its pools' keys, zero past H, d and the used runs.
     const __nv_bfloat16* qt = q + t * H * d;
     if (rows_16_byte) {
@@ -317,8 +319,10 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     if (threadIdx.x == 0) kl_local += kl;
     // Where the relu passes, d loss / d z_hr = dscore_r w_h and d loss / d w_h = sum_r dscore_r z_hr;
     // the 1 / sqrt(d) of z goes into the first.
+    int open = 0;  // a relu of this thread's passes (padding has z = 0: closed)
     for (int64_t i = threadIdx.x; i < lay.heads * lay.runs; i += blockDim.x) {
       const int64_t h = i / lay.runs, r = i % lay.runs;
+      open |= zs[h * zst + r] > 0.0f;
       const float gz = zs[h * zst + r] > 0.0f ? score[r] * ws[h] * score_scale : 0.0f;
       const Bf16Split split = split_bf16(gz);
       g_hi[h * gst + r] = split.hi;
@@ -330,7 +334,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
       dw = warp_reduce(dw, Sum());
       if (lane == 0) dhead_weights[t * H + h] = __float2bfloat16(dw);
     }
-    __syncthreads();
+    if (__syncthreads_or(open) == 0 && threadIdx.x == 0) ++closed_local;
     // dq = G k: [heads, d] over the runs.
     for (int64_t tile = warp; tile < m_tiles * d_pairs; tile += kKlWarps) {
       const int64_t mi = tile / d_pairs, ni = tile % d_pairs;
@@ -365,7 +369,11 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     }
     __syncthreads();  // the next query overwrites shared memory
   }
-  if (threadIdx.x == 0 && kl_local != 0.0) atomicAdd(kl_sum, kl_local);
+  if (threadIdx.x == 0 && trained_local > 0) {
+    atomicAdd(sums, kl_local);
+    atomicAdd(sums + 1, static_cast<double>(trained_local));
+    if (closed_local > 0) atomicAdd(sums + 2, static_cast<double>(closed_local));
+  }
 }
 
 __global__ void __launch_bounds__(kPoolThreads)
@@ -444,7 +452,7 @@ void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, 
 void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                          const __nv_bfloat16* head_weights, const int32_t* selected, const float* mass,
                          float scale, __nv_bfloat16* dq, float* dpool_keys, __nv_bfloat16* dhead_weights,
-                         double* kl_sum, cudaStream_t stream) {
+                         double* sums, cudaStream_t stream) {
   check(s.first_query >= 0 && s.first_query <= s.tokens && s.heads > 0 && s.head_dim > 0 && s.kpool > 0 &&
             s.topk >= 0,
         "indexer_kl_backward: expected 0 <= first_query <= tokens, topk >= 0 and heads, head_dim, kpool > 0, "
@@ -465,7 +473,7 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
   check(per_sm > 0, "indexer_kl_backward: no CTA of ", bytes, " bytes of shared memory fits on an SM");
   const int64_t blocks = std::min<int64_t>(queries, static_cast<int64_t>(sms) * per_sm);
   indexer_kl_backward_kernel<<<static_cast<unsigned>(blocks), kKlWarps * 32, bytes, stream>>>(
-      q, pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, kl_sum, queries, s.heads,
+      q, pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, sums, queries, s.heads,
       s.head_dim, s.kpool, runs, s.width(), scale, 1.0f / std::sqrt(static_cast<float>(s.head_dim)));
   SPINDLE_LAUNCHED("indexer_kl_backward_kernel");
 }

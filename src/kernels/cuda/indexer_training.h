@@ -25,8 +25,8 @@
 //    for 2051 + 576); warps shrink when that passes 48 KiB, then the limit is raised up to the
 //    device's opt-in maximum (227 KiB on Hopper), else it fails loudly.
 //  - indexer_kl_backward: persistent CTAs of 4 warps on the tensor cores (mma.sync m16n8k16),
-//    each walking queries t = blockIdx.x, + gridDim.x, ... (so the KL sum takes one double atomic
-//    per CTA). Per query, in shared memory: q [heads, head_dim] and the chosen pools' keys
+//    each walking queries t = blockIdx.x, + gridDim.x, ... (so each of the sums takes one double
+//    atomic per CTA). Per query, in shared memory: q [heads, head_dim] and the chosen pools' keys
 //    [topk / kpool, head_dim] in bf16 (padded to 16 with zeros), z = q k^T / sqrt(d) in fp32
 //    (kept from the scores to the gradients: the relu's mask and d loss / d w), and d loss / d z as
 //    bf16 hi + lo (fp32 accuracy from two products). dq = G k is written, dpool_keys += G^T q by
@@ -56,12 +56,13 @@ void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, 
 // the tokens from s.first_query on (a chunk of a streamed sequence): the rows of q, head_weights,
 // selected, mass, dq [queries, heads, head_dim] and dhead_weights [queries, heads] (the last two
 // written, bf16); pool_keys and dpool_keys [complete_pools, head_dim] (fp32, accumulated) hold
-// every complete pool of the s.tokens keys; *kl_sum (one device double) accumulated with the
-// unscaled KL summed over the queries, what the CPU function returns.
+// every complete pool of the s.tokens keys; sums (three device doubles) accumulated with what the
+// CPU function returns (cpu::IndexerKlSums): the unscaled KL summed over the queries, the queries
+// trained, and those with every relu closed.
 void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                          const __nv_bfloat16* head_weights, const int32_t* selected, const float* mass,
                          float scale, __nv_bfloat16* dq, float* dpool_keys, __nv_bfloat16* dhead_weights,
-                         double* kl_sum, cudaStream_t stream);
+                         double* sums, cudaStream_t stream);
 
 // Backward of indexer_pool_keys: dkeys and dgate [tokens, head_dim] written (bf16; zero for the
 // tokens of the incomplete pool); dape [kpool, head_dim] fp32 accumulated.

@@ -147,7 +147,7 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   DeviceBuffer<bf16> dq = activations(L * Hi * d), dhw = activations(L * Hi);
   indexer_kl_backward(indexer_shape(c, end, first), a.q.data(), cache.pool_keys.data(), a.head_weights.data(),
                       selection, mass, static_cast<float>(loss.coef / static_cast<double>(cache_grad.tokens)),
-                      dq.data(), cache_grad.pool_keys.data(), dhw.data(), loss.kl->data(), s);
+                      dq.data(), cache_grad.pool_keys.data(), dhw.data(), loss.sums.data(), s);
   if (first == 0) loss.layers += 1;  // a layer counts once, at its first chunk
   ctx.gemm.linear_backward_weight(dhw.data(), x, f32_data(grad.weights_proj), L, D, Hi, s,
                                   1.0f / std::sqrt(static_cast<float>(Hi)));
@@ -446,6 +446,17 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
 }
 
 }  // namespace
+
+IndexerLoss::IndexerLoss(double coef, cudaStream_t stream) : coef(coef), sums(3, MemoryCategory::Workspace) {
+  SPINDLE_CUDA(cudaMemsetAsync(sums.data(), 0, 3 * sizeof(double), stream));
+}
+
+void IndexerLoss::read(int64_t tokens, LossResult& result) const {
+  if (layers == 0) return;
+  const std::vector<double> v = sums.download();
+  result.indexer_kl = v[0] / static_cast<double>(tokens) / static_cast<double>(layers);
+  if (v[1] > 0) result.indexer_closed = v[2] / v[1];
+}
 
 DsaCache::DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_t capacity_tokens)
     : capacity(capacity_tokens),

@@ -278,9 +278,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");
 
   // Layers in reverse: the feed-forward site, then the attention site.
-  DeviceBuffer<double> indexer_kl(1, MemoryCategory::Workspace);
-  SPINDLE_CUDA(cudaMemsetAsync(indexer_kl.data(), 0, sizeof(double), s));
-  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale, &indexer_kl, 0};
+  IndexerLoss indexer_loss(options.indexer_kl_coef * options.scale, s);
   for (size_t i = layers; i-- > 0;) {
     const LayerWeights& layer = w.layers[i];
     LayerWeights& grad = g.layers[i];
@@ -323,9 +321,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   embed_backward(sequence.ids.data(), dstreams.data(), f32_data(g.embed_tokens), L, H, D,
                  c.pad_token_id && *c.pad_token_id < V ? static_cast<int32_t>(*c.pad_token_id) : -1, s);
   result.loss = static_cast<double>(loss.download()[0]);
-  if (indexer_loss.layers > 0)
-    result.indexer_kl =
-        indexer_kl.download()[0] / static_cast<double>(L) / static_cast<double>(indexer_loss.layers);
+  indexer_loss.read(L, result);
   return result;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/device_memory.h"
+#include "model/backward.h"
 #include "model/config.h"
 #include "model/cuda/context.h"
 #include "model/weights.h"
@@ -62,8 +63,15 @@ void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const
 
 // The indexer's KL training, accumulated over DSA layers on the device.
 struct IndexerLoss {
-  double coef = 0.0;                   // gradients of coef * mean KL go to the indexer only
-  DeviceBuffer<double>* kl = nullptr;  // one value: the sum over layers of sum_q KL_q (device)
+  IndexerLoss(double coef, cudaStream_t stream);  // the sums zeroed on the stream
+  // Into `result` (after the backward): the mean over layers of the mean KL over the sequence's
+  // `tokens` queries, and the share of the trained queries with every relu closed.
+  void read(int64_t tokens, LossResult& result) const;
+
+  double coef = 0.0;  // gradients of coef * mean KL go to the indexer only
+  // Three values summed over layers and queries: KL_q, the queries trained, and those with every
+  // relu closed (cuda::indexer_kl_backward's sums).
+  DeviceBuffer<double> sums;
   int64_t layers = 0;
 };
 

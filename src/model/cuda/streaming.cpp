@@ -109,9 +109,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     if (carries[i].dsa)
       cache_grad[i].emplace(c, *carries[i].dsa, L, chunk, indexer_trained && w.layers[i].dsa.has_indexer, s);
   }
-  DeviceBuffer<double> indexer_kl(1, MemoryCategory::Workspace);
-  SPINDLE_CUDA(cudaMemsetAsync(indexer_kl.data(), 0, sizeof(double), s));
-  IndexerLoss indexer_loss{options.indexer_kl_coef * options.scale, &indexer_kl, 0};
+  IndexerLoss indexer_loss(options.indexer_kl_coef * options.scale, s);
   DeviceBuffer<float> log_prob = activations_f32(L);
   const auto scale = static_cast<float>(options.scale / static_cast<double>(L - 1));
   for (size_t k = chunks; k-- > 0;) {
@@ -237,9 +235,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   double log_prob_sum = 0;
   for (int64_t t = 0; t + 1 < L; ++t) log_prob_sum += values[static_cast<size_t>(t)];
   result.loss = -log_prob_sum / static_cast<double>(L - 1);
-  if (indexer_loss.layers > 0)
-    result.indexer_kl =
-        indexer_kl.download()[0] / static_cast<double>(L) / static_cast<double>(indexer_loss.layers);
+  indexer_loss.read(L, result);
   return result;
 }
 
