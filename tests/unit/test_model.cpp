@@ -26,6 +26,20 @@ namespace fs = std::filesystem;
 
 const std::string kTiny = std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json";
 
+// Weights for c drawn at initializer range 0.2 (double), and n random bases (A, C, G, T) as tokens.
+ModelWeights random_weights(ModelConfig& c, uint64_t seed) {
+  c.initializer_range = 0.2;
+  ModelWeights w = allocate_weights(c, DType::F64);
+  init_weights(c, w, seed);
+  return w;
+}
+std::vector<int32_t> random_bases(int64_t n, uint64_t seed) {
+  Random rng(seed);
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  return tokens;
+}
+
 // The largest |a[i] - b[i]|.
 double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;
@@ -363,13 +377,9 @@ TEST(Streaming, DsaLayerInChunksEqualsTheWholeSequence) {
 // The whole model, streamed through all layers a chunk at a time, gives the log-probs of the
 // plain pass (double): tiny's 3 KDA + 1 DSA layers, MoE, mHC, 300 real DNA tokens.
 TEST(Streaming, ModelLogProbsInChunksEqualTheWholeSequence) {
-  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
-  c.initializer_range = 0.2;
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 8);
-  Random rng(9);
-  std::vector<int32_t> tokens(300);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);  // A, C, G, T
+  ModelConfig c = load_model_config(kTiny);
+  const ModelWeights w = random_weights(c, 8);
+  const std::vector<int32_t> tokens = random_bases(300, 9);
   const std::vector<double> whole = sequence_log_probs<double>(c, w, tokens);
   for (const int64_t chunk : {1, 7, 64, 299}) {
     ForwardOptions options;
@@ -513,13 +523,9 @@ TEST(Streaming, DsaLayerBackwardInChunksEqualsTheWholeSequence) {
 // split the conv window (1, 3), the 8-token pools (7, 37) and a KDA chunk (64): every parameter,
 // through 3 KDA + 1 DSA layers, MoE (with the balance loss) and mHC.
 TEST(Streaming, LossAndGradientsInChunksEqualTheWholeSequence) {
-  ModelConfig c = load_model_config(std::string(SPINDLE_TEST_DATA) + "/configs/tiny.json");
-  c.initializer_range = 0.2;
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 16);
-  Random rng(17);
-  std::vector<int32_t> tokens(160);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  ModelConfig c = load_model_config(kTiny);
+  const ModelWeights w = random_weights(c, 16);
+  const std::vector<int32_t> tokens = random_bases(160, 17);
   LossOptions plain_options;
   plain_options.aux_loss_coef = 0.05;  // the balance loss: statistics pooled over all chunks first
   ModelWeights whole = zero_gradients(c, DType::F64);
@@ -560,13 +566,9 @@ TEST(Streaming, LossAndGradientsWithTheIndexersKlInChunksEqualTheWholeSequence) 
   j["indexer_types"] = {"full", "full", "shared", "full", "full"};
   j["mlp_layer_types"] = {"dense", "sparse", "dense", "sparse", "sparse"};
   ModelConfig c = parse_model_config(j, "tiny, 3 DSA layers");
-  c.initializer_range = 0.2;
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 18);
+  const ModelWeights w = random_weights(c, 18);
   ASSERT_FALSE(w.layers[2].dsa.has_indexer);
-  Random rng(19);
-  std::vector<int32_t> tokens(160);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  const std::vector<int32_t> tokens = random_bases(160, 19);
   LossOptions plain_options;
   plain_options.indexer_kl_coef = 0.3;
   plain_options.aux_loss_coef = 0.05;
@@ -603,12 +605,8 @@ TEST(Streaming, LossAndGradientsWithTheIndexersKlInChunksEqualTheWholeSequence) 
 // chance in the tiny config).
 TEST(IndexerKl, QueriesWithEveryReluClosedAreCountedAndGetNoGradient) {
   ModelConfig c = load_model_config(kTiny);
-  c.initializer_range = 0.2;
-  ModelWeights w = allocate_weights(c, DType::F64);
-  init_weights(c, w, 21);
-  Random rng(22);
-  std::vector<int32_t> tokens(160);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(4 + rng.next() % 4);
+  ModelWeights w = random_weights(c, 21);
+  const std::vector<int32_t> tokens = random_bases(160, 22);
   LossOptions options;
   options.indexer_kl_coef = 0.5;
   const auto indexer_gradient = [&](ModelWeights& g) {
