@@ -21,7 +21,8 @@
 # checkpoint stays on the device machine, so bench must follow at once (an idle machine is given
 # back), or both phases run in one call with STEPS=30 (7 min, as measured). CONFIG and DEVICE
 # override the model config and the device (a CPU dry run: CONFIG=tests/configs/tiny.json
-# SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU), LR and MIN_LR the schedule (1e-3 to 1e-4).
+# SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU), LR and MIN_LR the schedule (1e-3 to 1e-4),
+# FROZEN_STEPS the steps run first with the indexers frozen (0; see the train phase).
 #     bash bench/trained_1m_h200.sh OUT_DIR train
 #     bash bench/trained_1m_h200.sh OUT_DIR bench
 #     bash bench/trained_1m_h200.sh OUT_DIR select
@@ -33,35 +34,50 @@ config=$(realpath "${CONFIG:-configs/glm53-flash-4b.json}")
 seq_len=${SEQ_LEN:-32768} steps=${STEPS:-80} bench_len=${BENCH_LEN:-1048576} device=${DEVICE:-cuda}
 lr=${LR:-1e-3} min_lr=${MIN_LR:-1e-4}
 tokens=$(realpath data/hs37chrXtrunc.fa.gz)
-warmup=$((steps < 10 ? steps : 10))
 mkdir -p "$out"
-case "$phase" in
-  train)
-    cat > "$out/run.toml" <<TOML
+write_toml() {  # write_toml FILE MODEL_LINES STEPS FREEZE CHECKPOINT_DIR TRAIN_SEED
+  cat > "$1" <<TOML
 # Written by bench/trained_1m_h200.sh.
 [model]
-config = "$config"
-seed = 1
+$2
 
 [data]
 train = "$tokens"
 
 [train]
 seq_len = $seq_len
-steps = $steps
-seed = 1
+steps = $3
+seed = $6
 
 [optim]
 lr = $lr
 min_lr = $min_lr
-warmup = $warmup
+warmup = $(($3 < 10 ? $3 : 10))
+
+[indexer]
+freeze = $4
 
 [checkpoint]
-dir = "$out/run"
+dir = "$5"
 every = 0
 keep = 1
 optimizer = false
 TOML
+}
+case "$phase" in
+  train)
+    # FROZEN_STEPS > 0: first that many steps with the indexers frozen (their relus die in the first
+    # steps of their KL training from random weights: docs/PERF.md, "Dead indexers"), then STEPS
+    # more from that checkpoint with them trained (a new AdamW state and schedule, new windows).
+    frozen_steps=${FROZEN_STEPS:-0}
+    model_line="config = \"$config\"
+seed = 1"
+    if [ "$frozen_steps" -gt 0 ]; then
+      write_toml "$out/frozen.toml" "$model_line" "$frozen_steps" true "$out/frozen" 1
+      ./build/spindle train --config "$out/frozen.toml" --device "$device" 2> >(tee "$out/frozen.log" >&2)
+      model_line="dir = \"$out/frozen/$(cat "$out/frozen/latest")\""
+    fi
+    write_toml "$out/run.toml" "$model_line" "$steps" false "$out/run" $((frozen_steps > 0 ? 2 : 1))
     ./build/spindle train --config "$out/run.toml" --device "$device" 2> >(tee "$out/train.log" >&2)
     ;;
   bench)
