@@ -145,11 +145,7 @@ LossResult loss_and_gradients(const ModelConfig& c, const ModelWeights& w, const
 
   embedding_backward(c, tokens, dstreams, g);
   result.loss = -log_prob_sum / static_cast<double>(targets);
-  if (indexer_loss.layers > 0)
-    result.indexer_kl = indexer_loss.kl_sum / static_cast<double>(indexer_loss.layers);
-  if (indexer_loss.trained_queries > 0)
-    result.indexer_closed =
-        static_cast<double>(indexer_loss.closed_queries) / static_cast<double>(indexer_loss.trained_queries);
+  indexer_loss.read(result);
   return result;
 }
 

@@ -112,6 +112,12 @@ void train_indexer(const ModelConfig& c, const IndexerWeights& w, const T* x, co
 
 }  // namespace
 
+void IndexerLoss::read(LossResult& result) const {
+  if (layers > 0) result.indexer_kl = kl_sum / static_cast<double>(layers);
+  if (trained_queries > 0)
+    result.indexer_closed = static_cast<double>(closed_queries) / static_cast<double>(trained_queries);
+}
+
 template <class T>
 DsaCacheGrad<T>::DsaCacheGrad(const ModelConfig& c, const DsaCarry<T>& cache)
     : kv(cache.kv.size(), T(0)),

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/backward.h"
 #include "model/config.h"
 #include "model/weights.h"
 
@@ -71,6 +72,9 @@ struct IndexerLoss {
   int64_t layers = 0;   // layers that contributed
   // Summed over layers and queries: what cpu::IndexerKlSums counts.
   int64_t trained_queries = 0, closed_queries = 0;
+
+  // Into `result` (after the backward): the mean KL over layers and the closed share.
+  void read(LossResult& result) const;
 };
 
 // Backward passes. Each recomputes its sublayer's forward from the input x, then accumulates the
