@@ -3,11 +3,11 @@
 # picks pools that neighbouring queries hardly share; a trained indexer's neighbours share most of
 # theirs (docs/PERF.md, "Do neighbouring queries select the same pools?"), and the sparse
 # attention's gathers and gradient reductions then meet in the L2. Fine-tuning at full length
-# starts from trained weights, so this measures that case. Caveat, measured at bf0ec95: 80 steps
-# at 32k teach the 4B model little beyond the bases' frequencies, and 4 or 5 of its 11 indexers die
-# in the first 10 steps (every relu closed: docs/PERF.md, "Dead indexers"), so the 1M step from it is
-# a best case, not a fine-tuning one; the select phase says whether a checkpoint's selections are
-# content-dependent. Phases:
+# starts from trained weights, so this measures that case. Caveats: 80 steps at 32k teach the 4B
+# model little beyond the bases' frequencies, and trained from the start 4 or 5 of its 11 indexers
+# die in the first 10 steps (every relu closed: docs/PERF.md, "Dead indexers"); FROZEN_STEPS=10
+# keeps them alive (measured at 62788fe: "Frozen first, then trained"). The select phase says whether
+# a checkpoint's selections are content-dependent. Phases:
 #   train: trains the model from its config (seed 1) at SEQ_LEN tokens (32k) on an N-free chrX
 #          window for STEPS steps (80) on the GPU and keeps the last checkpoint without the AdamW
 #          state ([checkpoint] optimizer = false: the fp32 model, 16.7 GB for the 4B model, where

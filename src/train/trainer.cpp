@@ -355,7 +355,9 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           "step ", state.step, ": ", std::round(1000 * closed) / 10,
           "% of the indexers' queries had every relu closed on their chosen pools: their scores tie at 0, "
           "the KL cannot train them, and their sparse attention takes the lowest pools (dead indexers; "
-          "`spindle select --model CHECKPOINT` names the layers; metrics.jsonl has indexer_closed per step)");
+          "`spindle select --model CHECKPOINT` names the layers; metrics.jsonl has indexer_closed per step). "
+          "From random weights, train the first steps with [indexer] freeze = true, then go on from that "
+          "checkpoint with them trained (docs/PERF.md, \"Frozen first, then trained\")");
       warned_closed = true;
     }
     if (device && done == 1) {  // the first step has touched every buffer a step needs
