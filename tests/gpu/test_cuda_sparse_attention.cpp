@@ -1,8 +1,9 @@
 // DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
 // sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
 // selection widths (32, 64+15, 2048+15), selections built like the indexer's; MLA's absorbed form
-// on the tensor cores (sparse_mla, and its wgmma backward where it takes the shape) against the same
-// reference with one shared latent; the indexer's
+// on the tensor cores (sparse_mla, its wgmma forward where it takes the shape, its backward one query
+// a CTA and over pairs of neighbouring queries, on selections whose neighbours share pools and on
+// ones that are not ordered) against the same reference with one shared latent; the indexer's
 // pooling (relative error), tensor-core scores (per-score error bound) and selection (exact, on
 // inputs built without near-ties, across the scorer's tiling edges); outputs
 // poisoned with NaN before the launch; references in double on the bf16-rounded inputs.
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -88,6 +90,40 @@ std::vector<int32_t> make_pool_selection(int64_t L, int64_t topk, int64_t kpool)
   return sel;
 }
 
+// The indexer's layout with neighbours that share: groups of `share` queries draw one set of pools
+// (among those the group's first query sees), then each query swaps about a quarter of them for
+// pools of its own, so that a pair of neighbours holds shared rows and rows of its own.
+std::vector<int32_t> make_shared_pool_selection(int64_t L, int64_t topk, int64_t kpool, int64_t share) {
+  const int64_t width = topk + kpool - 1, pools = topk / kpool;
+  std::vector<int32_t> sel(static_cast<size_t>(L * width), -1);
+  std::vector<int32_t> group, mine, others;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t complete = (t + 1) / kpool, tail = (t + 1) % kpool;
+    if (t % share == 0) {
+      group.resize(static_cast<size_t>(complete));
+      std::iota(group.begin(), group.end(), 0);
+      std::shuffle(group.begin(), group.end(), rng());
+      group.resize(static_cast<size_t>(std::min(pools, complete)));
+    }
+    mine = group;
+    others.resize(static_cast<size_t>(complete));
+    std::iota(others.begin(), others.end(), 0);
+    std::shuffle(others.begin(), others.end(), rng());
+    for (int32_t pool : others) {  // a quarter swapped for pools this query does not hold yet
+      if (mine.empty() || std::uniform_int_distribution<int>(0, 3)(rng()) != 0) continue;
+      if (std::find(mine.begin(), mine.end(), pool) != mine.end()) continue;
+      mine[std::uniform_int_distribution<size_t>(0, mine.size() - 1)(rng())] = pool;
+    }
+    std::sort(mine.begin(), mine.end());
+    mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
+    int32_t* row = sel.data() + t * width;
+    for (size_t i = 0; i < mine.size(); ++i)
+      for (int64_t j = 0; j < kpool; ++j) row[i * kpool + j] = static_cast<int32_t>(mine[i] * kpool + j);
+    for (int64_t j = 0; j < tail; ++j) row[topk + j] = static_cast<int32_t>(t + 1 - tail + j);
+  }
+  return sel;
+}
+
 TEST(CudaSparseAttention, ForwardAndBackwardMatchTheCpu) {
   struct Case {
     int64_t dqk, dv, width, tokens, heads, kv_heads;  // kv_heads 0: one key/value head per query head
@@ -150,6 +186,7 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
   struct Case {
     int64_t dk, dv, width, tokens, heads, stride_extra;
     int64_t kpool = 0;  // > 0: the indexer's pools, topk = width - kpool + 1 (else make_selection)
+    int64_t share = 0;  // > 0: pools shared by groups of this many neighbours (make_shared_pool_selection)
   };
   const Case cases[] = {
       {512, 512, 79, 300, 32, 0},     // GLM-5.3-Flash-4b: two m16 tiles of heads
@@ -162,6 +199,11 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
       // The model's shape: pools of 16 by TMA (some -1 early on, tails by cp.async), [c | rope] rows.
       {512, 512, 271, 450, 32, 64, 16},
       {256, 256, 527, 640, 16, 8, 16},
+      // Neighbours that share pools (the backward over pairs' shared rows), an odd query count,
+      // 16 heads (a query's second m16 tile empty), two head groups.
+      {512, 512, 271, 451, 32, 64, 16, 2},
+      {512, 512, 527, 700, 16, 0, 16, 4},
+      {512, 512, 143, 333, 40, 0, 16, 8},
   };
   for (const Case& c : cases) {
     const int64_t L = c.tokens, H = c.heads, stride = c.dk + c.stride_extra;
@@ -170,8 +212,9 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     ASSERT_EQ(sparse_mla_unsupported(s), "");
     const auto q = rounded(random_floats(L * H * c.dk)), latent = rounded(random_floats(L * stride));
     const auto dout = rounded(random_floats(L * H * c.dv));
-    const auto sel =
-        c.kpool > 0 ? make_pool_selection(L, c.width - c.kpool + 1, c.kpool) : make_selection(L, c.width);
+    const auto sel = c.share > 0   ? make_shared_pool_selection(L, c.width - c.kpool + 1, c.kpool, c.share)
+                     : c.kpool > 0 ? make_pool_selection(L, c.width - c.kpool + 1, c.kpool)
+                                   : make_selection(L, c.width);
 
     Stream stream;
     auto dq_in = device(to_bf16(q)), dlat = device(to_bf16(latent)), ddout = device(to_bf16(dout));
@@ -180,13 +223,28 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     auto lse = poisoned<float>(L * H);
     DeviceBuffer<float> d_latent(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
     DeviceBuffer<float> mass(static_cast<size_t>(L * c.width), MemoryCategory::Activations);
-    SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
-    SPINDLE_CUDA(cudaMemset(mass.data(), 0, mass.size() * sizeof(float)));
-    SPINDLE_CUDA(cudaDeviceSynchronize());
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
-    sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
-                        dq.data(), d_latent.data(), mass.data(), stream.get());
-    stream.synchronize();
+    // The backward one query a CTA, then, where its kernels take the shape, over pairs of queries.
+    const size_t pair_bytes = sparse_mla_pair_workspace_bytes(s);
+    DeviceBuffer<unsigned char> pair_workspace(pair_bytes, MemoryCategory::Workspace);
+    std::vector<bf16> dq_got[2];
+    std::vector<float> d_latent_got[2], mass_got[2];
+    double pair_share = -1;
+    if (pair_bytes > 0)
+      pair_share = sparse_mla_pair_partners(s, dsel.data(), pair_workspace.data(), stream.get());
+    for (int pairs = 0; pairs < (pair_bytes > 0 ? 2 : 1); ++pairs) {
+      SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
+      SPINDLE_CUDA(cudaMemset(mass.data(), 0, mass.size() * sizeof(float)));
+      SPINDLE_CUDA(cudaMemset(dq.data(), 0xff, dq.size() * sizeof(bf16)));  // NaN until written
+      SPINDLE_CUDA(cudaDeviceSynchronize());
+      sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
+                          dq.data(), d_latent.data(), mass.data(), pairs ? pair_workspace.data() : nullptr,
+                          stream.get());
+      stream.synchronize();
+      dq_got[pairs] = dq.download();
+      d_latent_got[pairs] = d_latent.download();
+      mass_got[pairs] = mass.download();
+    }
 
     // The reference: one key head whose key is the latent's first dk values and value its first dv.
     const cpu::SparseAttentionShape ref_shape{L, H, c.dk, c.dv, c.width, scale, 1};
@@ -224,14 +282,42 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     }
     const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " width " +
                              std::to_string(c.width) + " tokens " + std::to_string(L) + " heads " +
-                             std::to_string(H) + " kpool " + std::to_string(c.kpool);
+                             std::to_string(H) + " kpool " + std::to_string(c.kpool) + " share " +
+                             std::to_string(c.share);
     // The probabilities and dS enter the tensor cores as bf16 (~2^-9 relative each), on top of the
     // bf16 outputs' own rounding; the latent's gradient stays fp32 but sums bf16 products.
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
-    EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
-    EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
-    // The mass sums the fp32 probabilities (not their bf16 copies) from fp32 scores and the forward's lse.
-    EXPECT_LT(relative_error(mass.download(), mass_ref), 2e-3) << "mass, " << what;
+    for (int pairs = 0; pairs < (pair_bytes > 0 ? 2 : 1); ++pairs) {
+      const std::string kernel = pairs ? ", over pairs" : ", one query a CTA";
+      EXPECT_LT(relative_error(dq_got[pairs], dq_ref), 2e-2) << "dq, " << what << kernel;
+      EXPECT_LT(relative_error(d_latent_got[pairs], d_latent_ref), 2e-2) << "d_latent, " << what << kernel;
+      // The mass sums the fp32 probabilities (not their bf16 copies) from fp32 scores and the forward's lse.
+      EXPECT_LT(relative_error(mass_got[pairs], mass_ref), 2e-3) << "mass, " << what << kernel;
+    }
+    // The pairs' kernels took the shapes they are for (GLM's latent of 512), and their first pass
+    // found the shared rows: those of query 2p + 1 that 2p holds where both are strictly ascending.
+    EXPECT_EQ(pair_bytes > 0, c.dk == 512 && c.dv == 512) << what;
+    if (pair_bytes > 0) {
+      int64_t shared = 0, rows = 0;
+      for (int64_t t = 1; t < L; t += 2) {
+        std::vector<int32_t> first, second;
+        for (int64_t slot = 0; slot < c.width; ++slot) {
+          if (sel[(t - 1) * c.width + slot] >= 0) first.push_back(sel[(t - 1) * c.width + slot]);
+          if (sel[t * c.width + slot] >= 0) second.push_back(sel[t * c.width + slot]);
+        }
+        rows += static_cast<int64_t>(second.size());
+        const auto ascending = [](const std::vector<int32_t>& v) {
+          return std::adjacent_find(v.begin(), v.end(), std::greater_equal<int32_t>()) == v.end();
+        };
+        if (!ascending(first) || !ascending(second)) continue;
+        for (int32_t row : second) shared += std::binary_search(first.begin(), first.end(), row) ? 1 : 0;
+      }
+      const double want = rows > 0 ? static_cast<double>(shared) / static_cast<double>(rows) : 0.0;
+      EXPECT_NEAR(pair_share, want, 1e-12) << "the pairs' shared rows, " << what;
+      if (c.share > 1) {  // the selection shares what it was built to
+        EXPECT_GT(pair_share, 0.3) << what;
+      }
+    }
     const auto lse_got = lse.download();
     double worst = 0;
     for (size_t i = 0; i < lse_got.size(); ++i) {

@@ -10,22 +10,18 @@
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/sparse_mla_mma.cuh"
+#include "kernels/cuda/sparse_mla_pair.h"
 #include "kernels/cuda/sparse_mla_tile.cuh"
 
 namespace spindle::cuda {
 
 namespace {
 
-// 16 warps, so that each scheduler has 4 to hide the latencies of one CTA per SM (its shared
-// memory allows no more).
-constexpr int kThreads = 512, kWarps = kThreads / 32;
+using namespace mla;
+
 constexpr int kKeys = 64;  // selected rows per tile: in the score phase, 8 per warp and m16 tile
 static_assert(kThreads >= kKeys, "a tile's indices are read by one thread each");
-constexpr int kPad = 8;       // bf16 per shared row past the data: ldmatrix rows in distinct banks
-constexpr int kMaxDim = 512;  // dk, dv <= this (shared memory)
-// Output columns go to the warps in units of 16 (unit u to warp u % 16): at most 2 units, 4 n8
-// tiles, per warp.
-constexpr int kMaxColTiles = kMaxDim / kWarps / 8;
 constexpr int kScoreStride = kKeys + 4;    // fp32 scores per shared row
 constexpr int kProbStride = kKeys + kPad;  // bf16 probabilities per shared row
 
@@ -37,9 +33,7 @@ struct Layout {
 
 // The backward's scores: warp w takes row tile w % 2, keys 16 ((w / 2) % 4) .. + 15 and half w / 8
 // of the reduction (dk for S, dv for dP); the second halves' partial sums pass through shared
-// memory, [8 warps][4 float4][32 lanes].
-constexpr size_t kPartialBytes = 8 * 4 * 32 * 16;
-
+// memory (kPartialBytes).
 Layout layout(const SparseMlaShape& s, int mt, bool backward) {
   Layout l{};
   l.rows = 16 * mt;
@@ -71,38 +65,12 @@ struct MlaArgs : SparseMlaInputs {
   float* mass;                  // backward, optional: the probabilities summed over the heads
 };
 
-// The CTA's query rows (heads h0 ..) of `src` ([tokens, heads, dim]) into shared rows of `stride`,
-// zero past the last head.
-__device__ void load_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t t, int h0, int rows,
-                          int heads, int dim, int stride) {
-  const int chunks = dim / 8;
-  for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
-    const int row = i / chunks, chunk = i % chunks;
-    const bool valid = h0 + row < heads;
-    const __nv_bfloat16* from = valid ? src + ((t * heads + h0 + row) * dim + chunk * 8) : src;
-    copy16(dst + row * stride + chunk * 8, from, valid);
-  }
-}
-
 // Slot tile * kKeys + threadIdx.x of query t's selection for the first kKeys threads (-1 past the
 // width and for the other threads). Read a tile ahead of its use, so that the load's latency hides
 // behind a tile's work.
 __device__ __forceinline__ int32_t tile_index(const MlaArgs& a, int64_t t, int64_t tile) {
   const int64_t slot = tile * kKeys + threadIdx.x;
   return threadIdx.x < kKeys && slot < a.width ? a.selected[t * a.width + slot] : -1;
-}
-
-// The selected rows of one tile (their first dk values) into `dst` by their indices `idx` (shared
-// memory), zero for unused slots: a warp per row, its lanes over the row's 16-byte pieces.
-__device__ void load_tile(__nv_bfloat16* dst, const int32_t* idx, const MlaArgs& a) {
-  const int chunks = a.dk / 8, lane = threadIdx.x % 32;
-  for (int row = threadIdx.x / 32; row < kKeys; row += kWarps) {
-    const int32_t index = idx[row];
-    const bool valid = index >= 0;
-    const __nv_bfloat16* from = a.latent + (valid ? static_cast<int64_t>(index) * a.latent_stride : 0);
-    __nv_bfloat16* to = dst + row * (a.dk + kPad);
-    for (int chunk = lane; chunk < chunks; chunk += 32) copy16(to + chunk * 8, from + chunk * 8, valid);
-  }
 }
 
 // The score phase's share of warp w: m16 tile w / 8 of the rows (none past MT), keys 8 (w % 8) ..
@@ -138,99 +106,6 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bflo
   }
 }
 
-// acc[n] += rows [16, k:k+32) . keys [8 n .. 8 n + 7, k:k+32)^T for n = 0, 1: the rows' two k16
-// fragments from row_address (row k's), the keys' from b (one x4 per n8 tile).
-__device__ __forceinline__ void rows_by_keys_k32(float (&acc)[2][4], uint32_t row_address,
-                                                 const uint32_t (&b)[2][4]) {
-  uint32_t a0[4], a1[4];
-  ldmatrix_x4(a0, row_address);
-  ldmatrix_x4(a1, row_address + 32);
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    mma_bf16(acc[n], a0, b[n][0], b[n][1]);
-    mma_bf16(acc[n], a1, b[n][2], b[n][3]);
-  }
-}
-
-// The backward's scores over one range of the reduction: s[n] += q[16, k0:k1) . keys[8 n .. 8 n + 7,
-// k0:k1)^T and dp[n] += dO[16, k0:kv) . keys[.., k0:kv)^T for n = 0, 1 (the warp's 16 keys), kv =
-// min(k1, dv): both products read each key fragment once, and each row fragment serves both n8
-// tiles. k0, k1 and dv multiples of 16.
-__device__ __forceinline__ void scores_over_range(float (&s)[2][4], float (&dp)[2][4], const __nv_bfloat16* q,
-                                                  int q_stride, const __nv_bfloat16* dout, int do_stride,
-                                                  const __nv_bfloat16* keys, int key_stride, int k0, int k1,
-                                                  int dv) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t q_address = shared_address(q + (lane % 16) * q_stride + (lane / 16) * 8);
-  const uint32_t do_address = shared_address(dout + (lane % 16) * do_stride + (lane / 16) * 8);
-  // x4: 8 key rows at k, k + 8, k + 16, k + 24 (b0, b1 of two k16 steps), for keys 0-7 and 8-15.
-  const uint32_t key_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
-  const uint32_t key_step = 8 * key_stride * 2;  // bytes from keys 0-7 to 8-15
-  int k = k0;
-  for (; k + 32 <= k1; k += 32) {
-    uint32_t b[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) ldmatrix_x4(b[n], key_address + n * key_step + k * 2);
-    rows_by_keys_k32(s, q_address + k * 2, b);
-    if (k + 32 <= dv) {
-      rows_by_keys_k32(dp, do_address + k * 2, b);
-    } else if (k < dv) {  // dv ends inside this k32 step
-      uint32_t a0[4];
-      ldmatrix_x4(a0, do_address + k * 2);
-#pragma unroll
-      for (int n = 0; n < 2; ++n) mma_bf16(dp[n], a0, b[n][0], b[n][1]);
-    }
-  }
-  if (k < k1) {  // a last 16
-    uint32_t b[2][2], a0[4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) ldmatrix_x2(b[n], key_address + n * key_step + k * 2);
-    ldmatrix_x4(a0, q_address + k * 2);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) mma_bf16(s[n], a0, b[n][0], b[n][1]);
-    if (k < dv) {
-      ldmatrix_x4(a0, do_address + k * 2);
-#pragma unroll
-      for (int n = 0; n < 2; ++n) mma_bf16(dp[n], a0, b[n][0], b[n][1]);
-    }
-  }
-}
-
-// The first column of the warp's n8 tile j: unit warp + kWarps (j / 2), then its half.
-__device__ __forceinline__ int tile_column(int j) {
-  return (threadIdx.x / 32 + kWarps * (j / 2)) * 16 + (j % 2) * 8;
-}
-
-// acc[m][j] += probs [rows, 64 keys] . values [64 keys, the warp's columns tile_column(j) ..],
-// values the tile's rows ([key][column], stride bf16) with `units` 16-column units in all.
-template <int MT>
-__device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles][4],
-                                                   const __nv_bfloat16* probs, const __nv_bfloat16* values,
-                                                   int stride, int units) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t a_address = shared_address(probs + (lane % 16) * kProbStride + (lane / 16) * 8);
-  // x4.trans: keys k .. k + 7 and k + 8 .. k + 15 at columns n and n + 8: b0, b1 of two n8 tiles.
-  const uint32_t b_address =
-      shared_address(values + ((lane % 8) + ((lane / 8) % 2) * 8) * stride + (lane / 16) * 8);
-#pragma unroll
-  for (int k = 0; k < kKeys; k += 16) {
-    uint32_t a[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], a_address + (m * 16 * kProbStride + k) * 2);
-#pragma unroll
-    for (int j = 0; j < kMaxColTiles; j += 2) {
-      if (threadIdx.x / 32 + kWarps * (j / 2) >= units) break;
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, b_address + (k * stride + tile_column(j)) * 2);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        mma_bf16(acc[m][j], a[m], b[0], b[1]);
-        mma_bf16(acc[m][j + 1], a[m], b[2], b[3]);
-      }
-    }
-  }
-}
-
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const MlaArgs a) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -253,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
   if (tid < kKeys) idx_s[tid] = tile_index(a, t, 0);
   int32_t next_index = tile_index(a, t, 1);
   __syncthreads();
-  if (tiles > 0) load_tile(kv_s, idx_s, a);
+  if (tiles > 0) load_tile(kv_s, idx_s, kKeys, a.latent, a.latent_stride, a.dk);
   copy_commit();
   for (int r = tid; r < R; r += kThreads) {
     m_s[r] = -INFINITY;
@@ -275,7 +150,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
     if (tid < kKeys) next_idx[tid] = next_index;
     copy_wait_all();
     __syncthreads();  // the tile (and q) landed for every thread; the other buffer is free
-    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
+    if (tile + 1 < tiles)
+      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, kKeys, a.latent, a.latent_stride, a.dk);
     copy_commit();
     next_index = tile_index(a, t, tile + 2);
     const __nv_bfloat16* keys = kv_s + buf * kKeys * qk_stride;
@@ -337,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
         acc[m][j][3] *= alpha_b;
       }
     }
-    probs_times_values<MT>(acc, p_s, keys, qk_stride, v_units);
+    probs_times_values<MT, kKeys>(acc, p_s, keys, qk_stride, v_units);
   }
   __syncthreads();  // l_s, m_s final (also when there was no tile)
 
@@ -389,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
   if (tid < kKeys) idx_s[tid] = tile_index(a, t, 0);
   int32_t next_index = tile_index(a, t, 1);
   __syncthreads();
-  if (tiles > 0) load_tile(kv_s, idx_s, a);
+  if (tiles > 0) load_tile(kv_s, idx_s, kKeys, a.latent, a.latent_stride, a.dk);
   copy_commit();
   {  // delta = rowsum(dO o O), `per_row` threads per row
     constexpr int per_row = kThreads / R;
@@ -487,7 +363,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     }
     if (tid == 0) bulk_wait_read<0>();  // the previous tile's gradient has left the other buffer
     __syncthreads();
-    if (tile + 1 < tiles) load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, a);
+    if (tile + 1 < tiles)
+      load_tile(kv_s + (buf ^ 1) * kKeys * qk_stride, next_idx, kKeys, a.latent, a.latent_stride, a.dk);
     copy_commit();
     if (a.mass != nullptr && tid < kKeys && tile * kKeys + tid < a.width) {
       // One add per slot and CTA: with one CTA per query (heads <= R) it lands on the caller's
@@ -497,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
     }
 
     // dQ += dS K over the warp's dk columns.
-    probs_times_values<MT>(dq, ds_s, keys, qk_stride, k_units);
+    probs_times_values<MT, kKeys>(dq, ds_s, keys, qk_stride, k_units);
     __syncthreads();  // nobody reads the keys any more
     float* staged = reinterpret_cast<float*>(kv_s + buf * kKeys * qk_stride);
 
@@ -653,7 +530,12 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
                          const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
-                         cudaStream_t stream) {
+                         const void* pair_workspace, cudaStream_t stream) {
+  if (pair_workspace != nullptr) {
+    sparse_mla_backward_pairs(s, q, latent, selected, out, lse, dout, dq, d_latent, mass, pair_workspace,
+                              stream);
+    return;
+  }
   check_supported(s, q, latent);
   check(reinterpret_cast<uintptr_t>(dout) % 16 == 0, "sparse MLA: dout must be 16-byte aligned (cp.async)");
   if (s.tokens == 0) return;
