@@ -329,37 +329,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
         s[n][0] += ps.x, s[n][1] += ps.y, s[n][2] += ps.z, s[n][3] += ps.w;
         dp[n][0] += pd.x, dp[n][1] += pd.y, dp[n][2] += pd.z, dp[n][3] += pd.w;
       }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const int key0 = key16 + 8 * n + 2 * c;
-        const bool valid[2] = {idx[key0] >= 0, idx[key0 + 1] >= 0};
-        float column[2] = {};  // the fp32 probabilities of the lane's two keys over its two rows
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = row_tile * 16 + g + 8 * half;
-          float p[2], d[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            // exp2f, not exp2_ftz: this DRAM-bound kernel measured 0.2% slower with it (two pairs).
-            // Head rows past the last have lse +inf: p = 0.
-            p[e] = valid[e] ? exp2f(s[n][2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
-            d[e] = p[e] * (dp[n][2 * half + e] - delta_s[row]) * a.scale;
-            column[e] += p[e];
-          }
-          *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(p[0], p[1]);
-          *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
-        }
-        if (a.mass != nullptr) {  // over the m16 tile's rows: the lanes of equal c
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-#pragma unroll
-            for (int offset = 4; offset < 32; offset *= 2)
-              column[e] += __shfl_xor_sync(0xffffffffu, column[e], offset);
-          }
-          if (g == 0)
-            *reinterpret_cast<float2*>(mass_s + row_tile * kKeys + key0) = make_float2(column[0], column[1]);
-        }
-      }
+      probabilities_and_gradients<kKeys>(s, dp, row_tile * 16, key16, idx, lse_s, delta_s, a.scale2, a.scale,
+                                         p_s, ds_s, a.mass != nullptr ? mass_s + row_tile * kKeys : nullptr);
     }
     if (tid == 0) bulk_wait_read<0>();  // the previous tile's gradient has left the other buffer
     __syncthreads();
@@ -380,15 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
 
     // The selected rows' gradient, [64 keys, dk] = dS^T Q + P^T dO (the value part: columns < dv),
     // 32 keys at a time (two m16 tiles), the warp's dk columns.
-    // A = dS^T from ds_s [row][key] by transposed loads: matrices (keys m0.., rows k0..),
-    // (keys m0 + 8.., rows k0..), (keys m0.., rows k0 + 8..), (keys m0 + 8.., rows k0 + 8..).
-    const int a_row = (lane % 8) + (lane / 16) * 8, a_key = ((lane / 8) % 2) * 8;
-    const uint32_t ds_address = shared_address(ds_s + a_row * kProbStride + a_key);
-    const uint32_t p_address = shared_address(p_s + a_row * kProbStride + a_key);
-    // B = Q or dO ([row][column]) by transposed loads, as probs_times_values reads values.
-    const int b_row = (lane % 8) + ((lane / 8) % 2) * 8, b_col = (lane / 16) * 8;
-    const uint32_t q_address = shared_address(q_s + b_row * qk_stride + b_col);
-    const uint32_t do_address = shared_address(do_s + b_row * v_stride + b_col);
+    const GradientOperands ops = gradient_operands<kKeys>(ds_s, p_s, q_s, qk_stride, do_s, v_stride);
 #pragma unroll
     for (int half = 0; half < kKeys / 32; ++half) {
       float dl[2][kMaxColTiles][4] = {};
@@ -399,21 +362,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const 
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           const int m0 = half * 32 + mi * 16;
-          ldmatrix_x4_trans(ads[mi], ds_address + (k * kProbStride + m0) * 2);
-          ldmatrix_x4_trans(ap[mi], p_address + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ads[mi], ops.ds + (k * kProbStride + m0) * 2);
+          ldmatrix_x4_trans(ap[mi], ops.p + (k * kProbStride + m0) * 2);
         }
 #pragma unroll
         for (int j = 0; j < kMaxColTiles; j += 2) {
           if (warp + kWarps * (j / 2) >= k_units) break;
           uint32_t b[4];
-          ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+          ldmatrix_x4_trans(b, ops.q + (k * qk_stride + tile_column(j)) * 2);
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
             mma_bf16(dl[mi][j], ads[mi], b[0], b[1]);
             mma_bf16(dl[mi][j + 1], ads[mi], b[2], b[3]);
           }
           if (tile_column(j) < a.dv) {  // dv is a multiple of 16: both n8 tiles or neither
-            ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+            ldmatrix_x4_trans(b, ops.dout + (k * v_stride + tile_column(j)) * 2);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
               mma_bf16(dl[mi][j], ap[mi], b[0], b[1]);

@@ -164,4 +164,70 @@ __device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles
   }
 }
 
+// From the scores S and dP of the warp's m16 tile of head rows (row0 ..) and 16 keys (key16 ..,
+// the accumulators of two n8 tiles): P = exp2(S scale2 - lse) and dS = P (dP - delta) scale into
+// probs and dprobs (bf16, rows Keys + kPad apart), zero for keys whose `keys` entry is negative;
+// lse (log2 domain, +inf for rows past the last head: P = 0) and delta by head row. mass, unless
+// null: the fp32 probabilities summed over the tile's rows, by key.
+template <int Keys>
+__device__ __forceinline__ void probabilities_and_gradients(const float (&s)[2][4], const float (&dp)[2][4],
+                                                            int row0, int key16, const int32_t* keys,
+                                                            const float* lse, const float* delta,
+                                                            float scale2, float scale, __nv_bfloat16* probs,
+                                                            __nv_bfloat16* dprobs, float* mass) {
+  constexpr int prob_stride = Keys + kPad;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int key0 = key16 + 8 * n + 2 * c;
+    const bool valid[2] = {keys[key0] >= 0, keys[key0 + 1] >= 0};
+    float column[2] = {};  // the fp32 probabilities of the lane's two keys over its two rows
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + g + 8 * half;
+      float p[2], d[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        // exp2f, not exp2_ftz: the one-query kernel, DRAM-bound, measured 0.2% slower with it.
+        p[e] = valid[e] ? exp2f(s[n][2 * half + e] * scale2 - lse[row]) : 0.0f;
+        d[e] = p[e] * (dp[n][2 * half + e] - delta[row]) * scale;
+        column[e] += p[e];
+      }
+      *reinterpret_cast<uint32_t*>(probs + row * prob_stride + key0) = pack_bf16(p[0], p[1]);
+      *reinterpret_cast<uint32_t*>(dprobs + row * prob_stride + key0) = pack_bf16(d[0], d[1]);
+    }
+    if (mass != nullptr) {  // over the m16 tile's rows: the lanes of equal c
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2)
+          column[e] += __shfl_xor_sync(0xffffffffu, column[e], offset);
+      }
+      if (g == 0) *reinterpret_cast<float2*>(mass + key0) = make_float2(column[0], column[1]);
+    }
+  }
+}
+
+// The lane's shared addresses for the selected rows' gradient, dS^T Q + P^T dO: A = dS^T and P^T
+// from dprobs and probs ([row][key], rows Keys + kPad apart) by transposed loads, matrices (keys
+// m0.., rows k0..), (keys m0 + 8.., rows k0..), (keys m0.., rows k0 + 8..), (keys m0 + 8.., rows
+// k0 + 8..); B = Q or dO ([row][column]) by transposed loads, as probs_times_values reads values.
+struct GradientOperands {
+  uint32_t ds, p, q, dout;
+};
+
+template <int Keys>
+__device__ __forceinline__ GradientOperands gradient_operands(const __nv_bfloat16* dprobs,
+                                                              const __nv_bfloat16* probs,
+                                                              const __nv_bfloat16* q, int q_stride,
+                                                              const __nv_bfloat16* dout, int do_stride) {
+  constexpr int prob_stride = Keys + kPad;
+  const int lane = threadIdx.x % 32;
+  const int a_row = (lane % 8) + (lane / 16) * 8, a_key = ((lane / 8) % 2) * 8;
+  const int b_row = (lane % 8) + ((lane / 8) % 2) * 8, b_col = (lane / 16) * 8;
+  return {shared_address(dprobs + a_row * prob_stride + a_key),
+          shared_address(probs + a_row * prob_stride + a_key), shared_address(q + b_row * q_stride + b_col),
+          shared_address(dout + b_row * do_stride + b_col)};
+}
+
 }  // namespace spindle::cuda::mla

@@ -340,37 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_pair_backward_kernel(c
           dp[e][0] += y.x, dp[e][1] += y.y, dp[e][2] += y.z, dp[e][3] += y.w;
         }
       }
-      const int32_t* slots = row_tile < 2 ? slot_a : slot_b;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key0 = key16 + 8 * h + 2 * c;
-        const bool valid[2] = {slots[key0] >= 0, slots[key0 + 1] >= 0};
-        float column[2] = {};  // the fp32 probabilities of the lane's two keys over its two rows
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = row_tile * 16 + g + 8 * half;
-          float pr[2], d[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            // Head rows past the last have lse +inf: p = 0.
-            pr[e] = valid[e] ? exp2f(s[h][2 * half + e] * a.scale2 - lse_s[row]) : 0.0f;
-            d[e] = pr[e] * (dp[h][2 * half + e] - delta_s[row]) * a.scale;
-            column[e] += pr[e];
-          }
-          *reinterpret_cast<uint32_t*>(p_s + row * kProbStride + key0) = pack_bf16(pr[0], pr[1]);
-          *reinterpret_cast<uint32_t*>(ds_s + row * kProbStride + key0) = pack_bf16(d[0], d[1]);
-        }
-        if (a.mass != nullptr) {  // over the m16 tile's rows: the lanes of equal c
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-#pragma unroll
-            for (int offset = 4; offset < 32; offset *= 2)
-              column[e] += __shfl_xor_sync(0xffffffffu, column[e], offset);
-          }
-          if (g == 0)
-            *reinterpret_cast<float2*>(mass_s + row_tile * kKeys + key0) = make_float2(column[0], column[1]);
-        }
-      }
+      probabilities_and_gradients<kKeys>(s, dp, row_tile * 16, key16, row_tile < 2 ? slot_a : slot_b, lse_s,
+                                         delta_s, a.scale2, a.scale, p_s, ds_s,
+                                         a.mass != nullptr ? mass_s + row_tile * kKeys : nullptr);
     }
     if (tid == 0) bulk_wait_read<0>();  // the previous tile's gradient has left the other buffer
     __syncthreads();
@@ -399,13 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_pair_backward_kernel(c
 
     // The rows' gradient, [32 keys, dk] = dS^T Q + P^T dO (the value part: columns < dv), 16 keys
     // at a time (one m16 tile), the warp's dk columns, over the head rows of the m16 tiles here.
-    // A = dS^T from ds_s [row][key] by transposed loads, B = Q or dO by transposed loads.
-    const int a_row = (lane % 8) + (lane / 16) * 8, a_key = ((lane / 8) % 2) * 8;
-    const uint32_t ds_address = shared_address(ds_s + a_row * kProbStride + a_key);
-    const uint32_t p_address = shared_address(p_s + a_row * kProbStride + a_key);
-    const int b_row = (lane % 8) + ((lane / 8) % 2) * 8, b_col = (lane / 16) * 8;
-    const uint32_t q_address = shared_address(q_s + b_row * qk_stride + b_col);
-    const uint32_t do_address = shared_address(do_s + b_row * v_stride + b_col);
+    const GradientOperands ops = gradient_operands<kKeys>(ds_s, p_s, q_s, qk_stride, do_s, v_stride);
 #pragma unroll 1
     for (int half = 0; half < kKeys / 16; ++half) {
       float dl[kMaxColTiles][4] = {};
@@ -413,17 +379,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_pair_backward_kernel(c
       for (int k = 0; k < kRows; k += 16) {
         if (!(m_tiles >> (k / 16) & 1)) continue;
         uint32_t ads[4], ap[4];
-        ldmatrix_x4_trans(ads, ds_address + (k * kProbStride + half * 16) * 2);
-        ldmatrix_x4_trans(ap, p_address + (k * kProbStride + half * 16) * 2);
+        ldmatrix_x4_trans(ads, ops.ds + (k * kProbStride + half * 16) * 2);
+        ldmatrix_x4_trans(ap, ops.p + (k * kProbStride + half * 16) * 2);
 #pragma unroll
         for (int j = 0; j < kMaxColTiles; j += 2) {
           if (warp + kWarps * (j / 2) >= k_units) break;
           uint32_t b[4];
-          ldmatrix_x4_trans(b, q_address + (k * qk_stride + tile_column(j)) * 2);
+          ldmatrix_x4_trans(b, ops.q + (k * qk_stride + tile_column(j)) * 2);
           mma_bf16(dl[j], ads, b[0], b[1]);
           mma_bf16(dl[j + 1], ads, b[2], b[3]);
           if (tile_column(j) < DV) {  // dv is a multiple of 16: both n8 tiles or neither
-            ldmatrix_x4_trans(b, do_address + (k * v_stride + tile_column(j)) * 2);
+            ldmatrix_x4_trans(b, ops.dout + (k * v_stride + tile_column(j)) * 2);
             mma_bf16(dl[j], ap, b[0], b[1]);
             mma_bf16(dl[j + 1], ap, b[2], b[3]);
           }
