@@ -127,7 +127,7 @@ expect_failure select-dtype-on-gpu "dtype applies to the CPU forward" "$spindle"
 expect_failure select-fasta-no-length "is a sequence file: give --length" "$spindle" select --model "$work/model" --tokens "$here/data/chr22_256.fa"
 expect_failure select-negative-chunk "chunk must be" "$spindle" select --model "$work/model" --tokens "$work/tokens.txt" --chunk -1
 if output=$("$spindle" select --model "$work/model" --random-tokens --length 200 --chunk 64 --out "$work/select.json" 2>&1) &&
-  grep -q "^layer  queries" <<<"$output" && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['layers']" "$work/select.json"; then
+  grep -q "^layer  queries" <<<"$output" && python3 -c "import json,sys; l = json.load(open(sys.argv[1]))['layers']; assert l and all(0 <= x['pair_shared'] <= 1 for x in l)" "$work/select.json"; then
   echo "ok   select: $(grep -A1 '^layer  queries' <<<"$output" | tail -1)"
 else
   echo "FAIL select: $output"; failures=$((failures + 1))

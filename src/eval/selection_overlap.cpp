@@ -53,6 +53,13 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
     }
   }
   o.consecutive_jaccard = pairs > 0 ? jaccard / static_cast<double>(pairs) : 0.0;
+  int64_t pair_common = 0, pair_pools = 0;
+  for (size_t q = 0; q + 1 < sets.size(); q += 2) {
+    if (!counts(q) || !counts(q + 1)) continue;
+    pair_common += common(sets[q], sets[q + 1]);
+    pair_pools += full;
+  }
+  o.pair_shared = pair_pools > 0 ? static_cast<double>(pair_common) / static_cast<double>(pair_pools) : 0.0;
   o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
   std::vector<std::vector<int32_t>> distinct;
   int64_t lowest = 0;

@@ -27,6 +27,8 @@ TEST(SelectionOverlap, HandMadeUnions) {
   EXPECT_DOUBLE_EQ(o.recent_share, 2.0 / 8.0);
   // Jaccard of (0, 1), (1, 2), (2, 3): 1, 1/3, 0.
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 1.0 / 3.0 + 0.0) / 3.0, 1e-15);
+  // Pairs (0, 1): both of 1's pools in 0's; (2, 3): none of 3's in 2's.
+  EXPECT_DOUBLE_EQ(o.pair_shared, 2.0 / 4.0);
   ASSERT_EQ(o.union_over_sum.size(), 3u);
   EXPECT_DOUBLE_EQ(o.union_over_sum[0], 1.0);  // one query: its own pools
   // Groups {0, 1}: union 2 of 4; {2, 3}: union 4 of 4.
@@ -43,6 +45,7 @@ TEST(SelectionOverlap, OnlyQueriesWithEveryPoolCount) {
   EXPECT_EQ(o.queries, 3);
   EXPECT_EQ(o.distinct_selections, 2);                           // query 0 does not count
   EXPECT_NEAR(o.consecutive_jaccard, (1.0 + 0.0) / 2.0, 1e-15);  // (1, 2) and (2, 3)
+  EXPECT_DOUBLE_EQ(o.pair_shared, 0.0);                          // only the pair (2, 3) counts
   EXPECT_DOUBLE_EQ(o.union_over_sum[0], 4.0 / 4.0);              // only {2, 3} counts
   // Recent (the latest 4 of 8: pools 5 to 8): 6, 6, 7 and 8 of the 6 counted.
   EXPECT_DOUBLE_EQ(o.recent_share, 4.0 / 6.0);
@@ -59,6 +62,7 @@ TEST(SelectionOverlap, OneSelectionForEveryQueryIsOneDistinct) {
   EXPECT_EQ(o.distinct_selections, 1);
   EXPECT_DOUBLE_EQ(o.lowest_pools_share, 1.0);  // pools 0, 1, 2: a row of tied scores
   EXPECT_DOUBLE_EQ(o.consecutive_jaccard, 1.0);
+  EXPECT_DOUBLE_EQ(o.pair_shared, 1.0);
   EXPECT_DOUBLE_EQ(o.union_over_sum[1], 1.0 / 4.0);
 }
 

@@ -107,7 +107,9 @@ int run_select(const std::vector<std::string>& argv) {
          "one (1: none shared, 1/G: all the same)\n"
       << "recent: the chosen pools among the query's latest " << 2 * full << " (twice what it chooses)\n"
       << "distinct: how many different pool sets the queries chose (1: the indexer ignores the query)\n"
-      << "layer  queries distinct  recent  jaccard(t, t+1)";
+      << "pairs: the pools of query 2p + 1 that 2p chose too (the training backward runs over pairs of "
+         "queries from 0.8)\n"
+      << "layer  queries distinct  recent  jaccard(t, t+1)   pairs";
   for (int64_t g : kGroups) {
     char head[16];
     std::snprintf(head, sizeof head, " %7s", ("G=" + std::to_string(g)).c_str());
@@ -119,9 +121,9 @@ int run_select(const std::vector<std::string>& argv) {
   for (const auto& [layer, selections] : pools) {
     const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, kGroups);
     char line[200];
-    std::snprintf(line, sizeof line, "%-6lld %7lld %8lld %7.3f %16.3f", static_cast<long long>(layer),
+    std::snprintf(line, sizeof line, "%-6lld %7lld %8lld %7.3f %16.3f %7.3f", static_cast<long long>(layer),
                   static_cast<long long>(o.queries), static_cast<long long>(o.distinct_selections),
-                  o.recent_share, o.consecutive_jaccard);
+                  o.recent_share, o.consecutive_jaccard, o.pair_shared);
     std::cout << line;
     for (double r : o.union_over_sum) {
       std::snprintf(line, sizeof line, " %7.3f", r);
@@ -133,6 +135,7 @@ int run_select(const std::vector<std::string>& argv) {
                       {"queries", o.queries},
                       {"recent_share", o.recent_share},
                       {"consecutive_jaccard", o.consecutive_jaccard},
+                      {"pair_shared", o.pair_shared},
                       {"distinct_selections", o.distinct_selections},
                       {"lowest_pools_share", o.lowest_pools_share},
                       {"group_sizes", o.group_sizes},
