@@ -3,7 +3,9 @@
 #   overfit:  the loss on one 256-token window falls by at least 85% within 20 steps;
 #   resume:   10 steps straight == 5 steps + checkpoint + --resume + 5 steps, bit for bit;
 #   model only: [checkpoint] optimizer = false, the same model without the AdamW state;
-#   refusal:  an existing checkpoint directory is never overwritten without --resume.
+#   refusal:  an existing checkpoint directory is never overwritten without --resume;
+#   frozen first: [indexer] freeze_steps = 4 trains the model of freeze = true for 4 steps, then
+#             the indexers too (their KL logged from step 5), and resumes across the switch.
 set -u
 spindle=$1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -114,6 +116,45 @@ elif [ "$(cat "$work/straight/latest")" != "$before" ]; then
 else
   echo "refusal: $(grep -o 'already holds.*' "$work/again.log" | head -c 150)"
 fi
+
+# --- frozen first: the first 4 steps are freeze = true's bit for bit, then the indexers train
+run_toml frozen | sed -e 's/kl_coef = 0.5/kl_coef = 0.5\nfreeze_steps = 4/' -e 's/every = 3/every = 3\nkeep = 5/' \
+  > "$work/frozen_first.toml"
+run_toml frozen_all | sed -e 's/kl_coef = 0.5/kl_coef = 0.5\nfreeze = true/' -e 's/every = 3/every = 3\nkeep = 5/' \
+  > "$work/frozen_all.toml"
+run_toml frozen_resumed | sed 's/kl_coef = 0.5/kl_coef = 0.5\nfreeze_steps = 4/' > "$work/frozen_resumed.toml"
+"$spindle" train --config "$work/frozen_first.toml" > "$work/frozen_first.log" 2>&1 || { cat "$work/frozen_first.log"; fail "frozen-first run"; }
+"$spindle" train --config "$work/frozen_all.toml" > "$work/frozen_all.log" 2>&1 || { cat "$work/frozen_all.log"; fail "frozen run"; }
+"$spindle" train --config "$work/frozen_resumed.toml" --stop-after 3 > "$work/frozen_a.log" 2>&1 &&
+  "$spindle" train --config "$work/frozen_resumed.toml" --resume > "$work/frozen_b.log" 2>&1 ||
+  { cat "$work/frozen_a.log" "$work/frozen_b.log"; fail "frozen-first resumed run"; }
+python3 - "$work" <<'PY' || failures=$((failures + 1))
+import json, struct, sys
+work = sys.argv[1]
+def tensors(path):  # name -> raw bytes of a safetensors file
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    return {k: data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
+            for k, v in header.items() if k != "__metadata__"}
+first3 = tensors(f"{work}/frozen/step-000003/model.safetensors")
+all3 = tensors(f"{work}/frozen_all/step-000003/model.safetensors")
+first10 = tensors(f"{work}/frozen/step-000010/model.safetensors")
+all10 = tensors(f"{work}/frozen_all/step-000010/model.safetensors")
+resumed10 = tensors(f"{work}/frozen_resumed/step-000010/model.safetensors")
+indexer = [k for k in first10 if ".indexer." in k]
+kl = [json.loads(l).get("indexer_kl") for l in open(f"{work}/frozen/metrics.jsonl")]
+checks = {
+    "step 3 equals freeze = true's": first3 == all3,
+    "indexer tensors trained by step 10": bool(indexer) and any(first10[k] != all10[k] for k in indexer),
+    "KL logged from step 5 on": kl[:4] == [None] * 4 and all(x is not None and x > 0 for x in kl[4:]),
+    "resumed across the switch, bit for bit": resumed10 == first10,
+}
+for what, ok in checks.items():
+    print(f"frozen first: {what}: {'ok' if ok else 'FAILED'}")
+sys.exit(0 if all(checks.values()) else 1)
+PY
+grep -q "step 5: the indexers train from here on" "$work/frozen_first.log" || fail "frozen first: no log line at the switch"
 
 # --- SIGKILL at random moments of a run that checkpoints every step: the newest complete
 # checkpoint must always load and the run must resume from it.

@@ -66,6 +66,9 @@ class DeviceModel {
   // update per step).
   virtual void set_optimizer_on_host(bool on) = 0;
   virtual void load_optimizer(const AdamW& host) = 0;
+  // Takes the frozen flags of `host`'s slots (the parameters load_optimizer took), keeping the
+  // state: from the next step on, frozen slots are skipped and the others updated.
+  virtual void set_frozen(const AdamW& host) = 0;
   virtual void optimizer_step(const AdamWOptions& options, double lr, int64_t step) = 0;
   virtual void save_optimizer(AdamW& host) = 0;
   // A fresh optimizer without a host copy (benchmarks): masters from the device weights, zero moments.

@@ -36,7 +36,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
         "eval_chromosomes"}},
       {"train", {"seq_len", "batch", "accumulate", "steps", "seed", "dtype"}},
       {"optim", {"lr", "min_lr", "warmup", "beta1", "beta2", "eps", "weight_decay", "clip"}},
-      {"indexer", {"kl_coef", "freeze"}},
+      {"indexer", {"kl_coef", "freeze", "freeze_steps"}},
       {"moe", {"bias_update_rate", "aux_loss_coef"}},
       {"checkpoint", {"dir", "every", "keep", "optimizer"}},
       {"eval", {"every", "windows", "bucket"}},
@@ -424,6 +424,12 @@ RunConfig parse_run_config(std::string_view text, const std::string& path) {
 
   c.indexer.kl_coef = non_negative(r, "indexer", "kl_coef", c.indexer.kl_coef);
   c.indexer.freeze = r.boolean("indexer", "freeze").value_or(c.indexer.freeze);
+  c.indexer.freeze_steps = r.integer("indexer", "freeze_steps").value_or(c.indexer.freeze_steps);
+  check(c.indexer.freeze_steps >= 0, r.at("indexer", "freeze_steps"), ": must be >= 0");
+  check(c.indexer.freeze_steps <= c.train.steps, r.at("indexer", "freeze_steps"),
+        ": must not exceed train.steps = ", c.train.steps, " (freeze = true freezes them throughout)");
+  check(!(c.indexer.freeze && c.indexer.freeze_steps > 0), r.at("indexer", "freeze_steps"),
+        ": freeze = true freezes the indexers throughout; give one of the two");
   c.moe.bias_update_rate = non_negative(r, "moe", "bias_update_rate", c.moe.bias_update_rate);
   c.moe.aux_loss_coef = non_negative(r, "moe", "aux_loss_coef", c.moe.aux_loss_coef);
 
@@ -475,7 +481,10 @@ std::string describe(const RunConfig& c) {
       << "\neps = " << real_text(o.eps) << "\nweight_decay = " << real_text(o.weight_decay)
       << "\nclip = " << real_text(o.clip) << "\n";
   out << "\n[indexer]\nkl_coef = " << real_text(c.indexer.kl_coef)
-      << "\nfreeze = " << (c.indexer.freeze ? "true" : "false") << "\n";
+      << "\nfreeze = " << (c.indexer.freeze ? "true" : "false");
+  // Written only when set, so that the hash of runs from before the key stays the same.
+  if (c.indexer.freeze_steps > 0) out << "\nfreeze_steps = " << c.indexer.freeze_steps;
+  out << "\n";
   out << "\n[moe]\nbias_update_rate = " << real_text(c.moe.bias_update_rate)
       << "\naux_loss_coef = " << real_text(c.moe.aux_loss_coef) << "\n";
   out << "\n[checkpoint]\ndir = " << quoted(c.checkpoint.dir) << "\nevery = " << c.checkpoint.every

@@ -12,7 +12,9 @@
 //                 (micro-batches per step), steps (required), seed = 0, dtype = "f32" | "f64"
 //   [optim]       lr = 3e-4, min_lr = 3e-5, warmup = 10 (at most train.steps), beta1 = 0.9,
 //                 beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, clip = 1.0 (0 = off)
-//   [indexer]     kl_coef = 1.0, freeze = false
+//   [indexer]     kl_coef = 1.0, freeze = false (true: the indexers never train), freeze_steps = 0
+//                 (the indexers train only after this many steps: from random weights their KL
+//                 training can close every relu in the first steps, docs/PERF.md "Dead indexers")
 //   [moe]         bias_update_rate = 1e-3, aux_loss_coef = 0.0
 //   [checkpoint]  dir = "runs/NAME" (required), every = 100 (steps; 0 = only at the end), keep = 2,
 //                 optimizer = true (false: without the AdamW state, three times the model's size:
@@ -76,6 +78,9 @@ struct RunConfig {
   struct Indexer {
     double kl_coef = 1.0;
     bool freeze = false;
+    int64_t freeze_steps = 0;
+    // Whether the indexers are frozen (no KL, no update) in step `step` (0-based).
+    bool frozen_at(int64_t step) const { return freeze || step < freeze_steps; }
   } indexer;
 
   struct Moe {

@@ -640,6 +640,9 @@ TEST_F(RunConfigTest, DefaultsAndInference) {
   EXPECT_EQ(c.optim.clip, 1.0);
   EXPECT_EQ(c.indexer.kl_coef, 1.0);
   EXPECT_FALSE(c.indexer.freeze);
+  EXPECT_EQ(c.indexer.freeze_steps, 0);
+  EXPECT_FALSE(c.indexer.frozen_at(0));
+  EXPECT_EQ(describe(c).find("freeze_steps"), std::string::npos);  // the default is not written out
   EXPECT_TRUE(c.checkpoint.optimizer);
   // The default is not written out: runs from before the key keep their settings' hash.
   EXPECT_EQ(describe(c).find("optimizer"), std::string::npos);
@@ -704,6 +707,11 @@ TEST_F(RunConfigTest, WrongTypesAndValuesAreErrors) {
                "expected an integer");
   EXPECT_ERROR(parse(with_line("optim", "lr = \"fast\"")), "optim.lr = 'fast'", "expected a number");
   EXPECT_ERROR(parse(with_line("indexer", "freeze = 1")), "indexer.freeze = 1", "expected a boolean");
+  EXPECT_ERROR(parse(with_line("indexer", "freeze_steps = -1")), "indexer.freeze_steps = -1", ">= 0");
+  EXPECT_ERROR(parse(with_line("indexer", "freeze_steps = 21")), "indexer.freeze_steps = 21",
+               "train.steps = 20");
+  EXPECT_ERROR(parse(with_line("indexer", "freeze = true\nfreeze_steps = 3")), "freeze_steps",
+               "one of the two");
   EXPECT_ERROR(parse(with_line("data", "chromosomes = [\"chr1\", 2]")), "data.chromosomes[1] = 2",
                "expected a string");
   EXPECT_ERROR(parse(with_line("data", "chromosomes = \"chr1\"")), "data.chromosomes", "expected an array");
@@ -732,6 +740,18 @@ TEST_F(RunConfigTest, MissingRequiredKeys) {
   EXPECT_ERROR(parse(without("dir = \"runs/a\"")), "missing required key checkpoint.dir");
   EXPECT_ERROR(parse(without("config = \"configs/tiny.json\"")), "[model] needs dir");
   EXPECT_ERROR(load_run_config((dir_ / "absent.toml").string()), "cannot open run config", "absent.toml");
+}
+
+TEST_F(RunConfigTest, IndexersFrozenForTheFirstSteps) {
+  const RunConfig c = parse(with_line("indexer", "freeze_steps = 3"));
+  EXPECT_EQ(c.indexer.freeze_steps, 3);
+  EXPECT_TRUE(c.indexer.frozen_at(0));
+  EXPECT_TRUE(c.indexer.frozen_at(2));
+  EXPECT_FALSE(c.indexer.frozen_at(3));
+  EXPECT_NE(describe(c).find("freeze_steps = 3\n"), std::string::npos);
+  EXPECT_NE(config_hash(c), config_hash(parse(kMinimal)));
+  const RunConfig always = parse(with_line("indexer", "freeze = true"));
+  EXPECT_TRUE(always.indexer.frozen_at(0) && always.indexer.frozen_at(1000));
 }
 
 TEST_F(RunConfigTest, HashFollowsSettings) {

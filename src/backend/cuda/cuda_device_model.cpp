@@ -117,6 +117,16 @@ class CudaDeviceModel final : public DeviceModel {
     }
   }
 
+  void set_frozen(const AdamW& host) override {
+    if (host_optimizer_) {
+      host_optimizer_->set_frozen(host);
+      return;
+    }
+    check(host.slots().size() == slots_.size(), "set_frozen: the host optimizer has ", host.slots().size(),
+          " slots, the device ", slots_.size());
+    for (size_t i = 0; i < slots_.size(); ++i) slots_[i].frozen = host.slots()[i].frozen;
+  }
+
   void optimizer_step(const AdamWOptions& options, double lr, int64_t step) override {
     const TimedScope timed = model_.context().timed("optimizer");
     if (host_optimizer_) {

@@ -82,6 +82,16 @@ void HostOptimizer::load(const AdamW& host) {
   model_.weights().copy_from_host(weights_host_.get());
 }
 
+void HostOptimizer::set_frozen(const AdamW& host) {
+  std::map<std::string, bool> frozen;
+  for (const AdamW::Slot& s : host.slots()) frozen[s.name] = s.frozen;
+  for (AdamW::Slot& s : adam_.slots()) {
+    const auto it = frozen.find(s.name);
+    check(it != frozen.end(), "set_frozen: the host optimizer has no slot for ", s.name);
+    s.frozen = it->second;
+  }
+}
+
 void HostOptimizer::save(AdamW& host) const {
   check(host.slots().size() == adam_.slots().size(), "save_optimizer: the host optimizer has ",
         host.slots().size(), " slots, this one ", adam_.slots().size());

@@ -26,6 +26,8 @@ class HostOptimizer {
 
   // The state of `host` (same config), by parameter name; the device gets its weights.
   void load(const AdamW& host);
+  // The frozen flags of `host`'s slots, by parameter name; the state stays.
+  void set_frozen(const AdamW& host);
   // Into `host` (same config), which then writes its model weights.
   void save(AdamW& host) const;
   // One update number `step` (1-based) with the device's gradients.
