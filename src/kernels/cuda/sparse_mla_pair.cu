@@ -213,6 +213,13 @@ size_t backward_shared_bytes(const SparseMlaShape& s) {
          16;
 }
 
+void check_workspace(const SparseMlaShape& s, const void* workspace) {
+  const std::string why = sparse_mla_pair_unsupported(s);
+  check(why.empty(), "sparse MLA over pairs of queries: ", why);
+  check(workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 8 == 0,
+        "sparse MLA over pairs of queries: an 8-byte aligned workspace");
+}
+
 size_t partners_shared_bytes(const SparseMlaShape& s) {
   return static_cast<size_t>(s.width) * 2 * (sizeof(int32_t) + sizeof(int16_t));
 }
@@ -463,17 +470,6 @@ size_t sparse_mla_pair_workspace_bytes(const SparseMlaShape& s) {
   const auto pairs = static_cast<size_t>(pair_count(s));
   return kTotalsBytes + pairs * static_cast<size_t>(s.width) * 2 * sizeof(int16_t) + pairs * sizeof(int32_t);
 }
-
-namespace {
-
-void check_workspace(const SparseMlaShape& s, const void* workspace) {
-  const std::string why = sparse_mla_pair_unsupported(s);
-  check(why.empty(), "sparse MLA over pairs of queries: ", why);
-  check(workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 8 == 0,
-        "sparse MLA over pairs of queries: an 8-byte aligned workspace");
-}
-
-}  // namespace
 
 double sparse_mla_pair_partners(const SparseMlaShape& s, const int32_t* selected, void* workspace,
                                 cudaStream_t stream) {
