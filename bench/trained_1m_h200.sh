@@ -22,7 +22,8 @@
 # back), or both phases run in one call with STEPS=30 (7 min, as measured). CONFIG and DEVICE
 # override the model config and the device (a CPU dry run: CONFIG=tests/configs/tiny.json
 # SEQ_LEN=256 STEPS=2 DEVICE=cpu; bench needs a GPU), LR and MIN_LR the schedule (1e-3 to 1e-4),
-# FROZEN_STEPS the steps run first with the indexers frozen (0; see the train phase).
+# FROZEN_STEPS the steps run first, as a run of their own, with the indexers frozen (0; see the
+# train phase), FREEZE_STEPS the same inside the one run ([indexer] freeze_steps, 0).
 #     bash bench/trained_1m_h200.sh OUT_DIR train
 #     bash bench/trained_1m_h200.sh OUT_DIR bench
 #     bash bench/trained_1m_h200.sh OUT_DIR select
@@ -35,7 +36,7 @@ seq_len=${SEQ_LEN:-32768} steps=${STEPS:-80} bench_len=${BENCH_LEN:-1048576} dev
 lr=${LR:-1e-3} min_lr=${MIN_LR:-1e-4}
 tokens=$(realpath data/hs37chrXtrunc.fa.gz)
 mkdir -p "$out"
-write_toml() {  # write_toml FILE MODEL_LINES STEPS FREEZE CHECKPOINT_DIR TRAIN_SEED
+write_toml() {  # write_toml FILE MODEL_LINES STEPS FREEZE_LINE CHECKPOINT_DIR TRAIN_SEED
   cat > "$1" <<TOML
 # Written by bench/trained_1m_h200.sh.
 [model]
@@ -55,7 +56,7 @@ min_lr = $min_lr
 warmup = $(($3 < 10 ? $3 : 10))
 
 [indexer]
-freeze = $4
+$4
 
 [checkpoint]
 dir = "$5"
@@ -73,11 +74,12 @@ case "$phase" in
     model_line="config = \"$config\"
 seed = 1"
     if [ "$frozen_steps" -gt 0 ]; then
-      write_toml "$out/frozen.toml" "$model_line" "$frozen_steps" true "$out/frozen" 1
+      write_toml "$out/frozen.toml" "$model_line" "$frozen_steps" "freeze = true" "$out/frozen" 1
       ./build/spindle train --config "$out/frozen.toml" --device "$device" 2> >(tee "$out/frozen.log" >&2)
       model_line="dir = \"$out/frozen/$(cat "$out/frozen/latest")\""
     fi
-    write_toml "$out/run.toml" "$model_line" "$steps" false "$out/run" $((frozen_steps > 0 ? 2 : 1))
+    write_toml "$out/run.toml" "$model_line" "$steps" "freeze_steps = ${FREEZE_STEPS:-0}" "$out/run" \
+      $((frozen_steps > 0 ? 2 : 1))
     ./build/spindle train --config "$out/run.toml" --device "$device" 2> >(tee "$out/train.log" >&2)
     ;;
   bench)
