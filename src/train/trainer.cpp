@@ -374,7 +374,9 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
           "\"Frozen first, then trained\" measured with two runs");
       warned_closed = true;
     }
-    if (device && done == 1) {  // the first step has touched every buffer a step needs
+    // The first step has touched every buffer a step needs; with freeze_steps, the first with the
+    // indexers' KL.
+    if (device && (done == 1 || (run.indexer.freeze_steps > 0 && step == run.indexer.freeze_steps))) {
       char peak[160];
       std::snprintf(peak, sizeof peak, "device memory peak %.2f GiB (the planner predicted %.2f GiB)",
                     static_cast<double>(device_peak) / (1 << 30),
