@@ -26,9 +26,8 @@ constexpr int kRows = 2 * kQueryRows;  // the CTA's head rows
 constexpr int kMT = kRows / 16;
 constexpr int kProbStride = kKeys + kPad;
 constexpr int kPartnerThreads = 256;
-constexpr int kLatent = 512;                // dk = dv: the kernel's only instance
-constexpr int64_t kMaxWidth = 16384;        // slots fit int16; the first pass's lists fit shared memory
-constexpr size_t kMaxSharedBytes = 232448;  // Hopper's opt-in limit per CTA
+constexpr int kLatent = 512;          // dk = dv: the kernel's only instance
+constexpr int64_t kMaxWidth = 16384;  // slots fit int16; the first pass's lists fit shared memory
 // A warp's S or dP over its part of the reduction, for the owner: [16 warps][2 float4][32 lanes].
 constexpr size_t kPartialBytes = kWarps * 2 * 32 * 16;
 static_assert(kThreads == 8 * kRows, "delta: 8 threads per head row");
@@ -204,14 +203,13 @@ __device__ __forceinline__ void put_tile_rows(int32_t* rows_s, int32_t* slot_a_s
   if (lane == 0) flags_s[ring] = (has_a != 0 ? 1 : 0) | (has_b != 0 ? 2 : 0);
 }
 
-size_t backward_shared_bytes(const SparseMlaShape& s) {
-  const size_t qk_stride = s.dk + kPad, v_stride = s.dv + kPad;
-  // q, dO, two tiles, P and dS, the warps' partial S and dP, delta and lse, the mass by m16 tile, three
-  // tiles' rows and slots (two) and flags
-  return kRows * qk_stride * 2 + kRows * v_stride * 2 + 2 * kKeys * qk_stride * 2 +
-         2 * kRows * kProbStride * 2 + kPartialBytes + 2 * kRows * 4 + kMT * kKeys * 4 + 3 * 3 * kKeys * 4 +
-         16;
-}
+// The backward's shared memory: q, dO, two tiles, P and dS, the warps' partial S and dP, delta and
+// lse, the mass by m16 tile, three tiles' rows and slots (two) and flags.
+constexpr int kQkStride = kLatent + kPad, kVStride = kLatent + kPad;
+constexpr size_t kBackwardSharedBytes =
+    kRows * kQkStride * 2 + kRows * kVStride * 2 + 2 * kKeys * kQkStride * 2 + 2 * kRows * kProbStride * 2 +
+    kPartialBytes + 2 * kRows * 4 + kMT * kKeys * 4 + 3 * 3 * kKeys * 4 + 16;
+static_assert(kBackwardSharedBytes <= 232448, "within Hopper's shared memory per CTA");
 
 void check_workspace(const SparseMlaShape& s, const void* workspace) {
   const std::string why = sparse_mla_pair_unsupported(s);
@@ -224,16 +222,16 @@ size_t partners_shared_bytes(const SparseMlaShape& s) {
   return static_cast<size_t>(s.width) * 2 * (sizeof(int32_t) + sizeof(int16_t));
 }
 
-// DK, DV: the latent's 512 (GLM's kv_lora_rank), as constants, which keeps dQ's 64 accumulators a
-// thread and the rest within 128 registers.
-template <int DK, int DV>
+// For the latent of 512 (GLM's kv_lora_rank) as a constant, which keeps dQ's 64 accumulators a thread
+// and the rest within 128 registers.
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_pair_backward_kernel(const PairArgs a) {
+  constexpr int DK = kLatent, DV = kLatent;
   extern __shared__ __align__(16) unsigned char shared[];
   const int64_t p = blockIdx.x, ta = 2 * p;
   const bool has_b = ta + 1 < a.tokens;
   const int h0 = blockIdx.y * kQueryRows, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4,
             c = lane % 4;
-  constexpr int qk_stride = DK + kPad, v_stride = DV + kPad, k_units = DK / 16;
+  constexpr int qk_stride = kQkStride, v_stride = kVStride, k_units = DK / 16;
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);            // [kRows][qk_stride]
   __nv_bfloat16* do_s = q_s + kRows * qk_stride;                            // [kRows][v_stride]
   __nv_bfloat16* kv_s = do_s + kRows * v_stride;                            // [2][kKeys][qk_stride]
@@ -313,6 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_pair_backward_kernel(c
     const bool active = n > 0, owner = product == 0 && part == 0;
     float s[2][4] = {};
     if (active) {
+      // From a.dk and a.dv (equal to DK and DV), not the constants: a loop the compiler cannot unroll
+      // whole keeps the scores within the registers.
       const int width = (product == 0 ? a.dk : a.dv) / parts, k0 = part * width;
       if (product == 0)
         rows_by_16_keys(s, q_s + row_tile * 16 * qk_stride + k0, qk_stride, keys + key16 * qk_stride + k0,
@@ -459,9 +459,6 @@ std::string sparse_mla_pair_unsupported(const SparseMlaShape& s) {
     out << "dk " << s.dk << " and dv " << s.dv << " are not the latent's " << kLatent << " it is built for";
   else if (s.width > kMaxWidth)
     out << "width " << s.width << " over " << kMaxWidth;
-  else if (backward_shared_bytes(s) > kMaxSharedBytes)
-    out << "64 head rows of dk " << s.dk << " and dv " << s.dv << " need " << backward_shared_bytes(s)
-        << " bytes of shared memory";
   return out.str();
 }
 
@@ -510,12 +507,11 @@ void sparse_mla_backward_pairs(const SparseMlaShape& s, const __nv_bfloat16* q, 
   args.d_latent = d_latent;
   args.mass = mass;
   args.w = pair_workspace(const_cast<void*>(workspace), pairs, s.width);
-  const size_t bytes = backward_shared_bytes(s);
-  const auto kernel = sparse_mla_pair_backward_kernel<kLatent, kLatent>;
-  allow_shared_memory(kernel, bytes, "sparse_mla_pair_backward_kernel: dk ", s.dk, ", dv ", s.dv);
+  allow_shared_memory(sparse_mla_pair_backward_kernel, kBackwardSharedBytes,
+                      "sparse_mla_pair_backward_kernel");
   const dim3 grid(static_cast<unsigned>(pairs),
                   static_cast<unsigned>((s.heads + kQueryRows - 1) / kQueryRows));
-  kernel<<<grid, kThreads, bytes, stream>>>(args);
+  sparse_mla_pair_backward_kernel<<<grid, kThreads, kBackwardSharedBytes, stream>>>(args);
   SPINDLE_LAUNCHED("sparse_mla_pair_backward_kernel");
 }
 

@@ -368,13 +368,14 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     const void* pairs = nullptr;
     if (const size_t bytes = sparse_mla_pair_workspace_bytes(mla); bytes > 0) {
       pair_workspace = DeviceBuffer<unsigned char>(bytes, MemoryCategory::Workspace);
+      const std::string share = std::to_string(std::lround(100 * kPairsFromShare)) + "% of their rows";
       if (sparse_mla_pair_partners(mla, selection, pair_workspace.data(), s) >= kPairsFromShare) {
         pairs = pair_workspace.data();
         ctx.record.note("dsa/attention_backward/pairs",
-                        "sparse MLA over pairs of neighbouring queries (sharing at least 80% of their rows)");
+                        "sparse MLA over pairs of neighbouring queries (sharing at least " + share + ")");
       } else {
         ctx.record.note("dsa/attention_backward/one_query",
-                        "sparse MLA one query a CTA (neighbours sharing under 80% of their rows)");
+                        "sparse MLA one query a CTA (neighbours sharing under " + share + ")");
       }
     }
     sparse_mla_backward(mla, a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(), d_o_lat.data(),
