@@ -39,8 +39,7 @@ struct SparseMlaChunk {
         dq(static_cast<size_t>(queries * kHeads * kDim), MemoryCategory::Activations),
         selection(static_cast<size_t>(queries * kWidth), MemoryCategory::Activations),
         lse(static_cast<size_t>(queries * kHeads), MemoryCategory::Activations),
-        d_latent(static_cast<size_t>(tokens * kDim), MemoryCategory::Gradients),
-        pair_workspace(sparse_mla_pair_workspace_bytes(shape), MemoryCategory::Workspace) {
+        d_latent(static_cast<size_t>(tokens * kDim), MemoryCategory::Gradients) {
     std::vector<int32_t> selected(static_cast<size_t>(queries * kWidth), -1);
     std::mt19937_64 rng(7);
     std::vector<int32_t> chosen;
@@ -68,18 +67,14 @@ struct SparseMlaChunk {
   void forward(cudaStream_t stream) {
     sparse_mla_forward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), stream);
   }
+  // One query a CTA: on wgmma (what sparse_mla_backward runs for this shape), and on mma.sync.
   void backward(cudaStream_t stream) {
     sparse_mla_backward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
-                        dq.data(), d_latent.data(), nullptr, nullptr, stream);
+                        dq.data(), d_latent.data(), nullptr, stream);
   }
-  // Over pairs of neighbouring queries (sparse_mla_pair.h): the first pass (it returns the share of
-  // rows the pairs share), then the backward.
-  double pair_partners(cudaStream_t stream) {
-    return sparse_mla_pair_partners(shape, selection.data(), pair_workspace.data(), stream);
-  }
-  void backward_pairs(cudaStream_t stream) {
-    sparse_mla_backward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
-                        dq.data(), d_latent.data(), nullptr, pair_workspace.data(), stream);
+  void backward_mma(cudaStream_t stream) {
+    sparse_mla_backward_mma(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(),
+                            dout.data(), dq.data(), d_latent.data(), nullptr, stream);
   }
 
   int64_t tokens, queries, first;
@@ -87,7 +82,6 @@ struct SparseMlaChunk {
   DeviceBuffer<__nv_bfloat16> latent, q, dout, out, dq;
   DeviceBuffer<int32_t> selection;
   DeviceBuffer<float> lse, d_latent;
-  DeviceBuffer<unsigned char> pair_workspace;
 };
 
 }  // namespace spindle::cuda

@@ -22,7 +22,7 @@ struct SelectionOverlap {
   // context, as far back as twice what it may choose).
   double recent_share = 0;
   // Of the pools of query 2p + 1, the share that query 2p chose too (pairs whose both queries
-  // count): the DSA backward runs over pairs of queries where this is 0.8 or more.
+  // count).
   double pair_shared = 0;
   // For each group size G: the pools of G neighbouring queries (groups aligned at multiples of G)
   // gathered once for the group, over the pools gathered query by query: 1 when no two share a

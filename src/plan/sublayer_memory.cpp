@@ -145,12 +145,6 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
     a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat
     a.push_back(bf16(m, L * H * s.kv_rank));  // dq_lat
   }
-  // The sparse MLA backward over pairs of queries: which rows each pair shares (the workspace of
-  // sparse_mla_pair_workspace_bytes, for the latent of 512 it is built for).
-  if (p.absorbed && s.kv_rank == 512 && s.rope_dim == 0 && s.width <= 16384) {
-    const int64_t pairs = (L + 1) / 2;
-    a.push_back(m.workspace(16 + pairs * s.width * 4 + pairs * 4));
-  }
 }
 
 void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {

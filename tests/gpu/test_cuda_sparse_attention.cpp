@@ -1,8 +1,8 @@
 // DSA kernels on the GPU against the CPU references (kernels/cpu/dsa.h) on fresh random inputs:
 // sparse attention forward and backward for several head widths (16/16, 192/128, 256/256) and
 // selection widths (32, 64+15, 2048+15), selections built like the indexer's; MLA's absorbed form
-// on the tensor cores (sparse_mla, its wgmma forward where it takes the shape, its backward one query
-// a CTA and over pairs of neighbouring queries, on selections whose neighbours share pools and on
+// on the tensor cores (sparse_mla, its wgmma forward where it takes the shape, its backward on
+// mma.sync and, for the latent of 512, on wgmma, on selections whose neighbours share pools and on
 // ones that are not ordered) against the same reference with one shared latent; the indexer's
 // pooling (relative error), tensor-core scores (per-score error bound) and selection (exact, on
 // inputs built without near-ties, across the scorer's tiling edges); outputs
@@ -27,6 +27,7 @@
 #include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 
 namespace spindle::cuda {
@@ -199,7 +200,7 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
       // The model's shape: pools of 16 by TMA (some -1 early on, tails by cp.async), [c | rope] rows.
       {512, 512, 271, 450, 32, 64, 16},
       {256, 256, 527, 640, 16, 8, 16},
-      // Neighbours that share pools (the backward over pairs' shared rows), an odd query count,
+      // Neighbours that share pools (rows the L2 holds for several queries), an odd query count,
       // 16 heads (a query's second m16 tile empty), two head groups.
       {512, 512, 271, 451, 32, 64, 16, 2},
       {512, 512, 527, 700, 16, 0, 16, 4},
@@ -224,26 +225,28 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     DeviceBuffer<float> d_latent(static_cast<size_t>(L * stride), MemoryCategory::Gradients);
     DeviceBuffer<float> mass(static_cast<size_t>(L * c.width), MemoryCategory::Activations);
     sparse_mla_forward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), stream.get());
-    // The backward one query a CTA, then, where its kernels take the shape, over pairs of queries.
-    const size_t pair_bytes = sparse_mla_pair_workspace_bytes(s);
-    DeviceBuffer<unsigned char> pair_workspace(pair_bytes, MemoryCategory::Workspace);
-    std::vector<bf16> dq_got[2];
-    std::vector<float> d_latent_got[2], mass_got[2];
-    double pair_share = -1;
-    if (pair_bytes > 0)
-      pair_share = sparse_mla_pair_partners(s, dsel.data(), pair_workspace.data(), stream.get());
-    for (int pairs = 0; pairs < (pair_bytes > 0 ? 2 : 1); ++pairs) {
+    // The backward on mma.sync, then where its kernel takes the shape on wgmma.
+    enum Kernel { kMma, kWgmma, kKernels };
+    const char* kernel_names[kKernels] = {"mma.sync", "wgmma"};
+    const bool runs[kKernels] = {true, sparse_mla_backward_hopper_takes(s)};
+    std::vector<bf16> dq_got[kKernels];
+    std::vector<float> d_latent_got[kKernels], mass_got[kKernels];
+    for (int k = 0; k < kKernels; ++k) {
+      if (!runs[k]) continue;
       SPINDLE_CUDA(cudaMemset(d_latent.data(), 0, d_latent.size() * sizeof(float)));
       SPINDLE_CUDA(cudaMemset(mass.data(), 0, mass.size() * sizeof(float)));
       SPINDLE_CUDA(cudaMemset(dq.data(), 0xff, dq.size() * sizeof(bf16)));  // NaN until written
       SPINDLE_CUDA(cudaDeviceSynchronize());
-      sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
-                          dq.data(), d_latent.data(), mass.data(), pairs ? pair_workspace.data() : nullptr,
-                          stream.get());
+      if (k == kMma)
+        sparse_mla_backward_mma(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(),
+                                ddout.data(), dq.data(), d_latent.data(), mass.data(), stream.get());
+      else
+        sparse_mla_backward(s, dq_in.data(), dlat.data(), dsel.data(), out.data(), lse.data(), ddout.data(),
+                            dq.data(), d_latent.data(), mass.data(), stream.get());
       stream.synchronize();
-      dq_got[pairs] = dq.download();
-      d_latent_got[pairs] = d_latent.download();
-      mass_got[pairs] = mass.download();
+      dq_got[k] = dq.download();
+      d_latent_got[k] = d_latent.download();
+      mass_got[k] = mass.download();
     }
 
     // The reference: one key head whose key is the latent's first dk values and value its first dv.
@@ -287,37 +290,16 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
     // The probabilities and dS enter the tensor cores as bf16 (~2^-9 relative each), on top of the
     // bf16 outputs' own rounding; the latent's gradient stays fp32 but sums bf16 products.
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
-    for (int pairs = 0; pairs < (pair_bytes > 0 ? 2 : 1); ++pairs) {
-      const std::string kernel = pairs ? ", over pairs" : ", one query a CTA";
-      EXPECT_LT(relative_error(dq_got[pairs], dq_ref), 2e-2) << "dq, " << what << kernel;
-      EXPECT_LT(relative_error(d_latent_got[pairs], d_latent_ref), 2e-2) << "d_latent, " << what << kernel;
+    for (int k = 0; k < kKernels; ++k) {
+      if (!runs[k]) continue;
+      const std::string kernel = std::string(", ") + kernel_names[k];
+      EXPECT_LT(relative_error(dq_got[k], dq_ref), 2e-2) << "dq, " << what << kernel;
+      EXPECT_LT(relative_error(d_latent_got[k], d_latent_ref), 2e-2) << "d_latent, " << what << kernel;
       // The mass sums the fp32 probabilities (not their bf16 copies) from fp32 scores and the forward's lse.
-      EXPECT_LT(relative_error(mass_got[pairs], mass_ref), 2e-3) << "mass, " << what << kernel;
+      EXPECT_LT(relative_error(mass_got[k], mass_ref), 2e-3) << "mass, " << what << kernel;
     }
-    // The pairs' kernels took the shapes they are for (GLM's latent of 512), and their first pass
-    // found the shared rows: those of query 2p + 1 that 2p holds where both are strictly ascending.
-    EXPECT_EQ(pair_bytes > 0, c.dk == 512 && c.dv == 512) << what;
-    if (pair_bytes > 0) {
-      int64_t shared = 0, rows = 0;
-      for (int64_t t = 1; t < L; t += 2) {
-        std::vector<int32_t> first, second;
-        for (int64_t slot = 0; slot < c.width; ++slot) {
-          if (sel[(t - 1) * c.width + slot] >= 0) first.push_back(sel[(t - 1) * c.width + slot]);
-          if (sel[t * c.width + slot] >= 0) second.push_back(sel[t * c.width + slot]);
-        }
-        rows += static_cast<int64_t>(second.size());
-        const auto ascending = [](const std::vector<int32_t>& v) {
-          return std::adjacent_find(v.begin(), v.end(), std::greater_equal<int32_t>()) == v.end();
-        };
-        if (!ascending(first) || !ascending(second)) continue;
-        for (int32_t row : second) shared += std::binary_search(first.begin(), first.end(), row) ? 1 : 0;
-      }
-      const double want = rows > 0 ? static_cast<double>(shared) / static_cast<double>(rows) : 0.0;
-      EXPECT_NEAR(pair_share, want, 1e-12) << "the pairs' shared rows, " << what;
-      if (c.share > 1) {  // the selection shares what it was built to
-        EXPECT_GT(pair_share, 0.3) << what;
-      }
-    }
+    // The wgmma backward took the shapes it is for (GLM's latent of 512).
+    EXPECT_EQ(runs[kWgmma], c.dk == 512 && c.dv == 512) << what;
     const auto lse_got = lse.download();
     double worst = 0;
     for (size_t i = 0; i < lse_got.size(); ++i) {

@@ -107,8 +107,7 @@ int run_select(const std::vector<std::string>& argv) {
          "one (1: none shared, 1/G: all the same)\n"
       << "recent: the chosen pools among the query's latest " << 2 * full << " (twice what it chooses)\n"
       << "distinct: how many different pool sets the queries chose (1: the indexer ignores the query)\n"
-      << "pairs: the pools of query 2p + 1 that 2p chose too (the training backward runs over pairs of "
-         "queries from 0.8)\n"
+      << "pairs: the pools of query 2p + 1 that 2p chose too\n"
       << "layer  queries distinct  recent  jaccard(t, t+1)   pairs";
   for (int64_t g : kGroups) {
     char head[16];

@@ -9,9 +9,9 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 #include "kernels/cuda/sparse_mla_mma.cuh"
-#include "kernels/cuda/sparse_mla_pair.h"
 #include "kernels/cuda/sparse_mla_tile.cuh"
 
 namespace spindle::cuda {
@@ -493,12 +493,17 @@ void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const _
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
                          const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
-                         const void* pair_workspace, cudaStream_t stream) {
-  if (pair_workspace != nullptr) {
-    sparse_mla_backward_pairs(s, q, latent, selected, out, lse, dout, dq, d_latent, mass, pair_workspace,
-                              stream);
-    return;
-  }
+                         cudaStream_t stream) {
+  if (sparse_mla_backward_hopper_takes(s))
+    sparse_mla_backward_hopper(s, q, latent, selected, out, lse, dout, dq, d_latent, mass, stream);
+  else
+    sparse_mla_backward_mma(s, q, latent, selected, out, lse, dout, dq, d_latent, mass, stream);
+}
+
+void sparse_mla_backward_mma(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                             const int32_t* selected, const __nv_bfloat16* out, const float* lse,
+                             const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
+                             cudaStream_t stream) {
   check_supported(s, q, latent);
   check(reinterpret_cast<uintptr_t>(dout) % 16 == 0, "sparse MLA: dout must be 16-byte aligned (cp.async)");
   if (s.tokens == 0) return;

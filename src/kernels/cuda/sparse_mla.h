@@ -3,8 +3,8 @@
 // first dv), so the heads of a query form the M dimension of real matrix products. The contract
 // is cpu::sparse_attention with one key head and kv = [latent | latent[:dv]] (kernels/cpu/dsa.h).
 //
-// The forward runs on wgmma (sparse_mla_hopper.h) when dk and dv are multiples of 64; otherwise,
-// and for the backward, on the kernels below.
+// The forward runs on wgmma (sparse_mla_hopper.h) when dk and dv are multiples of 64, the backward
+// (sparse_mla_backward_hopper.h) when dk = dv = 512; otherwise on the kernels below.
 //
 // Launch: one CTA of 16 warps per (query, group of up to 32 heads); the selected rows are gathered
 // 64 at a time into shared memory with cp.async (double-buffered) and multiplied with mma.sync
@@ -51,27 +51,22 @@ std::string sparse_mla_unsupported(const SparseMlaShape& s);
 void sparse_mla_forward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                         const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream);
 
-// The backward over pairs of neighbouring queries (sparse_mla_pair.h): the bytes of its workspace,
-// 0 when its kernels do not take the shape.
-size_t sparse_mla_pair_workspace_bytes(const SparseMlaShape& s);
-
-// Its first pass over a selection ([tokens, width]) into `workspace` (that many bytes, 8-byte
-// aligned): which rows each pair of queries (2p, 2p + 1) shares. Waits for the stream, and returns
-// the share of the second queries' rows that the first ones hold (0 to 1), for the caller to choose
-// the kernel: rows that are not shared cost the pairs' kernel more than the one-query kernel.
-double sparse_mla_pair_partners(const SparseMlaShape& s, const int32_t* selected, void* workspace,
-                                cudaStream_t stream);
-
 // From the forward's out and lse and dout ([tokens, heads, dv] bf16): dq [tokens, heads, dk] bf16
 // written; d_latent [tokens, latent_stride] fp32, the first dk values of each selected row
 // accumulated (zero it first). mass, unless null: [tokens, width] fp32 accumulated (zero it first)
 // with the softmax's probabilities summed over the heads, cpu::attention_mass's contract (zero on
-// unused slots); deterministic while heads <= 32 (one CTA per query or pair). pair_workspace, unless
-// null: filled by sparse_mla_pair_partners for this selection, and the kernel over pairs of
-// neighbouring queries runs, which moves the rows that neighbours share once for both.
+// unused slots); deterministic while heads <= 32 (one CTA per query). On wgmma where its kernel
+// takes the shape (sparse_mla_backward_hopper.h), else sparse_mla_backward_mma.
 void sparse_mla_backward(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                          const int32_t* selected, const __nv_bfloat16* out, const float* lse,
                          const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
-                         const void* pair_workspace, cudaStream_t stream);
+                         cudaStream_t stream);
+
+// The backward above on mma.sync, one query a CTA, whatever the shape sparse_mla_unsupported takes
+// (the benches and tests compare it with the others).
+void sparse_mla_backward_mma(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                             const int32_t* selected, const __nv_bfloat16* out, const float* lse,
+                             const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
+                             cudaStream_t stream);
 
 }  // namespace spindle::cuda

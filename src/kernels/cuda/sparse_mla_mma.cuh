@@ -1,6 +1,6 @@
-// What the mma.sync sparse MLA kernels share (sparse_mla.cu: one query a CTA; sparse_mla_pair.cu:
-// two neighbouring queries a CTA): 16 warps, the query rows of a CTA in padded shared rows, a
-// tile's selected rows gathered by cp.async, and the products of the scores and of the values.
+// The mma.sync sparse MLA kernels' pieces (sparse_mla.cu's forward and backward, one query a CTA):
+// 16 warps, the query rows of a CTA in padded shared rows, a tile's selected rows gathered by
+// cp.async, and the products of the scores and of the values.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,13 +24,13 @@ constexpr int kMaxColTiles = kMaxDim / kWarps / 8;
 constexpr size_t kPartialBytes = 8 * 4 * 32 * 16;
 
 // Rows h0 .. h0 + rows - 1 of token t of `src` ([tokens, heads, dim]) into shared rows of `stride`,
-// zero past the last head (or for every row when t is not a query: valid false).
+// zero past the last head.
 __device__ __forceinline__ void load_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t t, int h0,
-                                          int rows, int heads, int dim, int stride, bool valid_token = true) {
+                                          int rows, int heads, int dim, int stride) {
   const int chunks = dim / 8;
   for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
     const int row = i / chunks, chunk = i % chunks;
-    const bool valid = valid_token && h0 + row < heads;
+    const bool valid = h0 + row < heads;
     const __nv_bfloat16* from = valid ? src + ((t * heads + h0 + row) * dim + chunk * 8) : src;
     copy16(dst + row * stride + chunk * 8, from, valid);
   }
@@ -62,22 +62,6 @@ __device__ __forceinline__ void rows_by_keys_k32(float (&acc)[2][4], uint32_t ro
   for (int n = 0; n < 2; ++n) {
     mma_bf16(acc[n], a0, b[n][0], b[n][1]);
     mma_bf16(acc[n], a1, b[n][2], b[n][3]);
-  }
-}
-
-// acc[n] += rows[16, 0:dim) . keys[8 n .. 8 n + 7, 0:dim)^T for n = 0, 1 (the warp's 16 keys); dim a
-// multiple of 32.
-__device__ __forceinline__ void rows_by_16_keys(float (&acc)[2][4], const __nv_bfloat16* rows, int row_stride,
-                                                const __nv_bfloat16* keys, int key_stride, int dim) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t row_address = shared_address(rows + (lane % 16) * row_stride + (lane / 16) * 8);
-  const uint32_t key_address = shared_address(keys + (lane % 8) * key_stride + (lane / 8) * 8);
-  const uint32_t key_step = 8 * key_stride * 2;  // bytes from keys 0-7 to 8-15
-  for (int k = 0; k < dim; k += 32) {
-    uint32_t b[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) ldmatrix_x4(b[n], key_address + n * key_step + k * 2);
-    rows_by_keys_k32(acc, row_address + k * 2, b);
   }
 }
 
@@ -130,13 +114,13 @@ __device__ __forceinline__ int tile_column(int j) {
   return (threadIdx.x / 32 + kWarps * (j / 2)) * 16 + (j % 2) * 8;
 }
 
-// acc[m][j] += probs [16 MT rows, Keys] . values [Keys, the warp's columns tile_column(j) ..] for
-// the m16 tiles m whose bit is set in `m_tiles`, probs rows Keys + kPad apart, values the tile's rows
-// ([key][column], stride bf16) with `units` 16-column units in all.
+// acc[m][j] += probs [16 MT rows, Keys] . values [Keys, the warp's columns tile_column(j) ..], probs
+// rows Keys + kPad apart, values the tile's rows ([key][column], stride bf16) with `units` 16-column
+// units in all.
 template <int MT, int Keys>
 __device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles][4],
                                                    const __nv_bfloat16* probs, const __nv_bfloat16* values,
-                                                   int stride, int units, unsigned m_tiles = (1u << MT) - 1) {
+                                                   int stride, int units) {
   constexpr int prob_stride = Keys + kPad;
   const int lane = threadIdx.x % 32;
   const uint32_t a_address = shared_address(probs + (lane % 16) * prob_stride + (lane / 16) * 8);
@@ -147,8 +131,7 @@ __device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles
   for (int k = 0; k < Keys; k += 16) {
     uint32_t a[MT][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-      if (m_tiles >> m & 1) ldmatrix_x4(a[m], a_address + (m * 16 * prob_stride + k) * 2);
+    for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], a_address + (m * 16 * prob_stride + k) * 2);
 #pragma unroll
     for (int j = 0; j < kMaxColTiles; j += 2) {
       if (threadIdx.x / 32 + kWarps * (j / 2) >= units) break;
@@ -156,7 +139,6 @@ __device__ __forceinline__ void probs_times_values(float (&acc)[MT][kMaxColTiles
       ldmatrix_x4_trans(b, b_address + (k * stride + tile_column(j)) * 2);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        if (!(m_tiles >> m & 1)) continue;
         mma_bf16(acc[m][j], a[m], b[0], b[1]);
         mma_bf16(acc[m][j + 1], a[m], b[2], b[3]);
       }

@@ -84,8 +84,9 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t a, uint
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TransA));
 }
 
-// d (+)= A [64 x 16] B [16 x 128], both K-major, bf16 in, fp32 accumulate; `accumulate` false
-// overwrites d.
+// d (+)= A [64 x 16] B [16 x 128], bf16 in, fp32 accumulate; `accumulate` false overwrites d.
+// TransA, TransB: that operand stored MN-major instead of K-major.
+template <int TransA = 0, int TransB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b, bool accumulate) {
   SPINDLE_WGMMA(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -94,7 +95,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
       "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
       "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
       "%62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
+      "%64, %65, p, 1, 1, %67, %68;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -105,7 +106,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
         "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
         "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
         "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TransA), "n"(TransB));
 }
 
 }  // namespace spindle::cuda

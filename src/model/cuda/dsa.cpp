@@ -14,6 +14,7 @@
 #include "kernels/cuda/selection_pools.h"
 #include "kernels/cuda/sparse_attention.h"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
@@ -24,11 +25,6 @@ namespace {
 
 constexpr float kIndexerNormEps = 1e-6f;
 constexpr size_t kSelectWorkspaceBytes = size_t{1} << 30;  // the score tile of a query block
-// The sparse MLA backward runs over pairs of queries when the second queries share at least this
-// share of their rows with the first: below it the rows that are not shared cost the pairs' kernel
-// more than it saves on the shared ones (measured at 1M: 65.5 ms against 54.3 with nothing shared,
-// 40.6 against 43.7 with everything; docs/PERF.md, "The sparse MLA backward over pairs of queries").
-constexpr double kPairsFromShare = 0.8;
 
 // The indexer over `tokens` keys, for the queries from `first` on.
 cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t tokens, int64_t first = 0) {
@@ -362,24 +358,13 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
   if (tensor_cores) {  // the latent's gradient lands in the cache gradient's rows
     if (mass != nullptr) SPINDLE_CUDA(cudaMemsetAsync(mass, 0, L * shape.width * sizeof(float), s));
     const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
-    // Over pairs of neighbouring queries where they share most of their rows, as a trained
-    // indexer's neighbours do (docs/PERF.md, "The sparse MLA backward over pairs of queries").
-    DeviceBuffer<unsigned char> pair_workspace;
-    const void* pairs = nullptr;
-    if (const size_t bytes = sparse_mla_pair_workspace_bytes(mla); bytes > 0) {
-      pair_workspace = DeviceBuffer<unsigned char>(bytes, MemoryCategory::Workspace);
-      const std::string share = std::to_string(std::lround(100 * kPairsFromShare)) + "% of their rows";
-      if (sparse_mla_pair_partners(mla, selection, pair_workspace.data(), s) >= kPairsFromShare) {
-        pairs = pair_workspace.data();
-        ctx.record.note("dsa/attention_backward/pairs",
-                        "sparse MLA over pairs of neighbouring queries (sharing at least " + share + ")");
-      } else {
-        ctx.record.note("dsa/attention_backward/one_query",
-                        "sparse MLA one query a CTA (neighbours sharing under " + share + ")");
-      }
-    }
+    if (sparse_mla_backward_hopper_takes(mla))
+      ctx.record.note("dsa/attention_backward/wgmma", "sparse MLA backward on wgmma (the latent of 512)");
+    else
+      ctx.record.note("dsa/attention_backward/mma_sync",
+                      "sparse MLA backward on mma.sync (a latent other than 512)");
     sparse_mla_backward(mla, a.q_lat.data(), kv, selection, a.o_lat.data(), a.lse.data(), d_o_lat.data(),
-                        dq_lat.data(), dkv, mass, pairs, s);
+                        dq_lat.data(), dkv, mass, s);
   } else
     sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
   // For every head h at once: dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.

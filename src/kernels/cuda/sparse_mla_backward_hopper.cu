@@ -1,0 +1,350 @@
+// The sparse MLA backward on wgmma; see sparse_mla_backward_hopper.h for the design. Scores are in
+// the log2 domain (scaled by scale * log2(e)), as in the other sparse MLA kernels.
+#include <cmath>
+
+#include "backend/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/sparse_mla_backward_hopper.h"
+#include "kernels/cuda/sparse_mla_tile.cuh"
+#include "kernels/cuda/tensor_map.h"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace spindle::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;      // two warpgroups
+constexpr int kKeys = kTileKeys;   // selected rows per tile: every product's M but dQ's
+constexpr int kHeads = 32;         // heads per CTA
+constexpr int kDim = 512;          // dk = dv
+constexpr int kRows = 2 * kHeads;  // [Q; dO] and [dS; P]: the heads' rows twice
+// The rows' gradient, 256 fp32 columns a round, rows 264 floats apart: a warp's float2 stores of
+// 8 rows then fall in distinct banks, and each row stays 16-byte aligned for the bulk reduction.
+constexpr int kRoundColumns = 256, kStageStride = kRoundColumns + 8;
+
+// Byte offsets into the dynamic shared memory from its first 1024-byte boundary (the swizzled
+// tiles' alignment; kAlignSlack more bytes are asked for). Two buffers, each a tile of 64 rows x 512
+// values in the 128-byte swizzled layout (fill_tile's) and then the gradient staged from it.
+constexpr uint32_t kAlignSlack = 1024;
+constexpr uint32_t kBufferBytes = 68 * 1024;
+static_assert(kBufferBytes >= kKeys * kDim * 2 && kBufferBytes >= kKeys * kStageStride * 4 &&
+                  kBufferBytes % 1024 == 0,
+              "a buffer holds a tile and its staged gradient, 1024-byte aligned");
+constexpr uint32_t kQdo = 2 * kBufferBytes;                 // [Q; dO], [kRows][kDim] bf16, core matrices
+constexpr uint32_t kGrads = kQdo + kRows * kDim * 2;        // [dS; P], [kRows][kKeys] bf16, core matrices
+constexpr uint32_t kExchange = kGrads + kRows * kKeys * 2;  // dP^T, [4][128 threads] float4
+constexpr uint32_t kIndices = kExchange + 128 * 16 * 4;     // [2 buffers][kKeys] int32
+constexpr uint32_t kStats = kIndices + 2 * kKeys * 4;       // lse (log2 domain), delta: [kHeads] float each
+constexpr uint32_t kBars = kStats + 2 * kHeads * 4;         // [2 buffers] uint64
+constexpr uint32_t kSharedBytes = kBars + 2 * 8 + kAlignSlack;
+constexpr uint32_t kQdoGroupBytes = kDim * 16;     // 8 rows of [Q; dO]
+constexpr uint32_t kGradsGroupBytes = kKeys * 16;  // 8 rows of [dS; P]
+
+struct Args : SparseMlaInputs {
+  const __nv_bfloat16* out;  // the forward's
+  const float* lse;          // the forward's, natural log
+  const __nv_bfloat16* dout;
+  __nv_bfloat16* dq;
+  float* d_latent;
+  float* mass;
+};
+
+// acc = [dS; P]^T [Q; dO] for columns n0 .. n0 + 127: A the [dS; P] rows read MN-major (keys
+// contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows.
+__device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_address, uint32_t qdo_address,
+                                              int n0) {
+#pragma unroll
+  for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kRows / 16; ++k)
+    wgmma_m64n128k16<1, 1>(
+        acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
+        wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + n0 / 8 * 128, kQdoGroupBytes, 128), k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+}
+
+// The accumulators of rows_gradient into the staged rows, at the warpgroup's 128 of the round's
+// columns.
+__device__ __forceinline__ void stage_gradient(float* staged, const float (&acc)[64], int group, int key_a,
+                                               int c2) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(staged + (key_a + 8 * h) * kStageStride + group * 128 + 8 * j + c2) =
+          make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_backward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(128) unsigned char shared_base[];
+  unsigned char* shared =
+      shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
+  const int64_t t = blockIdx.x;
+  // The warpgroup and warp through a shuffle: the compiler then knows them uniform across the warp
+  // and does not serialise the wgmma in branches that depend on them.
+  const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
+            warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
+  const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
+  const int key_a = 16 * warp + lane / 4, c2 = 2 * (lane % 4);  // accumulator rows key_a, key_a + 8
+  unsigned char* qdo_s = shared + kQdo;
+  unsigned char* grads_s = shared + kGrads;
+  float4* exchange = reinterpret_cast<float4*>(shared + kExchange);
+  int32_t* idx_s = reinterpret_cast<int32_t*>(shared + kIndices);
+  float* lse_s = reinterpret_cast<float*>(shared + kStats);
+  float* delta_s = lse_s + kHeads;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(shared + kBars);
+  uint32_t phases = 0;  // bit b: the phase buffer b's barrier is in
+  const int64_t tiles = (a.width + kKeys - 1) / kKeys;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bars[0], 1);
+    mbarrier_init(&bars[1], 1);
+  }
+  mbarrier_init_fence();
+  __syncthreads();
+  // [Q; dO] (zero rows past the last head) in core matrices: 16-byte unit u of an 8-row group at 16 u.
+  constexpr int kChunks = kDim / 8;
+  for (int u = threadIdx.x; u < kRows * kChunks; u += kThreads) {
+    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8, head = row % kHeads;
+    const bool valid = h0 + head < a.heads;
+    const __nv_bfloat16* src = row < kHeads ? a.q : a.dout;
+    copy16(qdo_s + u * 16, valid ? src + ((t * a.heads + h0 + head) * kDim + c * 8) : src, valid);
+  }
+  TileRows rows{};
+  if (group == 1) {  // warpgroup 1 gathers every tile
+    rows = tile_rows(a.selected, a.width, t, 0, wt);
+    if (wt < kKeys) idx_s[wt] = rows.own;
+    if (tiles > 0) fill_tile(shared, rows, a.latent, a.latent_stride, kDim, wt, &latent_map, &bars[0]);
+    rows = tile_rows(a.selected, a.width, t, 1, wt);
+  }
+  copy_commit();
+  {  // delta = rowsum(dO o O) and the log2-domain lse by head, 8 threads a head
+    const int head = threadIdx.x / 8, part = threadIdx.x % 8;
+    const bool valid = h0 + head < a.heads;
+    float sum = 0.0f;
+    if (valid) {
+      const int64_t base = (t * a.heads + h0 + head) * kDim;
+      for (int col = part * 8; col < kDim; col += 64) {
+        const uint4 d = *reinterpret_cast<const uint4*>(a.dout + base + col),
+                    o = *reinterpret_cast<const uint4*>(a.out + base + col);
+        const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
+        const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 df = __bfloat1622float2(d2[e]), of = __bfloat1622float2(o2[e]);
+          sum += df.x * of.x + df.y * of.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int offset = 4; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (part == 0) {
+      delta_s[head] = sum;
+      lse_s[head] = valid ? a.lse[t * a.heads + h0 + head] * kLog2e : INFINITY;
+    }
+  }
+
+  // dQ^T [512, 32 heads]: warpgroup g holds values 256 g .. 256 g + 255, 64 a block.
+  float dq[4][16] = {};
+  const uint32_t qdo_address = shared_address(qdo_s), grads_address = shared_address(grads_s);
+  copy_wait_all();
+  fence_async_shared();
+  __syncthreads();  // [Q; dO] and the statistics are in
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int buf = static_cast<int>(tile & 1);
+    unsigned char* tile_s = shared + buf * kBufferBytes;
+    const uint32_t tile_address = shared_address(tile_s);
+    const int32_t* idx = idx_s + buf * kKeys;
+    if (group == 1) {
+      copy_wait_all();
+      fence_async_shared();
+    }
+    mbarrier_wait(&bars[buf], phases >> buf & 1);
+    phases ^= 1u << buf;
+    // The previous tile's gradient has left the other buffer, which the next tile fills below.
+    if (threadIdx.x < kKeys) bulk_wait_read<0>();
+    __syncthreads();
+
+    // S^T (warpgroup 0) or dP^T (warpgroup 1) [64 keys, 32 heads] = K [Q or dO]^T over the 512 values.
+    float s[16] = {};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);
+    const uint32_t b_rows = qdo_address + group * (kHeads / 8) * kQdoGroupBytes;
+    for (int k = 0; k < kDim / 16; k += 4) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = k; kk < k + 4; ++kk)
+        wgmma_m64n32k16<0>(
+            s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
+            wgmma_descriptor(b_rows + kk * 256, 128, kQdoGroupBytes), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);
+    if (group == 1) {
+#pragma unroll
+      for (int j4 = 0; j4 < 4; ++j4)
+        exchange[j4 * 128 + wt] = make_float4(s[4 * j4], s[4 * j4 + 1], s[4 * j4 + 2], s[4 * j4 + 3]);
+    }
+    __syncthreads();
+
+    if (group == 0) {  // P and dS into [dS; P], the mass by key
+      const bool valid[2] = {idx[key_a] >= 0, idx[key_a + 8] >= 0};
+      float column[2] = {};  // P over this thread's heads, keys key_a and key_a + 8
+#pragma unroll
+      for (int j4 = 0; j4 < 4; ++j4) {
+        const float4 d4 = exchange[j4 * 128 + wt];
+        const float dp[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 4 * j4 + e, h = (j / 2) % 2, key = key_a + 8 * h, head = 8 * j4 + c2 + j % 2;
+          const float p = valid[h] ? exp2f(s[j] * a.scale2 - lse_s[head]) : 0.0f;
+          const float ds = p * (dp[e] - delta_s[head]) * a.scale;
+          column[h] += p;
+          *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(head, key, kKeys)) = __float2bfloat16(ds);
+          *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(kHeads + head, key, kKeys)) =
+              __float2bfloat16(p);
+        }
+      }
+      if (a.mass != nullptr) {  // over the heads: the 4 lanes of a row
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          column[h] += __shfl_xor_sync(0xffffffffu, column[h], 1);
+          column[h] += __shfl_xor_sync(0xffffffffu, column[h], 2);
+          const int64_t slot = tile * kKeys + key_a + 8 * h;
+          // One add per slot and CTA: with one CTA per query (heads <= 32) it lands on the caller's
+          // zero alone, so the sum is deterministic.
+          if (lane % 4 == 0 && slot < a.width) atomicAdd(a.mass + t * a.width + slot, column[h]);
+        }
+      }
+      fence_async_shared();
+    } else if (tile + 1 < tiles) {
+      if (wt < kKeys) idx_s[(buf ^ 1) * kKeys + wt] = rows.own;
+      fill_tile(shared + (buf ^ 1) * kBufferBytes, rows, a.latent, a.latent_stride, kDim, wt, &latent_map,
+                &bars[buf ^ 1]);
+      rows = tile_rows(a.selected, a.width, t, tile + 2, wt);
+    }
+    copy_commit();
+    __syncthreads();  // [dS; P] is in
+
+    // dQ^T += K^T dS^T for the warpgroup's 4 blocks of 64 values, then the rows' gradient for the
+    // first round's columns, both in one batch of wgmma.
+    float acc[64];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) wgmma_hold(dq[b][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n32k16<1>(
+            dq[b],
+            wgmma_descriptor_128b(tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
+                                  kSwizzleBlockBytes, 1024),
+            wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
+    }
+#pragma unroll
+    for (int k = 0; k < kRows / 16; ++k)
+      wgmma_m64n128k16<1, 1>(
+          acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
+          wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + group * 128 / 8 * 128, kQdoGroupBytes, 128),
+          k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) wgmma_hold(dq[b][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    __syncthreads();  // nobody reads the tile any more: its buffer stages the gradient
+
+    float* staged = reinterpret_cast<float*>(tile_s);
+    for (int round = 0; round < kDim / kRoundColumns; ++round) {
+      if (round > 0) {
+        rows_gradient(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
+        if (threadIdx.x < kKeys) bulk_wait_read<0>();  // the previous round's columns left the buffer
+        __syncthreads();
+      }
+      stage_gradient(staged, acc, group, key_a, c2);
+      fence_async_shared();
+      __syncthreads();
+      if (threadIdx.x < kKeys) {
+        const int32_t index = idx[threadIdx.x];
+        if (index >= 0)
+          bulk_reduce_add(a.d_latent + static_cast<int64_t>(index) * a.latent_stride + round * kRoundColumns,
+                          staged + threadIdx.x * kStageStride, kRoundColumns * 4);
+        bulk_commit();
+      }
+    }
+  }
+  if (threadIdx.x < kKeys) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
+
+  // dQ^T to [heads][512] bf16 through the [Q; dO] buffer, then out in 16-byte pieces.
+  __syncthreads();
+  __nv_bfloat16* dq_s = reinterpret_cast<__nv_bfloat16*>(qdo_s);
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int value = 64 * (4 * group + b) + key_a + 8 * ((j / 2) % 2), head = 8 * (j / 4) + c2 + j % 2;
+      dq_s[head * kDim + value] = __float2bfloat16(dq[b][j]);
+    }
+  }
+  __syncthreads();
+  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kDim / 8;
+  uint4* dst = reinterpret_cast<uint4*>(a.dq + (t * a.heads + h0) * kDim);
+  for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = reinterpret_cast<const uint4*>(dq_s)[u];
+}
+
+}  // namespace
+
+bool sparse_mla_backward_hopper_takes(const SparseMlaShape& s) {
+  return sparse_mla_unsupported(s).empty() && s.dk == kDim && s.dv == kDim;
+}
+
+void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
+                                const int32_t* selected, const __nv_bfloat16* out, const float* lse,
+                                const __nv_bfloat16* dout, __nv_bfloat16* dq, float* d_latent, float* mass,
+                                cudaStream_t stream) {
+  check(sparse_mla_backward_hopper_takes(s), "sparse MLA backward on wgmma: dk ", s.dk, " and dv ", s.dv,
+        " must both be ", kDim);
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  check(aligned(q) && aligned(latent) && aligned(out) && aligned(dout) && aligned(dq) && aligned(d_latent),
+        "sparse MLA backward on wgmma: q, the latent, out, dout, dq and d_latent must be 16-byte aligned");
+  if (s.tokens == 0) return;
+  Args args{};
+  static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
+  args.out = out;
+  args.lse = lse;
+  args.dout = dout;
+  args.dq = dq;
+  args.d_latent = d_latent;
+  args.mass = mass;
+  // As in the forward: the map claims more rows than any sequence; only selected pools are read.
+  const CUtensorMap map =
+      bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
+  allow_shared_memory(sparse_mla_backward_hopper_kernel, kSharedBytes, "sparse MLA backward on wgmma");
+  const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  sparse_mla_backward_hopper_kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, map);
+  SPINDLE_LAUNCHED("sparse_mla_backward_hopper_kernel");
+}
+
+}  // namespace spindle::cuda
