@@ -55,8 +55,7 @@ struct Args : SparseMlaInputs {
 // contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows.
 __device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_address, uint32_t qdo_address,
                                               int n0) {
-#pragma unroll
-  for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+  wgmma_hold(acc);
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kRows / 16; ++k)
@@ -65,8 +64,7 @@ __device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_a
         wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + n0 / 8 * 128, kQdoGroupBytes, 128), k > 0);
   wgmma_commit();
   wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+  wgmma_hold(acc);
 }
 
 // The accumulators of rows_gradient into the staged rows, at the warpgroup's 128 of the round's
@@ -175,21 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // S^T (warpgroup 0) or dP^T (warpgroup 1) [64 keys, 32 heads] = K [Q or dO]^T over the 512 values.
     float s[16] = {};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);
-    const uint32_t b_rows = qdo_address + group * (kHeads / 8) * kQdoGroupBytes;
-    for (int k = 0; k < kDim / 16; k += 4) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = k; kk < k + 4; ++kk)
-        wgmma_m64n32k16<0>(
-            s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
-            wgmma_descriptor(b_rows + kk * 256, 128, kQdoGroupBytes), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);
+    tile_times_rows(s, tile_address, qdo_address + group * (kHeads / 8) * kQdoGroupBytes, kDim,
+                    kQdoGroupBytes);
     if (group == 1) {
 #pragma unroll
       for (int j4 = 0; j4 < 4; ++j4)
@@ -242,12 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) wgmma_hold(dq[b][j]);
-    }
-#pragma unroll
-    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+    wgmma_hold(acc);
     wgmma_fence();
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
@@ -268,12 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) wgmma_hold(dq[b][j]);
-    }
-#pragma unroll
-    for (int j = 0; j < 64; ++j) wgmma_hold(acc[j]);
+    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+    wgmma_hold(acc);
     __syncthreads();  // nobody reads the tile any more: its buffer stages the gradient
 
     float* staged = reinterpret_cast<float*>(tile_s);

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* red_max = reinterpret_cast<float*>(shared + L.red_max) + group * 4 * kHeads;
   float* red_sum = reinterpret_cast<float*>(shared + L.red_sum) + group * 4 * kHeads;
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
-  const int chunks = a.dk / 8, ksteps = a.dk / 16;
+  const int chunks = a.dk / 8;
   const uint32_t row_group_bytes = static_cast<uint32_t>(a.dk * 16);
 
   if (wt == 0) mbarrier_init(bar, 1);
@@ -120,20 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     warpgroup_barrier(group);
     // S^T [64 keys, 32 heads] = K Q^T over dk.
     float s[16] = {};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);  // written before the fence, not sunk past it
-    for (int k = 0; k < ksteps; k += 4) {           // dk a multiple of 64
-      wgmma_fence();
-#pragma unroll
-      for (int kk = k; kk < k + 4; ++kk)
-        wgmma_m64n32k16<0>(
-            s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
-            wgmma_descriptor(q_address + kk * 256, 128, row_group_bytes), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 16; ++j) wgmma_hold(s[j]);
+    tile_times_rows(s, tile_address, q_address, a.dk, row_group_bytes);
 
     // Online softmax down each head's column: the column's maximum over the 4 warps.
     const bool valid0 = idx_s[key_a] >= 0, valid1 = idx_s[key_a + 8] >= 0;

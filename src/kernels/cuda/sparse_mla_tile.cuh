@@ -13,6 +13,7 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/tma.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace spindle::cuda {
 
@@ -115,6 +116,25 @@ __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r,
     for (int p = thread / 8; p < pieces; p += 16)
       copy16(to + (p / 8) * kSwizzleBlockBytes + ((p % 8) ^ (row % 8)) * 16, from + p * 8, valid);
   }
+}
+
+// s = K R^T [64 keys, 32 rows] over dk (a multiple of 64): the tile (fill_tile's layout) as A, read
+// K-major; the 32 rows of R (core matrices, 8 rows every row_group_bytes) as B. By one warpgroup,
+// complete on return.
+__device__ __forceinline__ void tile_times_rows(float (&s)[16], uint32_t tile_address, uint32_t rows_address,
+                                                int dk, uint32_t row_group_bytes) {
+  wgmma_hold(s);  // written before the fence, not sunk past it
+  for (int k = 0; k < dk / 16; k += 4) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = k; kk < k + 4; ++kk)
+      wgmma_m64n32k16<0>(
+          s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
+          wgmma_descriptor(rows_address + kk * 256, 128, row_group_bytes), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(s);
 }
 
 }  // namespace spindle::cuda

@@ -69,6 +69,11 @@ __device__ __forceinline__ void warpgroup_barrier(int group) {
 
 // Keeps the compiler from moving accesses to an accumulator across the asynchronous wgmma.
 __device__ __forceinline__ void wgmma_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_hold(float (&r)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) wgmma_hold(r[j]);
+}
 
 // d (+)= A [64 x 16] B [16 x 32], bf16 in, fp32 accumulate; `accumulate` false overwrites d.
 // TransA: A stored MN-major (its 64 rows contiguous within each 8-column piece) instead of K-major.
