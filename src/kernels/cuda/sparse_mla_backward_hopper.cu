@@ -167,8 +167,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbarrier_wait(&bars[buf], phases >> buf & 1);
     phases ^= 1u << buf;
-    // The previous tile's gradient has left the other buffer, which the next tile fills below.
-    if (threadIdx.x < kKeys) bulk_wait_read<0>();
     __syncthreads();
 
     // S^T (warpgroup 0) or dP^T (warpgroup 1) [64 keys, 32 heads] = K [Q or dO]^T over the 512 values.
@@ -180,6 +178,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j4 = 0; j4 < 4; ++j4)
         exchange[j4 * 128 + wt] = make_float4(s[4 * j4], s[4 * j4 + 1], s[4 * j4 + 2], s[4 * j4 + 3]);
     }
+    // The previous tile's gradient has left the other buffer, which the next tile fills below (the
+    // wait after the scores' product, which hides the reads' tail).
+    if (threadIdx.x < kKeys) bulk_wait_read<0>();
     __syncthreads();
 
     if (group == 0) {  // P and dS into [dS; P], the mass by key
