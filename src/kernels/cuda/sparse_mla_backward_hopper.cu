@@ -20,8 +20,9 @@ constexpr int kKeys = kTileKeys;   // selected rows per tile: every product's M 
 constexpr int kHeads = 32;         // heads per CTA
 constexpr int kDim = 512;          // dk = dv
 constexpr int kRows = 2 * kHeads;  // [Q; dO] and [dS; P]: the heads' rows twice
-// The rows' gradient, 256 fp32 columns a round, rows 264 floats apart: a warp's float2 stores of
-// 8 rows then fall in distinct banks, and each row stays 16-byte aligned for the bulk reduction.
+// The rows' gradient, 256 fp32 columns a round, rows 264 floats apart: a warp's float2 stores (8
+// rows, 4 column pairs) then take the two wavefronts their 256 bytes need, and each row stays
+// 16-byte aligned for the bulk reduction.
 constexpr int kRoundColumns = 256, kStageStride = kRoundColumns + 8;
 
 // Byte offsets into the dynamic shared memory from its first 1024-byte boundary (the swizzled
