@@ -5,8 +5,9 @@
 # attention's gathers and gradient reductions then meet in the L2. Fine-tuning at full length
 # starts from trained weights, so this measures that case. Caveats: 80 steps at 32k teach the 4B
 # model little beyond the bases' frequencies, and trained from the start 4 or 5 of its 11 indexers
-# die in the first 10 steps (every relu closed: docs/PERF.md, "Dead indexers"); FROZEN_STEPS=10
-# keeps them alive (measured at 62788fe: "Frozen first, then trained"). The select phase says whether
+# die in the first 10 steps (every relu closed: docs/PERF.md, "Dead indexers"); FREEZE_STEPS=10 (one
+# run) or FROZEN_STEPS=10 (two) keeps them alive (measured at 54b3ac3 and 62788fe: "The 1M step from
+# live indexers on the pairs' kernel", "Frozen first, then trained"). The select phase says whether
 # a checkpoint's selections are content-dependent. Phases:
 #   train: trains the model from its config (seed 1) at SEQ_LEN tokens (32k) on an N-free chrX
 #          window for STEPS steps (80) on the GPU and keeps the last checkpoint without the AdamW
