@@ -52,17 +52,24 @@ struct Args : SparseMlaInputs {
   float* mass;
 };
 
-// acc = [dS; P]^T [Q; dO] for columns n0 .. n0 + 127: A the [dS; P] rows read MN-major (keys
-// contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows.
-__device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_address, uint32_t qdo_address,
-                                              int n0) {
-  wgmma_hold(acc);
-  wgmma_fence();
+// Issues acc = [dS; P]^T [Q; dO] for columns n0 .. n0 + 127: A the [dS; P] rows read MN-major (keys
+// contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows. The caller fences,
+// commits and waits.
+__device__ __forceinline__ void issue_rows_gradient(float (&acc)[64], uint32_t grads_address,
+                                                    uint32_t qdo_address, int n0) {
 #pragma unroll
   for (int k = 0; k < kRows / 16; ++k)
     wgmma_m64n128k16<1, 1>(
         acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
         wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + n0 / 8 * 128, kQdoGroupBytes, 128), k > 0);
+}
+
+// issue_rows_gradient alone, complete on return.
+__device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_address, uint32_t qdo_address,
+                                              int n0) {
+  wgmma_hold(acc);
+  wgmma_fence();
+  issue_rows_gradient(acc, grads_address, qdo_address, n0);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(acc);
@@ -242,12 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   kSwizzleBlockBytes, 1024),
             wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
     }
-#pragma unroll
-    for (int k = 0; k < kRows / 16; ++k)
-      wgmma_m64n128k16<1, 1>(
-          acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
-          wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + group * 128 / 8 * 128, kQdoGroupBytes, 128),
-          k > 0);
+    issue_rows_gradient(acc, grads_address, qdo_address, group * 128);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
