@@ -33,12 +33,11 @@ constexpr uint32_t kBufferBytes = 68 * 1024;
 static_assert(kBufferBytes >= kKeys * kDim * 2 && kBufferBytes >= kKeys * kStageStride * 4 &&
                   kBufferBytes % 1024 == 0,
               "a buffer holds a tile and its staged gradient, 1024-byte aligned");
-constexpr uint32_t kQdo = 2 * kBufferBytes;                 // [Q; dO], [kRows][kDim] bf16, core matrices
-constexpr uint32_t kGrads = kQdo + kRows * kDim * 2;        // [dS; P], [kRows][kKeys] bf16, core matrices
-constexpr uint32_t kExchange = kGrads + kRows * kKeys * 2;  // dP^T, [4][128 threads] float4
-constexpr uint32_t kIndices = kExchange + 128 * 16 * 4;     // [2 buffers][kKeys] int32
-constexpr uint32_t kStats = kIndices + 2 * kKeys * 4;       // lse (log2 domain), delta: [kHeads] float each
-constexpr uint32_t kBars = kStats + 2 * kHeads * 4;         // [2 buffers] uint64
+constexpr uint32_t kQdo = 2 * kBufferBytes;                // [Q; dO], [kRows][kDim] bf16, core matrices
+constexpr uint32_t kGrads = kQdo + kRows * kDim * 2;       // [dS; P], [kRows][kKeys] bf16, core matrices
+constexpr uint32_t kIndices = kGrads + kRows * kKeys * 2;  // [2 buffers][kKeys] int32
+constexpr uint32_t kStats = kIndices + 2 * kKeys * 4;      // lse (log2 domain), delta: [kHeads] float each
+constexpr uint32_t kBars = kStats + 2 * kHeads * 4;        // [2 buffers] uint64
 constexpr uint32_t kSharedBytes = kBars + 2 * 8 + kAlignSlack;
 constexpr uint32_t kQdoGroupBytes = kDim * 16;     // 8 rows of [Q; dO]
 constexpr uint32_t kGradsGroupBytes = kKeys * 16;  // 8 rows of [dS; P]
@@ -102,7 +101,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int key_a = 16 * warp + lane / 4, c2 = 2 * (lane % 4);  // accumulator rows key_a, key_a + 8
   unsigned char* qdo_s = shared + kQdo;
   unsigned char* grads_s = shared + kGrads;
-  float4* exchange = reinterpret_cast<float4*>(shared + kExchange);
   int32_t* idx_s = reinterpret_cast<int32_t*>(shared + kIndices);
   float* lse_s = reinterpret_cast<float*>(shared + kStats);
   float* delta_s = lse_s + kHeads;
@@ -164,6 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   copy_wait_all();
   fence_async_shared();
   __syncthreads();  // [Q; dO] and the statistics are in
+  // The bulk reductions are issued, and waited for, by warpgroup 1's first kKeys threads: the gatherer
+  // then knows without a barrier when the spent buffer has been read.
+  const bool issuer = group == 1 && wt < kKeys;
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int buf = static_cast<int>(tile & 1);
     unsigned char* tile_s = shared + buf * kBufferBytes;
@@ -177,37 +178,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     phases ^= 1u << buf;
     __syncthreads();
 
-    // S^T (warpgroup 0) or dP^T (warpgroup 1) [64 keys, 32 heads] = K [Q or dO]^T over the 512 values.
-    float s[16] = {};
-    tile_times_rows(s, tile_address, qdo_address + group * (kHeads / 8) * kQdoGroupBytes, kDim,
-                    kQdoGroupBytes);
-    if (group == 1) {
-#pragma unroll
-      for (int j4 = 0; j4 < 4; ++j4)
-        exchange[j4 * 128 + wt] = make_float4(s[4 * j4], s[4 * j4 + 1], s[4 * j4 + 2], s[4 * j4 + 3]);
-    }
-    // The previous tile's gradient has left the other buffer, which the next tile fills below (the
-    // wait after the scores' product, which hides the reads' tail).
-    if (threadIdx.x < kKeys) bulk_wait_read<0>();
-    __syncthreads();
-
-    if (group == 0) {  // P and dS into [dS; P], the mass by key
+    if (group == 0) {    // S^T and dP^T, then P and dS into [dS; P], the mass by key
+      float s[32] = {};  // [S^T | dP^T]: s[j] of S, s[16 + j] of dP at the same key and head
+      tile_times_rows<kRows>(s, tile_address, qdo_address, kDim, kQdoGroupBytes);
       const bool valid[2] = {idx[key_a] >= 0, idx[key_a + 8] >= 0};
       float column[2] = {};  // P over this thread's heads, keys key_a and key_a + 8
 #pragma unroll
-      for (int j4 = 0; j4 < 4; ++j4) {
-        const float4 d4 = exchange[j4 * 128 + wt];
-        const float dp[4] = {d4.x, d4.y, d4.z, d4.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = 4 * j4 + e, h = (j / 2) % 2, key = key_a + 8 * h, head = 8 * j4 + c2 + j % 2;
-          const float p = valid[h] ? exp2f(s[j] * a.scale2 - lse_s[head]) : 0.0f;
-          const float ds = p * (dp[e] - delta_s[head]) * a.scale;
-          column[h] += p;
-          *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(head, key, kKeys)) = __float2bfloat16(ds);
-          *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(kHeads + head, key, kKeys)) =
-              __float2bfloat16(p);
-        }
+      for (int j = 0; j < 16; ++j) {
+        const int h = (j / 2) % 2, key = key_a + 8 * h, head = 8 * (j / 4) + c2 + j % 2;
+        const float p = valid[h] ? exp2f(s[j] * a.scale2 - lse_s[head]) : 0.0f;
+        const float ds = p * (s[16 + j] - delta_s[head]) * a.scale;
+        column[h] += p;
+        *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(head, key, kKeys)) = __float2bfloat16(ds);
+        *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(kHeads + head, key, kKeys)) =
+            __float2bfloat16(p);
       }
       if (a.mass != nullptr) {  // over the heads: the 4 lanes of a row
 #pragma unroll
@@ -221,11 +205,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       fence_async_shared();
-    } else if (tile + 1 < tiles) {
-      if (wt < kKeys) idx_s[(buf ^ 1) * kKeys + wt] = rows.own;
-      fill_tile(shared + (buf ^ 1) * kBufferBytes, rows, a.latent, a.latent_stride, kDim, wt, &latent_map,
-                &bars[buf ^ 1]);
-      rows = tile_rows(a.selected, a.width, t, tile + 2, wt);
+    } else {  // the next tile into the other buffer, once the previous tile's gradient has left it
+      if (issuer) bulk_wait_read<0>();
+      if (tile + 1 < tiles) {
+        if (wt < kKeys) idx_s[(buf ^ 1) * kKeys + wt] = rows.own;
+        fill_tile(shared + (buf ^ 1) * kBufferBytes, rows, a.latent, a.latent_stride, kDim, wt, &latent_map,
+                  &bars[buf ^ 1]);
+        rows = tile_rows(a.selected, a.width, t, tile + 2, wt);
+      }
     }
     copy_commit();
     __syncthreads();  // [dS; P] is in
@@ -261,22 +248,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int round = 0; round < kDim / kRoundColumns; ++round) {
       if (round > 0) {
         rows_gradient(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
-        if (threadIdx.x < kKeys) bulk_wait_read<0>();  // the previous round's columns left the buffer
+        if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
         __syncthreads();
       }
       stage_gradient(staged, acc, group, key_a, c2);
       fence_async_shared();
       __syncthreads();
-      if (threadIdx.x < kKeys) {
-        const int32_t index = idx[threadIdx.x];
+      if (issuer) {
+        const int32_t index = idx[wt];
         if (index >= 0)
           bulk_reduce_add(a.d_latent + static_cast<int64_t>(index) * a.latent_stride + round * kRoundColumns,
-                          staged + threadIdx.x * kStageStride, kRoundColumns * 4);
+                          staged + wt * kStageStride, kRoundColumns * 4);
         bulk_commit();
       }
     }
   }
-  if (threadIdx.x < kKeys) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
+  if (issuer) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
 
   // dQ^T to [heads][512] bf16 through the [Q; dO] buffer, then out in 16-byte pieces.
   __syncthreads();

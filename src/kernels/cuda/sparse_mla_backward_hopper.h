@@ -2,11 +2,12 @@
 // GLM-5.3-Flash's shape): one CTA of two warpgroups per (query, group of 32 heads), over tiles of 64
 // selected rows. A query's 32 heads are too few rows for wgmma's M of 64, so the selected rows
 // (keys) are M throughout, as in the wgmma forward (sparse_mla_hopper.h). Per tile:
-//   S^T = K Q^T (warpgroup 0) and dP^T = K dO^T (warpgroup 1), [64 keys, 32 heads] over the 512
-//     values, the tile read K-major;
-//   P = exp2(S scale2 - lse) and dS = P (dP - delta) scale by warpgroup 0, into shared memory as
-//     bf16 [dS; P] ([64 rows, 64 keys]), while warpgroup 1 gathers the next tile (fill_tile: whole
-//     pools by TMA, the rest by cp.async);
+//   [S^T | dP^T] = K [Q; dO]^T, [64 keys, 64 columns] over the 512 values, by warpgroup 0 in one
+//     product of N = 64 (the tile read K-major once, where two products of N = 32 read it twice),
+//     then P = exp2(S scale2 - lse) and dS = P (dP - delta) scale from the same registers, into
+//     shared memory as bf16 [dS; P] ([64 rows, 64 keys]); meanwhile warpgroup 1 waits for the
+//     previous tile's reductions to read the other buffer and gathers the next tile into it
+//     (fill_tile: whole pools by TMA, the rest by cp.async);
 //   dQ^T += K^T dS^T ([512, 32 heads] in registers over all tiles, 256 values a warpgroup), the tile
 //     read MN-major;
 //   the rows' gradient [64 keys, 512] = [dS; P]^T [Q; dO], dS^T Q + P^T dO as one product of depth

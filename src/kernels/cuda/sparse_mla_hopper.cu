@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     warpgroup_barrier(group);
     // S^T [64 keys, 32 heads] = K Q^T over dk.
     float s[16] = {};
-    tile_times_rows(s, tile_address, q_address, a.dk, row_group_bytes);
+    tile_times_rows<kHeads>(s, tile_address, q_address, a.dk, row_group_bytes);
 
     // Online softmax down each head's column: the column's maximum over the 4 warps.
     const bool valid0 = idx_s[key_a] >= 0, valid1 = idx_s[key_a + 8] >= 0;

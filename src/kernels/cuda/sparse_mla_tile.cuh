@@ -118,19 +118,26 @@ __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r,
   }
 }
 
-// s = K R^T [64 keys, 32 rows] over dk (a multiple of 64): the tile (fill_tile's layout) as A, read
-// K-major; the 32 rows of R (core matrices, 8 rows every row_group_bytes) as B. By one warpgroup,
-// complete on return.
-__device__ __forceinline__ void tile_times_rows(float (&s)[16], uint32_t tile_address, uint32_t rows_address,
-                                                int dk, uint32_t row_group_bytes) {
+// s = K R^T [64 keys, Rows rows] over dk (a multiple of 64): the tile (fill_tile's layout) as A,
+// read K-major; the Rows (32 or 64) rows of R (core matrices, 8 rows every row_group_bytes) as B. By
+// one warpgroup, complete on return.
+template <int Rows>
+__device__ __forceinline__ void tile_times_rows(float (&s)[Rows / 2], uint32_t tile_address,
+                                                uint32_t rows_address, int dk, uint32_t row_group_bytes) {
+  static_assert(Rows == 32 || Rows == 64, "wgmma's N here: 32 or 64 rows");
   wgmma_hold(s);  // written before the fence, not sunk past it
   for (int k = 0; k < dk / 16; k += 4) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = k; kk < k + 4; ++kk)
-      wgmma_m64n32k16<0>(
-          s, wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16, 1024),
-          wgmma_descriptor(rows_address + kk * 256, 128, row_group_bytes), kk > 0);
+    for (int kk = k; kk < k + 4; ++kk) {
+      const uint64_t a = wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16,
+                                               1024),
+                     b = wgmma_descriptor(rows_address + kk * 256, 128, row_group_bytes);
+      if constexpr (Rows == 32)
+        wgmma_m64n32k16<0>(s, a, b, kk > 0);
+      else
+        wgmma_m64n64k16(s, a, b, kk > 0);
+    }
   }
   wgmma_commit();
   wgmma_wait<0>();
