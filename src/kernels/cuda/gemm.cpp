@@ -1,6 +1,9 @@
 #include "kernels/cuda/gemm.h"
 
+#include <cstdlib>
+
 #include "backend/cuda/check.h"
+#include "kernels/cuda/gemm_profile.h"
 
 namespace spindle::cuda {
 
@@ -20,9 +23,13 @@ size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 
 }  // namespace
 
-Gemm::Gemm() { SPINDLE_CUBLAS(cublasLtCreate(&handle_)); }
+Gemm::Gemm() {
+  SPINDLE_CUBLAS(cublasLtCreate(&handle_));
+  if (std::getenv("SPINDLE_GEMM_PROFILE") != nullptr) profile_ = std::make_unique<GemmProfile>();
+}
 
 Gemm::~Gemm() {
+  profile_.reset();  // prints
   for (auto& [key, p] : plans_) {
     cublasLtMatrixLayoutDestroy(p.c);
     cublasLtMatrixLayoutDestroy(p.b);
@@ -138,8 +145,17 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
   const Plan& p = plan({transpose_a, transpose_b, m, n, k, lda, ldb, ldc, static_cast<int>(c_type),
                         alignment_of(a, 2 * stride_a), alignment_of(b, 2 * stride_b),
                         alignment_of(c, c_bytes * stride_c), batch, stride_a, stride_b, stride_c});
+  if (profile_) profile_->begin(stream);
   SPINDLE_CUBLAS(cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo,
                                 workspace(stream), workspace_bytes_, stream));
+  if (profile_) {
+    const auto shown = [](int64_t v) { return v % 64 == 0 ? v : -1; };  // the MoE's row counts as one
+    profile_->end({transpose_a, transpose_b, shown(m), shown(n), shown(k), batch, static_cast<int>(c_type),
+                   beta != 0.0f},
+                  2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) *
+                      static_cast<double>(batch),
+                  stream);
+  }
 }
 
 // y^T[N, M] = w^T (w stored [K, N] column-major, op T) x^T ([K, M], op N).

@@ -12,6 +12,10 @@
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
 // products queued on different streams may run together.
+//
+// With SPINDLE_GEMM_PROFILE set in the environment, every product is timed by CUDA events and the
+// Gemm prints, when destroyed, the time by shape (row counts that are not multiples of 64, the
+// MoE's, as "var") to stderr: where the dense products' time goes and at what rate.
 #pragma once
 
 #include <cublasLt.h>
@@ -20,10 +24,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 namespace spindle::cuda {
+
+class GemmProfile;
 
 class Gemm {
  public:
@@ -72,6 +79,8 @@ class Gemm {
 
   // The workspace of `stream`, allocated on its first product.
   void* workspace(cudaStream_t stream);
+
+  std::unique_ptr<GemmProfile> profile_;  // null unless SPINDLE_GEMM_PROFILE is set
 
   cublasLtHandle_t handle_ = nullptr;
   std::vector<std::pair<cudaStream_t, void*>> workspaces_;

@@ -1,0 +1,139 @@
+// The step's dense product shapes (from SPINDLE_GEMM_PROFILE, kernels/cuda/gemm.h) through cuBLASLt:
+// the heuristic's first algorithm, which Gemm uses, against the fastest of its first 16, each the
+// median of a few timed runs. Which shapes the heuristic serves badly, and by how much.
+//     build/bench_gemm_shapes
+#include <cublasLt.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "cuda_timing.cuh"
+
+using namespace spindle;
+using namespace spindle::cuda;
+
+namespace {
+
+#define CHECK_LT(call)                                                                   \
+  do {                                                                                   \
+    const cublasStatus_t status = (call);                                                \
+    if (status != CUBLAS_STATUS_SUCCESS) {                                               \
+      std::fprintf(stderr, "%s: cuBLASLt status %d\n", #call, static_cast<int>(status)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+// Gemm::matmul_batched's column-major view: c[m, n] = op(a) op(b), a and b bf16.
+struct Shape {
+  const char* what;
+  bool ta, tb;
+  int64_t m, n, k, batch;
+  cudaDataType_t c_type;
+  float beta;
+};
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+void run_shape(cublasLtHandle_t handle, const Shape& s, void* workspace) {
+  const int64_t a_rows = s.ta ? s.k : s.m, a_cols = s.ta ? s.m : s.k;
+  const int64_t b_rows = s.tb ? s.n : s.k, b_cols = s.tb ? s.k : s.n;
+  const auto a = random_bf16(a_rows * a_cols * s.batch, 1), b = random_bf16(b_rows * b_cols * s.batch, 2);
+  const size_t c_bytes = s.c_type == CUDA_R_32F ? 4 : 2;
+  DeviceBuffer<char> c(static_cast<size_t>(s.m * s.n * s.batch) * c_bytes, MemoryCategory::Activations);
+  SPINDLE_CUDA(cudaMemset(c.data(), 0, c.size()));
+
+  cublasLtMatmulDesc_t op = nullptr;
+  CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
+  CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  CHECK_LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, u(a_rows), u(a_cols), a_rows));
+  CHECK_LT(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, u(b_rows), u(b_cols), b_rows));
+  CHECK_LT(cublasLtMatrixLayoutCreate(&lc, s.c_type, u(s.m), u(s.n), s.m));
+  if (s.batch > 1) {
+    const auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
+      const auto count = static_cast<int32_t>(s.batch);
+      CHECK_LT(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+      CHECK_LT(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                sizeof stride));
+    };
+    strided(la, a_rows * a_cols);
+    strided(lb, b_rows * b_cols);
+    strided(lc, s.m * s.n);
+  }
+  cublasLtMatmulPreference_t preference = nullptr;
+  CHECK_LT(cublasLtMatmulPreferenceCreate(&preference));
+  CHECK_LT(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                &kWorkspaceBytes, sizeof kWorkspaceBytes));
+  constexpr int kAlgos = 16;
+  cublasLtMatmulHeuristicResult_t results[kAlgos] = {};
+  int found = 0;
+  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, preference, kAlgos, results, &found));
+  const float alpha = 1.0f;
+  const double flops = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k) *
+                       static_cast<double>(s.batch);
+  // Small products run several times per timed sample, so that launch gaps do not count.
+  const int inner = flops < 2e10 ? 20 : 3;
+  double first = 0, best = 1e30;
+  int best_index = 0;
+  for (int i = 0; i < found; ++i) {
+    const double ms =
+        median_ms(
+            [&] {
+              for (int r = 0; r < inner; ++r)
+                CHECK_LT(cublasLtMatmul(handle, op, &alpha, a.data(), la, b.data(), lb, &s.beta, c.data(), lc,
+                                        c.data(), lc, &results[i].algo, workspace, kWorkspaceBytes, nullptr));
+            },
+            5) /
+        inner;
+    if (i == 0) first = ms;
+    if (ms < best) best = ms, best_index = i;
+  }
+  std::printf(
+      "%-34s %c%c %6lld %6lld %6lld x%-3lld %-4s b%g  heuristic %8.4f ms %5.0f TFLOP/s   best (#%d of %d) "
+      "%8.4f ms %5.0f TFLOP/s\n",
+      s.what, s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', static_cast<long long>(s.m), static_cast<long long>(s.n),
+      static_cast<long long>(s.k), static_cast<long long>(s.batch), s.c_type == CUDA_R_32F ? "f32" : "bf16",
+      s.beta, first, flops / first * 1e-9, best_index, found, best, flops / best * 1e-9);
+  cublasLtMatmulPreferenceDestroy(preference);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatmulDescDestroy(op);
+}
+
+}  // namespace
+
+int main() {
+  const int64_t L = 16384;
+  const cudaDataType_t f32 = CUDA_R_32F, bf16 = CUDA_R_16BF;
+  const std::vector<Shape> shapes = {
+      {"KDA f_b (K 128, f32 out)", true, false, 2048, L, 128, 1, f32, 0},
+      {"KDA g_b (K 128, bf16 out)", true, false, 2048, L, 128, 1, bf16, 0},
+      {"KDA f_a / g_a (N 128)", true, false, 128, L, 2048, 1, bf16, 0},
+      {"KDA b_proj (N 16, f32 out)", true, false, 16, L, 2048, 1, f32, 0},
+      {"KDA [g_a; b; f_a] stacked (N 272)", true, false, 272, L, 2048, 1, bf16, 0},
+      {"KDA dW f_b / g_b", false, true, 128, 2048, L, 1, f32, 1},
+      {"KDA dW f_a / g_a", false, true, 2048, 128, L, 1, f32, 1},
+      {"KDA dW b_proj", false, true, 2048, 16, L, 1, f32, 1},
+      {"KDA dW stacked (272)", false, true, 2048, 272, L, 1, f32, 0},
+      {"KDA small dx (K 272)", false, false, 2048, L, 272, 1, f32, 1},
+      {"2048^2 forward, bf16", true, false, 2048, L, 2048, 1, bf16, 0},
+      {"2048^2 dx accumulate", false, false, 2048, L, 2048, 1, f32, 1},
+      {"2048^2 dW", false, true, 2048, 2048, L, 1, f32, 1},
+      {"KDA q, k, v stacked (N 6144)", true, false, 6144, L, 2048, 1, bf16, 0},
+      {"DSA o_proj dx (4096 from 2048)", false, false, 4096, L, 2048, 1, bf16, 0},
+      {"DSA dW 2048 x 1024", false, true, 2048, 1024, L, 1, f32, 1},
+      {"MLA absorb (per head)", false, false, 512, L, 128, 32, bf16, 0},
+      {"MLA absorb dW (per head)", false, true, 512, 128, L, 32, f32, 1},
+  };
+  cublasLtHandle_t handle = nullptr;
+  CHECK_LT(cublasLtCreate(&handle));
+  DeviceBuffer<char> workspace(kWorkspaceBytes, MemoryCategory::Workspace);
+  for (const Shape& s : shapes) run_shape(handle, s, workspace.data());
+  cublasLtDestroy(handle);
+  return 0;
+}
