@@ -98,6 +98,14 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
   return a;
 }
 
+// What sparse_mla_forward_hopper allocates for its call (sparse_mla_forward_hopper_workspace_bytes:
+// the pairs' union lists), where that kernel takes the absorbed attention's shape.
+int64_t pair_union_bytes(const Shapes& s, const Pass& p) {
+  const int64_t dk = s.kv_rank + s.rope_dim;
+  if (!(p.streamed || p.absorbed) || dk % 64 != 0 || s.kv_rank % 64 != 0 || dk > 512) return 0;
+  return (p.tokens + 1) / 2 * (s.width + s.width / 4 + 1) * 4;
+}
+
 int64_t complete_pools(const Shapes& s, const Pass& p) { return p.context / s.kpool; }
 
 // IndexerActivations: queries, raw/normalised keys, pool gate, pooled keys (a chunk reads the
@@ -150,6 +158,9 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
 void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a = mla_projections(m, s, p, kept);
+  if (!kept) {  // the attention runs again: its union lists for the call
+    const Ledger::Block unions = m.workspace(pair_union_bytes(s, p));
+  }
   a.push_back(bf16(m, L * H * s.v_dim));   // d_attended
   a.push_back(bf16(m, L * H * s.qk_dim));  // dq
   a.push_back(bf16(m, L * s.kv_rank));     // d_normed
@@ -241,8 +252,9 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
     return {};
   }
   Blocks a = mla_projections(m, s, pass, false);
-  if (select && layer.own_indexer) return run_indexer(m, s, pass);
-  return {};
+  Ledger::Block selection = select && layer.own_indexer ? run_indexer(m, s, pass) : Ledger::Block{};
+  const Ledger::Block unions = m.workspace(pair_union_bytes(s, pass));  // for the attention's call
+  return selection;
 }
 
 std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,

@@ -1,8 +1,11 @@
-// The sparse MLA forward on wgmma; see sparse_mla_hopper.h for the design. Scores are kept in the
-// log2 domain (scaled by scale * log2(e)) so that each exponential is one instruction (exp2_ftz).
+// The sparse MLA forward on wgmma over pairs of neighbouring queries; see sparse_mla_hopper.h for
+// the design. Scores are kept in the log2 domain (scaled by scale * log2(e)) so that each
+// exponential is one instruction (exp2_ftz).
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
@@ -15,87 +18,336 @@ namespace spindle::cuda {
 
 namespace {
 
-constexpr int kGroups = 2;  // warpgroups, each over every other tile
+constexpr int kGroups = 2;  // warpgroups: one query of the pair each
 constexpr int kThreads = 128 * kGroups;
 constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
-constexpr int kHeads = 32;        // heads per CTA: both products' N
+constexpr int kHeads = 32;        // heads per CTA and query: both products' N
 constexpr int kMaxDim = 512;
 
+// A slot of a pair's union list: the row, and which of the two queries selected it.
+constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond - 1;
+constexpr int kUnionThreads = 256;
+constexpr int64_t kMaxUnionWidth = 16384;  // the first pass's three lists fit shared memory
+
+// The pair shares its tiles when its union is at most 5/4 of the wider selection: then every tile
+// costs both warpgroups' arithmetic once, against two tiles' gathers and arithmetic apart.
+__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider) {
+  return 4 * union_rows <= 5 * wider;
+}
+// Slots per pair of the union lists: what a shared pair's union can hold.
+int64_t union_stride(int64_t width) { return width + width / 4; }
+
+// Index of the first of list[0, n) (ascending) not less than x.
+__device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (list[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// One CTA per pair (queries 2p, 2p + 1): where both selections hold their valid rows first and
+// strictly ascending (the indexer's layout) and their union is small enough to share tiles, the
+// union in ascending order, each slot's row with the bits of the queries that selected it, and its
+// length; else length -1 (each query walks its own selection).
+__global__ void __launch_bounds__(kUnionThreads)
+    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, int32_t* unions,
+                      int32_t* lengths) {
+  extern __shared__ int32_t lists[];  // first [width], second [width], before [width + 1]
+  __shared__ int counts[2];
+  __shared__ int scan[kUnionThreads];
+  const int W = static_cast<int>(width);
+  int32_t *first = lists, *second = lists + W, *before = lists + 2 * W;
+  const int64_t pair = blockIdx.x, t0 = 2 * pair, t1 = t0 + 1;
+  if (threadIdx.x < 2) counts[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < W; i += kUnionThreads) {
+    first[i] = selected[t0 * width + i];
+    second[i] = t1 < tokens ? selected[t1 * width + i] : -1;
+  }
+  __syncthreads();
+  bool ordered = true;
+  int n0 = 0, n1 = 0;
+  for (int i = threadIdx.x; i < W; i += kUnionThreads) {
+    const int32_t x = first[i], y = second[i];
+    n0 += x >= 0;
+    n1 += y >= 0;
+    if (x >= 0) ordered &= x <= kRowMask && (i == 0 || (first[i - 1] >= 0 && first[i - 1] < x));
+    if (y >= 0) ordered &= y <= kRowMask && (i == 0 || (second[i - 1] >= 0 && second[i - 1] < y));
+  }
+  atomicAdd(&counts[0], n0);
+  atomicAdd(&counts[1], n1);
+  if (!__syncthreads_and(ordered)) {
+    if (threadIdx.x == 0) lengths[pair] = -1;
+    return;
+  }
+  const int na = counts[0], nb = counts[1];
+  // before[j]: how many of second[0, j) the first selection holds; first the flags, then their scan.
+  for (int j = threadIdx.x; j <= W; j += kUnionThreads) {
+    int in = 0;
+    if (j < nb) {
+      const int i = lower_bound(first, na, second[j]);
+      in = i < na && first[i] == second[j];
+    }
+    before[j] = in;
+  }
+  __syncthreads();
+  const int per = (nb + 1 + kUnionThreads - 1) / kUnionThreads, begin = threadIdx.x * per,
+            end = min(begin + per, nb + 1);
+  int sum = 0;
+  for (int j = begin; j < end; ++j) sum += before[j];
+  scan[threadIdx.x] = sum;
+  __syncthreads();
+  for (int offset = 1; offset < kUnionThreads; offset *= 2) {
+    const int add = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int running = scan[threadIdx.x] - sum;
+  for (int j = begin; j < end; ++j) {
+    const int in = before[j];
+    before[j] = running;
+    running += in;
+  }
+  __syncthreads();
+  const int n = na + nb - before[nb];
+  if (!shares_tiles(n, max(na, nb))) {
+    if (threadIdx.x == 0) lengths[pair] = -1;
+    return;
+  }
+  int32_t* out = unions + pair * stride;
+  for (int i = threadIdx.x; i < na; i += kUnionThreads) {
+    const int32_t x = first[i];
+    const int j = lower_bound(second, nb, x);
+    out[i + j - before[j]] = x | kInFirst | (j < nb && second[j] == x ? kInSecond : 0);
+  }
+  for (int j = threadIdx.x; j < nb; j += kUnionThreads) {
+    if (before[j + 1] != before[j]) continue;  // the first selection's slot has it
+    const int32_t y = second[j];
+    out[lower_bound(first, na, y) + j - before[j]] = y | kInSecond;
+  }
+  if (threadIdx.x == 0) lengths[pair] = n;
+}
+
 struct Args : SparseMlaInputs {
+  const int32_t* unions;   // [pairs, union_stride]: pair_union_kernel's lists
+  const int32_t* lengths;  // [pairs]: their lengths, -1 where the pair's queries go apart
+  int64_t tokens, union_stride;
   __nv_bfloat16* out;
   float* lse;
 };
 
-// Byte offsets into the dynamic shared memory, from its first 1024-byte boundary (the swizzled
-// tiles' alignment; kAlignSlack more bytes are asked for).
-constexpr uint32_t kAlignSlack = 1024;
+// Byte offsets into the dynamic shared memory (1024-byte aligned: the swizzled tiles').
 struct Layout {
-  uint32_t tile_bytes;  // one tile, [kKeys][dk] bf16; the kGroups tiles come first
-  uint32_t q;           // [kHeads][dk] bf16
-  uint32_t p;           // [kGroups] P^T, [kHeads][kKeys] bf16
-  uint32_t idx;         // [kGroups][kKeys] int32: the tile's selected rows
-  uint32_t red_max;     // [kGroups][4 warps][kHeads] float: per-warp column maxima
-  uint32_t red_sum;     // [kGroups][4 warps][kHeads] float: per-warp column sums
-  uint32_t merge;       // [2][kHeads] float: warpgroup 1's running max and sum
-  uint32_t bars;        // [kGroups] uint64: each warpgroup's tile barrier (TMA and its arrival)
+  uint32_t tile_bytes;        // one tile, [kKeys][dk] bf16; the two buffers come first
+  uint32_t q;                 // [kGroups] Q, [kHeads][dk] bf16 each
+  uint32_t p;                 // [kGroups] P^T, [kHeads][kKeys] bf16 each
+  uint32_t red_max, red_sum;  // [kGroups][4 warps][kHeads] float: per-warp column maxima and sums
+  uint32_t bars;              // full [2], empty [2] uint64: each buffer's tile landed, and was read
   uint32_t total;
 };
 
 __host__ __device__ Layout layout(int dk) {
   Layout l{};
   l.tile_bytes = static_cast<uint32_t>(kKeys * dk * 2);
-  l.q = kGroups * l.tile_bytes;
-  l.p = l.q + kHeads * dk * 2;
-  l.idx = l.p + kGroups * kHeads * kKeys * 2;
-  l.red_max = l.idx + kGroups * kKeys * 4;
+  l.q = 2 * l.tile_bytes;
+  l.p = l.q + kGroups * kHeads * dk * 2;
+  l.red_max = l.p + kGroups * kHeads * kKeys * 2;
   l.red_sum = l.red_max + kGroups * 4 * kHeads * 4;
-  l.merge = l.red_sum + kGroups * 4 * kHeads * 4;
-  l.bars = l.merge + 2 * kHeads * 4;
-  l.total = l.bars + kGroups * 8;
+  l.bars = l.red_sum + kGroups * 4 * kHeads * 4;
+  l.total = l.bars + 4 * 8;
   return l;
 }
 
-// Blocks: dv / 64, a template argument so that no branch stands between a tile's wgmma (the
-// compiler serialises them otherwise).
+// What attend_tile needs of its warpgroup.
+struct Warpgroup {
+  int group, warp, lane, key_a;  // key_a: this thread's score rows, key_a and key_a + 8
+  int dk;
+  uint32_t q_address, p_address, row_group_bytes;
+  unsigned char* p_s;
+  float *red_max, *red_sum;
+  float scale2;
+};
+
+// One tile for one query: S^T = K Q^T, the online softmax down each head's column over the rows
+// the query selected (valid0, valid1: this thread's rows key_a, key_a + 8), P^T to shared memory,
+// O^T = O^T alpha + V^T P^T. Blocks: dv / 64, a template argument so that no branch stands between
+// a tile's wgmma (the compiler serialises them otherwise).
+template <int Blocks>
+__device__ __forceinline__ void attend_tile(const Warpgroup& wg, uint32_t tile_address, bool valid0,
+                                            bool valid1, float (&m_run)[8], float (&l_run)[8],
+                                            float (&acc)[Blocks][16]) {
+  // S^T [64 keys, 32 heads] = K Q^T over dk.
+  float s[16] = {};
+  tile_times_rows<kHeads>(s, tile_address, wg.q_address, wg.dk, wg.row_group_bytes);
+
+  // Online softmax down each head's column: the column's maximum over the 4 warps.
+  float mx[8];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) s[j] = ((j / 2) % 2 ? valid1 : valid0) ? s[j] * wg.scale2 : -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    mx[i] = fmaxf(s[4 * (i / 2) + i % 2], s[4 * (i / 2) + 2 + i % 2]);
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2)
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
+  }
+  if (wg.lane < 4) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wg.red_max[wg.warp * kHeads + 8 * (i / 2) + 2 * wg.lane + i % 2] = mx[i];
+  }
+  warpgroup_barrier(wg.group);
+  float alpha[8], sum[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int head = 8 * (i / 2) + 2 * (wg.lane % 4) + i % 2;
+    float m_new = m_run[i];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) m_new = fmaxf(m_new, wg.red_max[w * kHeads + head]);
+    alpha[i] = m_new == -INFINITY ? 1.0f : exp2_ftz(m_run[i] - m_new);
+    m_run[i] = m_new;
+    sum[i] = 0.0f;
+  }
+  // P^T [32 heads, 64 keys] to shared memory, the B operand of the values' product.
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int i = 2 * (j / 4) + j % 2, head = 8 * (j / 4) + 2 * (wg.lane % 4) + j % 2;
+    const float p = m_run[i] == -INFINITY ? 0.0f : exp2_ftz(s[j] - m_run[i]);
+    *reinterpret_cast<__nv_bfloat16*>(wg.p_s + core_offset(head, wg.key_a + 8 * ((j / 2) % 2), kKeys)) =
+        __float2bfloat16(p);
+    sum[i] += p;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
+  }
+  if (wg.lane < 4) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wg.red_sum[wg.warp * kHeads + 8 * (i / 2) + 2 * wg.lane + i % 2] = sum[i];
+  }
+  fence_async_shared();
+  warpgroup_barrier(wg.group);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int head = 8 * (i / 2) + 2 * (wg.lane % 4) + i % 2;
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) total += wg.red_sum[w * kHeads + head];
+    l_run[i] = l_run[i] * alpha[i] + total;
+  }
+
+  // O^T [dv, 32 heads] = O^T alpha + V^T P^T: V^T is the tile read MN-major, 64 columns a block.
+#pragma unroll
+  for (int b = 0; b < Blocks; ++b) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[b][j] *= alpha[2 * (j / 4) + j % 2];
+      wgmma_hold(acc[b][j]);
+    }
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < Blocks; ++b) {
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+      wgmma_m64n32k16<1>(acc[b],
+                         wgmma_descriptor_128b(tile_address + b * kSwizzleBlockBytes + k * 16 * 128,
+                                               kSwizzleBlockBytes, 1024),
+                         wgmma_descriptor(wg.p_address + k * 256, 128, kKeys * 16), true);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int b = 0; b < Blocks; ++b) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) wgmma_hold(acc[b][j]);
+  }
+}
+
+// The rows of a union tile without their query bits (fill_tile's gathers).
+__device__ __forceinline__ void strip_queries(TileRows& r) {
+#pragma unroll
+  for (int g = 0; g < 8; ++g) r.gather[g] = r.gather[g] >= 0 ? r.gather[g] & kRowMask : -1;
+}
+
+// One CTA per (pair of queries, group of up to 32 heads); warpgroup g takes query 2 pair + g.
 template <int Blocks>
 __global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_forward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
-  extern __shared__ __align__(128) unsigned char shared_base[];
-  unsigned char* shared =
-      shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
+    sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
   const Layout L = layout(a.dk);
-  const int64_t t = blockIdx.x;
+  const int64_t pair = blockIdx.x;
   // The warpgroup (and warp) through a shuffle: the compiler then knows them uniform across the warp,
   // and does not serialise the wgmma in branches and loops that depend on them.
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
             warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
   const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
-  unsigned char* tile_s = shared + group * L.tile_bytes;
-  unsigned char* q_s = shared + L.q;
-  unsigned char* p_s = shared + L.p + group * kHeads * kKeys * 2;
-  int32_t* idx_s = reinterpret_cast<int32_t*>(shared + L.idx) + group * kKeys;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(shared + L.bars) + group;
-  uint32_t phase = 0;  // of bar: one completed phase per tile
-  float* red_max = reinterpret_cast<float*>(shared + L.red_max) + group * 4 * kHeads;
-  float* red_sum = reinterpret_cast<float*>(shared + L.red_sum) + group * 4 * kHeads;
-  const int64_t tiles = (a.width + kKeys - 1) / kKeys;
-  const int chunks = a.dk / 8;
-  const uint32_t row_group_bytes = static_cast<uint32_t>(a.dk * 16);
+  const int64_t t = 2 * pair + group;  // this warpgroup's query
+  const bool live = t < a.tokens;
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared + L.bars);
+  uint64_t* empty = full + 2;
+  unsigned char* q_s = shared + L.q + group * kHeads * a.dk * 2;
+  const Warpgroup wg{group,
+                     warp,
+                     lane,
+                     16 * warp + lane / 4,
+                     a.dk,
+                     shared_address(q_s),
+                     shared_address(shared + L.p + group * kHeads * kKeys * 2),
+                     static_cast<uint32_t>(a.dk * 16),
+                     shared + L.p + group * kHeads * kKeys * 2,
+                     reinterpret_cast<float*>(shared + L.red_max) + group * 4 * kHeads,
+                     reinterpret_cast<float*>(shared + L.red_sum) + group * 4 * kHeads,
+                     a.scale2};
+  // The list this warpgroup walks: the pair's union (both warpgroups, every tile) or its own
+  // selection.
+  const int32_t length = a.lengths[pair];
+  const bool together = length >= 0;
+  const int32_t* list = together ? a.unions + pair * a.union_stride : a.selected + (live ? t : 0) * a.width;
+  const int64_t slots = together ? length : (live ? a.width : 0);
+  const int64_t tiles = (slots + kKeys - 1) / kKeys;
+  const int32_t mine = group == 0 ? kInFirst : kInSecond;
+  const auto rows_of = [&](int64_t tile) {
+    TileRows r = tile_rows(list, slots, 0, tile, wt);
+    if (together) strip_queries(r);
+    return r;
+  };
+  // A buffer's fill: fill_tile's TMA arrival with its bytes, and each of its 128 threads' arrival
+  // when its cp.async rows have landed.
+  const auto fill = [&](int buffer, const TileRows& r) {
+    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map,
+              full + buffer);
+    copy_arrive(full + buffer);
+  };
 
-  if (wt == 0) mbarrier_init(bar, 1);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbarrier_init(full + b, 1 + 128);
+      mbarrier_init(empty + b, kGroups);
+    }
+  }
   mbarrier_init_fence();
   __syncthreads();
-  // Q (zero rows past the last head), then each warpgroup's first tile.
-  for (int u = threadIdx.x; u < kHeads * chunks; u += kThreads) {
+  // This query's Q (zero rows past the last head and for a missing second query), then the first
+  // tiles: shared, warpgroup g fills tile g; apart, each its own first tile into buffer g.
+  const int chunks = a.dk / 8;
+  for (int u = wt; u < kHeads * chunks; u += 128) {
     const int g = u / (8 * chunks), c = u % (8 * chunks) / 8, head = 8 * g + u % 8;
-    const bool valid = h0 + head < a.heads;
+    const bool valid = live && h0 + head < a.heads;
     copy16(q_s + u * 16, valid ? a.q + ((t * a.heads + h0 + head) * a.dk + c * 8) : a.q, valid);
   }
-  TileRows rows = tile_rows(a.selected, a.width, t, group, wt);
-  if (wt < kKeys) idx_s[wt] = rows.own;
-  if (group < tiles) fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, &latent_map, bar);
   copy_commit();
-  rows = tile_rows(a.selected, a.width, t, group + kGroups, wt);
+  if (together ? group < tiles : tiles > 0) fill(group, rows_of(together ? group : 0));
+  TileRows next = rows_of(together ? group + 2 : 1);
+  copy_wait_all();
+  fence_async_shared();
+  warpgroup_barrier(group);  // Q landed
 
   // Per thread, heads 8 b + 2 (lane % 4) + e at index 2 b + e (the accumulators' columns).
   float m_run[8], l_run[8];
@@ -105,169 +357,59 @@ __global__ void __launch_bounds__(kThreads, 1)
     l_run[i] = 0.0f;
   }
   float acc[Blocks][16] = {};
-  const uint32_t tile_address = shared_address(tile_s), q_address = shared_address(q_s),
-                 p_address = shared_address(p_s);
-  const int key_a = 16 * warp + lane / 4;  // this thread's score rows: key_a and key_a + 8
-
-  copy_wait_all();
-  fence_async_shared();
-  __syncthreads();  // Q and the first tiles landed
-  for (int64_t tile = group; tile < tiles; tile += kGroups) {
-    copy_wait_all();
-    fence_async_shared();
-    mbarrier_wait(bar, phase);
-    phase ^= 1;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    // Shared, tile k sits in buffer k % 2 and warpgroup k % 2 refills it with tile k + 2 once both
+    // have read it; apart, warpgroup g's tiles all use buffer g.
+    const int buffer = together ? static_cast<int>(tile % 2) : group;
+    const uint32_t parity = static_cast<uint32_t>(together ? tile / 2 % 2 : tile % 2);
+    const int64_t slot = tile * kKeys + wg.key_a;
+    const int32_t own0 = slot < slots ? list[slot] : -1, own1 = slot + 8 < slots ? list[slot + 8] : -1;
+    const bool valid0 = own0 >= 0 && (!together || (own0 & mine)),
+               valid1 = own1 >= 0 && (!together || (own1 & mine));
+    mbarrier_wait(full + buffer, parity);
+    fence_async_shared();  // the cp.async rows, seen through the barrier, before wgmma reads them
     warpgroup_barrier(group);
-    // S^T [64 keys, 32 heads] = K Q^T over dk.
-    float s[16] = {};
-    tile_times_rows<kHeads>(s, tile_address, q_address, a.dk, row_group_bytes);
+    attend_tile<Blocks>(wg, shared_address(shared + buffer * L.tile_bytes), valid0, valid1, m_run, l_run,
+                        acc);
+    warpgroup_barrier(group);  // every warp is done with the tile and P^T
+    if (together) {
+      if (wt == 0) mbarrier_arrive(empty + buffer);
+      if (group == buffer && tile + 2 < tiles) {
+        mbarrier_wait(empty + buffer, parity);
+        fill(buffer, next);
+        next = rows_of(tile + 4);
+      }
+    } else if (tile + 1 < tiles) {
+      fill(buffer, next);
+      next = rows_of(tile + 2);
+    }
+  }
 
-    // Online softmax down each head's column: the column's maximum over the 4 warps.
-    const bool valid0 = idx_s[key_a] >= 0, valid1 = idx_s[key_a + 8] >= 0;
-    float mx[8];
+  // This query's output, normalised, as bf16 [heads][dv] through its warpgroup's part of the spent
+  // tile buffers, then out in 16-byte rows.
+  __syncthreads();
+  __nv_bfloat16* o_s = reinterpret_cast<__nv_bfloat16*>(shared) + group * kHeads * a.dv;
+  float inv[8];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) s[j] = ((j / 2) % 2 ? valid1 : valid0) ? s[j] * a.scale2 : -INFINITY;
+  for (int i = 0; i < 8; ++i) {
+    const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
+    inv[i] = l_run[i] > 0.0f ? 1.0f / l_run[i] : 0.0f;
+    if (live && warp == 0 && lane < 4 && h0 + head < a.heads)
+      a.lse[t * a.heads + h0 + head] = l_run[i] > 0.0f ? (m_run[i] + log2f(l_run[i])) / kLog2e : INFINITY;
+  }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      mx[i] = fmaxf(s[4 * (i / 2) + i % 2], s[4 * (i / 2) + 2 + i % 2]);
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2)
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) red_max[warp * kHeads + 8 * (i / 2) + 2 * lane + i % 2] = mx[i];
-    }
-    warpgroup_barrier(group);
-    float alpha[8], sum[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-      float m_new = m_run[i];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) m_new = fmaxf(m_new, red_max[w * kHeads + head]);
-      alpha[i] = m_new == -INFINITY ? 1.0f : exp2_ftz(m_run[i] - m_new);
-      m_run[i] = m_new;
-      sum[i] = 0.0f;
-    }
-    // P^T [32 heads, 64 keys] to shared memory, the B operand of the values' product.
+  for (int b = 0; b < Blocks; ++b) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int i = 2 * (j / 4) + j % 2, head = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
-      const float p = m_run[i] == -INFINITY ? 0.0f : exp2_ftz(s[j] - m_run[i]);
-      *reinterpret_cast<__nv_bfloat16*>(p_s + core_offset(head, key_a + 8 * ((j / 2) % 2), kKeys)) =
-          __float2bfloat16(p);
-      sum[i] += p;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) red_sum[warp * kHeads + 8 * (i / 2) + 2 * lane + i % 2] = sum[i];
-    }
-    fence_async_shared();
-    warpgroup_barrier(group);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-      float total = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) total += red_sum[w * kHeads + head];
-      l_run[i] = l_run[i] * alpha[i] + total;
-    }
-
-    // O^T [dv, 32 heads] = O^T alpha + V^T P^T: V^T is the tile read MN-major, 64 columns a block.
-#pragma unroll
-    for (int b = 0; b < Blocks; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[b][j] *= alpha[2 * (j / 4) + j % 2];
-        wgmma_hold(acc[b][j]);
-      }
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < Blocks; ++b) {
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n32k16<1>(acc[b],
-                           wgmma_descriptor_128b(tile_address + b * kSwizzleBlockBytes + k * 16 * 128,
-                                                 kSwizzleBlockBytes, 1024),
-                           wgmma_descriptor(p_address + k * 256, 128, kKeys * 16), true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int b = 0; b < Blocks; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) wgmma_hold(acc[b][j]);
-    }
-    warpgroup_barrier(group);  // every warp is done with the tile, P^T and the indices
-
-    if (tile + kGroups < tiles) {
-      if (wt < kKeys) idx_s[wt] = rows.own;
-      fill_tile(tile_s, rows, a.latent, a.latent_stride, a.dk, wt, &latent_map, bar);
-    }
-    copy_commit();
-    rows = tile_rows(a.selected, a.width, t, tile + 2 * kGroups, wt);
-  }
-
-  // Merge the two warpgroups' softmax states: warpgroup 1's output (unnormalised, fp32) through its
-  // tile buffer, the result as bf16 [heads][dv] through warpgroup 0's, then out in 16-byte rows.
-  __syncthreads();
-  float* merge_o = reinterpret_cast<float*>(shared + L.tile_bytes);  // [kHeads][dv]
-  float* merge_ml = reinterpret_cast<float*>(shared + L.merge);      // m [kHeads], l [kHeads]
-  if (group == 1) {
-#pragma unroll
-    for (int b = 0; b < Blocks; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int dim = 64 * b + key_a + 8 * ((j / 2) % 2), head = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
-        merge_o[head * a.dv + dim] = acc[b][j];
-      }
-    }
-    if (warp == 0 && lane < 4) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int head = 8 * (i / 2) + 2 * lane + i % 2;
-        merge_ml[head] = m_run[i];
-        merge_ml[kHeads + head] = l_run[i];
-      }
+      const int dim = 64 * b + wg.key_a + 8 * ((j / 2) % 2), head = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
+      o_s[head * a.dv + dim] = __float2bfloat16(acc[b][j] * inv[2 * (j / 4) + j % 2]);
     }
   }
-  __syncthreads();
-  __nv_bfloat16* o_s = reinterpret_cast<__nv_bfloat16*>(shared);  // [kHeads][dv]
-  if (group == 0) {
-    float w0[8], w1[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int head = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-      const float m1 = merge_ml[head], l1 = merge_ml[kHeads + head], m = fmaxf(m_run[i], m1);
-      const float a0 = m == -INFINITY ? 0.0f : exp2_ftz(m_run[i] - m),
-                  a1 = m == -INFINITY ? 0.0f : exp2_ftz(m1 - m);
-      const float l = l_run[i] * a0 + l1 * a1, inv = l > 0.0f ? 1.0f / l : 0.0f;
-      w0[i] = a0 * inv;
-      w1[i] = a1 * inv;
-      if (warp == 0 && lane < 4 && h0 + head < a.heads)
-        a.lse[t * a.heads + h0 + head] = l > 0.0f ? (m + log2f(l)) / kLog2e : INFINITY;
-    }
-#pragma unroll
-    for (int b = 0; b < Blocks; ++b) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int i = 2 * (j / 4) + j % 2;
-        const int dim = 64 * b + key_a + 8 * ((j / 2) % 2), head = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
-        o_s[head * a.dv + dim] = __float2bfloat16(acc[b][j] * w0[i] + merge_o[head * a.dv + dim] * w1[i]);
-      }
-    }
-  }
-  __syncthreads();
+  warpgroup_barrier(group);
+  if (!live) return;
   const int heads_here = min(kHeads, a.heads - h0), units = heads_here * a.dv / 8;
   uint4* dst = reinterpret_cast<uint4*>(a.out + (t * a.heads + h0) * a.dv);
-  for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = reinterpret_cast<const uint4*>(o_s)[u];
+  for (int u = wt; u < units; u += 128) dst[u] = reinterpret_cast<const uint4*>(o_s)[u];
 }
 
 }  // namespace
@@ -275,6 +417,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 bool sparse_mla_hopper_takes(const SparseMlaShape& s) {
   return sparse_mla_unsupported(s).empty() && s.dk % 64 == 0 && s.dv % 64 == 0 && s.dv <= s.dk &&
          s.dk <= kMaxDim;
+}
+
+int64_t sparse_mla_forward_hopper_workspace_bytes(const SparseMlaShape& s) {
+  const int64_t pairs = (s.tokens + 1) / 2;
+  return pairs * (union_stride(s.width) + 1) * static_cast<int64_t>(sizeof(int32_t));
 }
 
 void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
@@ -285,38 +432,55 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
             reinterpret_cast<uintptr_t>(out) % 16 == 0,
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
+  const int64_t pairs = (s.tokens + 1) / 2, stride = union_stride(s.width);
+  DeviceBuffer<int32_t> workspace(static_cast<size_t>(sparse_mla_forward_hopper_workspace_bytes(s) / 4),
+                                  MemoryCategory::Workspace);
+  int32_t* lengths = workspace.data() + pairs * stride;
+  if (s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1) {
+    const size_t bytes = static_cast<size_t>(3 * s.width + 1) * sizeof(int32_t);
+    allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' union: width ", s.width);
+    pair_union_kernel<<<static_cast<unsigned>(pairs), kUnionThreads, bytes, stream>>>(
+        selected, s.width, s.tokens, stride, workspace.data(), lengths);
+    SPINDLE_LAUNCHED("pair_union_kernel");
+  } else {  // every pair's queries apart
+    SPINDLE_CUDA(cudaMemsetAsync(lengths, 0xff, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
+  }
   Args args{};
   static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
+  args.unions = workspace.data();
+  args.lengths = lengths;
+  args.tokens = s.tokens;
+  args.union_stride = stride;
   args.out = out;
   args.lse = lse;
   // The kernel does not know how many rows the latent has, only that every selected row is one:
   // the map claims more rows than any sequence, and only selected pools are read through it.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
-  const size_t shared_bytes = layout(args.dk).total + kAlignSlack;
-  const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  const size_t shared_bytes = layout(args.dk).total;
+  const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "sparse MLA on wgmma: dk ", s.dk, ", dv ", s.dv);
     kernel<<<grid, kThreads, shared_bytes, stream>>>(args, map);
-    SPINDLE_LAUNCHED("sparse_mla_forward_hopper_kernel");
+    SPINDLE_LAUNCHED("sparse_mla_forward_pairs_kernel");
   };
   switch (s.dv / 64) {
     case 1:
-      return run(sparse_mla_forward_hopper_kernel<1>);
+      return run(sparse_mla_forward_pairs_kernel<1>);
     case 2:
-      return run(sparse_mla_forward_hopper_kernel<2>);
+      return run(sparse_mla_forward_pairs_kernel<2>);
     case 3:
-      return run(sparse_mla_forward_hopper_kernel<3>);
+      return run(sparse_mla_forward_pairs_kernel<3>);
     case 4:
-      return run(sparse_mla_forward_hopper_kernel<4>);
+      return run(sparse_mla_forward_pairs_kernel<4>);
     case 5:
-      return run(sparse_mla_forward_hopper_kernel<5>);
+      return run(sparse_mla_forward_pairs_kernel<5>);
     case 6:
-      return run(sparse_mla_forward_hopper_kernel<6>);
+      return run(sparse_mla_forward_pairs_kernel<6>);
     case 7:
-      return run(sparse_mla_forward_hopper_kernel<7>);
+      return run(sparse_mla_forward_pairs_kernel<7>);
     default:
-      return run(sparse_mla_forward_hopper_kernel<8>);
+      return run(sparse_mla_forward_pairs_kernel<8>);
   }
 }
 

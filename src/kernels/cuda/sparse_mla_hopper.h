@@ -2,17 +2,20 @@
 // (sparse_mla.h), for the shapes sparse_mla_hopper_takes() accepts; sparse_mla_forward dispatches
 // here.
 //
-// One CTA per (query, group of up to 32 heads), two warpgroups that take the selection's 64-row
-// tiles in turn, each with its own tile buffer, online softmax and output accumulators, merged at
-// the end. Per tile a warpgroup fills its buffer in the 128-byte swizzled layout, whole pools of
-// consecutive rows by TMA and the other rows by cp.async (fill_tile, sparse_mla_tile.cuh), and
-// computes S^T = K Q^T (M = 64 keys, N = 32 heads, K = dk), the
-// softmax over each head's column, P^T to shared memory, and O^T += V^T P^T (M = 64 value columns a
-// block, N = 32 heads, K = 64 keys; the tile's rows read transposed as V^T). The other warpgroup's
-// gathers overlap one's arithmetic.
-//
-// The backward stays on mma.sync (sparse_mla.cu): a wgmma backward measured no faster when both
-// were bound by DRAM on the latent gradient's fp32 atomics (docs/PERF.md).
+// One CTA per (pair of neighbouring queries 2p, 2p + 1, group of up to 32 heads), a warpgroup per
+// query with its own online softmax and output accumulators. A first pass (one CTA per pair) merges
+// the two selections into their union where both are the indexer's layout (valid rows first,
+// strictly ascending), each slot marked with the queries that chose it. Where that union is at most
+// 5/4 of the wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md)
+// the two warpgroups walk it together: every 64-row tile is gathered once into one of two buffers,
+// the next tile landing while both compute on this one, and each warpgroup masks the rows its query
+// did not choose. Otherwise each warpgroup walks its own selection in its own buffer, its next tile
+// gathered after this one (as one query a CTA would). Per tile a warpgroup computes S^T = K Q^T
+// (M = 64 keys, N = 32 heads, K = dk), the softmax over each head's column, P^T to shared memory,
+// and O^T += V^T P^T (M = 64 value columns a block, N = 32 heads, K = 64 keys; the tile's rows read
+// transposed as V^T). Tiles are filled in the 128-byte swizzled layout, whole pools of consecutive
+// rows by TMA and the other rows by cp.async (fill_tile, sparse_mla_tile.cuh), both counted on the
+// buffer's barrier.
 #pragma once
 
 #include "kernels/cuda/sparse_mla.h"
@@ -22,6 +25,9 @@ namespace spindle::cuda {
 // dk and dv multiples of 64, dv <= dk <= 512 (shared memory); the rest as
 // sparse_mla_unsupported.
 bool sparse_mla_hopper_takes(const SparseMlaShape& s);
+
+// Device bytes sparse_mla_forward_hopper allocates for the call (the pairs' union lists).
+int64_t sparse_mla_forward_hopper_workspace_bytes(const SparseMlaShape& s);
 
 void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                                const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream);

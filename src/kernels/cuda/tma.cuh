@@ -28,6 +28,19 @@ __device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t b
                : "memory");
 }
 
+// The calling thread's arrival, nothing more to expect.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+
+// An arrival on bar once the calling thread's cp.async copies issued so far have landed, counted
+// among the arrivals the barrier was initialised with (.noinc): the copies' readers wait on bar
+// instead of each copier waiting for its own.
+__device__ __forceinline__ void copy_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar))
+               : "memory");
+}
+
 // Waits until the barrier's phase `parity` (0, 1, 0, ...: one per use) has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
