@@ -98,8 +98,8 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
   return a;
 }
 
-// What sparse_mla_forward_hopper allocates for its call (sparse_mla_forward_hopper_workspace_bytes:
-// the pairs' union lists), where that kernel takes the absorbed attention's shape.
+// What sparse_mla_forward_hopper allocates for its call (kernels/cuda/sparse_mla_hopper.cu: the
+// pairs' union lists and their lengths), where that kernel takes the absorbed attention's shape.
 int64_t pair_union_bytes(const Shapes& s, const Pass& p) {
   const int64_t dk = s.kv_rank + s.rope_dim;
   if (!(p.streamed || p.absorbed) || dk % 64 != 0 || s.kv_rank % 64 != 0 || dk > 512) return 0;

@@ -34,7 +34,8 @@ constexpr int64_t kMaxUnionWidth = 16384;  // the first pass's three lists fit s
 __host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider) {
   return 4 * union_rows <= 5 * wider;
 }
-// Slots per pair of the union lists: what a shared pair's union can hold.
+// Slots per pair of the union lists: what a shared pair's union can hold. The call's workspace: the
+// lists and a length per pair (plan/sublayer_memory.cpp's pair_union_bytes counts the same).
 int64_t union_stride(int64_t width) { return width + width / 4; }
 
 // Index of the first of list[0, n) (ascending) not less than x.
@@ -419,11 +420,6 @@ bool sparse_mla_hopper_takes(const SparseMlaShape& s) {
          s.dk <= kMaxDim;
 }
 
-int64_t sparse_mla_forward_hopper_workspace_bytes(const SparseMlaShape& s) {
-  const int64_t pairs = (s.tokens + 1) / 2;
-  return pairs * (union_stride(s.width) + 1) * static_cast<int64_t>(sizeof(int32_t));
-}
-
 void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                                const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream) {
   check(sparse_mla_hopper_takes(s), "sparse MLA on wgmma: dk ", s.dk, " and dv ", s.dv,
@@ -433,8 +429,7 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
   const int64_t pairs = (s.tokens + 1) / 2, stride = union_stride(s.width);
-  DeviceBuffer<int32_t> workspace(static_cast<size_t>(sparse_mla_forward_hopper_workspace_bytes(s) / 4),
-                                  MemoryCategory::Workspace);
+  DeviceBuffer<int32_t> workspace(static_cast<size_t>(pairs * (stride + 1)), MemoryCategory::Workspace);
   int32_t* lengths = workspace.data() + pairs * stride;
   if (s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1) {
     const size_t bytes = static_cast<size_t>(3 * s.width + 1) * sizeof(int32_t);

@@ -26,9 +26,6 @@ namespace spindle::cuda {
 // sparse_mla_unsupported.
 bool sparse_mla_hopper_takes(const SparseMlaShape& s);
 
-// Device bytes sparse_mla_forward_hopper allocates for the call (the pairs' union lists).
-int64_t sparse_mla_forward_hopper_workspace_bytes(const SparseMlaShape& s);
-
 void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, const __nv_bfloat16* latent,
                                const int32_t* selected, __nv_bfloat16* out, float* lse, cudaStream_t stream);
 
