@@ -18,7 +18,8 @@
 #   select: the overlap of neighbouring queries' selections in it (`spindle select --device`),
 #          over an N-free window of SELECT_LEN tokens of chrX (65,536).
 # Each phase fits one device call (train: about 5 min of steps at 3.9 s with the indexers' KL
-# training, measured at 75726c6, and 1.5-2 min of setup and checkpoint; bench: about 3 min). The
+# training, measured at 75726c6, and 1.5-2 min of setup and checkpoint; FREEZE_STEPS=10 STEPS=20
+# about 3 min in all, measured at bd87664; bench: about 3 min). The
 # checkpoint stays on the device machine, so bench must follow at once (an idle machine is given
 # back), or both phases run in one call with STEPS=30 (7 min, as measured). CONFIG and DEVICE
 # override the model config and the device (a CPU dry run: CONFIG=tests/configs/tiny.json
