@@ -14,15 +14,6 @@ using namespace spindle::cuda;
 
 namespace {
 
-#define CHECK_LT(call)                                                                   \
-  do {                                                                                   \
-    const cublasStatus_t status = (call);                                                \
-    if (status != CUBLAS_STATUS_SUCCESS) {                                               \
-      std::fprintf(stderr, "%s: cuBLASLt status %d\n", #call, static_cast<int>(status)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
-
 // Gemm::matmul_batched's column-major view: c[m, n] = op(a) op(b), a and b bf16.
 struct Shape {
   const char* what;
@@ -43,35 +34,36 @@ void run_shape(cublasLtHandle_t handle, const Shape& s, void* workspace) {
   SPINDLE_CUDA(cudaMemset(c.data(), 0, c.size()));
 
   cublasLtMatmulDesc_t op = nullptr;
-  CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  SPINDLE_CUBLAS(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
-  CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
+  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
+  SPINDLE_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
-  CHECK_LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, u(a_rows), u(a_cols), a_rows));
-  CHECK_LT(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, u(b_rows), u(b_cols), b_rows));
-  CHECK_LT(cublasLtMatrixLayoutCreate(&lc, s.c_type, u(s.m), u(s.n), s.m));
+  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, u(a_rows), u(a_cols), a_rows));
+  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, u(b_rows), u(b_cols), b_rows));
+  SPINDLE_CUBLAS(cublasLtMatrixLayoutCreate(&lc, s.c_type, u(s.m), u(s.n), s.m));
   if (s.batch > 1) {
     const auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
       const auto count = static_cast<int32_t>(s.batch);
-      CHECK_LT(
+      SPINDLE_CUBLAS(
           cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
-      CHECK_LT(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-                                                sizeof stride));
+      SPINDLE_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &stride, sizeof stride));
     };
     strided(la, a_rows * a_cols);
     strided(lb, b_rows * b_cols);
     strided(lc, s.m * s.n);
   }
   cublasLtMatmulPreference_t preference = nullptr;
-  CHECK_LT(cublasLtMatmulPreferenceCreate(&preference));
-  CHECK_LT(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                &kWorkspaceBytes, sizeof kWorkspaceBytes));
+  SPINDLE_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
+  SPINDLE_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &kWorkspaceBytes, sizeof kWorkspaceBytes));
   constexpr int kAlgos = 16;
   cublasLtMatmulHeuristicResult_t results[kAlgos] = {};
   int found = 0;
-  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, preference, kAlgos, results, &found));
+  SPINDLE_CUBLAS(
+      cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, preference, kAlgos, results, &found));
   const float alpha = 1.0f;
   const double flops = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k) *
                        static_cast<double>(s.batch);
@@ -80,15 +72,15 @@ void run_shape(cublasLtHandle_t handle, const Shape& s, void* workspace) {
   double first = 0, best = 1e30;
   int best_index = 0;
   for (int i = 0; i < found; ++i) {
-    const double ms =
-        median_ms(
-            [&] {
-              for (int r = 0; r < inner; ++r)
-                CHECK_LT(cublasLtMatmul(handle, op, &alpha, a.data(), la, b.data(), lb, &s.beta, c.data(), lc,
-                                        c.data(), lc, &results[i].algo, workspace, kWorkspaceBytes, nullptr));
-            },
-            5) /
-        inner;
+    const double ms = median_ms(
+                          [&] {
+                            for (int r = 0; r < inner; ++r)
+                              SPINDLE_CUBLAS(cublasLtMatmul(
+                                  handle, op, &alpha, a.data(), la, b.data(), lb, &s.beta, c.data(), lc,
+                                  c.data(), lc, &results[i].algo, workspace, kWorkspaceBytes, nullptr));
+                          },
+                          5) /
+                      inner;
     if (i == 0) first = ms;
     if (ms < best) best = ms, best_index = i;
   }
@@ -131,7 +123,7 @@ int main() {
       {"MLA absorb dW (per head)", false, true, 512, 128, L, 32, f32, 1},
   };
   cublasLtHandle_t handle = nullptr;
-  CHECK_LT(cublasLtCreate(&handle));
+  SPINDLE_CUBLAS(cublasLtCreate(&handle));
   DeviceBuffer<char> workspace(kWorkspaceBytes, MemoryCategory::Workspace);
   for (const Shape& s : shapes) run_shape(handle, s, workspace.data());
   cublasLtDestroy(handle);
