@@ -29,10 +29,12 @@ constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond 
 constexpr int kUnionThreads = 256;
 constexpr int64_t kMaxUnionWidth = 16384;  // the first pass's three lists fit shared memory
 
-// The pair shares its tiles when its union is at most 5/4 of the wider selection: then every tile
-// costs both warpgroups' arithmetic once, against two tiles' gathers and arithmetic apart.
-__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider) {
-  return 4 * union_rows <= 5 * wider;
+// Whether the pair walks its union together. A warpgroup per query: where the union is at most 5/4
+// of the wider selection, every tile then costs both warpgroups' arithmetic once, against two
+// tiles' gathers and arithmetic apart. Heads as M (the latent of 512): a tile together costs about
+// 2/3 of one apart, so up to 3/2 (measured: bench_sparse_mla, docs/PERF.md).
+__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider, bool heads_as_m) {
+  return heads_as_m ? 2 * union_rows <= 3 * wider : 4 * union_rows <= 5 * wider;
 }
 // Slots per pair of the union lists: both selections. The call's workspace: the lists, a length and
 // a share flag per pair (plan/sublayer_memory.cpp's pair_union_bytes counts the same).
@@ -54,11 +56,11 @@ __device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x
 // One CTA per pair (queries 2p, 2p + 1): every row either selected, with the bits of the queries
 // that selected it (-1 for an unused slot), and the list's length. Where both selections hold their
 // valid rows first and strictly ascending (the indexer's layout), their union in ascending order;
-// else both selections' slots one after the other. shares: the union is at most 5/4 of the wider
-// selection, so that the warpgroup-per-query kernel walks it together.
+// else both selections' slots one after the other. shares: the pair walks the list together
+// (shares_tiles), else each query its own selection.
 __global__ void __launch_bounds__(kUnionThreads)
-    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, int32_t* unions,
-                      int32_t* lengths, int32_t* shares) {
+    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, bool heads_as_m,
+                      int32_t* unions, int32_t* lengths, int32_t* shares) {
   extern __shared__ int32_t lists[];  // first [width], second [width], before [width + 1]
   __shared__ int counts[2];
   __shared__ int scan[kUnionThreads];
@@ -137,7 +139,7 @@ __global__ void __launch_bounds__(kUnionThreads)
   }
   if (threadIdx.x == 0) {
     lengths[pair] = n;
-    shares[pair] = shares_tiles(n, max(na, nb));
+    shares[pair] = shares_tiles(n, max(na, nb), heads_as_m);
   }
 }
 
@@ -160,7 +162,7 @@ struct Layout {
   uint32_t total;
 };
 
-__host__ __device__ Layout layout(int dk) {
+__host__ __device__ constexpr Layout layout(int dk) {
   Layout l{};
   l.tile_bytes = static_cast<uint32_t>(kKeys * dk * 2);
   l.q = 2 * l.tile_bytes;
@@ -284,14 +286,12 @@ __device__ __forceinline__ void strip_queries(TileRows& r) {
   for (int g = 0; g < 8; ++g) r.gather[g] = r.gather[g] >= 0 ? r.gather[g] & kRowMask : -1;
 }
 
-// One CTA per (pair of queries, group of up to 32 heads); warpgroup g takes query 2 pair + g.
+// A pair of queries and a group of up to 32 heads, a warpgroup per query: warpgroup g takes query
+// 2 pair + g.
 template <int Blocks>
-__global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
-  extern __shared__ __align__(1024) unsigned char shared[];
-  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+__device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUtensorMap& latent_map,
+                                                       unsigned char* shared, int64_t pair) {
   const Layout L = layout(a.dk);
-  const int64_t pair = blockIdx.x;
   // The warpgroup (and warp) through a shuffle: the compiler then knows them uniform across the warp,
   // and does not serialise the wgmma in branches and loops that depend on them.
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
@@ -329,8 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A buffer's fill: fill_tile's TMA arrival with its bytes, and each of its 128 threads' arrival
   // when its cp.async rows have landed.
   const auto fill = [&](int buffer, const TileRows& r) {
-    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map,
-              full + buffer);
+    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map, full + buffer);
     copy_arrive(full + buffer);
   };
 
@@ -420,6 +419,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int u = wt; u < units; u += 128) dst[u] = reinterpret_cast<const uint4*>(o_s)[u];
 }
 
+// One CTA per (pair of queries, group of up to 32 heads).
+template <int Blocks>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+  forward_pair_per_query<Blocks>(a, latent_map, shared, blockIdx.x);
+}
+
 // ---- The latent of 512: a pair's 64 heads as the products' M ----------------------------------
 //
 // One CTA per (pair, group of up to 32 heads) walks the pair's list with both warpgroups: M = the
@@ -454,12 +462,10 @@ static_assert(HeadsLayout::kTotal <= 227 * 1024, "the heads-as-M forward's share
 // Both warpgroups (barrier 0 is __syncthreads', 1 and 2 the warpgroups' own).
 __device__ __forceinline__ void pair_barrier() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_forward_heads_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+__device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensorMap& latent_map,
+                                                   unsigned char* shared, int64_t pair) {
   using HL = HeadsLayout;
-  extern __shared__ __align__(1024) unsigned char shared[];
-  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
-  const int64_t pair = blockIdx.x, t0 = 2 * pair;
+  const int64_t t0 = 2 * pair;
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
             warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
   const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
@@ -669,6 +675,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// The latent of 512: one CTA per (pair, group of up to 32 heads), heads as M where the pair shares
+// its tiles, else a warpgroup per query (its selections hardly overlap: together each would pay
+// for the other's keys).
+constexpr uint32_t kLatentShared = std::max(HeadsLayout::kTotal, layout(kLatentDim).total);
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_forward_latent_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+  const int64_t pair = blockIdx.x;
+  // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
+  if (__shfl_sync(0xffffffffu, a.shares[pair], 0) != 0)
+    forward_pair_heads(a, latent_map, shared, pair);
+  else
+    forward_pair_per_query<kLatentDim / 64>(a, latent_map, shared, pair);
+}
+
 }  // namespace
 
 bool sparse_mla_hopper_takes(const SparseMlaShape& s) {
@@ -687,12 +709,13 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   const int64_t pairs = (s.tokens + 1) / 2, stride = union_stride(s.width);
   DeviceBuffer<int32_t> workspace(static_cast<size_t>(pairs * (stride + 2)), MemoryCategory::Workspace);
   int32_t *lengths = workspace.data() + pairs * stride, *shares = lengths + pairs;
-  const bool unions = s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1;
+  const bool unions = s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1,
+             heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim;
   if (unions) {
     const size_t bytes = static_cast<size_t>(3 * s.width + 1) * sizeof(int32_t);
     allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' union: width ", s.width);
     pair_union_kernel<<<static_cast<unsigned>(pairs), kUnionThreads, bytes, stream>>>(
-        selected, s.width, s.tokens, stride, workspace.data(), lengths, shares);
+        selected, s.width, s.tokens, stride, heads_as_m, workspace.data(), lengths, shares);
     SPINDLE_LAUNCHED("pair_union_kernel");
   } else {  // every pair's queries apart
     SPINDLE_CUDA(cudaMemsetAsync(shares, 0, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
@@ -711,10 +734,10 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
   const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
-  if (unions && s.dk == kLatentDim && s.dv == kLatentDim) {
-    allow_shared_memory(sparse_mla_forward_heads_kernel, HeadsLayout::kTotal, "sparse MLA heads as M");
-    sparse_mla_forward_heads_kernel<<<grid, kThreads, HeadsLayout::kTotal, stream>>>(args, map);
-    SPINDLE_LAUNCHED("sparse_mla_forward_heads_kernel");
+  if (heads_as_m) {
+    allow_shared_memory(sparse_mla_forward_latent_kernel, kLatentShared, "sparse MLA, the latent of 512");
+    sparse_mla_forward_latent_kernel<<<grid, kThreads, kLatentShared, stream>>>(args, map);
+    SPINDLE_LAUNCHED("sparse_mla_forward_latent_kernel");
     return;
   }
   const size_t shared_bytes = layout(args.dk).total;

@@ -7,17 +7,19 @@
 // chose it: where both selections are the indexer's layout (valid rows first, strictly ascending)
 // their union in order, else both selections' slots one after the other.
 //
-// For the latent of 512 (dk = dv = 512, the model's shape) both warpgroups walk that list with the
-// pair's 64 heads as the products' M, so that every product reads a tile for both queries: S = Q
-// K^T (each warpgroup 32 of the tile's 64 keys), each row's softmax over its own query's keys, P to
-// shared memory, O += P V (each warpgroup 256 of the 512 value columns). Every 64-row tile is
-// gathered once into one of two buffers, the next landing while both compute on this one.
+// For the latent of 512 (dk = dv = 512, the model's shape), where the union is at most 3/2 of the
+// wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md), both
+// warpgroups walk it with the pair's 64 heads as the products' M, so that every product reads a
+// tile for both queries: S = Q K^T (each warpgroup 32 of the tile's 64 keys), each row's softmax
+// over its own query's keys, P to shared memory, O += P V (each warpgroup 256 of the 512 value
+// columns). Every 64-row tile is gathered once into one of two buffers, the next landing while both
+// compute on this one. Other pairs, as other shapes, take a warpgroup per query.
 //
-// Other shapes: a warpgroup per query, with its own online softmax and output. Where the union is
-// at most 5/4 of the wider selection (a trained indexer's neighbours choose nearly the same pools,
-// docs/PERF.md) the two warpgroups walk it together, each tile gathered once into one of two buffers
-// and each warpgroup masking the rows its query did not choose; otherwise each warpgroup walks its
-// own selection in its own buffer, its next tile gathered after this one. Per tile a warpgroup
+// A warpgroup per query: each with its own online softmax and output. Where the union is at most
+// 5/4 of the wider selection the two warpgroups walk it together, each tile gathered once into one
+// of two buffers and each warpgroup masking the rows its query did not choose; otherwise each
+// warpgroup walks its own selection in its own buffer, its next tile gathered after this one (so
+// do the latent of 512's pairs that do not share). Per tile a warpgroup
 // computes S^T = K Q^T (M = 64 keys, N = 32 heads, K = dk), the softmax over each head's column,
 // P^T to shared memory, and O^T += V^T P^T (M = 64 value columns a block, N = 32 heads, K = 64 keys;
 // the tile's rows read transposed as V^T).
