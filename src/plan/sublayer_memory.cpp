@@ -103,7 +103,7 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
 int64_t pair_union_bytes(const Shapes& s, const Pass& p) {
   const int64_t dk = s.kv_rank + s.rope_dim;
   if (!(p.streamed || p.absorbed) || dk % 64 != 0 || s.kv_rank % 64 != 0 || dk > 512) return 0;
-  return (p.tokens + 1) / 2 * (s.width + s.width / 4 + 1) * 4;
+  return (p.tokens + 1) / 2 * (2 * s.width + 2) * 4;
 }
 
 int64_t complete_pools(const Shapes& s, const Pass& p) { return p.context / s.kpool; }

@@ -211,6 +211,13 @@ TEST(CudaSparseMla, ForwardAndBackwardMatchTheCpu) {
       // Few swaps: most pairs' unions within 5/4 of a selection, with rows of either query alone (the
       // forward's pairs then share their tiles, each warpgroup masking the other's rows).
       {512, 512, 527, 900, 32, 0, 16, 8, 64},
+      // Groups of 3: pairs within a group walk their union with the heads as M, pairs across two
+      // groups (past the first 1,000 tokens their union over 3/2 of a selection) a warpgroup per
+      // query, in one launch.
+      {512, 512, 527, 1500, 16, 0, 16, 3, 64},
+      // The same below the latent of 512 (the forward's warpgroup per query, not the pair's heads as M).
+      {256, 256, 527, 700, 16, 0, 16, 4, 64},
+      {256, 128, 271, 451, 40, 8, 16, 2},
   };
   for (const Case& c : cases) {
     const int64_t L = c.tokens, H = c.heads, stride = c.dk + c.stride_extra;

@@ -29,14 +29,16 @@ constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond 
 constexpr int kUnionThreads = 256;
 constexpr int64_t kMaxUnionWidth = 16384;  // the first pass's three lists fit shared memory
 
-// The pair shares its tiles when its union is at most 5/4 of the wider selection: then every tile
-// costs both warpgroups' arithmetic once, against two tiles' gathers and arithmetic apart.
-__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider) {
-  return 4 * union_rows <= 5 * wider;
+// Whether the pair walks its union together. A warpgroup per query: where the union is at most 5/4
+// of the wider selection, every tile then costs both warpgroups' arithmetic once, against two
+// tiles' gathers and arithmetic apart. Heads as M (the latent of 512): a tile together costs about
+// 2/3 of one apart, so up to 3/2 (measured: bench_sparse_mla, docs/PERF.md).
+__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider, bool heads_as_m) {
+  return heads_as_m ? 2 * union_rows <= 3 * wider : 4 * union_rows <= 5 * wider;
 }
-// Slots per pair of the union lists: what a shared pair's union can hold. The call's workspace: the
-// lists and a length per pair (plan/sublayer_memory.cpp's pair_union_bytes counts the same).
-int64_t union_stride(int64_t width) { return width + width / 4; }
+// Slots per pair of the union lists: both selections. The call's workspace: the lists, a length and
+// a share flag per pair (plan/sublayer_memory.cpp's pair_union_bytes counts the same).
+int64_t union_stride(int64_t width) { return 2 * width; }
 
 // Index of the first of list[0, n) (ascending) not less than x.
 __device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x) {
@@ -51,13 +53,14 @@ __device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x
   return lo;
 }
 
-// One CTA per pair (queries 2p, 2p + 1): where both selections hold their valid rows first and
-// strictly ascending (the indexer's layout) and their union is small enough to share tiles, the
-// union in ascending order, each slot's row with the bits of the queries that selected it, and its
-// length; else length -1 (each query walks its own selection).
+// One CTA per pair (queries 2p, 2p + 1): every row either selected, with the bits of the queries
+// that selected it (-1 for an unused slot), and the list's length. Where both selections hold their
+// valid rows first and strictly ascending (the indexer's layout), their union in ascending order;
+// else both selections' slots one after the other. shares: the pair walks the list together
+// (shares_tiles), else each query its own selection.
 __global__ void __launch_bounds__(kUnionThreads)
-    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, int32_t* unions,
-                      int32_t* lengths) {
+    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, bool heads_as_m,
+                      int32_t* unions, int32_t* lengths, int32_t* shares) {
   extern __shared__ int32_t lists[];  // first [width], second [width], before [width + 1]
   __shared__ int counts[2];
   __shared__ int scan[kUnionThreads];
@@ -81,8 +84,16 @@ __global__ void __launch_bounds__(kUnionThreads)
   }
   atomicAdd(&counts[0], n0);
   atomicAdd(&counts[1], n1);
+  int32_t* out = unions + pair * stride;
   if (!__syncthreads_and(ordered)) {
-    if (threadIdx.x == 0) lengths[pair] = -1;
+    for (int i = threadIdx.x; i < W; i += kUnionThreads) {
+      out[i] = first[i] >= 0 ? first[i] | kInFirst : -1;
+      out[W + i] = second[i] >= 0 ? second[i] | kInSecond : -1;
+    }
+    if (threadIdx.x == 0) {
+      lengths[pair] = 2 * W;
+      shares[pair] = 0;
+    }
     return;
   }
   const int na = counts[0], nb = counts[1];
@@ -116,11 +127,6 @@ __global__ void __launch_bounds__(kUnionThreads)
   }
   __syncthreads();
   const int n = na + nb - before[nb];
-  if (!shares_tiles(n, max(na, nb))) {
-    if (threadIdx.x == 0) lengths[pair] = -1;
-    return;
-  }
-  int32_t* out = unions + pair * stride;
   for (int i = threadIdx.x; i < na; i += kUnionThreads) {
     const int32_t x = first[i];
     const int j = lower_bound(second, nb, x);
@@ -131,12 +137,16 @@ __global__ void __launch_bounds__(kUnionThreads)
     const int32_t y = second[j];
     out[lower_bound(first, na, y) + j - before[j]] = y | kInSecond;
   }
-  if (threadIdx.x == 0) lengths[pair] = n;
+  if (threadIdx.x == 0) {
+    lengths[pair] = n;
+    shares[pair] = shares_tiles(n, max(na, nb), heads_as_m);
+  }
 }
 
 struct Args : SparseMlaInputs {
   const int32_t* unions;   // [pairs, union_stride]: pair_union_kernel's lists
-  const int32_t* lengths;  // [pairs]: their lengths, -1 where the pair's queries go apart
+  const int32_t* lengths;  // [pairs]: their lengths
+  const int32_t* shares;   // [pairs]: 1 where the warpgroups walk the list together, 0 apart
   int64_t tokens, union_stride;
   __nv_bfloat16* out;
   float* lse;
@@ -152,7 +162,7 @@ struct Layout {
   uint32_t total;
 };
 
-__host__ __device__ Layout layout(int dk) {
+__host__ __device__ constexpr Layout layout(int dk) {
   Layout l{};
   l.tile_bytes = static_cast<uint32_t>(kKeys * dk * 2);
   l.q = 2 * l.tile_bytes;
@@ -276,14 +286,12 @@ __device__ __forceinline__ void strip_queries(TileRows& r) {
   for (int g = 0; g < 8; ++g) r.gather[g] = r.gather[g] >= 0 ? r.gather[g] & kRowMask : -1;
 }
 
-// One CTA per (pair of queries, group of up to 32 heads); warpgroup g takes query 2 pair + g.
+// A pair of queries and a group of up to 32 heads, a warpgroup per query: warpgroup g takes query
+// 2 pair + g.
 template <int Blocks>
-__global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
-  extern __shared__ __align__(1024) unsigned char shared[];
-  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+__device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUtensorMap& latent_map,
+                                                       unsigned char* shared, int64_t pair) {
   const Layout L = layout(a.dk);
-  const int64_t pair = blockIdx.x;
   // The warpgroup (and warp) through a shuffle: the compiler then knows them uniform across the warp,
   // and does not serialise the wgmma in branches and loops that depend on them.
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
@@ -308,10 +316,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                      a.scale2};
   // The list this warpgroup walks: the pair's union (both warpgroups, every tile) or its own
   // selection.
-  const int32_t length = a.lengths[pair];
-  const bool together = length >= 0;
+  const bool together = a.shares[pair] != 0;
   const int32_t* list = together ? a.unions + pair * a.union_stride : a.selected + (live ? t : 0) * a.width;
-  const int64_t slots = together ? length : (live ? a.width : 0);
+  const int64_t slots = together ? a.lengths[pair] : (live ? a.width : 0);
   const int64_t tiles = (slots + kKeys - 1) / kKeys;
   const int32_t mine = group == 0 ? kInFirst : kInSecond;
   const auto rows_of = [&](int64_t tile) {
@@ -322,8 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A buffer's fill: fill_tile's TMA arrival with its bytes, and each of its 128 threads' arrival
   // when its cp.async rows have landed.
   const auto fill = [&](int buffer, const TileRows& r) {
-    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map,
-              full + buffer);
+    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map, full + buffer);
     copy_arrive(full + buffer);
   };
 
@@ -413,6 +419,278 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int u = wt; u < units; u += 128) dst[u] = reinterpret_cast<const uint4*>(o_s)[u];
 }
 
+// One CTA per (pair of queries, group of up to 32 heads).
+template <int Blocks>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+  forward_pair_per_query<Blocks>(a, latent_map, shared, blockIdx.x);
+}
+
+// ---- The latent of 512: a pair's 64 heads as the products' M ----------------------------------
+//
+// One CTA per (pair, group of up to 32 heads) walks the pair's list with both warpgroups: M = the
+// pair's 64 heads (rows 0-31 the first query's, 32-63 the second's), so that each product reads
+// the tile for both queries at once. Per tile, warpgroup g:
+//   S [64 heads, 32 keys] = Q K_g^T over the 512 values (K_g the tile's keys 32 g .. 32 g + 31),
+//   each row's maximum over its keys, shared with the other warpgroup through shared memory;
+//   P = exp(S - m) (0 where the row's query did not select the key) as bf16 into P [64, 64];
+//   O_g [64 heads, 256 values] = O_g alpha + P V_g over the tile's 64 keys, V_g its values
+//   256 g .. 256 g + 255 read MN-major.
+// Each row's sum stays per thread over its own keys (both warpgroups scale by the same maximum) and
+// is summed at the end. Tiles in two buffers as in the kernel above, warpgroup k % 2 refilling
+// buffer k % 2 with tile k + 2; P and the maxima in two buffers, so that one barrier of both
+// warpgroups a tile guards each.
+constexpr int kLatentDim = 512;
+constexpr int kPairRows = 2 * kHeads;        // M
+constexpr int kHalfKeys = kKeys / 2;         // a warpgroup's keys in S
+constexpr int kHalfValues = kLatentDim / 2;  // a warpgroup's value columns in O
+constexpr int kValueBlocks = kHalfValues / 64;
+
+struct HeadsLayout {
+  static constexpr uint32_t kTileBytes = kKeys * kLatentDim * 2;
+  static constexpr uint32_t kQ = 2 * kTileBytes;                         // [64 rows][512] bf16, core matrices
+  static constexpr uint32_t kP = kQ + kPairRows * kLatentDim * 2;        // [2][64 rows][64 keys] bf16
+  static constexpr uint32_t kMax = kP + 2 * kPairRows * kKeys * 2;       // [2][kGroups][64 rows] float
+  static constexpr uint32_t kSums = kMax + 2 * kGroups * kPairRows * 4;  // [kGroups][64 rows] float
+  static constexpr uint32_t kBars = kSums + kGroups * kPairRows * 4;     // full [2], empty [2]
+  static constexpr uint32_t kTotal = kBars + 4 * 8;
+};
+static_assert(HeadsLayout::kTotal <= 227 * 1024, "the heads-as-M forward's shared memory");
+
+// Both warpgroups (barrier 0 is __syncthreads', 1 and 2 the warpgroups' own).
+__device__ __forceinline__ void pair_barrier() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
+
+__device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensorMap& latent_map,
+                                                   unsigned char* shared, int64_t pair) {
+  using HL = HeadsLayout;
+  const int64_t t0 = 2 * pair;
+  const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
+            warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
+  const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared + HL::kBars);
+  uint64_t* empty = full + 2;
+  const int32_t* list = a.unions + pair * a.union_stride;
+  const int64_t slots = a.lengths[pair], tiles = (slots + kKeys - 1) / kKeys;
+  // This thread's rows (heads) row_a and row_a + 8, both of query `second` (warps 2-3 hold its heads).
+  const int row_a = 16 * warp + lane / 4;
+  const bool second = warp >= 2;
+  const int32_t mine = second ? kInSecond : kInFirst;
+  const auto rows_of = [&](int64_t tile) {
+    TileRows r = tile_rows(list, slots, 0, tile, wt);
+    strip_queries(r);
+    return r;
+  };
+  const auto fill = [&](int buffer, const TileRows& r) {
+    fill_tile(shared + buffer * HL::kTileBytes, r, a.latent, a.latent_stride, kLatentDim, wt, &latent_map,
+              full + buffer);
+    copy_arrive(full + buffer);
+  };
+
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbarrier_init(full + b, 1 + 128);
+      mbarrier_init(empty + b, kGroups);
+    }
+  }
+  mbarrier_init_fence();
+  __syncthreads();
+  // Q of both queries (zero rows past the last head and for a missing second query), then warpgroup
+  // g fills tile g.
+  constexpr int kChunks = kLatentDim / 8;
+  for (int u = threadIdx.x; u < kPairRows * kChunks; u += kThreads) {
+    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8;
+    const int64_t t = t0 + row / kHeads;
+    const int head = h0 + row % kHeads;
+    const bool valid = t < a.tokens && head < a.heads;
+    copy16(shared + HL::kQ + u * 16, valid ? a.q + ((t * a.heads + head) * kLatentDim + c * 8) : a.q, valid);
+  }
+  copy_commit();
+  if (group < tiles) fill(group, rows_of(group));
+  TileRows next = rows_of(group + 2);
+  copy_wait_all();
+  fence_async_shared();
+  __syncthreads();  // Q landed
+
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows row_a, row_a + 8
+  float acc[kValueBlocks][32] = {};
+  const uint32_t q_address = shared_address(shared + HL::kQ);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int buffer = static_cast<int>(tile % 2);
+    const uint32_t parity = static_cast<uint32_t>(tile / 2 % 2);
+    const uint32_t tile_address = shared_address(shared + buffer * HL::kTileBytes);
+    unsigned char* p_s = shared + HL::kP + buffer * kPairRows * kKeys * 2;
+    float* max_s = reinterpret_cast<float*>(shared + HL::kMax) + buffer * kGroups * kPairRows;
+    // Whether this thread's keys (of the warpgroup's half: 8 j + 2 (lane % 4) + e) are its query's.
+    bool valid[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t slot = tile * kKeys + kHalfKeys * group + 8 * j + 2 * (lane % 4) + e;
+        const int32_t entry = slot < slots ? list[slot] : -1;
+        valid[j][e] = entry >= 0 && (entry & mine);
+      }
+    }
+    mbarrier_wait(full + buffer, parity);
+    fence_async_shared();  // the cp.async rows, seen through the barrier, before wgmma reads them
+
+    // S [64 heads, 32 keys] = Q K_g^T: Q K-major (core matrices), the tile's keys K-major (swizzled).
+    float s[16] = {};
+    wgmma_hold(s);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kLatentDim / 16; ++k)
+      wgmma_m64n32k16<0>(
+          s, wgmma_descriptor(q_address + k * 256, 128, kLatentDim * 16),
+          wgmma_descriptor_128b(
+              tile_address + k / 4 * kSwizzleBlockBytes + kHalfKeys * group * 128 + k % 4 * 32, 16, 1024),
+          k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(s);
+
+    // s[4 j + 2 h + e]: row row_a + 8 h, key 8 j + 2 (lane % 4) + e. Each row's maximum over the
+    // quad's keys, then over both warpgroups'.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = valid[j][e] ? x * a.scale2 : -INFINITY;
+          mx[h] = fmaxf(mx[h], x);
+        }
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (lane % 4 == 0) max_s[group * kPairRows + row_a + 8 * h] = mx[h];
+    }
+    pair_barrier();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = max_s[(1 - group) * kPairRows + row_a + 8 * h];
+      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));
+      alpha[h] = m_new == -INFINITY ? 1.0f : exp2_ftz(m_run[h] - m_new);
+      m_run[h] = m_new;
+      l_run[h] *= alpha[h];
+    }
+    // P into its buffer (K-major core matrices: row, key 32 g + 8 j + 2 (lane % 4) + e).
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = m_run[h] == -INFINITY ? 0.0f : exp2_ftz(s[4 * j + 2 * h] - m_run[h]),
+                    p1 = m_run[h] == -INFINITY ? 0.0f : exp2_ftz(s[4 * j + 2 * h + 1] - m_run[h]);
+        l_run[h] += p0 + p1;
+        *reinterpret_cast<uint32_t*>(
+            p_s + core_offset(row_a + 8 * h, kHalfKeys * group + 8 * j + 2 * (lane % 4), kKeys)) =
+            pack_bf16(p0, p1);
+      }
+    }
+    fence_async_shared();
+    pair_barrier();  // P whole: both warpgroups' keys
+
+    // O_g = O_g alpha + P V_g: P K-major (core matrices), V_g the tile's values read MN-major.
+#pragma unroll
+    for (int b = 0; b < kValueBlocks; ++b) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        acc[b][j] *= alpha[(j / 2) % 2];
+        wgmma_hold(acc[b][j]);
+      }
+    }
+    wgmma_fence();
+    const uint32_t p_address = shared_address(p_s);
+#pragma unroll
+    for (int b = 0; b < kValueBlocks; ++b) {
+#pragma unroll
+      for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n64k16<0, 1>(
+            acc[b], wgmma_descriptor(p_address + k * 256, 128, kKeys * 16),
+            wgmma_descriptor_128b(
+                tile_address + (kValueBlocks * group + b) * kSwizzleBlockBytes + k * 16 * 128,
+                kSwizzleBlockBytes, 1024),
+            true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < kValueBlocks; ++b) wgmma_hold(acc[b]);
+    warpgroup_barrier(group);  // every warp is done with the tile
+    if (wt == 0) mbarrier_arrive(empty + buffer);
+    if (group == buffer && tile + 2 < tiles) {
+      mbarrier_wait(empty + buffer, parity);
+      fill(buffer, next);
+      next = rows_of(tile + 4);
+    }
+  }
+
+  // Each row's sum over both warpgroups' keys, then the output, normalised, as bf16 [64 rows][512]
+  // through the spent tile buffers, and out in 16-byte rows per query.
+  float* sums_s = reinterpret_cast<float*>(shared + HL::kSums);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    if (lane % 4 == 0) sums_s[group * kPairRows + row_a + 8 * h] = l_run[h];
+  }
+  __syncthreads();
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_a + 8 * h;
+    const float l = sums_s[row] + sums_s[kPairRows + row];
+    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t t = t0 + row / kHeads;
+    const int head = h0 + row % kHeads;
+    if (group == 0 && lane % 4 == 0 && t < a.tokens && head < a.heads)
+      a.lse[t * a.heads + head] = l > 0.0f ? (m_run[h] + log2f(l)) / kLog2e : INFINITY;
+  }
+  __nv_bfloat16* o_s = reinterpret_cast<__nv_bfloat16*>(shared);  // [64 rows][512]
+#pragma unroll
+  for (int b = 0; b < kValueBlocks; ++b) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int row = row_a + 8 * ((j / 2) % 2),
+                dim = kHalfValues * group + 64 * b + 8 * (j / 4) + 2 * (lane % 4) + j % 2;
+      o_s[row * kLatentDim + dim] = __float2bfloat16(acc[b][j] * inv[(j / 2) % 2]);
+    }
+  }
+  __syncthreads();
+  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kLatentDim / 8;
+  for (int q = 0; q < 2; ++q) {
+    const int64_t t = t0 + q;
+    if (t >= a.tokens) break;
+    uint4* dst = reinterpret_cast<uint4*>(a.out + (t * a.heads + h0) * kLatentDim);
+    const uint4* src = reinterpret_cast<const uint4*>(o_s + q * kHeads * kLatentDim);
+    for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = src[u];
+  }
+}
+
+// The latent of 512: one CTA per (pair, group of up to 32 heads), heads as M where the pair shares
+// its tiles, else a warpgroup per query (its selections hardly overlap: together each would pay
+// for the other's keys).
+constexpr uint32_t kLatentShared = std::max(HeadsLayout::kTotal, layout(kLatentDim).total);
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_forward_latent_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+  const int64_t pair = blockIdx.x;
+  // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
+  if (__shfl_sync(0xffffffffu, a.shares[pair], 0) != 0)
+    forward_pair_heads(a, latent_map, shared, pair);
+  else
+    forward_pair_per_query<kLatentDim / 64>(a, latent_map, shared, pair);
+}
+
 }  // namespace
 
 bool sparse_mla_hopper_takes(const SparseMlaShape& s) {
@@ -429,21 +707,24 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
   const int64_t pairs = (s.tokens + 1) / 2, stride = union_stride(s.width);
-  DeviceBuffer<int32_t> workspace(static_cast<size_t>(pairs * (stride + 1)), MemoryCategory::Workspace);
-  int32_t* lengths = workspace.data() + pairs * stride;
-  if (s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1) {
+  DeviceBuffer<int32_t> workspace(static_cast<size_t>(pairs * (stride + 2)), MemoryCategory::Workspace);
+  int32_t *lengths = workspace.data() + pairs * stride, *shares = lengths + pairs;
+  const bool unions = s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1,
+             heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim;
+  if (unions) {
     const size_t bytes = static_cast<size_t>(3 * s.width + 1) * sizeof(int32_t);
     allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' union: width ", s.width);
     pair_union_kernel<<<static_cast<unsigned>(pairs), kUnionThreads, bytes, stream>>>(
-        selected, s.width, s.tokens, stride, workspace.data(), lengths);
+        selected, s.width, s.tokens, stride, heads_as_m, workspace.data(), lengths, shares);
     SPINDLE_LAUNCHED("pair_union_kernel");
   } else {  // every pair's queries apart
-    SPINDLE_CUDA(cudaMemsetAsync(lengths, 0xff, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
+    SPINDLE_CUDA(cudaMemsetAsync(shares, 0, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
   }
   Args args{};
   static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
   args.unions = workspace.data();
   args.lengths = lengths;
+  args.shares = shares;
   args.tokens = s.tokens;
   args.union_stride = stride;
   args.out = out;
@@ -452,8 +733,14 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   // the map claims more rows than any sequence, and only selected pools are read through it.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
-  const size_t shared_bytes = layout(args.dk).total;
   const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  if (heads_as_m) {
+    allow_shared_memory(sparse_mla_forward_latent_kernel, kLatentShared, "sparse MLA, the latent of 512");
+    sparse_mla_forward_latent_kernel<<<grid, kThreads, kLatentShared, stream>>>(args, map);
+    SPINDLE_LAUNCHED("sparse_mla_forward_latent_kernel");
+    return;
+  }
+  const size_t shared_bytes = layout(args.dk).total;
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "sparse MLA on wgmma: dk ", s.dk, ", dv ", s.dv);
     kernel<<<grid, kThreads, shared_bytes, stream>>>(args, map);

@@ -2,20 +2,30 @@
 // (sparse_mla.h), for the shapes sparse_mla_hopper_takes() accepts; sparse_mla_forward dispatches
 // here.
 //
-// One CTA per (pair of neighbouring queries 2p, 2p + 1, group of up to 32 heads), a warpgroup per
-// query with its own online softmax and output accumulators. A first pass (one CTA per pair) merges
-// the two selections into their union where both are the indexer's layout (valid rows first,
-// strictly ascending), each slot marked with the queries that chose it. Where that union is at most
-// 5/4 of the wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md)
-// the two warpgroups walk it together: every 64-row tile is gathered once into one of two buffers,
-// the next tile landing while both compute on this one, and each warpgroup masks the rows its query
-// did not choose. Otherwise each warpgroup walks its own selection in its own buffer, its next tile
-// gathered after this one (as one query a CTA would). Per tile a warpgroup computes S^T = K Q^T
-// (M = 64 keys, N = 32 heads, K = dk), the softmax over each head's column, P^T to shared memory,
-// and O^T += V^T P^T (M = 64 value columns a block, N = 32 heads, K = 64 keys; the tile's rows read
-// transposed as V^T). Tiles are filled in the 128-byte swizzled layout, whole pools of consecutive
-// rows by TMA and the other rows by cp.async (fill_tile, sparse_mla_tile.cuh), both counted on the
-// buffer's barrier.
+// One CTA per (pair of neighbouring queries 2p, 2p + 1, group of up to 32 heads). A first pass
+// (one CTA per pair) lists every row either query selected, each slot marked with the queries that
+// chose it: where both selections are the indexer's layout (valid rows first, strictly ascending)
+// their union in order, else both selections' slots one after the other.
+//
+// For the latent of 512 (dk = dv = 512, the model's shape), where the union is at most 3/2 of the
+// wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md), both
+// warpgroups walk it with the pair's 64 heads as the products' M, so that every product reads a
+// tile for both queries: S = Q K^T (each warpgroup 32 of the tile's 64 keys), each row's softmax
+// over its own query's keys, P to shared memory, O += P V (each warpgroup 256 of the 512 value
+// columns). Every 64-row tile is gathered once into one of two buffers, the next landing while both
+// compute on this one. Other pairs, as other shapes, take a warpgroup per query.
+//
+// A warpgroup per query: each with its own online softmax and output. Where the union is at most
+// 5/4 of the wider selection the two warpgroups walk it together, each tile gathered once into one
+// of two buffers and each warpgroup masking the rows its query did not choose; otherwise each
+// warpgroup walks its own selection in its own buffer, its next tile gathered after this one (so
+// do the latent of 512's pairs that do not share). Per tile a warpgroup
+// computes S^T = K Q^T (M = 64 keys, N = 32 heads, K = dk), the softmax over each head's column,
+// P^T to shared memory, and O^T += V^T P^T (M = 64 value columns a block, N = 32 heads, K = 64 keys;
+// the tile's rows read transposed as V^T).
+//
+// Tiles are filled in the 128-byte swizzled layout, whole pools of consecutive rows by TMA and the
+// other rows by cp.async (fill_tile, sparse_mla_tile.cuh), both counted on the buffer's barrier.
 #pragma once
 
 #include "kernels/cuda/sparse_mla.h"
