@@ -103,7 +103,8 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
 // (sparse_mla_backward_hopper.h: a latent of 512 alone) takes the absorbed attention's shape.
 int64_t pair_list_bytes(const Shapes& s, const Pass& p, bool backward) {
   const int64_t dk = s.kv_rank + s.rope_dim;
-  const bool takes = backward ? dk == 512 && s.kv_rank == 512 : dk % 64 == 0 && s.kv_rank % 64 == 0 && dk <= 512;
+  const bool takes =
+      backward ? dk == 512 && s.kv_rank == 512 : dk % 64 == 0 && s.kv_rank % 64 == 0 && dk <= 512;
   if (!(p.streamed || p.absorbed) || !takes) return 0;
   return (p.tokens + 1) / 2 * (2 * s.width + 2) * 4;
 }

@@ -41,11 +41,11 @@ constexpr uint32_t kIndices = kGrads + kRows * kKeys * 2;  // [2 buffers][kKeys]
 constexpr uint32_t kStats = kIndices + 2 * kKeys * 4;      // lse (log2 domain), delta: [kHeads] float each
 constexpr uint32_t kOneQueryEnd = kStats + 2 * kHeads * 4;
 // A pair that walks its list together: the second query's [Q; dO] takes the second buffer's room.
-constexpr int kPairRows = 2 * kRows;                                 // [Q0; dO0; Q1; dO1] and [dS0; dS1; P0; P1]
-constexpr uint32_t kPairQdo = kBufferBytes;                          // [kPairRows][kDim] bf16, core matrices
-constexpr uint32_t kPairGrads = kPairQdo + kPairRows * kDim * 2;     // [kPairRows][kKeys] bf16, core matrices
+constexpr int kPairRows = 2 * kRows;                              // [Q0; dO0; Q1; dO1] and [dS0; dS1; P0; P1]
+constexpr uint32_t kPairQdo = kBufferBytes;                       // [kPairRows][kDim] bf16, core matrices
+constexpr uint32_t kPairGrads = kPairQdo + kPairRows * kDim * 2;  // [kPairRows][kKeys] bf16, core matrices
 constexpr uint32_t kPairEntries = kPairGrads + kPairRows * kKeys * 2;  // [kKeys] int32: the tile's list slots
-constexpr uint32_t kPairSlots = kPairEntries + kKeys * 4;  // [2][kKeys] int32: each query's selection slot
+constexpr uint32_t kPairSlots = kPairEntries + kKeys * 4;    // [2][kKeys] int32: each query's selection slot
 constexpr uint32_t kPairStats = kPairSlots + 2 * kKeys * 4;  // lse, delta: [2 kHeads] float each
 constexpr uint32_t kPairEnd = kPairStats + 4 * kHeads * 4;
 constexpr uint32_t kBars = kPairEnd > kOneQueryEnd ? kPairEnd : kOneQueryEnd;  // [2] uint64, both kinds'
@@ -304,7 +304,6 @@ __device__ __forceinline__ void backward_one_query(const Args& a, const CUtensor
   for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = reinterpret_cast<const uint4*>(dq_s)[u];
 }
 
-
 // For a tile of a pair's list (kKeys slots from `tile`): each query's slot in its own selection of
 // each row it selected (-1 for the other rows), into slots_s[2][kKeys]. The list is the union of two
 // ascending selections, so a row's slot is the count of that query's marks before it: `base` carries
@@ -332,8 +331,9 @@ __device__ __forceinline__ void mark_slots(const int32_t* list, int64_t length, 
 // rows its query did not select masked); both then compute dQ for both queries (256 values each, N =
 // the pair's 64 heads) and the rows' gradient. One tile buffer (both queries' [Q; dO] take the other
 // one's room), so the next tile's gather starts once the staged gradient has been read.
-__device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& latent_map, unsigned char* shared,
-                                              uint64_t* bar, uint32_t& phases, int64_t pair) {
+__device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& latent_map,
+                                              unsigned char* shared, uint64_t* bar, uint32_t& phases,
+                                              int64_t pair) {
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
             warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
   const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
@@ -592,7 +592,8 @@ void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q,
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
   allow_shared_memory(sparse_mla_backward_hopper_kernel, kSharedBytes, "sparse MLA backward on wgmma");
-  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
+                  static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   sparse_mla_backward_hopper_kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, map);
   SPINDLE_LAUNCHED("sparse_mla_backward_hopper_kernel");
 }

@@ -210,7 +210,8 @@ __device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUte
   // A buffer's fill: fill_tile's TMA arrival with its bytes, and each of its 128 threads' arrival
   // when its cp.async rows have landed.
   const auto fill = [&](int buffer, const TileRows& r) {
-    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map, full + buffer);
+    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map,
+              full + buffer);
     copy_arrive(full + buffer);
   };
 
@@ -603,7 +604,8 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   // the map claims more rows than any sequence, and only selected pools are read through it.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
-  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
+                  static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   if (heads_as_m) {
     allow_shared_memory(sparse_mla_forward_latent_kernel, kLatentShared, "sparse MLA, the latent of 512");
     sparse_mla_forward_latent_kernel<<<grid, kThreads, kLatentShared, stream>>>(args, map);

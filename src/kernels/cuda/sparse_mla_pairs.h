@@ -22,9 +22,9 @@ namespace spindle::cuda {
 constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond - 1;
 
 struct PairLists {
-  DeviceBuffer<int32_t> workspace;  // the lists, then the lengths, then the flags
-  const int32_t* lists = nullptr;   // [pairs][stride]
-  const int32_t* lengths = nullptr;  // [pairs]
+  DeviceBuffer<int32_t> workspace;    // the lists, then the lengths, then the flags
+  const int32_t* lists = nullptr;     // [pairs][stride]
+  const int32_t* lengths = nullptr;   // [pairs]
   const int32_t* together = nullptr;  // [pairs]: 1 where the pair walks its list together
   int64_t stride = 0;
 };
