@@ -39,7 +39,8 @@ struct SparseMlaChunk {
         dq(static_cast<size_t>(queries * kHeads * kDim), MemoryCategory::Activations),
         selection(static_cast<size_t>(queries * kWidth), MemoryCategory::Activations),
         lse(static_cast<size_t>(queries * kHeads), MemoryCategory::Activations),
-        d_latent(static_cast<size_t>(tokens * kDim), MemoryCategory::Gradients) {
+        d_latent(static_cast<size_t>(tokens * kDim), MemoryCategory::Gradients),
+        mass(static_cast<size_t>(queries * kWidth), MemoryCategory::Activations) {
     std::vector<int32_t> selected(static_cast<size_t>(queries * kWidth), -1);
     std::mt19937_64 rng(7);
     std::vector<int32_t> chosen;
@@ -67,10 +68,13 @@ struct SparseMlaChunk {
   void forward(cudaStream_t stream) {
     sparse_mla_forward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), stream);
   }
-  // One query a CTA: on wgmma (what sparse_mla_backward runs for this shape), and on mma.sync.
-  void backward(cudaStream_t stream) {
+  // On wgmma (what sparse_mla_backward runs for this shape: pairs of queries that share their rows
+  // together), with the attention mass by slot (the indexer's KL training) or without, and one query
+  // a CTA on mma.sync.
+  void backward(cudaStream_t stream, bool with_mass = false) {
+    if (with_mass) SPINDLE_CUDA(cudaMemsetAsync(mass.data(), 0, mass.size() * sizeof(float), stream));
     sparse_mla_backward(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(), dout.data(),
-                        dq.data(), d_latent.data(), nullptr, stream);
+                        dq.data(), d_latent.data(), with_mass ? mass.data() : nullptr, stream);
   }
   void backward_mma(cudaStream_t stream) {
     sparse_mla_backward_mma(shape, q.data(), latent.data(), selection.data(), out.data(), lse.data(),
@@ -81,7 +85,7 @@ struct SparseMlaChunk {
   SparseMlaShape shape;
   DeviceBuffer<__nv_bfloat16> latent, q, dout, out, dq;
   DeviceBuffer<int32_t> selection;
-  DeviceBuffer<float> lse, d_latent;
+  DeviceBuffer<float> lse, d_latent, mass;
 };
 
 }  // namespace spindle::cuda

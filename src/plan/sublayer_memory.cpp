@@ -98,11 +98,14 @@ Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
   return a;
 }
 
-// What sparse_mla_forward_hopper allocates for its call (kernels/cuda/sparse_mla_hopper.cu: the
-// pairs' union lists and their lengths), where that kernel takes the absorbed attention's shape.
-int64_t pair_union_bytes(const Shapes& s, const Pass& p) {
+// What the wgmma sparse MLA kernels allocate for a call: the pairs' lists (kernels/cuda/
+// sparse_mla_pairs.h), where the forward (sparse_mla_hopper.h) or the backward
+// (sparse_mla_backward_hopper.h: a latent of 512 alone) takes the absorbed attention's shape.
+int64_t pair_list_bytes(const Shapes& s, const Pass& p, bool backward) {
   const int64_t dk = s.kv_rank + s.rope_dim;
-  if (!(p.streamed || p.absorbed) || dk % 64 != 0 || s.kv_rank % 64 != 0 || dk > 512) return 0;
+  const bool takes =
+      backward ? dk == 512 && s.kv_rank == 512 : dk % 64 == 0 && s.kv_rank % 64 == 0 && dk <= 512;
+  if (!(p.streamed || p.absorbed) || !takes) return 0;
   return (p.tokens + 1) / 2 * (2 * s.width + 2) * 4;
 }
 
@@ -153,13 +156,14 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
     a.push_back(bf16(m, L * H * s.kv_rank));  // d_o_lat
     a.push_back(bf16(m, L * H * s.kv_rank));  // dq_lat
   }
+  const Ledger::Block lists = m.workspace(pair_list_bytes(s, p, true));  // for the attention's backward
 }
 
 void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a = mla_projections(m, s, p, kept);
   if (!kept) {  // the attention runs again: its union lists for the call
-    const Ledger::Block unions = m.workspace(pair_union_bytes(s, p));
+    const Ledger::Block unions = m.workspace(pair_list_bytes(s, p, false));
   }
   a.push_back(bf16(m, L * H * s.v_dim));   // d_attended
   a.push_back(bf16(m, L * H * s.qk_dim));  // dq
@@ -253,7 +257,7 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
   }
   Blocks a = mla_projections(m, s, pass, false);
   Ledger::Block selection = select && layer.own_indexer ? run_indexer(m, s, pass) : Ledger::Block{};
-  const Ledger::Block unions = m.workspace(pair_union_bytes(s, pass));  // for the attention's call
+  const Ledger::Block unions = m.workspace(pair_list_bytes(s, pass, false));  // for the attention's call
   return selection;
 }
 

@@ -7,6 +7,7 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_backward_hopper.h"
+#include "kernels/cuda/sparse_mla_pairs.h"
 #include "kernels/cuda/sparse_mla_tile.cuh"
 #include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -33,14 +34,28 @@ constexpr uint32_t kBufferBytes = 68 * 1024;
 static_assert(kBufferBytes >= kKeys * kDim * 2 && kBufferBytes >= kKeys * kStageStride * 4 &&
                   kBufferBytes % 1024 == 0,
               "a buffer holds a tile and its staged gradient, 1024-byte aligned");
+// A query alone: two tile buffers.
 constexpr uint32_t kQdo = 2 * kBufferBytes;                // [Q; dO], [kRows][kDim] bf16, core matrices
 constexpr uint32_t kGrads = kQdo + kRows * kDim * 2;       // [dS; P], [kRows][kKeys] bf16, core matrices
 constexpr uint32_t kIndices = kGrads + kRows * kKeys * 2;  // [2 buffers][kKeys] int32
 constexpr uint32_t kStats = kIndices + 2 * kKeys * 4;      // lse (log2 domain), delta: [kHeads] float each
-constexpr uint32_t kBars = kStats + 2 * kHeads * 4;        // [2 buffers] uint64
+constexpr uint32_t kOneQueryEnd = kStats + 2 * kHeads * 4;
+// A pair that walks its list together: the second query's [Q; dO] takes the second buffer's room.
+constexpr int kPairRows = 2 * kRows;                              // [Q0; dO0; Q1; dO1] and [dS0; dS1; P0; P1]
+constexpr uint32_t kPairQdo = kBufferBytes;                       // [kPairRows][kDim] bf16, core matrices
+constexpr uint32_t kPairGrads = kPairQdo + kPairRows * kDim * 2;  // [kPairRows][kKeys] bf16, core matrices
+constexpr uint32_t kPairEntries = kPairGrads + kPairRows * kKeys * 2;  // [kKeys] int32: the tile's list slots
+constexpr uint32_t kPairSlots = kPairEntries + kKeys * 4;    // [2][kKeys] int32: each query's selection slot
+constexpr uint32_t kPairStats = kPairSlots + 2 * kKeys * 4;  // lse, delta: [2 kHeads] float each
+constexpr uint32_t kPairEnd = kPairStats + 4 * kHeads * 4;
+constexpr uint32_t kBars = kPairEnd > kOneQueryEnd ? kPairEnd : kOneQueryEnd;  // [2] uint64, both kinds'
 constexpr uint32_t kSharedBytes = kBars + 2 * 8 + kAlignSlack;
 constexpr uint32_t kQdoGroupBytes = kDim * 16;     // 8 rows of [Q; dO]
 constexpr uint32_t kGradsGroupBytes = kKeys * 16;  // 8 rows of [dS; P]
+
+// The largest union, in units of the wider selection, that a pair walks together: a tile of it
+// costs about 2/3 of the two tiles apart (estimated from the forward's, docs/PERF.md).
+constexpr double kShareLimit = 1.5;
 
 struct Args : SparseMlaInputs {
   const __nv_bfloat16* out;  // the forward's
@@ -49,26 +64,43 @@ struct Args : SparseMlaInputs {
   __nv_bfloat16* dq;
   float* d_latent;
   float* mass;
+  const int32_t* lists;     // [pairs][list_stride]: the pairs' lists (sparse_mla_pairs.h)
+  const int32_t* lengths;   // [pairs]
+  const int32_t* together;  // [pairs]: 1 where the pair walks its list together
+  int64_t tokens, list_stride;
 };
 
+// The [Q; dO] row of k-step k's first row of [dS; P] in the rows' gradient: the same row for a query
+// alone ([dS; P] against [Q; dO]); for a pair, [dS0; dS1; P0; P1] against [Q0; dO0; Q1; dO1].
+template <bool Pair>
+__device__ __forceinline__ constexpr int qdo_row_of_step(int k) {
+  if (!Pair) return 16 * k;
+  const int part = k / 2, row = 16 * (k % 2);  // part: dS0, dS1, P0, P1
+  return (part % 2) * kRows + (part / 2) * kHeads + row;
+}
+
 // Issues acc = [dS; P]^T [Q; dO] for columns n0 .. n0 + 127: A the [dS; P] rows read MN-major (keys
-// contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows. The caller fences,
-// commits and waits.
+// contiguous), B the [Q; dO] rows read MN-major (values contiguous), depth kRows (a pair: 2 kRows).
+// The caller fences, commits and waits.
+template <bool Pair>
 __device__ __forceinline__ void issue_rows_gradient(float (&acc)[64], uint32_t grads_address,
                                                     uint32_t qdo_address, int n0) {
 #pragma unroll
-  for (int k = 0; k < kRows / 16; ++k)
+  for (int k = 0; k < (Pair ? kPairRows : kRows) / 16; ++k)
     wgmma_m64n128k16<1, 1>(
         acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
-        wgmma_descriptor(qdo_address + k * 2 * kQdoGroupBytes + n0 / 8 * 128, kQdoGroupBytes, 128), k > 0);
+        wgmma_descriptor(qdo_address + qdo_row_of_step<Pair>(k) / 8 * kQdoGroupBytes + n0 / 8 * 128,
+                         kQdoGroupBytes, 128),
+        k > 0);
 }
 
 // issue_rows_gradient alone, complete on return.
+template <bool Pair>
 __device__ __forceinline__ void rows_gradient(float (&acc)[64], uint32_t grads_address, uint32_t qdo_address,
                                               int n0) {
   wgmma_hold(acc);
   wgmma_fence();
-  issue_rows_gradient(acc, grads_address, qdo_address, n0);
+  issue_rows_gradient<Pair>(acc, grads_address, qdo_address, n0);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(acc);
@@ -87,12 +119,11 @@ __device__ __forceinline__ void stage_gradient(float* staged, const float (&acc)
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_backward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
-  extern __shared__ __align__(128) unsigned char shared_base[];
-  unsigned char* shared =
-      shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
-  const int64_t t = blockIdx.x;
+// Query t alone (its pair walks apart), a tile in one buffer while the next lands in the other.
+// bars: the two buffers' barriers, phases their parities (carried from query to query).
+__device__ __forceinline__ void backward_one_query(const Args& a, const CUtensorMap& latent_map,
+                                                   unsigned char* shared, uint64_t* bars, uint32_t& phases,
+                                                   int64_t t) {
   // The warpgroup and warp through a shuffle: the compiler then knows them uniform across the warp
   // and does not serialise the wgmma in branches that depend on them.
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
@@ -104,16 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* idx_s = reinterpret_cast<int32_t*>(shared + kIndices);
   float* lse_s = reinterpret_cast<float*>(shared + kStats);
   float* delta_s = lse_s + kHeads;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(shared + kBars);
-  uint32_t phases = 0;  // bit b: the phase buffer b's barrier is in
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(&bars[0], 1);
-    mbarrier_init(&bars[1], 1);
-  }
-  mbarrier_init_fence();
-  __syncthreads();
   // [Q; dO] (zero rows past the last head) in core matrices: 16-byte unit u of an 8-row group at 16 u.
   constexpr int kChunks = kDim / 8;
   for (int u = threadIdx.x; u < kRows * kChunks; u += kThreads) {
@@ -236,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   kSwizzleBlockBytes, 1024),
             wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
     }
-    issue_rows_gradient(acc, grads_address, qdo_address, group * 128);
+    issue_rows_gradient<false>(acc, grads_address, qdo_address, group * 128);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
@@ -247,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float* staged = reinterpret_cast<float*>(tile_s);
     for (int round = 0; round < kDim / kRoundColumns; ++round) {
       if (round > 0) {
-        rows_gradient(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
+        rows_gradient<false>(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
         if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
         __syncthreads();
       }
@@ -282,6 +304,260 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = reinterpret_cast<const uint4*>(dq_s)[u];
 }
 
+// For a tile of a pair's list (kKeys slots from `tile`): each query's slot in its own selection of
+// each row it selected (-1 for the other rows), into slots_s[2][kKeys]. The list is the union of two
+// ascending selections, so a row's slot is the count of that query's marks before it: `base` carries
+// the counts of the earlier tiles. By one warp.
+__device__ __forceinline__ void mark_slots(const int32_t* list, int64_t length, int64_t tile, int lane,
+                                           int (&base)[2], int32_t* slots_s) {
+  const uint32_t before = (1u << lane) - 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t i = tile * kKeys + 32 * half + lane;
+    const int32_t entry = i < length ? list[i] : -1;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const bool in = entry >= 0 && (entry & (q == 0 ? kInFirst : kInSecond));
+      const uint32_t ballot = __ballot_sync(0xffffffffu, in);
+      slots_s[q * kKeys + 32 * half + lane] = in ? base[q] + __popc(ballot & before) : -1;
+      base[q] += __popc(ballot);
+    }
+  }
+}
+
+// A pair that walks its list together (queries t0 = 2 pair and t0 + 1): every tile serves both, so
+// that it is gathered once and its rows' gradient, [dS0; dS1; P0; P1]^T [Q0; dO0; Q1; dO1] of depth
+// 128, is reduced into the latent once. Warpgroup g computes query g's scores and [dS_g; P_g] (the
+// rows its query did not select masked); both then compute dQ for both queries (256 values each, N =
+// the pair's 64 heads) and the rows' gradient. One tile buffer (both queries' [Q; dO] take the other
+// one's room), so the next tile's gather starts once the staged gradient has been read.
+__device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& latent_map,
+                                              unsigned char* shared, uint64_t* bar, uint32_t& phases,
+                                              int64_t pair) {
+  const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
+            warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
+  const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
+  const int key_a = 16 * warp + lane / 4, c2 = 2 * (lane % 4);  // accumulator rows key_a, key_a + 8
+  const int64_t t0 = 2 * pair;
+  unsigned char* qdo_s = shared + kPairQdo;
+  unsigned char* grads_s = shared + kPairGrads;
+  int32_t* entries_s = reinterpret_cast<int32_t*>(shared + kPairEntries);
+  int32_t* slots_s = reinterpret_cast<int32_t*>(shared + kPairSlots);
+  float* lse_s = reinterpret_cast<float*>(shared + kPairStats);  // [query][head]
+  float* delta_s = lse_s + 2 * kHeads;
+  const int32_t* list = a.lists + pair * a.list_stride;
+  const int64_t length = a.lengths[pair], tiles = (length + kKeys - 1) / kKeys;
+  const bool gatherer = group == 1, slot_warp = gatherer && warp == 0 && a.mass != nullptr;
+  int slot_base[2] = {0, 0};  // slot_warp's: each query's marks in the tiles so far
+
+  // [Q0; dO0; Q1; dO1] (zero rows past the last head and for a missing second query) in core
+  // matrices, as backward_one_query's.
+  constexpr int kChunks = kDim / 8;
+  for (int u = threadIdx.x; u < kPairRows * kChunks; u += kThreads) {
+    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8;
+    const int64_t t = t0 + row / kRows;
+    const int head = row % kHeads;
+    const bool valid = t < a.tokens && h0 + head < a.heads;
+    const __nv_bfloat16* src = row % kRows < kHeads ? a.q : a.dout;
+    copy16(qdo_s + u * 16, valid ? src + ((t * a.heads + h0 + head) * kDim + c * 8) : src, valid);
+  }
+  TileRows rows{};
+  if (gatherer) {  // warpgroup 1 gathers every tile
+    rows = tile_rows(list, length, 0, 0, wt);
+    if (wt < kKeys) entries_s[wt] = rows.own;
+    strip_marks(rows);
+    if (slot_warp) mark_slots(list, length, 0, lane, slot_base, slots_s);
+    if (tiles > 0) fill_tile(shared, rows, a.latent, a.latent_stride, kDim, wt, &latent_map, bar);
+    rows = tile_rows(list, length, 0, 1, wt);
+  }
+  copy_commit();
+  {  // delta = rowsum(dO o O) and the log2-domain lse by query and head, 4 threads a row
+    const int row = threadIdx.x / 4, part = threadIdx.x % 4, head = row % kHeads;
+    const int64_t t = t0 + row / kHeads;
+    const bool valid = t < a.tokens && h0 + head < a.heads;
+    float sum = 0.0f;
+    if (valid) {
+      const int64_t base = (t * a.heads + h0 + head) * kDim;
+      for (int col = part * 8; col < kDim; col += 32) {
+        const uint4 d = *reinterpret_cast<const uint4*>(a.dout + base + col),
+                    o = *reinterpret_cast<const uint4*>(a.out + base + col);
+        const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
+        const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 df = __bfloat1622float2(d2[e]), of = __bfloat1622float2(o2[e]);
+          sum += df.x * of.x + df.y * of.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int offset = 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (part == 0) {
+      delta_s[row] = sum;
+      lse_s[row] = valid ? a.lse[t * a.heads + h0 + head] * kLog2e : INFINITY;
+    }
+  }
+
+  // dQ^T [512, 64]: warpgroup g holds values 256 g .. 256 g + 255, 64 a block; columns 0-31 the first
+  // query's heads, 32-63 the second's.
+  float dq[4][32] = {};
+  const uint32_t qdo_address = shared_address(qdo_s), grads_address = shared_address(grads_s),
+                 tile_address = shared_address(shared);
+  const int32_t mine = group == 0 ? kInFirst : kInSecond;
+  copy_wait_all();
+  fence_async_shared();
+  __syncthreads();  // [Q0; dO0; Q1; dO1] and the statistics are in
+  // The bulk reductions are issued, and waited for, by warpgroup 1's first kKeys threads.
+  const bool issuer = gatherer && wt < kKeys;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    if (gatherer) {
+      copy_wait_all();
+      fence_async_shared();
+    }
+    mbarrier_wait(bar, phases & 1);
+    phases ^= 1;
+    __syncthreads();  // the tile, its entries and slots are in
+
+    {  // query g's S^T and dP^T, then its P and dS into [dS0; dS1; P0; P1], its mass by slot
+      float s[32] = {};  // [S^T | dP^T]: s[j] of S, s[16 + j] of dP at the same key and head
+      tile_times_rows<kRows>(s, tile_address, qdo_address + group * (kRows / 8) * kQdoGroupBytes, kDim,
+                             kQdoGroupBytes);
+      const int32_t entry[2] = {entries_s[key_a], entries_s[key_a + 8]};
+      const bool valid[2] = {entry[0] >= 0 && (entry[0] & mine), entry[1] >= 0 && (entry[1] & mine)};
+      float column[2] = {};  // P over this thread's heads, keys key_a and key_a + 8
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int h = (j / 2) % 2, key = key_a + 8 * h, head = 8 * (j / 4) + c2 + j % 2,
+                  row = group * kHeads + head;
+        const float p = valid[h] ? exp2f(s[j] * a.scale2 - lse_s[row]) : 0.0f;
+        const float ds = p * (s[16 + j] - delta_s[row]) * a.scale;
+        column[h] += p;
+        *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(row, key, kKeys)) = __float2bfloat16(ds);
+        *reinterpret_cast<__nv_bfloat16*>(grads_s + core_offset(kRows + row, key, kKeys)) =
+            __float2bfloat16(p);
+      }
+      if (a.mass != nullptr) {  // over the heads: the 4 lanes of a row; one add per slot and CTA
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          column[h] += __shfl_xor_sync(0xffffffffu, column[h], 1);
+          column[h] += __shfl_xor_sync(0xffffffffu, column[h], 2);
+          const int32_t slot = slots_s[group * kKeys + key_a + 8 * h];
+          if (lane % 4 == 0 && slot >= 0) atomicAdd(a.mass + (t0 + group) * a.width + slot, column[h]);
+        }
+      }
+      fence_async_shared();
+    }
+    __syncthreads();  // [dS0; dS1; P0; P1] is in
+
+    // dQ^T += K^T [dS0; dS1]^T for the warpgroup's 4 blocks of 64 values, then the rows' gradient for
+    // the first round's columns, both in one batch of wgmma.
+    float acc[64];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+    wgmma_hold(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n64k16<1, 0>(
+            dq[b],
+            wgmma_descriptor_128b(tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
+                                  kSwizzleBlockBytes, 1024),
+            wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
+    }
+    issue_rows_gradient<true>(acc, grads_address, qdo_address, group * 128);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+    wgmma_hold(acc);
+    __syncthreads();  // nobody reads the tile any more: its buffer stages the gradient
+
+    float* staged = reinterpret_cast<float*>(shared);
+    for (int round = 0; round < kDim / kRoundColumns; ++round) {
+      if (round > 0) {
+        rows_gradient<true>(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
+        if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
+        __syncthreads();
+      }
+      stage_gradient(staged, acc, group, key_a, c2);
+      fence_async_shared();
+      __syncthreads();
+      if (issuer) {
+        const int32_t entry = entries_s[wt];
+        if (entry >= 0)
+          bulk_reduce_add(
+              a.d_latent + static_cast<int64_t>(entry & kRowMask) * a.latent_stride + round * kRoundColumns,
+              staged + wt * kStageStride, kRoundColumns * 4);
+        bulk_commit();
+      }
+    }
+    // The next tile into the buffer once the TMA has read the staged gradient.
+    if (gatherer) {
+      if (issuer) bulk_wait_read<0>();
+      warpgroup_barrier(1);
+      if (tile + 1 < tiles) {
+        if (wt < kKeys) entries_s[wt] = rows.own;
+        strip_marks(rows);
+        if (slot_warp) mark_slots(list, length, tile + 1, lane, slot_base, slots_s);
+        fill_tile(shared, rows, a.latent, a.latent_stride, kDim, wt, &latent_map, bar);
+        rows = tile_rows(list, length, 0, tile + 2, wt);
+      }
+      copy_commit();
+    }
+  }
+  if (issuer) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
+
+  // dQ^T to [query][heads][512] bf16 through the [Q; dO] buffer, then out in 16-byte pieces.
+  __syncthreads();
+  __nv_bfloat16* dq_s = reinterpret_cast<__nv_bfloat16*>(qdo_s);
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int value = 64 * (4 * group + b) + key_a + 8 * ((j / 2) % 2), column = 8 * (j / 4) + c2 + j % 2;
+      dq_s[column * kDim + value] = __float2bfloat16(dq[b][j]);
+    }
+  }
+  __syncthreads();
+  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kDim / 8;
+  for (int q = 0; q < 2 && t0 + q < a.tokens; ++q) {
+    uint4* dst = reinterpret_cast<uint4*>(a.dq + ((t0 + q) * a.heads + h0) * kDim);
+    const uint4* src = reinterpret_cast<const uint4*>(dq_s + q * kHeads * kDim);
+    for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = src[u];
+  }
+}
+
+// One CTA per (pair of queries, group of up to 32 heads): the pair together where its list says so,
+// else each query alone, one after the other.
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_backward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  extern __shared__ __align__(128) unsigned char shared_base[];
+  unsigned char* shared =
+      shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(shared + kBars);
+  uint32_t phases = 0;  // bit b: the phase barrier b is in
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bars[0], 1);
+    mbarrier_init(&bars[1], 1);
+  }
+  mbarrier_init_fence();
+  __syncthreads();
+  const int64_t pair = blockIdx.x;
+  // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
+  if (__shfl_sync(0xffffffffu, a.together[pair], 0) != 0) {
+    backward_pair(a, latent_map, shared, bars, phases, pair);
+    return;
+  }
+  for (int64_t t = 2 * pair; t < 2 * pair + 2 && t < a.tokens; ++t) {
+    backward_one_query(a, latent_map, shared, bars, phases, t);
+    __syncthreads();  // dQ's last reads of the shared memory before the next query's [Q; dO]
+  }
+}
+
 }  // namespace
 
 bool sparse_mla_backward_hopper_takes(const SparseMlaShape& s) {
@@ -306,11 +582,18 @@ void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q,
   args.dq = dq;
   args.d_latent = d_latent;
   args.mass = mass;
+  const PairLists lists = pair_lists(selected, s.width, s.tokens, kShareLimit, stream);
+  args.lists = lists.lists;
+  args.lengths = lists.lengths;
+  args.together = lists.together;
+  args.tokens = s.tokens;
+  args.list_stride = lists.stride;
   // As in the forward: the map claims more rows than any sequence; only selected pools are read.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
   allow_shared_memory(sparse_mla_backward_hopper_kernel, kSharedBytes, "sparse MLA backward on wgmma");
-  const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
+                  static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   sparse_mla_backward_hopper_kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, map);
   SPINDLE_LAUNCHED("sparse_mla_backward_hopper_kernel");
 }

@@ -5,11 +5,11 @@
 #include <cmath>
 
 #include "backend/cuda/check.h"
-#include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/sparse_mla_pairs.h"
 #include "kernels/cuda/sparse_mla_tile.cuh"
 #include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -24,124 +24,11 @@ constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
 constexpr int kHeads = 32;        // heads per CTA and query: both products' N
 constexpr int kMaxDim = 512;
 
-// A slot of a pair's union list: the row, and which of the two queries selected it.
-constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond - 1;
-constexpr int kUnionThreads = 256;
-constexpr int64_t kMaxUnionWidth = 16384;  // the first pass's three lists fit shared memory
-
-// Whether the pair walks its union together. A warpgroup per query: where the union is at most 5/4
-// of the wider selection, every tile then costs both warpgroups' arithmetic once, against two
-// tiles' gathers and arithmetic apart. Heads as M (the latent of 512): a tile together costs about
-// 2/3 of one apart, so up to 3/2 (measured: bench_sparse_mla, docs/PERF.md).
-__host__ __device__ constexpr bool shares_tiles(int64_t union_rows, int64_t wider, bool heads_as_m) {
-  return heads_as_m ? 2 * union_rows <= 3 * wider : 4 * union_rows <= 5 * wider;
-}
-// Slots per pair of the union lists: both selections. The call's workspace: the lists, a length and
-// a share flag per pair (plan/sublayer_memory.cpp's pair_union_bytes counts the same).
-int64_t union_stride(int64_t width) { return 2 * width; }
-
-// Index of the first of list[0, n) (ascending) not less than x.
-__device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (list[mid] < x)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
-// One CTA per pair (queries 2p, 2p + 1): every row either selected, with the bits of the queries
-// that selected it (-1 for an unused slot), and the list's length. Where both selections hold their
-// valid rows first and strictly ascending (the indexer's layout), their union in ascending order;
-// else both selections' slots one after the other. shares: the pair walks the list together
-// (shares_tiles), else each query its own selection.
-__global__ void __launch_bounds__(kUnionThreads)
-    pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride, bool heads_as_m,
-                      int32_t* unions, int32_t* lengths, int32_t* shares) {
-  extern __shared__ int32_t lists[];  // first [width], second [width], before [width + 1]
-  __shared__ int counts[2];
-  __shared__ int scan[kUnionThreads];
-  const int W = static_cast<int>(width);
-  int32_t *first = lists, *second = lists + W, *before = lists + 2 * W;
-  const int64_t pair = blockIdx.x, t0 = 2 * pair, t1 = t0 + 1;
-  if (threadIdx.x < 2) counts[threadIdx.x] = 0;
-  for (int i = threadIdx.x; i < W; i += kUnionThreads) {
-    first[i] = selected[t0 * width + i];
-    second[i] = t1 < tokens ? selected[t1 * width + i] : -1;
-  }
-  __syncthreads();
-  bool ordered = true;
-  int n0 = 0, n1 = 0;
-  for (int i = threadIdx.x; i < W; i += kUnionThreads) {
-    const int32_t x = first[i], y = second[i];
-    n0 += x >= 0;
-    n1 += y >= 0;
-    if (x >= 0) ordered &= x <= kRowMask && (i == 0 || (first[i - 1] >= 0 && first[i - 1] < x));
-    if (y >= 0) ordered &= y <= kRowMask && (i == 0 || (second[i - 1] >= 0 && second[i - 1] < y));
-  }
-  atomicAdd(&counts[0], n0);
-  atomicAdd(&counts[1], n1);
-  int32_t* out = unions + pair * stride;
-  if (!__syncthreads_and(ordered)) {
-    for (int i = threadIdx.x; i < W; i += kUnionThreads) {
-      out[i] = first[i] >= 0 ? first[i] | kInFirst : -1;
-      out[W + i] = second[i] >= 0 ? second[i] | kInSecond : -1;
-    }
-    if (threadIdx.x == 0) {
-      lengths[pair] = 2 * W;
-      shares[pair] = 0;
-    }
-    return;
-  }
-  const int na = counts[0], nb = counts[1];
-  // before[j]: how many of second[0, j) the first selection holds; first the flags, then their scan.
-  for (int j = threadIdx.x; j <= W; j += kUnionThreads) {
-    int in = 0;
-    if (j < nb) {
-      const int i = lower_bound(first, na, second[j]);
-      in = i < na && first[i] == second[j];
-    }
-    before[j] = in;
-  }
-  __syncthreads();
-  const int per = (nb + 1 + kUnionThreads - 1) / kUnionThreads, begin = threadIdx.x * per,
-            end = min(begin + per, nb + 1);
-  int sum = 0;
-  for (int j = begin; j < end; ++j) sum += before[j];
-  scan[threadIdx.x] = sum;
-  __syncthreads();
-  for (int offset = 1; offset < kUnionThreads; offset *= 2) {
-    const int add = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
-    __syncthreads();
-    scan[threadIdx.x] += add;
-    __syncthreads();
-  }
-  int running = scan[threadIdx.x] - sum;
-  for (int j = begin; j < end; ++j) {
-    const int in = before[j];
-    before[j] = running;
-    running += in;
-  }
-  __syncthreads();
-  const int n = na + nb - before[nb];
-  for (int i = threadIdx.x; i < na; i += kUnionThreads) {
-    const int32_t x = first[i];
-    const int j = lower_bound(second, nb, x);
-    out[i + j - before[j]] = x | kInFirst | (j < nb && second[j] == x ? kInSecond : 0);
-  }
-  for (int j = threadIdx.x; j < nb; j += kUnionThreads) {
-    if (before[j + 1] != before[j]) continue;  // the first selection's slot has it
-    const int32_t y = second[j];
-    out[lower_bound(first, na, y) + j - before[j]] = y | kInSecond;
-  }
-  if (threadIdx.x == 0) {
-    lengths[pair] = n;
-    shares[pair] = shares_tiles(n, max(na, nb), heads_as_m);
-  }
-}
+// The largest union, in units of the wider selection, that a pair walks together. A warpgroup per
+// query: 5/4, where every tile costs both warpgroups' arithmetic once, against two tiles' gathers
+// and arithmetic apart. Heads as M (the latent of 512): a tile together costs about 2/3 of one apart,
+// so 3/2 (measured: bench_sparse_mla, docs/PERF.md).
+constexpr double kShareLimit = 1.25, kHeadsShareLimit = 1.5;
 
 struct Args : SparseMlaInputs {
   const int32_t* unions;   // [pairs, union_stride]: pair_union_kernel's lists
@@ -280,12 +167,6 @@ __device__ __forceinline__ void attend_tile(const Warpgroup& wg, uint32_t tile_a
   }
 }
 
-// The rows of a union tile without their query bits (fill_tile's gathers).
-__device__ __forceinline__ void strip_queries(TileRows& r) {
-#pragma unroll
-  for (int g = 0; g < 8; ++g) r.gather[g] = r.gather[g] >= 0 ? r.gather[g] & kRowMask : -1;
-}
-
 // A pair of queries and a group of up to 32 heads, a warpgroup per query: warpgroup g takes query
 // 2 pair + g.
 template <int Blocks>
@@ -323,13 +204,14 @@ __device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUte
   const int32_t mine = group == 0 ? kInFirst : kInSecond;
   const auto rows_of = [&](int64_t tile) {
     TileRows r = tile_rows(list, slots, 0, tile, wt);
-    if (together) strip_queries(r);
+    if (together) strip_marks(r);
     return r;
   };
   // A buffer's fill: fill_tile's TMA arrival with its bytes, and each of its 128 threads' arrival
   // when its cp.async rows have landed.
   const auto fill = [&](int buffer, const TileRows& r) {
-    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map, full + buffer);
+    fill_tile(shared + buffer * L.tile_bytes, r, a.latent, a.latent_stride, a.dk, wt, &latent_map,
+              full + buffer);
     copy_arrive(full + buffer);
   };
 
@@ -479,7 +361,7 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
   const int32_t mine = second ? kInSecond : kInFirst;
   const auto rows_of = [&](int64_t tile) {
     TileRows r = tile_rows(list, slots, 0, tile, wt);
-    strip_queries(r);
+    strip_marks(r);
     return r;
   };
   const auto fill = [&](int buffer, const TileRows& r) {
@@ -706,34 +588,24 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
             reinterpret_cast<uintptr_t>(out) % 16 == 0,
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
-  const int64_t pairs = (s.tokens + 1) / 2, stride = union_stride(s.width);
-  DeviceBuffer<int32_t> workspace(static_cast<size_t>(pairs * (stride + 2)), MemoryCategory::Workspace);
-  int32_t *lengths = workspace.data() + pairs * stride, *shares = lengths + pairs;
-  const bool unions = s.width <= kMaxUnionWidth && s.tokens <= int64_t{kRowMask} + 1,
-             heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim;
-  if (unions) {
-    const size_t bytes = static_cast<size_t>(3 * s.width + 1) * sizeof(int32_t);
-    allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' union: width ", s.width);
-    pair_union_kernel<<<static_cast<unsigned>(pairs), kUnionThreads, bytes, stream>>>(
-        selected, s.width, s.tokens, stride, heads_as_m, workspace.data(), lengths, shares);
-    SPINDLE_LAUNCHED("pair_union_kernel");
-  } else {  // every pair's queries apart
-    SPINDLE_CUDA(cudaMemsetAsync(shares, 0, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
-  }
+  const bool heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim;
+  const PairLists lists =
+      pair_lists(selected, s.width, s.tokens, heads_as_m ? kHeadsShareLimit : kShareLimit, stream);
   Args args{};
   static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
-  args.unions = workspace.data();
-  args.lengths = lengths;
-  args.shares = shares;
+  args.unions = lists.lists;
+  args.lengths = lists.lengths;
+  args.shares = lists.together;
   args.tokens = s.tokens;
-  args.union_stride = stride;
+  args.union_stride = lists.stride;
   args.out = out;
   args.lse = lse;
   // The kernel does not know how many rows the latent has, only that every selected row is one:
   // the map claims more rows than any sequence, and only selected pools are read through it.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);
-  const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
+  const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
+                  static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   if (heads_as_m) {
     allow_shared_memory(sparse_mla_forward_latent_kernel, kLatentShared, "sparse MLA, the latent of 512");
     sparse_mla_forward_latent_kernel<<<grid, kThreads, kLatentShared, stream>>>(args, map);

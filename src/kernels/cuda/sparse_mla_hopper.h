@@ -3,9 +3,8 @@
 // here.
 //
 // One CTA per (pair of neighbouring queries 2p, 2p + 1, group of up to 32 heads). A first pass
-// (one CTA per pair) lists every row either query selected, each slot marked with the queries that
-// chose it: where both selections are the indexer's layout (valid rows first, strictly ascending)
-// their union in order, else both selections' slots one after the other.
+// lists every row either query selected, each slot marked with the queries that chose it
+// (sparse_mla_pairs.h): where both selections are the indexer's layout, their union in order.
 //
 // For the latent of 512 (dk = dv = 512, the model's shape), where the union is at most 3/2 of the
 // wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md), both

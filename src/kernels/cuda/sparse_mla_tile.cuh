@@ -12,6 +12,7 @@
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/sparse_mla.h"
+#include "kernels/cuda/sparse_mla_pairs.h"
 #include "kernels/cuda/tma.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -65,6 +66,12 @@ __device__ __forceinline__ TileRows tile_rows(const int32_t* selected, int64_t w
   const int64_t slot = tile * kTileKeys + thread;
   r.own = thread < kTileKeys && slot < width ? sel[slot] : -1;
   return r;
+}
+
+// A tile of a pair's list (sparse_mla_pairs.h): the rows to gather without the queries' marks.
+__device__ __forceinline__ void strip_marks(TileRows& r) {
+#pragma unroll
+  for (int g = 0; g < 8; ++g) r.gather[g] = r.gather[g] >= 0 ? r.gather[g] & kRowMask : -1;
 }
 
 constexpr int kPoolRows = 16;                        // a run of consecutive rows that one TMA box moves

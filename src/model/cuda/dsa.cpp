@@ -359,7 +359,9 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     if (mass != nullptr) SPINDLE_CUDA(cudaMemsetAsync(mass, 0, L * shape.width * sizeof(float), s));
     const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
     if (sparse_mla_backward_hopper_takes(mla))
-      ctx.record.note("dsa/attention_backward/wgmma", "sparse MLA backward on wgmma (the latent of 512)");
+      ctx.record.note(
+          "dsa/attention_backward/wgmma",
+          "sparse MLA backward on wgmma (the latent of 512; pairs of queries that share rows together)");
     else
       ctx.record.note("dsa/attention_backward/mma_sync",
                       "sparse MLA backward on mma.sync (a latent other than 512)");
