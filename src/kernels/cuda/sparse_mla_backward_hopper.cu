@@ -119,6 +119,142 @@ __device__ __forceinline__ void stage_gradient(float* staged, const float (&acc)
   }
 }
 
+// [Q; dO] of `Queries` queries from t0 ([Q0; dO0; Q1; dO1] for two; zero rows past the last head
+// and for a query past the sequence) in core matrices: 16-byte unit u of an 8-row group at 16 u.
+template <int Queries>
+__device__ __forceinline__ void load_q_dout(const Args& a, int64_t t0, int h0, unsigned char* qdo_s) {
+  constexpr int kChunks = kDim / 8;
+  for (int u = threadIdx.x; u < Queries * kRows * kChunks; u += kThreads) {
+    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8, head = row % kHeads;
+    const int64_t t = t0 + row / kRows;
+    const bool valid = t < a.tokens && h0 + head < a.heads;
+    const __nv_bfloat16* src = row % kRows < kHeads ? a.q : a.dout;
+    copy16(qdo_s + u * 16, valid ? src + ((t * a.heads + h0 + head) * kDim + c * 8) : src, valid);
+  }
+}
+
+// delta = rowsum(dO o O) and the log2-domain lse of each (query, head) row of `Queries` queries from
+// t0, into delta_s and lse_s ([Queries kHeads] each), kThreads / (Queries kHeads) threads a row.
+template <int Queries>
+__device__ __forceinline__ void load_statistics(const Args& a, int64_t t0, int h0, float* lse_s,
+                                                float* delta_s) {
+  constexpr int kPerRow = kThreads / (Queries * kHeads);
+  const int row = threadIdx.x / kPerRow, part = threadIdx.x % kPerRow, head = row % kHeads;
+  const int64_t t = t0 + row / kHeads;
+  const bool valid = t < a.tokens && h0 + head < a.heads;
+  float sum = 0.0f;
+  if (valid) {
+    const int64_t base = (t * a.heads + h0 + head) * kDim;
+    for (int col = part * 8; col < kDim; col += 8 * kPerRow) {
+      const uint4 d = *reinterpret_cast<const uint4*>(a.dout + base + col),
+                  o = *reinterpret_cast<const uint4*>(a.out + base + col);
+      const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
+      const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 df = __bfloat1622float2(d2[e]), of = __bfloat1622float2(o2[e]);
+        sum += df.x * of.x + df.y * of.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = kPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (part == 0) {
+    delta_s[row] = sum;
+    lse_s[row] = valid ? a.lse[t * a.heads + h0 + head] * kLog2e : INFINITY;
+  }
+}
+
+// dQ^T += K^T dS^T for warpgroup `group`'s 4 blocks of 64 values (N = Queries kHeads: the dS rows of
+// [dS; P], or [dS0; dS1] of a pair's), then acc = the rows' gradient for the first round's columns,
+// in one batch of wgmma; complete on return.
+template <int Queries>
+__device__ __forceinline__ void dq_and_rows_gradient(float (&dq)[4][16 * Queries], float (&acc)[64],
+                                                     uint32_t tile_address, uint32_t grads_address,
+                                                     uint32_t qdo_address, int group) {
+#pragma unroll
+  for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+  wgmma_hold(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k) {
+      const uint64_t keys = wgmma_descriptor_128b(
+                         tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
+                         kSwizzleBlockBytes, 1024),
+                     ds = wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes);
+      if constexpr (Queries == 1)
+        wgmma_m64n32k16<1>(dq[b], keys, ds, true);
+      else
+        wgmma_m64n64k16<1, 0>(dq[b], keys, ds, true);
+    }
+  }
+  issue_rows_gradient<Queries == 2>(acc, grads_address, qdo_address, group * 128);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
+  wgmma_hold(acc);
+}
+
+// A tile's rows' gradient into the latent, acc holding the first round's columns (this thread's rows
+// key_a and key_a + 8, column pairs at c2, of warpgroup `group`'s half of them): each round staged
+// in the tile's spent buffer and added by bulk reductions, issued and waited for by the `issuer`
+// threads, thread wt for the tile's row wt (rows[wt] & mask; -1: none). On return the last round's
+// reductions may still be reading the buffer.
+template <bool Pair>
+__device__ __forceinline__ void reduce_rows_gradient(const Args& a, float (&acc)[64], float* staged,
+                                                     const int32_t* rows, int32_t mask,
+                                                     uint32_t grads_address, uint32_t qdo_address, int group,
+                                                     int key_a, int c2, bool issuer) {
+  const int wt = threadIdx.x % 128;
+  for (int round = 0; round < kDim / kRoundColumns; ++round) {
+    if (round > 0) {
+      rows_gradient<Pair>(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
+      if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
+      __syncthreads();
+    }
+    stage_gradient(staged, acc, group, key_a, c2);
+    fence_async_shared();
+    __syncthreads();
+    if (issuer) {
+      const int32_t row = rows[wt];
+      if (row >= 0)
+        bulk_reduce_add(
+            a.d_latent + static_cast<int64_t>(row & mask) * a.latent_stride + round * kRoundColumns,
+            staged + wt * kStageStride, kRoundColumns * 4);
+      bulk_commit();
+    }
+  }
+}
+
+// dQ^T ([512, Queries kHeads]: warpgroup g values 256 g .. 256 g + 255, 64 a block of dq) to
+// [query][heads][512] bf16 through dq_s, then out in 16-byte pieces. key_a, c2: as in
+// reduce_rows_gradient.
+template <int Queries>
+__device__ __forceinline__ void write_dq(const Args& a, const float (&dq)[4][16 * Queries], int64_t t0,
+                                         int h0, int group, int key_a, int c2, __nv_bfloat16* dq_s) {
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+#pragma unroll
+    for (int j = 0; j < 16 * Queries; ++j) {
+      const int value = 64 * (4 * group + b) + key_a + 8 * ((j / 2) % 2), column = 8 * (j / 4) + c2 + j % 2;
+      dq_s[column * kDim + value] = __float2bfloat16(dq[b][j]);
+    }
+  }
+  __syncthreads();
+  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kDim / 8;
+  for (int q = 0; q < Queries && t0 + q < a.tokens; ++q) {
+    uint4* dst = reinterpret_cast<uint4*>(a.dq + ((t0 + q) * a.heads + h0) * kDim);
+    const uint4* src = reinterpret_cast<const uint4*>(dq_s + q * kHeads * kDim);
+    for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = src[u];
+  }
+}
+
 // Query t alone (its pair walks apart), a tile in one buffer while the next lands in the other.
 // bars: the two buffers' barriers, phases their parities (carried from query to query).
 __device__ __forceinline__ void backward_one_query(const Args& a, const CUtensorMap& latent_map,
@@ -136,14 +272,7 @@ __device__ __forceinline__ void backward_one_query(const Args& a, const CUtensor
   float* lse_s = reinterpret_cast<float*>(shared + kStats);
   float* delta_s = lse_s + kHeads;
   const int64_t tiles = (a.width + kKeys - 1) / kKeys;
-  // [Q; dO] (zero rows past the last head) in core matrices: 16-byte unit u of an 8-row group at 16 u.
-  constexpr int kChunks = kDim / 8;
-  for (int u = threadIdx.x; u < kRows * kChunks; u += kThreads) {
-    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8, head = row % kHeads;
-    const bool valid = h0 + head < a.heads;
-    const __nv_bfloat16* src = row < kHeads ? a.q : a.dout;
-    copy16(qdo_s + u * 16, valid ? src + ((t * a.heads + h0 + head) * kDim + c * 8) : src, valid);
-  }
+  load_q_dout<1>(a, t, h0, qdo_s);
   TileRows rows{};
   if (group == 1) {  // warpgroup 1 gathers every tile
     rows = tile_rows(a.selected, a.width, t, 0, wt);
@@ -152,31 +281,7 @@ __device__ __forceinline__ void backward_one_query(const Args& a, const CUtensor
     rows = tile_rows(a.selected, a.width, t, 1, wt);
   }
   copy_commit();
-  {  // delta = rowsum(dO o O) and the log2-domain lse by head, 8 threads a head
-    const int head = threadIdx.x / 8, part = threadIdx.x % 8;
-    const bool valid = h0 + head < a.heads;
-    float sum = 0.0f;
-    if (valid) {
-      const int64_t base = (t * a.heads + h0 + head) * kDim;
-      for (int col = part * 8; col < kDim; col += 64) {
-        const uint4 d = *reinterpret_cast<const uint4*>(a.dout + base + col),
-                    o = *reinterpret_cast<const uint4*>(a.out + base + col);
-        const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
-        const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 df = __bfloat1622float2(d2[e]), of = __bfloat1622float2(o2[e]);
-          sum += df.x * of.x + df.y * of.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int offset = 4; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (part == 0) {
-      delta_s[head] = sum;
-      lse_s[head] = valid ? a.lse[t * a.heads + h0 + head] * kLog2e : INFINITY;
-    }
-  }
+  load_statistics<1>(a, t, h0, lse_s, delta_s);
 
   // dQ^T [512, 32 heads]: warpgroup g holds values 256 g .. 256 g + 255, 64 a block.
   float dq[4][16] = {};
@@ -239,69 +344,17 @@ __device__ __forceinline__ void backward_one_query(const Args& a, const CUtensor
     copy_commit();
     __syncthreads();  // [dS; P] is in
 
-    // dQ^T += K^T dS^T for the warpgroup's 4 blocks of 64 values, then the rows' gradient for the
-    // first round's columns, both in one batch of wgmma.
     float acc[64];
-#pragma unroll
-    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
-    wgmma_hold(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n32k16<1>(
-            dq[b],
-            wgmma_descriptor_128b(tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
-                                  kSwizzleBlockBytes, 1024),
-            wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
-    }
-    issue_rows_gradient<false>(acc, grads_address, qdo_address, group * 128);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
-    wgmma_hold(acc);
+    dq_and_rows_gradient<1>(dq, acc, tile_address, grads_address, qdo_address, group);
     __syncthreads();  // nobody reads the tile any more: its buffer stages the gradient
 
-    float* staged = reinterpret_cast<float*>(tile_s);
-    for (int round = 0; round < kDim / kRoundColumns; ++round) {
-      if (round > 0) {
-        rows_gradient<false>(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
-        if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
-        __syncthreads();
-      }
-      stage_gradient(staged, acc, group, key_a, c2);
-      fence_async_shared();
-      __syncthreads();
-      if (issuer) {
-        const int32_t index = idx[wt];
-        if (index >= 0)
-          bulk_reduce_add(a.d_latent + static_cast<int64_t>(index) * a.latent_stride + round * kRoundColumns,
-                          staged + wt * kStageStride, kRoundColumns * 4);
-        bulk_commit();
-      }
-    }
+    reduce_rows_gradient<false>(a, acc, reinterpret_cast<float*>(tile_s), idx, -1, grads_address, qdo_address,
+                                group, key_a, c2, issuer);
   }
   if (issuer) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
 
-  // dQ^T to [heads][512] bf16 through the [Q; dO] buffer, then out in 16-byte pieces.
-  __syncthreads();
-  __nv_bfloat16* dq_s = reinterpret_cast<__nv_bfloat16*>(qdo_s);
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int value = 64 * (4 * group + b) + key_a + 8 * ((j / 2) % 2), head = 8 * (j / 4) + c2 + j % 2;
-      dq_s[head * kDim + value] = __float2bfloat16(dq[b][j]);
-    }
-  }
-  __syncthreads();
-  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kDim / 8;
-  uint4* dst = reinterpret_cast<uint4*>(a.dq + (t * a.heads + h0) * kDim);
-  for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = reinterpret_cast<const uint4*>(dq_s)[u];
+  write_dq<1>(a, dq, t, h0, group, key_a, c2,
+              reinterpret_cast<__nv_bfloat16*>(qdo_s));  // through the [Q; dO] buffer
 }
 
 // For a tile of a pair's list (kKeys slots from `tile`): each query's slot in its own selection of
@@ -350,17 +403,7 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
   const bool gatherer = group == 1, slot_warp = gatherer && warp == 0 && a.mass != nullptr;
   int slot_base[2] = {0, 0};  // slot_warp's: each query's marks in the tiles so far
 
-  // [Q0; dO0; Q1; dO1] (zero rows past the last head and for a missing second query) in core
-  // matrices, as backward_one_query's.
-  constexpr int kChunks = kDim / 8;
-  for (int u = threadIdx.x; u < kPairRows * kChunks; u += kThreads) {
-    const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8;
-    const int64_t t = t0 + row / kRows;
-    const int head = row % kHeads;
-    const bool valid = t < a.tokens && h0 + head < a.heads;
-    const __nv_bfloat16* src = row % kRows < kHeads ? a.q : a.dout;
-    copy16(qdo_s + u * 16, valid ? src + ((t * a.heads + h0 + head) * kDim + c * 8) : src, valid);
-  }
+  load_q_dout<2>(a, t0, h0, qdo_s);
   TileRows rows{};
   if (gatherer) {  // warpgroup 1 gathers every tile
     rows = tile_rows(list, length, 0, 0, wt);
@@ -371,32 +414,7 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
     rows = tile_rows(list, length, 0, 1, wt);
   }
   copy_commit();
-  {  // delta = rowsum(dO o O) and the log2-domain lse by query and head, 4 threads a row
-    const int row = threadIdx.x / 4, part = threadIdx.x % 4, head = row % kHeads;
-    const int64_t t = t0 + row / kHeads;
-    const bool valid = t < a.tokens && h0 + head < a.heads;
-    float sum = 0.0f;
-    if (valid) {
-      const int64_t base = (t * a.heads + h0 + head) * kDim;
-      for (int col = part * 8; col < kDim; col += 32) {
-        const uint4 d = *reinterpret_cast<const uint4*>(a.dout + base + col),
-                    o = *reinterpret_cast<const uint4*>(a.out + base + col);
-        const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
-        const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 df = __bfloat1622float2(d2[e]), of = __bfloat1622float2(o2[e]);
-          sum += df.x * of.x + df.y * of.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int offset = 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (part == 0) {
-      delta_s[row] = sum;
-      lse_s[row] = valid ? a.lse[t * a.heads + h0 + head] * kLog2e : INFINITY;
-    }
-  }
+  load_statistics<2>(a, t0, h0, lse_s, delta_s);
 
   // dQ^T [512, 64]: warpgroup g holds values 256 g .. 256 g + 255, 64 a block; columns 0-31 the first
   // query's heads, 32-63 the second's.
@@ -449,52 +467,12 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
     }
     __syncthreads();  // [dS0; dS1; P0; P1] is in
 
-    // dQ^T += K^T [dS0; dS1]^T for the warpgroup's 4 blocks of 64 values, then the rows' gradient for
-    // the first round's columns, both in one batch of wgmma.
     float acc[64];
-#pragma unroll
-    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
-    wgmma_hold(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n64k16<1, 0>(
-            dq[b],
-            wgmma_descriptor_128b(tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
-                                  kSwizzleBlockBytes, 1024),
-            wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes), true);
-    }
-    issue_rows_gradient<true>(acc, grads_address, qdo_address, group * 128);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
-    wgmma_hold(acc);
+    dq_and_rows_gradient<2>(dq, acc, tile_address, grads_address, qdo_address, group);
     __syncthreads();  // nobody reads the tile any more: its buffer stages the gradient
 
-    float* staged = reinterpret_cast<float*>(shared);
-    for (int round = 0; round < kDim / kRoundColumns; ++round) {
-      if (round > 0) {
-        rows_gradient<true>(acc, grads_address, qdo_address, round * kRoundColumns + group * 128);
-        if (issuer) bulk_wait_read<0>();  // the previous round's columns left the buffer
-        __syncthreads();
-      }
-      stage_gradient(staged, acc, group, key_a, c2);
-      fence_async_shared();
-      __syncthreads();
-      if (issuer) {
-        const int32_t entry = entries_s[wt];
-        if (entry >= 0)
-          bulk_reduce_add(
-              a.d_latent + static_cast<int64_t>(entry & kRowMask) * a.latent_stride + round * kRoundColumns,
-              staged + wt * kStageStride, kRoundColumns * 4);
-        bulk_commit();
-      }
-    }
+    reduce_rows_gradient<true>(a, acc, reinterpret_cast<float*>(shared), entries_s, kRowMask, grads_address,
+                               qdo_address, group, key_a, c2, issuer);
     // The next tile into the buffer once the TMA has read the staged gradient.
     if (gatherer) {
       if (issuer) bulk_wait_read<0>();
@@ -511,24 +489,8 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
   }
   if (issuer) bulk_wait_all();  // the shared memory stays the CTA's until the last reads
 
-  // dQ^T to [query][heads][512] bf16 through the [Q; dO] buffer, then out in 16-byte pieces.
-  __syncthreads();
-  __nv_bfloat16* dq_s = reinterpret_cast<__nv_bfloat16*>(qdo_s);
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int value = 64 * (4 * group + b) + key_a + 8 * ((j / 2) % 2), column = 8 * (j / 4) + c2 + j % 2;
-      dq_s[column * kDim + value] = __float2bfloat16(dq[b][j]);
-    }
-  }
-  __syncthreads();
-  const int heads_here = min(kHeads, a.heads - h0), units = heads_here * kDim / 8;
-  for (int q = 0; q < 2 && t0 + q < a.tokens; ++q) {
-    uint4* dst = reinterpret_cast<uint4*>(a.dq + ((t0 + q) * a.heads + h0) * kDim);
-    const uint4* src = reinterpret_cast<const uint4*>(dq_s + q * kHeads * kDim);
-    for (int u = threadIdx.x; u < units; u += kThreads) dst[u] = src[u];
-  }
+  write_dq<2>(a, dq, t0, h0, group, key_a, c2,
+              reinterpret_cast<__nv_bfloat16*>(qdo_s));  // through the [Q; dO] buffer
 }
 
 // One CTA per (pair of queries, group of up to 32 heads): the pair together where its list says so,

@@ -167,6 +167,19 @@ __device__ __forceinline__ void attend_tile(const Warpgroup& wg, uint32_t tile_a
   }
 }
 
+// Each tile buffer's barriers: full (fill_tile's TMA arrival and its warpgroup's 128 cp.async
+// arrivals), empty (both warpgroups done reading); by the CTA, complete on return.
+__device__ __forceinline__ void init_buffer_barriers(uint64_t* full, uint64_t* empty) {
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbarrier_init(full + b, 1 + 128);
+      mbarrier_init(empty + b, kGroups);
+    }
+  }
+  mbarrier_init_fence();
+  __syncthreads();
+}
+
 // A pair of queries and a group of up to 32 heads, a warpgroup per query: warpgroup g takes query
 // 2 pair + g.
 template <int Blocks>
@@ -215,14 +228,7 @@ __device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUte
     copy_arrive(full + buffer);
   };
 
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < 2; ++b) {
-      mbarrier_init(full + b, 1 + 128);
-      mbarrier_init(empty + b, kGroups);
-    }
-  }
-  mbarrier_init_fence();
-  __syncthreads();
+  init_buffer_barriers(full, empty);
   // This query's Q (zero rows past the last head and for a missing second query), then the first
   // tiles: shared, warpgroup g fills tile g; apart, each its own first tile into buffer g.
   const int chunks = a.dk / 8;
@@ -370,14 +376,7 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
     copy_arrive(full + buffer);
   };
 
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < 2; ++b) {
-      mbarrier_init(full + b, 1 + 128);
-      mbarrier_init(empty + b, kGroups);
-    }
-  }
-  mbarrier_init_fence();
-  __syncthreads();
+  init_buffer_barriers(full, empty);
   // Q of both queries (zero rows past the last head and for a missing second query), then warpgroup
   // g fills tile g.
   constexpr int kChunks = kLatentDim / 8;
