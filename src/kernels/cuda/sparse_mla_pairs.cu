@@ -25,8 +25,8 @@ __device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x
   return lo;
 }
 
-// One CTA per pair (queries 2p, 2p + 1): its list (sparse_mla_pairs.h), the list's length, and
-// whether the pair walks it together.
+// One CTA per pair (queries 2p, 2p + 1): whether the pair walks its list together and, where it
+// does, the list (sparse_mla_pairs.h) and its length.
 __global__ void __launch_bounds__(kThreads)
     pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride,
                       float share_limit, int32_t* unions, int32_t* lengths, int32_t* shares) {
@@ -53,14 +53,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   atomicAdd(&counts[0], n0);
   atomicAdd(&counts[1], n1);
-  int32_t* out = unions + pair * stride;
-  if (!__syncthreads_and(ordered)) {
-    for (int i = threadIdx.x; i < W; i += kThreads) {
-      out[i] = first[i] >= 0 ? first[i] | kInFirst : -1;
-      out[W + i] = second[i] >= 0 ? second[i] | kInSecond : -1;
-    }
+  if (!__syncthreads_and(ordered)) {  // apart: the kernels read the selections themselves
     if (threadIdx.x == 0) {
-      lengths[pair] = 2 * W;
+      lengths[pair] = 0;
       shares[pair] = 0;
     }
     return;
@@ -96,6 +91,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int n = na + nb - before[nb];
+  const bool together = static_cast<float>(n) <= share_limit * static_cast<float>(max(na, nb));
+  if (threadIdx.x == 0) {
+    lengths[pair] = together ? n : 0;
+    shares[pair] = together;
+  }
+  if (!together) return;  // the kernels read the selections themselves
+  int32_t* out = unions + pair * stride;
   for (int i = threadIdx.x; i < na; i += kThreads) {
     const int32_t x = first[i];
     const int j = lower_bound(second, nb, x);
@@ -105,10 +107,6 @@ __global__ void __launch_bounds__(kThreads)
     if (before[j + 1] != before[j]) continue;  // the first selection's slot has it
     const int32_t y = second[j];
     out[lower_bound(first, na, y) + j - before[j]] = y | kInSecond;
-  }
-  if (threadIdx.x == 0) {
-    lengths[pair] = n;
-    shares[pair] = static_cast<float>(n) <= share_limit * static_cast<float>(max(na, nb));
   }
 }
 

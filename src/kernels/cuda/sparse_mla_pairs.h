@@ -1,13 +1,13 @@
 // The first pass of the sparse MLA kernels that take neighbouring queries in pairs (the wgmma
 // forward, sparse_mla_hopper.h, and backward, sparse_mla_backward_hopper.h): for each pair (queries
-// 2p, 2p + 1) the list of every row either selected, each slot marked with the queries that chose
-// it, and whether the pair walks that list together.
+// 2p, 2p + 1) whether it walks the union of its selections together and, where it does, that list,
+// each slot marked with the queries that chose its row.
 //
-// Where both selections are the indexer's layout (valid rows first, strictly ascending) the list is
-// their union in ascending order, so that the slot of a row in either selection is the number of
-// that query's marks before it; else both selections' slots one after the other. A pair walks its
-// list together where it is at most `share_limit` times the wider selection: a tile of it then
-// serves both queries, where apart each would gather and compute its own.
+// Together needs both selections in the indexer's layout (valid rows first, strictly ascending),
+// and the union at most `share_limit` times the wider selection: a tile of it then serves both
+// queries, where apart each would gather and compute its own. The list is the union in ascending
+// order, so that the slot of a row in either selection is the number of that query's marks before
+// it. Apart, the kernels read each query's selection itself.
 #pragma once
 
 #include <cuda_runtime.h>
