@@ -64,10 +64,8 @@ struct Args : SparseMlaInputs {
   __nv_bfloat16* dq;
   float* d_latent;
   float* mass;
-  const int32_t* lists;     // [pairs][list_stride]: the pairs' lists (sparse_mla_pairs.h)
-  const int32_t* lengths;   // [pairs]
-  const int32_t* together;  // [pairs]: 1 where the pair walks its list together
-  int64_t tokens, list_stride;
+  PairListView pairs;  // sparse_mla_pairs.h
+  int64_t tokens;
 };
 
 // The [Q; dO] row of k-step k's first row of [dS; P] in the rows' gradient: the same row for a query
@@ -398,8 +396,8 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
   int32_t* slots_s = reinterpret_cast<int32_t*>(shared + kPairSlots);
   float* lse_s = reinterpret_cast<float*>(shared + kPairStats);  // [query][head]
   float* delta_s = lse_s + 2 * kHeads;
-  const int32_t* list = a.lists + pair * a.list_stride;
-  const int64_t length = a.lengths[pair], tiles = (length + kKeys - 1) / kKeys;
+  const int32_t* list = a.pairs.lists + pair * a.pairs.stride;
+  const int64_t length = a.pairs.lengths[pair], tiles = (length + kKeys - 1) / kKeys;
   const bool gatherer = group == 1, slot_warp = gatherer && warp == 0 && a.mass != nullptr;
   int slot_base[2] = {0, 0};  // slot_warp's: each query's marks in the tiles so far
 
@@ -510,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int64_t pair = blockIdx.x;
   // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
-  if (__shfl_sync(0xffffffffu, a.together[pair], 0) != 0) {
+  if (__shfl_sync(0xffffffffu, a.pairs.together[pair], 0) != 0) {
     backward_pair(a, latent_map, shared, bars, phases, pair);
     return;
   }
@@ -545,11 +543,8 @@ void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q,
   args.d_latent = d_latent;
   args.mass = mass;
   const PairLists lists = pair_lists(selected, s.width, s.tokens, kShareLimit, stream);
-  args.lists = lists.lists;
-  args.lengths = lists.lengths;
-  args.together = lists.together;
+  args.pairs = lists.view;
   args.tokens = s.tokens;
-  args.list_stride = lists.stride;
   // As in the forward: the map claims more rows than any sequence; only selected pools are read.
   const CUtensorMap map =
       bf16_tensor_map_128b(latent, int64_t{1} << 31, s.dk, s.latent_stride, kPoolRows, 64);

@@ -31,10 +31,8 @@ constexpr int kMaxDim = 512;
 constexpr double kShareLimit = 1.25, kHeadsShareLimit = 1.5;
 
 struct Args : SparseMlaInputs {
-  const int32_t* unions;   // [pairs, union_stride]: pair_union_kernel's lists
-  const int32_t* lengths;  // [pairs]: their lengths
-  const int32_t* shares;   // [pairs]: 1 where the warpgroups walk the list together, 0 apart
-  int64_t tokens, union_stride;
+  PairListView pairs;
+  int64_t tokens;
   __nv_bfloat16* out;
   float* lse;
 };
@@ -210,9 +208,10 @@ __device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUte
                      a.scale2};
   // The list this warpgroup walks: the pair's union (both warpgroups, every tile) or its own
   // selection.
-  const bool together = a.shares[pair] != 0;
-  const int32_t* list = together ? a.unions + pair * a.union_stride : a.selected + (live ? t : 0) * a.width;
-  const int64_t slots = together ? a.lengths[pair] : (live ? a.width : 0);
+  const bool together = a.pairs.together[pair] != 0;
+  const int32_t* list =
+      together ? a.pairs.lists + pair * a.pairs.stride : a.selected + (live ? t : 0) * a.width;
+  const int64_t slots = together ? a.pairs.lengths[pair] : (live ? a.width : 0);
   const int64_t tiles = (slots + kKeys - 1) / kKeys;
   const int32_t mine = group == 0 ? kInFirst : kInSecond;
   const auto rows_of = [&](int64_t tile) {
@@ -359,8 +358,8 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
   const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
   uint64_t* full = reinterpret_cast<uint64_t*>(shared + HL::kBars);
   uint64_t* empty = full + 2;
-  const int32_t* list = a.unions + pair * a.union_stride;
-  const int64_t slots = a.lengths[pair], tiles = (slots + kKeys - 1) / kKeys;
+  const int32_t* list = a.pairs.lists + pair * a.pairs.stride;
+  const int64_t slots = a.pairs.lengths[pair], tiles = (slots + kKeys - 1) / kKeys;
   // This thread's rows (heads) row_a and row_a + 8, both of query `second` (warps 2-3 hold its heads).
   const int row_a = 16 * warp + lane / 4;
   const bool second = warp >= 2;
@@ -566,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
   const int64_t pair = blockIdx.x;
   // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
-  if (__shfl_sync(0xffffffffu, a.shares[pair], 0) != 0)
+  if (__shfl_sync(0xffffffffu, a.pairs.together[pair], 0) != 0)
     forward_pair_heads(a, latent_map, shared, pair);
   else
     forward_pair_per_query<kLatentDim / 64>(a, latent_map, shared, pair);
@@ -592,11 +591,8 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
       pair_lists(selected, s.width, s.tokens, heads_as_m ? kHeadsShareLimit : kShareLimit, stream);
   Args args{};
   static_cast<SparseMlaInputs&>(args) = sparse_mla_inputs(s, q, latent, selected);
-  args.unions = lists.lists;
-  args.lengths = lists.lengths;
-  args.shares = lists.together;
+  args.pairs = lists.view;
   args.tokens = s.tokens;
-  args.union_stride = lists.stride;
   args.out = out;
   args.lse = lse;
   // The kernel does not know how many rows the latent has, only that every selected row is one:

@@ -119,22 +119,19 @@ int64_t pair_list_bytes(int64_t tokens, int64_t width) {
 PairLists pair_lists(const int32_t* selected, int64_t width, int64_t tokens, double share_limit,
                      cudaStream_t stream) {
   PairLists p;
-  const int64_t pairs = (tokens + 1) / 2;
-  p.stride = list_stride(width);
-  p.workspace = DeviceBuffer<int32_t>(static_cast<size_t>(pairs * (p.stride + 2)), MemoryCategory::Workspace);
-  int32_t *lengths = p.workspace.data() + pairs * p.stride, *together = lengths + pairs;
-  p.lists = p.workspace.data();
-  p.lengths = lengths;
-  p.together = together;
+  const int64_t pairs = (tokens + 1) / 2, stride = list_stride(width);
+  p.workspace = DeviceBuffer<int32_t>(static_cast<size_t>(pairs * (stride + 2)), MemoryCategory::Workspace);
+  int32_t *lengths = p.workspace.data() + pairs * stride, *together = lengths + pairs;
+  p.view = {p.workspace.data(), lengths, together, stride};
   if (pairs == 0) return p;
-  if (width > kMaxWidth || tokens > int64_t{kRowMask} + 1) {  // every pair apart
-    SPINDLE_CUDA(cudaMemsetAsync(together, 0, static_cast<size_t>(pairs) * sizeof(int32_t), stream));
+  if (width > kMaxWidth || tokens > int64_t{kRowMask} + 1) {  // every pair apart: lengths and flags 0
+    SPINDLE_CUDA(cudaMemsetAsync(lengths, 0, static_cast<size_t>(2 * pairs) * sizeof(int32_t), stream));
     return p;
   }
   const size_t bytes = static_cast<size_t>(3 * width + 1) * sizeof(int32_t);
   allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' lists: width ", width);
   pair_union_kernel<<<static_cast<unsigned>(pairs), kThreads, bytes, stream>>>(
-      selected, width, tokens, p.stride, static_cast<float>(share_limit), p.workspace.data(), lengths,
+      selected, width, tokens, stride, static_cast<float>(share_limit), p.workspace.data(), lengths,
       together);
   SPINDLE_LAUNCHED("pair_union_kernel");
   return p;

@@ -21,12 +21,17 @@ namespace spindle::cuda {
 // A list slot: the row, and the bits of the queries that selected it (-1: unused).
 constexpr int32_t kInFirst = 1 << 30, kInSecond = 1 << 29, kRowMask = kInSecond - 1;
 
-struct PairLists {
-  DeviceBuffer<int32_t> workspace;    // the lists, then the lengths, then the flags
+// What the kernels read of a call's lists.
+struct PairListView {
   const int32_t* lists = nullptr;     // [pairs][stride]
-  const int32_t* lengths = nullptr;   // [pairs]
+  const int32_t* lengths = nullptr;   // [pairs]: 0 for a pair apart
   const int32_t* together = nullptr;  // [pairs]: 1 where the pair walks its list together
   int64_t stride = 0;
+};
+
+struct PairLists {
+  DeviceBuffer<int32_t> workspace;  // the lists, then the lengths, then the flags
+  PairListView view;
 };
 
 // Bytes of a call's lists for `tokens` queries of `width` slots (the planner counts the same:
