@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   report("causal_conv_silu, 2048 channels", 2.0 * T * D * 2,
          time([&] { causal_conv_silu(x.data(), taps.data(), y.data(), T, D, conv, nullptr); }));
   report("causal_conv_silu_backward, 2048 channels", 2.0 * T * D * 3, time([&] {
-           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), dw.data(), T, D, conv,
+           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), D, dw.data(), T, D, conv,
                                      nullptr);
          }));
   return 0;

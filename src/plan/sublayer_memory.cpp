@@ -53,25 +53,26 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  a.push_back(bf16(m, L * (2 * dh + H)));                   // d_low of the gate, db, d_low of f
-  for (int i = 0; i < 4; ++i) a.push_back(f32(m, L * w));   // dq, dk, dv, dg
-  a.push_back(f32(m, L * H));                               // dbeta
+  Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dv = f32(m, L * w), dg = f32(m, L * w);
+  a.push_back(f32(m, L * H));  // dbeta
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats), its matrices kept
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
     const Ledger::Block workspace =
         m.workspace(4 * (segment * H * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
                          (segment + 2) * H * dh * dh));
   }
-
-  a.push_back(bf16(m, L * H));  // db
-  a.push_back(bf16(m, L * w));  // df
-  {
-    // The small gradients' weights stacked for their one product into dx, freed after it.
-    const Ledger::Block small_w = m.workspace(2 * (2 * dh + H) * s.hidden);
-  }
-  const int64_t rows = s.conv_kernel - 1 + L;  // a projection's window
-  a.push_back(bf16(m, rows * w));              // dconv
-  a.push_back(bf16(m, rows * w));              // dwindow
+  // The gradients into dx side by side: the q, k, v windows', the gate's low-rank, db, f's low-rank.
+  const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
+  a.push_back(bf16(m, rows * stacked_width));
+  a.push_back(bf16(m, L * H));     // db
+  a.push_back(bf16(m, L * w));     // df
+  dg = {};                         // after the decay's backward
+  a.push_back(bf16(m, rows * w));  // dconv
+  dq = {};                         // each branch's gradient after its conv input's
+  dk = {};
+  dv = {};
+  // The weights stacked alike for the one product into dx, freed after it.
+  const Ledger::Block stacked_w = m.workspace(2 * stacked_width * s.hidden);
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and

@@ -36,30 +36,47 @@ constexpr double kFp32Bound = 1e-3;
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
-  // tokens than taps, the 4B model's KDA shape.
-  for (auto [T, C, K] : {std::tuple<int64_t, int64_t, int64_t>{1000, 256, 4},
-                         {1029, 2048, 4},
-                         {333, 100, 3},
-                         {70, 1031, 4},
-                         {2, 64, 4},
-                         {130, 40, 8},
-                         {65, 129, 1}}) {
+  // tokens than taps, the 4B model's KDA shape; dx into columns of a wider buffer (the KDA
+  // backward's stacked gradients), its rows an even and an odd number of values apart.
+  for (auto [T, C, K, dx_ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1000, 256, 4, 256},
+                                {1029, 2048, 4, 2048},
+                                {1029, 2048, 4, 6416},
+                                {333, 100, 3, 100},
+                                {333, 100, 3, 101},
+                                {70, 1031, 4, 1031},
+                                {2, 64, 4, 64},
+                                {130, 40, 8, 40},
+                                {65, 129, 1, 129}}) {
     const auto x = rounded(random_floats(T * C)), dy = rounded(random_floats(T * C));
     const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
     Stream stream;
     auto xb = device(to_bf16(x)), dyb = device(to_bf16(dy));
     auto wb = device(w, MemoryCategory::Weights);
     auto dwb = device(dw0, MemoryCategory::Gradients);
-    auto y = poisoned<bf16>(T * C), dx = poisoned<bf16>(T * C);
+    auto y = poisoned<bf16>(T * C), dx = poisoned<bf16>(T * dx_ld);
     causal_conv_silu(xb.data(), wb.data(), y.data(), T, C, K, stream.get());
-    causal_conv_silu_backward(xb.data(), wb.data(), dyb.data(), dx.data(), dwb.data(), T, C, K, stream.get());
+    causal_conv_silu_backward(xb.data(), wb.data(), dyb.data(), dx.data(), dx_ld, dwb.data(), T, C, K,
+                              stream.get());
     stream.synchronize();
     const auto xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
     std::vector<double> y_ref(T * C), dx_ref(T * C), dw_ref(C * K, 0.0);
     cpu::causal_conv_silu(xd.data(), wd.data(), y_ref.data(), T, C, K);
     cpu::causal_conv_silu_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), T, C, K);
     EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "y, T=" << T << " C=" << C << " K=" << K;
-    EXPECT_LT(relative_error(dx.download(), dx_ref), kBf16Bound) << "dx, T=" << T << " C=" << C << " K=" << K;
+    const auto dx_rows = dx.download();
+    std::vector<bf16> dx_got(T * C);
+    int64_t gaps_written = 0;  // the values between dx's rows keep their poison
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < dx_ld; ++c) {
+        const bf16 v = dx_rows[t * dx_ld + c];
+        if (c < C)
+          dx_got[t * C + c] = v;
+        else
+          gaps_written += !std::isnan(__bfloat162float(v));
+      }
+    EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound)
+        << "dx, T=" << T << " C=" << C << " K=" << K << " dx_ld=" << dx_ld;
+    EXPECT_EQ(gaps_written, 0) << "dx_ld=" << dx_ld;
     EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound)
         << "dw, T=" << T << " C=" << C << " K=" << K;
   }

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/device_memory.h"
@@ -379,22 +380,28 @@ TEST(CudaNormsGates, ConversionsMatchTheHostRounding) {
   }
 }
 
-// y += x over bf16 values: the fp32 sum rounded once, bit for bit, at aligned and unaligned
-// offsets (vector and scalar paths).
-TEST(CudaNormsGates, AddBf16RoundsTheSumOnce) {
-  for (auto [n, offset] : {std::pair<int64_t, size_t>{100003, 0}, {1001, 1}, {3, 0}}) {
-    const auto x = to_bf16(random_floats(n)), y = to_bf16(random_floats(n));
+// y[r, c] += x[r, c] over bf16 rows: the fp32 sum rounded once, bit for bit, rows apart by their own
+// strides; y's values between its rows untouched.
+TEST(CudaNormsGates, AddBf16RowsRoundsTheSumOnce) {
+  for (auto [rows, cols, x_ld, y_ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{3, 2048, 2048, 6416},
+                                        {100, 1001, 1003, 1001},
+                                        {1, 3, 3, 3},
+                                        {7, 33, 40, 70}}) {
+    const auto x = to_bf16(random_floats(rows * x_ld)), y = to_bf16(random_floats(rows * y_ld));
     Stream stream;
-    Placed<bf16> dx(x, offset), dy(y, offset);
-    add_bf16(dx.get(), dy.get(), n, stream.get());
+    auto dx = device(x), dy = device(y);
+    add_bf16_rows(dx.data(), x_ld, dy.data(), y_ld, rows, cols, stream.get());
     stream.synchronize();
     const auto got = dy.download();
     int64_t wrong = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const bf16 want = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(y[i]));
-      wrong += std::memcmp(&got[i], &want, sizeof(bf16)) != 0;
-    }
-    EXPECT_EQ(wrong, 0) << "n=" << n << " offset=" << offset;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < y_ld; ++c) {
+        const int64_t i = r * y_ld + c;
+        const bf16 want =
+            c < cols ? __float2bfloat16(__bfloat162float(x[r * x_ld + c]) + __bfloat162float(y[i])) : y[i];
+        wrong += std::memcmp(&got[i], &want, sizeof(bf16)) != 0;
+      }
+    EXPECT_EQ(wrong, 0) << rows << " rows of " << cols << ", x_ld " << x_ld << ", y_ld " << y_ld;
   }
 }
 

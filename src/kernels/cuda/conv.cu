@@ -168,7 +168,8 @@ template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                                      const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
-                                     float* __restrict__ dw, int64_t tokens, int64_t channels, int tiles) {
+                                     int64_t dx_ld, float* __restrict__ dw, int64_t tokens, int64_t channels,
+                                     int tiles) {
   extern __shared__ __nv_bfloat162 staged[];  // [kStagedRows<K>][kThreads]: x rows, then dy rows
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
         }
-        if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * channels + c, g);
+        if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * dx_ld + c, g);
       }
     }
   }
@@ -294,14 +295,14 @@ void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, in
 // The backward's grid: its tiles in runs, about one wave of blocks in all.
 template <int K, int V>
 void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy, __nv_bfloat16* dx,
-                     float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
+                     int64_t dx_ld, float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
   const dim3 all = conv_grid(tokens, channels, K, V, kStagedTile);
   const int64_t resident = resident_blocks_of(kernel, kThreads, kBackwardShared<K, V>);
   const int64_t runs = std::max<int64_t>(1, resident / all.x);
   const int64_t tiles = (all.y + runs - 1) / runs;
   const dim3 grid(all.x, static_cast<unsigned>((all.y + tiles - 1) / tiles));
-  kernel<<<grid, kThreads, kBackwardShared<K, V>, stream>>>(x, w, dy, dx, dw, tokens, channels,
+  kernel<<<grid, kThreads, kBackwardShared<K, V>, stream>>>(x, w, dy, dx, dx_ld, dw, tokens, channels,
                                                             static_cast<int>(tiles));
 }
 
@@ -350,15 +351,17 @@ void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, 
 }
 
 void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
-                               __nv_bfloat16* dx, float* dw, int64_t tokens, int64_t channels, int64_t kernel,
-                               cudaStream_t stream) {
-  const int values = values_per_thread(channels, {x, dy, dx});
+                               __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
+                               int64_t kernel, cudaStream_t stream) {
+  check(dx_ld >= channels, "causal_conv_silu_backward: dx's rows ", dx_ld, " apart for ", channels,
+        " channels");
+  const int values = dx_ld % 2 == 0 ? values_per_thread(channels, {x, dy, dx}) : 1;
   conv_grid(tokens, channels, kernel, values, kStagedTile);  // checks the shape
   if (tokens == 0 || channels == 0) return;
   if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dw, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   } else {
-    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, w, dy, dx, dw, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }

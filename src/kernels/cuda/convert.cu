@@ -10,10 +10,6 @@ struct Identity {
   __device__ float operator()(float x) const { return x; }
 };
 
-struct Sum {
-  __device__ float operator()(float x, float y) const { return x + y; }
-};
-
 __global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows, int64_t half,
                                       __nv_bfloat16* __restrict__ out) {
   const int64_t n = rows * half;
@@ -21,6 +17,19 @@ __global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / half, c = i % half;
     out[i] = __float2bfloat16(in[r * 2 * half + c] + in[r * 2 * half + half + c]);
+  }
+}
+
+// A few rows at a time (a conv's carried rows): one thread a value, no vector path.
+__global__ void add_bf16_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld,
+                                     __nv_bfloat16* __restrict__ y, int64_t y_ld, int64_t rows,
+                                     int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    __nv_bfloat16& out = y[r * y_ld + c];
+    out = __float2bfloat16(__bfloat162float(x[r * x_ld + c]) + __bfloat162float(out));
   }
 }
 
@@ -42,8 +51,12 @@ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t st
   launch_map("bf16_to_f32", Identity{}, out, n, stream, in);
 }
 
-void add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
-  launch_map("add_bf16", Sum{}, y, n, stream, x, static_cast<const __nv_bfloat16*>(y));
+void add_bf16_rows(const __nv_bfloat16* x, int64_t x_ld, __nv_bfloat16* y, int64_t y_ld, int64_t rows,
+                   int64_t cols, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  add_bf16_rows_kernel<<<grid_blocks(rows * cols, kMapThreads), kMapThreads, 0, stream>>>(x, x_ld, y, y_ld,
+                                                                                          rows, cols);
+  SPINDLE_LAUNCHED("add_bf16_rows_kernel");
 }
 
 }  // namespace spindle::cuda

@@ -18,8 +18,10 @@ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t st
 void sum_row_halves_to_bf16(const float* in, int64_t rows, int64_t half, __nv_bfloat16* out,
                             cudaStream_t stream);
 
-// y[i] += x[i] over n values, summed in fp32 and rounded to bf16 (a gradient handed back from a
-// later chunk of a streamed sequence).
-void add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream);
+// y[r, c] += x[r, c] over rows of `cols` values (x's rows x_ld apart, y's y_ld), summed in fp32
+// and rounded to bf16: a gradient handed back from a later chunk of a streamed sequence, into
+// columns of a wider buffer.
+void add_bf16_rows(const __nv_bfloat16* x, int64_t x_ld, __nv_bfloat16* y, int64_t y_ld, int64_t rows,
+                   int64_t cols, cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -49,6 +49,12 @@ void backward_input_into_columns(Gemm& gemm, const bf16* dy, const bf16* w, bf16
   gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s);
 }
 
+// dx += dy w for dy in a row-major buffer whose rows are `ld` values apart (fp32 dx, [M, K]).
+void backward_input_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* w, float* dx, int64_t M,
+                                 int64_t K, int64_t N, cudaStream_t s) {
+  gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 1.0f, s);
+}
+
 void backward_weight_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* x, float* dw, int64_t M,
                                   int64_t K, int64_t N, cudaStream_t s) {
   gemm.matmul(false, true, K, N, M, x, K, dy, ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s);
@@ -163,22 +169,13 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), z.data(), L * H, dh, eps, s);
   if (y != nullptr) gemm.linear(z.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
 
-  // Output projection and gated norm; then the gate's low-rank branch.
+  // Output projection and gated norm.
   DeviceBuffer<bf16> dz = activations(L * qkv), dcore = activations(L * qkv), dgate = activations(L * qkv);
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), dz.data(), L, qkv, D, s);
   gemm.linear_backward_weight(dy, z.data(), f32_data(grad.o_proj), L, qkv, D, s);
   gated_rms_norm_backward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), dz.data(), dcore.data(),
                           dgate.data(), f32_data(grad.o_norm), L * H, dh, eps, s);
-  // The three small input gradients (the gate's low-rank, db, the forget gate's low-rank) side by
-  // side in one [L, dh + H + dh], so that dx takes them in one product: every product into dx reads
-  // and writes all of the fp32 dx, several times the work of a small one.
-  const int64_t small = 2 * dh + H;
-  DeviceBuffer<bf16> small_grads = activations(L * small);
-  bf16 *d_low_g = small_grads.data(), *db_cols = small_grads.data() + dh,
-       *d_low_f = small_grads.data() + dh + H;
-  backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, small, L, dh, qkv, s);
   gemm.linear_backward_weight(dgate.data(), a.gate_low.data(), f32_data(grad.g_b_proj), L, dh, qkv, s);
-  backward_weight_from_columns(gemm, d_low_g, small, x, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
@@ -200,56 +197,77 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
+  // Every gradient that reaches dx through a weight, side by side in one [rows, ld] buffer: the q,
+  // k and v windows' (rows of the conv's window), then the gate's low-rank, db and the forget
+  // gate's low-rank (the chunk's rows), so that dx takes them all in one product against the
+  // weights stacked alike. Each product into dx reads and writes all of the fp32 dx: six of them
+  // cost about a third more than the one.
+  const int64_t small = 2 * dh + H, ld = 3 * qkv + small, carried = K - 1;  // carried: the window's
+  DeviceBuffer<bf16> stacked = activations(rows * ld);
+  bf16* chunk_rows = stacked.data() + carried * ld;  // token 0's row
+  bf16 *d_low_g = chunk_rows + 3 * qkv, *db_cols = d_low_g + dh, *d_low_f = db_cols + H;
+  backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, ld, L, dh, qkv, s);
+  backward_weight_from_columns(gemm, d_low_g, ld, x, f32_data(grad.g_a_proj), L, D, dh, s);
+
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
   sigmoid_backward(a.beta.data(), dbeta.data(), db.data(), L * H, s);
-  SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, small * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16),
-                                 L, cudaMemcpyDeviceToDevice, s));
+  SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, ld * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16), L,
+                                 cudaMemcpyDeviceToDevice, s));
   gemm.linear_backward_weight(db.data(), x, f32_data(grad.b_proj), L, D, H, s);
   kda_decay_backward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), dg.data(),
                      df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
-  backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, small, L, dh, qkv, s);
+  dg = {};
+  backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, ld, L, dh, qkv, s);
   gemm.linear_backward_weight(df.data(), a.f_low.data(), f32_data(grad.f_b_proj), L, dh, qkv, s);
-  backward_weight_from_columns(gemm, d_low_f, small, x, f32_data(grad.f_a_proj), L, D, dh, s);
-  {  // their weights stacked the same way for the one product (a copy: 2 (2 dh + H) D bytes)
-    DeviceBuffer<bf16> small_w(static_cast<size_t>(small * D), MemoryCategory::Workspace);
-    copy_device(small_w.data(), bf16_data(w.g_a_proj), dh * D * sizeof(bf16), s);
-    copy_device(small_w.data() + dh * D, bf16_data(w.b_proj), H * D * sizeof(bf16), s);
-    copy_device(small_w.data() + (dh + H) * D, bf16_data(w.f_a_proj), dh * D * sizeof(bf16), s);
-    gemm.linear_backward_input(small_grads.data(), small_w.data(), dx, L, D, small, 1.0f, s);
-  }
+  backward_weight_from_columns(gemm, d_low_f, ld, x, f32_data(grad.f_a_proj), L, D, dh, s);
 
-  // l2 norms (the query scale inside), convs, projections, each branch over its window: the conv's
-  // outputs of the carried rows were not used (zero gradient); the rows this chunk handed on also
-  // get the gradient the next chunk sent back; the carried rows' gradient goes to carry_grad.
-  DeviceBuffer<bf16> dconv = activations(rows * qkv), dwindow = activations(rows * qkv);
+  // l2 norms (the query scale inside), convs, projections' weights, each branch over its window:
+  // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
+  // handed on also get the gradient the next chunk sent back; the carried rows' gradient goes to
+  // carry_grad.
+  DeviceBuffer<bf16> dconv = activations(rows * qkv);
   SPINDLE_CUDA(cudaMemsetAsync(dconv.data(), 0, tail * sizeof(bf16), s));
   struct Branch {
     const bf16* window;
+    DeviceBuffer<float>& d_out;  // the recurrence's gradient of the branch's input, freed once read
     const Tensor& conv;
     Tensor& dconv_w;
-    const Tensor& proj;
     Tensor& dproj_w;
   };
-  const std::array<Branch, 3> branches{Branch{a.qp.data(), w.q_conv, grad.q_conv, w.q_proj, grad.q_proj},
-                                       Branch{a.kp.data(), w.k_conv, grad.k_conv, w.k_proj, grad.k_proj},
-                                       Branch{a.vp.data(), w.v_conv, grad.v_conv, w.v_proj, grad.v_proj}};
+  const std::array<Branch, 3> branches{Branch{a.qp.data(), dq, w.q_conv, grad.q_conv, grad.q_proj},
+                                       Branch{a.kp.data(), dk, w.k_conv, grad.k_conv, grad.k_proj},
+                                       Branch{a.vp.data(), dv, w.v_conv, grad.v_conv, grad.v_proj}};
   for (size_t b = 0; b < 3; ++b) {
+    const Branch& br = branches[b];
     bf16* dconv_rows = dconv.data() + tail;
     if (b == 0)
-      l2_normalize_backward(a.qcw.data() + tail, dq.data(), dconv_rows, L * H, dh, 1e-6f,
+      l2_normalize_backward(a.qcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f,
                             1.0f / std::sqrt(static_cast<float>(dh)), s);
     else if (b == 1)
-      l2_normalize_backward(a.kcw.data() + tail, dk.data(), dconv_rows, L * H, dh, 1e-6f, 1.0f, s);
+      l2_normalize_backward(a.kcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f, 1.0f, s);
     else
-      f32_to_bf16(dv.data(), dconv_rows, L * qkv, s);
-    const Branch& br = branches[b];
-    causal_conv_silu_backward(br.window, f32_data(br.conv), dconv.data(), dwindow.data(),
-                              f32_data(br.dconv_w), rows, qkv, K, s);
-    if (carry_grad) add_bf16(carry_grad->tails.data() + b * tail, dwindow.data() + L * qkv, tail, s);
-    gemm.linear_backward_input(dwindow.data() + tail, bf16_data(br.proj), dx, L, D, qkv, 1.0f, s);
-    gemm.linear_backward_weight(dwindow.data() + tail, x, f32_data(br.dproj_w), L, D, qkv, s);
-    if (carry_grad) copy_device(carry_grad->tails.data() + b * tail, dwindow.data(), tail * sizeof(bf16), s);
+      f32_to_bf16(br.d_out.data(), dconv_rows, L * qkv, s);
+    br.d_out = {};
+    bf16* dwindow = stacked.data() + b * qkv;
+    causal_conv_silu_backward(br.window, f32_data(br.conv), dconv.data(), dwindow, ld, f32_data(br.dconv_w),
+                              rows, qkv, K, s);
+    if (carry_grad) {
+      bf16* tails = carry_grad->tails.data() + b * tail;
+      add_bf16_rows(tails, qkv, dwindow + L * ld, ld, carried, qkv, s);
+      SPINDLE_CUDA(cudaMemcpy2DAsync(tails, qkv * sizeof(bf16), dwindow, ld * sizeof(bf16),
+                                     qkv * sizeof(bf16), carried, cudaMemcpyDeviceToDevice, s));
+    }
+    backward_weight_from_columns(gemm, dwindow + carried * ld, ld, x, f32_data(br.dproj_w), L, D, qkv, s);
+  }
+  {  // the weights stacked as their gradients are (a copy: 2 ld D bytes, about 26 MB for the 4B model)
+    DeviceBuffer<bf16> stacked_w(static_cast<size_t>(ld * D), MemoryCategory::Workspace);
+    int64_t row = 0;
+    for (const Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.g_a_proj, &w.b_proj, &w.f_a_proj}) {
+      copy_device(stacked_w.data() + row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
+      row += t->dim(0);
+    }
+    backward_input_from_columns(gemm, chunk_rows, ld, stacked_w.data(), dx, L, D, ld, s);
   }
 }
 
