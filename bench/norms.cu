@@ -1,5 +1,5 @@
-// The row normalisations and the short convolution at the shapes a streamed 16k chunk of the 4B
-// config gives them (16,384 tokens by default): each timed by CUDA events (median of a few
+// The row normalisations, the short convolution and KDA's decay at the shapes a streamed 16k chunk
+// of the 4B config gives them (16,384 tokens by default): each timed by CUDA events (median of a few
 // launches), with the bytes it must move at the least and the bandwidth that makes.
 //     build/bench_norms [tokens]
 #include <cuda_bf16.h>
@@ -12,6 +12,7 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_timing.cuh"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/kda_gates.h"
 #include "kernels/cuda/norms.h"
 
 using namespace spindle;
@@ -66,5 +67,20 @@ int main(int argc, char** argv) {
            causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), D, dw.data(), T, D, conv,
                                      nullptr);
          }));
+  // The decay over fp32 [T, 2048] (the 4B config: no lower bound, the softplus form; with one, the
+  // sigmoid form); the backward writes bf16 df.
+  auto f = random_f32(T * D, 8, -4, 4), bias = random_f32(D, 9, -1, 1), a_log = random_f32(heads, 10, -1, 1);
+  DeviceBuffer<float> g(static_cast<size_t>(T * D), MemoryCategory::Activations),
+      d_bias(static_cast<size_t>(D), MemoryCategory::Gradients),
+      d_a_log(static_cast<size_t>(heads), MemoryCategory::Gradients);
+  for (const bool bounded : {false, true}) {
+    const KdaDecayShape s{T, heads, head_dim, bounded, -5.0f};
+    report(bounded ? "kda_decay_forward, bounded" : "kda_decay_forward", 2.0 * T * D * 4,
+           time([&] { kda_decay_forward(s, f.data(), bias.data(), a_log.data(), g.data(), nullptr); }));
+    report(bounded ? "kda_decay_backward, bounded" : "kda_decay_backward", 2.0 * T * D * 5, time([&] {
+             kda_decay_backward(s, f.data(), bias.data(), a_log.data(), dy32.data(), dx.data(), d_bias.data(),
+                                d_a_log.data(), nullptr);
+           }));
+  }
   return 0;
 }
