@@ -19,17 +19,7 @@ constexpr int64_t kMinTile = 16;
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
-// softplus(a) = max(a, 0) + log1p(e) and sigmoid(a) from one e = exp(-|a|) in (0, 1] (no overflow,
-// nothing to threshold: above 20 both round to a and 1 as the thresholded forms do), by the SFU's
-// exponential (a few ulp): expf twice and log1pf(expf) were most of the backward's instructions.
-struct Softplus {
-  float value, slope;  // softplus(a), sigmoid(a)
-};
-
-__device__ __forceinline__ Softplus softplus(float a) {
-  const float e = __expf(-fabsf(a)), inverse = __fdividef(1.0f, 1.0f + e);
-  return {fmaxf(a, 0.0f) + log1pf(e), a >= 0.0f ? inverse : e * inverse};
-}
+__device__ __forceinline__ float softplus_thresholded(float a) { return a > 20.0f ? a : log1pf(expf(a)); }
 
 // The thread's channel c (of `channels`) and its block's tokens [t0, t1).
 struct DecayTile {
@@ -48,16 +38,17 @@ __global__ void __launch_bounds__(kThreads)
   const DecayTile b = decay_tile(s, tile);
   if (b.c >= b.channels) return;
   const float bias = dt_bias[b.c], rate = expf(A_log[b.c / s.head_dim]);
-#pragma unroll 8
+#pragma unroll 4
   for (int64_t t = b.t0; t < b.t1; ++t) {
     const float pre = f[t * b.channels + b.c] + bias;
-    g[t * b.channels + b.c] = s.bounded ? s.lower_bound * sigmoid(rate * pre) : -rate * softplus(pre).value;
+    g[t * b.channels + b.c] =
+        s.bounded ? s.lower_bound * sigmoid(rate * pre) : -rate * softplus_thresholded(pre);
   }
 }
 
 // As kda_backward: bounded, with u = rate pre and sg = sigmoid(u): du = dg lb sg (1 - sg),
-// dpre = du rate, drate = du pre; else dpre = -rate sigmoid(pre) dg, drate = -softplus(pre) dg.
-// d_A_log = sum drate rate (rate = exp(A_log)).
+// dpre = du rate, drate = du pre; else dpre = -rate sigmoid(pre) dg (slope 1 above 20),
+// drate = -softplus(pre) dg. d_A_log = sum drate rate (rate = exp(A_log)).
 __global__ void __launch_bounds__(kThreads)
     kda_decay_backward_kernel(KdaDecayShape s, const float* f, const float* dt_bias, const float* A_log,
                               const float* dg, __nv_bfloat16* df, float* d_dt_bias, float* d_A_log,
@@ -70,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
   if (b.c < b.channels) {
     const float bias = dt_bias[b.c], rate = expf(A_log[b.c / s.head_dim]);
     float dbias = 0.0f, drate = 0.0f;
-#pragma unroll 8
+#pragma unroll 4
     for (int64_t t = b.t0; t < b.t1; ++t) {
       const int64_t at = t * b.channels + b.c;
       const float pre = f[at] + bias, grad = dg[at];
@@ -81,9 +72,8 @@ __global__ void __launch_bounds__(kThreads)
         dpre = du * rate;
         drate += du * pre;
       } else {
-        const Softplus sp = softplus(pre);
-        dpre = -rate * sp.slope * grad;
-        drate -= sp.value * grad;
+        dpre = -rate * (pre > 20.0f ? 1.0f : sigmoid(pre)) * grad;
+        drate -= softplus_thresholded(pre) * grad;
       }
       df[at] = __float2bfloat16(dpre);
       dbias += dpre;
