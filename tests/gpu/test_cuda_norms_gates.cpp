@@ -276,10 +276,12 @@ struct DecayCase {
 };
 
 // 20000 tokens: several tiles; head_dim 7 and 16: several heads per block; 300: a head across
-// blocks.
-const DecayCase kDecayCases[] = {{333, 4, 128, true}, {333, 4, 128, false},  {1000, 3, 64, false},
-                                 {77, 5, 7, true},    {20000, 2, 16, false}, {20000, 2, 16, true},
-                                 {50, 1, 300, true}};
+// blocks. Channels a thread: 4 where the row holds a multiple of 4 (35 channels: 1; 18: 2); 640
+// channels: two blocks of 4 a thread, the second partial; 40 heads of 4: many heads in one block.
+const DecayCase kDecayCases[] = {{333, 4, 128, true},  {333, 4, 128, false},  {1000, 3, 64, false},
+                                 {77, 5, 7, true},     {20000, 2, 16, false}, {20000, 2, 16, true},
+                                 {50, 1, 300, true},   {333, 3, 6, false},    {333, 3, 6, true},
+                                 {300, 5, 128, false}, {100, 40, 4, true}};
 
 TEST(CudaNormsGates, KdaDecayForwardAndBackward) {
   constexpr float kLowerBound = -5.0f;
