@@ -2,7 +2,7 @@
 // pointers allow 16-byte fp32 accesses, else 2 or 1) and walks a tile of tokens (a warp's loads are
 // one contiguous run per token) with its channels' biases and rates in registers: one fp32 a thread
 // a token left the loads' latency exposed (ncu: most of the backward's cycles waited on them), so
-// each thread has 8 / V tokens' loads in flight.
+// each thread has 8 / V tokens' loads in flight (read-only loads, which the stores do not hold back).
 // Backward, the tile's parameter gradients are summed in registers, then added with one atomic per
 // channel (d_dt_bias) and per head (d_A_log, combined across the block in shared memory) per block.
 // The tile is as long as keeps the grid at about one resident wave. The sigmoid is an elementwise
@@ -45,10 +45,9 @@ __device__ __forceinline__ void store_values(float* p, const float (&in)[V]) {
   const size_t global = __cvta_generic_to_global(p);
   if constexpr (V == 4)
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(global), "f"(in[0]), "f"(in[1]),
-                 "f"(in[2]), "f"(in[3])
-                 : "memory");
+                 "f"(in[2]), "f"(in[3]));
   else if constexpr (V == 2)
-    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(global), "f"(in[0]), "f"(in[1]) : "memory");
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(global), "f"(in[0]), "f"(in[1]));
   else
     *p = in[0];
 }
@@ -62,10 +61,9 @@ __device__ __forceinline__ void store_values(__nv_bfloat16* p, const float (&in)
   const size_t global = __cvta_generic_to_global(p);
   if constexpr (V == 4)
     asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(global), "r"(pair(in[0], in[1])),
-                 "r"(pair(in[2], in[3]))
-                 : "memory");
+                 "r"(pair(in[2], in[3])));
   else if constexpr (V == 2)
-    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(global), "r"(pair(in[0], in[1])) : "memory");
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(global), "r"(pair(in[0], in[1])));
   else
     *p = __float2bfloat16(in[0]);
 }
@@ -84,8 +82,8 @@ __device__ __forceinline__ void load_parameters(const KdaDecayShape& s, const fl
 
 template <int V, bool kBounded>
 __global__ void __launch_bounds__(kThreads)
-    kda_decay_forward_kernel(KdaDecayShape s, const float* f, const float* dt_bias, const float* A_log,
-                             float* g, int64_t tile) {
+    kda_decay_forward_kernel(KdaDecayShape s, const float* __restrict__ f, const float* __restrict__ dt_bias,
+                             const float* __restrict__ A_log, float* __restrict__ g, int64_t tile) {
   const DecayTile b = decay_tile<V>(s, tile);
   if (b.c >= b.channels) return;  // V divides channels: the thread's V channels are all there
   float bias[V], rate[V];
@@ -108,9 +106,10 @@ __global__ void __launch_bounds__(kThreads)
 // drate = -softplus(pre) dg. d_A_log = sum drate rate (rate = exp(A_log)).
 template <int V, bool kBounded>
 __global__ void __launch_bounds__(kThreads)
-    kda_decay_backward_kernel(KdaDecayShape s, const float* f, const float* dt_bias, const float* A_log,
-                              const float* dg, __nv_bfloat16* df, float* d_dt_bias, float* d_A_log,
-                              int64_t tile) {
+    kda_decay_backward_kernel(KdaDecayShape s, const float* __restrict__ f, const float* __restrict__ dt_bias,
+                              const float* __restrict__ A_log, const float* __restrict__ dg,
+                              __nv_bfloat16* __restrict__ df, float* __restrict__ d_dt_bias,
+                              float* __restrict__ d_A_log, int64_t tile) {
   __shared__ float head_sums[kThreads * V];  // the block's heads, from first_head
   const DecayTile b = decay_tile<V>(s, tile);
   for (int h = threadIdx.x; h < kThreads * V; h += kThreads) head_sums[h] = 0.0f;

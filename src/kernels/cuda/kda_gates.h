@@ -20,12 +20,13 @@ struct KdaDecayShape {
 
 // f: [tokens, heads * head_dim] (f_b_proj's output), dt_bias [heads * head_dim], A_log [heads].
 // With pre = f + dt_bias and rate = exp(A_log[h]): g = lower_bound * sigmoid(rate * pre) if
-// bounded, else -rate * softplus(pre) (softplus passes pre through above 20). g written.
+// bounded, else -rate * softplus(pre) (softplus passes pre through above 20). g written (it must not
+// alias f).
 void kda_decay_forward(const KdaDecayShape& s, const float* f, const float* dt_bias, const float* A_log,
                        float* g, cudaStream_t stream);
 
 // From dg (the gradient of g): df (the gradient of pre, so of f and of dt_bias) written;
-// d_dt_bias and d_A_log accumulated.
+// d_dt_bias and d_A_log accumulated. No output aliases an input.
 void kda_decay_backward(const KdaDecayShape& s, const float* f, const float* dt_bias, const float* A_log,
                         const float* dg, __nv_bfloat16* df, float* d_dt_bias, float* d_A_log,
                         cudaStream_t stream);
