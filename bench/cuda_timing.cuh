@@ -68,4 +68,14 @@ inline double median_ms(const std::function<void()>& run, int repeats) {
   return ms[ms.size() / 2];
 }
 
+// FNV-1a over the bytes of n device values, continuing from `digest`: equal digests from two builds
+// say that a change left the outputs bit for bit as they were.
+template <class T>
+uint64_t bits_digest(const T* device, int64_t n, uint64_t digest = 14695981039346656037ull) {
+  std::vector<unsigned char> bytes(static_cast<size_t>(n) * sizeof(T));
+  SPINDLE_CUDA(cudaMemcpy(bytes.data(), device, bytes.size(), cudaMemcpyDeviceToHost));
+  for (const unsigned char b : bytes) digest = (digest ^ b) * 1099511628211ull;
+  return digest;
+}
+
 }  // namespace spindle::cuda

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -65,11 +66,21 @@ int main(int argc, char** argv) {
                              kept_workspace.data(), T, H, dk, dv, nullptr, nullptr, nullptr, matrices.data());
       },
       5);
+  // The last launches' outputs (the forward keeping its matrices, the backward taking them).
+  uint64_t forward_digest = bits_digest(out.data(), T * H * dv);
+  forward_digest = bits_digest(states.data(), (kda_chunks(T) + 1) * H * dk * dv, forward_digest);
+  forward_digest = bits_digest(matrices.data(), kda_kept_matrices_floats(T, H), forward_digest);
+  uint64_t backward_digest = bits_digest(dq.data(), T * H * dk);
+  for (const DeviceBuffer<float>* d : {&dkk, &dvv, &dg, &dbeta})
+    backward_digest = bits_digest(d->data(), static_cast<int64_t>(d->size()), backward_digest);
   const double flops = 6.0 * static_cast<double>(dk * dv) * static_cast<double>(T * H);
   std::printf("KDA recurrence at %lld tokens, %lld heads, dk = dv = %lld (model FLOPs %.1f G):\n",
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(dk), flops / 1e9);
   std::printf("  forward  %8.3f ms (%.1f model TFLOP/s)\n", forward, flops / forward / 1e9);
   std::printf("  backward %8.3f ms (%.2fx the forward)\n", backward, backward / forward);
   std::printf("  with kept matrices: forward %.3f ms, backward %.3f ms\n", forward_keeping, backward_kept);
+  std::printf("  output digests: forward %016llx, backward %016llx\n",
+              static_cast<unsigned long long>(forward_digest),
+              static_cast<unsigned long long>(backward_digest));
   return 0;
 }

@@ -98,7 +98,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int half = 0; half < 2; ++half) {
       const int mt = half == 0 ? p : 3 - p;
       float acc[4][4] = {};
-      lower_times(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);
+      if (product == 0) {
+        lower_times(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);
+      } else {
+        lower_times<4, kKdaBf16Operand>(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);  // v
+      }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int t = 16 * mt + lane / 4, i = n0 + 8 * nt + 2 * (lane % 4);

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const float* Dc = m.ks + (k0 + c4) * S + j0 + 8 * nt + g4;
-      KdaFragB b;
+      Tf32Frag<2, kKdaBf16Operand> b;
       b.set(0, Dc[0]);
       b.set(1, Dc[4 * S]);
       mma_tf32(z[nt], a, b);
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         }
       } else {
         tile_times(acc, Kb, kQp, dSt, kTs, 16 * pm, pn, dk8);
-        warp_mma<1, kKdaSplitTf32, true>(acc, Aq, kAp, dO, kTs, 16 * pm, pn, 16 * pm, kC);
+        warp_mma<1, kKdaSplitTf32, kKdaBf16Operand, true>(acc, Aq, kAp, dO, kTs, 16 * pm, pn, 16 * pm, kC);
 #pragma unroll
         for (int e = 0; e < 4; ++e) du[pt(e) * kTs + pj(e)] = acc[0][e];
       }
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) u[pt(e) * kTs + pj(e)] = acc[0][e];
       } else {
-        warp_mma<1, kKdaSplitTf32, true>(acc, Tinv, kAp, du, kTs, 16 * pm, pn, 16 * pm, kC);
+        warp_mma<1, kKdaSplitTf32, kKdaSplitTf32, true>(acc, Tinv, kAp, du, kTs, 16 * pm, pn, 16 * pm, kC);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = pt(e), jj = pj(e);
@@ -449,7 +449,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll 1
       for (int nh = 0; nh < 2; ++nh) {  // two halves of 16 columns: fewer live registers
         float acc[2][4] = {};
-        warp_mma<2, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0, kTileV);
+        warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm, dn + 16 * nh,
+                                                                 0, kTileV);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -466,7 +467,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll 1
       for (int nh = 0; nh < 2; ++nh) {
         float acc[2][4] = {};
-        warp_mma<2, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0, kTileV);
+        warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0,
+                                                               kTileV);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -482,9 +484,12 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     }
 #pragma unroll 1
     for (int k0 = 0; k0 < kTileV; k0 += 8) {  // a step at a time: one step's fragments live
-      warp_mma<4, kKdaSplitTf32, false, true>(acc_q, dO, kTs, St, kTs, 16 * bm, bn, k0, k0 + 8);
-      warp_mma<4, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0, k0 + 8);
-      warp_mma<4, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0, k0 + 8);
+      warp_mma<4, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc_q, dO, kTs, St, kTs, 16 * bm, bn, k0,
+                                                               k0 + 8);
+      warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0,
+                                                             k0 + 8);
+      warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0,
+                                                             k0 + 8);
     }
     __syncthreads();  // the next tile's loads (and q, k, G after the last)
                       // overwrite what was read

@@ -117,6 +117,9 @@ constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows
 // TF32 parts by tf32_split, three mma per product) so that A, Aq, W and U0 keep fp32-level
 // accuracy (~1e-6 relative instead of TF32's ~3e-4). false: plain TF32, one mma per product.
 constexpr bool kKdaSplitTf32 = true;
+// The split flag of an operand that holds bf16 values (v, dO): exact in TF32, so never split; a
+// product with one takes two mma instead of three at 3xTF32's accuracy (mma_tf32).
+constexpr bool kKdaBf16Operand = false;
 using KdaFragA = Tf32Frag<4, kKdaSplitTf32>;
 using KdaFragB = Tf32Frag<2, kKdaSplitTf32>;
 
@@ -375,26 +378,27 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
 }
 
 // acc[nt] += op(L)[m0 .. m0 + 15, k] op(X)[k, n0 + 8 nt .. + 7] summed over k in [kbeg, kend)
-// (multiples of 8), one warp on the tensor cores, as 3xTF32 (kSplit) or plain TF32. L and X are
+// (multiples of 8), one warp on the tensor cores, each operand split or not (kSplitL, kSplitX:
+// mma_tf32; split both for 3xTF32, neither for plain TF32). L and X are
 // row-major (row strides ls, xs); kTL reads L transposed (op(L)[r][k] = L[k ls + r]), kTX X
 // (op(X)[k][n] = X[n xs + k]). Both finite everywhere they are read. Shared-memory banks: a
 // stride of 4 mod 8 words keeps the plain A and the transposed B reads conflict-free, 8 or 24 mod
 // 32 the transposed A and the plain B reads.
-template <int NT, bool kSplit, bool kTL = false, bool kTX = false>
+template <int NT, bool kSplitL, bool kSplitX, bool kTL = false, bool kTX = false>
 __device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
                                 int n0, int kbeg, int kend) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const auto l_at = [&](int r, int k) { return kTL ? L[k * ls + r] : L[r * ls + k]; };
   const auto x_at = [&](int k, int n) { return kTX ? X[n * xs + k] : X[k * xs + n]; };
   for (int k0 = kbeg; k0 < kend; k0 += 8) {
-    Tf32Frag<4, kSplit> a;
+    Tf32Frag<4, kSplitL> a;
     a.set(0, l_at(m0 + g, k0 + c));
     a.set(1, l_at(m0 + g + 8, k0 + c));
     a.set(2, l_at(m0 + g, k0 + c + 4));
     a.set(3, l_at(m0 + g + 8, k0 + c + 4));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      Tf32Frag<2, kSplit> b;
+      Tf32Frag<2, kSplitX> b;
       b.set(0, x_at(k0 + c, n0 + 8 * nt + g));
       b.set(1, x_at(k0 + c + 4, n0 + 8 * nt + g));
       mma_tf32(acc[nt], a, b);
@@ -402,19 +406,20 @@ __device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, con
   }
 }
 
-// acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7] (warp_mma, both row-major).
-template <int NT, bool kSplit = kKdaSplitTf32>
+// acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7] (warp_mma, both row-major;
+// L split as kKdaSplitTf32 says).
+template <int NT, bool kSplitX = kKdaSplitTf32>
 __device__ inline void tile_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
                                   int n0, int kend) {
-  warp_mma<NT, kSplit>(acc, L, ls, X, xs, m0, n0, 0, kend);
+  warp_mma<NT, kKdaSplitTf32, kSplitX>(acc, L, ls, X, xs, m0, n0, 0, kend);
 }
 
 // The same for a lower triangular L [C, C] and the 16 rows of m-tile mt: the sum runs over the
 // tokens s < 16 (mt + 1) only.
-template <int NT, bool kSplit = kKdaSplitTf32>
+template <int NT, bool kSplitX = kKdaSplitTf32>
 __device__ inline void lower_times(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs,
                                    int mt, int n0) {
-  tile_times<NT, kSplit>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
+  tile_times<NT, kSplitX>(acc, L, ls, X, xs, ChunkPrepTiles::kSub * mt, n0, ChunkPrepTiles::kSub * (mt + 1));
 }
 
 // Columns col0 .. col0 + kCols of one chunk's rows of a head in a bf16 [tokens, heads, width]
