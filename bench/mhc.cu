@@ -2,8 +2,9 @@
 // iterations; 16,384 tokens by default): each entry point of kernels/cuda/mhc.h timed by CUDA
 // events (median of a few launches), with the bytes it must move at the least (the budgets in
 // mhc.cu's header: streams bf16, their gradients fp32) and the bandwidth that makes. A residual
-// site's backward runs hc_coefficients once more and each of the backward kernels once; its
-// forward hc_coefficients and hc_combine.
+// site's backward runs hc_coefficients once more (or, from the mix a recomputation kept,
+// hc_coefficients_from_mix) and each of the backward kernels once; its forward hc_coefficients and
+// hc_combine.
 //     build/bench_mhc [tokens]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -39,7 +40,8 @@ int main(int argc, char** argv) {
       out(static_cast<size_t>(T * K), MemoryCategory::Activations),
       dy(static_cast<size_t>(T * D), MemoryCategory::Activations);
   DeviceBuffer<float> workspace(static_cast<size_t>(hc_coefficients_backward_workspace(s)),
-                                MemoryCategory::Workspace);
+                                MemoryCategory::Workspace),
+      mix(static_cast<size_t>(hc_mix_floats(s)), MemoryCategory::Activations);
   SPINDLE_CUDA(cudaDeviceSynchronize());
 
   const double bf16_streams = 2.0 * T * K, f32_streams = 4.0 * T * K, row = 2.0 * T * D;
@@ -55,9 +57,22 @@ int main(int argc, char** argv) {
                                post.data(), comb.data(), collapsed.data(), nullptr);
              },
              5));
-  // The collapse alone, as a site's backward runs it from the coefficients the recomputation kept.
-  report("hc_collapse", bf16_streams + row,
-         median_ms([&] { hc_collapse(s, streams.data(), pre.data(), collapsed.data(), nullptr); }, 5));
+  // As a recomputation or a site's backward runs it: the mix written out.
+  report("hc_coefficients, writing the mix", bf16_streams + row,
+         median_ms(
+             [&] {
+               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
+                               post.data(), comb.data(), collapsed.data(), nullptr, mix.data());
+             },
+             5));
+  // As a site's backward runs it from the mix the recomputation kept.
+  report("hc_coefficients_from_mix", bf16_streams + row,
+         median_ms(
+             [&] {
+               hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
+                                        post.data(), comb.data(), collapsed.data(), nullptr);
+             },
+             5));
   report("hc_combine", 2 * bf16_streams + row,
          median_ms(
              [&] { hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), nullptr); },
@@ -90,20 +105,20 @@ int main(int argc, char** argv) {
   report("hc_coefficients_backward", bf16_streams + 2 * f32_streams + row,
          median_ms(
              [&] {
-               hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
-                                        d_post.data(), d_comb.data(), d_collapsed.data(), nullptr, nullptr,
-                                        dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
-                                        workspace.data(), nullptr);
+               hc_coefficients_backward(s, streams.data(), mix.data(), fn.data(), base.data(), scale.data(),
+                                        d_pre.data(), d_post.data(), d_comb.data(), d_collapsed.data(),
+                                        nullptr, nullptr, dstreams.data(), dfn.data(), dbase.data(),
+                                        dscale.data(), workspace.data(), nullptr);
              },
              5));
   // As the model runs it: dstreams written from the combine's dout and comb as well.
   report("hc_coefficients_backward + comb^T dout", bf16_streams + 2 * f32_streams + row,
          median_ms(
              [&] {
-               hc_coefficients_backward(s, streams.data(), fn.data(), base.data(), scale.data(), d_pre.data(),
-                                        d_post.data(), d_comb.data(), d_collapsed.data(), comb.data(),
-                                        dout.data(), dstreams.data(), dfn.data(), dbase.data(), dscale.data(),
-                                        workspace.data(), nullptr);
+               hc_coefficients_backward(s, streams.data(), mix.data(), fn.data(), base.data(), scale.data(),
+                                        d_pre.data(), d_post.data(), d_comb.data(), d_collapsed.data(),
+                                        comb.data(), dout.data(), dstreams.data(), dfn.data(), dbase.data(),
+                                        dscale.data(), workspace.data(), nullptr);
              },
              5));
   return 0;

@@ -30,11 +30,13 @@ int64_t head_workspace_bytes(const Shapes& s, int64_t L) {
 
 int64_t stream_bytes(const Shapes& s, int64_t L) { return L * s.streams * s.hidden * 2; }
 
-// residual_site_forward / site_inputs (model/cuda/residual.cpp): pre, post, comb (fp32), the
+// residual_site_forward / site_inputs (model/cuda/residual.cpp): the mix (fp32; where `with_mix`,
+// else taken from `kept`, a kept mix's block, where that is not empty), pre, post, comb (fp32), the
 // collapsed and normalised input (bf16); the sublayer writes its output into `collapsed`.
-Blocks site_activations(Ledger& m, const Shapes& s, int64_t L) {
+Blocks site_activations(Ledger& m, const Shapes& s, int64_t L, bool with_mix, Blocks kept = {}) {
   const int64_t H = s.streams;
-  Blocks a;
+  Blocks a = std::move(kept);
+  if (a.empty() && with_mix) a.push_back(m.activations(4 * L * ((2 + H) * H + 1)));
   a.push_back(m.activations(4 * L * H));
   a.push_back(m.activations(4 * L * H));
   a.push_back(m.activations(4 * L * H * H));
@@ -51,36 +53,29 @@ class StepReplay {
   StepReplay(Ledger& m, const Shapes& s, const Pass& pass) : m_(m), s_(s), pass_(pass) {}
 
   // residual_site_forward; `select`: the forward proper, where a DSA layer makes its selection.
-  // With `keep_coefficients`, the site's pre, post and comb stay there for its backward, with
-  // `keep_routing` a MoE's routing.
+  // With `keep_mix`, the site's mHC mix stays there for its backward, with `keep_routing` a MoE's
+  // routing.
   void site_forward(const LayerShape& layer, Site site, bool select, Blocks& selections,
-                    Blocks* keep_coefficients = nullptr, Blocks* keep_routing = nullptr) {
-    Blocks a = site_activations(m_, s_, pass_.tokens);
+                    Blocks* keep_mix = nullptr, Blocks* keep_routing = nullptr) {
+    Blocks a = site_activations(m_, s_, pass_.tokens, keep_mix != nullptr);
     if (site == Site::Ffn)
       ffn_forward(m_, s_, layer, pass_, keep_routing);
     else if (Block chosen = attention_forward(m_, s_, layer, pass_, select); chosen.bytes() > 0)
       selections.push_back(std::move(chosen));
-    if (keep_coefficients != nullptr)
-      for (int i = 0; i < 3; ++i) keep_coefficients->push_back(std::move(a[static_cast<size_t>(i)]));
+    if (keep_mix != nullptr) keep_mix->push_back(std::move(a.front()));
   }
 
   // residual_site_backward: the site's inputs, the feed-forward recomputed for the combine (an
   // attention sublayer's backward writes its output itself), the combine's gradients, the
   // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
   // gradient replaces `dstreams`. `kept` (freed here): the recomputation's kept outputs of this
-  // site (the feed-forward's y, or attention_kept), empty for none; `coefficients` (freed here):
-  // its kept pre, post and comb, with which only the collapse and its norm are new; `routing`
-  // (freed in the feed-forward's backward): a MoE's kept routing.
-  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks coefficients,
+  // site (the feed-forward's y, or attention_kept), empty for none; `mix` (freed here): its kept
+  // mHC mix, from which the coefficients come without the product; `routing` (freed in the
+  // feed-forward's backward): a MoE's kept routing.
+  void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks mix,
                      Blocks routing = {}) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
-    Blocks a = std::move(coefficients);
-    if (a.empty()) {
-      a = site_activations(m_, s_, L);
-    } else {
-      a.push_back(m_.activations(2 * L * D));  // collapsed
-      a.push_back(m_.activations(2 * L * D));  // normed
-    }
+    Blocks a = site_activations(m_, s_, L, true, std::move(mix));
     if (site == Site::Attention || kept.empty()) a.push_back(m_.activations(2 * L * D));  // y
     if (site == Site::Ffn && kept.empty()) ffn_forward(m_, s_, layer, pass_);
     Block d_in = m_.activations(4 * L * H * D);
@@ -131,14 +126,14 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
     }
   };
   std::vector<Blocks> kept(2 * layers);          // Pass::keep_outputs: each site's, until its backward
-  std::vector<Blocks> coefficients(2 * layers);  // likewise, each site's mHC coefficients
+  std::vector<Blocks> mixes(2 * layers);         // likewise, each site's mHC mix
   std::vector<Blocks> routings(layers);          // and each MoE's routing
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
       const size_t index = 2 * i + static_cast<size_t>(site == Site::Ffn);
       Block next = m.activations(S);
-      step.site_forward(layer, site, true, selections, pass.keep_outputs ? &coefficients[index] : nullptr,
+      step.site_forward(layer, site, true, selections, pass.keep_outputs ? &mixes[index] : nullptr,
                         pass.keep_outputs && site == Site::Ffn ? &routings[i] : nullptr);
       if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, pass);
       if (pass.keep_outputs && site == Site::Ffn) kept[index].push_back(m.activations(2 * L * s.hidden));
@@ -175,10 +170,10 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       step.site_forward(layer, Site::Attention, false, none);
     }
     step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]),
-                       std::move(coefficients[2 * i + 1]), std::move(routings[i]));
+                       std::move(mixes[2 * i + 1]), std::move(routings[i]));
     stored[2 * i + 1] = Block();
     step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]),
-                       std::move(coefficients[2 * i]));
+                       std::move(mixes[2 * i]));
     stored[2 * i] = Block();
   }
 }

@@ -122,15 +122,24 @@ TEST(CudaConvMhc, HcCoefficientsForward) {
     auto base = device(p.base, MemoryCategory::Weights), scale = device(p.scale, MemoryCategory::Weights);
     auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
     auto collapsed = poisoned<bf16>(T * D);
+    auto mix = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
     hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
-                    collapsed.data(), stream.get());
-    // The collapse again from the kept pre, as a site's backward does: the very same values.
-    auto collapsed_again = poisoned<bf16>(T * D);
-    hc_collapse(s, xb.data(), pre.data(), collapsed_again.data(), stream.get());
+                    collapsed.data(), stream.get(), mix.data());
+    // Everything again from the kept mix, as a site's backward does: the very same values.
+    auto pre2 = poisoned<float>(T * H), post2 = poisoned<float>(T * H), comb2 = poisoned<float>(T * H * H);
+    auto collapsed2 = poisoned<bf16>(T * D);
+    hc_coefficients_from_mix(s, xb.data(), mix.data(), base.data(), scale.data(), pre2.data(), post2.data(),
+                             comb2.data(), collapsed2.data(), stream.get());
     stream.synchronize();
-    const std::vector<bf16> first = collapsed.download(), again = collapsed_again.download();
-    EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(bf16)), 0)
-        << "hc_collapse differs from hc_coefficients' collapse, T=" << T << " H=" << H << " D=" << D;
+    const auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    };
+    const std::string case_name =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    EXPECT_TRUE(same(pre.download(), pre2.download())) << "pre from the mix" << case_name;
+    EXPECT_TRUE(same(post.download(), post2.download())) << "post from the mix" << case_name;
+    EXPECT_TRUE(same(comb.download(), comb2.download())) << "comb from the mix" << case_name;
+    EXPECT_TRUE(same(collapsed.download(), collapsed2.download())) << "collapsed from the mix" << case_name;
     const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
                scaled = to_double(p.scale);
     std::vector<double> pre_ref(T * H), post_ref(T * H), comb_ref(T * H * H), col_ref(T * D);
@@ -210,7 +219,16 @@ TEST(CudaConvMhc, HcCoefficientsBackward) {
     auto dbaseb = device(dbase0, MemoryCategory::Gradients),
          dscaleb = device(dscale0, MemoryCategory::Gradients);
     auto workspace = poisoned<float>(static_cast<size_t>(hc_coefficients_backward_workspace(s)));
-    hc_coefficients_backward(s, xb.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
+    // The mix from the forward, as a site's backward has it.
+    auto mix = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
+    {
+      auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
+      auto collapsed = poisoned<bf16>(T * D);
+      hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                      comb.data(), collapsed.data(), stream.get(), mix.data());
+      stream.synchronize();  // before the scratch buffers go
+    }
+    hc_coefficients_backward(s, xb.data(), mix.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
                              d_postb.data(), d_combb.data(), dcolb.data(), nullptr, nullptr, dsb.data(),
                              dfnb.data(), dbaseb.data(), dscaleb.data(), workspace.data(), stream.get());
     // The fused form: dstreams written as hc_combine's part (comb^T dout) plus this one's, while
@@ -226,7 +244,7 @@ TEST(CudaConvMhc, HcCoefficientsBackward) {
                         d_comb_fused.data(), stream.get());
     auto dfn2 = device(dfn0, MemoryCategory::Gradients), dbase2 = device(dbase0, MemoryCategory::Gradients),
          dscale2 = device(dscale0, MemoryCategory::Gradients);
-    hc_coefficients_backward(s, xb.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
+    hc_coefficients_backward(s, xb.data(), mix.data(), fn.data(), base.data(), scale.data(), d_preb.data(),
                              d_postb.data(), d_combb.data(), dcolb.data(), combb.data(), doutb.data(),
                              fused.data(), dfn2.data(), dbase2.data(), dscale2.data(), workspace.data(),
                              stream.get());

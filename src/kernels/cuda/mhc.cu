@@ -4,7 +4,8 @@
 //      GEMM on the tensor cores: x is bf16 already and fn (fp32) is split into bf16 hi + lo, so
 //      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 2-stage cp.async
 //      ring (one loading while one is multiplied), each fn slice read once per tile, not once per
-//      token;
+//      token. hc_coefficients writes the mix out for the site's backward (and for
+//      hc_coefficients_from_mix, where a recomputation kept it), which loads it instead;
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
 //      registers; backward, the same again keeping each pass's line sums in shared memory, then
 //      back through the passes, each pass's input rebuilt from its output and sums;
@@ -22,9 +23,8 @@
 //     tensor cores]. A tile's x (1 MB) leaves L2 before its collapse reads it again: x is read
 //     twice [604 MB, 0.14 ms].
 //   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams read and written 8 T K + w
-//     4 T M bytes [1411 MB, 0.33 ms]; 4 T K M (the mix again and dn = dm fn) + ~8 T K FLOPs [13.9
-//     GFLOP]. x is read three times (mix, dpre, the stream pass) and d_collapsed twice [2014 MB,
-//     0.47 ms].
+//     4 T M bytes [1411 MB, 0.33 ms]; 2 T K M (dn = dm fn) + ~8 T K FLOPs [7.5 GFLOP]. x is read
+//     twice (dpre, the stream pass) and d_collapsed twice [1746 MB, 0.41 ms].
 //   hc_dfn: x 2 T K + w 4 T M + dfn's atomics 4 M K per 1024 tokens [282 MB, 0.066 ms]; 2 T K M
 //     FLOPs [6.4 GFLOP, twice that on the tensor cores for w's hi + lo].
 #include <algorithm>
@@ -73,8 +73,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The collapse of one token's V columns: acc = sum_h pre[h] v[h], h in order. hc_coefficients and
-// hc_collapse both sum this way, so that they write the same bf16 values.
+// The collapse of one token's V columns: acc = sum_h pre[h] v[h], h in order.
 template <int H, int V>
 __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const float* pre, float (&acc)[V]) {
 #pragma unroll
@@ -87,21 +86,25 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
   }
 }
 
-// Shared-memory layout of the coefficient kernels for H streams.
-template <int H>
+// Shared-memory layout of the coefficient kernels for H streams; kRing: the kernel multiplies the
+// mix itself (the ring first), else it loads a mix kept since.
+template <int H, bool kRing = true>
 struct Tile {
-  static constexpr int M = (2 + H) * H;       // mix outputs
-  static constexpr int NT = (M + 7) / 8;      // MMA column tiles of the mix (fn rows staged: 8 NT)
-  static constexpr int MP = (M + 3) / 4 * 4;  // w's row stride in the stream pass (float4 reads)
+  static constexpr int M = (2 + H) * H;   // mix outputs
+  static constexpr int NT = (M + 7) / 8;  // MMA column tiles of the mix (fn rows staged: 8 NT)
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
   // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
-  static constexpr size_t kRawOffset = kStages * kStageBytes;
+  static constexpr size_t kRawOffset = kRing ? kStages * kStageBytes : 0;
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
 };
+
+// w's row stride in the stream pass for H streams (float4 reads).
+template <int H>
+constexpr int kWStride = ((2 + H) * H + 3) / 4 * 4;
 
 // What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel (w,
 // corr, pre) and hc_dfn_kernel (w^T split): w = dm inv [tokens, M], corr = inv^3 (dm . raw) / K
@@ -319,22 +322,39 @@ __device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float
   }
 }
 
+// A tile's mix rows [count, M + 1] (raw, as mix_tile leaves them) from a kept mix [tokens, M + 1]
+// into shared memory, then a barrier.
 template <int H>
+__device__ void load_mix(const float* mix, int64_t t0, int count, float* raw) {
+  constexpr int W = Tile<H>::M + 1;
+  for (int e = threadIdx.x; e < count * W; e += kThreads) raw[e] = mix[t0 * W + e];
+  __syncthreads();
+}
+
+// kFromMix: the mix comes from `mix` (kept by an earlier call), else it is multiplied here and
+// written to `mix` where given. Everything after the mix is the same code either way.
+template <int H, bool kFromMix>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* base,
+    hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, float* mix, const float* base,
                            const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                            int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
-  using T = Tile<H>;
+  using T = Tile<H, !kFromMix>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
-  const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
+  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
-  mix_tile<H>(x, count, fn, K, vec, smem);
+  if constexpr (kFromMix) {
+    load_mix<H>(mix, t0, count, raw);
+  } else {
+    mix_tile<H>(x, count, fn, K, vec, smem);
+    if (mix != nullptr)
+      for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix[t0 * (M + 1) + e] = raw[e];
+  }
 
   // One thread per token, the first 8 lanes of every warp: the passes are serial, so eight warps
   // interleave them rather than two full ones.
@@ -404,24 +424,6 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     collapse_columns<H, 1>(v, pre_s + tt * H, acc);
     collapsed[(t0 + tt) * D + d] = __float2bfloat16(acc[0]);
   }
-}
-
-// hc_coefficients' collapse alone, for a site whose coefficients were kept: collapsed[t, d] =
-// sum_h pre[t, h] x[t, h, d] by collapse_columns, as hc_coefficients sums it. A thread per V
-// columns of a token, in as many waves of blocks as the tokens need (memory bound).
-template <int H, int V>
-__global__ void __launch_bounds__(kThreads)
-    hc_collapse_kernel(const __nv_bfloat16* streams, const float* pre, __nv_bfloat16* collapsed,
-                       int64_t tokens, int64_t D) {
-  const int64_t per_token = D / V, e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (e >= tokens * per_token) return;
-  const int64_t t = e / per_token, d = e % per_token * V;
-  const __nv_bfloat16* x = streams + t * H * D + d;
-  float v[H][V], acc[V];
-#pragma unroll
-  for (int h = 0; h < H; ++h) load<V>(x + h * D, v[h]);
-  collapse_columns<H, V>(v, pre + t * H, acc);
-  store<V>(collapsed + t * D + d, acc);
 }
 
 // One warp per token (8 per block), V consecutive elements per lane at a time.
@@ -601,10 +603,10 @@ struct StreamStage {
   static_assert(kXOffset % 16 == 0 && kColOffset % 16 == 0 && kCombOffset % 16 == 0, "16-byte aligned rows");
 };
 
-// The stream pass's shared memory for H streams: the ring, then w [64, MP], corr [64], pre [64, H].
+// The stream pass's shared memory for H streams: the ring, then w [64, kWStride], corr [64], pre [64, H].
 template <int H, int V>
 constexpr size_t kStreamGradientBytes = StreamStage<H, V>::kRingBytes +
-                                        kTileTokens*(Tile<H>::MP + 1 + H) * sizeof(float);
+                                        kTileTokens*(kWStride<H> + 1 + H) * sizeof(float);
 
 // Stages rows [r0, r0 + kStreamRows) of the tile's g, x and dcol at columns [d0, d0 + C) of every
 // stream (and comb, when given) into buf: zeros past the tile's tokens and past D, as one commit
@@ -664,10 +666,10 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                               const float* workspace, const float* comb, const float* dout, float* dstreams,
                               int64_t tokens, int D, bool vec) {
   using S = StreamStage<H, V>;
-  constexpr int M = Tile<H>::M, MP = Tile<H>::MP, C = S::C;
+  constexpr int M = Tile<H>::M, MP = kWStride<H>, C = S::C;
   extern __shared__ float4 shared_words[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
-  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, MP] (kStreamGradientBytes)
+  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, kWStride] (kStreamGradientBytes)
   float* corr_s = w_s + kTileTokens * MP;                       // [64]
   float* pre_s = corr_s + kTileTokens;                          // [64, H]
   const int K = H * D;
@@ -757,24 +759,23 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   copy_wait<0>();
 }
 
-// Per tile: the mix again, the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes forward
-// and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and the
-// collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv,
-// corr = inv^3 (dm . raw) / (H D) and pre in the workspace (StreamGradientInputs) for hc_dfn_kernel
-// and hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse
-// paths.
+// Per tile: the mix (kept by hc_coefficients), the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes
+// forward and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and
+// the collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv, corr =
+// inv^3 (dm . raw) / (H D) and pre in the workspace (StreamGradientInputs) for hc_dfn_kernel and
+// hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse paths.
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* base,
+    hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* mix, const float* base,
                                     const float* scale, const float* d_pre, const float* d_post,
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
                                     float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
                                     float hc_eps, int iters, int sinkhorn_threads, bool vec) {
-  using T = Tile<H>;
+  using T = Tile<H, false>;
   constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
-  const float* raw = reinterpret_cast<const float*>(smem + T::kRawOffset);
+  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
   float* dbase_s = dpre_s + kTileTokens * H;                         // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
@@ -787,7 +788,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
-  mix_tile<H>(x, count, fn, K, vec, smem);
+  load_mix<H>(mix, t0, count, raw);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int tt = warp; tt < count; tt += kWarps) {
@@ -1111,9 +1112,11 @@ void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream
   check_cuda(cudaGetLastError(), name, __FILE__, __LINE__);
 }
 
+int64_t hc_mix_floats(const cpu::HcShape& s) { return s.tokens * ((2 + s.streams) * s.streams + 1); }
+
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, float* mix) {
   check_shape(s, "hc_coefficients");
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
@@ -1121,26 +1124,26 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
   const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
   const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
   SPINDLE_HC_DISPATCH({
-    launch_tiled(hc_coefficients_kernel<H>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
-                 streams, split.data(), base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps,
-                 iters, vec);
+    launch_tiled(hc_coefficients_kernel<H, false>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
+                 streams, split.data(), mix, base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps,
+                 hc_eps, iters, vec);
   })
 }
 
-void hc_collapse(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* pre,
-                 __nv_bfloat16* collapsed, cudaStream_t stream) {
-  check_shape(s, "hc_collapse");
+void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                              const float* base, const float* scale, float* pre, float* post, float* comb,
+                              __nv_bfloat16* collapsed, cudaStream_t stream) {
+  check_shape(s, "hc_coefficients_from_mix");
   if (s.tokens == 0) return;
-  const auto launch = [&](auto kernel, int64_t per_token) {
-    const auto blocks = static_cast<unsigned>((s.tokens * per_token + kThreads - 1) / kThreads);
-    kernel<<<blocks, kThreads, 0, stream>>>(streams, pre, collapsed, s.tokens, s.hidden);
-  };
-  if (vector_rows(s, {{streams, 2}, {collapsed, 2}})) {
-    SPINDLE_HC_DISPATCH(launch(hc_collapse_kernel<H, 8>, s.hidden / 8))
-  } else {
-    SPINDLE_HC_DISPATCH(launch(hc_collapse_kernel<H, 1>, s.hidden))
-  }
-  SPINDLE_LAUNCHED("hc_collapse_kernel");
+  const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
+  const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
+  const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});
+  SPINDLE_HC_DISPATCH({
+    // The kernel only reads the mix: the const_cast serves the shared signature.
+    launch_tiled(hc_coefficients_kernel<H, true>, s, Tile<H, false>::kCommonBytes, stream,
+                 "hc_coefficients_kernel (from a kept mix)", streams, nullptr, const_cast<float*>(mix), base,
+                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
+  })
 }
 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
@@ -1203,11 +1206,11 @@ int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {
   return s.tokens * (2 * (2 + s.streams) * s.streams + 1 + s.streams);
 }
 
-void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
-                              const float* base, const float* scale, const float* d_pre, const float* d_post,
-                              const float* d_comb, const __nv_bfloat16* d_collapsed, const float* comb,
-                              const float* dout, float* dstreams, float* dfn, float* dbase, float* dscale,
-                              float* workspace, cudaStream_t stream) {
+void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                              const float* fn, const float* base, const float* scale, const float* d_pre,
+                              const float* d_post, const float* d_comb, const __nv_bfloat16* d_collapsed,
+                              const float* comb, const float* dout, float* dstreams, float* dfn, float* dbase,
+                              float* dscale, float* workspace, cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
   check((comb == nullptr) == (dout == nullptr), "hc_coefficients_backward: comb and dout come together");
   if (s.tokens == 0) return;
@@ -1223,8 +1226,8 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   SPINDLE_HC_DISPATCH({
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
-    // 4 and 20 iterations: 64 threads, 113 KB).
-    const size_t fixed = Tile<H>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
+    // 4 and 20 iterations: 64 threads, 49 KB).
+    const size_t fixed = Tile<H, false>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
     int threads = kTileTokens;
@@ -1232,9 +1235,8 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     check(fixed + threads * per_thread <= kMaxDynamicShared, "hc_coefficients_backward: ", iters,
           " Sinkhorn iterations at hc_mult ", s.streams, " need ", fixed + threads * per_thread,
           " bytes of shared memory (at most ", kMaxDynamicShared, ")");
-    const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
     launch_tiled(hc_coefficients_backward_kernel<H>, s, fixed + threads * per_thread, stream,
-                 "hc_coefficients_backward_kernel", streams, split.data(), base, scale, d_pre, d_post, d_comb,
+                 "hc_coefficients_backward_kernel", streams, mix, base, scale, d_pre, d_post, d_comb,
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
     const auto stream_pass = [&](auto kernel, auto width) {
       constexpr int V = decltype(width)::value;

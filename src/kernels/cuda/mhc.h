@@ -4,8 +4,8 @@
 // Gradients of the streams are kept in fp32 [tokens, H, D] (dstreams, dout): the residual
 // gradient is a sum over every later sublayer, and fp32 keeps it from drifting in bf16.
 // CPU reference: kernels/cpu/mhc.h (same names, same argument order; its hc_combine_backward is
-// split in two here: hc_combine_backward and hc_post_gradient; hc_collapse is hc_coefficients'
-// last part).
+// split in two here: hc_combine_backward and hc_post_gradient; hc_coefficients_backward takes the
+// mix that hc_coefficients wrote instead of multiplying it again).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,16 +17,21 @@
 
 namespace spindle::cuda {
 
+// Floats of a site's mix: [tokens, (2 + H) H + 1], each token's streams times fn^T and (last) their
+// sum of squares, all the coefficients are computed from.
+int64_t hc_mix_floats(const cpu::HcShape& s);
+
 // pre, post, comb (exact Sinkhorn of cpu::hc_coefficients) and collapsed = sum_h pre[h] streams[h]
-// (bf16 [tokens, D]); all written.
+// (bf16 [tokens, D]); all written, and the mix (hc_mix_floats) where `mix` is given.
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float* mix = nullptr);
 
-// hc_coefficients' collapse alone, from coefficients kept since: collapsed = sum_h pre[h]
-// streams[h] (bf16 [tokens, D], written), the same values hc_coefficients writes for that pre.
-void hc_collapse(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* pre,
-                 __nv_bfloat16* collapsed, cudaStream_t stream);
+// hc_coefficients from the mix it wrote for these streams (kept since): the same pre, post, comb
+// and collapsed, bit for bit, without the product.
+void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                              const float* base, const float* scale, float* pre, float* post, float* comb,
+                              __nv_bfloat16* collapsed, cudaStream_t stream);
 
 // out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :] (bf16, written).
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
@@ -48,15 +53,16 @@ void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float
 // Floats of workspace hc_coefficients_backward needs: tokens * (2 (2 + H) H + 1 + H).
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s);
 
-// Backward of hc_coefficients (with the collapse): d_pre (may be null: zero), d_post, d_comb fp32,
+// Backward of hc_coefficients (with the collapse), given the mix hc_coefficients wrote for these
+// streams: d_pre (may be null: zero), d_post, d_comb fp32,
 // d_collapsed bf16. dfn, dbase, dscale (fp32) accumulated; dstreams (fp32) accumulated, or, given the
 // site's comb and the gradient dout of hc_combine's output (both or neither), written as
 // hc_combine's part (what hc_combine_backward with null dstreams leaves out) plus this one's.
 // `workspace` holds hc_coefficients_backward_workspace(s) floats, used by this call only.
-void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn,
-                              const float* base, const float* scale, const float* d_pre, const float* d_post,
-                              const float* d_comb, const __nv_bfloat16* d_collapsed, const float* comb,
-                              const float* dout, float* dstreams, float* dfn, float* dbase, float* dscale,
-                              float* workspace, cudaStream_t stream);
+void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                              const float* fn, const float* base, const float* scale, const float* d_pre,
+                              const float* d_post, const float* d_comb, const __nv_bfloat16* d_collapsed,
+                              const float* comb, const float* dout, float* dstreams, float* dfn, float* dbase,
+                              float* dscale, float* workspace, cudaStream_t stream);
 
 }  // namespace spindle::cuda

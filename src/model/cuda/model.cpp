@@ -79,8 +79,7 @@ void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L,
 
 void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const bf16* x, int64_t L,
                                   DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
-                                  DeviceBuffer<bf16>* kept_y, SiteCoefficients* kept_coefficients,
-                                  MoeRouting* kept_routing) {
+                                  DeviceBuffer<bf16>* kept_y, SiteMix* kept_mix, MoeRouting* kept_routing) {
   const ModelConfig& c = config_;
   residual_site_backward(
       ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, L, x, dstreams, grad.ffn_hc,
@@ -93,7 +92,7 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
           moe_backward(ctx_, c, layer.moe, in, L, dy, dx, grad.moe, balance_loss, kept_routing);
         end();
       },
-      kept_y, kept_coefficients);
+      kept_y, kept_mix);
 }
 
 DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,

@@ -80,12 +80,12 @@ class CudaModel {
                          KdaCarry* kda = nullptr, DsaCache* cache = nullptr, AttentionKept* keep = nullptr);
   // Layer `layer`'s feed-forward residual site backward from its input streams `x` [L, hc_mult,
   // hidden]: dstreams comes in as the gradient of its output and leaves as that of its input.
-  // `kept_y`, `kept_coefficients` and `kept_routing` (if not null and not empty): the feed-forward's
-  // output, the site's mHC coefficients and a MoE's routing, taken instead of recomputed.
+  // `kept_y`, `kept_mix` and `kept_routing` (if not null and not empty): the feed-forward's
+  // output, the site's mHC mix and a MoE's routing, taken instead of recomputed.
   void ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const __nv_bfloat16* x, int64_t L,
                          DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
-                         DeviceBuffer<__nv_bfloat16>* kept_y = nullptr,
-                         SiteCoefficients* kept_coefficients = nullptr, MoeRouting* kept_routing = nullptr);
+                         DeviceBuffer<__nv_bfloat16>* kept_y = nullptr, SiteMix* kept_mix = nullptr,
+                         MoeRouting* kept_routing = nullptr);
   // `load`, `router_logits` and `keep_routing` as for moe_forward's `keep` (MoE layers only).
   void ffn_forward(const LayerWeights& layer, const __nv_bfloat16* x, int64_t L, __nv_bfloat16* y,
                    std::vector<int64_t>* load = nullptr, float* router_logits = nullptr,

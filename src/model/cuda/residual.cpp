@@ -16,32 +16,42 @@ cpu::HcShape hc_shape(const ModelConfig& c, int64_t L) {
   return {L, c.hc_mult, c.hidden_size, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters};
 }
 
-// The site's coefficients, collapsed input and normalised sublayer input.
+// The site's mix (where asked for or kept), coefficients, collapsed input and normalised sublayer
+// input.
 struct SiteActivations {
-  DeviceBuffer<float> pre, post, comb;
+  DeviceBuffer<float> mix, pre, post, comb;
   DeviceBuffer<bf16> collapsed, normed;
 };
 
-// With `kept` holding a site's coefficients (taken), only the collapse runs again.
+// With `kept` holding a site's mix (taken), the coefficients come from it; else from the product,
+// which writes the mix out where `with_mix`.
 SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
-                            const Tensor& norm, int64_t L, const bf16* streams,
-                            SiteCoefficients* kept = nullptr) {
+                            const Tensor& norm, int64_t L, const bf16* streams, bool with_mix,
+                            SiteMix* kept = nullptr) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
+  const cpu::HcShape shape = hc_shape(c, L);
   const TimedScope timed = ctx.timed("mhc");
   SiteActivations a;
-  if (kept != nullptr && kept->pre.size() != 0) {
-    check(kept->pre.size() == static_cast<size_t>(L * H) && kept->post.size() == kept->pre.size() &&
-              kept->comb.size() == static_cast<size_t>(L * H * H),
-          "residual site: kept coefficients of ", kept->pre.size() / static_cast<size_t>(H), " tokens for ",
-          L);
-    a = {std::move(kept->pre), std::move(kept->post), std::move(kept->comb), activations(L * D),
-         activations(L * D)};
-    hc_collapse(hc_shape(c, L), streams, a.pre.data(), a.collapsed.data(), ctx.stream());
+  const bool from_mix = kept != nullptr && kept->mix.size() != 0;
+  if (from_mix) {
+    check(kept->mix.size() == static_cast<size_t>(hc_mix_floats(shape)), "residual site: a kept mix of ",
+          kept->mix.size(), " values for ", L, " tokens");
+    a.mix = std::move(kept->mix);
+  } else if (with_mix) {
+    a.mix = activations_f32(hc_mix_floats(shape));
+  }
+  a.pre = activations_f32(L * H);
+  a.post = activations_f32(L * H);
+  a.comb = activations_f32(L * H * H);
+  a.collapsed = activations(L * D);
+  a.normed = activations(L * D);
+  if (from_mix) {
+    hc_coefficients_from_mix(shape, streams, a.mix.data(), f32_data(hc.base), f32_data(hc.scale),
+                             a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
   } else {
-    a = {activations_f32(L * H), activations_f32(L * H), activations_f32(L * H * H), activations(L * D),
-         activations(L * D)};
-    hc_coefficients(hc_shape(c, L), streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale),
-                    a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+    hc_coefficients(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
+                    a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream(),
+                    with_mix ? a.mix.data() : nullptr);
   }
   rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
                    static_cast<float>(c.rms_norm_eps), ctx.stream());
@@ -53,26 +63,24 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
 
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
-                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y,
-                           SiteCoefficients* keep_coefficients) {
-  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams);
+                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y, SiteMix* keep_mix) {
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, keep_mix != nullptr);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   const TimedScope timed = ctx.timed("mhc");
   hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
   if (keep_y != nullptr) *keep_y = std::move(a.collapsed);
-  if (keep_coefficients != nullptr)
-    *keep_coefficients = SiteCoefficients{std::move(a.pre), std::move(a.post), std::move(a.comb)};
+  if (keep_mix != nullptr) *keep_mix = SiteMix{std::move(a.mix)};
 }
 
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<float>& dstreams,
                             HyperConnectionWeights& ghc, Tensor& gnorm, const SublayerForward& sublayer,
                             const SublayerBackward& sublayer_backward, DeviceBuffer<bf16>* kept_y,
-                            SiteCoefficients* kept_coefficients) {
+                            SiteMix* kept_mix) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const cudaStream_t s = ctx.stream();
-  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, kept_coefficients);
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, true, kept_mix);
   const bool y_kept = kept_y != nullptr && kept_y->size() != 0;
   check(!y_kept || kept_y->size() == static_cast<size_t>(L * D), "residual site backward: a kept output of ",
         y_kept ? kept_y->size() : 0, " values for ", L, " tokens");
@@ -99,10 +107,10 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   rms_norm_backward(a.collapsed.data(), bf16_data(norm), d_normed.data(), d_collapsed.data(), f32_data(gnorm),
                     L, D, static_cast<float>(c.rms_norm_eps), s);
   DeviceBuffer<float> workspace = activations_f32(hc_coefficients_backward_workspace(shape));
-  hc_coefficients_backward(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), nullptr,
-                           d_post.data(), d_comb.data(), d_collapsed.data(), a.comb.data(), dstreams.data(),
-                           d_in.data(), f32_data(ghc.fn), f32_data(ghc.base), f32_data(ghc.scale),
-                           workspace.data(), s);
+  hc_coefficients_backward(shape, streams, a.mix.data(), f32_data(hc.fn), f32_data(hc.base),
+                           f32_data(hc.scale), nullptr, d_post.data(), d_comb.data(), d_collapsed.data(),
+                           a.comb.data(), dstreams.data(), d_in.data(), f32_data(ghc.fn), f32_data(ghc.base),
+                           f32_data(ghc.scale), workspace.data(), s);
   dstreams = std::move(d_in);
 }
 

@@ -20,29 +20,28 @@ using SublayerForward = std::function<void(const __nv_bfloat16* normed, __nv_bfl
 using SublayerBackward = std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy,
                                             float* dnormed, __nv_bfloat16* y)>;
 
-// A site's mHC coefficients (fp32: pre, post [tokens, H], comb [tokens, H, H]), kept from a
-// recomputation for the site's backward, which then only collapses the streams again.
-struct SiteCoefficients {
-  DeviceBuffer<float> pre, post, comb;
+// A site's mHC mix (fp32 [tokens, (2 + H) H + 1], kernels/cuda/mhc.h), kept from a recomputation
+// for the site's backward: its coefficients come from it without the product over the streams.
+struct SiteMix {
+  DeviceBuffer<float> mix;
 };
 
 // streams (input) -> next (output), both [tokens, H, D]; the sublayer's output [tokens, D] goes
-// to `keep_y` and the coefficients to `keep_coefficients`, each if given.
+// to `keep_y` and the mix to `keep_mix`, each if given.
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
                            const SublayerForward& sublayer, DeviceBuffer<__nv_bfloat16>* keep_y = nullptr,
-                           SiteCoefficients* keep_coefficients = nullptr);
+                           SiteMix* keep_mix = nullptr);
 
 // `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
 // input on return. The combine's backward needs the sublayer's output y: taken from `kept_y`
 // where it holds it; else `sublayer`, where set, recomputes it before the sublayer's backward;
-// where empty, sublayer_backward writes it. The coefficients come from `kept_coefficients` where
-// it holds them (taken), else are computed again.
+// where empty, sublayer_backward writes it. The coefficients come from the mix in `kept_mix` where
+// it holds one (taken), else from the product again.
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const __nv_bfloat16* streams,
                             DeviceBuffer<float>& dstreams, HyperConnectionWeights& ghc, Tensor& gnorm,
                             const SublayerForward& sublayer, const SublayerBackward& sublayer_backward,
-                            DeviceBuffer<__nv_bfloat16>* kept_y = nullptr,
-                            SiteCoefficients* kept_coefficients = nullptr);
+                            DeviceBuffer<__nv_bfloat16>* kept_y = nullptr, SiteMix* kept_mix = nullptr);
 
 }  // namespace spindle::cuda

@@ -125,7 +125,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     std::vector<AttentionKept> attention_kept(layers);
     std::vector<DeviceBuffer<bf16>> ffn_kept(layers);
     std::vector<MoeRouting> routing_kept(layers);
-    std::vector<SiteCoefficients> coefficients(2 * layers);  // each site's, with keep_outputs
+    std::vector<SiteMix> mixes(2 * layers);  // each site's, with keep_outputs
     const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
                                bool reuse) {
       const LayerWeights& layer = w.layers[i];
@@ -150,7 +150,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                               const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
       DeviceBuffer<bf16> next = activations(n * H * D);
       residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y,
-                            options.keep_outputs ? &coefficients[index] : nullptr);
+                            options.keep_outputs ? &mixes[index] : nullptr);
       site_inputs[index] = std::move(streams);
       streams = std::move(next);
     };
@@ -201,8 +201,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
       ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
-                        balance ? &balance_loss : nullptr, &ffn_kept[i], &coefficients[2 * i + 1],
-                        &routing_kept[i]);
+                        balance ? &balance_loss : nullptr, &ffn_kept[i], &mixes[2 * i + 1], &routing_kept[i]);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
       DeviceBuffer<int32_t> unused;
       DeviceBuffer<int32_t>& chosen = selections[i] ? *selections[i] : unused;
@@ -219,7 +218,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                            *carries[i].dsa, start, *cache_grad[i], y, &attention_kept[i]);
             end();
           },
-          nullptr, &coefficients[2 * i]);
+          nullptr, &mixes[2 * i]);
       site_inputs[2 * i] = DeviceBuffer<bf16>();
     }
 
