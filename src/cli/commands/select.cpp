@@ -2,7 +2,9 @@
 // sequence (real tokens or uniformly random ids), from a forward pass on the CPU (or, with
 // --device cuda, the GPU's bf16 forward, for models too large for the CPU's). The sparse
 // attention gathers every query's pools separately; the union of G neighbours' pools is what a
-// kernel taking them together would gather (eval/selection_overlap.h).
+// kernel taking them together would gather (eval/selection_overlap.h). With a chunk longer than the
+// largest of those groups, also how many distinct tokens a chunk's queries select between them:
+// what a sparse attention that made each chunk's selected keys explicit would have to make.
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -99,6 +101,9 @@ int run_select(const std::vector<std::string>& argv) {
                                                  : select<float>(model, tokens, chunk);
   check(!pools.empty(), "model '", dir, "' has no DSA layer");
   const int64_t full = c.index_topk / c.index_kpool;
+  std::vector<int64_t> groups = kGroups;
+  const bool chunk_union = chunk > kGroups.back() && chunk <= L;
+  if (chunk_union) groups.push_back(chunk);
 
   std::cout
       << "DSA selections: " << full << " pools of " << c.index_kpool << " tokens per query, " << L
@@ -118,17 +123,26 @@ int run_select(const std::vector<std::string>& argv) {
   nlohmann::json layers = nlohmann::json::array();
   std::vector<std::pair<int64_t, SelectionOverlap>> collapsed;  // the layers of one distinct selection
   for (const auto& [layer, selections] : pools) {
-    const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, kGroups);
+    const SelectionOverlap o = selection_overlap(selections.pools, selections.latest, full, groups);
     char line[200];
     std::snprintf(line, sizeof line, "%-6lld %7lld %8lld %7.3f %16.3f %7.3f", static_cast<long long>(layer),
                   static_cast<long long>(o.queries), static_cast<long long>(o.distinct_selections),
                   o.recent_share, o.consecutive_jaccard, o.pair_shared);
     std::cout << line;
-    for (double r : o.union_over_sum) {
-      std::snprintf(line, sizeof line, " %7.3f", r);
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      std::snprintf(line, sizeof line, " %7.3f", o.union_over_sum[g]);
       std::cout << line;
     }
     std::cout << '\n';
+    // union / sum times the sum (chunk queries x full pools) is the chunk's distinct pools.
+    const double chunk_tokens =
+        chunk_union ? o.union_over_sum.back() * static_cast<double>(chunk * full * c.index_kpool) : 0.0;
+    if (chunk_union && o.union_over_sum.back() > 0) {
+      std::snprintf(line, sizeof line,
+                    "       a chunk's %lld queries select %.0f distinct tokens between them\n",
+                    static_cast<long long>(chunk), chunk_tokens);
+      std::cout << line;
+    }
     if (o.queries > 1 && o.distinct_selections == 1) collapsed.emplace_back(layer, o);
     layers.push_back({{"layer", layer},
                       {"queries", o.queries},
@@ -138,7 +152,8 @@ int run_select(const std::vector<std::string>& argv) {
                       {"distinct_selections", o.distinct_selections},
                       {"lowest_pools_share", o.lowest_pools_share},
                       {"group_sizes", o.group_sizes},
-                      {"union_over_sum", o.union_over_sum}});
+                      {"union_over_sum", o.union_over_sum},
+                      {"chunk_distinct_tokens", chunk_tokens}});
   }
   for (const auto& [layer, o] : collapsed)
     std::cout
