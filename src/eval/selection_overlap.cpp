@@ -1,6 +1,8 @@
 #include "eval/selection_overlap.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
 
 #include "core/error.h"
 
@@ -22,6 +24,31 @@ int64_t common(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   std::vector<int32_t> both;
   std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(both));
   return static_cast<int64_t>(both.size());
+}
+
+// How many different sets `sets` holds among the non-empty ones: by a hash of each, sorted, then the
+// sets of equal hashes compared (a run of equal hashes is one set but for a collision), so that a
+// million queries' selections (a 1M-token sequence) take seconds, not a sort of the sets themselves.
+int64_t distinct_sets(const std::vector<std::vector<int32_t>>& sets) {
+  std::vector<std::pair<uint64_t, size_t>> keyed;
+  for (size_t q = 0; q < sets.size(); ++q) {
+    if (sets[q].empty()) continue;
+    uint64_t h = 14695981039346656037ull;  // FNV-1a over the pool numbers
+    for (int32_t p : sets[q]) h = (h ^ static_cast<uint32_t>(p)) * 1099511628211ull;
+    keyed.emplace_back(h, q);
+  }
+  std::sort(keyed.begin(), keyed.end());
+  int64_t distinct = 0;
+  std::vector<size_t> seen;  // within a run of equal hashes: one query of each set met
+  for (size_t i = 0; i < keyed.size(); ++i) {
+    if (i == 0 || keyed[i].first != keyed[i - 1].first) seen.clear();
+    const std::vector<int32_t>& set = sets[keyed[i].second];
+    if (std::none_of(seen.begin(), seen.end(), [&](size_t q) { return sets[q] == set; })) {
+      seen.push_back(keyed[i].second);
+      ++distinct;
+    }
+  }
+  return distinct;
 }
 
 }  // namespace
@@ -61,28 +88,31 @@ SelectionOverlap selection_overlap(const std::vector<std::vector<int32_t>>& pool
   }
   o.pair_shared = pair_pools > 0 ? static_cast<double>(pair_common) / static_cast<double>(pair_pools) : 0.0;
   o.recent_share = o.queries > 0 ? static_cast<double>(recent) / static_cast<double>(o.queries * full) : 0.0;
-  std::vector<std::vector<int32_t>> distinct;
-  int64_t lowest = 0;
+  int64_t lowest = 0, largest = -1;
   for (const std::vector<int32_t>& set : sets) {
     if (set.empty()) continue;
-    distinct.push_back(set);
     lowest += set.back() == full - 1 ? 1 : 0;  // sorted, distinct, >= 0: exactly 0 .. full - 1
+    largest = std::max<int64_t>(largest, set.back());
   }
-  std::sort(distinct.begin(), distinct.end());
-  o.distinct_selections = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
+  o.distinct_selections = distinct_sets(sets);
   o.lowest_pools_share = o.queries > 0 ? static_cast<double>(lowest) / static_cast<double>(o.queries) : 0.0;
+  // Each group's union by marking its pools with the group's number: linear in the pools.
+  std::vector<int64_t> marked(static_cast<size_t>(largest + 1), -1);
+  int64_t group_number = 0;
   for (int64_t g : group_sizes) {
     int64_t unions = 0, sum = 0;
     for (size_t first = 0; first + static_cast<size_t>(g) <= sets.size(); first += static_cast<size_t>(g)) {
-      std::vector<int32_t> all;
+      const size_t end = first + static_cast<size_t>(g);
       bool whole = true;
-      for (size_t q = first; q < first + static_cast<size_t>(g); ++q) {
-        whole = whole && counts(q);
-        all.insert(all.end(), sets[q].begin(), sets[q].end());
-      }
+      for (size_t q = first; q < end && whole; ++q) whole = counts(q);
       if (!whole) continue;
-      std::sort(all.begin(), all.end());
-      unions += std::unique(all.begin(), all.end()) - all.begin();
+      for (size_t q = first; q < end; ++q)
+        for (int32_t p : sets[q])
+          if (marked[static_cast<size_t>(p)] != group_number) {
+            marked[static_cast<size_t>(p)] = group_number;
+            ++unions;
+          }
+      ++group_number;
       sum += g * full;
     }
     o.union_over_sum.push_back(sum > 0 ? static_cast<double>(unions) / static_cast<double>(sum) : 0.0);
