@@ -2,7 +2,10 @@
 // queries that do not count, bad input, and the selections a forward pass reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
+#include <random>
+#include <set>
 #include <vector>
 
 #include "core/error.h"
@@ -64,6 +67,68 @@ TEST(SelectionOverlap, OneSelectionForEveryQueryIsOneDistinct) {
   EXPECT_DOUBLE_EQ(o.consecutive_jaccard, 1.0);
   EXPECT_DOUBLE_EQ(o.pair_shared, 1.0);
   EXPECT_DOUBLE_EQ(o.union_over_sum[1], 1.0 / 4.0);
+}
+
+// The linear unions and distinct count against sorting (what they replaced) on random selections:
+// neighbours that share most pools, a few early queries with too few, groups up to half the sequence.
+TEST(SelectionOverlap, UnionsAndDistinctSetsMatchSorting) {
+  std::mt19937 rng(7);
+  const int64_t full = 16, queries = 3000;
+  std::vector<std::vector<int32_t>> pools(queries);
+  std::vector<int64_t> latest(queries);
+  std::vector<int32_t> base;
+  for (int64_t q = 0; q < queries; ++q) {
+    latest[q] = 40 + q / 4;
+    if (q % 5 == 0 || base.empty()) {  // a new base selection every 5 queries
+      std::set<int32_t> s;
+      while (static_cast<int64_t>(s.size()) < full) s.insert(static_cast<int32_t>(rng() % (latest[q] + 1)));
+      base.assign(s.begin(), s.end());
+    }
+    std::set<int32_t> s(base.begin(), base.end());
+    if (q % 3 == 0) {  // one pool swapped for another (not already chosen)
+      s.erase(s.begin());
+      while (static_cast<int64_t>(s.size()) < full) s.insert(static_cast<int32_t>(rng() % (latest[q] + 1)));
+    }
+    pools[q].assign(s.rbegin(), s.rend());            // any order
+    if (q < 100 && q % 7 == 0) pools[q].back() = -1;  // too few (early queries): does not count
+  }
+  const std::vector<int64_t> groups = {2, 8, 64, 1000, queries / 2};  // the larger: only the last whole
+  const SelectionOverlap o = selection_overlap(pools, latest, full, groups);
+
+  const auto counted = [&](int64_t q) {
+    std::vector<int32_t> v;
+    for (int32_t p : pools[q])
+      if (p >= 0) v.push_back(p);
+    std::sort(v.begin(), v.end());
+    return static_cast<int64_t>(v.size()) == full ? v : std::vector<int32_t>();
+  };
+  std::vector<std::vector<int32_t>> all_sets;
+  for (int64_t q = 0; q < queries; ++q)
+    if (!counted(q).empty()) all_sets.push_back(counted(q));
+  std::sort(all_sets.begin(), all_sets.end());
+  EXPECT_EQ(o.distinct_selections, std::unique(all_sets.begin(), all_sets.end()) - all_sets.begin());
+  ASSERT_EQ(o.union_over_sum.size(), groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const int64_t g = groups[i];
+    int64_t unions = 0, sum = 0;
+    for (int64_t first = 0; first + g <= queries; first += g) {
+      std::vector<int32_t> all;
+      bool whole = true;
+      for (int64_t q = first; q < first + g; ++q) {
+        const std::vector<int32_t> v = counted(q);
+        whole = whole && !v.empty();
+        all.insert(all.end(), v.begin(), v.end());
+      }
+      if (!whole) continue;
+      std::sort(all.begin(), all.end());
+      unions += std::unique(all.begin(), all.end()) - all.begin();
+      sum += g * full;
+    }
+    ASSERT_GT(sum, 0) << "G = " << g << ": no whole group";
+    EXPECT_DOUBLE_EQ(o.union_over_sum[i],
+                     sum > 0 ? static_cast<double>(unions) / static_cast<double>(sum) : 0.0)
+        << "G = " << g;
+  }
 }
 
 TEST(SelectionOverlap, ForwardReportsEveryDsaLayerOnce) {
