@@ -37,37 +37,6 @@ __device__ DecayTile decay_tile(const KdaDecayShape& s, int64_t tile) {
           min(t0 + tile, s.tokens)};
 }
 
-// V values to global p (aligned to the V-wide access) in one store instruction: a float4 or
-// Packed struct store here compiled to V scalar stores (the values come from different branches of
-// log1pf), each a quarter-filled warp-wide write.
-template <int V>
-__device__ __forceinline__ void store_values(float* p, const float (&in)[V]) {
-  const size_t global = __cvta_generic_to_global(p);
-  if constexpr (V == 4)
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(global), "f"(in[0]), "f"(in[1]),
-                 "f"(in[2]), "f"(in[3]));
-  else if constexpr (V == 2)
-    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(global), "f"(in[0]), "f"(in[1]));
-  else
-    *p = in[0];
-}
-
-template <int V>
-__device__ __forceinline__ void store_values(__nv_bfloat16* p, const float (&in)[V]) {
-  const auto pair = [](float x, float y) {
-    const __nv_bfloat162 two = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&two);
-  };
-  const size_t global = __cvta_generic_to_global(p);
-  if constexpr (V == 4)
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(global), "r"(pair(in[0], in[1])),
-                 "r"(pair(in[2], in[3])));
-  else if constexpr (V == 2)
-    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(global), "r"(pair(in[0], in[1])));
-  else
-    *p = __float2bfloat16(in[0]);
-}
-
 // The V channels' biases and rates (rate = exp(A_log) of each channel's head).
 template <int V>
 __device__ __forceinline__ void load_parameters(const KdaDecayShape& s, const float* dt_bias,
@@ -97,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
       pre[v] += bias[v];
       out[v] = kBounded ? s.lower_bound * sigmoid(rate[v] * pre[v]) : -rate[v] * softplus_thresholded(pre[v]);
     }
-    store_values<V>(g + t * b.channels + b.c, out);
+    store_global<V>(g + t * b.channels + b.c, out);
   }
 }
 
@@ -138,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         dbias[v] += dpre[v];
       }
-      store_values<V>(df + at, dpre);
+      store_global<V>(df + at, dpre);
     }
 #pragma unroll
     for (int v = 0; v < V; ++v) {

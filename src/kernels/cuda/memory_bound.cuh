@@ -57,6 +57,40 @@ __device__ __forceinline__ void store(T* p, const float* in) {
   *reinterpret_cast<Packed<T, V>*>(p) = packed;
 }
 
+// store<V> for global memory, as one vector store instruction written in PTX (V = 1, 2 or 4): where
+// the values come from different branches (log1pf's, say), nvcc splits store<V>'s Packed store into
+// V scalar stores, each a partly filled warp-wide write. No memory clobber: the caller's later
+// loads of other addresses may pass it (the decay's unrolled tokens load ahead of their stores).
+template <int V>
+__device__ __forceinline__ void store_global(float* p, const float* in) {
+  static_assert(V == 1 || V == 2 || V == 4, "one access of at most 16 bytes");
+  const size_t global = __cvta_generic_to_global(p);
+  if constexpr (V == 4)
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(global), "f"(in[0]), "f"(in[1]),
+                 "f"(in[2]), "f"(in[3]));
+  else if constexpr (V == 2)
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(global), "f"(in[0]), "f"(in[1]));
+  else
+    *p = in[0];
+}
+
+template <int V>
+__device__ __forceinline__ void store_global(__nv_bfloat16* p, const float* in) {
+  static_assert(V == 1 || V == 2 || V == 4, "one access of at most 8 bytes");
+  const auto pair = [](float x, float y) {
+    const __nv_bfloat162 two = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&two);
+  };
+  const size_t global = __cvta_generic_to_global(p);
+  if constexpr (V == 4)
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(global), "r"(pair(in[0], in[1])),
+                 "r"(pair(in[2], in[3])));
+  else if constexpr (V == 2)
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(global), "r"(pair(in[0], in[1])));
+  else
+    *p = __float2bfloat16(in[0]);
+}
+
 // A pointer a kernel reads or writes with vector accesses, and the size of its elements.
 struct Access {
   const void* pointer;

@@ -331,13 +331,14 @@ __device__ void load_mix(const float* mix, int64_t t0, int count, float* raw) {
   __syncthreads();
 }
 
-// kFromMix: the mix comes from `mix` (kept by an earlier call), else it is multiplied here and
-// written to `mix` where given. Everything after the mix is the same code either way.
+// kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
+// and written to `mix_out` where given. Everything after the mix is the same code either way.
 template <int H, bool kFromMix>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
-    hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, float* mix, const float* base,
-                           const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                           int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
+    hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* kept_mix,
+                           float* mix_out, const float* base, const float* scale, float* pre, float* post,
+                           float* comb, __nv_bfloat16* collapsed, int64_t tokens, int D, float rms_eps,
+                           float hc_eps, int iters, bool vec) {
   using T = Tile<H, !kFromMix>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
@@ -349,11 +350,11 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
   if constexpr (kFromMix) {
-    load_mix<H>(mix, t0, count, raw);
+    load_mix<H>(kept_mix, t0, count, raw);
   } else {
     mix_tile<H>(x, count, fn, K, vec, smem);
-    if (mix != nullptr)
-      for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix[t0 * (M + 1) + e] = raw[e];
+    if (mix_out != nullptr)
+      for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix_out[t0 * (M + 1) + e] = raw[e];
   }
 
   // One thread per token, the first 8 lanes of every warp: the passes are serial, so eight warps
@@ -1114,20 +1115,39 @@ void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream
 
 int64_t hc_mix_floats(const cpu::HcShape& s) { return s.tokens * ((2 + s.streams) * s.streams + 1); }
 
+namespace {
+
+// hc_coefficients_kernel for both entry points: `fn` split (the mix multiplied here) or null with
+// `kept_mix` (the mix loaded); `mix_out` written where given.
+void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const uint32_t* fn,
+                         const float* kept_mix, float* mix_out, const float* base, const float* scale,
+                         float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
+                         cudaStream_t stream) {
+  const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
+  const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
+  const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
+  const auto launch = [&](auto kernel, size_t bytes) {
+    launch_tiled(kernel, s, bytes, stream, "hc_coefficients_kernel", streams, fn, kept_mix, mix_out, base,
+                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
+  };
+  SPINDLE_HC_DISPATCH({
+    if (fn != nullptr)
+      launch(hc_coefficients_kernel<H, false>, Tile<H>::kCommonBytes);
+    else
+      launch(hc_coefficients_kernel<H, true>, Tile<H, false>::kCommonBytes);
+  })
+}
+
+}  // namespace
+
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
                      cudaStream_t stream, float* mix) {
   check_shape(s, "hc_coefficients");
   if (s.tokens == 0) return;
-  const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
-  const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
   const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
-  SPINDLE_HC_DISPATCH({
-    launch_tiled(hc_coefficients_kernel<H, false>, s, Tile<H>::kCommonBytes, stream, "hc_coefficients_kernel",
-                 streams, split.data(), mix, base, scale, pre, post, comb, collapsed, s.tokens, D, rms_eps,
-                 hc_eps, iters, vec);
-  })
+  launch_coefficients(s, streams, split.data(), nullptr, mix, base, scale, pre, post, comb, collapsed,
+                      stream);
 }
 
 void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
@@ -1135,15 +1155,7 @@ void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* stream
                               __nv_bfloat16* collapsed, cudaStream_t stream) {
   check_shape(s, "hc_coefficients_from_mix");
   if (s.tokens == 0) return;
-  const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
-  const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});
-  SPINDLE_HC_DISPATCH({
-    // The kernel only reads the mix: the const_cast serves the shared signature.
-    launch_tiled(hc_coefficients_kernel<H, true>, s, Tile<H, false>::kCommonBytes, stream,
-                 "hc_coefficients_kernel (from a kept mix)", streams, nullptr, const_cast<float*>(mix), base,
-                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
-  })
+  launch_coefficients(s, streams, nullptr, mix, nullptr, base, scale, pre, post, comb, collapsed, stream);
 }
 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
