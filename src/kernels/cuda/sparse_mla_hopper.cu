@@ -23,6 +23,7 @@ constexpr int kThreads = 128 * kGroups;
 constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
 constexpr int kHeads = 32;        // heads per CTA and query: both products' N
 constexpr int kMaxDim = 512;
+constexpr uint32_t kMaxSharedBytes = 227 * 1024;  // an H100's or H200's shared memory per block
 
 // The largest union, in units of the wider selection, that a pair walks together. A warpgroup per
 // query: 5/4, where every tile costs both warpgroups' arithmetic once, against two tiles' gathers
@@ -35,6 +36,7 @@ struct Args : SparseMlaInputs {
   int64_t tokens;
   __nv_bfloat16* out;
   float* lse;
+  bool apart_only;  // the pairs that walk their list together are another kernel's (the latent of 512)
 };
 
 // Byte offsets into the dynamic shared memory (1024-byte aligned: the swizzled tiles').
@@ -312,42 +314,219 @@ __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
   extern __shared__ __align__(1024) unsigned char shared[];
   if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
+  if (a.apart_only && a.pairs.together[blockIdx.x] != 0) return;
   forward_pair_per_query<Blocks>(a, latent_map, shared, blockIdx.x);
 }
 
 // ---- The latent of 512: a pair's 64 heads as the products' M ----------------------------------
 //
-// One CTA per (pair, group of up to 32 heads) walks the pair's list with both warpgroups: M = the
-// pair's 64 heads (rows 0-31 the first query's, 32-63 the second's), so that each product reads
-// the tile for both queries at once. Per tile, warpgroup g:
-//   S [64 heads, 32 keys] = Q K_g^T over the 512 values (K_g the tile's keys 32 g .. 32 g + 31),
-//   each row's maximum over its keys, shared with the other warpgroup through shared memory;
-//   P = exp(S - m) (0 where the row's query did not select the key) as bf16 into P [64, 64];
-//   O_g [64 heads, 256 values] = O_g alpha + P V_g over the tile's 64 keys, V_g its values
-//   256 g .. 256 g + 255 read MN-major.
-// Each row's sum stays per thread over its own keys (both warpgroups scale by the same maximum) and
-// is summed at the end. Tiles in two buffers as in the kernel above, warpgroup k % 2 refilling
-// buffer k % 2 with tile k + 2; P and the maxima in two buffers, so that one barrier of both
-// warpgroups a tile guards each.
+// One CTA per (pair, group of up to 32 heads) walks the pair's list with M = the pair's 64 heads
+// (rows 0-31 the first query's, 32-63 the second's), so that each product reads a tile for both
+// queries. The tiles go in twos, A = 2 i to warpgroup 0 and B = 2 i + 1 to warpgroup 1, each in its
+// own buffer; warpgroup g holds the output's value columns 256 g .. 256 g + 255, O_g. Per two tiles:
+//   WG0: S_A = Q K_A^T [64 rows, 64 keys]; M0 = max(M, row maxima of S_A), shared;
+//        P_A = exp(S_A - M0) in registers; O_0 = O_0 exp(M - M0) + P_A V_A[:, 0:256];
+//   WG1: S_B = Q K_B^T; M1 = max(M0, row maxima of S_B), shared; P_B = exp(S_B - M1);
+//        O_1 = O_1 exp(M - M1) + P_B V_B[:, 256:512]; P_B to shared memory;
+//   WG0: P_A exp(M0 - M1) to shared memory; O_0 = O_0 exp(M0 - M1) + P_B V_B[:, 0:256];
+//   WG1: O_1 += P_A exp(M0 - M1) V_A[:, 256:512].
+// Each warpgroup's softmax runs while the other's products do; they wait on each other only for a
+// maximum or a P (named barriers: one arrives, the other waits). Each buffer's halves (values 0-255,
+// 256-511) have their own barrier, and warpgroup g refills half g of both buffers with the next two
+// tiles as soon as it has read it last (its P V from that half). The row sums stay per thread over
+// each warpgroup's own tiles (in the same running maximum as its O), summed at the end.
 constexpr int kLatentDim = 512;
 constexpr int kPairRows = 2 * kHeads;        // M
-constexpr int kHalfKeys = kKeys / 2;         // a warpgroup's keys in S
-constexpr int kHalfValues = kLatentDim / 2;  // a warpgroup's value columns in O
-constexpr int kValueBlocks = kHalfValues / 64;
+constexpr int kHalfValues = kLatentDim / 2;  // a warpgroup's value columns in O, a buffer half's
+constexpr int kHalfBlocks = kHalfValues / 64;
+constexpr uint32_t kHalfBytes = kHalfBlocks * kSwizzleBlockBytes;
 
 struct HeadsLayout {
-  static constexpr uint32_t kTileBytes = kKeys * kLatentDim * 2;
-  static constexpr uint32_t kQ = 2 * kTileBytes;                         // [64 rows][512] bf16, core matrices
-  static constexpr uint32_t kP = kQ + kPairRows * kLatentDim * 2;        // [2][64 rows][64 keys] bf16
-  static constexpr uint32_t kMax = kP + 2 * kPairRows * kKeys * 2;       // [2][kGroups][64 rows] float
-  static constexpr uint32_t kSums = kMax + 2 * kGroups * kPairRows * 4;  // [kGroups][64 rows] float
-  static constexpr uint32_t kBars = kSums + kGroups * kPairRows * 4;     // full [2], empty [2]
-  static constexpr uint32_t kTotal = kBars + 4 * 8;
+  static constexpr uint32_t kTileBytes = kKeys * kLatentDim * 2;      // buffer 0 (tiles A), then 1 (B)
+  static constexpr uint32_t kQ = 2 * kTileBytes;                      // [64 rows][512] bf16, core matrices
+  static constexpr uint32_t kP = kQ + kPairRows * kLatentDim * 2;     // [2][64 rows][64 keys] bf16: P_A, P_B
+  static constexpr uint32_t kMax = kP + 2 * kPairRows * kKeys * 2;    // [2][64 rows] float: M0, M1
+  static constexpr uint32_t kSums = kMax + 2 * kPairRows * 4;         // [kGroups][64 rows] float
+  static constexpr uint32_t kBars = kSums + kGroups * kPairRows * 4;  // full [buffer][half]
+  static constexpr uint32_t kList = kBars + 4 * 8;                    // the pair's list, int32
+  static uint32_t total(int64_t list_capacity) { return kList + static_cast<uint32_t>(4 * list_capacity); }
 };
-static_assert(HeadsLayout::kTotal <= 227 * 1024, "the heads-as-M forward's shared memory");
+// The most entries a pair's list walked with the heads as M holds: its union, at most kHeadsShareLimit
+// times the selection's width.
+int64_t heads_list_capacity(int64_t width) {
+  return static_cast<int64_t>(kHeadsShareLimit * static_cast<double>(width)) + 1;
+}
 
-// Both warpgroups (barrier 0 is __syncthreads', 1 and 2 the warpgroups' own).
-__device__ __forceinline__ void pair_barrier() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }
+// The warpgroups' named barriers (0 is __syncthreads', 1 and 2 the warpgroups' own): the writer of
+// M0, M1, P_A or P_B arrives once it is in shared memory, the reader waits.
+enum PairBarrier { kMaxA = 4, kMaxB = 5, kProbsA = 6, kProbsB = 7 };
+template <int Id>
+__device__ __forceinline__ void pair_arrive() {
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(Id) : "memory");
+}
+template <int Id>
+__device__ __forceinline__ void pair_wait() {
+  asm volatile("bar.sync %0, 256;\n" ::"n"(Id) : "memory");
+}
+
+// Which of the tile's keys this thread's scores hold (bit 2 j + e: key 8 j + 2 (lane % 4) + e) the
+// query of its rows selected.
+__device__ __forceinline__ uint32_t selected_keys(const int32_t* list, int64_t slots, int64_t tile, int lane,
+                                                  int32_t mine) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t slot = tile * kKeys + 8 * j + 2 * (lane % 4) + e;
+      const int32_t entry = slot < slots ? list[slot] : -1;
+      if (entry >= 0 && (entry & mine)) bits |= 1u << (2 * j + e);
+    }
+  }
+  return bits;
+}
+
+// The value, opaque to the compiler: descriptors computed from it are not hoisted out of the tile
+// loop (kept live across it, 32 descriptors of 64 bits would take the accumulators' registers).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// S [64 rows, 64 keys] = Q K^T over the 512 values of the tile at tile_address, each half once its
+// barrier (halves[0], halves[1]) has completed phase `parity`, half First first; in the log2 domain,
+// -inf where the row's query did not select the key (bits: selected_keys). Complete on return.
+template <int First>
+__device__ __forceinline__ void pair_scores(float (&s)[32], uint32_t q_address, uint32_t tile_address,
+                                            uint64_t* halves, uint32_t parity, uint32_t bits, float scale2) {
+  q_address = opaque(q_address);
+  tile_address = opaque(tile_address);
+  wgmma_hold(s);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int half = h == 0 ? First : 1 - First;
+    mbarrier_wait(halves + half, parity);
+    fence_async_shared();  // the cp.async rows, seen through the barrier, before wgmma reads them
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kLatentDim / 32; ++kk) {
+      const int k = kLatentDim / 32 * half + kk;
+      wgmma_m64n64k16(s, wgmma_descriptor(q_address + k * 256, 128, kLatentDim * 16),
+                      wgmma_descriptor_128b(tile_address + k / 4 * kSwizzleBlockBytes + k % 4 * 32, 16, 1024),
+                      h > 0 || kk > 0);
+    }
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(s);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int bit = 2 * (j / 4) + j % 2;  // s[4 j' + 2 h + e]: key 8 j' + 2 (lane % 4) + e
+    s[j] = (bits >> bit) & 1u ? s[j] * scale2 : -INFINITY;
+  }
+}
+
+// Each of this thread's two rows' maximum over the tile's keys (the quad's), at least `floor`.
+__device__ __forceinline__ void row_maxima(const float (&s)[32], const float (&floor)[2], float (&m)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = floor[h];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[h] = fmaxf(m[h], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
+  }
+}
+
+// exp2(from - to): what a sum or output kept against the running maximum `from` is multiplied by
+// when the maximum becomes `to` (1 while both are -inf: nothing is kept yet).
+__device__ __forceinline__ float rescale(float from, float to) {
+  return to == -INFINITY ? 1.0f : exp2_ftz(from - to);
+}
+
+// P = exp2(s - m) in place (0 where m is -inf), each row's sum added to l, and P as bf16 A
+// fragments of the values' 4 k-steps.
+__device__ __forceinline__ void probabilities(float (&s)[32], const float (&m)[2], float (&l)[2],
+                                              uint32_t (&p)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int h = (j / 2) % 2;
+    s[j] = m[h] == -INFINITY ? 0.0f : exp2_ftz(s[j] - m[h]);
+    l[h] += s[j];
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) p[k][r] = pack_bf16(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
+  }
+}
+
+// P [64 rows, 64 keys] from its A fragments into p_s (K-major core matrices: the other warpgroup's
+// A operand), each row times `factor` where that is not 1 (rounded to bf16 a second time then),
+// then fenced for the other warpgroup's wgmma.
+__device__ __forceinline__ void store_probabilities(unsigned char* p_s, const uint32_t (&p)[4][4],
+                                                    const float (&factor)[2], int row_a, int lane) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = r % 2;
+      uint32_t v = p[k][r];
+      if (factor[h] != 1.0f) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+        v = pack_bf16(x.x * factor[h], x.y * factor[h]);
+      }
+      *reinterpret_cast<uint32_t*>(
+          p_s + core_offset(row_a + 8 * h, 16 * k + 8 * (r / 2) + 2 * (lane % 4), kKeys)) = v;
+    }
+  }
+  fence_async_shared();
+}
+
+// O_g's rows times factor (no product in flight on it).
+__device__ __forceinline__ void scale_rows(float (&acc)[kHalfBlocks][32], const float (&factor)[2]) {
+#pragma unroll
+  for (int b = 0; b < kHalfBlocks; ++b) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) acc[b][j] *= factor[(j / 2) % 2];
+  }
+}
+
+// O_g += P V over a tile's 64 keys, V the buffer half at half_address read MN-major; P from
+// registers (A fragments) or from shared memory (p_address). Committed, not waited for.
+__device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t (&p)[4][4],
+                                             uint32_t half_address) {
+  half_address = opaque(half_address);
+  wgmma_hold(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < kHalfBlocks; ++b) {
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+      wgmma_m64n64k16_rs<1>(acc[b], p[k],
+                            wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128,
+                                                  kSwizzleBlockBytes, 1024),
+                            true);
+  }
+  wgmma_commit();
+}
+__device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t p_address,
+                                             uint32_t half_address) {
+  p_address = opaque(p_address);
+  half_address = opaque(half_address);
+  wgmma_hold(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < kHalfBlocks; ++b) {
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+      wgmma_m64n64k16<0, 1>(acc[b], wgmma_descriptor(p_address + k * 256, 128, kKeys * 16),
+                            wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128,
+                                                  kSwizzleBlockBytes, 1024),
+                            true);
+  }
+  wgmma_commit();
+}
 
 __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensorMap& latent_map,
                                                    unsigned char* shared, int64_t pair) {
@@ -356,28 +535,28 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
   const int group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0),
             warp = __shfl_sync(0xffffffffu, threadIdx.x % 128 / 32, 0);
   const int h0 = blockIdx.y * kHeads, wt = threadIdx.x % 128, lane = threadIdx.x % 32;
-  uint64_t* full = reinterpret_cast<uint64_t*>(shared + HL::kBars);
-  uint64_t* empty = full + 2;
-  const int32_t* list = a.pairs.lists + pair * a.pairs.stride;
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared + HL::kBars);  // [buffer][half]
   const int64_t slots = a.pairs.lengths[pair], tiles = (slots + kKeys - 1) / kKeys;
+  int32_t* list = reinterpret_cast<int32_t*>(shared + HL::kList);  // the pair's list, copied below
   // This thread's rows (heads) row_a and row_a + 8, both of query `second` (warps 2-3 hold its heads).
   const int row_a = 16 * warp + lane / 4;
-  const bool second = warp >= 2;
-  const int32_t mine = second ? kInSecond : kInFirst;
-  const auto rows_of = [&](int64_t tile) {
+  const int32_t mine = warp >= 2 ? kInSecond : kInFirst;
+  // Half `half` (values 256 half ..) of buffer `buffer` filled with `tile`, by this warpgroup.
+  const auto fill = [&](int buffer, int half, int64_t tile) {
     TileRows r = tile_rows(list, slots, 0, tile, wt);
     strip_marks(r);
-    return r;
-  };
-  const auto fill = [&](int buffer, const TileRows& r) {
-    fill_tile(shared + buffer * HL::kTileBytes, r, a.latent, a.latent_stride, kLatentDim, wt, &latent_map,
-              full + buffer);
-    copy_arrive(full + buffer);
+    uint64_t* bar = full + 2 * buffer + half;
+    fill_tile_blocks(shared + buffer * HL::kTileBytes, r, a.latent, a.latent_stride, kHalfBlocks * half,
+                     kHalfBlocks * (half + 1), wt, &latent_map, bar);
+    copy_arrive(bar);
   };
 
-  init_buffer_barriers(full, empty);
-  // Q of both queries (zero rows past the last head and for a missing second query), then warpgroup
-  // g fills tile g.
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 4; ++b) mbarrier_init(full + b, 1 + 128);
+  }
+  // Q of both queries (zero rows past the last head and for a missing second query) and the pair's
+  // list into shared memory (every tile's gather and masks read it on the warpgroups' way), then
+  // warpgroup g fills half g of the first two tiles.
   constexpr int kChunks = kLatentDim / 8;
   for (int u = threadIdx.x; u < kPairRows * kChunks; u += kThreads) {
     const int g = u / (8 * kChunks), c = u % (8 * kChunks) / 8, row = 8 * g + u % 8;
@@ -387,133 +566,103 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
     copy16(shared + HL::kQ + u * 16, valid ? a.q + ((t * a.heads + head) * kLatentDim + c * 8) : a.q, valid);
   }
   copy_commit();
-  if (group < tiles) fill(group, rows_of(group));
-  TileRows next = rows_of(group + 2);
+  for (int64_t i = threadIdx.x; i < slots; i += kThreads) list[i] = a.pairs.lists[pair * a.pairs.stride + i];
+  mbarrier_init_fence();
+  __syncthreads();
+  for (int buffer = 0; buffer < 2; ++buffer)
+    if (buffer < tiles) fill(buffer, group, buffer);
   copy_wait_all();
   fence_async_shared();
   __syncthreads();  // Q landed
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows row_a, row_a + 8
-  float acc[kValueBlocks][32] = {};
-  const uint32_t q_address = shared_address(shared + HL::kQ);
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int buffer = static_cast<int>(tile % 2);
-    const uint32_t parity = static_cast<uint32_t>(tile / 2 % 2);
-    const uint32_t tile_address = shared_address(shared + buffer * HL::kTileBytes);
-    unsigned char* p_s = shared + HL::kP + buffer * kPairRows * kKeys * 2;
-    float* max_s = reinterpret_cast<float*>(shared + HL::kMax) + buffer * kGroups * kPairRows;
-    // Whether this thread's keys (of the warpgroup's half: 8 j + 2 (lane % 4) + e) are its query's.
-    bool valid[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t slot = tile * kKeys + kHalfKeys * group + 8 * j + 2 * (lane % 4) + e;
-        const int32_t entry = slot < slots ? list[slot] : -1;
-        valid[j][e] = entry >= 0 && (entry & mine);
+  float acc[kHalfBlocks][32] = {};
+  const uint32_t q_address = shared_address(shared + HL::kQ), a_address = shared_address(shared),
+                 b_address = a_address + HL::kTileBytes;
+  float* max_s = reinterpret_cast<float*>(shared + HL::kMax);  // M0 [64 rows], then M1
+  unsigned char *pa_s = shared + HL::kP, *pb_s = pa_s + kPairRows * kKeys * 2;
+  float s[32];
+  uint32_t p[4][4];
+  for (int64_t ta = 0; ta < tiles; ta += 2) {
+    const int64_t tb = ta + 1;
+    const bool has_b = tb < tiles;
+    const uint32_t parity = static_cast<uint32_t>(ta / 2 % 2);
+    if (group == 0) {
+      pair_scores<0>(s, q_address, a_address, full, parity, selected_keys(list, slots, ta, lane, mine),
+                     a.scale2);
+      float m0[2], alpha[2];
+      row_maxima(s, m_run, m0);
+      if (lane % 4 == 0) {
+        max_s[row_a] = m0[0];
+        max_s[row_a + 8] = m0[1];
       }
-    }
-    mbarrier_wait(full + buffer, parity);
-    fence_async_shared();  // the cp.async rows, seen through the barrier, before wgmma reads them
-
-    // S [64 heads, 32 keys] = Q K_g^T: Q K-major (core matrices), the tile's keys K-major (swizzled).
-    float s[16] = {};
-    wgmma_hold(s);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kLatentDim / 16; ++k)
-      wgmma_m64n32k16<0>(
-          s, wgmma_descriptor(q_address + k * 256, 128, kLatentDim * 16),
-          wgmma_descriptor_128b(
-              tile_address + k / 4 * kSwizzleBlockBytes + kHalfKeys * group * 128 + k % 4 * 32, 16, 1024),
-          k > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(s);
-
-    // s[4 j + 2 h + e]: row row_a + 8 h, key 8 j + 2 (lane % 4) + e. Each row's maximum over the
-    // quad's keys, then over both warpgroups'.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
+      pair_arrive<kMaxA>();
       for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * h + e];
-          x = valid[j][e] ? x * a.scale2 : -INFINITY;
-          mx[h] = fmaxf(mx[h], x);
-        }
+        alpha[h] = rescale(m_run[h], m0[h]);
+        l_run[h] *= alpha[h];
       }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      if (lane % 4 == 0) max_s[group * kPairRows + row_a + 8 * h] = mx[h];
-    }
-    pair_barrier();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float other = max_s[(1 - group) * kPairRows + row_a + 8 * h];
-      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));
-      alpha[h] = m_new == -INFINITY ? 1.0f : exp2_ftz(m_run[h] - m_new);
-      m_run[h] = m_new;
-      l_run[h] *= alpha[h];
-    }
-    // P into its buffer (K-major core matrices: row, key 32 g + 8 j + 2 (lane % 4) + e).
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
+      scale_rows(acc, alpha);
+      probabilities(s, m0, l_run, p);
+      values_times(acc, p, a_address);
+      wgmma_wait<0>();
+      wgmma_hold(acc);
+      wgmma_hold_fragment(p);
+      if (ta + 2 < tiles) fill(0, 0, ta + 2);
+      pair_wait<kMaxB>();
+      float beta[2];
       for (int h = 0; h < 2; ++h) {
-        const float p0 = m_run[h] == -INFINITY ? 0.0f : exp2_ftz(s[4 * j + 2 * h] - m_run[h]),
-                    p1 = m_run[h] == -INFINITY ? 0.0f : exp2_ftz(s[4 * j + 2 * h + 1] - m_run[h]);
-        l_run[h] += p0 + p1;
-        *reinterpret_cast<uint32_t*>(
-            p_s + core_offset(row_a + 8 * h, kHalfKeys * group + 8 * j + 2 * (lane % 4), kKeys)) =
-            pack_bf16(p0, p1);
+        m_run[h] = max_s[kPairRows + row_a + 8 * h];
+        beta[h] = rescale(m0[h], m_run[h]);
+        l_run[h] *= beta[h];
       }
-    }
-    fence_async_shared();
-    pair_barrier();  // P whole: both warpgroups' keys
-
-    // O_g = O_g alpha + P V_g: P K-major (core matrices), V_g the tile's values read MN-major.
-#pragma unroll
-    for (int b = 0; b < kValueBlocks; ++b) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        acc[b][j] *= alpha[(j / 2) % 2];
-        wgmma_hold(acc[b][j]);
+      store_probabilities(pa_s, p, beta, row_a, lane);
+      pair_arrive<kProbsA>();
+      scale_rows(acc, beta);
+      if (has_b) {
+        pair_wait<kProbsB>();
+        values_times(acc, shared_address(pb_s), b_address);
+        wgmma_wait<0>();
+        wgmma_hold(acc);
+        if (tb + 2 < tiles) fill(1, 0, tb + 2);
       }
-    }
-    wgmma_fence();
-    const uint32_t p_address = shared_address(p_s);
-#pragma unroll
-    for (int b = 0; b < kValueBlocks; ++b) {
-#pragma unroll
-      for (int k = 0; k < kKeys / 16; ++k)
-        wgmma_m64n64k16<0, 1>(
-            acc[b], wgmma_descriptor(p_address + k * 256, 128, kKeys * 16),
-            wgmma_descriptor_128b(
-                tile_address + (kValueBlocks * group + b) * kSwizzleBlockBytes + k * 16 * 128,
-                kSwizzleBlockBytes, 1024),
-            true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int b = 0; b < kValueBlocks; ++b) wgmma_hold(acc[b]);
-    warpgroup_barrier(group);  // every warp is done with the tile
-    if (wt == 0) mbarrier_arrive(empty + buffer);
-    if (group == buffer && tile + 2 < tiles) {
-      mbarrier_wait(empty + buffer, parity);
-      fill(buffer, next);
-      next = rows_of(tile + 4);
+    } else {
+      float mb[2] = {-INFINITY, -INFINITY};
+      if (has_b) {
+        pair_scores<1>(s, q_address, b_address, full + 2, parity, selected_keys(list, slots, tb, lane, mine),
+                       a.scale2);
+        row_maxima(s, mb, mb);
+      }
+      pair_wait<kMaxA>();
+      float alpha[2];
+      for (int h = 0; h < 2; ++h) {
+        const float m1 = fmaxf(max_s[row_a + 8 * h], mb[h]);
+        if (lane % 4 == 0) max_s[kPairRows + row_a + 8 * h] = m1;
+        alpha[h] = rescale(m_run[h], m1);
+        l_run[h] *= alpha[h];
+        m_run[h] = m1;
+      }
+      pair_arrive<kMaxB>();
+      scale_rows(acc, alpha);
+      if (has_b) {
+        probabilities(s, m_run, l_run, p);
+        values_times(acc, p, b_address + kHalfBytes);
+        const float one[2] = {1.0f, 1.0f};
+        store_probabilities(pb_s, p, one, row_a, lane);
+        pair_arrive<kProbsB>();
+        wgmma_wait<0>();
+        wgmma_hold(acc);
+        wgmma_hold_fragment(p);
+        if (tb + 2 < tiles) fill(1, 1, tb + 2);
+      }
+      pair_wait<kProbsA>();
+      values_times(acc, shared_address(pa_s), a_address + kHalfBytes);
+      wgmma_wait<0>();
+      wgmma_hold(acc);
+      if (ta + 2 < tiles) fill(0, 1, ta + 2);
     }
   }
 
-  // Each row's sum over both warpgroups' keys, then the output, normalised, as bf16 [64 rows][512]
+  // Each row's sum over both warpgroups' tiles, then the output, normalised, as bf16 [64 rows][512]
   // through the spent tile buffers, and out in 16-byte rows per query.
   float* sums_s = reinterpret_cast<float*>(shared + HL::kSums);
 #pragma unroll
@@ -536,7 +685,7 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
   }
   __nv_bfloat16* o_s = reinterpret_cast<__nv_bfloat16*>(shared);  // [64 rows][512]
 #pragma unroll
-  for (int b = 0; b < kValueBlocks; ++b) {
+  for (int b = 0; b < kHalfBlocks; ++b) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int row = row_a + 8 * ((j / 2) % 2),
@@ -555,20 +704,16 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
   }
 }
 
-// The latent of 512: one CTA per (pair, group of up to 32 heads), heads as M where the pair shares
-// its tiles, else a warpgroup per query (its selections hardly overlap: together each would pay
-// for the other's keys).
-constexpr uint32_t kLatentShared = std::max(HeadsLayout::kTotal, layout(kLatentDim).total);
+// The latent of 512: one CTA per (pair, group of up to 32 heads) that walks its list together; the
+// others (their selections hardly overlap: together each query would pay for the other's keys) are
+// sparse_mla_forward_pairs_kernel's, a warpgroup per query, in a launch of their own (one kernel
+// for both kept the two paths' registers at once, and spilled).
 __global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_forward_latent_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+    sparse_mla_forward_heads_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
   extern __shared__ __align__(1024) unsigned char shared[];
   if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
-  const int64_t pair = blockIdx.x;
-  // Through a shuffle, so that the compiler knows the branch uniform and keeps its wgmma unserialised.
-  if (__shfl_sync(0xffffffffu, a.pairs.together[pair], 0) != 0)
-    forward_pair_heads(a, latent_map, shared, pair);
-  else
-    forward_pair_per_query<kLatentDim / 64>(a, latent_map, shared, pair);
+  if (a.pairs.together[blockIdx.x] == 0) return;
+  forward_pair_heads(a, latent_map, shared, blockIdx.x);
 }
 
 }  // namespace
@@ -586,7 +731,10 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
             reinterpret_cast<uintptr_t>(out) % 16 == 0,
         "sparse MLA on wgmma: q, the latent and out must be 16-byte aligned");
   if (s.tokens == 0) return;
-  const bool heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim;
+  // The heads as M for the latent of 512 where the pairs' lists fit beside the tiles (the model's
+  // 2,063-wide selections: 12 KB of 18).
+  const bool heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim &&
+                          HeadsLayout::total(heads_list_capacity(s.width)) <= kMaxSharedBytes;
   const PairLists lists =
       pair_lists(selected, s.width, s.tokens, heads_as_m ? kHeadsShareLimit : kShareLimit, stream);
   Args args{};
@@ -602,10 +750,12 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
                   static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
   if (heads_as_m) {
-    allow_shared_memory(sparse_mla_forward_latent_kernel, kLatentShared, "sparse MLA, the latent of 512");
-    sparse_mla_forward_latent_kernel<<<grid, kThreads, kLatentShared, stream>>>(args, map);
-    SPINDLE_LAUNCHED("sparse_mla_forward_latent_kernel");
-    return;
+    const uint32_t bytes = HeadsLayout::total(heads_list_capacity(s.width));
+    allow_shared_memory(sparse_mla_forward_heads_kernel, bytes, "sparse MLA, the latent of 512: width ",
+                        s.width);
+    sparse_mla_forward_heads_kernel<<<grid, kThreads, bytes, stream>>>(args, map);
+    SPINDLE_LAUNCHED("sparse_mla_forward_heads_kernel");
+    args.apart_only = true;
   }
   const size_t shared_bytes = layout(args.dk).total;
   const auto run = [&](auto kernel) {

@@ -7,12 +7,13 @@
 // (sparse_mla_pairs.h): where both selections are the indexer's layout, their union in order.
 //
 // For the latent of 512 (dk = dv = 512, the model's shape), where the union is at most 3/2 of the
-// wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md), both
-// warpgroups walk it with the pair's 64 heads as the products' M, so that every product reads a
-// tile for both queries: S = Q K^T (each warpgroup 32 of the tile's 64 keys), each row's softmax
-// over its own query's keys, P to shared memory, O += P V (each warpgroup 256 of the 512 value
-// columns). Every 64-row tile is gathered once into one of two buffers, the next landing while both
-// compute on this one. Other pairs, as other shapes, take a warpgroup per query.
+// wider selection (a trained indexer's neighbours choose nearly the same pools, docs/PERF.md), a
+// kernel of its own walks it with the pair's 64 heads as the products' M, so that every product
+// reads a tile for both queries: the tiles in twos, one to each warpgroup (S = Q K^T over its 64
+// keys, each row's softmax over its own query's keys), each warpgroup holding half of O's 512 value
+// columns and adding both tiles' P V to it (its own P from registers, the other's from shared
+// memory), the pair's list in shared memory (sparse_mla_hopper.cu, forward_pair_heads). Other
+// pairs, as other shapes, take a warpgroup per query, in a launch of their own.
 //
 // A warpgroup per query: each with its own online softmax and output. Where the union is at most
 // 5/4 of the wider selection the two warpgroups walk it together, each tile gathered once into one

@@ -77,17 +77,18 @@ __device__ __forceinline__ void strip_marks(TileRows& r) {
 constexpr int kPoolRows = 16;                        // a run of consecutive rows that one TMA box moves
 constexpr int kSwizzleBlockBytes = kTileKeys * 128;  // a tile's 64 values of every row, 128 bytes each
 
-// A tile's rows (their first dk values, rows `stride` apart) into `dst` (1024-byte aligned) in the
-// 128-byte swizzled K-major layout wgmma reads: column block b (values 64 b ..) at b *
-// kSwizzleBlockBytes, row r at r * 128 in it, its 16-byte piece p at (p ^ r % 8) * 16 (the TMA's
-// own swizzle). By the warpgroup's 128 threads. Slots 16 j .. 16 j + 15 that hold 16 consecutive
-// rows (a whole pool of the indexer's selection) arrive by TMA, issued by thread 0 and counted on
-// `bar` (armed here with their bytes: one arrival per tile, also when no pool comes so); every other
-// row by cp.async, zero for unused slots. `map` is the latent's, boxes of 16 rows x 64 values. The
-// reader waits for the cp.async group and for bar's phase.
-__device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r, const __nv_bfloat16* latent,
-                                          int64_t stride, int dk, int thread, const CUtensorMap* map,
-                                          uint64_t* bar) {
+// A tile's rows (their values 64 block_begin .. 64 block_end - 1, rows `stride` apart) into `dst`
+// (1024-byte aligned) in the 128-byte swizzled K-major layout wgmma reads: column block b (values
+// 64 b ..) at b * kSwizzleBlockBytes, row r at r * 128 in it, its 16-byte piece p at (p ^ r % 8) * 16
+// (the TMA's own swizzle). By the warpgroup's 128 threads. Slots 16 j .. 16 j + 15 that hold 16
+// consecutive rows (a whole pool of the indexer's selection) arrive by TMA, issued by thread 0 and
+// counted on `bar` (armed here with their bytes: one arrival per fill, also when no pool comes so);
+// every other row by cp.async, zero for unused slots. `map` is the latent's, boxes of 16 rows x 64
+// values. The reader waits for the cp.async group and for bar's phase.
+__device__ __forceinline__ void fill_tile_blocks(unsigned char* dst, const TileRows& r,
+                                                 const __nv_bfloat16* latent, int64_t stride, int block_begin,
+                                                 int block_end, int thread, const CUtensorMap* map,
+                                                 uint64_t* bar) {
   constexpr int kPools = kTileKeys / kPoolRows;
   const int row8 = thread % 8;
   // Lanes l, l + 8, l + 16, l + 24 hold the same rows, lanes 0-7 all 64: every warp sees each run.
@@ -99,20 +100,18 @@ __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r,
     const bool consecutive = r.gather[2 * j] == first[j] + row8 && r.gather[2 * j + 1] == first[j] + 8 + row8;
     run[j] = __all_sync(0xffffffffu, first[j] >= 0 && consecutive);
   }
-  const int blocks = dk / 64;
   if (thread == 0) {
     uint32_t bytes = 0;
 #pragma unroll
-    for (int j = 0; j < kPools; ++j) bytes += run[j] ? kPoolRows * dk * 2 : 0;
+    for (int j = 0; j < kPools; ++j) bytes += run[j] ? kPoolRows * (block_end - block_begin) * 128 : 0;
     mbarrier_arrive_expect(bar, bytes);
 #pragma unroll
     for (int j = 0; j < kPools; ++j) {
       if (!run[j]) continue;
-      for (int b = 0; b < blocks; ++b)
+      for (int b = block_begin; b < block_end; ++b)
         tma_load_2d(dst + b * kSwizzleBlockBytes + j * kPoolRows * 128, map, 64 * b, first[j], bar);
     }
   }
-  const int pieces = dk / 8;
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
     if (run[g / 2]) continue;
@@ -120,9 +119,16 @@ __device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r,
     const bool valid = r.gather[g] >= 0;
     const __nv_bfloat16* from = latent + (valid ? static_cast<int64_t>(r.gather[g]) * stride : 0);
     unsigned char* to = dst + row * 128;
-    for (int p = thread / 8; p < pieces; p += 16)
+    for (int p = 8 * block_begin + thread / 8; p < 8 * block_end; p += 16)
       copy16(to + (p / 8) * kSwizzleBlockBytes + ((p % 8) ^ (row % 8)) * 16, from + p * 8, valid);
   }
+}
+
+// The whole tile: its rows' first dk values (a multiple of 64).
+__device__ __forceinline__ void fill_tile(unsigned char* dst, const TileRows& r, const __nv_bfloat16* latent,
+                                          int64_t stride, int dk, int thread, const CUtensorMap* map,
+                                          uint64_t* bar) {
+  fill_tile_blocks(dst, r, latent, stride, 0, dk / 64, thread, map, bar);
 }
 
 // s = K R^T [64 keys, Rows rows] over dk (a multiple of 64): the tile (fill_tile's layout) as A,

@@ -1,5 +1,6 @@
-// Hopper's warpgroup matrix multiply (wgmma, sm_90a) with both operands in shared memory, for the
-// kernels that use it: the operand layout, its descriptor, and the fence / commit / wait steps.
+// Hopper's warpgroup matrix multiply (wgmma, sm_90a) with its operands in shared memory (A also from
+// registers), for the kernels that use it: the operand layout, its descriptor, and the fence /
+// commit / wait steps.
 //
 // Operands use the no-swizzle "core matrix" layout: a core matrix is 8 rows of 16 bytes (8 bf16)
 // stored as 128 contiguous bytes. For a [rows][cols] bf16 matrix with cols a multiple of 8,
@@ -74,6 +75,11 @@ __device__ __forceinline__ void wgmma_hold(float (&r)[N]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) wgmma_hold(r[j]);
 }
+template <int M, int N>
+__device__ __forceinline__ void wgmma_hold(float (&r)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) wgmma_hold(r[i]);
+}
 
 // d (+)= A [64 x 16] B [16 x 32], bf16 in, fp32 accumulate; `accumulate` false overwrites d.
 // TransA: A stored MN-major (its 64 rows contiguous within each 8-column piece) instead of K-major.
@@ -105,6 +111,37 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint
         "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
         "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TransA), "n"(TransB));
+}
+
+// d (+)= A [64 x 16] B [16 x 64] with A in registers (the m16n8k16 A fragment of each warp's 16 rows:
+// a[0] row l / 4, columns 2 (l % 4) and + 1; a[1] the same 8 rows down; a[2], a[3] the same 8
+// columns on), B from shared memory; TransB: B stored MN-major. wgmma reads a asynchronously: its
+// registers must hold their values until the wgmma_wait that covers it (wgmma_hold_fragment).
+template <int TransB = 0>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                                   bool accumulate) {
+  SPINDLE_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TransB));
+}
+
+// Keeps a register operand of an asynchronous wgmma unchanged (and its registers unreused) until here.
+template <int M, int N>
+__device__ __forceinline__ void wgmma_hold_fragment(uint32_t (&r)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+  }
 }
 
 // d (+)= A [64 x 16] B [16 x 128], bf16 in, fp32 accumulate; `accumulate` false overwrites d.
