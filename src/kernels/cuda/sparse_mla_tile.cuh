@@ -92,13 +92,14 @@ __device__ __forceinline__ void fill_tile_blocks(unsigned char* dst, const TileR
   constexpr int kPools = kTileKeys / kPoolRows;
   const int row8 = thread % 8;
   // Lanes l, l + 8, l + 16, l + 24 hold the same rows, lanes 0-7 all 64: every warp sees each run.
-  bool run[kPools];
+  bool run[kPools], runs = true;
   int32_t first[kPools];
 #pragma unroll
   for (int j = 0; j < kPools; ++j) {
     first[j] = __shfl_sync(0xffffffffu, r.gather[2 * j], 0);
     const bool consecutive = r.gather[2 * j] == first[j] + row8 && r.gather[2 * j + 1] == first[j] + 8 + row8;
     run[j] = __all_sync(0xffffffffu, first[j] >= 0 && consecutive);
+    runs = runs && run[j];
   }
   if (thread == 0) {
     uint32_t bytes = 0;
@@ -112,6 +113,9 @@ __device__ __forceinline__ void fill_tile_blocks(unsigned char* dst, const TileR
         tma_load_2d(dst + b * kSwizzleBlockBytes + j * kPoolRows * 128, map, 64 * b, first[j], bar);
     }
   }
+  // Whole pools only (a trained indexer's selections, mostly): one branch past the unrolled copies,
+  // whose jumps group by group missed the instruction cache (the heads-as-M forward, ncu).
+  if (runs) return;
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
     if (run[g / 2]) continue;
