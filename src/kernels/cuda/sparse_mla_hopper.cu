@@ -386,21 +386,12 @@ __device__ __forceinline__ uint32_t selected_keys(const int32_t* list, int64_t s
   return bits;
 }
 
-// The value, opaque to the compiler: descriptors computed from it are not hoisted out of the tile
-// loop (kept live across it, 32 descriptors of 64 bits would take the accumulators' registers).
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
 // S [64 rows, 64 keys] = Q K^T over the 512 values of the tile at tile_address, each half once its
 // barrier (halves[0], halves[1]) has completed phase `parity`, half First first; in the log2 domain,
 // -inf where the row's query did not select the key (bits: selected_keys). Complete on return.
 template <int First>
 __device__ __forceinline__ void pair_scores(float (&s)[32], uint32_t q_address, uint32_t tile_address,
                                             uint64_t* halves, uint32_t parity, uint32_t bits, float scale2) {
-  q_address = opaque(q_address);
-  tile_address = opaque(tile_address);
   wgmma_hold(s);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -492,40 +483,35 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kHalfBlocks][32], const 
   }
 }
 
-// O_g += P V over a tile's 64 keys, V the buffer half at half_address read MN-major; P from
-// registers (A fragments) or from shared memory (p_address). Committed, not waited for.
-__device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t (&p)[4][4],
-                                             uint32_t half_address) {
-  half_address = opaque(half_address);
+// O_g += P V over a tile's 64 keys, V the buffer half at half_address read MN-major; `product`
+// issues the wgmma of value block b's k-step k given V's descriptor (P from registers or from
+// shared memory). Committed, not waited for.
+template <typename Product>
+__device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t half_address,
+                                             Product product) {
   wgmma_hold(acc);
   wgmma_fence();
 #pragma unroll
   for (int b = 0; b < kHalfBlocks; ++b) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k)
-      wgmma_m64n64k16_rs<1>(acc[b], p[k],
-                            wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128,
-                                                  kSwizzleBlockBytes, 1024),
-                            true);
+      product(acc[b], k,
+              wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128, kSwizzleBlockBytes,
+                                    1024));
   }
   wgmma_commit();
 }
+// P from its A fragments, or from shared memory at p_address (K-major core matrices).
+__device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t (&p)[4][4],
+                                             uint32_t half_address) {
+  values_times(acc, half_address,
+               [&](float(&d)[32], int k, uint64_t v) { wgmma_m64n64k16_rs<1>(d, p[k], v, true); });
+}
 __device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t p_address,
                                              uint32_t half_address) {
-  p_address = opaque(p_address);
-  half_address = opaque(half_address);
-  wgmma_hold(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int b = 0; b < kHalfBlocks; ++b) {
-#pragma unroll
-    for (int k = 0; k < kKeys / 16; ++k)
-      wgmma_m64n64k16<0, 1>(acc[b], wgmma_descriptor(p_address + k * 256, 128, kKeys * 16),
-                            wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128,
-                                                  kSwizzleBlockBytes, 1024),
-                            true);
-  }
-  wgmma_commit();
+  values_times(acc, half_address, [&](float(&d)[32], int k, uint64_t v) {
+    wgmma_m64n64k16<0, 1>(d, wgmma_descriptor(p_address + k * 256, 128, kKeys * 16), v, true);
+  });
 }
 
 __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensorMap& latent_map,
