@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -246,6 +247,45 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
       }
     }
+}
+
+// The union form of the DSA attention (docs/UNION_ATTENTION.md; SPINDLE_UNION_ATTENTION set while
+// the models are made): streamed in chunks, with the recomputation's outputs kept and without,
+// equal to the whole sequence in the same form (every chunk's union here is within its limit).
+TEST(CudaStreaming, UnionFormInChunksEqualsTheWholeSequence) {
+  struct UnionForm {  // set for this test's models only, also when an assertion returns early
+    UnionForm() { setenv("SPINDLE_UNION_ATTENTION", "1", 1); }
+    ~UnionForm() { unsetenv("SPINDLE_UNION_ATTENTION"); }
+  } union_form;
+  const ModelConfig config = streaming_config(512);
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 9);
+  const std::vector<int32_t> tokens = dna(400);
+  LossOptions options;
+  options.indexer_kl_coef = 0.5;
+  options.aux_loss_coef = 0.01;
+  options.scale = 0.5;
+  auto plain = on_gpu(config, weights, true);
+  const LossResult whole = plain->loss_and_gradients(tokens, options);
+  ModelWeights whole_grads = zero_gradients(config, DType::F32);
+  plain->download_gradients(whole_grads);
+  for (const auto& [chunk, keep_outputs] : {std::pair<int64_t, bool>{37, true}, {64, false}}) {
+    SCOPED_TRACE("chunks of " + std::to_string(chunk) +
+                 (keep_outputs ? ", outputs kept" : ", outputs again"));
+    LossOptions streamed_options = options;
+    streamed_options.chunk_tokens = chunk;
+    streamed_options.keep_outputs = keep_outputs;
+    auto device = on_gpu(config, weights, true);
+    const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
+    ModelWeights grads = zero_gradients(config, DType::F32);
+    device->download_gradients(grads);
+    std::printf("union form, chunks of %lld: loss %.6f / %.6f, indexer KL %.6f / %.6f\n",
+                static_cast<long long>(chunk), streamed.loss, whole.loss, streamed.indexer_kl,
+                whole.indexer_kl);
+    EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
+    EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
+    EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
+  }
 }
 
 }  // namespace

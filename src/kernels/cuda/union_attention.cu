@@ -106,6 +106,18 @@ __global__ void union_softmax_backward_kernel(const float* scores, const float* 
   dscores[i] = __float2bfloat16(p * (dprobs[i] - dot[query * heads + h]) * scale);
 }
 
+__global__ void gather_rows_kernel(const __nv_bfloat16* latent, int64_t stride, const int32_t* keys,
+                                   int64_t n, int64_t cols, __nv_bfloat16* rows) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n * cols) rows[i] = latent[keys[i / cols] * stride + i % cols];
+}
+
+__global__ void add_rows_kernel(const float* d_rows, const int32_t* keys, int64_t n, int64_t cols,
+                                float* d_latent, int64_t stride) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n * cols) d_latent[keys[i / cols] * stride + i % cols] += d_rows[i];
+}
+
 __global__ void fill_kernel(float* x, int64_t n, float value) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) x[i] = value;
@@ -153,6 +165,22 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
                                                                    slots.data(), u.words, u.masks.data());
   SPINDLE_LAUNCHED("write_masks_kernel");
   return u;
+}
+
+void gather_union_rows(const __nv_bfloat16* latent, int64_t stride, const ChunkUnion& u, int64_t cols,
+                       __nv_bfloat16* rows, cudaStream_t stream) {
+  if (u.count == 0) return;
+  gather_rows_kernel<<<blocks_for(u.count * cols), kThreads, 0, stream>>>(latent, stride, u.keys.data(),
+                                                                          u.count, cols, rows);
+  SPINDLE_LAUNCHED("gather_rows_kernel");
+}
+
+void add_union_rows(const float* d_rows, const ChunkUnion& u, int64_t cols, float* d_latent, int64_t stride,
+                    cudaStream_t stream) {
+  if (u.count == 0) return;
+  add_rows_kernel<<<blocks_for(u.count * cols), kThreads, 0, stream>>>(d_rows, u.keys.data(), u.count, cols,
+                                                                       d_latent, stride);
+  SPINDLE_LAUNCHED("add_rows_kernel");
 }
 
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,

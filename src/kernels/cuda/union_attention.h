@@ -39,6 +39,14 @@ struct ChunkUnion {
 };
 ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream);
 
+// rows[j] = latent[keys[j]] (bf16, `cols` values of rows `stride` apart): the union's latent rows,
+// [count, cols].
+void gather_union_rows(const __nv_bfloat16* latent, int64_t stride, const ChunkUnion& u, int64_t cols,
+                       __nv_bfloat16* rows, cudaStream_t stream);
+// d_latent[keys[j]] += d_rows[j] (fp32; U's tokens are distinct, so no two rows meet).
+void add_union_rows(const float* d_rows, const ChunkUnion& u, int64_t cols, float* d_latent, int64_t stride,
+                    cudaStream_t stream);
+
 // Queries in blocks of `block` (the scores of a block: heads x block x u fp32, twice in the
 // backward).
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,

@@ -4,6 +4,7 @@
 // keys and values before it (the plain pass: one chunk over its own cache).
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -16,6 +17,7 @@
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/union_attention.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
 
@@ -175,7 +177,8 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
 // the expanded form kv_b_proj expands c into per-head keys and values first. Same function.
 struct MlaActivations {
   DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, q_lat, o_lat, attended;
-  DeviceBuffer<float> lse;  // absorbed form on the tensor cores: each query head's log-sum-exp
+  DeviceBuffer<float> lse;  // absorbed form on the tensor cores or union form: each query head's log-sum-exp
+  bool union_form = false;  // the attention ran in the union form: `attended` and `lse` are its output
   const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
 
@@ -211,6 +214,48 @@ int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() 
 int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
 // Elements from one head's W_k,h (or W_v,h) to the next's: the per-head products run batched.
 int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_lora_rank; }
+
+// The union form (docs/UNION_ATTENTION.md), where a chunk's queries select at most this many times
+// a selection's width between them: its estimated break-even against the absorbed kernels
+// (forward, recomputation and backward together).
+constexpr double kUnionLimit = 2.5;
+// Queries per block of the union form's scores: heads x block x u of them, 12 bytes each in the
+// backward (fp32 S and dP, bf16 P and dS), within this.
+constexpr int64_t kUnionScoreBytes = int64_t{256} << 20;
+
+UnionAttentionShape union_shape(const ModelConfig& c, int64_t L, int64_t span) {
+  const cpu::SparseAttentionShape a = attention_shape(c, L, false);
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, span, static_cast<float>(a.scale)};
+}
+
+// The chunk's union and its tokens' per-head keys and values, kv_b_proj of their latent rows.
+struct UnionKeys {
+  ChunkUnion u;
+  DeviceBuffer<bf16> latent_rows, kv;
+  int64_t block = 0;
+};
+
+// From the latent cache `kv` (rows `row` apart; the selection's tokens below `span`), or nothing
+// where the union is over the limit.
+std::optional<UnionKeys> union_keys(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
+                                    const bf16* kv, int64_t row, const int32_t* selection, int64_t span) {
+  const UnionAttentionShape s = union_shape(c, L, span);
+  UnionKeys k;
+  k.u = chunk_union(s, selection, ctx.stream());
+  if (static_cast<double>(k.u.count) > kUnionLimit * static_cast<double>(s.width)) return std::nullopt;
+  const int64_t kr = c.kv_lora_rank, kv_row = s.heads * (s.qk_dim + s.v_dim),
+                n = std::max<int64_t>(k.u.count, 1);
+  k.latent_rows = activations(n * kr);
+  k.kv = activations(n * kv_row);
+  if (k.u.count > 0) {
+    gather_union_rows(kv, row, k.u, kr, k.latent_rows.data(), ctx.stream());
+    ctx.gemm.linear(k.latent_rows.data(), bf16_data(w.kv_b_proj), k.kv.data(), k.u.count, kr, kv_row,
+                    ctx.stream());
+  }
+  k.block =
+      std::clamp<int64_t>(kUnionScoreBytes / (12 * s.heads * n) / 64 * 64, 64, std::max<int64_t>(L, 64));
+  return k;
+}
 
 // Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
 // attention's output comes from an AttentionKept (not allocated here).
@@ -277,11 +322,17 @@ void project_attended(Context& ctx, const ModelConfig& c, const DsaWeights& w, i
 void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
                     AttentionKept& kept) {
   const int64_t H = c.num_attention_heads;
-  const int64_t width = ctx.absorbed_mla ? c.kv_lora_rank : c.v_head_dim;
+  const int64_t width = ctx.absorbed_mla && !kept.union_form ? c.kv_lora_rank : c.v_head_dim;
   check(kept.out.size() == static_cast<size_t>(L * H * width), "DSA backward: a kept attention output of ",
         kept.out.size(), " values for ", L, " queries");
   if (!ctx.absorbed_mla) {
     a.attended = std::move(kept.out);
+    return;
+  }
+  if (kept.union_form) {
+    a.attended = std::move(kept.out);
+    a.lse = std::move(kept.stats);
+    a.union_form = true;
     return;
   }
   a.o_lat = std::move(kept.out);
@@ -289,14 +340,28 @@ void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int
   project_attended(ctx, c, w, L, a);
 }
 
-// The L queries attend over `kv` (the cache: the selection's absolute positions index its rows).
+// The L queries attend over `kv` (the cache: the selection's absolute positions index its rows,
+// all below `span`).
 void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-            const bf16* kv, const int32_t* selection) {
+            const bf16* kv, const int32_t* selection, int64_t span) {
   const cudaStream_t s = ctx.stream();
   if (!ctx.absorbed_mla) {
     sparse_attention_forward(attention_shape(c, L, false), a.q.data(), kv, selection, a.attended.data(), s);
     ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
     return;
+  }
+  if (ctx.union_attention) {
+    if (std::optional<UnionKeys> k = union_keys(ctx, c, w, L, kv, cache_row(c, true), selection, span)) {
+      a.lse = activations_f32(L * c.num_attention_heads);
+      union_attention_forward(ctx.gemm, union_shape(c, L, span), k->u, a.q.data(), k->kv.data(),
+                              a.attended.data(), a.lse.data(), k->block, s);
+      a.union_form = true;
+      ctx.record.note("dsa/attention/union",
+                      "union form: the chunk's selected keys expanded (cuBLAS, version 1)");
+      return;
+    }
+    ctx.record.note("dsa/attention/union_over_limit",
+                    "absorbed form: the chunk's union over the union form's limit");
   }
   const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
   const std::string unsupported = sparse_mla_unsupported(mla);  // the cache holds [c | c] then
@@ -329,15 +394,47 @@ void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActiv
   ctx.record.note("dsa/attention_mass", "cuda attention mass in a pass of its own (CUDA cores, slow)");
 }
 
+// The union form's backward: dq written, the union's latent rows' gradient added to dkv (the
+// latent cache's, fp32), kv_b_proj's gradient accumulated. mass, unless null, by the CUDA-core pass.
+void union_attention_backward_over(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
+                                   MlaActivations& a, const bf16* kv, const int32_t* selection, int64_t span,
+                                   const bf16* d_attended, bf16* dq, float* dkv, float* mass,
+                                   DsaWeights& grad) {
+  const cudaStream_t s = ctx.stream();
+  const int64_t row = cache_row(c, true), kr = c.kv_lora_rank;
+  std::optional<UnionKeys> k = union_keys(ctx, c, w, L, kv, row, selection, span);
+  check(k.has_value(),
+        "DSA backward: the union form's forward ran on a union its backward finds over the limit");
+  if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
+  const UnionAttentionShape us = union_shape(c, L, span);
+  const int64_t kv_row = us.heads * (us.qk_dim + us.v_dim), n = k->u.count;
+  DeviceBuffer<float> dkv_u = activations_f32(std::max<int64_t>(n, 1) * kv_row);
+  union_attention_backward(ctx.gemm, us, k->u, a.q.data(), k->kv.data(), a.attended.data(), a.lse.data(),
+                           d_attended, dq, dkv_u.data(), k->block, s);
+  ctx.record.note("dsa/attention_backward/union", "union form backward (cuBLAS, version 1)");
+  if (n == 0) return;
+  DeviceBuffer<bf16> dkv16 = activations(n * kv_row);
+  f32_to_bf16(dkv_u.data(), dkv16.data(), n * kv_row, s);
+  DeviceBuffer<float> d_rows = activations_f32(n * kr);
+  ctx.gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_rows.data(), n, kr, kv_row, 0.0f, s);
+  ctx.gemm.linear_backward_weight(dkv16.data(), k->latent_rows.data(), f32_data(grad.kv_b_proj), n, kr,
+                                  kv_row, s);
+  add_union_rows(d_rows.data(), k->u, kr, dkv, row, s);
+}
+
 // From the attention output's gradient to the gradient of the keys and values the queries read
 // (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
 // ([L, H, qk_head_dim], bf16). mass, unless null: the attention mass that trains the indexer,
 // [L, width] fp32, written.
 void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-                        const bf16* kv, const int32_t* selection, const bf16* d_attended, bf16* dq,
-                        float* dkv, float* mass, DsaWeights& grad) {
+                        const bf16* kv, const int32_t* selection, int64_t span, const bf16* d_attended,
+                        bf16* dq, float* dkv, float* mass, DsaWeights& grad) {
   const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim, kr = c.kv_lora_rank;
   const cudaStream_t s = ctx.stream();
+  if (a.union_form) {
+    union_attention_backward_over(ctx, c, w, L, a, kv, selection, span, d_attended, dq, dkv, mass, grad);
+    return;
+  }
   const bool absorbed = ctx.absorbed_mla;
   const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
   const bool tensor_cores = a.lse.size() != 0;  // the absorbed forward ran on the tensor cores
@@ -414,7 +511,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
     if (kept != nullptr && !kept->empty())
       take_attention(ctx, c, w, L, a, *kept);
     else
-      attend(ctx, c, w, L, a, cache.kv.data(), selection);
+      attend(ctx, c, w, L, a, cache.kv.data(), selection, first + L);
   }
   if (y != nullptr) gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, H * dv, D, s);
 
@@ -429,7 +526,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
         kl ? activations_f32(L * attention_shape(c, L, ctx.absorbed_mla).width) : DeviceBuffer<float>();
     {
       const TimedScope timed = ctx.timed("dsa.attention_backward");
-      attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, d_attended.data(), dq.data(),
+      attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, first + L, d_attended.data(), dq.data(),
                          cache_grad.kv.data(), kl ? mass.data() : nullptr, grad);
       // This chunk's keys and values have every gradient they will get: later chunks ran first.
       latent_backward(ctx, c, w, L, a, cache_grad.kv.data() + first * cache.row, d_normed.data(), grad);
@@ -519,14 +616,15 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
         "DSA layer without a selection to share");
   {
     const TimedScope timed = ctx.timed("dsa.attention");
-    attend(ctx, c, w, L, a, cache.kv.data(), selection.data());
+    attend(ctx, c, w, L, a, cache.kv.data(), selection.data(), cache.tokens + L);
   }
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
   cache.tokens += L;
   if (keep == nullptr) return;
   if (ctx.absorbed_mla) {
-    keep->out = std::move(a.o_lat);
+    keep->union_form = a.union_form;
+    keep->out = a.union_form ? std::move(a.attended) : std::move(a.o_lat);
     keep->stats = std::move(a.lse);
   } else {
     keep->out = std::move(a.attended);
