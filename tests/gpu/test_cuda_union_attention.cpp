@@ -1,9 +1,11 @@
-// The sparse attention over a chunk's union (kernels/cuda/union_attention.h) against the CPU's
-// sparse attention with per-head keys (kernels/cpu/dsa.h), in double on the bf16-rounded inputs:
-// the union and each query's bits against sorting, exactly; the forward's output and log-sum-exp,
-// the backward's dq and dkv (scattered back to the tokens: every token outside the union must get
-// none), on selections whose queries share most of their tokens, on spread ones, with unused slots,
-// across query blocks, and a chunk that selects nothing.
+// MLA's sparse attention over a chunk's union and tails (kernels/cuda/union_attention.h) against
+// the CPU's sparse attention with per-head keys and values (kernels/cpu/dsa.h) made from the
+// latent by kv_b_proj, in double on the bf16-rounded inputs: the union and each query's bits
+// against sorting, exactly; the forward's output and log-sum-exp; the backward's dq, the latent's
+// gradient (the reference's key and value gradient back through kv_b_proj) and kv_b_proj's. On the
+// indexer's layout (pools, then the query's own incomplete pool), pools shared by the chunk's
+// queries or each its own, across query blocks, with a chunk at the sequence's start (queries with
+// fewer pools, the first with none).
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -24,86 +26,93 @@
 namespace spindle::cuda {
 namespace {
 
-// Selections of the chunk's queries (positions span - queries .. span - 1), each over tokens up to
-// its own position: with `shared` the same base set for all (what a concentrated indexer picks)
-// with one slot in `swap_one_in` swapped for a token of the query's own; else each its own. Slots
-// past `used` are -1.
-std::vector<int32_t> make_chunk_selection(int64_t span, int64_t queries, int64_t width, int64_t used,
-                                          bool shared, int swap_one_in) {
+// The indexer's layout for the chunk's queries (positions span - queries ..): `pools` complete pools
+// of `kpool` tokens (fewer where fewer are complete; -1 after), with `shared` the same draw for all
+// queries with one pool in four swapped for another, else each its own draw; then the query's own
+// incomplete pool's tokens.
+std::vector<int32_t> make_chunk_selection(int64_t span, int64_t queries, int64_t kpool, int64_t pools,
+                                          bool shared) {
+  const int64_t width = pools * kpool + kpool - 1, first = span - queries;
   std::vector<int32_t> sel(static_cast<size_t>(queries * width), -1);
-  const int64_t first = span - queries;
-  std::vector<int32_t> base(static_cast<size_t>(first));
-  std::iota(base.begin(), base.end(), 0);
-  std::shuffle(base.begin(), base.end(), rng());
-  base.resize(static_cast<size_t>(std::min(used, first)));
+  const auto draw = [&](int64_t complete) {
+    std::vector<int32_t> all(static_cast<size_t>(complete));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng());
+    all.resize(static_cast<size_t>(std::min(pools, complete)));
+    return all;
+  };
+  const std::vector<int32_t> base = draw((first + 1) / kpool);
   for (int64_t r = 0; r < queries; ++r) {
-    const int64_t t = first + r;
-    std::vector<int32_t> mine = base;
-    if (!shared) {
-      mine.resize(static_cast<size_t>(t + 1));
-      std::iota(mine.begin(), mine.end(), 0);
-      std::shuffle(mine.begin(), mine.end(), rng());
-      mine.resize(static_cast<size_t>(std::min<int64_t>(used, t + 1)));
-    } else {
-      std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(t));
-      for (int32_t& x : mine)
-        if (std::uniform_int_distribution<int>(0, swap_one_in - 1)(rng()) == 0) x = token(rng());
+    const int64_t t = first + r, complete = (t + 1) / kpool;
+    std::vector<int32_t> mine = shared ? base : draw(complete);
+    if (shared) {
+      for (int32_t& p : mine)
+        if (std::uniform_int_distribution<int>(0, 3)(rng()) == 0)
+          p = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(complete - 1))(rng());
       std::sort(mine.begin(), mine.end());
       mine.erase(std::unique(mine.begin(), mine.end()), mine.end());
     }
-    std::copy(mine.begin(), mine.end(), sel.begin() + r * width);
+    std::sort(mine.begin(), mine.end());
+    int32_t* row = sel.data() + r * width;
+    for (size_t i = 0; i < mine.size(); ++i)
+      for (int64_t j = 0; j < kpool; ++j) row[i * kpool + j] = static_cast<int32_t>(mine[i] * kpool + j);
+    const int64_t tail = (t + 1) % kpool;
+    for (int64_t j = 0; j < tail; ++j) row[pools * kpool + j] = static_cast<int32_t>(t + 1 - tail + j);
   }
   return sel;
 }
 
 TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
   struct Case {
-    int64_t span, queries, heads, dqk, dv, width, used;
+    int64_t span, queries, heads, dqk, dv, rank, stride, kpool, pools;
     bool shared;
     int64_t block;
   };
   const Case cases[] = {
-      {700, 200, 4, 128, 128, 79, 64, true, 64},     // concentrated, blocks of 64 (one partial)
-      {900, 300, 8, 128, 128, 143, 143, true, 300},  // every slot used, one block
-      {600, 150, 3, 64, 32, 40, 31, false, 50},      // spread selections, unused slots, narrow heads
-      {300, 100, 2, 192, 128, 16, 0, true, 64},      // nothing selected: zero output, lse +inf
+      {700, 200, 4, 128, 128, 64, 64, 16, 4, true, 64},   // shared pools, blocks of 64 (one partial)
+      {900, 300, 8, 64, 32, 96, 100, 16, 8, false, 300},  // each its own, one block, latent rows apart
+      {40, 40, 2, 128, 128, 64, 64, 16, 4, true, 16},     // the sequence's start: few pools, none first
   };
   for (const Case& c : cases) {
     const int64_t T = c.span, C = c.queries, H = c.heads, first = T - C, kv_row = H * (c.dqk + c.dv);
+    const int64_t width = c.pools * c.kpool + c.kpool - 1;
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.dqk));
-    const UnionAttentionShape s{C, H, c.dqk, c.dv, c.width, T, static_cast<float>(scale)};
+    const UnionAttentionShape s{
+        C, H, c.dqk, c.dv, width, c.pools * c.kpool, first, static_cast<float>(scale)};
     const std::string what = "span " + std::to_string(T) + " queries " + std::to_string(C) + " heads " +
-                             std::to_string(H) + " dqk " + std::to_string(c.dqk) + " width " +
-                             std::to_string(c.width) + " used " + std::to_string(c.used);
-    const auto sel = make_chunk_selection(T, C, c.width, c.used, c.shared, 16);
-    const auto q = rounded(random_floats(C * H * c.dqk)), kv = rounded(random_floats(T * kv_row));
-    const auto dout = rounded(random_floats(C * H * c.dv));
+                             std::to_string(H) + " dqk " + std::to_string(c.dqk) + " pools " +
+                             std::to_string(c.pools) + (c.shared ? " shared" : " apart");
+    const auto sel = make_chunk_selection(T, C, c.kpool, c.pools, c.shared);
+    const auto q = rounded(random_floats(C * H * c.dqk)), latent = rounded(random_floats(T * c.stride));
+    const auto wkv = rounded(random_floats(kv_row * c.rank, 0.125f)),
+               dout = rounded(random_floats(C * H * c.dv));
 
     Stream stream;
     Gemm gemm;
     auto dsel = device(sel);
+    auto dlatent = device(to_bf16(latent)), dwkv = device(to_bf16(wkv));
     const ChunkUnion u = chunk_union(s, dsel.data(), stream.get());
     stream.synchronize();
 
-    // The union and the bits, against sorting.
+    // The union of the pool slots and the bits, against sorting.
     std::vector<int32_t> want_keys;
-    for (int32_t t : sel)
-      if (t >= 0) want_keys.push_back(t);
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t i = 0; i < s.pooled; ++i)
+        if (sel[r * width + i] >= 0) want_keys.push_back(sel[r * width + i]);
     std::sort(want_keys.begin(), want_keys.end());
     want_keys.erase(std::unique(want_keys.begin(), want_keys.end()), want_keys.end());
     ASSERT_EQ(u.count, static_cast<int64_t>(want_keys.size())) << what;
     const int64_t n = u.count;
-    std::vector<int32_t> keys;
     if (n > 0) {
-      keys = u.keys.download();
+      std::vector<int32_t> keys = u.keys.download();
       keys.resize(static_cast<size_t>(n));
       EXPECT_EQ(keys, want_keys) << what;
       const auto masks = u.masks.download();
       int64_t wrong = 0;
       for (int64_t r = 0; r < C; ++r) {
         std::vector<bool> chose(static_cast<size_t>(n), false);
-        for (int64_t i = 0; i < c.width; ++i) {
-          const int32_t t = sel[r * c.width + i];
+        for (int64_t i = 0; i < s.pooled; ++i) {
+          const int32_t t = sel[r * width + i];
           if (t >= 0) chose[std::lower_bound(keys.begin(), keys.end(), t) - keys.begin()] = true;
         }
         for (int64_t j = 0; j < n; ++j)
@@ -112,52 +121,55 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
       EXPECT_EQ(wrong, 0) << "mask bits, " << what;
     }
 
-    // The union's keys and values, as the layer would make them from the latent.
-    std::vector<float> kv_u(static_cast<size_t>(std::max<int64_t>(n, 1) * kv_row), 0.0f);
-    for (int64_t j = 0; j < n; ++j)
-      std::copy(kv.begin() + keys[j] * kv_row, kv.begin() + (keys[j] + 1) * kv_row,
-                kv_u.begin() + j * kv_row);
-    auto dq_in = device(to_bf16(q)), dkv_in = device(to_bf16(kv_u)), ddout = device(to_bf16(dout));
+    auto dq_in = device(to_bf16(q)), ddout = device(to_bf16(dout));
     auto out = poisoned<bf16>(C * H * c.dv), dq = poisoned<bf16>(C * H * c.dqk);
     auto lse = poisoned<float>(C * H);
-    auto dkv = poisoned<float>(std::max<int64_t>(n, 1) * kv_row);
-    union_attention_forward(gemm, s, u, dq_in.data(), dkv_in.data(), out.data(), lse.data(), c.block,
+    auto d_latent = device(std::vector<float>(static_cast<size_t>(T * c.stride), 0.0f));
+    auto d_wkv = device(std::vector<float>(static_cast<size_t>(kv_row * c.rank), 0.0f));
+    const UnionLatent lat{dlatent.data(), c.stride, c.rank, dwkv.data()};
+    union_attention_forward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), c.block,
                             stream.get());
-    union_attention_backward(gemm, s, u, dq_in.data(), dkv_in.data(), out.data(), lse.data(), ddout.data(),
-                             dq.data(), dkv.data(), c.block, stream.get());
+    union_attention_backward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), ddout.data(),
+                             dq.data(), d_latent.data(), d_wkv.data(), c.block, stream.get());
     stream.synchronize();
 
-    // The reference over every token, the chunk's queries at their positions (the others select none).
-    const cpu::SparseAttentionShape ref{T, H, c.dqk, c.dv, c.width, scale};
+    // The reference: every token's keys and values from its latent, the chunk's queries at their
+    // positions (the others select none), then the key and value gradient back through kv_b_proj.
+    std::vector<double> kv(static_cast<size_t>(T * kv_row), 0.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < kv_row; ++j) {
+        double sum = 0;
+        for (int64_t i = 0; i < c.rank; ++i) sum += wkv[j * c.rank + i] * latent[t * c.stride + i];
+        kv[t * kv_row + j] = sum;
+      }
+    const cpu::SparseAttentionShape ref{T, H, c.dqk, c.dv, width, scale};
     std::vector<double> q_all(static_cast<size_t>(T * H * c.dqk), 0.0),
         dout_all(static_cast<size_t>(T * H * c.dv), 0.0);
-    std::vector<int32_t> sel_all(static_cast<size_t>(T * c.width), -1);
+    std::vector<int32_t> sel_all(static_cast<size_t>(T * width), -1);
     std::copy(q.begin(), q.end(), q_all.begin() + first * H * c.dqk);
     std::copy(dout.begin(), dout.end(), dout_all.begin() + first * H * c.dv);
-    std::copy(sel.begin(), sel.end(), sel_all.begin() + first * c.width);
-    const auto kvd = to_double(kv);
-    std::vector<double> out_all(static_cast<size_t>(T * H * c.dv)), dq_all(q_all.size()),
-        dkv_all(kvd.size(), 0.0);
-    cpu::sparse_attention<double>(ref, q_all.data(), kvd.data(), sel_all.data(), out_all.data());
-    cpu::sparse_attention_backward<double>(ref, q_all.data(), kvd.data(), sel_all.data(), dout_all.data(),
-                                           dq_all.data(), dkv_all.data());
+    std::copy(sel.begin(), sel.end(), sel_all.begin() + first * width);
+    std::vector<double> out_all(static_cast<size_t>(T * H * c.dv)), dq_all(q_all.size()), dkv(kv.size(), 0.0);
+    cpu::sparse_attention<double>(ref, q_all.data(), kv.data(), sel_all.data(), out_all.data());
+    cpu::sparse_attention_backward<double>(ref, q_all.data(), kv.data(), sel_all.data(), dout_all.data(),
+                                           dq_all.data(), dkv.data());
+    std::vector<double> d_latent_ref(static_cast<size_t>(T * c.stride), 0.0),
+        d_wkv_ref(static_cast<size_t>(kv_row * c.rank), 0.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < kv_row; ++j) {
+        const double g = dkv[t * kv_row + j];
+        if (g == 0.0) continue;
+        for (int64_t i = 0; i < c.rank; ++i) {
+          d_latent_ref[t * c.stride + i] += g * wkv[j * c.rank + i];
+          d_wkv_ref[j * c.rank + i] += g * latent[t * c.stride + i];
+        }
+      }
     const std::vector<double> out_ref(out_all.begin() + first * H * c.dv, out_all.end()),
         dq_ref(dq_all.begin() + first * H * c.dqk, dq_all.end());
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
-    if (n > 0) {
-      EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
-      // dkv back at the union's tokens; zero elsewhere.
-      const auto dkv_u = dkv.download();
-      std::vector<float> dkv_got(kvd.size(), 0.0f);
-      for (int64_t j = 0; j < n; ++j)
-        std::copy(dkv_u.begin() + j * kv_row, dkv_u.begin() + (j + 1) * kv_row,
-                  dkv_got.begin() + keys[j] * kv_row);
-      EXPECT_LT(relative_error(dkv_got, dkv_all), 2e-2) << "dkv, " << what;
-    } else {
-      const auto got = dq.download();
-      EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](bf16 x) { return __bfloat162float(x) == 0.0f; }))
-          << "dq of a chunk that selects nothing, " << what;
-    }
+    EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
+    EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
+    EXPECT_LT(relative_error(d_wkv.download(), d_wkv_ref), 2e-2) << "d_kv_b_proj, " << what;
     // The log-sum-exp of each query head over its selected keys (+inf for none).
     const auto lse_got = lse.download();
     double worst = 0;
@@ -165,8 +177,8 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
       for (int64_t h = 0; h < H; ++h) {
         double mx = -INFINITY, sum = 0;
         std::vector<double> scores;
-        for (int64_t i = 0; i < c.width; ++i) {
-          const int32_t t = sel[r * c.width + i];
+        for (int64_t i = 0; i < width; ++i) {
+          const int32_t t = sel[r * width + i];
           if (t < 0) continue;
           double dot = 0;
           for (int64_t d = 0; d < c.dqk; ++d)

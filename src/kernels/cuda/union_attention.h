@@ -1,17 +1,24 @@
-// The sparse attention over a chunk's selected keys made explicit, version 1 (docs/UNION_ATTENTION.md):
-// the distinct tokens a chunk's queries select (the union U), each query's selection as bits over
-// U, and the attention with per-head keys and values of U's tokens as cuBLAS products batched
-// over the heads, on blocks of the chunk's queries, with the masked softmax and its backward as
-// passes over the scores between them. The same function as cpu::sparse_attention with per-head
-// keys (kv_heads = heads), for the chunk's queries.
+// MLA's sparse attention over a chunk of queries with the selected keys made explicit, version 1
+// (docs/UNION_ATTENTION.md). Keys and values of a token are kv_b_proj's product of its latent row.
+// Two segments, in one softmax:
+//   - the union U: the distinct tokens of the chunk's pool slots (each row's first `pooled`), each
+//     query's pool slots as bits over U, their keys and values made once for the chunk;
+//   - the tail: each query's last width - pooled slots (its own incomplete pool, within width -
+//     pooled tokens before it), per block of queries over the block's consecutive latent rows.
+// The products run on cuBLAS batched over the heads, on blocks of queries, the masked softmax and
+// its backward as passes over the scores between them. The same function as cpu::sparse_attention
+// with per-head keys (kv_heads = heads) over keys and values kv_b_proj makes from the latent, for
+// the chunk's queries; a selection row holds no token twice.
 //
 // Layouts (row-major):
-//   selected [queries, width]          int32, token ids < span, negative for unused slots
+//   selected [queries, width]          int32: token ids below first + queries, negative unused
 //   q        [queries, heads, qk_dim]  bf16
-//   kv       [u, heads, qk_dim + v_dim] bf16: U's keys and values (kv_b_proj's layout), U's order
+//   latent   [first + queries, stride] bf16, the first `rank` values of a row its latent;
+//   kv_b_proj [heads (qk_dim + v_dim), rank] bf16: head h's key rows, then its value rows
 //   out      [queries, heads, v_dim]   bf16;  lse [queries, heads] fp32 (natural log; +inf: nothing
 //                                             selected)
-//   dq       [queries, heads, qk_dim]  bf16, written;  dkv like kv, fp32, written
+//   dq       [queries, heads, qk_dim]  bf16, written; d_latent (fp32, like latent) and d_kv_b_proj
+//                                      (fp32, like kv_b_proj) accumulated
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,12 +33,21 @@ namespace spindle::cuda {
 
 struct UnionAttentionShape {
   int64_t queries, heads, qk_dim, v_dim, width;
-  int64_t span;  // every selected token id is below it (the chunk's end)
+  int64_t pooled;  // the slots of a row that make the union; the rest are its tail
+  int64_t first;   // the chunk's first query's position
   float scale;
+  int64_t tail() const { return width - pooled; }
+  int64_t span() const { return first + queries; }  // every selected token is below it
+};
+
+struct UnionLatent {
+  const __nv_bfloat16* latent;
+  int64_t stride, rank;
+  const __nv_bfloat16* kv_b_proj;
 };
 
 // The chunk's union: keys [count], ascending; masks [queries][words], bit j % 32 of word j / 32:
-// the query selected keys[j]. count is on the host: building it synchronises the stream once.
+// the query's pool slots hold keys[j]. count is on the host: building it synchronises the stream.
 struct ChunkUnion {
   int64_t count = 0, words = 0;
   DeviceBuffer<int32_t> keys;
@@ -39,22 +55,15 @@ struct ChunkUnion {
 };
 ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream);
 
-// rows[j] = latent[keys[j]] (bf16, `cols` values of rows `stride` apart): the union's latent rows,
-// [count, cols].
-void gather_union_rows(const __nv_bfloat16* latent, int64_t stride, const ChunkUnion& u, int64_t cols,
-                       __nv_bfloat16* rows, cudaStream_t stream);
-// d_latent[keys[j]] += d_rows[j] (fp32; U's tokens are distinct, so no two rows meet).
-void add_union_rows(const float* d_rows, const ChunkUnion& u, int64_t cols, float* d_latent, int64_t stride,
-                    cudaStream_t stream);
-
-// Queries in blocks of `block` (the scores of a block: heads x block x u fp32, twice in the
-// backward).
+// Queries in blocks of `block`: a block's scores are heads x block x (u + block + tail) values,
+// 6 bytes each in the forward, 12 in the backward.
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
-                             const __nv_bfloat16* q, const __nv_bfloat16* kv, __nv_bfloat16* out, float* lse,
-                             int64_t block, cudaStream_t stream);
+                             const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
+                             __nv_bfloat16* out, float* lse, int64_t block, cudaStream_t stream);
 void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
-                              const __nv_bfloat16* q, const __nv_bfloat16* kv, const __nv_bfloat16* out,
-                              const float* lse, const __nv_bfloat16* dout, __nv_bfloat16* dq, float* dkv,
-                              int64_t block, cudaStream_t stream);
+                              const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
+                              const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* dout,
+                              __nv_bfloat16* dq, float* d_latent, float* d_kv_b_proj, int64_t block,
+                              cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -215,46 +215,35 @@ int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.
 // Elements from one head's W_k,h (or W_v,h) to the next's: the per-head products run batched.
 int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_lora_rank; }
 
-// The union form (docs/UNION_ATTENTION.md), where a chunk's queries select at most this many times
-// a selection's width between them: its estimated break-even against the absorbed kernels
-// (forward, recomputation and backward together).
+// The union form (docs/UNION_ATTENTION.md), where a chunk's pool slots hold at most this many
+// times a query's pooled tokens between them: its estimated break-even against the absorbed
+// kernels (forward, recomputation and backward together).
 constexpr double kUnionLimit = 2.5;
-// Queries per block of the union form's scores: heads x block x u of them, 12 bytes each in the
-// backward (fp32 S and dP, bf16 P and dS), within this.
+// Queries per block of the union form's scores: heads x block x (u + block + tail) of them, 12
+// bytes each in the backward (fp32 S and dP, bf16 P and dS), within this.
 constexpr int64_t kUnionScoreBytes = int64_t{256} << 20;
 
 UnionAttentionShape union_shape(const ModelConfig& c, int64_t L, int64_t span) {
   const cpu::SparseAttentionShape a = attention_shape(c, L, false);
-  return {L, a.heads, a.qk_dim, a.v_dim, a.width, span, static_cast<float>(a.scale)};
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, c.index_topk, span - L, static_cast<float>(a.scale)};
 }
 
-// The chunk's union and its tokens' per-head keys and values, kv_b_proj of their latent rows.
-struct UnionKeys {
+UnionLatent union_latent(const ModelConfig& c, const DsaWeights& w, const bf16* kv) {
+  return {kv, cache_row(c, true), c.kv_lora_rank, bf16_data(w.kv_b_proj)};
+}
+
+// The chunk's union, and the queries per block of scores, or nothing where it is over the limit.
+struct UnionPlan {
   ChunkUnion u;
-  DeviceBuffer<bf16> latent_rows, kv;
   int64_t block = 0;
 };
-
-// From the latent cache `kv` (rows `row` apart; the selection's tokens below `span`), or nothing
-// where the union is over the limit.
-std::optional<UnionKeys> union_keys(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
-                                    const bf16* kv, int64_t row, const int32_t* selection, int64_t span) {
-  const UnionAttentionShape s = union_shape(c, L, span);
-  UnionKeys k;
-  k.u = chunk_union(s, selection, ctx.stream());
-  if (static_cast<double>(k.u.count) > kUnionLimit * static_cast<double>(s.width)) return std::nullopt;
-  const int64_t kr = c.kv_lora_rank, kv_row = s.heads * (s.qk_dim + s.v_dim),
-                n = std::max<int64_t>(k.u.count, 1);
-  k.latent_rows = activations(n * kr);
-  k.kv = activations(n * kv_row);
-  if (k.u.count > 0) {
-    gather_union_rows(kv, row, k.u, kr, k.latent_rows.data(), ctx.stream());
-    ctx.gemm.linear(k.latent_rows.data(), bf16_data(w.kv_b_proj), k.kv.data(), k.u.count, kr, kv_row,
-                    ctx.stream());
-  }
-  k.block =
-      std::clamp<int64_t>(kUnionScoreBytes / (12 * s.heads * n) / 64 * 64, 64, std::max<int64_t>(L, 64));
-  return k;
+std::optional<UnionPlan> union_plan(Context& ctx, const UnionAttentionShape& s, const int32_t* selection) {
+  UnionPlan p;
+  p.u = chunk_union(s, selection, ctx.stream());
+  if (static_cast<double>(p.u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
+  for (p.block = std::max<int64_t>(s.queries, 64); p.block > 64; p.block /= 2)  // halves until the scores fit
+    if (12 * s.heads * p.block * (p.u.count + p.block + s.tail()) <= kUnionScoreBytes) break;
+  return p;
 }
 
 // Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
@@ -351,10 +340,11 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     return;
   }
   if (ctx.union_attention) {
-    if (std::optional<UnionKeys> k = union_keys(ctx, c, w, L, kv, cache_row(c, true), selection, span)) {
+    const UnionAttentionShape us = union_shape(c, L, span);
+    if (std::optional<UnionPlan> p = union_plan(ctx, us, selection)) {
       a.lse = activations_f32(L * c.num_attention_heads);
-      union_attention_forward(ctx.gemm, union_shape(c, L, span), k->u, a.q.data(), k->kv.data(),
-                              a.attended.data(), a.lse.data(), k->block, s);
+      union_attention_forward(ctx.gemm, us, p->u, union_latent(c, w, kv), selection, a.q.data(),
+                              a.attended.data(), a.lse.data(), p->block, s);
       a.union_form = true;
       ctx.record.note("dsa/attention/union",
                       "union form: the chunk's selected keys expanded (cuBLAS, version 1)");
@@ -394,32 +384,21 @@ void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActiv
   ctx.record.note("dsa/attention_mass", "cuda attention mass in a pass of its own (CUDA cores, slow)");
 }
 
-// The union form's backward: dq written, the union's latent rows' gradient added to dkv (the
-// latent cache's, fp32), kv_b_proj's gradient accumulated. mass, unless null, by the CUDA-core pass.
+// The union form's backward: dq written, the latent's gradient added to dkv (the cache's, fp32) and
+// kv_b_proj's accumulated. mass, unless null, by the CUDA-core pass.
 void union_attention_backward_over(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
                                    MlaActivations& a, const bf16* kv, const int32_t* selection, int64_t span,
                                    const bf16* d_attended, bf16* dq, float* dkv, float* mass,
                                    DsaWeights& grad) {
-  const cudaStream_t s = ctx.stream();
-  const int64_t row = cache_row(c, true), kr = c.kv_lora_rank;
-  std::optional<UnionKeys> k = union_keys(ctx, c, w, L, kv, row, selection, span);
-  check(k.has_value(),
+  const UnionAttentionShape us = union_shape(c, L, span);
+  std::optional<UnionPlan> p = union_plan(ctx, us, selection);
+  check(p.has_value(),
         "DSA backward: the union form's forward ran on a union its backward finds over the limit");
   if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
-  const UnionAttentionShape us = union_shape(c, L, span);
-  const int64_t kv_row = us.heads * (us.qk_dim + us.v_dim), n = k->u.count;
-  DeviceBuffer<float> dkv_u = activations_f32(std::max<int64_t>(n, 1) * kv_row);
-  union_attention_backward(ctx.gemm, us, k->u, a.q.data(), k->kv.data(), a.attended.data(), a.lse.data(),
-                           d_attended, dq, dkv_u.data(), k->block, s);
+  union_attention_backward(ctx.gemm, us, p->u, union_latent(c, w, kv), selection, a.q.data(),
+                           a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj),
+                           p->block, ctx.stream());
   ctx.record.note("dsa/attention_backward/union", "union form backward (cuBLAS, version 1)");
-  if (n == 0) return;
-  DeviceBuffer<bf16> dkv16 = activations(n * kv_row);
-  f32_to_bf16(dkv_u.data(), dkv16.data(), n * kv_row, s);
-  DeviceBuffer<float> d_rows = activations_f32(n * kr);
-  ctx.gemm.linear_backward_input(dkv16.data(), bf16_data(w.kv_b_proj), d_rows.data(), n, kr, kv_row, 0.0f, s);
-  ctx.gemm.linear_backward_weight(dkv16.data(), k->latent_rows.data(), f32_data(grad.kv_b_proj), n, kr,
-                                  kv_row, s);
-  add_union_rows(d_rows.data(), k->u, kr, dkv, row, s);
 }
 
 // From the attention output's gradient to the gradient of the keys and values the queries read
