@@ -55,9 +55,8 @@ constexpr int kSlice = 128;
 constexpr int kStages = 2;
 // Row strides of a staged slice. A quarter warp reads rows g and g + 1 with 16-byte accesses at 16 c
 // (x) or 32 c (fn) bytes: rows 64 mod 128 bytes apart (x) or 4 words mod 32 (fn) hit disjoint banks.
-constexpr int kXStride = kSlice + 32;             // bf16
-constexpr int kFStride = kSlice + 4;              // fp32
-constexpr size_t kMaxDynamicShared = 227 * 1024;  // per block on sm_90
+constexpr int kXStride = kSlice + 32;  // bf16
+constexpr int kFStride = kSlice + 4;   // fp32
 static_assert(kTileTokens == kWarps * 8, "the forward's Sinkhorn takes 8 tokens per warp");
 
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }

@@ -12,6 +12,10 @@
 
 namespace spindle::cuda {
 
+// The dynamic shared memory a block may opt into on sm_90 (H100, H200), for layouts sized at compile
+// time or chosen before the launch.
+constexpr size_t kMaxDynamicShared = 227 * 1024;
+
 // Lets `kernel` take `bytes` of dynamic shared memory: past the default 48 KiB the limit is raised
 // up to the device's opt-in maximum (less the kernel's static shared memory); beyond that it fails,
 // naming what asked for it (`what...`, the kernel and its shape).

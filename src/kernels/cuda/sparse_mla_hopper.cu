@@ -23,7 +23,6 @@ constexpr int kThreads = 128 * kGroups;
 constexpr int kKeys = kTileKeys;  // rows per tile: the scores' M
 constexpr int kHeads = 32;        // heads per CTA and query: both products' N
 constexpr int kMaxDim = 512;
-constexpr uint32_t kMaxSharedBytes = 227 * 1024;  // an H100's or H200's shared memory per block
 
 // The largest union, in units of the wider selection, that a pair walks together. A warpgroup per
 // query: 5/4, where every tile costs both warpgroups' arithmetic once, against two tiles' gathers
@@ -720,7 +719,7 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
   // The heads as M for the latent of 512 where the pairs' lists fit beside the tiles (the model's
   // 2,063-wide selections: 12 KB of 18).
   const bool heads_as_m = s.dk == kLatentDim && s.dv == kLatentDim &&
-                          HeadsLayout::total(heads_list_capacity(s.width)) <= kMaxSharedBytes;
+                          HeadsLayout::total(heads_list_capacity(s.width)) <= kMaxDynamicShared;
   const PairLists lists =
       pair_lists(selected, s.width, s.tokens, heads_as_m ? kHeadsShareLimit : kShareLimit, stream);
   Args args{};
