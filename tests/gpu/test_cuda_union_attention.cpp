@@ -72,6 +72,7 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
       {700, 200, 4, 128, 128, 64, 64, 16, 4, true, 64},   // shared pools, blocks of 64 (one partial)
       {900, 300, 8, 64, 32, 96, 100, 16, 8, false, 300},  // each its own, one block, latent rows apart
       {40, 40, 2, 128, 128, 64, 64, 16, 4, true, 16},     // the sequence's start: few pools, none first
+      {5000, 4300, 2, 128, 128, 64, 64, 16, 4, false, 64},  // the fused kernels' groups, a large union
   };
   for (const Case& c : cases) {
     const int64_t T = c.span, C = c.queries, H = c.heads, first = T - C, kv_row = H * (c.dqk + c.dv);

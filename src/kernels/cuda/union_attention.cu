@@ -8,6 +8,7 @@
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/union_attention.h"
+#include "kernels/cuda/union_attention_hopper.h"
 
 namespace spindle::cuda {
 
@@ -17,6 +18,9 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kThreads = 256;
 constexpr int kMaxTail = 32;  // a tail's slots, one lane each
+// The fused forward's queries a launch: their tails' keys and values expanded at once (64 MB).
+constexpr int64_t kFusedGroup = 4096;
+static_assert(kFusedGroup % 64 == 0, "groups of whole blocks of the fused kernels' queries");
 
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
@@ -179,16 +183,19 @@ void expand(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride
               kv_row, 1.0f, 0.0f, stream);
 }
 
-// The gradient [n, heads (qk + v)] fp32 of n rows' keys and values back through kv_b_proj: the rows'
+// The gradient [n, heads (qk + v)] of n rows' keys and values back through kv_b_proj: the rows'
 // latent gradient d_rows [n, rank] (written) and kv_b_proj's (accumulated).
 void expand_backward(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride, int64_t n,
-                     int64_t kv_row, const float* dkv, float* d_rows, float* d_kv_b_proj,
-                     cudaStream_t stream) {
+                     int64_t kv_row, const bf16* dkv, float* d_rows, float* d_kv_b_proj, cudaStream_t stream) {
+  gemm.linear_backward_input(dkv, lat.kv_b_proj, d_rows, n, lat.rank, kv_row, 0.0f, stream);
+  gemm.matmul(false, true, lat.rank, kv_row, n, rows, stride, dkv, kv_row, d_kv_b_proj, CUDA_R_32F, lat.rank,
+              1.0f, 1.0f, stream);
+}
+void expand_backward(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride, int64_t n,
+                     int64_t kv_row, const float* dkv, float* d_rows, float* d_kv_b_proj, cudaStream_t stream) {
   DeviceBuffer<bf16> dkv16(static_cast<size_t>(n * kv_row), MemoryCategory::Workspace);
   f32_to_bf16(dkv, dkv16.data(), n * kv_row, stream);
-  gemm.linear_backward_input(dkv16.data(), lat.kv_b_proj, d_rows, n, lat.rank, kv_row, 0.0f, stream);
-  gemm.matmul(false, true, lat.rank, kv_row, n, rows, stride, dkv16.data(), kv_row, d_kv_b_proj, CUDA_R_32F,
-              lat.rank, 1.0f, 1.0f, stream);
+  expand_backward(gemm, lat, rows, stride, n, kv_row, dkv16.data(), d_rows, d_kv_b_proj, stream);
 }
 
 // A block's place: its queries' tails reach back `tail` tokens, so its latent rows are low .. high.
@@ -198,6 +205,16 @@ struct Block {
 Block block_at(const UnionAttentionShape& s, int64_t b0, int64_t B) {
   const int64_t low = std::max<int64_t>(0, s.first + b0 - s.tail()), high = s.first + b0 + B;
   return {b0, high - low, low};
+}
+
+// The most tail rows of a group of the fused kernels' queries.
+int64_t most_fused_tail_rows(const UnionAttentionShape& s, int64_t group) {
+  int64_t most = 0;
+  for (int64_t g0 = 0; g0 < s.queries; g0 += group) {
+    const TailRows t = union_fused_tail_rows(s, g0, std::min(s.queries, g0 + group));
+    most = std::max(most, t.high - t.low);
+  }
+  return most;
 }
 
 BlockScores block_scores(const UnionAttentionShape& s, const ChunkUnion& u, const int32_t* selected,
@@ -268,6 +285,21 @@ void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const Chu
     SPINDLE_LAUNCHED("gather_rows_kernel");
     expand(gemm, lat, union_rows.data(), lat.rank, n, kv_row, union_kv.data(), stream);
   }
+  if (union_fused_unsupported(s).empty()) {
+    // Version 2: one kernel over the union and the tails, the tails' rows expanded a group at a time.
+    const int64_t group = std::min(s.queries, kFusedGroup);
+    const int64_t most_tail = most_fused_tail_rows(s, group);
+    DeviceBuffer<bf16> tail_kv(static_cast<size_t>(most_tail * kv_row), MemoryCategory::Workspace);
+    for (int64_t g0 = 0; g0 < s.queries; g0 += group) {
+      const int64_t g1 = std::min(s.queries, g0 + group);
+      const TailRows t = union_fused_tail_rows(s, g0, g1);
+      expand(gemm, lat, lat.latent + t.low * lat.stride, lat.stride, t.high - t.low, kv_row, tail_kv.data(),
+             stream);
+      union_attention_forward_fused(s, u, union_kv.data(), tail_kv.data(), t, g0, g1, selected, q, out, lse,
+                                    stream);
+    }
+    return;
+  }
   DeviceBuffer<float> scores(static_cast<size_t>(std::max<int64_t>(H * most * n, 1)),
                              MemoryCategory::Workspace),
       tail_scores(static_cast<size_t>(H * most * most_rows), MemoryCategory::Workspace);
@@ -315,13 +347,46 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
   const size_t union_cells = static_cast<size_t>(std::max<int64_t>(n, 1));
   DeviceBuffer<bf16> union_rows(union_cells * lat.rank, MemoryCategory::Workspace),
       union_kv(union_cells * kv_row, MemoryCategory::Workspace);
-  DeviceBuffer<float> union_dkv(union_cells * kv_row, MemoryCategory::Workspace);
   if (n > 0) {
     gather_rows_kernel<<<blocks_for(n * lat.rank), kThreads, 0, stream>>>(
         lat.latent, lat.stride, u.keys.data(), n, lat.rank, union_rows.data());
     SPINDLE_LAUNCHED("gather_rows_kernel");
     expand(gemm, lat, union_rows.data(), lat.rank, n, kv_row, union_kv.data(), stream);
   }
+  if (union_fused_unsupported(s).empty()) {
+    // Version 2: the union's gradient from every query at once, the tails' a group at a time.
+    const UnionBackwardInputs in{q, lse, dout, dot.data()};
+    if (n > 0) {
+      DeviceBuffer<bf16> union_dkv(union_cells * kv_row, MemoryCategory::Workspace);
+      union_attention_backward_fused_union(s, u, union_kv.data(), selected, in, union_dkv.data(), stream);
+      DeviceBuffer<float> union_d_rows(static_cast<size_t>(n * lat.rank), MemoryCategory::Workspace);
+      expand_backward(gemm, lat, union_rows.data(), lat.rank, n, kv_row, union_dkv.data(), union_d_rows.data(),
+                      d_kv_b_proj, stream);
+      add_rows_kernel<<<blocks_for(n * lat.rank), kThreads, 0, stream>>>(union_d_rows.data(), u.keys.data(), 0,
+                                                                         n, lat.rank, d_latent, lat.stride);
+      SPINDLE_LAUNCHED("add_rows_kernel");
+    }
+    const int64_t group = std::min(s.queries, kFusedGroup), most_tail = most_fused_tail_rows(s, group);
+    DeviceBuffer<bf16> tail_kv(static_cast<size_t>(most_tail * kv_row), MemoryCategory::Workspace),
+        tail_dkv(static_cast<size_t>(most_tail * kv_row), MemoryCategory::Workspace);
+    DeviceBuffer<float> tail_d_rows(static_cast<size_t>(most_tail * lat.rank), MemoryCategory::Workspace);
+    DeviceBuffer<uint32_t> tail_masks(static_cast<size_t>(s.queries * 4), MemoryCategory::Workspace);
+    for (int64_t g0 = 0; g0 < s.queries; g0 += group) {
+      const int64_t g1 = std::min(s.queries, g0 + group);
+      const TailRows t = union_fused_tail_rows(s, g0, g1);
+      const bf16* tail_latent = lat.latent + t.low * lat.stride;
+      expand(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_kv.data(), stream);
+      union_attention_backward_fused_tails(s, u, union_kv.data(), tail_kv.data(), t, g0, g1, selected, in,
+                                           tail_masks.data(), dq, tail_dkv.data(), stream);
+      expand_backward(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_dkv.data(),
+                      tail_d_rows.data(), d_kv_b_proj, stream);
+      add_rows_kernel<<<blocks_for((t.high - t.low) * lat.rank), kThreads, 0, stream>>>(
+          tail_d_rows.data(), nullptr, t.low, t.high - t.low, lat.rank, d_latent, lat.stride);
+      SPINDLE_LAUNCHED("add_rows_kernel");
+    }
+    return;
+  }
+  DeviceBuffer<float> union_dkv(union_cells * kv_row, MemoryCategory::Workspace);
   const size_t cells = static_cast<size_t>(std::max<int64_t>(H * most * n, 1)),
                tail_cells = static_cast<size_t>(H * most * most_rows);
   DeviceBuffer<float> scores(cells, MemoryCategory::Workspace), dprobs(cells, MemoryCategory::Workspace),
