@@ -4,7 +4,7 @@
 // neighbours; share = queries is a chunk whose queries all choose the same pools, as the 20-step
 // trained checkpoint's nearly do). Times by CUDA events (median of a few launches): the union and
 // its bits, the union form's forward and backward (keys and values made from the latent by
-// kv_b_proj inside them), the absorbed forward and backward.
+// kv_b_proj inside them, the fused kernels), the absorbed forward and backward.
 //     build/bench_union_attention [tokens] [queries] [share]
 #include <algorithm>
 #include <cstdio>
@@ -43,32 +43,28 @@ int main(int argc, char** argv) {
   const UnionLatent lat{chunk.latent.data(), kRank, kRank, kv_b_proj.data()};
   Gemm gemm;
   const ChunkUnion u = chunk_union(s, chunk.selection.data(), nullptr);
-  int64_t block = std::max<int64_t>(queries, 64);  // as the DSA layer picks it: scores within 256 MB
-  while (block > 64 && 12 * kHeads * block * (u.count + block + s.tail()) > (int64_t{256} << 20)) block /= 2;
   const double build = median_ms([&] { chunk_union(s, chunk.selection.data(), nullptr); }, 5);
   const double forward = median_ms(
       [&] {
         union_attention_forward(gemm, s, u, lat, chunk.selection.data(), q.data(), out.data(), lse.data(),
-                                block, nullptr);
+                                nullptr);
       },
       5);
   const double backward = median_ms(
       [&] {
         union_attention_backward(gemm, s, u, lat, chunk.selection.data(), q.data(), out.data(), lse.data(),
-                                 dout.data(), dq.data(), chunk.d_latent.data(), d_kv_b_proj.data(), block,
-                                 nullptr);
+                                 dout.data(), dq.data(), chunk.d_latent.data(), d_kv_b_proj.data(), nullptr);
       },
       5);
   const double absorbed_forward = median_ms([&] { chunk.forward(nullptr); }, 5);
   const double absorbed_backward = median_ms([&] { chunk.backward(nullptr); }, 5);
   std::printf(
-      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the "
-      "512-wide "
-      "latent, pools shared by groups of %lld): a union of %lld pooled tokens, blocks of %lld queries\n"
+      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the 512-wide "
+      "latent, pools shared by groups of %lld): a union of %lld pooled tokens\n"
       "  union and bits %.3f ms, forward %.3f ms, backward %.3f ms (absorbed: forward %.3f ms, backward %.3f "
       "ms)\n",
       static_cast<long long>(tokens), static_cast<long long>(chunk.first), static_cast<long long>(tokens),
-      static_cast<long long>(share), static_cast<long long>(u.count), static_cast<long long>(block), build,
-      forward, backward, absorbed_forward, absorbed_backward);
+      static_cast<long long>(share), static_cast<long long>(u.count), build, forward, backward, absorbed_forward,
+      absorbed_backward);
   return 0;
 }

@@ -9,7 +9,6 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -157,14 +156,10 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
   ModelWeights cpu_grads = zero_gradients(config, DType::F32);
   const LossResult cpu =
       loss_and_gradients<float>(config, as_on_gpu(config, weights), tokens, cpu_grads, options);
-  // The forms of the DSA attention: over the shared latent (absorbed), per head (expanded), and the
-  // absorbed cache with each chunk's selected keys expanded (union: docs/UNION_ATTENTION.md,
-  // SPINDLE_UNION_ATTENTION set while the model is made).
-  for (const std::string form : {"absorbed", "expanded", "union"}) {
-    SCOPED_TRACE(form + " MLA");
-    if (form == "union") setenv("SPINDLE_UNION_ATTENTION", "1", 1);
-    auto device = on_gpu(config, weights, form != "expanded");
-    unsetenv("SPINDLE_UNION_ATTENTION");
+  // Both forms of the DSA attention: over the shared latent (absorbed) and per-head (expanded).
+  for (const bool absorbed : {true, false}) {
+    SCOPED_TRACE(absorbed ? "absorbed MLA" : "expanded MLA");
+    auto device = on_gpu(config, weights, absorbed);
     const LossResult gpu = device->loss_and_gradients(tokens, options);
     ModelWeights gpu_grads = zero_gradients(config, DType::F32);
     device->download_gradients(gpu_grads);

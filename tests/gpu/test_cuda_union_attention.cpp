@@ -4,8 +4,8 @@
 // against sorting, exactly; the forward's output and log-sum-exp; the backward's dq, the latent's
 // gradient (the reference's key and value gradient back through kv_b_proj) and kv_b_proj's. On the
 // indexer's layout (pools, then the query's own incomplete pool), pools shared by the chunk's
-// queries or each its own, across query blocks, with a chunk at the sequence's start (queries with
-// fewer pools, the first with none).
+// queries or each its own, across the fused kernels' blocks of queries and groups of blocks, with a
+// chunk at the sequence's start (queries with fewer pools, the first with none).
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -66,13 +66,12 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
   struct Case {
     int64_t span, queries, heads, dqk, dv, rank, stride, kpool, pools;
     bool shared;
-    int64_t block;
   };
   const Case cases[] = {
-      {700, 200, 4, 128, 128, 64, 64, 16, 4, true, 64},   // shared pools, blocks of 64 (one partial)
-      {900, 300, 8, 64, 32, 96, 100, 16, 8, false, 300},  // each its own, one block, latent rows apart
-      {40, 40, 2, 128, 128, 64, 64, 16, 4, true, 16},     // the sequence's start: few pools, none first
-      {5000, 4300, 2, 128, 128, 64, 64, 16, 4, false, 64},  // the fused kernels' groups, a large union
+      {700, 200, 4, 128, 128, 64, 64, 16, 4, true},      // shared pools, blocks of 64 (one partial)
+      {900, 300, 3, 128, 128, 96, 100, 8, 8, false},     // each its own, latent rows apart, pools of 8
+      {40, 40, 2, 128, 128, 64, 64, 16, 4, true},        // the sequence's start: few pools, none first
+      {5000, 4300, 2, 128, 128, 64, 64, 16, 4, false},   // the fused kernels' groups, a large union
   };
   for (const Case& c : cases) {
     const int64_t T = c.span, C = c.queries, H = c.heads, first = T - C, kv_row = H * (c.dqk + c.dv);
@@ -128,10 +127,9 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
     auto d_latent = device(std::vector<float>(static_cast<size_t>(T * c.stride), 0.0f));
     auto d_wkv = device(std::vector<float>(static_cast<size_t>(kv_row * c.rank), 0.0f));
     const UnionLatent lat{dlatent.data(), c.stride, c.rank, dwkv.data()};
-    union_attention_forward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), c.block,
-                            stream.get());
+    union_attention_forward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), stream.get());
     union_attention_backward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), ddout.data(),
-                             dq.data(), d_latent.data(), d_wkv.data(), c.block, stream.get());
+                             dq.data(), d_latent.data(), d_wkv.data(), stream.get());
     stream.synchronize();
 
     // The reference: every token's keys and values from its latent, the chunk's queries at their

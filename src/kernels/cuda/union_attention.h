@@ -1,14 +1,14 @@
-// MLA's sparse attention over a chunk of queries with the selected keys made explicit, version 1
+// MLA's sparse attention over a chunk of queries with the selected keys made explicit
 // (docs/UNION_ATTENTION.md). Keys and values of a token are kv_b_proj's product of its latent row.
 // Two segments, in one softmax:
 //   - the union U: the distinct tokens of the chunk's pool slots (each row's first `pooled`), each
 //     query's pool slots as bits over U, their keys and values made once for the chunk;
 //   - the tail: each query's last width - pooled slots (its own incomplete pool, within width -
-//     pooled tokens before it), per block of queries over the block's consecutive latent rows.
-// The products run on cuBLAS batched over the heads, on blocks of queries, the masked softmax and
-// its backward as passes over the scores between them. The same function as cpu::sparse_attention
-// with per-head keys (kv_heads = heads) over keys and values kv_b_proj makes from the latent, for
-// the chunk's queries; a selection row holds no token twice.
+//     pooled tokens before it), over the consecutive latent rows of its block of queries.
+// The attention runs in flash-style kernels on wgmma (union_attention_hopper.h), for the shapes
+// they take (union_fused_unsupported). The same function as cpu::sparse_attention with per-head
+// keys (kv_heads = heads) over keys and values kv_b_proj makes from the latent, for the chunk's
+// queries; a selection row holds no token twice.
 //
 // Layouts (row-major):
 //   selected [queries, width]          int32: token ids below first + queries, negative unused
@@ -55,15 +55,13 @@ struct ChunkUnion {
 };
 ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream);
 
-// Queries in blocks of `block`: a block's scores are heads x block x (u + block + tail) values,
-// 6 bytes each in the forward, 12 in the backward.
+// The shape must be one the fused kernels take (union_fused_unsupported empty).
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                              const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
-                             __nv_bfloat16* out, float* lse, int64_t block, cudaStream_t stream);
+                             __nv_bfloat16* out, float* lse, cudaStream_t stream);
 void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                               const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
                               const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* dout,
-                              __nv_bfloat16* dq, float* d_latent, float* d_kv_b_proj, int64_t block,
-                              cudaStream_t stream);
+                              __nv_bfloat16* dq, float* d_latent, float* d_kv_b_proj, cudaStream_t stream);
 
 }  // namespace spindle::cuda

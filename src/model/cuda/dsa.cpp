@@ -18,6 +18,7 @@
 #include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
 #include "kernels/cuda/union_attention.h"
+#include "kernels/cuda/union_attention_hopper.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
 
@@ -179,6 +180,7 @@ struct MlaActivations {
   DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, q_lat, o_lat, attended;
   DeviceBuffer<float> lse;  // absorbed form on the tensor cores or union form: each query head's log-sum-exp
   bool union_form = false;  // the attention ran in the union form: `attended` and `lse` are its output
+  std::optional<ChunkUnion> chunk_union;  // the union form's, where this pass made it (the backward's then)
   const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
 
@@ -216,12 +218,10 @@ int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.
 int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_lora_rank; }
 
 // The union form (docs/UNION_ATTENTION.md), where a chunk's pool slots hold at most this many
-// times a query's pooled tokens between them: its estimated break-even against the absorbed
-// kernels (forward, recomputation and backward together).
+// times a query's pooled tokens between them: below its break-even against the absorbed kernels
+// (bench_union_attention at 1M, forward twice and backward: 16.4 ms at 1x, 40.2 ms at 4x, the
+// absorbed kernels 31.8 ms: even near 2.9x).
 constexpr double kUnionLimit = 2.5;
-// Queries per block of the union form's scores: heads x block x (u + block + tail) of them, 12
-// bytes each in the backward (fp32 S and dP, bf16 P and dS), within this.
-constexpr int64_t kUnionScoreBytes = int64_t{256} << 20;
 
 UnionAttentionShape union_shape(const ModelConfig& c, int64_t L, int64_t span) {
   const cpu::SparseAttentionShape a = attention_shape(c, L, false);
@@ -232,18 +232,11 @@ UnionLatent union_latent(const ModelConfig& c, const DsaWeights& w, const bf16* 
   return {kv, cache_row(c, true), c.kv_lora_rank, bf16_data(w.kv_b_proj)};
 }
 
-// The chunk's union, and the queries per block of scores, or nothing where it is over the limit.
-struct UnionPlan {
-  ChunkUnion u;
-  int64_t block = 0;
-};
-std::optional<UnionPlan> union_plan(Context& ctx, const UnionAttentionShape& s, const int32_t* selection) {
-  UnionPlan p;
-  p.u = chunk_union(s, selection, ctx.stream());
-  if (static_cast<double>(p.u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
-  for (p.block = std::max<int64_t>(s.queries, 64); p.block > 64; p.block /= 2)  // halves until the scores fit
-    if (12 * s.heads * p.block * (p.u.count + p.block + s.tail()) <= kUnionScoreBytes) break;
-  return p;
+// The chunk's union, or nothing where it is over the limit.
+std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionShape& s, const int32_t* selection) {
+  ChunkUnion u = chunk_union(s, selection, ctx.stream());
+  if (static_cast<double>(u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
+  return u;
 }
 
 // Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
@@ -339,15 +332,15 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
     return;
   }
-  if (ctx.union_attention) {
-    const UnionAttentionShape us = union_shape(c, L, span);
-    if (std::optional<UnionPlan> p = union_plan(ctx, us, selection)) {
+  const UnionAttentionShape us = union_shape(c, L, span);
+  if (ctx.union_attention && !ctx.indexer_kl && union_fused_unsupported(us).empty()) {
+    if (std::optional<ChunkUnion> u = union_within_limit(ctx, us, selection)) {
       a.lse = activations_f32(L * c.num_attention_heads);
-      union_attention_forward(ctx.gemm, us, p->u, union_latent(c, w, kv), selection, a.q.data(),
-                              a.attended.data(), a.lse.data(), p->block, s);
+      union_attention_forward(ctx.gemm, us, *u, union_latent(c, w, kv), selection, a.q.data(), a.attended.data(),
+                              a.lse.data(), s);
       a.union_form = true;
-      ctx.record.note("dsa/attention/union",
-                      "union form: the chunk's selected keys expanded (cuBLAS, version 1)");
+      a.chunk_union = std::move(u);
+      ctx.record.note("dsa/attention/union", "union form: the chunk's selected keys expanded (fused, wgmma)");
       return;
     }
     ctx.record.note("dsa/attention/union_over_limit",
@@ -391,14 +384,14 @@ void union_attention_backward_over(Context& ctx, const ModelConfig& c, const Dsa
                                    const bf16* d_attended, bf16* dq, float* dkv, float* mass,
                                    DsaWeights& grad) {
   const UnionAttentionShape us = union_shape(c, L, span);
-  std::optional<UnionPlan> p = union_plan(ctx, us, selection);
-  check(p.has_value(),
+  if (!a.chunk_union) a.chunk_union = union_within_limit(ctx, us, selection);  // the forward's outputs were kept
+  check(a.chunk_union.has_value(),
         "DSA backward: the union form's forward ran on a union its backward finds over the limit");
   if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
-  union_attention_backward(ctx.gemm, us, p->u, union_latent(c, w, kv), selection, a.q.data(),
+  union_attention_backward(ctx.gemm, us, *a.chunk_union, union_latent(c, w, kv), selection, a.q.data(),
                            a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj),
-                           p->block, ctx.stream());
-  ctx.record.note("dsa/attention_backward/union", "union form backward (cuBLAS, version 1)");
+                           ctx.stream());
+  ctx.record.note("dsa/attention_backward/union", "union form backward (fused, wgmma)");
 }
 
 // From the attention output's gradient to the gradient of the keys and values the queries read
