@@ -59,12 +59,13 @@ int main(int argc, char** argv) {
   const double absorbed_forward = median_ms([&] { chunk.forward(nullptr); }, 5);
   const double absorbed_backward = median_ms([&] { chunk.backward(nullptr); }, 5);
   std::printf(
-      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the 512-wide "
+      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the "
+      "512-wide "
       "latent, pools shared by groups of %lld): a union of %lld pooled tokens\n"
       "  union and bits %.3f ms, forward %.3f ms, backward %.3f ms (absorbed: forward %.3f ms, backward %.3f "
       "ms)\n",
       static_cast<long long>(tokens), static_cast<long long>(chunk.first), static_cast<long long>(tokens),
-      static_cast<long long>(share), static_cast<long long>(u.count), build, forward, backward, absorbed_forward,
-      absorbed_backward);
+      static_cast<long long>(share), static_cast<long long>(u.count), build, forward, backward,
+      absorbed_forward, absorbed_backward);
   return 0;
 }

@@ -68,10 +68,10 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
     bool shared;
   };
   const Case cases[] = {
-      {700, 200, 4, 128, 128, 64, 64, 16, 4, true},      // shared pools, blocks of 64 (one partial)
-      {900, 300, 3, 128, 128, 96, 100, 8, 8, false},     // each its own, latent rows apart, pools of 8
-      {40, 40, 2, 128, 128, 64, 64, 16, 4, true},        // the sequence's start: few pools, none first
-      {5000, 4300, 2, 128, 128, 64, 64, 16, 4, false},   // the fused kernels' groups, a large union
+      {700, 200, 4, 128, 128, 64, 64, 16, 4, true},     // shared pools, blocks of 64 (one partial)
+      {900, 300, 3, 128, 128, 96, 100, 8, 8, false},    // each its own, latent rows apart, pools of 8
+      {40, 40, 2, 128, 128, 64, 64, 16, 4, true},       // the sequence's start: few pools, none first
+      {5000, 4300, 2, 128, 128, 64, 64, 16, 4, false},  // the fused kernels' groups, a large union
   };
   for (const Case& c : cases) {
     const int64_t T = c.span, C = c.queries, H = c.heads, first = T - C, kv_row = H * (c.dqk + c.dv);

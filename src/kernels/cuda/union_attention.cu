@@ -83,7 +83,8 @@ void expand(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride
 // The gradient [n, heads (qk + v)] of n rows' keys and values back through kv_b_proj: the rows'
 // latent gradient d_rows [n, rank] (written) and kv_b_proj's (accumulated).
 void expand_backward(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride, int64_t n,
-                     int64_t kv_row, const bf16* dkv, float* d_rows, float* d_kv_b_proj, cudaStream_t stream) {
+                     int64_t kv_row, const bf16* dkv, float* d_rows, float* d_kv_b_proj,
+                     cudaStream_t stream) {
   gemm.linear_backward_input(dkv, lat.kv_b_proj, d_rows, n, lat.rank, kv_row, 0.0f, stream);
   gemm.matmul(false, true, lat.rank, kv_row, n, rows, stride, dkv, kv_row, d_kv_b_proj, CUDA_R_32F, lat.rank,
               1.0f, 1.0f, stream);
@@ -177,21 +178,22 @@ void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const Chu
   for (int64_t g0 = 0; g0 < s.queries; g0 += group) {
     const int64_t g1 = std::min(s.queries, g0 + group);
     const TailRows t = union_fused_tail_rows(s, g0, g1);
-    expand(gemm, lat, lat.latent + t.low * lat.stride, lat.stride, t.high - t.low, kv_row, tail_kv.data(), stream);
-    union_attention_forward_fused(s, u, union_rows.kv.data(), tail_kv.data(), t, g0, g1, selected, q, out, lse,
-                                  stream);
+    expand(gemm, lat, lat.latent + t.low * lat.stride, lat.stride, t.high - t.low, kv_row, tail_kv.data(),
+           stream);
+    union_attention_forward_fused(s, u, union_rows.kv.data(), tail_kv.data(), t, g0, g1, selected, q, out,
+                                  lse, stream);
   }
 }
 
 void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                               const UnionLatent& lat, const int32_t* selected, const bf16* q, const bf16* out,
-                              const float* lse, const bf16* dout, bf16* dq, float* d_latent, float* d_kv_b_proj,
-                              cudaStream_t stream) {
+                              const float* lse, const bf16* dout, bf16* dq, float* d_latent,
+                              float* d_kv_b_proj, cudaStream_t stream) {
   if (s.queries == 0) return;
   const int64_t H = s.heads, n = u.count, kv_row = H * (s.qk_dim + s.v_dim);
   DeviceBuffer<float> dot(static_cast<size_t>(s.queries * H), MemoryCategory::Workspace);
-  output_dot_kernel<<<blocks_for(s.queries * H * 32), kThreads, 0, stream>>>(dout, out, s.queries * H, s.v_dim,
-                                                                             dot.data());
+  output_dot_kernel<<<blocks_for(s.queries * H * 32), kThreads, 0, stream>>>(dout, out, s.queries * H,
+                                                                             s.v_dim, dot.data());
   SPINDLE_LAUNCHED("output_dot_kernel");
   const UnionBackwardInputs in{q, lse, dout, dot.data()};
   const UnionRows union_rows = expand_union(gemm, u, lat, kv_row, stream);
@@ -200,10 +202,10 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
     DeviceBuffer<bf16> union_dkv(static_cast<size_t>(n * kv_row), MemoryCategory::Workspace);
     union_attention_backward_fused_union(s, u, union_rows.kv.data(), selected, in, union_dkv.data(), stream);
     DeviceBuffer<float> union_d_rows(static_cast<size_t>(n * lat.rank), MemoryCategory::Workspace);
-    expand_backward(gemm, lat, union_rows.rows.data(), lat.rank, n, kv_row, union_dkv.data(), union_d_rows.data(),
-                    d_kv_b_proj, stream);
-    add_rows_kernel<<<blocks_for(n * lat.rank), kThreads, 0, stream>>>(union_d_rows.data(), u.keys.data(), 0, n,
-                                                                       lat.rank, d_latent, lat.stride);
+    expand_backward(gemm, lat, union_rows.rows.data(), lat.rank, n, kv_row, union_dkv.data(),
+                    union_d_rows.data(), d_kv_b_proj, stream);
+    add_rows_kernel<<<blocks_for(n * lat.rank), kThreads, 0, stream>>>(union_d_rows.data(), u.keys.data(), 0,
+                                                                       n, lat.rank, d_latent, lat.stride);
     SPINDLE_LAUNCHED("add_rows_kernel");
   }
   // dq and the tails' gradient a group of queries at a time.
@@ -219,8 +221,8 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
     expand(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_kv.data(), stream);
     union_attention_backward_fused_tails(s, u, union_rows.kv.data(), tail_kv.data(), t, g0, g1, selected, in,
                                          tail_masks.data(), dq, tail_dkv.data(), stream);
-    expand_backward(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_dkv.data(), tail_d_rows.data(),
-                    d_kv_b_proj, stream);
+    expand_backward(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_dkv.data(),
+                    tail_d_rows.data(), d_kv_b_proj, stream);
     // Consecutive groups share rows: their adds run in turn on the stream.
     add_rows_kernel<<<blocks_for((t.high - t.low) * lat.rank), kThreads, 0, stream>>>(
         tail_d_rows.data(), nullptr, t.low, t.high - t.low, lat.rank, d_latent, lat.stride);

@@ -24,14 +24,16 @@ using namespace union_tile;
 struct BackwardArgs {
   Tiles t;
   const bf16 *q, *dout;
-  const float *lse, *dot;       // [queries, heads]: the forward's log-sum-exp, dO . O
-  const uint32_t* tail_masks;   // [queries, 4]: each query's tail bits over its block's window
+  const float *lse, *dot;           // [queries, heads]: the forward's log-sum-exp, dO . O
+  const uint32_t* tail_masks;       // [queries, 4]: each query's tail bits over its block's window
   bf16 *dq, *union_dkv, *tail_dkv;  // dq [queries, heads, kDim]; the keys' and values' as kv's rows
   float scale2, scale;
   int64_t first_tile;  // union_dkv_kernel: blockIdx.x's tile (the union's, then the tail segments)
 };
 
-__device__ __forceinline__ int64_t blocks_of(const Tiles& t) { return (t.q_end - t.q_begin + kRows - 1) / kRows; }
+__device__ __forceinline__ int64_t blocks_of(const Tiles& t) {
+  return (t.q_end - t.q_begin + kRows - 1) / kRows;
+}
 
 // One thread a query: its tail bits over its block's window.
 __global__ void tail_masks_kernel(Tiles t, uint32_t* tail_masks) {
@@ -47,9 +49,10 @@ __global__ void tail_masks_kernel(Tiles t, uint32_t* tail_masks) {
 // S (or S^T) to P (or P^T) and dS, in place (dP's registers hold dS): P = exp2(s scale2 - lse2)
 // where selected, dS = P (dP - D) scale; both as bf16 A fragments. lse2 and D per accumulator index.
 template <typename Selected, typename Lse2, typename Dot>
-__device__ __forceinline__ void probabilities_and_gradient(float (&s)[32], float (&dp)[32], const BackwardArgs& a,
-                                                            Selected selected, Lse2 lse2, Dot dot,
-                                                            uint32_t (&p)[4][4], uint32_t (&ds)[4][4]) {
+__device__ __forceinline__ void probabilities_and_gradient(float (&s)[32], float (&dp)[32],
+                                                           const BackwardArgs& a, Selected selected,
+                                                           Lse2 lse2, Dot dot, uint32_t (&p)[4][4],
+                                                           uint32_t (&ds)[4][4]) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     s[j] = selected(j) ? exp2_ftz(s[j] * a.scale2 - lse2(j)) : 0.0f;
@@ -116,7 +119,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_dq_kernel(BackwardArgs a) {
   const auto load_stage = [&](int i) {
     unsigned char* stage = stages + (i % kStages) * kDqStageBytes;
     load_keys(t, stage, list[i], window, h);
-    if (list[i] < t.union_tiles) load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
+    if (list[i] < t.union_tiles)
+      load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
   };
   if (count > 0) load_stage(0);
   copy_commit();
@@ -201,7 +205,8 @@ constexpr int kWordsOffset = 2 * kMatrixBytes, kLseOffset = kWordsOffset + kRows
 static_assert(kDkvStageBytes % 1024 == 0, "stages 1024-aligned");
 
 size_t dkv_shared_bytes(int64_t blocks) {
-  return 1024 + 2 * kMatrixBytes + kStages * kDkvStageBytes + static_cast<size_t>(blocks + 2) * sizeof(int32_t);
+  return 1024 + 2 * kMatrixBytes + kStages * kDkvStageBytes +
+         static_cast<size_t>(blocks + 2) * sizeof(int32_t);
 }
 
 __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) {
@@ -299,8 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) 
     const auto column = [&](int j) { return 8 * (j / 4) + 2 * (lane % 4) + j % 2; };  // the query
     uint32_t p[4][4], ds[4][4];
     probabilities_and_gradient(
-        s, dp, a,
-        [&](int j) { return (words[2 * column(j) + word] >> (bit0 + 8 * ((j / 2) % 2))) & 1u; },
+        s, dp, a, [&](int j) { return (words[2 * column(j) + word] >> (bit0 + 8 * ((j / 2) % 2))) & 1u; },
         [&](int j) { return lse[column(j)] * kLog2e; }, [&](int j) { return dots[column(j)]; }, p, ds);
 
     wgmma_fence();
@@ -359,16 +363,18 @@ BackwardArgs backward_args(const UnionAttentionShape& s, const ChunkUnion& u, co
 void launch_dkv(const BackwardArgs& a, int64_t tiles, int heads, cudaStream_t stream) {
   const int64_t blocks = (a.t.q_end - a.t.q_begin + kRows - 1) / kRows;
   const size_t bytes = dkv_shared_bytes(blocks);
-  allow_shared_memory(union_dkv_kernel, bytes, "union attention backward (fused): ", blocks, " blocks of queries");
-  union_dkv_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(heads)), kThreads, bytes, stream>>>(
-      a);
+  allow_shared_memory(union_dkv_kernel, bytes, "union attention backward (fused): ", blocks,
+                      " blocks of queries");
+  union_dkv_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(heads)), kThreads, bytes,
+                     stream>>>(a);
   SPINDLE_LAUNCHED("union_dkv_kernel");
 }
 
 }  // namespace
 
-void union_attention_backward_fused_union(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
-                                          const int32_t* selected, const UnionBackwardInputs& in, bf16* union_dkv,
+void union_attention_backward_fused_union(const UnionAttentionShape& s, const ChunkUnion& u,
+                                          const bf16* union_kv, const int32_t* selected,
+                                          const UnionBackwardInputs& in, bf16* union_dkv,
                                           cudaStream_t stream) {
   BackwardArgs a = backward_args(s, u, union_kv, nullptr, TailRows{0, 0}, 0, s.queries, selected, in);
   a.union_dkv = union_dkv;
@@ -376,10 +382,11 @@ void union_attention_backward_fused_union(const UnionAttentionShape& s, const Ch
   launch_dkv(a, a.t.union_tiles, static_cast<int>(s.heads), stream);
 }
 
-void union_attention_backward_fused_tails(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
-                                          const bf16* tail_kv, const TailRows& tail, int64_t q_begin,
-                                          int64_t q_end, const int32_t* selected, const UnionBackwardInputs& in,
-                                          uint32_t* tail_masks, bf16* dq, bf16* tail_dkv, cudaStream_t stream) {
+void union_attention_backward_fused_tails(const UnionAttentionShape& s, const ChunkUnion& u,
+                                          const bf16* union_kv, const bf16* tail_kv, const TailRows& tail,
+                                          int64_t q_begin, int64_t q_end, const int32_t* selected,
+                                          const UnionBackwardInputs& in, uint32_t* tail_masks, bf16* dq,
+                                          bf16* tail_dkv, cudaStream_t stream) {
   BackwardArgs a = backward_args(s, u, union_kv, tail_kv, tail, q_begin, q_end, selected, in);
   a.tail_masks = tail_masks;
   a.dq = dq;
@@ -387,7 +394,8 @@ void union_attention_backward_fused_tails(const UnionAttentionShape& s, const Ch
   a.first_tile = a.t.union_tiles;
   if (q_end <= q_begin) return;
   const int64_t blocks = (q_end - q_begin + kRows - 1) / kRows;
-  tail_masks_kernel<<<static_cast<unsigned>((q_end - q_begin + 255) / 256), 256, 0, stream>>>(a.t, tail_masks);
+  tail_masks_kernel<<<static_cast<unsigned>((q_end - q_begin + 255) / 256), 256, 0, stream>>>(a.t,
+                                                                                              tail_masks);
   SPINDLE_LAUNCHED("tail_masks_kernel");
   const size_t dq_bytes = dq_shared_bytes(a.t.union_tiles);
   allow_shared_memory(union_dq_kernel, dq_bytes, "union attention backward (fused): a union of ", u.count,

@@ -35,8 +35,8 @@ struct ForwardArgs {
 
 // The tiles a CTA attends to, into list (their count returned, the same in every thread): the
 // union's tiles where any of its queries has a bit, then the tail tiles where any has one.
-__device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint32_t (&tails)[2][4], int32_t* list,
-                                          int* count_s) {
+__device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint32_t (&tails)[2][4],
+                                          int32_t* list, int* count_s) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t tile = warp; tile < t.union_tiles; tile += kThreads / 32) {
     const bool live = any_bit(t, q0, tile);
@@ -74,7 +74,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_forward_kernel(ForwardArgs 
   const auto load_stage = [&](int i) {
     unsigned char* stage = stages + (i % kStages) * kStageBytes;
     load_keys(t, stage, list[i], window, h);
-    if (list[i] < t.union_tiles) load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
+    if (list[i] < t.union_tiles)
+      load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
   };
   if (count > 0) load_stage(0);
   copy_commit();  // Q with the first tile
@@ -192,9 +193,9 @@ Tiles union_tile::union_fused_tiles(const UnionAttentionShape& s, const ChunkUni
                                     const int32_t* selected) {
   const std::string unsupported = union_fused_unsupported(s);
   check(unsupported.empty(), "union attention (fused): ", unsupported);
-  return {union_kv, tail_kv,  u.masks.data(), selected, q_begin,  q_end,   s.heads,
-          s.width,  s.pooled, u.words,        u.count,  (u.count + kKeys - 1) / kKeys, s.first,
-          tail.low, tail.high};
+  return {union_kv, tail_kv,  u.masks.data(), selected, q_begin, q_end,
+          s.heads,  s.width,  s.pooled,       u.words,  u.count, (u.count + kKeys - 1) / kKeys,
+          s.first,  tail.low, tail.high};
 }
 
 void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
@@ -206,7 +207,8 @@ void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnio
   if (q_end <= q_begin) return;
   const size_t bytes = forward_shared_bytes(a.t.union_tiles);
   allow_shared_memory(union_forward_kernel, bytes, "union attention (fused): a union of ", u.count, " keys");
-  const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows), static_cast<unsigned>(s.heads));
+  const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows),
+                  static_cast<unsigned>(s.heads));
   union_forward_kernel<<<grid, kThreads, bytes, stream>>>(a);
   SPINDLE_LAUNCHED("union_forward_kernel");
 }

@@ -21,10 +21,10 @@ namespace spindle::cuda::union_tile {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kThreads = 128;  // one warpgroup
-constexpr int kRows = 64;      // a CTA's queries or keys: the products' M
-constexpr int kKeys = 64;      // a tile's keys
-constexpr int kDim = 128;      // the heads' key and value width
+constexpr int kThreads = 128;                 // one warpgroup
+constexpr int kRows = 64;                     // a CTA's queries or keys: the products' M
+constexpr int kKeys = 64;                     // a tile's keys
+constexpr int kDim = 128;                     // the heads' key and value width
 constexpr int kHalfBytes = kKeys * 128;       // 64 rows of 64 values: one swizzled half
 constexpr int kMatrixBytes = 2 * kHalfBytes;  // 64 rows of 128 values
 // A block's tails: the window of two tiles [p0 - kTailReach, p0 + kKeys) around its first query's
@@ -47,7 +47,8 @@ __device__ __forceinline__ uint32_t swizzled(int row, int unit) {
 }
 
 // Rows q0 .. q0 + 63 of head h of x [queries, heads, kDim] (zero past q_end).
-__device__ __forceinline__ void load_rows(const Tiles& t, const bf16* x, unsigned char* dst, int64_t q0, int h) {
+__device__ __forceinline__ void load_rows(const Tiles& t, const bf16* x, unsigned char* dst, int64_t q0,
+                                          int h) {
 #pragma unroll
   for (int i = 0; i < kRows * 16 / kThreads; ++i) {
     const int idx = i * kThreads + threadIdx.x, row = idx / 16, unit = idx % 16;
@@ -89,7 +90,8 @@ __device__ __forceinline__ void load_mask_words(const Tiles& t, uint32_t* dst, i
 }
 
 // Query `query`'s tail slots as bits over its block's tail window (4 words; none past q_end).
-__device__ __forceinline__ void tail_bits(const Tiles& t, int64_t query, int64_t window, uint32_t (&bits)[4]) {
+__device__ __forceinline__ void tail_bits(const Tiles& t, int64_t query, int64_t window,
+                                          uint32_t (&bits)[4]) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) bits[w] = 0;
   if (query >= t.q_end) return;
@@ -151,8 +153,8 @@ __device__ __forceinline__ void product_over_rows(float (&d)[2][32], const uint3
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k)
-      wgmma_m64n64k16_rs<1>(d[half], p[k], wgmma_descriptor_128b(b + half * kHalfBytes + k * 16 * 128, kHalfBytes, 1024),
-                            true);
+      wgmma_m64n64k16_rs<1>(
+          d[half], p[k], wgmma_descriptor_128b(b + half * kHalfBytes + k * 16 * 128, kHalfBytes, 1024), true);
   }
 }
 

@@ -233,7 +233,8 @@ UnionLatent union_latent(const ModelConfig& c, const DsaWeights& w, const bf16* 
 }
 
 // The chunk's union, or nothing where it is over the limit.
-std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionShape& s, const int32_t* selection) {
+std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionShape& s,
+                                             const int32_t* selection) {
   ChunkUnion u = chunk_union(s, selection, ctx.stream());
   if (static_cast<double>(u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
   return u;
@@ -336,8 +337,8 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
   if (ctx.union_attention && !ctx.indexer_kl && union_fused_unsupported(us).empty()) {
     if (std::optional<ChunkUnion> u = union_within_limit(ctx, us, selection)) {
       a.lse = activations_f32(L * c.num_attention_heads);
-      union_attention_forward(ctx.gemm, us, *u, union_latent(c, w, kv), selection, a.q.data(), a.attended.data(),
-                              a.lse.data(), s);
+      union_attention_forward(ctx.gemm, us, *u, union_latent(c, w, kv), selection, a.q.data(),
+                              a.attended.data(), a.lse.data(), s);
       a.union_form = true;
       a.chunk_union = std::move(u);
       ctx.record.note("dsa/attention/union", "union form: the chunk's selected keys expanded (fused, wgmma)");
@@ -384,7 +385,8 @@ void union_attention_backward_over(Context& ctx, const ModelConfig& c, const Dsa
                                    const bf16* d_attended, bf16* dq, float* dkv, float* mass,
                                    DsaWeights& grad) {
   const UnionAttentionShape us = union_shape(c, L, span);
-  if (!a.chunk_union) a.chunk_union = union_within_limit(ctx, us, selection);  // the forward's outputs were kept
+  if (!a.chunk_union)
+    a.chunk_union = union_within_limit(ctx, us, selection);  // the forward's outputs were kept
   check(a.chunk_union.has_value(),
         "DSA backward: the union form's forward ran on a union its backward finds over the limit");
   if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
