@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -246,6 +247,47 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
       }
     }
+}
+
+// The union form of the DSA attention (docs/UNION_ATTENTION.md: on by default where its fused
+// kernels take the heads' widths, 128 here), streamed in chunks with the recomputation's outputs
+// kept and without, against the whole sequence in the absorbed form (SPINDLE_UNION_ATTENTION=0
+// while that model is made). No indexer KL: the union form runs without it.
+TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
+  ModelConfig config = streaming_config(512);
+  config.qk_nope_head_dim = 128;
+  config.v_head_dim = 128;
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 9);
+  const std::vector<int32_t> tokens = dna(400);
+  LossOptions options;
+  options.aux_loss_coef = 0.01;
+  options.scale = 0.5;
+  setenv("SPINDLE_UNION_ATTENTION", "0", 1);
+  auto plain = on_gpu(config, weights, true);
+  unsetenv("SPINDLE_UNION_ATTENTION");
+  const LossResult whole = plain->loss_and_gradients(tokens, options);
+  ModelWeights whole_grads = zero_gradients(config, DType::F32);
+  plain->download_gradients(whole_grads);
+  EXPECT_EQ(plain->kernel_report().find("dsa/attention/union:"), std::string::npos);
+  for (const auto& [chunk, keep_outputs] : {std::pair<int64_t, bool>{37, true}, {64, false}}) {
+    SCOPED_TRACE("chunks of " + std::to_string(chunk) +
+                 (keep_outputs ? ", outputs kept" : ", outputs again"));
+    LossOptions streamed_options = options;
+    streamed_options.chunk_tokens = chunk;
+    streamed_options.keep_outputs = keep_outputs;
+    auto device = on_gpu(config, weights, true);
+    const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
+    ModelWeights grads = zero_gradients(config, DType::F32);
+    device->download_gradients(grads);
+    std::printf("union form, chunks of %lld: loss %.6f / absorbed %.6f\n", static_cast<long long>(chunk),
+                streamed.loss, whole.loss);
+    EXPECT_NE(device->kernel_report().find("dsa/attention/union:"), std::string::npos)
+        << "the union form did not run:\n"
+        << device->kernel_report();
+    EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
+    EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
+  }
 }
 
 }  // namespace

@@ -127,5 +127,6 @@ template class DeviceBuffer<float>;
 template class DeviceBuffer<__nv_bfloat16>;
 template class DeviceBuffer<int32_t>;
 template class DeviceBuffer<double>;
+template class DeviceBuffer<uint32_t>;
 
 }  // namespace spindle::cuda

@@ -4,6 +4,7 @@
 // keys and values before it (the plain pass: one chunk over its own cache).
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -16,6 +17,8 @@
 #include "kernels/cuda/sparse_mla.h"
 #include "kernels/cuda/sparse_mla_backward_hopper.h"
 #include "kernels/cuda/sparse_mla_hopper.h"
+#include "kernels/cuda/union_attention.h"
+#include "kernels/cuda/union_attention_hopper.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/modules.h"
 
@@ -175,7 +178,9 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
 // the expanded form kv_b_proj expands c into per-head keys and values first. Same function.
 struct MlaActivations {
   DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, q_lat, o_lat, attended;
-  DeviceBuffer<float> lse;  // absorbed form on the tensor cores: each query head's log-sum-exp
+  DeviceBuffer<float> lse;  // absorbed form on the tensor cores or union form: each query head's log-sum-exp
+  bool union_form = false;  // the attention ran in the union form: `attended` and `lse` are its output
+  std::optional<ChunkUnion> chunk_union;  // the union form's, where this pass made it (the backward's then)
   const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
 };
 
@@ -211,6 +216,29 @@ int64_t key_rows(const ModelConfig& c, int64_t h) { return h * (c.qk_head_dim() 
 int64_t value_rows(const ModelConfig& c, int64_t h) { return key_rows(c, h) + c.qk_head_dim(); }
 // Elements from one head's W_k,h (or W_v,h) to the next's: the per-head products run batched.
 int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_lora_rank; }
+
+// The union form (docs/UNION_ATTENTION.md), where a chunk's pool slots hold at most this many
+// times a query's pooled tokens between them: below its break-even against the absorbed kernels
+// (bench_union_attention at 1M, forward twice and backward: 16.4 ms at 1x, 40.2 ms at 4x, the
+// absorbed kernels 31.8 ms: even near 2.9x).
+constexpr double kUnionLimit = 2.5;
+
+UnionAttentionShape union_shape(const ModelConfig& c, int64_t L, int64_t span) {
+  const cpu::SparseAttentionShape a = attention_shape(c, L, false);
+  return {L, a.heads, a.qk_dim, a.v_dim, a.width, c.index_topk, span - L, static_cast<float>(a.scale)};
+}
+
+UnionLatent union_latent(const ModelConfig& c, const DsaWeights& w, const bf16* kv) {
+  return {kv, cache_row(c, true), c.kv_lora_rank, bf16_data(w.kv_b_proj)};
+}
+
+// The chunk's union, or nothing where it is over the limit.
+std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionShape& s,
+                                             const int32_t* selection) {
+  ChunkUnion u = chunk_union(s, selection, ctx.stream());
+  if (static_cast<double>(u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
+  return u;
+}
 
 // Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
 // attention's output comes from an AttentionKept (not allocated here).
@@ -277,11 +305,17 @@ void project_attended(Context& ctx, const ModelConfig& c, const DsaWeights& w, i
 void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
                     AttentionKept& kept) {
   const int64_t H = c.num_attention_heads;
-  const int64_t width = ctx.absorbed_mla ? c.kv_lora_rank : c.v_head_dim;
+  const int64_t width = ctx.absorbed_mla && !kept.union_form ? c.kv_lora_rank : c.v_head_dim;
   check(kept.out.size() == static_cast<size_t>(L * H * width), "DSA backward: a kept attention output of ",
         kept.out.size(), " values for ", L, " queries");
   if (!ctx.absorbed_mla) {
     a.attended = std::move(kept.out);
+    return;
+  }
+  if (kept.union_form) {
+    a.attended = std::move(kept.out);
+    a.lse = std::move(kept.stats);
+    a.union_form = true;
     return;
   }
   a.o_lat = std::move(kept.out);
@@ -289,14 +323,29 @@ void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int
   project_attended(ctx, c, w, L, a);
 }
 
-// The L queries attend over `kv` (the cache: the selection's absolute positions index its rows).
+// The L queries attend over `kv` (the cache: the selection's absolute positions index its rows,
+// all below `span`).
 void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-            const bf16* kv, const int32_t* selection) {
+            const bf16* kv, const int32_t* selection, int64_t span) {
   const cudaStream_t s = ctx.stream();
   if (!ctx.absorbed_mla) {
     sparse_attention_forward(attention_shape(c, L, false), a.q.data(), kv, selection, a.attended.data(), s);
     ctx.record.note("dsa/attention", "cuda sparse attention, expanded heads");
     return;
+  }
+  const UnionAttentionShape us = union_shape(c, L, span);
+  if (ctx.union_attention && !ctx.indexer_kl && union_fused_unsupported(us).empty()) {
+    if (std::optional<ChunkUnion> u = union_within_limit(ctx, us, selection)) {
+      a.lse = activations_f32(L * c.num_attention_heads);
+      union_attention_forward(ctx.gemm, us, *u, union_latent(c, w, kv), selection, a.q.data(),
+                              a.attended.data(), a.lse.data(), s);
+      a.union_form = true;
+      a.chunk_union = std::move(u);
+      ctx.record.note("dsa/attention/union", "union form: the chunk's selected keys expanded (fused, wgmma)");
+      return;
+    }
+    ctx.record.note("dsa/attention/union_over_limit",
+                    "absorbed form: the chunk's union over the union form's limit");
   }
   const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
   const std::string unsupported = sparse_mla_unsupported(mla);  // the cache holds [c | c] then
@@ -329,15 +378,37 @@ void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActiv
   ctx.record.note("dsa/attention_mass", "cuda attention mass in a pass of its own (CUDA cores, slow)");
 }
 
+// The union form's backward: dq written, the latent's gradient added to dkv (the cache's, fp32) and
+// kv_b_proj's accumulated. mass, unless null, by the CUDA-core pass.
+void union_attention_backward_over(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
+                                   MlaActivations& a, const bf16* kv, const int32_t* selection, int64_t span,
+                                   const bf16* d_attended, bf16* dq, float* dkv, float* mass,
+                                   DsaWeights& grad) {
+  const UnionAttentionShape us = union_shape(c, L, span);
+  if (!a.chunk_union)
+    a.chunk_union = union_within_limit(ctx, us, selection);  // the forward's outputs were kept
+  check(a.chunk_union.has_value(),
+        "DSA backward: the union form's forward ran on a union its backward finds over the limit");
+  if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
+  union_attention_backward(ctx.gemm, us, *a.chunk_union, union_latent(c, w, kv), selection, a.q.data(),
+                           a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj),
+                           ctx.stream());
+  ctx.record.note("dsa/attention_backward/union", "union form backward (fused, wgmma)");
+}
+
 // From the attention output's gradient to the gradient of the keys and values the queries read
 // (dkv, fp32 like kv, accumulated), accumulating kv_b_proj's query-side gradient and writing dq
 // ([L, H, qk_head_dim], bf16). mass, unless null: the attention mass that trains the indexer,
 // [L, width] fp32, written.
 void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a,
-                        const bf16* kv, const int32_t* selection, const bf16* d_attended, bf16* dq,
-                        float* dkv, float* mass, DsaWeights& grad) {
+                        const bf16* kv, const int32_t* selection, int64_t span, const bf16* d_attended,
+                        bf16* dq, float* dkv, float* mass, DsaWeights& grad) {
   const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim, kr = c.kv_lora_rank;
   const cudaStream_t s = ctx.stream();
+  if (a.union_form) {
+    union_attention_backward_over(ctx, c, w, L, a, kv, selection, span, d_attended, dq, dkv, mass, grad);
+    return;
+  }
   const bool absorbed = ctx.absorbed_mla;
   const cpu::SparseAttentionShape shape = attention_shape(c, L, absorbed);
   const bool tensor_cores = a.lse.size() != 0;  // the absorbed forward ran on the tensor cores
@@ -414,7 +485,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
     if (kept != nullptr && !kept->empty())
       take_attention(ctx, c, w, L, a, *kept);
     else
-      attend(ctx, c, w, L, a, cache.kv.data(), selection);
+      attend(ctx, c, w, L, a, cache.kv.data(), selection, first + L);
   }
   if (y != nullptr) gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, H * dv, D, s);
 
@@ -429,7 +500,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
         kl ? activations_f32(L * attention_shape(c, L, ctx.absorbed_mla).width) : DeviceBuffer<float>();
     {
       const TimedScope timed = ctx.timed("dsa.attention_backward");
-      attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, d_attended.data(), dq.data(),
+      attention_backward(ctx, c, w, L, a, cache.kv.data(), selection, first + L, d_attended.data(), dq.data(),
                          cache_grad.kv.data(), kl ? mass.data() : nullptr, grad);
       // This chunk's keys and values have every gradient they will get: later chunks ran first.
       latent_backward(ctx, c, w, L, a, cache_grad.kv.data() + first * cache.row, d_normed.data(), grad);
@@ -519,14 +590,15 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
         "DSA layer without a selection to share");
   {
     const TimedScope timed = ctx.timed("dsa.attention");
-    attend(ctx, c, w, L, a, cache.kv.data(), selection.data());
+    attend(ctx, c, w, L, a, cache.kv.data(), selection.data(), cache.tokens + L);
   }
   ctx.gemm.linear(a.attended.data(), bf16_data(w.o_proj), y, L, c.num_attention_heads * c.v_head_dim,
                   c.hidden_size, ctx.stream());
   cache.tokens += L;
   if (keep == nullptr) return;
   if (ctx.absorbed_mla) {
-    keep->out = std::move(a.o_lat);
+    keep->union_form = a.union_form;
+    keep->out = a.union_form ? std::move(a.attended) : std::move(a.o_lat);
     keep->stats = std::move(a.lse);
   } else {
     keep->out = std::move(a.attended);

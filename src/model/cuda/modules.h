@@ -38,10 +38,11 @@ struct KdaCarry {
 // (LossOptions::keep_outputs): KDA, the recurrence's output (`out`), fp32 chunk states (`stats`)
 // and, if `keep_matrices` (LossOptions::keep_kda_matrices), intra-chunk matrices (`matrices`: A,
 // Aq and Tinv, kernels/cuda/kda.h kept_matrices); DSA, the attention's output (absorbed: o_lat,
-// and its log-sum-exp on the tensor cores; expanded: the heads' output). The backward takes them;
-// empty, it recomputes them.
+// and its log-sum-exp on the tensor cores; expanded, or the union form: the heads' output, and
+// for the union form its log-sum-exp). The backward takes them; empty, it recomputes them.
 struct AttentionKept {
   bool keep_matrices = false;
+  bool union_form = false;  // DSA: `out` is the heads' output of the union form (docs/UNION_ATTENTION.md)
   DeviceBuffer<bf16> out;
   DeviceBuffer<float> stats;
   DeviceBuffer<float> matrices;

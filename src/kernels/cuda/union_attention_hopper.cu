@@ -1,0 +1,216 @@
+// The union form's forward, fused; see union_attention_hopper.h. Shared memory: the CTA's Q, then two
+// stages of a tile's K, V and mask words (union_attention_tile.cuh's layout), then its tile list.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/log2_domain.h"
+#include "kernels/cuda/online_softmax.cuh"
+#include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/union_attention_hopper.h"
+#include "kernels/cuda/union_attention_tile.cuh"
+
+namespace spindle::cuda {
+
+namespace {
+
+using namespace union_tile;
+
+constexpr int kStageBytes = 2 * kMatrixBytes + 1024;  // K, V, the mask words (512 bytes); 1024-aligned
+constexpr int kStages = 2;
+
+size_t forward_shared_bytes(int64_t union_tiles) {
+  return 1024 + kMatrixBytes + kStages * kStageBytes +
+         static_cast<size_t>(union_tiles + kTailTiles) * sizeof(int32_t);
+}
+
+struct ForwardArgs {
+  Tiles t;
+  const bf16* q;
+  bf16* out;
+  float* lse;
+  float scale2;
+};
+
+// The tiles a CTA attends to, into list (their count returned, the same in every thread): the
+// union's tiles where any of its queries has a bit, then the tail tiles where any has one.
+__device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint32_t (&tails)[2][4],
+                                          int32_t* list, int* count_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t tile = warp; tile < t.union_tiles; tile += kThreads / 32) {
+    const bool live = any_bit(t, q0, tile);
+    if (lane == 0) list[tile] = live;
+  }
+  const bool tail0 = __syncthreads_or((tails[0][0] | tails[0][1] | tails[1][0] | tails[1][1]) != 0);
+  const bool tail1 = __syncthreads_or((tails[0][2] | tails[0][3] | tails[1][2] | tails[1][3]) != 0);
+  if (warp == 0) {
+    int count = compact_flags(list, t.union_tiles);
+    if (lane == 0) {
+      if (tail0) list[count++] = static_cast<int32_t>(t.union_tiles);
+      if (tail1) list[count++] = static_cast<int32_t>(t.union_tiles + 1);
+      *count_s = count;
+    }
+  }
+  __syncthreads();
+  return *count_s;
+}
+
+__global__ void __launch_bounds__(kThreads, 2) union_forward_kernel(ForwardArgs a) {
+  extern __shared__ unsigned char raw[];
+  __shared__ int count_s;
+  unsigned char* q_s = align_1024(raw);
+  unsigned char* stages = q_s + kMatrixBytes;
+  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kStageBytes);
+  const Tiles& t = a.t;
+  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
+  const int64_t row0 = q0 + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  load_rows(t, a.q, q_s, q0, h);
+  uint32_t tails[2][4];
+  tail_bits(t, row0, window, tails[0]);
+  tail_bits(t, row0 + 8, window, tails[1]);
+  const int count = live_tiles(t, q0, tails, list, &count_s);
+  const auto load_stage = [&](int i) {
+    unsigned char* stage = stages + (i % kStages) * kStageBytes;
+    load_keys(t, stage, list[i], window, h);
+    if (list[i] < t.union_tiles)
+      load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
+  };
+  if (count > 0) load_stage(0);
+  copy_commit();  // Q with the first tile
+
+  float o[2][32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) o[b][j] = 0.0f;
+  }
+  const uint32_t q_address = shared_address(q_s);
+  for (int i = 0; i < count; ++i) {
+    unsigned char* stage = stages + (i % kStages) * kStageBytes;
+    if (i + 1 < count) {
+      load_stage(i + 1);
+      copy_commit();
+      copy_wait<1>();
+    } else {
+      copy_wait<0>();
+    }
+    fence_async_shared();  // this thread's cp.async rows, before the barrier and wgmma's reads
+    __syncthreads();
+    const int tile = list[i];
+    const uint32_t k_address = shared_address(stage);
+
+    float s[32];
+    wgmma_fence();
+    product_over_values(s, q_address, k_address);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(s);
+
+    uint32_t bits[2][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (tile < t.union_tiles) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes);
+        const int row = 16 * warp + lane / 4 + 8 * hh;
+        bits[hh][0] = words[2 * row];
+        bits[hh][1] = words[2 * row + 1];
+      } else {
+        const bool second = tile > t.union_tiles;
+        bits[hh][0] = second ? tails[hh][2] : tails[hh][0];
+        bits[hh][1] = second ? tails[hh][3] : tails[hh][1];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) s[j] = column_bit(bits, j) ? s[j] * a.scale2 : -INFINITY;
+    float m_new[2];
+    row_maxima(s, m, m_new);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float factor = rescale(m[hh], m_new[hh]);
+      l[hh] *= factor;
+      m[hh] = m_new[hh];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          if ((j / 2) % 2 == hh) o[b][j] *= factor;
+      }
+    }
+    uint32_t p[4][4];
+    probabilities(s, m, l, p);
+
+    wgmma_fence();
+    product_over_rows(o, p, k_address + kMatrixBytes);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(o);
+    __syncthreads();  // every thread done with the stage before it is refilled
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t query = row0 + 8 * hh;
+    if (query >= t.q_end) continue;
+    const float inv = l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
+    bf16* dst = a.out + (query * t.heads + h) * kDim;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 4 * jj + 2 * hh;
+        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * b + 8 * jj + 2 * (lane % 4)) =
+            __floats2bfloat162_rn(o[b][j] * inv, o[b][j + 1] * inv);
+      }
+    }
+    if (lane % 4 == 0) a.lse[query * t.heads + h] = l[hh] > 0.0f ? (m[hh] + log2f(l[hh])) / kLog2e : INFINITY;
+  }
+}
+
+}  // namespace
+
+std::string union_fused_unsupported(const UnionAttentionShape& s) {
+  if (s.qk_dim != kDim || s.v_dim != kDim)
+    return "key and value widths " + std::to_string(s.qk_dim) + " and " + std::to_string(s.v_dim) +
+           " (the fused kernels' are " + std::to_string(kDim) + ")";
+  if (s.tail() > kTailReach)
+    return "a tail of " + std::to_string(s.tail()) + " slots (at most " + std::to_string(kTailReach) + ")";
+  return "";
+}
+
+TailRows union_fused_tail_rows(const UnionAttentionShape& s, int64_t q_begin, int64_t q_end) {
+  return {std::max<int64_t>(0, s.first + q_begin - kTailReach), s.first + q_end};
+}
+
+Tiles union_tile::union_fused_tiles(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
+                                    const bf16* tail_kv, const TailRows& tail, int64_t q_begin, int64_t q_end,
+                                    const int32_t* selected) {
+  const std::string unsupported = union_fused_unsupported(s);
+  check(unsupported.empty(), "union attention (fused): ", unsupported);
+  return {union_kv, tail_kv,  u.masks.data(), selected, q_begin, q_end,
+          s.heads,  s.width,  s.pooled,       u.words,  u.count, (u.count + kKeys - 1) / kKeys,
+          s.first,  tail.low, tail.high};
+}
+
+void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
+                                   const bf16* tail_kv, const TailRows& tail, int64_t q_begin, int64_t q_end,
+                                   const int32_t* selected, const bf16* q, bf16* out, float* lse,
+                                   cudaStream_t stream) {
+  const ForwardArgs a{union_fused_tiles(s, u, union_kv, tail_kv, tail, q_begin, q_end, selected), q, out, lse,
+                      s.scale * kLog2e};
+  if (q_end <= q_begin) return;
+  const size_t bytes = forward_shared_bytes(a.t.union_tiles);
+  allow_shared_memory(union_forward_kernel, bytes, "union attention (fused): a union of ", u.count, " keys");
+  const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows),
+                  static_cast<unsigned>(s.heads));
+  union_forward_kernel<<<grid, kThreads, bytes, stream>>>(a);
+  SPINDLE_LAUNCHED("union_forward_kernel");
+}
+
+}  // namespace spindle::cuda

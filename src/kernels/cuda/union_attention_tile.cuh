@@ -1,0 +1,178 @@
+// What the fused union-form kernels share (union_attention_hopper.cu: the forward;
+// union_attention_backward_hopper.cu: the backward): a CTA's 64 queries or keys of one head, tiles
+// of 64 keys, and the two products they run on wgmma.
+//
+// Shared memory holds [64 rows][128 values] bf16 matrices (Q, dO, a tile's K or V) as two halves of
+// 64 values in the 128-byte swizzled layout (wgmma.cuh), written by cp.async: 16-byte unit u of row
+// r of a half at r * 128 + (u ^ r % 8) * 16. A product over the 128 values reads both operands
+// K-major; a product over the 64 rows reads the second MN-major, with the first (P or dS) from
+// registers: so one layout serves every product.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/union_attention_hopper.h"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace spindle::cuda::union_tile {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 128;                 // one warpgroup
+constexpr int kRows = 64;                     // a CTA's queries or keys: the products' M
+constexpr int kKeys = 64;                     // a tile's keys
+constexpr int kDim = 128;                     // the heads' key and value width
+constexpr int kHalfBytes = kKeys * 128;       // 64 rows of 64 values: one swizzled half
+constexpr int kMatrixBytes = 2 * kHalfBytes;  // 64 rows of 128 values
+// A block's tails: the window of two tiles [p0 - kTailReach, p0 + kKeys) around its first query's
+// position p0 holds every tail token of its queries where those lie at most kTailReach before them.
+constexpr int kTailTiles = 2;
+constexpr int kTailReach = kKeys;
+
+// The chunk's union and tails as the kernels see them (union_attention.h's layouts): queries
+// q_begin .. q_end, the union's keys and values [union_count, heads 2 kDim] and the tails' for
+// positions tail_low .. tail_high.
+struct Tiles {
+  const bf16 *union_kv, *tail_kv;
+  const uint32_t* masks;
+  const int32_t* selected;
+  int64_t q_begin, q_end, heads, width, pooled, words, union_count, union_tiles, first, tail_low, tail_high;
+};
+
+__device__ __forceinline__ uint32_t swizzled(int row, int unit) {
+  return (unit / 8) * kHalfBytes + row * 128 + ((unit % 8) ^ (row % 8)) * 16;
+}
+
+// Rows q0 .. q0 + 63 of head h of x [queries, heads, kDim] (zero past q_end).
+__device__ __forceinline__ void load_rows(const Tiles& t, const bf16* x, unsigned char* dst, int64_t q0,
+                                          int h) {
+#pragma unroll
+  for (int i = 0; i < kRows * 16 / kThreads; ++i) {
+    const int idx = i * kThreads + threadIdx.x, row = idx / 16, unit = idx % 16;
+    const bool valid = q0 + row < t.q_end;
+    copy16(dst + swizzled(row, unit), valid ? x + ((q0 + row) * t.heads + h) * kDim + unit * 8 : x, valid);
+  }
+}
+
+// Tile `tile`'s keys (at dst) and values (dst + kMatrixBytes) of head h: union tiles by their
+// index, then the two of the tail window starting at `window` (zero rows outside the union or the
+// expanded tail rows).
+__device__ __forceinline__ void load_keys(const Tiles& t, unsigned char* dst, int64_t tile, int64_t window,
+                                          int h) {
+  const int64_t kv_row = t.heads * 2 * kDim;
+  const bool tail = tile >= t.union_tiles;
+#pragma unroll 4
+  for (int i = 0; i < kKeys * 32 / kThreads; ++i) {
+    const int idx = i * kThreads + threadIdx.x, row = idx / 32, unit = idx % 32;
+    const bf16* src = nullptr;
+    if (!tail) {
+      const int64_t key = tile * kKeys + row;
+      if (key < t.union_count) src = t.union_kv + key * kv_row;
+    } else {
+      const int64_t pos = window + (tile - t.union_tiles) * kKeys + row;
+      if (pos >= t.tail_low && pos < t.tail_high) src = t.tail_kv + (pos - t.tail_low) * kv_row;
+    }
+    // Units 0 .. 15 the head's key, 16 .. 31 its value: 256 contiguous values of the row.
+    copy16(dst + (unit / 16) * kMatrixBytes + swizzled(row, unit % 16),
+           src != nullptr ? src + h * 2 * kDim + unit * 8 : t.union_kv, src != nullptr);
+  }
+}
+
+// Union tile `tile`'s two mask words of queries q0 .. q0 + 63, [query][2], one copy a thread.
+__device__ __forceinline__ void load_mask_words(const Tiles& t, uint32_t* dst, int64_t tile, int64_t q0) {
+  static_assert(kRows * 2 == kThreads, "one mask word a thread");
+  const int64_t query = q0 + threadIdx.x / 2, word = 2 * tile + threadIdx.x % 2;
+  const bool valid = query < t.q_end && word < t.words;
+  copy4(dst + threadIdx.x, valid ? t.masks + query * t.words + word : t.masks, valid);
+}
+
+// Query `query`'s tail slots as bits over its block's tail window (4 words; none past q_end).
+__device__ __forceinline__ void tail_bits(const Tiles& t, int64_t query, int64_t window,
+                                          uint32_t (&bits)[4]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) bits[w] = 0;
+  if (query >= t.q_end) return;
+  for (int64_t k = t.pooled; k < t.width; ++k) {
+    const int32_t token = t.selected[query * t.width + k];
+    if (token < 0) continue;
+    const int64_t d = token - window;
+    if (d < 0 || d >= kTailTiles * kKeys) __trap();  // beyond kTailReach: union_fused_unsupported's promise
+    const uint32_t bit = 1u << (d % 32);
+    // Constant indices keep the words in registers.
+    bits[0] |= d / 32 == 0 ? bit : 0u;
+    bits[1] |= d / 32 == 1 ? bit : 0u;
+    bits[2] |= d / 32 == 2 ? bit : 0u;
+    bits[3] |= d / 32 == 3 ? bit : 0u;
+  }
+}
+
+// Whether any of queries q0 .. q0 + 63 has a bit in union tile `tile` (the same in the warp).
+__device__ __forceinline__ bool any_bit(const Tiles& t, int64_t q0, int64_t tile) {
+  const int lane = threadIdx.x % 32;
+  uint32_t any = 0;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int64_t query = q0 + lane + 32 * k;
+    if (query >= t.q_end) continue;
+    any |= t.masks[query * t.words + 2 * tile];
+    if (2 * tile + 1 < t.words) any |= t.masks[query * t.words + 2 * tile + 1];
+  }
+  return __any_sync(0xffffffffu, any != 0);
+}
+
+// list[0 .. n) holds flags (warp 0 alone): compacted in place to the indices of the set ones,
+// returned. A round reads its 32 flags before it writes at or below them.
+__device__ __forceinline__ int compact_flags(int32_t* list, int64_t n) {
+  const int lane = threadIdx.x % 32;
+  int count = 0;
+  for (int64_t base = 0; base < n; base += 32) {
+    const int64_t i = base + lane;
+    const bool set = i < n && list[i] != 0;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, set);
+    if (set) list[count + __popc(ballot & ((1u << lane) - 1))] = static_cast<int32_t>(i);
+    count += __popc(ballot);
+  }
+  return count;
+}
+
+// d = A B^T over the 128 values, A and B [64 rows][128] at a and b (K-major). Not committed.
+__device__ __forceinline__ void product_over_values(float (&d)[32], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int k = 0; k < kDim / 16; ++k)
+    wgmma_m64n64k16(d, wgmma_descriptor_128b(a + k / 4 * kHalfBytes + k % 4 * 32, 16, 1024),
+                    wgmma_descriptor_128b(b + k / 4 * kHalfBytes + k % 4 * 32, 16, 1024), k > 0);
+}
+
+// d += P B over 64 rows, P [64 x 64] as A fragments, B [64 rows][128] at b (MN-major): d[half] its
+// 64-value halves. Not committed.
+__device__ __forceinline__ void product_over_rows(float (&d)[2][32], const uint32_t (&p)[4][4], uint32_t b) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+      wgmma_m64n64k16_rs<1>(
+          d[half], p[k], wgmma_descriptor_128b(b + half * kHalfBytes + k * 16 * 128, kHalfBytes, 1024), true);
+  }
+}
+
+// Whether the score at accumulator index j (wgmma.cuh's layout) is selected: bits [2][2] the two
+// rows' words over the tile's 64 columns.
+__device__ __forceinline__ bool column_bit(const uint32_t (&bits)[2][2], int j) {
+  const int col = 8 * (j / 4) + 2 * (threadIdx.x % 4) + j % 2;
+  return (bits[(j / 2) % 2][col / 32] >> (col % 32)) & 1u;
+}
+
+// The shared memory at p rounded up to 1024 bytes (the swizzled layout's alignment).
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t{1023});
+}
+
+// The kernels' view of queries q_begin .. q_end (fails where the shape is unsupported).
+Tiles union_fused_tiles(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
+                        const bf16* tail_kv, const TailRows& tail, int64_t q_begin, int64_t q_end,
+                        const int32_t* selected);
+
+}  // namespace spindle::cuda::union_tile
