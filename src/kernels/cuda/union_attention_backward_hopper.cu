@@ -76,9 +76,26 @@ size_t dq_shared_bytes(int64_t union_tiles) {
          static_cast<size_t>(union_tiles + kTailTiles) * sizeof(int32_t);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) union_dq_kernel(BackwardArgs a) {
+// A CTA's barriers (union_attention_tile.cuh's loads): each stage's, then the CTA's own rows'.
+struct Barriers {
+  uint64_t bars[kStages + 1];
+  __device__ void init() {
+    if (threadIdx.x == 0) {
+      for (uint64_t& b : bars) mbarrier_init(&b, 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+  }
+  __device__ uint64_t* stage(int i) { return &bars[i % kStages]; }
+  __device__ uint32_t parity(int i) const { return (i / kStages) % 2; }
+  __device__ uint64_t* own() { return &bars[kStages]; }
+};
+
+__global__ void __launch_bounds__(kThreads, 2)
+    union_dq_kernel(BackwardArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
+  __shared__ Barriers bars;
   unsigned char* q_s = align_1024(raw);
   unsigned char* do_s = q_s + kMatrixBytes;
   unsigned char* stages = do_s + kMatrixBytes;
@@ -87,8 +104,12 @@ __global__ void __launch_bounds__(kThreads, 2) union_dq_kernel(BackwardArgs a) {
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
   const int64_t row0 = q0 + 16 * warp + lane / 4;
-  load_rows(t, a.q, q_s, q0, h);
-  load_rows(t, a.dout, do_s, q0, h);
+  bars.init();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect(bars.own(), 2 * kMatrixBytes);
+    load_rows(&maps.q, q_s, q0, h, bars.own());
+    load_rows(&maps.dout, do_s, q0, h, bars.own());
+  }
   uint32_t tails[2][4];
   float lse2[2], dot[2];
 #pragma unroll
@@ -118,12 +139,16 @@ __global__ void __launch_bounds__(kThreads, 2) union_dq_kernel(BackwardArgs a) {
   const int count = count_s;
   const auto load_stage = [&](int i) {
     unsigned char* stage = stages + (i % kStages) * kDqStageBytes;
-    load_keys(t, stage, list[i], window, h);
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect(bars.stage(i), 2 * kMatrixBytes);
+      load_keys(t, maps, stage, list[i], window, h, bars.stage(i));
+    }
     if (list[i] < t.union_tiles)
       load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
   };
   if (count > 0) load_stage(0);
   copy_commit();
+  mbarrier_wait(bars.own(), 0);
 
   float dq[2][32];
 #pragma unroll
@@ -141,8 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_dq_kernel(BackwardArgs a) {
     } else {
       copy_wait<0>();
     }
-    fence_async_shared();
-    __syncthreads();
+    mbarrier_wait(bars.stage(i), bars.parity(i));
+    __syncthreads();  // every thread's cp.async words
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
@@ -209,9 +234,11 @@ size_t dkv_shared_bytes(int64_t blocks) {
          static_cast<size_t>(blocks + 2) * sizeof(int32_t);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) {
+__global__ void __launch_bounds__(kThreads, 2)
+    union_dkv_kernel(BackwardArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
+  __shared__ Barriers bars;
   unsigned char* k_s = align_1024(raw);
   unsigned char* stages = k_s + 2 * kMatrixBytes;
   int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kDkvStageBytes);
@@ -221,7 +248,11 @@ __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) 
   const bool tail = x >= t.union_tiles;
   // A tail segment's positions start here (the window of block x - union_tiles, second tile on).
   const int64_t segment = tail ? t.first + t.q_begin + (x - t.union_tiles - 1) * kRows : 0;
-  load_keys(t, k_s, tail ? t.union_tiles : x, segment, h);
+  bars.init();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect(bars.own(), 2 * kMatrixBytes);
+    load_keys(t, maps, k_s, tail ? t.union_tiles : x, segment, h, bars.own());
+  }
 
   // The query blocks that attend to the tile: for the union's, those with a bit in it; for a
   // segment, the two whose windows hold it (its block list: b, and b + blocks marks the window's
@@ -248,8 +279,11 @@ __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) 
   const auto load_stage = [&](int i) {
     unsigned char* stage = stages + (i % kStages) * kDkvStageBytes;
     const int64_t b = list[i] % blocks, q0 = t.q_begin + b * kRows;
-    load_rows(t, a.q, stage, q0, h);
-    load_rows(t, a.dout, stage + kMatrixBytes, q0, h);
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect(bars.stage(i), 2 * kMatrixBytes);
+      load_rows(&maps.q, stage, q0, h, bars.stage(i));
+      load_rows(&maps.dout, stage + kMatrixBytes, q0, h, bars.stage(i));
+    }
     uint32_t* words = reinterpret_cast<uint32_t*>(stage + kWordsOffset);
     if (!tail) {
       load_mask_words(t, words, x, q0);
@@ -265,7 +299,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) 
           valid ? src + query * t.heads + h : src, valid);
   };
   if (count > 0) load_stage(0);
-  copy_commit();  // K and V with the first block
+  copy_commit();
+  mbarrier_wait(bars.own(), 0);
 
   float dk[2][32], dv[2][32];
 #pragma unroll
@@ -285,8 +320,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_dkv_kernel(BackwardArgs a) 
     } else {
       copy_wait<0>();
     }
-    fence_async_shared();
-    __syncthreads();
+    mbarrier_wait(bars.stage(i), bars.parity(i));
+    __syncthreads();  // every thread's cp.async words
     const uint32_t q_address = shared_address(stage), do_address = q_address + kMatrixBytes;
 
     float s[32], dp[32];
@@ -366,7 +401,7 @@ void launch_dkv(const BackwardArgs& a, int64_t tiles, int heads, cudaStream_t st
   allow_shared_memory(union_dkv_kernel, bytes, "union attention backward (fused): ", blocks,
                       " blocks of queries");
   union_dkv_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(heads)), kThreads, bytes,
-                     stream>>>(a);
+                     stream>>>(a, union_fused_maps(a.t, a.q, a.dout));
   SPINDLE_LAUNCHED("union_dkv_kernel");
 }
 
@@ -401,7 +436,7 @@ void union_attention_backward_fused_tails(const UnionAttentionShape& s, const Ch
   allow_shared_memory(union_dq_kernel, dq_bytes, "union attention backward (fused): a union of ", u.count,
                       " keys");
   union_dq_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads)), kThreads, dq_bytes,
-                    stream>>>(a);
+                    stream>>>(a, union_fused_maps(a.t, a.q, a.dout));
   SPINDLE_LAUNCHED("union_dq_kernel");
   launch_dkv(a, blocks + 1, static_cast<int>(s.heads), stream);
 }

@@ -1,5 +1,6 @@
 // The union form's forward, fused; see union_attention_hopper.h. Shared memory: the CTA's Q, then two
-// stages of a tile's K, V and mask words (union_attention_tile.cuh's layout), then its tile list.
+// stages of a tile's K, V (by the TMA, on the stage's barrier) and mask words (cp.async), then its
+// tile list (union_attention_tile.cuh's layout).
 #include <algorithm>
 #include <cmath>
 
@@ -8,6 +9,7 @@
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/tensor_map.h"
 #include "kernels/cuda/union_attention_hopper.h"
 #include "kernels/cuda/union_attention_tile.cuh"
 
@@ -56,9 +58,11 @@ __device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint
   return *count_s;
 }
 
-__global__ void __launch_bounds__(kThreads, 2) union_forward_kernel(ForwardArgs a) {
+__global__ void __launch_bounds__(kThreads, 2)
+    union_forward_kernel(ForwardArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
+  __shared__ uint64_t bars[kStages + 1];  // each stage's keys and values, then Q
   unsigned char* q_s = align_1024(raw);
   unsigned char* stages = q_s + kMatrixBytes;
   int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kStageBytes);
@@ -66,19 +70,31 @@ __global__ void __launch_bounds__(kThreads, 2) union_forward_kernel(ForwardArgs 
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
   const int64_t row0 = q0 + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
-  load_rows(t, a.q, q_s, q0, h);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b <= kStages; ++b) mbarrier_init(&bars[b], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect(&bars[kStages], kMatrixBytes);
+    load_rows(&maps.q, q_s, q0, h, &bars[kStages]);
+  }
   uint32_t tails[2][4];
   tail_bits(t, row0, window, tails[0]);
   tail_bits(t, row0 + 8, window, tails[1]);
   const int count = live_tiles(t, q0, tails, list, &count_s);
   const auto load_stage = [&](int i) {
     unsigned char* stage = stages + (i % kStages) * kStageBytes;
-    load_keys(t, stage, list[i], window, h);
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect(&bars[i % kStages], 2 * kMatrixBytes);
+      load_keys(t, maps, stage, list[i], window, h, &bars[i % kStages]);
+    }
     if (list[i] < t.union_tiles)
       load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
   };
   if (count > 0) load_stage(0);
-  copy_commit();  // Q with the first tile
+  copy_commit();
+  mbarrier_wait(&bars[kStages], 0);
 
   float o[2][32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -96,8 +112,8 @@ __global__ void __launch_bounds__(kThreads, 2) union_forward_kernel(ForwardArgs 
     } else {
       copy_wait<0>();
     }
-    fence_async_shared();  // this thread's cp.async rows, before the barrier and wgmma's reads
-    __syncthreads();
+    mbarrier_wait(&bars[i % kStages], (i / kStages) % 2);
+    __syncthreads();  // every thread's mask words
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
@@ -198,6 +214,18 @@ Tiles union_tile::union_fused_tiles(const UnionAttentionShape& s, const ChunkUni
           s.first,  tail.low, tail.high};
 }
 
+Maps union_tile::union_fused_maps(const Tiles& t, const bf16* q, const bf16* dout) {
+  const int64_t kv_cols = t.heads * 2 * kDim;
+  Maps m{};
+  m.q = bf16_tensor_map_128b(q, t.q_end, t.heads * kDim, t.heads * kDim, kRows, 64);
+  m.dout = bf16_tensor_map_128b(dout, t.q_end, t.heads * kDim, t.heads * kDim, kRows, 64);
+  m.union_kv = bf16_tensor_map_128b(t.union_kv, std::max<int64_t>(t.union_count, 1), kv_cols, kv_cols, kKeys, 64);
+  m.tail_kv = t.tail_kv != nullptr ? bf16_tensor_map_128b(t.tail_kv, t.tail_high - t.tail_low, kv_cols, kv_cols,
+                                                          kKeys, 64)
+                                   : m.union_kv;
+  return m;
+}
+
 void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnion& u, const bf16* union_kv,
                                    const bf16* tail_kv, const TailRows& tail, int64_t q_begin, int64_t q_end,
                                    const int32_t* selected, const bf16* q, bf16* out, float* lse,
@@ -205,11 +233,12 @@ void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnio
   const ForwardArgs a{union_fused_tiles(s, u, union_kv, tail_kv, tail, q_begin, q_end, selected), q, out, lse,
                       s.scale * kLog2e};
   if (q_end <= q_begin) return;
+  const Maps maps = union_fused_maps(a.t, q, q);
   const size_t bytes = forward_shared_bytes(a.t.union_tiles);
   allow_shared_memory(union_forward_kernel, bytes, "union attention (fused): a union of ", u.count, " keys");
   const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows),
                   static_cast<unsigned>(s.heads));
-  union_forward_kernel<<<grid, kThreads, bytes, stream>>>(a);
+  union_forward_kernel<<<grid, kThreads, bytes, stream>>>(a, maps);
   SPINDLE_LAUNCHED("union_forward_kernel");
 }
 

@@ -3,17 +3,18 @@
 // of 64 keys, and the two products they run on wgmma.
 //
 // Shared memory holds [64 rows][128 values] bf16 matrices (Q, dO, a tile's K or V) as two halves of
-// 64 values in the 128-byte swizzled layout (wgmma.cuh), written by cp.async: 16-byte unit u of row
-// r of a half at r * 128 + (u ^ r % 8) * 16. A product over the 128 values reads both operands
-// K-major; a product over the 64 rows reads the second MN-major, with the first (P or dS) from
-// registers: so one layout serves every product.
+// 64 values in the 128-byte swizzled layout (wgmma.cuh), written by the TMA (a 64 x 64 box a half).
+// A product over the 128 values reads both operands K-major; a product over the 64 rows reads the
+// second MN-major, with the first (P or dS) from registers: so one layout serves every product.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/tma.cuh"
 #include "kernels/cuda/union_attention_hopper.h"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -42,43 +43,38 @@ struct Tiles {
   int64_t q_begin, q_end, heads, width, pooled, words, union_count, union_tiles, first, tail_low, tail_high;
 };
 
-__device__ __forceinline__ uint32_t swizzled(int row, int unit) {
-  return (unit / 8) * kHalfBytes + row * 128 + ((unit % 8) ^ (row % 8)) * 16;
+// The matrices the kernels read by the TMA, in boxes of 64 rows and 64 values (one swizzled half):
+// q and dout [queries, heads kDim] (the chunk's), the union's and the tails' keys and values [rows,
+// heads 2 kDim]. Rows past a map's end, and the tails' before its first row, read as zero.
+struct Maps {
+  CUtensorMap q, dout, union_kv, tail_kv;
+};
+Maps union_fused_maps(const Tiles& t, const bf16* q, const bf16* dout);
+
+// 64 rows from row y, values x .. x + 127 of the map's matrix: two boxes into the halves at dst,
+// counted on bar (kMatrixBytes).
+__device__ __forceinline__ void load_matrix(unsigned char* dst, const CUtensorMap* map, int x, int64_t y,
+                                            uint64_t* bar) {
+  tma_load_2d(dst, map, x, static_cast<int>(y), bar);
+  tma_load_2d(dst + kHalfBytes, map, x + 64, static_cast<int>(y), bar);
 }
 
-// Rows q0 .. q0 + 63 of head h of x [queries, heads, kDim] (zero past q_end).
-__device__ __forceinline__ void load_rows(const Tiles& t, const bf16* x, unsigned char* dst, int64_t q0,
-                                          int h) {
-#pragma unroll
-  for (int i = 0; i < kRows * 16 / kThreads; ++i) {
-    const int idx = i * kThreads + threadIdx.x, row = idx / 16, unit = idx % 16;
-    const bool valid = q0 + row < t.q_end;
-    copy16(dst + swizzled(row, unit), valid ? x + ((q0 + row) * t.heads + h) * kDim + unit * 8 : x, valid);
-  }
+// Rows q0 .. q0 + 63 of head h of q or dout (rows past the chunk zero; those past q_end the
+// kernels mask), counted on bar.
+__device__ __forceinline__ void load_rows(const CUtensorMap* map, unsigned char* dst, int64_t q0, int h,
+                                          uint64_t* bar) {
+  load_matrix(dst, map, h * kDim, q0, bar);
 }
 
 // Tile `tile`'s keys (at dst) and values (dst + kMatrixBytes) of head h: union tiles by their
-// index, then the two of the tail window starting at `window` (zero rows outside the union or the
-// expanded tail rows).
-__device__ __forceinline__ void load_keys(const Tiles& t, unsigned char* dst, int64_t tile, int64_t window,
-                                          int h) {
-  const int64_t kv_row = t.heads * 2 * kDim;
+// index, then the two of the tail window starting at `window`; 2 kMatrixBytes counted on bar.
+__device__ __forceinline__ void load_keys(const Tiles& t, const Maps& m, unsigned char* dst, int64_t tile,
+                                          int64_t window, int h, uint64_t* bar) {
   const bool tail = tile >= t.union_tiles;
-#pragma unroll 4
-  for (int i = 0; i < kKeys * 32 / kThreads; ++i) {
-    const int idx = i * kThreads + threadIdx.x, row = idx / 32, unit = idx % 32;
-    const bf16* src = nullptr;
-    if (!tail) {
-      const int64_t key = tile * kKeys + row;
-      if (key < t.union_count) src = t.union_kv + key * kv_row;
-    } else {
-      const int64_t pos = window + (tile - t.union_tiles) * kKeys + row;
-      if (pos >= t.tail_low && pos < t.tail_high) src = t.tail_kv + (pos - t.tail_low) * kv_row;
-    }
-    // Units 0 .. 15 the head's key, 16 .. 31 its value: 256 contiguous values of the row.
-    copy16(dst + (unit / 16) * kMatrixBytes + swizzled(row, unit % 16),
-           src != nullptr ? src + h * 2 * kDim + unit * 8 : t.union_kv, src != nullptr);
-  }
+  const CUtensorMap* map = tail ? &m.tail_kv : &m.union_kv;
+  const int64_t y = tail ? window + (tile - t.union_tiles) * kKeys - t.tail_low : tile * kKeys;
+  load_matrix(dst, map, h * 2 * kDim, y, bar);
+  load_matrix(dst + kMatrixBytes, map, h * 2 * kDim + kDim, y, bar);
 }
 
 // Union tile `tile`'s two mask words of queries q0 .. q0 + 63, [query][2], one copy a thread.

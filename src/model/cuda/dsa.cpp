@@ -219,9 +219,9 @@ int64_t head_weight_stride(const ModelConfig& c) { return key_rows(c, 1) * c.kv_
 
 // The union form (docs/UNION_ATTENTION.md), where a chunk's pool slots hold at most this many
 // times a query's pooled tokens between them: below its break-even against the absorbed kernels
-// (bench_union_attention at 1M, forward twice and backward: 16.4 ms at 1x, 40.2 ms at 4x, the
-// absorbed kernels 31.8 ms: even near 2.9x).
-constexpr double kUnionLimit = 2.5;
+// (bench_union_attention at 1M, forward twice and backward: 10.7 ms at 1x, 25.2 ms at 4x, the
+// absorbed kernels 31.6 ms: even near 5x).
+constexpr double kUnionLimit = 4.0;
 
 UnionAttentionShape union_shape(const ModelConfig& c, int64_t L, int64_t span) {
   const cpu::SparseAttentionShape a = attention_shape(c, L, false);
