@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
   const double absorbed_backward = median_ms([&] { chunk.backward(nullptr); }, 5);
   const double absorbed_backward_mass = median_ms([&] { chunk.backward(nullptr, true); }, 5);
   std::printf(
-      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the 512-wide "
+      "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the "
+      "512-wide "
       "latent, pools shared by groups of %lld): a union of %lld pooled tokens\n"
       "  union and bits %.3f ms, forward %.3f ms, backward %.3f ms, with the attention mass %.3f ms\n"
       "  absorbed: forward %.3f ms, backward %.3f ms, with the attention mass %.3f ms\n",

@@ -282,7 +282,8 @@ TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
     ModelWeights grads = zero_gradients(config, DType::F32);
     device->download_gradients(grads);
     std::printf("union form, chunks of %lld: loss %.6f / absorbed %.6f, indexer KL %.6f / %.6f\n",
-                static_cast<long long>(chunk), streamed.loss, whole.loss, streamed.indexer_kl, whole.indexer_kl);
+                static_cast<long long>(chunk), streamed.loss, whole.loss, streamed.indexer_kl,
+                whole.indexer_kl);
     EXPECT_NE(device->kernel_report().find("dsa/attention/union:"), std::string::npos)
         << "the union form did not run:\n"
         << device->kernel_report();

@@ -34,7 +34,8 @@ constexpr int kStages = 2;
 constexpr int kStageBytes = 2 * kMatrixBytes;  // Q_h, then the tile's K_h
 constexpr size_t kMassSharedBytes = 1024 + kStages * kStageBytes;
 
-__global__ void __launch_bounds__(kThreads, 3) union_mass_kernel(MassArgs a, const __grid_constant__ Maps maps) {
+__global__ void __launch_bounds__(kThreads, 3)
+    union_mass_kernel(MassArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   __shared__ uint64_t bars[kStages];
   unsigned char* stages = align_1024(raw);
@@ -128,10 +129,11 @@ __global__ void __launch_bounds__(kThreads, 3) union_mass_kernel(MassArgs a, con
 
 }  // namespace
 
-void union_attention_mass_fused(const UnionAttentionShape& s, const ChunkUnion& u, const __nv_bfloat16* union_kv,
-                                const __nv_bfloat16* tail_kv, const TailRows& tail, int64_t q_begin,
-                                int64_t q_end, const int32_t* selected, const __nv_bfloat16* q, const float* lse,
-                                const uint32_t* tail_masks, float* mass, cudaStream_t stream) {
+void union_attention_mass_fused(const UnionAttentionShape& s, const ChunkUnion& u,
+                                const __nv_bfloat16* union_kv, const __nv_bfloat16* tail_kv,
+                                const TailRows& tail, int64_t q_begin, int64_t q_end, const int32_t* selected,
+                                const __nv_bfloat16* q, const float* lse, const uint32_t* tail_masks,
+                                float* mass, cudaStream_t stream) {
   const MassArgs a{union_fused_tiles(s, u, union_kv, tail_kv, tail, q_begin, q_end, selected),
                    u.keys.data(),
                    lse,

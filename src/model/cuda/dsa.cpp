@@ -390,8 +390,8 @@ void union_attention_backward_over(Context& ctx, const ModelConfig& c, const Dsa
   check(a.chunk_union.has_value(),
         "DSA backward: the union form's forward ran on a union its backward finds over the limit");
   union_attention_backward(ctx.gemm, us, *a.chunk_union, union_latent(c, w, kv), selection, a.q.data(),
-                           a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj), mass,
-                           ctx.stream());
+                           a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj),
+                           mass, ctx.stream());
   ctx.record.note("dsa/attention_backward/union", "union form backward (fused, wgmma)");
 }
 
