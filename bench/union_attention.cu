@@ -4,7 +4,8 @@
 // neighbours; share = queries is a chunk whose queries all choose the same pools, as the 20-step
 // trained checkpoint's nearly do). Times by CUDA events (median of a few launches): the union and
 // its bits, the union form's forward and backward (keys and values made from the latent by
-// kv_b_proj inside them, the fused kernels), the absorbed forward and backward.
+// kv_b_proj inside them, the fused kernels), the absorbed forward and backward; both backwards also
+// with the attention mass by slot (the indexer's KL training).
 //     build/bench_union_attention [tokens] [queries] [share]
 #include <algorithm>
 #include <cstdio>
@@ -50,22 +51,27 @@ int main(int argc, char** argv) {
                                 nullptr);
       },
       5);
-  const double backward = median_ms(
-      [&] {
-        union_attention_backward(gemm, s, u, lat, chunk.selection.data(), q.data(), out.data(), lse.data(),
-                                 dout.data(), dq.data(), chunk.d_latent.data(), d_kv_b_proj.data(), nullptr);
-      },
-      5);
+  const auto backward_ms = [&](float* mass) {
+    return median_ms(
+        [&] {
+          union_attention_backward(gemm, s, u, lat, chunk.selection.data(), q.data(), out.data(), lse.data(),
+                                   dout.data(), dq.data(), chunk.d_latent.data(), d_kv_b_proj.data(), mass,
+                                   nullptr);
+        },
+        5);
+  };
+  const double backward = backward_ms(nullptr), backward_mass = backward_ms(chunk.mass.data());
   const double absorbed_forward = median_ms([&] { chunk.forward(nullptr); }, 5);
   const double absorbed_backward = median_ms([&] { chunk.backward(nullptr); }, 5);
+  const double absorbed_backward_mass = median_ms([&] { chunk.backward(nullptr, true); }, 5);
   std::printf(
       "union form at %lld tokens, queries %lld .. %lld (32 heads, keys and values 128 + 128 from the "
       "512-wide "
       "latent, pools shared by groups of %lld): a union of %lld pooled tokens\n"
-      "  union and bits %.3f ms, forward %.3f ms, backward %.3f ms (absorbed: forward %.3f ms, backward %.3f "
-      "ms)\n",
+      "  union and bits %.3f ms, forward %.3f ms, backward %.3f ms, with the attention mass %.3f ms\n"
+      "  absorbed: forward %.3f ms, backward %.3f ms, with the attention mass %.3f ms\n",
       static_cast<long long>(tokens), static_cast<long long>(chunk.first), static_cast<long long>(tokens),
-      static_cast<long long>(share), static_cast<long long>(u.count), build, forward, backward,
-      absorbed_forward, absorbed_backward);
+      static_cast<long long>(share), static_cast<long long>(u.count), build, forward, backward, backward_mass,
+      absorbed_forward, absorbed_backward, absorbed_backward_mass);
   return 0;
 }

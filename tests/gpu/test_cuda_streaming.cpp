@@ -252,7 +252,7 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
 // The union form of the DSA attention (docs/UNION_ATTENTION.md: on by default where its fused
 // kernels take the heads' widths, 128 here), streamed in chunks with the recomputation's outputs
 // kept and without, against the whole sequence in the absorbed form (SPINDLE_UNION_ATTENTION=0
-// while that model is made). No indexer KL: the union form runs without it.
+// while that model is made), with the indexers' KL training on the attention's mass.
 TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
   ModelConfig config = streaming_config(512);
   config.qk_nope_head_dim = 128;
@@ -261,6 +261,7 @@ TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
   init_weights(config, weights, 9);
   const std::vector<int32_t> tokens = dna(400);
   LossOptions options;
+  options.indexer_kl_coef = 0.5;
   options.aux_loss_coef = 0.01;
   options.scale = 0.5;
   setenv("SPINDLE_UNION_ATTENTION", "0", 1);
@@ -280,12 +281,14 @@ TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
     const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
     ModelWeights grads = zero_gradients(config, DType::F32);
     device->download_gradients(grads);
-    std::printf("union form, chunks of %lld: loss %.6f / absorbed %.6f\n", static_cast<long long>(chunk),
-                streamed.loss, whole.loss);
+    std::printf("union form, chunks of %lld: loss %.6f / absorbed %.6f, indexer KL %.6f / %.6f\n",
+                static_cast<long long>(chunk), streamed.loss, whole.loss, streamed.indexer_kl,
+                whole.indexer_kl);
     EXPECT_NE(device->kernel_report().find("dsa/attention/union:"), std::string::npos)
         << "the union form did not run:\n"
         << device->kernel_report();
     EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
+    EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
     EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
   }
 }

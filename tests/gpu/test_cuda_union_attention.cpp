@@ -123,13 +123,13 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
 
     auto dq_in = device(to_bf16(q)), ddout = device(to_bf16(dout));
     auto out = poisoned<bf16>(C * H * c.dv), dq = poisoned<bf16>(C * H * c.dqk);
-    auto lse = poisoned<float>(C * H);
+    auto lse = poisoned<float>(C * H), mass = poisoned<float>(C * width);
     auto d_latent = device(std::vector<float>(static_cast<size_t>(T * c.stride), 0.0f));
     auto d_wkv = device(std::vector<float>(static_cast<size_t>(kv_row * c.rank), 0.0f));
     const UnionLatent lat{dlatent.data(), c.stride, c.rank, dwkv.data()};
     union_attention_forward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), stream.get());
     union_attention_backward(gemm, s, u, lat, dsel.data(), dq_in.data(), out.data(), lse.data(), ddout.data(),
-                             dq.data(), d_latent.data(), d_wkv.data(), stream.get());
+                             dq.data(), d_latent.data(), d_wkv.data(), mass.data(), stream.get());
     stream.synchronize();
 
     // The reference: every token's keys and values from its latent, the chunk's queries at their
@@ -148,10 +148,12 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
     std::copy(q.begin(), q.end(), q_all.begin() + first * H * c.dqk);
     std::copy(dout.begin(), dout.end(), dout_all.begin() + first * H * c.dv);
     std::copy(sel.begin(), sel.end(), sel_all.begin() + first * width);
-    std::vector<double> out_all(static_cast<size_t>(T * H * c.dv)), dq_all(q_all.size()), dkv(kv.size(), 0.0);
+    std::vector<double> out_all(static_cast<size_t>(T * H * c.dv)), dq_all(q_all.size()), dkv(kv.size(), 0.0),
+        mass_all(static_cast<size_t>(T * width));
     cpu::sparse_attention<double>(ref, q_all.data(), kv.data(), sel_all.data(), out_all.data());
     cpu::sparse_attention_backward<double>(ref, q_all.data(), kv.data(), sel_all.data(), dout_all.data(),
                                            dq_all.data(), dkv.data());
+    cpu::attention_mass<double>(ref, q_all.data(), kv.data(), sel_all.data(), mass_all.data());
     std::vector<double> d_latent_ref(static_cast<size_t>(T * c.stride), 0.0),
         d_wkv_ref(static_cast<size_t>(kv_row * c.rank), 0.0);
     for (int64_t t = 0; t < T; ++t)
@@ -164,11 +166,13 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
         }
       }
     const std::vector<double> out_ref(out_all.begin() + first * H * c.dv, out_all.end()),
-        dq_ref(dq_all.begin() + first * H * c.dqk, dq_all.end());
+        dq_ref(dq_all.begin() + first * H * c.dqk, dq_all.end()),
+        mass_ref(mass_all.begin() + first * width, mass_all.end());
     EXPECT_LT(relative_error(out.download(), out_ref), 1.5e-2) << "out, " << what;
     EXPECT_LT(relative_error(dq.download(), dq_ref), 2e-2) << "dq, " << what;
     EXPECT_LT(relative_error(d_latent.download(), d_latent_ref), 2e-2) << "d_latent, " << what;
     EXPECT_LT(relative_error(d_wkv.download(), d_wkv_ref), 2e-2) << "d_kv_b_proj, " << what;
+    EXPECT_LT(relative_error(mass.download(), mass_ref), 1e-2) << "attention mass, " << what;
     // The log-sum-exp of each query head over its selected keys (+inf for none).
     const auto lse_got = lse.download();
     double worst = 0;

@@ -188,8 +188,10 @@ void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const Chu
 void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                               const UnionLatent& lat, const int32_t* selected, const bf16* q, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, float* d_latent,
-                              float* d_kv_b_proj, cudaStream_t stream) {
+                              float* d_kv_b_proj, float* mass, cudaStream_t stream) {
   if (s.queries == 0) return;
+  if (mass != nullptr)
+    SPINDLE_CUDA(cudaMemsetAsync(mass, 0, static_cast<size_t>(s.queries * s.width) * sizeof(float), stream));
   const int64_t H = s.heads, n = u.count, kv_row = H * (s.qk_dim + s.v_dim);
   DeviceBuffer<float> dot(static_cast<size_t>(s.queries * H), MemoryCategory::Workspace);
   output_dot_kernel<<<blocks_for(s.queries * H * 32), kThreads, 0, stream>>>(dout, out, s.queries * H,
@@ -221,6 +223,9 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
     expand(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_kv.data(), stream);
     union_attention_backward_fused_tails(s, u, union_rows.kv.data(), tail_kv.data(), t, g0, g1, selected, in,
                                          tail_masks.data(), dq, tail_dkv.data(), stream);
+    if (mass != nullptr)
+      union_attention_mass_fused(s, u, union_rows.kv.data(), tail_kv.data(), t, g0, g1, selected, q, lse,
+                                 tail_masks.data(), mass, stream);
     expand_backward(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_dkv.data(),
                     tail_d_rows.data(), d_kv_b_proj, stream);
     // Consecutive groups share rows: their adds run in turn on the stream.

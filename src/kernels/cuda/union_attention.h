@@ -59,9 +59,13 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                              const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
                              __nv_bfloat16* out, float* lse, cudaStream_t stream);
+// mass, unless null: the attention's probabilities summed over the heads at each selected slot,
+// [queries, width] fp32 (written; zero at unused slots), for the indexer's KL training; the
+// selection must then be in the indexer's layout (pool slots ascending, then -1, the tail after).
 void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
                               const UnionLatent& lat, const int32_t* selected, const __nv_bfloat16* q,
                               const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* dout,
-                              __nv_bfloat16* dq, float* d_latent, float* d_kv_b_proj, cudaStream_t stream);
+                              __nv_bfloat16* dq, float* d_latent, float* d_kv_b_proj, float* mass,
+                              cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -219,10 +219,11 @@ Maps union_tile::union_fused_maps(const Tiles& t, const bf16* q, const bf16* dou
   Maps m{};
   m.q = bf16_tensor_map_128b(q, t.q_end, t.heads * kDim, t.heads * kDim, kRows, 64);
   m.dout = bf16_tensor_map_128b(dout, t.q_end, t.heads * kDim, t.heads * kDim, kRows, 64);
-  m.union_kv = bf16_tensor_map_128b(t.union_kv, std::max<int64_t>(t.union_count, 1), kv_cols, kv_cols, kKeys, 64);
-  m.tail_kv = t.tail_kv != nullptr ? bf16_tensor_map_128b(t.tail_kv, t.tail_high - t.tail_low, kv_cols, kv_cols,
-                                                          kKeys, 64)
-                                   : m.union_kv;
+  m.union_kv =
+      bf16_tensor_map_128b(t.union_kv, std::max<int64_t>(t.union_count, 1), kv_cols, kv_cols, kKeys, 64);
+  m.tail_kv = t.tail_kv != nullptr
+                  ? bf16_tensor_map_128b(t.tail_kv, t.tail_high - t.tail_low, kv_cols, kv_cols, kKeys, 64)
+                  : m.union_kv;
   return m;
 }
 

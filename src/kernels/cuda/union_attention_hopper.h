@@ -57,4 +57,15 @@ void union_attention_backward_fused_tails(const UnionAttentionShape& s, const Ch
                                           uint32_t* tail_masks, __nv_bfloat16* dq, __nv_bfloat16* tail_dkv,
                                           cudaStream_t stream);
 
+// The attention's probabilities summed over the heads at each selected slot of queries q_begin ..
+// q_end: mass [queries, width] fp32, written at the selected slots (the caller zeroes the rest).
+// tail_masks as union_attention_backward_fused_tails wrote them for the same queries. The slots must
+// be the indexer's layout (pool slots ascending, then -1; the tail's ascending from `pooled`): the
+// kernel traps otherwise.
+void union_attention_mass_fused(const UnionAttentionShape& s, const ChunkUnion& u,
+                                const __nv_bfloat16* union_kv, const __nv_bfloat16* tail_kv,
+                                const TailRows& tail, int64_t q_begin, int64_t q_end, const int32_t* selected,
+                                const __nv_bfloat16* q, const float* lse, const uint32_t* tail_masks,
+                                float* mass, cudaStream_t stream);
+
 }  // namespace spindle::cuda

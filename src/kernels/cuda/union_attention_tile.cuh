@@ -66,15 +66,24 @@ __device__ __forceinline__ void load_rows(const CUtensorMap* map, unsigned char*
   load_matrix(dst, map, h * kDim, q0, bar);
 }
 
-// Tile `tile`'s keys (at dst) and values (dst + kMatrixBytes) of head h: union tiles by their
-// index, then the two of the tail window starting at `window`; 2 kMatrixBytes counted on bar.
+// Where tile `tile`'s rows are: union tiles by their index in the union's map, then the two of the
+// tail window starting at `window` in the tails' map.
+struct TileRows {
+  const CUtensorMap* map;
+  int64_t y;
+};
+__device__ __forceinline__ TileRows tile_rows(const Tiles& t, const Maps& m, int64_t tile, int64_t window) {
+  if (tile < t.union_tiles) return {&m.union_kv, tile * kKeys};
+  return {&m.tail_kv, window + (tile - t.union_tiles) * kKeys - t.tail_low};
+}
+
+// Tile `tile`'s keys (at dst) and values (dst + kMatrixBytes) of head h; 2 kMatrixBytes counted
+// on bar.
 __device__ __forceinline__ void load_keys(const Tiles& t, const Maps& m, unsigned char* dst, int64_t tile,
                                           int64_t window, int h, uint64_t* bar) {
-  const bool tail = tile >= t.union_tiles;
-  const CUtensorMap* map = tail ? &m.tail_kv : &m.union_kv;
-  const int64_t y = tail ? window + (tile - t.union_tiles) * kKeys - t.tail_low : tile * kKeys;
-  load_matrix(dst, map, h * 2 * kDim, y, bar);
-  load_matrix(dst + kMatrixBytes, map, h * 2 * kDim + kDim, y, bar);
+  const TileRows r = tile_rows(t, m, tile, window);
+  load_matrix(dst, r.map, h * 2 * kDim, r.y, bar);
+  load_matrix(dst + kMatrixBytes, r.map, h * 2 * kDim + kDim, r.y, bar);
 }
 
 // Union tile `tile`'s two mask words of queries q0 .. q0 + 63, [query][2], one copy a thread.

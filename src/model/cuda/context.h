@@ -36,9 +36,6 @@ struct Context {
   // where few are distinct (docs/UNION_ATTENTION.md): on unless SPINDLE_UNION_ATTENTION=0 in the
   // environment (to measure the absorbed kernels alone).
   bool union_attention;
-  // Set for a step whose backward trains the indexers on the attention's mass, which the union
-  // form's kernels do not sum: the absorbed form runs then.
-  bool indexer_kl = false;
   Stream stream_;
   Gemm gemm;
   LmHeadLoss head;

@@ -334,7 +334,7 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     return;
   }
   const UnionAttentionShape us = union_shape(c, L, span);
-  if (ctx.union_attention && !ctx.indexer_kl && union_fused_unsupported(us).empty()) {
+  if (ctx.union_attention && union_fused_unsupported(us).empty()) {
     if (std::optional<ChunkUnion> u = union_within_limit(ctx, us, selection)) {
       a.lse = activations_f32(L * c.num_attention_heads);
       union_attention_forward(ctx.gemm, us, *u, union_latent(c, w, kv), selection, a.q.data(),
@@ -379,7 +379,7 @@ void attention_mass_pass(Context& ctx, const ModelConfig& c, int64_t L, MlaActiv
 }
 
 // The union form's backward: dq written, the latent's gradient added to dkv (the cache's, fp32) and
-// kv_b_proj's accumulated. mass, unless null, by the CUDA-core pass.
+// kv_b_proj's accumulated; mass, unless null, written (the fused mass kernel).
 void union_attention_backward_over(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L,
                                    MlaActivations& a, const bf16* kv, const int32_t* selection, int64_t span,
                                    const bf16* d_attended, bf16* dq, float* dkv, float* mass,
@@ -389,10 +389,9 @@ void union_attention_backward_over(Context& ctx, const ModelConfig& c, const Dsa
     a.chunk_union = union_within_limit(ctx, us, selection);  // the forward's outputs were kept
   check(a.chunk_union.has_value(),
         "DSA backward: the union form's forward ran on a union its backward finds over the limit");
-  if (mass != nullptr) attention_mass_pass(ctx, c, L, a, kv, selection, mass);
   union_attention_backward(ctx.gemm, us, *a.chunk_union, union_latent(c, w, kv), selection, a.q.data(),
                            a.attended.data(), a.lse.data(), d_attended, dq, dkv, f32_data(grad.kv_b_proj),
-                           ctx.stream());
+                           mass, ctx.stream());
   ctx.record.note("dsa/attention_backward/union", "union form backward (fused, wgmma)");
 }
 

@@ -133,7 +133,6 @@ void CudaModel::head_input(const bf16* streams, int64_t n, bf16* mean, bf16* hid
 
 std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int64_t chunk_tokens,
                                         const SelectionSeen& selected) {
-  ctx_.indexer_kl = false;  // no backward
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const auto L = static_cast<int64_t>(tokens.size());
@@ -176,7 +175,6 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
   const int64_t H = c.hc_mult, D = c.hidden_size, V = c.vocab_size, E = c.n_routed_experts;
   check_sequence(tokens, V);
   check(options.chunk_tokens >= 0, "chunk_tokens must be >= 0, got ", options.chunk_tokens);
-  ctx_.indexer_kl = options.indexer_kl_coef > 0;
   if (options.chunk_tokens > 0 && options.chunk_tokens < L) {
     check(
         options.site_memory == SiteMemory::KeepSites,
