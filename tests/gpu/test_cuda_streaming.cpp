@@ -250,9 +250,10 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
 }
 
 // The union form of the DSA attention (docs/UNION_ATTENTION.md: on by default where its fused
-// kernels take the heads' widths, 128 here), streamed in chunks with the recomputation's outputs
-// kept and without, against the whole sequence in the absorbed form (SPINDLE_UNION_ATTENTION=0
-// while that model is made), with the indexers' KL training on the attention's mass.
+// kernels take the heads' widths, 128 here), on the whole sequence and streamed in chunks with the
+// recomputation's outputs kept and without, against the whole sequence in the absorbed form
+// (SPINDLE_UNION_ATTENTION=0 while that model is made), with the indexers' KL training on the
+// attention's mass.
 TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
   ModelConfig config = streaming_config(512);
   config.qk_nope_head_dim = 128;
@@ -271,7 +272,8 @@ TEST(CudaStreaming, UnionFormInChunksEqualsTheAbsorbedForm) {
   ModelWeights whole_grads = zero_gradients(config, DType::F32);
   plain->download_gradients(whole_grads);
   EXPECT_EQ(plain->kernel_report().find("dsa/attention/union:"), std::string::npos);
-  for (const auto& [chunk, keep_outputs] : {std::pair<int64_t, bool>{37, true}, {64, false}}) {
+  for (const auto& [chunk, keep_outputs] :
+       {std::pair<int64_t, bool>{0, false}, {37, true}, {64, false}}) {  // 0: the whole sequence
     SCOPED_TRACE("chunks of " + std::to_string(chunk) +
                  (keep_outputs ? ", outputs kept" : ", outputs again"));
     LossOptions streamed_options = options;
