@@ -68,28 +68,10 @@ __device__ __forceinline__ void probabilities_and_gradient(float (&s)[32], float
   }
 }
 
-constexpr int kDqStageBytes = 2 * kMatrixBytes + 1024;  // K, V, the mask words
-constexpr int kStages = 2;
-
 size_t dq_shared_bytes(int64_t union_tiles) {
-  return 1024 + 2 * kMatrixBytes + kStages * kDqStageBytes +
+  return 1024 + 2 * kMatrixBytes + kStages * kTileStageBytes +
          static_cast<size_t>(union_tiles + kTailTiles) * sizeof(int32_t);
 }
-
-// A CTA's barriers (union_attention_tile.cuh's loads): each stage's, then the CTA's own rows'.
-struct Barriers {
-  uint64_t bars[kStages + 1];
-  __device__ void init() {
-    if (threadIdx.x == 0) {
-      for (uint64_t& b : bars) mbarrier_init(&b, 1);
-      mbarrier_init_fence();
-    }
-    __syncthreads();
-  }
-  __device__ uint64_t* stage(int i) { return &bars[i % kStages]; }
-  __device__ uint32_t parity(int i) const { return (i / kStages) % 2; }
-  __device__ uint64_t* own() { return &bars[kStages]; }
-};
 
 __global__ void __launch_bounds__(kThreads, 2)
     union_dq_kernel(BackwardArgs a, const __grid_constant__ Maps maps) {
@@ -99,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   unsigned char* q_s = align_1024(raw);
   unsigned char* do_s = q_s + kMatrixBytes;
   unsigned char* stages = do_s + kMatrixBytes;
-  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kDqStageBytes);
+  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kTileStageBytes);
   const Tiles& t = a.t;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
@@ -120,31 +102,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     lse2[hh] = query < t.q_end ? a.lse[query * t.heads + h] * kLog2e : INFINITY;
     dot[hh] = query < t.q_end ? a.dot[query * t.heads + h] : 0.0f;
   }
-  // The tiles: as the forward's.
-  for (int64_t tile = warp; tile < t.union_tiles; tile += kThreads / 32) {
-    const bool live = any_bit(t, q0, tile);
-    if (lane == 0) list[tile] = live;
-  }
-  const bool tail0 = __syncthreads_or((tails[0][0] | tails[0][1] | tails[1][0] | tails[1][1]) != 0);
-  const bool tail1 = __syncthreads_or((tails[0][2] | tails[0][3] | tails[1][2] | tails[1][3]) != 0);
-  if (warp == 0) {
-    int count = compact_flags(list, t.union_tiles);
-    if (lane == 0) {
-      if (tail0) list[count++] = static_cast<int32_t>(t.union_tiles);
-      if (tail1) list[count++] = static_cast<int32_t>(t.union_tiles + 1);
-      count_s = count;
-    }
-  }
-  __syncthreads();
-  const int count = count_s;
+  const int count = live_tiles(t, q0, tails, list, &count_s);
   const auto load_stage = [&](int i) {
-    unsigned char* stage = stages + (i % kStages) * kDqStageBytes;
-    if (threadIdx.x == 0) {
-      mbarrier_arrive_expect(bars.stage(i), 2 * kMatrixBytes);
-      load_keys(t, maps, stage, list[i], window, h, bars.stage(i));
-    }
-    if (list[i] < t.union_tiles)
-      load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
+    load_tile_stage(t, maps, stages + (i % kStages) * kTileStageBytes, list[i], window, h, q0, bars.stage(i));
   };
   if (count > 0) load_stage(0);
   copy_commit();
@@ -158,16 +118,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const uint32_t q_address = shared_address(q_s), do_address = shared_address(do_s);
   for (int i = 0; i < count; ++i) {
-    unsigned char* stage = stages + (i % kStages) * kDqStageBytes;
-    if (i + 1 < count) {
-      load_stage(i + 1);
-      copy_commit();
-      copy_wait<1>();
-    } else {
-      copy_wait<0>();
-    }
-    mbarrier_wait(bars.stage(i), bars.parity(i));
-    __syncthreads();  // every thread's cp.async words
+    unsigned char* stage = stages + (i % kStages) * kTileStageBytes;
+    next_stage(i, count, load_stage, bars);
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
@@ -181,19 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     wgmma_hold(dp);
 
     uint32_t bits[2][2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (tile < t.union_tiles) {
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes);
-        const int row = 16 * warp + lane / 4 + 8 * hh;
-        bits[hh][0] = words[2 * row];
-        bits[hh][1] = words[2 * row + 1];
-      } else {
-        const bool second = tile > t.union_tiles;
-        bits[hh][0] = second ? tails[hh][2] : tails[hh][0];
-        bits[hh][1] = second ? tails[hh][3] : tails[hh][1];
-      }
-    }
+    tile_bits(t, reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes), tails, tile, bits);
     uint32_t p[4][4], ds[4][4];
     probabilities_and_gradient(
         s, dp, a, [&](int j) { return column_bit(bits, j); }, [&](int j) { return lse2[(j / 2) % 2]; },
@@ -313,15 +253,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int word = warp / 2, bit0 = 16 * (warp % 2) + lane / 4;
   for (int i = 0; i < count; ++i) {
     unsigned char* stage = stages + (i % kStages) * kDkvStageBytes;
-    if (i + 1 < count) {
-      load_stage(i + 1);
-      copy_commit();
-      copy_wait<1>();
-    } else {
-      copy_wait<0>();
-    }
-    mbarrier_wait(bars.stage(i), bars.parity(i));
-    __syncthreads();  // every thread's cp.async words
+    next_stage(i, count, load_stage, bars);
     const uint32_t q_address = shared_address(stage), do_address = q_address + kMatrixBytes;
 
     float s[32], dp[32];

@@ -19,11 +19,8 @@ namespace {
 
 using namespace union_tile;
 
-constexpr int kStageBytes = 2 * kMatrixBytes + 1024;  // K, V, the mask words (512 bytes); 1024-aligned
-constexpr int kStages = 2;
-
 size_t forward_shared_bytes(int64_t union_tiles) {
-  return 1024 + kMatrixBytes + kStages * kStageBytes +
+  return 1024 + kMatrixBytes + kStages * kTileStageBytes +
          static_cast<size_t>(union_tiles + kTailTiles) * sizeof(int32_t);
 }
 
@@ -35,66 +32,33 @@ struct ForwardArgs {
   float scale2;
 };
 
-// The tiles a CTA attends to, into list (their count returned, the same in every thread): the
-// union's tiles where any of its queries has a bit, then the tail tiles where any has one.
-__device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint32_t (&tails)[2][4],
-                                          int32_t* list, int* count_s) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t tile = warp; tile < t.union_tiles; tile += kThreads / 32) {
-    const bool live = any_bit(t, q0, tile);
-    if (lane == 0) list[tile] = live;
-  }
-  const bool tail0 = __syncthreads_or((tails[0][0] | tails[0][1] | tails[1][0] | tails[1][1]) != 0);
-  const bool tail1 = __syncthreads_or((tails[0][2] | tails[0][3] | tails[1][2] | tails[1][3]) != 0);
-  if (warp == 0) {
-    int count = compact_flags(list, t.union_tiles);
-    if (lane == 0) {
-      if (tail0) list[count++] = static_cast<int32_t>(t.union_tiles);
-      if (tail1) list[count++] = static_cast<int32_t>(t.union_tiles + 1);
-      *count_s = count;
-    }
-  }
-  __syncthreads();
-  return *count_s;
-}
-
 __global__ void __launch_bounds__(kThreads, 2)
     union_forward_kernel(ForwardArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
-  __shared__ uint64_t bars[kStages + 1];  // each stage's keys and values, then Q
+  __shared__ Barriers bars;
   unsigned char* q_s = align_1024(raw);
   unsigned char* stages = q_s + kMatrixBytes;
-  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kStageBytes);
+  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kTileStageBytes);
   const Tiles& t = a.t;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
   const int64_t row0 = q0 + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  bars.init();
   if (threadIdx.x == 0) {
-    for (int b = 0; b <= kStages; ++b) mbarrier_init(&bars[b], 1);
-    mbarrier_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    mbarrier_arrive_expect(&bars[kStages], kMatrixBytes);
-    load_rows(&maps.q, q_s, q0, h, &bars[kStages]);
+    mbarrier_arrive_expect(bars.own(), kMatrixBytes);
+    load_rows(&maps.q, q_s, q0, h, bars.own());
   }
   uint32_t tails[2][4];
   tail_bits(t, row0, window, tails[0]);
   tail_bits(t, row0 + 8, window, tails[1]);
   const int count = live_tiles(t, q0, tails, list, &count_s);
   const auto load_stage = [&](int i) {
-    unsigned char* stage = stages + (i % kStages) * kStageBytes;
-    if (threadIdx.x == 0) {
-      mbarrier_arrive_expect(&bars[i % kStages], 2 * kMatrixBytes);
-      load_keys(t, maps, stage, list[i], window, h, &bars[i % kStages]);
-    }
-    if (list[i] < t.union_tiles)
-      load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), list[i], q0);
+    load_tile_stage(t, maps, stages + (i % kStages) * kTileStageBytes, list[i], window, h, q0, bars.stage(i));
   };
   if (count > 0) load_stage(0);
   copy_commit();
-  mbarrier_wait(&bars[kStages], 0);
+  mbarrier_wait(bars.own(), 0);
 
   float o[2][32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -104,16 +68,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const uint32_t q_address = shared_address(q_s);
   for (int i = 0; i < count; ++i) {
-    unsigned char* stage = stages + (i % kStages) * kStageBytes;
-    if (i + 1 < count) {
-      load_stage(i + 1);
-      copy_commit();
-      copy_wait<1>();
-    } else {
-      copy_wait<0>();
-    }
-    mbarrier_wait(&bars[i % kStages], (i / kStages) % 2);
-    __syncthreads();  // every thread's mask words
+    unsigned char* stage = stages + (i % kStages) * kTileStageBytes;
+    next_stage(i, count, load_stage, bars);
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
@@ -125,19 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     wgmma_hold(s);
 
     uint32_t bits[2][2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (tile < t.union_tiles) {
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes);
-        const int row = 16 * warp + lane / 4 + 8 * hh;
-        bits[hh][0] = words[2 * row];
-        bits[hh][1] = words[2 * row + 1];
-      } else {
-        const bool second = tile > t.union_tiles;
-        bits[hh][0] = second ? tails[hh][2] : tails[hh][0];
-        bits[hh][1] = second ? tails[hh][3] : tails[hh][1];
-      }
-    }
+    tile_bits(t, reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes), tails, tile, bits);
 #pragma unroll
     for (int j = 0; j < 32; ++j) s[j] = column_bit(bits, j) ? s[j] * a.scale2 : -INFINITY;
     float m_new[2];

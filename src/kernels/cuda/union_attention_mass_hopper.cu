@@ -30,14 +30,13 @@ struct MassArgs {
   float scale2;
 };
 
-constexpr int kStages = 2;
 constexpr int kStageBytes = 2 * kMatrixBytes;  // Q_h, then the tile's K_h
 constexpr size_t kMassSharedBytes = 1024 + kStages * kStageBytes;
 
 __global__ void __launch_bounds__(kThreads, 3)
     union_mass_kernel(MassArgs a, const __grid_constant__ Maps maps) {
   extern __shared__ unsigned char raw[];
-  __shared__ uint64_t bars[kStages];
+  __shared__ Barriers bars;
   unsigned char* stages = align_1024(raw);
   const Tiles& t = a.t;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -74,18 +73,14 @@ __global__ void __launch_bounds__(kThreads, 3)
     base[hh] = below;
   }
   if (!__syncthreads_or((bits[0][0] | bits[0][1] | bits[1][0] | bits[1][1]) != 0)) return;  // no query's
-  if (threadIdx.x == 0) {
-    for (uint64_t& b : bars) mbarrier_init(&b, 1);
-    mbarrier_init_fence();
-  }
-  __syncthreads();
+  bars.init();
   const TileRows rows = tile_rows(t, maps, tile, window);
   const auto load_head = [&](int h) {
     if (threadIdx.x != 0) return;
     unsigned char* stage = stages + (h % kStages) * kStageBytes;
-    mbarrier_arrive_expect(&bars[h % kStages], kStageBytes);
-    load_rows(&maps.q, stage, q0, h, &bars[h % kStages]);
-    load_matrix(stage + kMatrixBytes, rows.map, h * 2 * kDim, rows.y, &bars[h % kStages]);
+    mbarrier_arrive_expect(bars.stage(h), kStageBytes);
+    load_rows(&maps.q, stage, q0, h, bars.stage(h));
+    load_matrix(stage + kMatrixBytes, rows.map, h * 2 * kDim, rows.y, bars.stage(h));
   };
   load_head(0);
   float sum[32];
@@ -93,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   for (int j = 0; j < 32; ++j) sum[j] = 0.0f;
   for (int h = 0; h < t.heads; ++h) {
     if (h + 1 < t.heads) load_head(h + 1);  // its stage was last read before the previous barrier
-    mbarrier_wait(&bars[h % kStages], (h / kStages) % 2);
+    mbarrier_wait(bars.stage(h), bars.parity(h));
     const uint32_t q_address = shared_address(stages + (h % kStages) * kStageBytes);
     float s[32];
     wgmma_fence();

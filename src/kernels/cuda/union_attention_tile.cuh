@@ -143,6 +143,97 @@ __device__ __forceinline__ int compact_flags(int32_t* list, int64_t n) {
   return count;
 }
 
+constexpr int kStages = 2;  // the tiles' (or blocks') buffers in flight
+
+// A CTA's mbarriers for the TMA's loads: each stage's, then the CTA's own rows'.
+struct Barriers {
+  uint64_t bars[kStages + 1];
+  __device__ void init() {
+    if (threadIdx.x == 0) {
+      for (uint64_t& b : bars) mbarrier_init(&b, 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+  }
+  __device__ uint64_t* stage(int i) { return &bars[i % kStages]; }
+  __device__ uint32_t parity(int i) const { return (i / kStages) % 2; }
+  __device__ uint64_t* own() { return &bars[kStages]; }
+};
+
+// Before a CTA's step i of count: step i + 1's loads issued (load(i + 1)), step i's landed (every
+// thread's cp.async words, and the TMA's bytes on the stage's barrier).
+template <typename Load>
+__device__ __forceinline__ void next_stage(int i, int count, Load load, Barriers& bars) {
+  if (i + 1 < count) {
+    load(i + 1);
+    copy_commit();
+    copy_wait<1>();
+  } else {
+    copy_wait<0>();
+  }
+  mbarrier_wait(bars.stage(i), bars.parity(i));
+  __syncthreads();
+}
+
+// A stage of the forward's and dq's loop: a tile's K, V, then its mask words (512 bytes); 1024-aligned.
+constexpr int kTileStageBytes = 2 * kMatrixBytes + 1024;
+
+// Tile `tile` into a stage: its keys and values by the TMA (thread 0, counted on bar), a union
+// tile's mask words of queries q0 .. q0 + 63 by cp.async.
+__device__ __forceinline__ void load_tile_stage(const Tiles& t, const Maps& m, unsigned char* stage,
+                                                int64_t tile, int64_t window, int h, int64_t q0,
+                                                uint64_t* bar) {
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect(bar, 2 * kMatrixBytes);
+    load_keys(t, m, stage, tile, window, h, bar);
+  }
+  if (tile < t.union_tiles)
+    load_mask_words(t, reinterpret_cast<uint32_t*>(stage + 2 * kMatrixBytes), tile, q0);
+}
+
+// The tiles a CTA attends to, into list (their count returned, the same in every thread): the
+// union's tiles where any of its queries has a bit, then the tail tiles where any has one.
+__device__ __forceinline__ int live_tiles(const Tiles& t, int64_t q0, const uint32_t (&tails)[2][4],
+                                          int32_t* list, int* count_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t tile = warp; tile < t.union_tiles; tile += kThreads / 32) {
+    const bool live = any_bit(t, q0, tile);
+    if (lane == 0) list[tile] = live;
+  }
+  const bool tail0 = __syncthreads_or((tails[0][0] | tails[0][1] | tails[1][0] | tails[1][1]) != 0);
+  const bool tail1 = __syncthreads_or((tails[0][2] | tails[0][3] | tails[1][2] | tails[1][3]) != 0);
+  if (warp == 0) {
+    int count = compact_flags(list, t.union_tiles);
+    if (lane == 0) {
+      if (tail0) list[count++] = static_cast<int32_t>(t.union_tiles);
+      if (tail1) list[count++] = static_cast<int32_t>(t.union_tiles + 1);
+      *count_s = count;
+    }
+  }
+  __syncthreads();
+  return *count_s;
+}
+
+// This thread's two rows' bits over tile `tile` (wgmma.cuh's rows 16 warp + lane / 4 + 8 hh): a
+// union tile's from the stage's words [query][2], a tail tile's from the rows' tail bits.
+__device__ __forceinline__ void tile_bits(const Tiles& t, const uint32_t* words,
+                                          const uint32_t (&tails)[2][4], int64_t tile,
+                                          uint32_t (&bits)[2][2]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (tile < t.union_tiles) {
+      const int row = 16 * warp + lane / 4 + 8 * hh;
+      bits[hh][0] = words[2 * row];
+      bits[hh][1] = words[2 * row + 1];
+    } else {
+      const bool second = tile > t.union_tiles;
+      bits[hh][0] = second ? tails[hh][2] : tails[hh][0];
+      bits[hh][1] = second ? tails[hh][3] : tails[hh][1];
+    }
+  }
+}
+
 // d = A B^T over the 128 values, A and B [64 rows][128] at a and b (K-major). Not committed.
 __device__ __forceinline__ void product_over_values(float (&d)[32], uint32_t a, uint32_t b) {
 #pragma unroll
