@@ -34,15 +34,26 @@ __global__ void write_keys_kernel(const int32_t* flags, const int32_t* slots, in
   if (t < span && flags[t]) keys[slots[t]] = static_cast<int32_t>(t);
 }
 
+// One warp per query: its pool slots' bits over the union, 32 slots a round. Lanes whose keys share
+// a word OR their bits first (the slots of a pool are consecutive keys), one lane a word adds them to
+// the row, which this warp alone writes: no atomics (33M of them a 16k chunk, contended 16 to a word).
 __global__ void write_masks_kernel(const int32_t* selected, int64_t queries, int64_t width, int64_t pooled,
                                    int64_t span, const int32_t* slots, int64_t words, uint32_t* masks) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= queries * pooled) return;
-  const int64_t query = i / pooled;
-  const int32_t t = selected[query * width + i % pooled];
-  if (t < 0 || t >= span) return;
-  const int32_t j = slots[t];
-  atomicOr(masks + query * words + j / 32, 1u << (j % 32));
+  const int64_t query = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (query >= queries) return;  // the whole warp
+  uint32_t* row = masks + query * words;
+  for (int64_t base = 0; base < pooled; base += 32) {
+    const int64_t slot = base + lane;
+    const int32_t t = slot < pooled ? selected[query * width + slot] : -1;
+    const bool valid = t >= 0 && t < span;
+    const int32_t j = valid ? slots[t] : 0;
+    const uint32_t word = valid ? static_cast<uint32_t>(j / 32) : 0xFFFFFFFFu;
+    const uint32_t group = __match_any_sync(0xffffffffu, word);
+    const uint32_t bits = __reduce_or_sync(group, valid ? 1u << (j % 32) : 0u);
+    if (valid && lane == __ffs(group) - 1) row[word] |= bits;
+    __syncwarp();  // this round's words written before the next round reads them
+  }
 }
 
 // One warp per (query, head): D = dout . out over the values.
@@ -139,7 +150,7 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
                                                                u.keys.data());
   SPINDLE_LAUNCHED("write_keys_kernel");
   SPINDLE_CUDA(cudaMemsetAsync(u.masks.data(), 0, u.masks.size() * sizeof(uint32_t), stream));
-  write_masks_kernel<<<blocks_for(entries), kThreads, 0, stream>>>(
+  write_masks_kernel<<<blocks_for(s.queries * 32), kThreads, 0, stream>>>(
       selected, s.queries, s.width, s.pooled, span, slots.data(), u.words, u.masks.data());
   SPINDLE_LAUNCHED("write_masks_kernel");
   return u;
