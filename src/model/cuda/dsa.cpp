@@ -261,19 +261,21 @@ MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeig
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
   ctx.gemm.linear(x, bf16_data(w.kv_a_proj), a.kv_low.data(), L, D, kr, s);
   rms_norm_forward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), a.kv_normed.data(), L, kr, eps, s);
-  if (!ctx.absorbed_mla) {
-    ctx.record.note("dsa/projections", "cublaslt bf16 (expanded keys and values)");
-    return a;
-  }
-  a.q_lat = activations(L * H * kr);
-  if (!output_kept) a.o_lat = activations(L * H * kr);
-  const bf16* wkv = bf16_data(w.kv_b_proj);
-  // q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr], every head h in one launch.
-  ctx.gemm.matmul_batched(false, false, kr, L, dqk, wkv + key_rows(c, 0) * kr, kr, head_weight_stride(c),
-                          a.q.data(), H * dqk, dqk, a.q_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f,
-                          s);
-  ctx.record.note("dsa/projections", "cublaslt bf16 (queries absorbed into the latent)");
+  ctx.record.note("dsa/projections",
+                  ctx.absorbed_mla ? "cublaslt bf16 (queries absorbed into the latent where the absorbed "
+                                     "kernels run)"
+                                   : "cublaslt bf16 (expanded keys and values)");
   return a;
+}
+
+// The absorbed form's queries in the latent, q_lat_h [L, kr] = q_h [L, dqk] W_k,h [dqk, kr], every
+// head h in one launch (the union form reads q itself and needs none).
+void absorb_queries(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, MlaActivations& a) {
+  const int64_t H = c.num_attention_heads, dqk = c.qk_head_dim(), kr = c.kv_lora_rank;
+  a.q_lat = activations(L * H * kr);
+  ctx.gemm.matmul_batched(false, false, kr, L, dqk, bf16_data(w.kv_b_proj) + key_rows(c, 0) * kr, kr,
+                          head_weight_stride(c), a.q.data(), H * dqk, dqk, a.q_lat.data(), CUDA_R_16BF,
+                          H * kr, kr, H, 1.0f, 0.0f, ctx.stream());
 }
 
 // This chunk's keys and values join the cache at rows cache.tokens .. + L.
@@ -320,6 +322,7 @@ void take_attention(Context& ctx, const ModelConfig& c, const DsaWeights& w, int
   }
   a.o_lat = std::move(kept.out);
   a.lse = std::move(kept.stats);
+  absorb_queries(ctx, c, w, L, a);  // the backward's
   project_attended(ctx, c, w, L, a);
 }
 
@@ -347,6 +350,8 @@ void attend(Context& ctx, const ModelConfig& c, const DsaWeights& w, int64_t L, 
     ctx.record.note("dsa/attention/union_over_limit",
                     "absorbed form: the chunk's union over the union form's limit");
   }
+  absorb_queries(ctx, c, w, L, a);
+  a.o_lat = activations(L * c.num_attention_heads * c.kv_lora_rank);
   const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
   const std::string unsupported = sparse_mla_unsupported(mla);  // the cache holds [c | c] then
   if (unsupported.empty()) {
