@@ -36,8 +36,9 @@ constexpr double kFp32Bound = 1e-3;
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
-  // tokens than taps, the 4B model's KDA shape; dx into columns of a wider buffer (the KDA
-  // backward's stacked gradients), its rows an even and an odd number of values apart.
+  // tokens than taps, the 4B model's KDA shape, channels 2 mod 4 (two a thread, not four); dx into
+  // columns of a wider buffer (the KDA backward's stacked gradients), its rows an even and an odd
+  // number of values apart.
   for (auto [T, C, K, dx_ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1000, 256, 4, 256},
                                 {1029, 2048, 4, 2048},
                                 {1029, 2048, 4, 6416},
@@ -46,7 +47,8 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
                                 {70, 1031, 4, 1031},
                                 {2, 64, 4, 64},
                                 {130, 40, 8, 40},
-                                {65, 129, 1, 129}}) {
+                                {65, 129, 1, 129},
+                                {300, 102, 4, 102}}) {
     const auto x = rounded(random_floats(T * C)), dy = rounded(random_floats(T * C));
     const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
     Stream stream;
