@@ -77,6 +77,15 @@ int main(int argc, char** argv) {
          median_ms(
              [&] { hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), nullptr); },
              5));
+  // The combine with the next site's mix of its output (the forward passes' form since it exists):
+  // against hc_combine + hc_coefficients, which reads the output again for the mix.
+  report("hc_combine_mix", 2 * bf16_streams + row,
+         median_ms(
+             [&] {
+               hc_combine_mix(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), fn.data(),
+                              mix.data(), nullptr);
+             },
+             5));
   report("hc_combine_backward", bf16_streams + 3 * f32_streams + row,
          median_ms(
              [&] {

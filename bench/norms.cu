@@ -63,10 +63,22 @@ int main(int argc, char** argv) {
          }));
   report("causal_conv_silu, 2048 channels", 2.0 * T * D * 2,
          time([&] { causal_conv_silu(x.data(), taps.data(), y.data(), T, D, conv, nullptr); }));
+  // dw holds the taps' gradient, channels x K (the norms' dw above has only D values).
+  auto dtaps = random_f32(D * conv, 11, -1, 1);
   report("causal_conv_silu_backward, 2048 channels", 2.0 * T * D * 3, time([&] {
-           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), D, dw.data(), T, D, conv,
+           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), D, dtaps.data(), T, D, conv,
                                      nullptr);
          }));
+  {
+    // As the KDA backward calls it: dx into the k columns of the stacked gradients (q, k, v, then the
+    // small ones), rows 3 D + 2 head_dim + heads = 6416 values apart at the 4B config.
+    const int64_t ld = 3 * D + 2 * head_dim + heads;
+    DeviceBuffer<__nv_bfloat16> stacked(static_cast<size_t>(T * ld), MemoryCategory::Activations);
+    report("causal_conv_silu_backward, dx rows 6416 apart", 2.0 * T * D * 3, time([&] {
+             causal_conv_silu_backward(x.data(), taps.data(), dy.data(), stacked.data() + D, ld, dtaps.data(),
+                                       T, D, conv, nullptr);
+           }));
+  }
   // The decay over fp32 [T, 2048] (the 4B config: no lower bound, the softplus form; with one, the
   // sigmoid form); the backward writes bf16 df.
   auto f = random_f32(T * D, 8, -4, 4), bias = random_f32(D, 9, -1, 1), a_log = random_f32(heads, 10, -1, 1);

@@ -36,8 +36,9 @@ constexpr double kFp32Bound = 1e-3;
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
-  // tokens than taps, the 4B model's KDA shape; dx into columns of a wider buffer (the KDA
-  // backward's stacked gradients), its rows an even and an odd number of values apart.
+  // tokens than taps, the 4B model's KDA shape, channels 2 mod 4 (two a thread, not four); dx into
+  // columns of a wider buffer (the KDA backward's stacked gradients), its rows an even and an odd
+  // number of values apart.
   for (auto [T, C, K, dx_ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1000, 256, 4, 256},
                                 {1029, 2048, 4, 2048},
                                 {1029, 2048, 4, 6416},
@@ -46,7 +47,8 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
                                 {70, 1031, 4, 1031},
                                 {2, 64, 4, 64},
                                 {130, 40, 8, 40},
-                                {65, 129, 1, 129}}) {
+                                {65, 129, 1, 129},
+                                {300, 102, 4, 102}}) {
     const auto x = rounded(random_floats(T * C)), dy = rounded(random_floats(T * C));
     const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
     Stream stream;
@@ -199,6 +201,65 @@ TEST(CudaConvMhc, HcCombineForwardAndBackward) {
         << "d_post with the combine" << where;
     EXPECT_LT(relative_error(d_comb2.download(), dcomb_ref), kFp32Bound) << "d_comb with d_post" << where;
   }
+}
+
+// hc_combine_mix against hc_combine and then hc_coefficients on its output with the next site's fn:
+// the same output bit for bit; the mix to fp32 rounding (another summation order), and the
+// coefficients from it against the CPU's. On every case it takes (hc_mult 4, hidden a multiple of
+// 32: tokens past a tile, one slice of columns, the model's width); it must refuse the others.
+TEST(CudaConvMhc, HcCombineMixEqualsTheCombineThenTheNextMix) {
+  int taken = 0;
+  for (const HcCase& c : kHcCases) {
+    const cpu::HcShape s = shape_of(c);
+    const int64_t T = c.tokens, H = c.H, D = c.D;
+    const auto x = rounded(random_floats(T * H * D)), y = rounded(random_floats(T * D));
+    const auto post = random_uniform(T * H, 0.0f, 2.0f), comb = random_uniform(T * H * H, 0.0f, 1.0f);
+    const HcParams next(c);
+    Stream stream;
+    auto xb = device(to_bf16(x)), yb = device(to_bf16(y));
+    auto postb = device(post), combb = device(comb);
+    auto out = poisoned<bf16>(T * H * D);
+    const bool supported = hc_combine_mix_supported(s, xb.data(), yb.data(), out.data());
+    EXPECT_EQ(supported, H == 4 && D % 32 == 0) << "T=" << T << " H=" << H << " D=" << D;
+    if (!supported) continue;
+    ++taken;
+    auto fn = device(next.fn, MemoryCategory::Weights);
+    auto base = device(next.base, MemoryCategory::Weights),
+         scale = device(next.scale, MemoryCategory::Weights);
+    auto mix = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
+    hc_combine_mix(s, xb.data(), yb.data(), postb.data(), combb.data(), out.data(), fn.data(), mix.data(),
+                   stream.get());
+    auto out_ref = poisoned<bf16>(T * H * D);
+    auto mix_ref = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
+    auto pre = poisoned<float>(T * H), post2 = poisoned<float>(T * H), comb2 = poisoned<float>(T * H * H);
+    auto collapsed = poisoned<bf16>(T * D);
+    hc_combine(s, xb.data(), yb.data(), postb.data(), combb.data(), out_ref.data(), stream.get());
+    hc_coefficients(s, out_ref.data(), fn.data(), base.data(), scale.data(), pre.data(), post2.data(),
+                    comb2.data(), collapsed.data(), stream.get(), mix_ref.data());
+    // The next site's coefficients from the handed mix, as residual_site_forward takes them.
+    auto pre_m = poisoned<float>(T * H), post_m = poisoned<float>(T * H), comb_m = poisoned<float>(T * H * H);
+    auto collapsed_m = poisoned<bf16>(T * D);
+    hc_coefficients_from_mix(s, out.data(), mix.data(), base.data(), scale.data(), pre_m.data(),
+                             post_m.data(), comb_m.data(), collapsed_m.data(), stream.get());
+    stream.synchronize();
+    const std::string where =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    const auto got = out.download(), want = out_ref.download();
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(bf16)), 0) << "out" << where;
+    const auto mix_want = mix_ref.download();
+    EXPECT_LT(relative_error(mix.download(), to_double(mix_want)), 1e-5) << "mix" << where;
+    std::vector<double> outd(got.size());
+    for (size_t i = 0; i < got.size(); ++i) outd[i] = __bfloat162float(got[i]);
+    const auto fnd = to_double(next.fn), based = to_double(next.base), scaled = to_double(next.scale);
+    std::vector<double> pre_ref(T * H), post_ref(T * H), comb_ref(T * H * H), col_ref(T * D);
+    cpu::hc_coefficients(s, outd.data(), fnd.data(), based.data(), scaled.data(), pre_ref.data(),
+                         post_ref.data(), comb_ref.data(), col_ref.data());
+    EXPECT_LT(relative_error(pre_m.download(), pre_ref), kFp32Bound) << "pre" << where;
+    EXPECT_LT(relative_error(post_m.download(), post_ref), kFp32Bound) << "post" << where;
+    EXPECT_LT(relative_error(comb_m.download(), comb_ref), kFp32Bound) << "comb" << where;
+    EXPECT_LT(relative_error(collapsed_m.download(), col_ref), kBf16Bound) << "collapsed" << where;
+  }
+  EXPECT_GE(taken, 4) << "cases hc_combine_mix takes";
 }
 
 TEST(CudaConvMhc, HcCoefficientsBackward) {

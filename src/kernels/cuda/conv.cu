@@ -1,49 +1,69 @@
-// Depthwise causal conv + SiLU. One thread per V adjacent channels (V = 2, bf16x2 accesses, when
-// channels is even and the pointers 4-byte aligned; else 1) walks a tile of kStagedTile tokens, keeping
-// the last K inputs (and, backward, the last K pre-activation gradients) in registers: each input
-// is read once per tile plus a K - 1 halo. Consecutive threads take consecutive channels, so a
-// warp's accesses are one contiguous run per token. A thread's token loop would otherwise be a
-// chain of dependent global loads: both directions stage the thread's column of the tile by
-// cp.async first (with unaligned rows, loads of kBatch tokens are issued before their arithmetic).
+// Depthwise causal conv + SiLU. One thread per V adjacent channels (V = 4, 2 or 1: 8-, 4- or 2-byte
+// accesses, the widest that the channels, the row strides and the pointers allow) walks a run of
+// consecutive tokens, keeping the last K inputs (and, backward, the last K pre-activation gradients)
+// in registers: each input is read once per run plus a K - 1 halo. Consecutive threads take
+// consecutive channels, so a warp's accesses are one contiguous run per token. The runs are long
+// (about one wave of blocks in all), so that the halo and the backward's dw atomics (one set per
+// run) are few. A thread's token loop would otherwise be a chain of dependent loads: each token's
+// loads are issued kBatch tokens ahead of its arithmetic, into registers (no shared memory, so
+// registers alone bound the blocks per SM).
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/memory_bound.cuh"
-#include "kernels/cuda/mma.cuh"
 
 namespace spindle::cuda {
 
 namespace {
 
 constexpr int kThreads = 128;  // threads per block
-constexpr int kBatch = 8;      // tokens whose loads are in flight together
+constexpr int kBatch = 8;      // tokens whose loads are in flight ahead of the arithmetic
 constexpr int kMaxKernel = 8;
+static_assert(kMaxKernel - 1 < kBatch, "a run's K - 1 tokens past its end fit in one batch");
 
-// By the SFU's exponential and reciprocal (two instructions each, a few ulp): expf and the IEEE
-// division were most of the kernels' instructions, and the results are rounded to bf16.
-__device__ __forceinline__ float sigmoid(float a) { return __fdividef(1.0f, 1.0f + __expf(-a)); }
+// V channels' bf16 values as raw bits, read in one access.
+template <int V>
+using Bf16s = std::conditional_t<V == 4, uint2, std::conditional_t<V == 2, uint32_t, uint16_t>>;
 
 template <int V>
-__device__ __forceinline__ void load_values(const __nv_bfloat16* __restrict__ p, float (&out)[V]) {
-  if constexpr (V == 2) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-    out[0] = f.x;
-    out[1] = f.y;
+__device__ __forceinline__ Bf16s<V> load_row(const __nv_bfloat16* __restrict__ p) {
+  return *reinterpret_cast<const Bf16s<V>*>(p);
+}
+
+// A bf16 is the top half of its fp32: one shift or mask per value.
+template <int V>
+__device__ __forceinline__ void unpack(const Bf16s<V>& in, float (&out)[V]) {
+  const auto low = [](uint32_t bits) { return __uint_as_float(bits << 16); };
+  const auto high = [](uint32_t bits) { return __uint_as_float(bits & 0xffff0000u); };
+  if constexpr (V == 4) {
+    out[0] = low(in.x);
+    out[1] = high(in.x);
+    out[2] = low(in.y);
+    out[3] = high(in.y);
+  } else if constexpr (V == 2) {
+    out[0] = low(in);
+    out[1] = high(in);
   } else {
-    out[0] = __bfloat162float(*p);
+    out[0] = low(in);
   }
 }
 
-template <int V>
-__device__ __forceinline__ void store_values(__nv_bfloat16* __restrict__ p, const float (&v)[V]) {
-  if constexpr (V == 2)
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
-  else
-    *p = __float2bfloat16(v[0]);
+// 1 / (1 + e^-a) by the SFU's exponential and reciprocal (a few ulp): expf and the IEEE division were
+// most of the kernels' instructions, and the results are rounded to bf16. The values of __expf and
+// __fdividef(1, .), in their .ftz forms: without .ftz ptxas wraps each in a denormal fix-up (a compare
+// and two multiplies), and here none can matter (1 + e^-a rounds to 1 long before e^-a is denormal,
+// and 1 + e^-a >= 1 has no denormal reciprocal).
+__device__ __forceinline__ float sigmoid(float a) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(a * -1.44269504f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
 }
 
 // The V channels' taps, wr[v][j] = w[c + v, j].
@@ -59,251 +79,242 @@ __device__ __forceinline__ void load_taps(const float* __restrict__ w, int64_t c
 // The K - 1 inputs before token t0 (zero before the sequence) as the window before its first
 // shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
 template <int K, int V>
-__device__ __forceinline__ void load_halo(const __nv_bfloat16* __restrict__ x, int64_t c, int64_t t0,
+__device__ __forceinline__ void load_halo(const __nv_bfloat16* __restrict__ x, int64_t c, int t0,
                                           int64_t channels, float (&win)[V][K]) {
 #pragma unroll
   for (int j = 0; j < K; ++j) {
-    const int64_t src = t0 - K + j;
+    const int row = t0 - K + j;
     float halo[V] = {};
-    if (j > 0 && src >= 0) load_values<V>(x + src * channels + c, halo);
+    if (j > 0 && row >= 0) unpack<V>(load_row<V>(x + row * channels + c), halo);
 #pragma unroll
     for (int v = 0; v < V; ++v) win[v][j] = halo[v];
   }
 }
 
-// Tokens per tile: few enough that the staged rows (below) leave room for several blocks per SM.
-constexpr int kStagedTile = 32;
-static_assert(kStagedTile / 2 % kBatch == 0, "the second half of the staged rows starts a batch");
-
-// With two channels a thread (V = 2) the forward, like the backward below, first copies its column
-// of the tile's x rows (and the K - 1 before them) into shared memory by cp.async, in two groups;
-// each thread reads back only what it copied. With one it reads them from global memory in batches.
+// Shifts the window of V channels by one token: win[v][K - 1] = in[v].
 template <int K, int V>
-__global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
-                            __nv_bfloat16* __restrict__ y, int64_t tokens, int64_t channels) {
-  extern __shared__ __nv_bfloat162 staged_x[];  // [kStagedTile + K - 1][kThreads]
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kStagedTile;
-  const int64_t t1 = min(t0 + kStagedTile, tokens);
-  const int64_t x0 = t0 - (K - 1);  // the first staged row: the halo before the tile
-  __nv_bfloat162* column = staged_x + threadIdx.x;
-  if constexpr (V == 2) {
-    const int64_t middle = min(t0 + kStagedTile / 2, t1);
-    for (int64_t u = x0; u < middle; ++u)
-      copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
-    copy_commit();
-    for (int64_t u = middle; u < t1; ++u) copy4(column + (u - x0) * kThreads, x + u * channels + c, true);
-    copy_commit();
-  }
-  float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
-  load_taps<K, V>(w, c, wr);
-  if constexpr (V == 2) {
-    copy_wait_all_but_newest();
+__device__ __forceinline__ void shift_in(float (&win)[V][K], const float (&in)[V]) {
 #pragma unroll
-    for (int j = 1; j < K; ++j) {  // zeros before the sequence were staged as zeros
-      const float2 f = __bfloat1622float2(column[(j - 1) * kThreads]);
-      win[0][j] = f.x;
-      win[1][j] = f.y;
-    }
-  } else {
-    load_halo<K, V>(x, c, t0, channels, win);
-  }
-  for (int64_t tb = t0; tb < t1; tb += kBatch) {
-    if (V == 2 && tb == t0 + kStagedTile / 2) copy_wait_all();
-    float in[kBatch][V];
+  for (int v = 0; v < V; ++v) {
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (tb + b < t1) {
-        if constexpr (V == 2) {
-          const float2 f = __bfloat1622float2(column[(tb + b - x0) * kThreads]);
-          in[b][0] = f.x;
-          in[b][1] = f.y;
-        } else {
-          load_values<V>(x + (tb + b) * channels + c, in[b]);
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (tb + b >= t1) break;
-      float out[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-#pragma unroll
-        for (int j = 0; j + 1 < K; ++j) win[v][j] = win[v][j + 1];
-        win[v][K - 1] = in[b][v];
-        float a = 0.0f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
-        out[v] = a * sigmoid(a);
-      }
-      store_values<V>(y + (tb + b) * channels + c, out);
-    }
+    for (int j = 0; j + 1 < K; ++j) win[v][j] = win[v][j + 1];
+    win[v][K - 1] = in[v];
   }
 }
 
-// Dynamic shared memory of the forward: its staged x rows (the tile and its halo) at V = 2, else none.
-template <int K, int V>
-constexpr size_t kForwardShared = V == 2 ? size_t{kStagedTile + K - 1} * kThreads * sizeof(__nv_bfloat162)
-                                         : 0;
-
+// a = sum_j w[j] win[j], the pre-activation of the window's last token.
 template <int K>
-constexpr int kStagedRows = 2 * kStagedTile + 3 * (K - 1);  // x's rows then dy's, per thread column
+__device__ __forceinline__ float preactivation(const float (&wr)[K], const float (&win)[K]) {
+  float a = 0.0f;
+#pragma unroll
+  for (int j = 0; j < K; ++j) a = fmaf(wr[j], win[j], a);
+  return a;
+}
 
-// Dynamic shared memory of the backward: its staged rows at V = 2, else none.
+// Each thread walks tokens [t0, t1) of its run, t0 = blockIdx.y * run. The loop is in batches of
+// kBatch tokens; batch(u, checked) takes tokens [u, u + kBatch), reading each token's x row from the
+// buffer and refilling it with the row kBatch tokens later. Unchecked batches (all but the last one or
+// two) know that every row they refill exists.
 template <int K, int V>
-constexpr size_t kBackwardShared = V == 2 ? size_t{kStagedRows<K>} * kThreads * sizeof(__nv_bfloat162) : 0;
+__global__ void __launch_bounds__(kThreads)
+    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+                            __nv_bfloat16* __restrict__ y, int tokens, int64_t channels, int run) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (c >= channels) return;
+  const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
+  float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
+  load_taps<K, V>(w, c, wr);
+  load_halo<K, V>(x, c, t0, channels, win);
+  // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
+  const __nv_bfloat16* next = x + static_cast<int64_t>(t0) * channels + c;  // the next x row to read
+  __nv_bfloat16* out = y + static_cast<int64_t>(t0) * channels + c;         // the next y row to write
+  Bf16s<V> xb[kBatch] = {};                                                 // x rows u + b of the batch at u
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    if (t0 + b < t1) {
+      xb[b] = load_row<V>(next);
+      next += channels;
+    }
+  }
+  const auto batch = [&](int u, auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      float in[V];
+      unpack<V>(xb[b], in);
+      if (!kChecked || u + b + kBatch < t1) {
+        xb[b] = load_row<V>(next);
+        next += channels;
+      }
+      shift_in<K, V>(win, in);
+      float out_values[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float a = preactivation<K>(wr[v], win[v]);
+        out_values[v] = a * sigmoid(a);
+      }
+      if (!kChecked || u + b < t1) {
+        store_global<V>(out, out_values);
+        out += channels;
+      }
+    }
+  };
+  int u = t0;
+#pragma unroll 1
+  for (; u + 2 * kBatch <= t1; u += kBatch) batch(u, std::false_type{});
+#pragma unroll 1
+  for (; u < t1; u += kBatch) batch(u, std::true_type{});
+}
 
-// Walks u over [t0, t1 + K - 1): da[u] = dy[u] silu'(a[u]) (zero past the end), dw from the
-// tile's own da, and dx[t] = sum_j da[t + K - 1 - j] w[j] once da[t .. t + K - 1] are known. With two
-// channels a thread (V = 2) it first copies its column of the tile's x and dy rows into shared
-// memory by cp.async, all in flight at once without holding registers, in two groups so that the
-// first half's arithmetic overlaps the second half's loads; each thread reads back only what it
-// copied, so no barrier. With one (odd channels or unaligned rows) it reads them from global memory.
-// A block takes `tiles` consecutive tiles and adds its dw sums once: every block's atomics land on
-// the same channels K addresses, and one set per 32-token tile cost about an eighth of its time.
+// Walks u over [t0, t1 + K - 1): da[u] = dy[u] silu'(a[u]) (zero past the sequence), dw from the
+// run's own da (u < t1), and dx[u - (K - 1)] = sum_j da[u - j] w[K - 1 - j] once da[u] is known (for
+// u - (K - 1) >= t0: the rows before belong to the run before). Batches as the forward's, refilling
+// both x and dy; unchecked batches (all but the first and the last one or two) also store every dx
+// row and add every da to dw. The run's dw sums go out once, by atomics: every run adds into the same
+// channels K values.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
                                      const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
-                                     int64_t dx_ld, float* __restrict__ dw, int64_t tokens, int64_t channels,
-                                     int tiles) {
-  extern __shared__ __nv_bfloat162 staged[];  // [kStagedRows<K>][kThreads]: x rows, then dy rows
+                                     int64_t dx_ld, float* __restrict__ dw, int tokens, int64_t channels,
+                                     int run) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
-  __nv_bfloat162* column = staged + threadIdx.x;
+  const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
+  const int end = t1 + K - 1;         // steps u in [t0, end)
+  const int rows = min(end, tokens);  // the x and dy rows that the steps read
   float wr[V][K], dwacc[V][K] = {};
   load_taps<K, V>(w, c, wr);
-  const int64_t tile_count = (tokens + kStagedTile - 1) / kStagedTile;
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * tiles, last = min(first + tiles, tile_count);
-#pragma unroll 1
-  for (int64_t tile = first; tile < last; ++tile) {
-    const int64_t t0 = tile * kStagedTile;
-    const int64_t t1 = min(t0 + kStagedTile, tokens), u1 = min(t1 + K - 1, tokens);
-    const int64_t x0 = t0 - (K - 1);  // x's first staged row: the halo before the tile
-    const int x_rows = static_cast<int>(u1 - x0);
-    if constexpr (V == 2) {
-      const auto stage = [&](int64_t from, int64_t to) {  // rows [from, to) of both, clipped to each's own
-        for (int64_t u = max(from, x0); u < min(to, u1); ++u)
-          copy4(column + (u - x0) * kThreads, x + max(u, int64_t{0}) * channels + c, u >= 0);
-        for (int64_t u = max(from, t0); u < min(to, u1); ++u)
-          copy4(column + (x_rows + u - t0) * kThreads, dy + u * channels + c, true);
-        copy_commit();
-      };
-      const int64_t middle = t0 + kStagedTile / 2;
-      stage(x0, middle);
-      stage(middle, u1);
-    }
-    const auto read = [&](const __nv_bfloat16* global, int staged_row, int64_t u, float(&out)[V]) {
-      if constexpr (V == 2) {
-        const float2 f = __bfloat1622float2(column[staged_row * kThreads]);
-        out[0] = f.x;
-        out[1] = f.y;
-      } else {
-        load_values<V>(global + u * channels + c, out);
-      }
-    };
-    if constexpr (V == 2) copy_wait_all_but_newest();
-    // The window before the tile's first shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
-    float win[V][K], dh[V][K] = {};  // dh[v][j] = da[u - (K - 1) + j, c + v]
+  float win[V][K], dh[V][K] = {};  // after the shift at step u: dh[v][j] = da[u - (K - 1) + j, c + v]
+  load_halo<K, V>(x, c, t0, channels, win);
+  // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
+  const int64_t first = static_cast<int64_t>(t0) * channels + c;
+  const __nv_bfloat16 *x_next = x + first, *dy_next = dy + first;     // the next rows to read
+  __nv_bfloat16* dx_out = dx + static_cast<int64_t>(t0) * dx_ld + c;  // the next dx row to write
+  Bf16s<V> xb[kBatch] = {}, db[kBatch] = {};  // x and dy rows u + b of the batch at u (zero past `rows`)
 #pragma unroll
-    for (int j = 1; j < K; ++j) {
-      const int64_t u = t0 - K + j;
-      float halo[V] = {};
-      if (u >= 0) read(x, static_cast<int>(u - x0), u, halo);
-#pragma unroll
-      for (int v = 0; v < V; ++v) win[v][j] = halo[v];
-    }
-    // In unrolled batches of kBatch tokens: the windows' shifts become renamed registers, not moves.
-    for (int64_t ub = t0; ub < t1 + K - 1; ub += kBatch) {
-      if (V == 2 && ub == t0 + kStagedTile / 2) copy_wait_all();
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int64_t u = ub + b;
-        if (u >= t1 + K - 1) break;
-        float xin[V] = {}, dyin[V] = {};  // zero past the end of the sequence
-        if (u < u1) {
-          read(x, static_cast<int>(u - x0), u, xin);
-          read(dy, x_rows + static_cast<int>(u - t0), u, dyin);
-        }
-        float g[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-#pragma unroll
-          for (int j = 0; j + 1 < K; ++j) {
-            win[v][j] = win[v][j + 1];
-            dh[v][j] = dh[v][j + 1];
-          }
-          win[v][K - 1] = xin[v];
-          float a = 0.0f;
-#pragma unroll
-          for (int j = 0; j < K; ++j) a = fmaf(wr[v][j], win[v][j], a);
-          const float sg = sigmoid(a);
-          const float da = dyin[v] * sg * (1.0f + a * (1.0f - sg));
-          dh[v][K - 1] = da;
-          if (u < t1) {
-#pragma unroll
-            for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
-          }
-          g[v] = 0.0f;
-#pragma unroll
-          for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
-        }
-        if (u >= t0 + K - 1) store_values<V>(dx + (u - (K - 1)) * dx_ld + c, g);
-      }
+  for (int b = 0; b < kBatch; ++b) {
+    if (t0 + b < rows) {
+      xb[b] = load_row<V>(x_next);
+      db[b] = load_row<V>(dy_next);
+      x_next += channels;
+      dy_next += channels;
     }
   }
-  // One atomic per tap for the block's tiles (their sum is already in registers).
+  const auto batch = [&](int u, auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
 #pragma unroll
-  for (int v = 0; v < V; ++v)
+    for (int b = 0; b < kBatch; ++b) {
+      const int step = u + b;
+      float xin[V], dyin[V];
+      unpack<V>(xb[b], xin);
+      unpack<V>(db[b], dyin);
+      if (!kChecked || step + kBatch < rows) {
+        xb[b] = load_row<V>(x_next);
+        db[b] = load_row<V>(dy_next);
+        x_next += channels;
+        dy_next += channels;
+      } else {
+        xb[b] = db[b] = Bf16s<V>{};
+      }
+      shift_in<K, V>(win, xin);
+      const bool own = !kChecked || step < t1;  // da[step] is this run's: it adds to dw
+      float g[V];
 #pragma unroll
-    for (int j = 0; j < K; ++j) atomicAdd(dw + (c + v) * K + j, dwacc[v][j]);
+      for (int v = 0; v < V; ++v) {
+        const float a = preactivation<K>(wr[v], win[v]);
+        // da = dy silu'(a) = dy sg (1 + a (1 - sg)), as p + p a (1 - sg) with p = dy sg.
+        const float sg = sigmoid(a), p = dyin[v] * sg;
+        const float da = fmaf(p, fmaf(-a, sg, a), p);
+#pragma unroll
+        for (int j = 0; j + 1 < K; ++j) dh[v][j] = dh[v][j + 1];
+        dh[v][K - 1] = da;
+        if (own) {
+#pragma unroll
+          for (int j = 0; j < K; ++j) dwacc[v][j] = fmaf(da, win[v][j], dwacc[v][j]);
+        }
+        g[v] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
+      }
+      if (!kChecked || (step >= t0 + K - 1 && step < end)) {  // dx[step - (K - 1)]
+        store_global<V>(dx_out, g);
+        dx_out += dx_ld;
+      }
+    }
+  };
+  int u = t0;
+  batch(u, std::true_type{});  // its first K - 1 steps have no dx row of this run
+#pragma unroll 1
+  for (u += kBatch; u + 2 * kBatch <= rows; u += kBatch) batch(u, std::false_type{});
+#pragma unroll 1
+  for (; u < end; u += kBatch) batch(u, std::true_type{});
+  // One atomic per tap for the run (its sums are already in registers); four taps in one where aligned.
+  float* sums = dw + c * K;
+  const float* acc = &dwacc[0][0];
+  if constexpr (V * K % 4 == 0) {
+    if (reinterpret_cast<uintptr_t>(sums) % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < V * K; i += 4)
+        atomicAdd(reinterpret_cast<float4*>(sums + i),
+                  make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < V * K; ++i) atomicAdd(sums + i, acc[i]);
 }
 
-// Two channels per thread when every row of every tensor starts 4-byte aligned.
-int values_per_thread(int64_t channels, std::initializer_list<const void*> tensors) {
-  if (channels % 2 != 0) return 1;
-  for (const void* p : tensors)
-    if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return 1;
-  return 2;
+// The widest V in {4, 2, 1} that divides every row stride and to whose accesses (2 V bytes) every
+// tensor is aligned.
+int values_per_thread(std::initializer_list<int64_t> strides, std::initializer_list<const void*> tensors) {
+  for (int v = 4; v > 1; v /= 2) {
+    bool fits = true;
+    for (const int64_t s : strides) fits = fits && s % v == 0;
+    for (const void* p : tensors) fits = fits && reinterpret_cast<uintptr_t>(p) % (2 * v) == 0;
+    if (fits) return v;
+  }
+  return 1;
 }
 
-dim3 conv_grid(int64_t tokens, int64_t channels, int64_t kernel, int values, int64_t tile) {
-  check(kernel >= 1 && kernel <= kMaxKernel, "causal_conv_silu: kernel size ", kernel, " (expected 1 to ",
-        kMaxKernel, ")");
-  const int64_t per_block = int64_t{kThreads} * values;
-  const int64_t tiles = (tokens + tile - 1) / tile, blocks = (channels + per_block - 1) / per_block;
-  check(tiles <= 65535 && blocks <= 0x7fffffff, "causal_conv_silu: ", tokens, " tokens x ", channels,
+void check_shape(const char* name, int64_t tokens, int64_t kernel) {
+  check(kernel >= 1 && kernel <= kMaxKernel, name, ": kernel size ", kernel, " (expected 1 to ", kMaxKernel,
+        ")");
+  check(tokens <= INT_MAX - 4 * kBatch, name, ": ", tokens, " tokens is too many for one launch");
+}
+
+// Blocks of kThreads threads across the channels, by runs of tokens (a multiple of kBatch each): about
+// one wave of blocks in all, so that the runs are as long as the GPU allows while it is full.
+struct ConvGrid {
+  dim3 blocks;
+  int run;
+};
+
+ConvGrid conv_grid(const void* kernel, int64_t tokens, int64_t channels, int values) {
+  const int64_t per_block = int64_t{kThreads} * values, across = (channels + per_block - 1) / per_block;
+  const int64_t runs = std::max<int64_t>(1, resident_blocks_of(kernel, kThreads, 0) / across);
+  const int64_t run = ((tokens + runs - 1) / runs + kBatch - 1) / kBatch * kBatch;
+  const int64_t along = (tokens + run - 1) / run;
+  check(across <= 0x7fffffff && along <= 65535, "causal_conv_silu: ", tokens, " tokens x ", channels,
         " channels is too large for one launch");
-  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(tiles));
+  return {dim3(static_cast<unsigned>(across), static_cast<unsigned>(along)), static_cast<int>(run)};
 }
-
-}  // namespace
-
-namespace {
 
 template <int K, int V>
 void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                     int64_t channels, cudaStream_t stream) {
-  causal_conv_silu_kernel<K, V>
-      <<<conv_grid(tokens, channels, K, V, kStagedTile), kThreads, kForwardShared<K, V>, stream>>>(
-          x, w, y, tokens, channels);
+  const auto kernel = causal_conv_silu_kernel<K, V>;
+  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, w, y, static_cast<int>(tokens), channels, grid.run);
 }
 
-// The backward's grid: its tiles in runs, about one wave of blocks in all.
 template <int K, int V>
 void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy, __nv_bfloat16* dx,
                      int64_t dx_ld, float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
-  const dim3 all = conv_grid(tokens, channels, K, V, kStagedTile);
-  const int64_t resident = resident_blocks_of(kernel, kThreads, kBackwardShared<K, V>);
-  const int64_t runs = std::max<int64_t>(1, resident / all.x);
-  const int64_t tiles = (all.y + runs - 1) / runs;
-  const dim3 grid(all.x, static_cast<unsigned>((all.y + tiles - 1) / tiles));
-  kernel<<<grid, kThreads, kBackwardShared<K, V>, stream>>>(x, w, dy, dx, dx_ld, dw, tokens, channels,
-                                                            static_cast<int>(tiles));
+  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, w, dy, dx, dx_ld, dw, static_cast<int>(tokens), channels,
+                                               grid.run);
 }
 
 // Calls LAUNCH<K, V>(args...) for the runtime kernel size (1 to kMaxKernel).
@@ -339,10 +350,12 @@ void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16
 
 void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
-  const int values = values_per_thread(channels, {x, y});
-  conv_grid(tokens, channels, kernel, values, kStagedTile);  // checks the shape
+  check_shape("causal_conv_silu", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
-  if (values == 2) {
+  const int values = values_per_thread({channels}, {x, y});
+  if (values == 4) {
+    SPINDLE_CONV_DISPATCH(launch_forward, 4, x, w, y, tokens, channels, stream)
+  } else if (values == 2) {
     SPINDLE_CONV_DISPATCH(launch_forward, 2, x, w, y, tokens, channels, stream)
   } else {
     SPINDLE_CONV_DISPATCH(launch_forward, 1, x, w, y, tokens, channels, stream)
@@ -355,10 +368,12 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __n
                                int64_t kernel, cudaStream_t stream) {
   check(dx_ld >= channels, "causal_conv_silu_backward: dx's rows ", dx_ld, " apart for ", channels,
         " channels");
-  const int values = dx_ld % 2 == 0 ? values_per_thread(channels, {x, dy, dx}) : 1;
-  conv_grid(tokens, channels, kernel, values, kStagedTile);  // checks the shape
+  check_shape("causal_conv_silu_backward", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
-  if (values == 2) {
+  const int values = values_per_thread({channels, dx_ld}, {x, dy, dx});
+  if (values == 4) {
+    SPINDLE_CONV_DISPATCH(launch_backward, 4, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
+  } else if (values == 2) {
     SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   } else {
     SPINDLE_CONV_DISPATCH(launch_backward, 1, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)

@@ -16,7 +16,7 @@ void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, 
 
 // Backward: dx (bf16, written; its rows dx_ld >= channels values apart, so that it can fill
 // columns of a wider buffer) and dw (fp32 [channels, K], accumulated: the caller zeroes it once
-// per step). dw is reduced over a tile of tokens per thread before one atomic per tap.
+// per step). dw is reduced over a run of tokens per thread before one atomic per tap (or per four).
 void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
                                __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
                                int64_t kernel, cudaStream_t stream);

@@ -179,10 +179,17 @@ __device__ void stage_slice(const __nv_bfloat16* x, int count, const uint32_t* f
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
 }
 
-// Mix of one tile into raw (see Tile): raw[tt, o] = sum_k x[tt, k] fn[o, k] for o < M and raw[tt, M]
-// = sum_k x[tt, k]^2, for the tile's `count` tokens x [count, K]. Warp w multiplies tokens
-// 16 (w % 4) .. + 15 by k chunks w / 4, w / 4 + 2, ... (32 wide) of every slice; the two halves add
-// up in raw.
+// The mix's accumulators of one thread: acc [NT][4] over fn's rows, the squares' two diagonal
+// blocks (see mix_slice).
+template <int H>
+struct MixAccumulators {
+  float acc[Tile<H>::NT][4] = {}, sq_top[4] = {}, sq_bottom[4] = {};
+};
+
+// One staged slice's products into the accumulators: xs [64, kXStride] bf16 (the tile's tokens,
+// kSlice k values), fs [8 NT, kFStride] (fn's split words of the same k). Warp w multiplies tokens
+// 16 (w % 4) .. + 15 by the 32-wide k chunks w / 4, w / 4 + 2 of the slice; the two halves add up
+// in store_mix.
 //
 // Within a chunk the k order is permuted (the sum does not care): thread (g, c) = (lane / 4, lane % 4)
 // reads elements 8c .. 8c + 7 of its rows g and g + 8 in one 16-byte access each and gives them to
@@ -190,65 +197,57 @@ __device__ void stage_slice(const __nv_bfloat16* x, int count, const uint32_t* f
 // The sums of squares come from two more MMAs per k16: x x^T of the 16 rows against rows 0-7 and
 // 8-15 (B is the thread's own x registers), whose diagonals are the sums (bf16 products are exact).
 template <int H>
-__device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, int K, bool vec,
-                         unsigned char* smem) {
-  using T = Tile<H>;
-  constexpr int M = T::M, NT = T::NT;
-  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
+__device__ __forceinline__ void mix_slice(const __nv_bfloat16* xs, const uint32_t* fs,
+                                          MixAccumulators<H>& m) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int row = (warp % 4) * 16 + g, half = warp / 4;
-  float acc[NT][4] = {}, sq_top[4] = {}, sq_bottom[4] = {};
-  const int slices = (K + kSlice - 1) / kSlice;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    stage_slice<H>(x, count, fn, K, s * kSlice, vec, smem + s * T::kStageBytes);
-  for (int s = 0; s < slices; ++s) {
-    copy_wait<kStages - 2>();  // this thread's copies of slice s have landed
-    __syncthreads();           // everyone's have, and nobody reads slice s - 1 any more
-    stage_slice<H>(x, count, fn, K, (s + kStages - 1) * kSlice, vec,
-                   smem + (s + kStages - 1) % kStages * T::kStageBytes);
-    const unsigned char* buf = smem + s % kStages * T::kStageBytes;
-    const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf);
-    const uint32_t* fs = reinterpret_cast<const uint32_t*>(buf + T::kXBytes);
 #pragma unroll 1
-    for (int sub = 0; sub < kSlice / 64; ++sub) {
-      const int kc = sub * 64 + half * 32 + 8 * c;
-      const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
-      const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
-      const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
-      mma_bf16(sq_top, a0, top.x, top.y);
-      mma_bf16(sq_top, a1, top.z, top.w);
-      mma_bf16(sq_bottom, a0, bottom.x, bottom.y);
-      mma_bf16(sq_bottom, a1, bottom.z, bottom.w);
+  for (int sub = 0; sub < kSlice / 64; ++sub) {
+    const int kc = sub * 64 + half * 32 + 8 * c;
+    const uint4 top = *reinterpret_cast<const uint4*>(xs + row * kXStride + kc);
+    const uint4 bottom = *reinterpret_cast<const uint4*>(xs + (row + 8) * kXStride + kc);
+    const uint32_t a0[4] = {top.x, bottom.x, top.y, bottom.y}, a1[4] = {top.z, bottom.z, top.w, bottom.w};
+    mma_bf16(m.sq_top, a0, top.x, top.y);
+    mma_bf16(m.sq_top, a1, top.z, top.w);
+    mma_bf16(m.sq_bottom, a0, bottom.x, bottom.y);
+    mma_bf16(m.sq_bottom, a1, bottom.z, bottom.w);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const uint32_t* f = fs + (n * 8 + g) * kFStride + kc;
-        const uint4 f0 = *reinterpret_cast<const uint4*>(f), f1 = *reinterpret_cast<const uint4*>(f + 4);
-        const uint32_t hi[4] = {high_halves(f0.x, f0.y), high_halves(f0.z, f0.w), high_halves(f1.x, f1.y),
-                                high_halves(f1.z, f1.w)};
-        const uint32_t lo[4] = {low_halves(f0.x, f0.y), low_halves(f0.z, f0.w), low_halves(f1.x, f1.y),
-                                low_halves(f1.z, f1.w)};
-        mma_bf16(acc[n], a0, hi[0], hi[1]);
-        mma_bf16(acc[n], a0, lo[0], lo[1]);
-        mma_bf16(acc[n], a1, hi[2], hi[3]);
-        mma_bf16(acc[n], a1, lo[2], lo[3]);
-      }
+    for (int n = 0; n < Tile<H>::NT; ++n) {
+      const uint32_t* f = fs + (n * 8 + g) * kFStride + kc;
+      const uint4 f0 = *reinterpret_cast<const uint4*>(f), f1 = *reinterpret_cast<const uint4*>(f + 4);
+      const uint32_t hi[4] = {high_halves(f0.x, f0.y), high_halves(f0.z, f0.w), high_halves(f1.x, f1.y),
+                              high_halves(f1.z, f1.w)};
+      const uint32_t lo[4] = {low_halves(f0.x, f0.y), low_halves(f0.z, f0.w), low_halves(f1.x, f1.y),
+                              low_halves(f1.z, f1.w)};
+      mma_bf16(m.acc[n], a0, hi[0], hi[1]);
+      mma_bf16(m.acc[n], a0, lo[0], lo[1]);
+      mma_bf16(m.acc[n], a1, hi[2], hi[3]);
+      mma_bf16(m.acc[n], a1, lo[2], lo[3]);
     }
   }
-  copy_wait<0>();  // only empty groups are left, but the ring is reused after this
+}
+
+// The accumulators into raw [64, M + 1] (sum of squares last): the second half of the warps stores,
+// then the first adds; ends with a barrier.
+template <int H>
+__device__ void store_mix(const MixAccumulators<H>& m, float* raw) {
+  constexpr int M = Tile<H>::M;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int row = (warp % 4) * 16 + g, half = warp / 4;
   // C fragment: acc[n][e] is (row + 8 (e / 2), column 8 n + 2 c + e % 2). The diagonal entry of the
   // squares, (g, g) and (g + 8, 8 + g), sits in the thread with c = g / 2, element g % 2 (+ 2).
   const bool diagonal = c == g / 2;
-  const float sq0 = g % 2 == 0 ? sq_top[0] : sq_top[1], sq1 = g % 2 == 0 ? sq_bottom[2] : sq_bottom[3];
-  for (int pass = 1; pass >= 0; --pass) {  // the second half stores, then the first adds
+  const float sq0 = g % 2 == 0 ? m.sq_top[0] : m.sq_top[1],
+              sq1 = g % 2 == 0 ? m.sq_bottom[2] : m.sq_bottom[3];
+  for (int pass = 1; pass >= 0; --pass) {
     if (half == pass) {
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < Tile<H>::NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int o = n * 8 + 2 * c + e % 2;
           float& r = raw[(row + 8 * (e / 2)) * (M + 1) + o];
-          if (o < M) r = pass == 1 ? acc[n][e] : r + acc[n][e];
+          if (o < M) r = pass == 1 ? m.acc[n][e] : r + m.acc[n][e];
         }
       }
       if (diagonal) {
@@ -260,6 +259,30 @@ __device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, 
     }
     __syncthreads();
   }
+}
+
+// Mix of one tile into raw (see Tile): raw[tt, o] = sum_k x[tt, k] fn[o, k] for o < M and raw[tt, M]
+// = sum_k x[tt, k]^2, for the tile's `count` tokens x [count, K], its slices through the ring.
+template <int H>
+__device__ void mix_tile(const __nv_bfloat16* x, int count, const uint32_t* fn, int K, bool vec,
+                         unsigned char* smem) {
+  using T = Tile<H>;
+  MixAccumulators<H> m;
+  const int slices = (K + kSlice - 1) / kSlice;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    stage_slice<H>(x, count, fn, K, s * kSlice, vec, smem + s * T::kStageBytes);
+  for (int s = 0; s < slices; ++s) {
+    copy_wait<kStages - 2>();  // this thread's copies of slice s have landed
+    __syncthreads();           // everyone's have, and nobody reads slice s - 1 any more
+    stage_slice<H>(x, count, fn, K, (s + kStages - 1) * kSlice, vec,
+                   smem + (s + kStages - 1) % kStages * T::kStageBytes);
+    const unsigned char* buf = smem + s % kStages * T::kStageBytes;
+    mix_slice<H>(reinterpret_cast<const __nv_bfloat16*>(buf),
+                 reinterpret_cast<const uint32_t*>(buf + T::kXBytes), m);
+  }
+  copy_wait<0>();  // only empty groups are left, but the ring is reused after this
+  store_mix<H>(m, reinterpret_cast<float*>(smem + T::kRawOffset));
 }
 
 // The row softmax of a token's comb logits (raw r [M + 1] times the RMS factor inv, the comb scale
@@ -459,6 +482,106 @@ __global__ void __launch_bounds__(kThreads)
       store<V>(out + (t * H + h) * D + d, acc);
     }
   }
+}
+
+// hc_combine of a 64-token tile and the next site's mix of its output in one pass (hc_mult 4): the
+// combine's output is the next site's streams, so the mix's product reads it from shared memory where
+// it was just written instead of from DRAM in the next site's hc_coefficients. Per slice of kMixColumns
+// columns of each stream (kSlice values of k, the mix's slice): thread (token tid / 4, 8 columns
+// (tid % 4) 8 ..) combines its columns of the 4 streams exactly as hc_combine_kernel does, stores them
+// to `out` and to the stage's x tile, and the warps multiply the tile by fn's split slice (mix_slice),
+// the next slice's fn arriving by cp.async and its inputs in registers meanwhile.
+constexpr int kMixColumns = kSlice / 4;
+
+// Eight bf16 (a 16-byte load) as fp32: a bf16 is the high half of its fp32.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <int H>
+__global__ void __launch_bounds__(kThreads, 2)
+    hc_combine_mix_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
+                          const float* comb, __nv_bfloat16* out, const uint32_t* fn_next, float* mix,
+                          int64_t tokens, int D) {
+  static_assert(H * kMixColumns == kSlice && kTileTokens * H == kThreads, "a thread per token and 8 columns");
+  using T = Tile<H>;
+  constexpr int M = T::M;
+  extern __shared__ float4 shared_words[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
+  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int K = H * D, slices = D / kMixColumns;
+  const int tt = static_cast<int>(threadIdx.x) / 4, cc = static_cast<int>(threadIdx.x) % 4 * 8;
+  const bool live = tt < count;
+  const int64_t t = t0 + (live ? tt : 0);
+  const auto stage_fn = [&](int slice) {  // fn's columns of this slice of every stream, as kk = h 32 + c
+    uint32_t* fs = reinterpret_cast<uint32_t*>(smem + slice % kStages * T::kStageBytes + T::kXBytes);
+    if (slice < slices) {
+      for (int e = threadIdx.x; e < T::NT * 8 * kSlice / 4; e += kThreads) {
+        const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4;
+        const int64_t k = static_cast<int64_t>(kk / kMixColumns) * D + slice * kMixColumns + kk % kMixColumns;
+        copy16(fs + o * kFStride + kk, o < M ? fn_next + o * static_cast<int64_t>(K) + k : fn_next, o < M);
+      }
+    }
+    copy_commit();
+  };
+  // The tile's post [64, H] and comb [64, H, H] after raw (in shared memory: in registers they spill).
+  float* post_s = reinterpret_cast<float*>(smem + T::kPreOffset);
+  float* comb_s = post_s + kTileTokens * H;
+  for (int e = threadIdx.x; e < count * H; e += kThreads) post_s[e] = post[t0 * H + e];
+  for (int e = threadIdx.x; e < count * H * H; e += kThreads) comb_s[e] = comb[t0 * H * H + e];
+  const float* po = post_s + tt * H;
+  const float* cm = comb_s + tt * H * H;  // cm[j H + h]: stream j's weight in output stream h
+  const __nv_bfloat16* x = streams + t * K + cc;
+  const __nv_bfloat16* yr = y + t * D + cc;
+  const auto load_inputs = [&](int slice, uint4(&xv)[H], uint4& yv) {
+    if (!live || slice >= slices) return;
+#pragma unroll
+    for (int j = 0; j < H; ++j) xv[j] = *reinterpret_cast<const uint4*>(x + j * D + slice * kMixColumns);
+    yv = *reinterpret_cast<const uint4*>(yr + slice * kMixColumns);
+  };
+  MixAccumulators<H> m;
+  uint4 xv[H] = {}, yv = {};
+  load_inputs(0, xv, yv);
+  stage_fn(0);
+  __syncthreads();  // post and comb are in
+  for (int s = 0; s < slices; ++s) {
+    uint4 xn[H] = {}, yn = {};
+    load_inputs(s + 1, xn, yn);
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + s % kStages * T::kStageBytes);
+    float xf[H][8], yf[8];
+#pragma unroll
+    for (int j = 0; j < H; ++j) unpack_bf16x8(xv[j], xf[j]);
+    unpack_bf16x8(yv, yf);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      float acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        acc[e] = po[h] * yf[e];
+#pragma unroll
+        for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j * H + h], xf[j][e], acc[e]);
+      }
+      store<8>(xs + tt * kXStride + h * kMixColumns + cc, acc);  // zeros past the tokens: live is false
+      if (live) store<8>(out + t * K + h * D + s * kMixColumns + cc, acc);
+    }
+#pragma unroll
+    for (int j = 0; j < H; ++j) xv[j] = xn[j];
+    yv = yn;
+    copy_wait<kStages - 2>();  // this thread's copies of fn's slice s have landed
+    __syncthreads();           // everyone's, and the tile's x; nobody reads slice s - 1 any more
+    stage_fn(s + 1);
+    mix_slice<H>(xs, reinterpret_cast<const uint32_t*>(smem + s % kStages * T::kStageBytes + T::kXBytes), m);
+  }
+  copy_wait<0>();
+  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
+  store_mix<H>(m, raw);
+  for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix[t0 * (M + 1) + e] = raw[e];
 }
 
 // One warp per token (8 per block), V consecutive elements per lane at a time; d_comb is a warp sum.
@@ -1170,6 +1293,29 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
                         <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
   }
   SPINDLE_LAUNCHED("hc_combine_kernel");
+}
+
+bool hc_combine_mix_supported(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                              const __nv_bfloat16* out) {
+  return s.streams == 4 && s.hidden % kMixColumns == 0 && vector_rows(s, {{streams, 2}, {y, 2}, {out, 2}});
+}
+
+void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                    const float* post, const float* comb, __nv_bfloat16* out, const float* fn_next,
+                    float* mix, cudaStream_t stream) {
+  check_shape(s, "hc_combine_mix");
+  check(hc_combine_mix_supported(s, streams, y, out), "hc_combine_mix: hc_mult ", s.streams, ", hidden ",
+        s.hidden, " (it takes hc_mult 4, hidden a multiple of ", kMixColumns, ", 16-byte aligned rows)");
+  if (s.tokens == 0) return;
+  const DeviceBuffer<uint32_t> split = split_fn(s, fn_next, stream);
+  constexpr int H = 4;
+  // The ring, raw, and the tile's post and comb.
+  const size_t bytes = Tile<H>::kPreOffset + kTileTokens * (H + H * H) * sizeof(float);
+  allow_shared_memory(hc_combine_mix_kernel<H>, bytes, "hc_combine_mix_kernel");
+  const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
+  hc_combine_mix_kernel<H><<<blocks, kThreads, bytes, stream>>>(streams, y, post, comb, out, split.data(),
+                                                                mix, s.tokens, static_cast<int>(s.hidden));
+  SPINDLE_LAUNCHED("hc_combine_mix_kernel");
 }
 
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,

@@ -37,6 +37,16 @@ void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* stream
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
                 const float* post, const float* comb, __nv_bfloat16* out, cudaStream_t stream);
 
+// hc_combine and, in the same pass, the next site's mix of its output (what hc_coefficients would
+// write for `out` with the next site's fn_next; the sum in another order, so equal to fp32 rounding):
+// the next site then takes hc_coefficients_from_mix and does not read its streams for the product.
+// Where hc_combine_mix_supported: hc_mult 4, hidden a multiple of 32, 16-byte aligned rows.
+bool hc_combine_mix_supported(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                              const __nv_bfloat16* out);
+void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,
+                    const float* post, const float* comb, __nv_bfloat16* out, const float* fn_next,
+                    float* mix, cudaStream_t stream);
+
 // Backward of hc_combine, the part that needs no y (so that y may come from the sublayer's
 // backward, after dy): dstreams (fp32), dy (bf16) and d_comb (fp32) written (the CPU version
 // accumulates dstreams). dstreams may be null: hc_coefficients_backward then writes that part.

@@ -1,10 +1,11 @@
-// Row normalisations. A row goes to one warp when 32 threads can hold it (D <= 512 elements), else
-// to a block of up to 512 threads with 16 elements each; each thread keeps its elements of the row
-// in registers, so x is read once, with vector accesses where D and the pointers allow. The grid
-// holds as many blocks of the kernel as the GPU runs at once (its occupancy) and strides over the
-// rows; weight gradients are summed in registers over a thread's rows and added once per block,
-// four elements an atomic where aligned (a block of warp rows combines its warps in shared memory
-// first): every block adds to the same D addresses, and those atomics bounded the backward.
+// Row normalisations. A row goes to one warp when 32 threads can hold it (D <= 512 elements; the
+// gated norm's rows of at most 16 vectors to half a warp), else to a block of up to 512 threads
+// with 16 elements each; each thread keeps its elements of the row in registers, so x is read once,
+// with vector accesses where D and the pointers allow. The grid holds as many blocks of the kernel
+// as the GPU runs at once (its occupancy) and strides over the rows; weight gradients are summed in
+// registers over a thread's rows and added once per block, four elements an atomic where aligned (a
+// block of warp rows combines its warps in shared memory first): every block adds to the same D
+// addresses, and those atomics bounded the backward.
 #include <algorithm>
 
 #include "backend/cuda/check.h"
@@ -24,18 +25,27 @@ constexpr int kWarpRowsBlock = 256;                // a block of 8 warps, each o
 constexpr int kMaxWarpD = 32 * kPerThread;
 
 // A thread's place: its index among the `group` threads of its row, its first row and the step
-// to its next one. kGroup: 32 (a warp per row), kMaxBlock, or 0 for a block of blockDim.x; a
-// compile-time group keeps the offsets of a thread's C vectors immediate, out of registers.
+// to its next one; the row's threads in its warp (`width` of them, `lanes` their mask) sum by
+// shuffles. kGroup: 16 (half a warp per row, two rows a warp), 32 (a warp per row), kMaxBlock, or
+// 0 for a block of blockDim.x; a compile-time group keeps the offsets of a thread's C vectors
+// immediate, out of registers.
 struct RowSlot {
-  int lane, group;
+  int lane, group, width;
+  unsigned lanes;
   int64_t row, stride;
 };
 
 template <int kGroup>
 __device__ RowSlot row_slot() {
+  constexpr int width = kGroup == 0 || kGroup >= 32 ? 32 : kGroup;
   const int group = kGroup != 0 ? kGroup : static_cast<int>(blockDim.x);
   const int rows_per_block = static_cast<int>(blockDim.x) / group;
-  return {static_cast<int>(threadIdx.x) % group, group,
+  const unsigned lanes =
+      width == 32 ? 0xffffffffu : ((1u << width) - 1) << (threadIdx.x % 32 / width * width);
+  return {static_cast<int>(threadIdx.x) % group,
+          group,
+          width,
+          lanes,
           static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / group,
           static_cast<int64_t>(gridDim.x) * rows_per_block};
 }
@@ -126,13 +136,15 @@ __device__ __forceinline__ float register_sum(const float (&v)[E]) {
 }
 
 // Sums N values over the row's threads; every thread gets the totals (in the same order, so the
-// same values). A block row reduces its warps through `shared` (32 N floats).
+// same values). A block row reduces its warps through `shared` (32 N floats). The shuffles name
+// only the row's lanes: of two half-warp rows, one may have ended while the other goes on.
 template <int N>
-__device__ void row_sum(float (&v)[N], int group, float* shared) {
+__device__ void row_sum(float (&v)[N], const RowSlot& s, float* shared) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
-    for (int offset = 16; offset > 0; offset /= 2) v[n] += __shfl_xor_sync(0xffffffffu, v[n], offset);
-  if (group == 32) return;
+    for (int offset = s.width / 2; offset > 0; offset /= 2) v[n] += __shfl_xor_sync(s.lanes, v[n], offset);
+  const int group = s.group;
+  if (group <= 32) return;
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0)
 #pragma unroll
@@ -151,12 +163,12 @@ __device__ void row_sum(float (&v)[N], int group, float* shared) {
 template <int V, int C>
 __device__ float center_and_inv_std(float (&v)[C * V], const RowSlot& s, int D, float eps, float* shared) {
   float sum[1] = {register_sum(v)};
-  row_sum(sum, s.group, shared);
+  row_sum(sum, s, shared);
   center_row<V, C>(v, sum[0] / static_cast<float>(D), s, D);
   sum[0] = 0.0f;
 #pragma unroll
   for (int i = 0; i < C * V; ++i) sum[0] += v[i] * v[i];
-  row_sum(sum, s.group, shared);
+  row_sum(sum, s, shared);
   return rsqrtf(sum[0] / static_cast<float>(D) + eps);
 }
 
@@ -207,7 +219,18 @@ __device__ void add_gradient(const float* sums, float* grad, const RowSlot& s, i
   __syncthreads();  // the next call reuses `combine`
 }
 
-__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+// The gate's sigmoid. By the SFU's exponential and reciprocal (two instructions each, a few ulp; as
+// conv.cu) where rows are read in vectors: expf and the IEEE division were most of the gated norm's
+// instructions, and its results are rounded to bf16. Misaligned rows (V = 1) keep the IEEE form:
+// their backward holds 16 single elements a thread at the 128 registers of 512-thread blocks, and
+// the SFU form's schedule spills there.
+template <int V>
+__device__ __forceinline__ float sigmoid(float a) {
+  if constexpr (V > 1)
+    return __fdividef(1.0f, 1.0f + __expf(-a));
+  else
+    return 1.0f / (1.0f + expf(-a));
+}
 
 // The kernels take V-wide vectors, C of them per thread and row (E = C V elements); weights are
 // read again for every row, from L1: registers hold only the row and the gradient sums.
@@ -230,14 +253,14 @@ __global__ void __launch_bounds__(kMaxBlock)
     float sum[1] = {0.0f};
 #pragma unroll
     for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
-    row_sum(sum, s.group, shared);
+    row_sum(sum, s, shared);
     const float inv = rsqrtf(sum[0] / static_cast<float>(D) + eps);
     load_row<V, C>(weight, s, D, w);
 #pragma unroll
     for (int i = 0; i < E; ++i) v[i] = w[i] * (v[i] * inv);
     if constexpr (kGated) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) v[i] *= sigmoid(sg[i]);
+      for (int i = 0; i < E; ++i) v[i] *= sigmoid<V>(sg[i]);
     }
     store_row<V, C>(y + r * D, s, D, v);
   }
@@ -268,7 +291,7 @@ __global__ void __launch_bounds__(kMaxBlock)
     if constexpr (kGated) {
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        sg[i] = sigmoid(sg[i]);
+        sg[i] = sigmoid<V>(sg[i]);
         dn[i] *= sg[i];
       }
     }
@@ -278,7 +301,7 @@ __global__ void __launch_bounds__(kMaxBlock)
       sums[0] += v[i] * v[i];
       sums[1] += w[i] * dn[i] * v[i];
     }
-    row_sum(sums, s.group, shared);
+    row_sum(sums, s, shared);
     const float inv = rsqrtf(sums[0] / static_cast<float>(D) + eps);
     const float coef = inv * inv * inv * sums[1] / static_cast<float>(D);
     if constexpr (kGated) {
@@ -344,7 +367,7 @@ __global__ void __launch_bounds__(kMaxBlock)
       sums[0] += g[i];
       sums[1] += g[i] * v[i];
     }
-    row_sum(sums, s.group, shared);
+    row_sum(sums, s, shared);
     const float g_mean = sums[0] / static_cast<float>(D), gx_mean = sums[1] / static_cast<float>(D);
 #pragma unroll
     for (int i = 0; i < E; ++i) v[i] = inv * (g[i] - g_mean - v[i] * gx_mean);
@@ -366,7 +389,7 @@ __global__ void __launch_bounds__(kMaxBlock)
     float sum[1] = {0.0f};
 #pragma unroll
     for (int i = 0; i < E; ++i) sum[0] += v[i] * v[i];
-    row_sum(sum, s.group, shared);
+    row_sum(sum, s, shared);
     const float factor = scale * rsqrtf(sum[0] + eps);
 #pragma unroll
     for (int i = 0; i < E; ++i) v[i] *= factor;
@@ -392,7 +415,7 @@ __global__ void __launch_bounds__(kMaxBlock)
       sums[0] += v[i] * v[i];
       sums[1] += v[i] * g[i];
     }
-    row_sum(sums, s.group, shared);
+    row_sum(sums, s, shared);
     const float inv = rsqrtf(sums[0] + eps);
     const float coef = inv * inv * sums[1];
 #pragma unroll
@@ -408,12 +431,22 @@ struct RowPlan {
   unsigned blocks;
 };
 
-RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_list<Access> accesses) {
+// half_warps: rows of at most 16 vectors take half a warp each (the gated norm's rows of one head,
+// 128 elements: 8 a thread instead of 4, so half the row sums, index arithmetic and load and store
+// instructions per element, and twice the bytes in flight per fetched row).
+RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_list<Access> accesses,
+                  bool half_warps = false) {
   check(D >= 1 && D <= kMaxNormD, name, ": row length ", D, " (expected 1 to ", kMaxNormD, ")");
   RowPlan p{};
-  p.vec = vector_width(accesses, D, 32);
+  p.vec = vector_width(accesses, D, half_warps ? 16 : 32);
   const int64_t vectors = D / p.vec, most = kPerThread / p.vec;
-  if (vectors <= 32 * most) {  // a warp per row, 8 rows per block
+  if (half_warps && vectors <= 16) {
+    // Half a warp per row, 8 rows per block: blocks of 4 warps, as the gated backward's registers
+    // leave room for 5 of them an SM (but for 2 of 8 warps).
+    p.chunks = 1;
+    p.group = 16;
+    p.threads = kWarpRowsBlock / 2;
+  } else if (vectors <= 32 * most) {  // a warp per row, 8 rows per block
     p.chunks = vectors <= 32 ? 1 : static_cast<int>(most);
     p.group = 32;
     p.threads = kWarpRowsBlock;
@@ -440,11 +473,15 @@ unsigned grid(const RowPlan& p, Kernel kernel) {
 template <int V>
 using Width = std::integral_constant<int, V>;
 
-// Calls launch(V, C, kGroup), each a std::integral_constant, for the plan (kGroup 0: the block).
-template <class Launch>
+// Calls launch(V, C, kGroup), each a std::integral_constant, for the plan (kGroup 0: the block);
+// kHalfWarps for a plan_rows(..., half_warps = true).
+template <bool kHalfWarps = false, class Launch>
 void with_plan(const RowPlan& p, Launch&& launch) {
   with_width(p.vec, [&](auto width) {
     constexpr int most = kPerThread / decltype(width)::value;
+    if constexpr (kHalfWarps) {
+      if (p.group == 16) return launch(width, Width<1>{}, Width<16>{});
+    }
     if (p.group == 32 && p.chunks == 1)
       launch(width, Width<1>{}, Width<32>{});
     else if (p.group == 32)
@@ -461,9 +498,9 @@ constexpr size_t kB = sizeof(bf16), kF = sizeof(float);
 template <bool kGated>
 void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight, const bf16* gate, bf16* y,
                              int64_t rows, int64_t D, float eps, cudaStream_t stream) {
-  const RowPlan p = plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}});
+  const RowPlan p = plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}}, kGated);
   if (rows == 0) return;
-  with_plan(p, [&](auto V, auto C, auto G) {
+  with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>;
     kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, y, rows, static_cast<int>(D), eps);
@@ -475,10 +512,10 @@ template <bool kGated, class DY>
 void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weight, const bf16* gate,
                               const DY* dy, bf16* dx, bf16* dgate, float* dweight, int64_t rows, int64_t D,
                               float eps, cudaStream_t stream) {
-  const RowPlan p =
-      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}});
+  const RowPlan p = plan_rows(
+      name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}}, kGated);
   if (rows == 0) return;
-  with_plan(p, [&](auto V, auto C, auto G) {
+  with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>;
     kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,

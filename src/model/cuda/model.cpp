@@ -105,20 +105,25 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
   embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D,
                 ctx_.stream());
   DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
+  SiteChain chain;
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& layer = w.layers[i];
     LayerCarry& carry = carries[i];
-    residual_site_forward(ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
-                          [&](const bf16* x, bf16* y) {
-                            attention_forward(layer, x, n, selection, y, false,
-                                              carry.kda ? &*carry.kda : nullptr,
-                                              carry.dsa ? &*carry.dsa : nullptr);
-                          });
+    chain.next = &layer.ffn_hc;
+    residual_site_forward(
+        ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
+        [&](const bf16* x, bf16* y) {
+          attention_forward(layer, x, n, selection, y, false, carry.kda ? &*carry.kda : nullptr,
+                            carry.dsa ? &*carry.dsa : nullptr);
+        },
+        nullptr, nullptr, &chain);
     if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer)
       selected(i, start, selection);
     std::swap(streams, next);
-    residual_site_forward(ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(),
-                          next.data(), [&](const bf16* x, bf16* y) { ffn(i, x, y); });
+    chain.next = i + 1 < w.layers.size() ? &w.layers[i + 1].attn_hc : nullptr;
+    residual_site_forward(
+        ctx_, c, layer.ffn_hc, layer.post_attention_layernorm, n, streams.data(), next.data(),
+        [&](const bf16* x, bf16* y) { ffn(i, x, y); }, nullptr, nullptr, &chain);
     std::swap(streams, next);
   }
   return streams;

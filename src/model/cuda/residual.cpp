@@ -63,11 +63,23 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
 
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
-                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y, SiteMix* keep_mix) {
-  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, keep_mix != nullptr);
+                           const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y, SiteMix* keep_mix,
+                           SiteChain* chain) {
+  const cpu::HcShape shape = hc_shape(c, L);
+  SiteMix* handed = chain != nullptr && chain->mix.mix.size() != 0 ? &chain->mix : nullptr;
+  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, keep_mix != nullptr, handed);
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   const TimedScope timed = ctx.timed("mhc");
-  hc_combine(hc_shape(c, L), streams, a.collapsed.data(), a.post.data(), a.comb.data(), next, ctx.stream());
+  const bf16* y = a.collapsed.data();
+  if (chain != nullptr && chain->next != nullptr && hc_combine_mix_supported(shape, streams, y, next)) {
+    chain->mix.mix = activations_f32(hc_mix_floats(shape));
+    hc_combine_mix(shape, streams, y, a.post.data(), a.comb.data(), next, f32_data(chain->next->fn),
+                   chain->mix.mix.data(), ctx.stream());
+    ctx.record.note("mhc/combine", "cuda combine with the next site's mix (hc_combine_mix)");
+  } else {
+    hc_combine(shape, streams, y, a.post.data(), a.comb.data(), next, ctx.stream());
+    if (chain != nullptr) chain->mix = SiteMix();
+  }
   if (keep_y != nullptr) *keep_y = std::move(a.collapsed);
   if (keep_mix != nullptr) *keep_mix = SiteMix{std::move(a.mix)};
 }

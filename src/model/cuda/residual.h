@@ -26,12 +26,20 @@ struct SiteMix {
   DeviceBuffer<float> mix;
 };
 
+// The mix handed from one site to the next in a forward pass: a site's combine also multiplies its
+// output by the next site's fn where hc_combine_mix takes the shape, and the next site takes its
+// coefficients from that mix instead of reading its streams for the product again.
+struct SiteChain {
+  const HyperConnectionWeights* next = nullptr;  // the next site's weights; null at the last site
+  SiteMix mix;  // on entry the mix of this site's streams, or empty; on return the next site's, or empty
+};
+
 // streams (input) -> next (output), both [tokens, H, D]; the sublayer's output [tokens, D] goes
-// to `keep_y` and the mix to `keep_mix`, each if given.
+// to `keep_y` and the mix to `keep_mix`, each if given; `chain` as SiteChain says, if given.
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
                            const SublayerForward& sublayer, DeviceBuffer<__nv_bfloat16>* keep_y = nullptr,
-                           SiteMix* keep_mix = nullptr);
+                           SiteMix* keep_mix = nullptr, SiteChain* chain = nullptr);
 
 // `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
 // input on return. The combine's backward needs the sublayer's output y: taken from `kept_y`

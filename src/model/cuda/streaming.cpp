@@ -146,11 +146,16 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     std::shared_ptr<DeviceBuffer<int32_t>> selection;
     DeviceBuffer<bf16> streams = activations(n * H * D);
     embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
+    SiteChain chain;  // as forward_chunk hands each site's mix on, so that both passes compute alike
     const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
                               const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
       DeviceBuffer<bf16> next = activations(n * H * D);
+      const size_t following = index + 1;  // the next site: layer following / 2's, attention if even
+      chain.next = following == 2 * layers ? nullptr
+                   : following % 2 == 0    ? &w.layers[following / 2].attn_hc
+                                           : &w.layers[following / 2].ffn_hc;
       residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y,
-                            options.keep_outputs ? &mixes[index] : nullptr);
+                            options.keep_outputs ? &mixes[index] : nullptr, &chain);
       site_inputs[index] = std::move(streams);
       streams = std::move(next);
     };
