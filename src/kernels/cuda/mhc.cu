@@ -12,7 +12,9 @@
 //   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
 //      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
 //      (hc_stream_gradient_kernel), whose blocks come in many waves.
-// hc_combine and its backward take one warp per token (memory bound); dfn = w^T x, w = dm times the
+// hc_combine and its backward take one warp per token (memory bound); hc_combine_mix, the forward's
+// form at hc_mult 4, combines a 64-token tile slice by slice and multiplies it by the next site's fn
+// (mix_slice) as it goes; dfn = w^T x, w = dm times the
 // RMS factor (left by the backward in its workspace, transposed and split in bf16 hi + lo), is a
 // tensor-core GEMM over 1024-token chunks.
 //
