@@ -147,21 +147,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
   }
 
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int64_t query = row0 + 8 * hh;
-    if (query >= t.q_end) continue;
-    bf16* dst = a.dq + (query * t.heads + h) * kDim;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 4 * jj + 2 * hh;
-        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * b + 8 * jj + 2 * (lane % 4)) =
-            __floats2bfloat162_rn(dq[b][j], dq[b][j + 1]);
-      }
-    }
-  }
+  store_rows(t, dq, {1.0f, 1.0f}, row0, h, a.dq);
 }
 
 // union_dkv_kernel's stage: a block's Q, dO, mask words over the tile [query][2], lse2 and D.

@@ -114,22 +114,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
+  const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+  store_rows(t, o, inv, row0, h, a.out);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int64_t query = row0 + 8 * hh;
-    if (query >= t.q_end) continue;
-    const float inv = l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
-    bf16* dst = a.out + (query * t.heads + h) * kDim;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 4 * jj + 2 * hh;
-        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * b + 8 * jj + 2 * (lane % 4)) =
-            __floats2bfloat162_rn(o[b][j] * inv, o[b][j + 1] * inv);
-      }
-    }
-    if (lane % 4 == 0) a.lse[query * t.heads + h] = l[hh] > 0.0f ? (m[hh] + log2f(l[hh])) / kLog2e : INFINITY;
+    if (query < t.q_end && lane % 4 == 0)
+      a.lse[query * t.heads + h] = l[hh] > 0.0f ? (m[hh] + log2f(l[hh])) / kLog2e : INFINITY;
   }
 }
 

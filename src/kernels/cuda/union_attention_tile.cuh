@@ -261,6 +261,29 @@ __device__ __forceinline__ bool column_bit(const uint32_t (&bits)[2][2], int j) 
   return (bits[(j / 2) % 2][col / 32] >> (col % 32)) & 1u;
 }
 
+// This thread's two rows of a [64, 128] accumulator (product_over_rows' layout: rows row0 and
+// row0 + 8, hh = 0 and 1) into out [queries, heads, 128] at head h as bf16, each row times its
+// scale; rows past t.q_end are not written.
+__device__ __forceinline__ void store_rows(const Tiles& t, const float (&acc)[2][32], const float (&scale)[2],
+                                           int64_t row0, int h, bf16* out) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t query = row0 + 8 * hh;
+    if (query >= t.q_end) continue;
+    bf16* dst = out + (query * t.heads + h) * kDim;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 4 * jj + 2 * hh;
+        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * b + 8 * jj + 2 * (lane % 4)) =
+            __floats2bfloat162_rn(acc[b][j] * scale[hh], acc[b][j + 1] * scale[hh]);
+      }
+    }
+  }
+}
+
 // The shared memory at p rounded up to 1024 bytes (the swizzled layout's alignment).
 __device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
   return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t{1023});
