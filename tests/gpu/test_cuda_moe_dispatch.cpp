@@ -119,7 +119,7 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     auto dx = device(dx_before);
     wait_for_uploads();
     invert_permutation(permutation.data(), inverse.data(), A, stream.get());
-    gather_expert_rows(x_d.data(), permutation.data(), A, K, D, rows.data(), stream.get());
+    gather_expert_rows(x_d.data(), inverse.data(), T, K, D, rows.data(), stream.get());
     combine_expert_rows(out_d.data(), inverse.data(), weight_d.data(), shared_d.data(), T, K, D, y.data(),
                         stream.get());
     combine_expert_rows(out_d.data(), inverse.data(), weight_d.data(), y_in_place.data(), T, K, D,

@@ -1,5 +1,5 @@
-// MoE dispatch kernels, all memory-bound: one warp per sorted row (gather, the down projection's
-// backward) or per token (combine, the scatter backward), its lanes striding over the row in pieces of N bf16
+// MoE dispatch kernels, all memory-bound: one warp per sorted row (the down projection's backward)
+// or per token (gather, combine, the scatter backward), its lanes striding over the row in pieces of N bf16
 // (N = 8, 2 or 1, a template argument). A token's topk row addresses and weights sit in registers
 // (the slot loop is unrolled to 8), so its rows' loads are independent and issue together.
 #include <algorithm>
@@ -83,15 +83,34 @@ __global__ void invert_kernel(const int32_t* permutation, int32_t* inverse, int6
     inverse[permutation[r]] = static_cast<int32_t>(r);
 }
 
+// A warp per token: its row read once (kUnroll pieces a lane in flight), then written to each of
+// its topk sorted rows. By sorted row instead, a token's row was read topk times, scattered in time.
+constexpr int kUnroll = 8;
+
 template <int N>
-__global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ permutation,
-                              int64_t assignments, int64_t topk, int64_t D, bf16* __restrict__ rows) {
+__global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ inverse, int64_t tokens,
+                              int topk, int64_t D, bf16* __restrict__ rows) {
   const int lane = threadIdx.x % 32;
   const int64_t pieces = D / N;
-  for (int64_t r = warp_index(); r < assignments; r += warp_count()) {
-    const auto* src = reinterpret_cast<const Piece<N>*>(x + permutation[r] / topk * D);
-    auto* dst = reinterpret_cast<Piece<N>*>(rows + r * D);
-    for (int64_t i = lane; i < pieces; i += 32) dst[i] = src[i];
+  for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
+    const auto* src = reinterpret_cast<const Piece<N>*>(x + t * D);
+    Piece<N>* dst[kMaxTopk] = {};
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      if (k < topk) dst[k] = reinterpret_cast<Piece<N>*>(rows + inverse[t * topk + k] * D);
+    for (int64_t i0 = lane; i0 < pieces; i0 += 32 * kUnroll) {
+      Piece<N> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i0 + 32 * u < pieces) v[u] = src[i0 + 32 * u];
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (k < topk) {
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (i0 + 32 * u < pieces) dst[k][i0 + 32 * u] = v[u];
+        }
+    }
   }
 }
 
@@ -225,13 +244,13 @@ void invert_permutation(const int32_t* permutation, int32_t* inverse, int64_t as
   SPINDLE_LAUNCHED("invert_kernel");
 }
 
-void gather_expert_rows(const bf16* x, const int32_t* permutation, int64_t assignments, int64_t topk,
-                        int64_t D, bf16* rows, cudaStream_t stream) {
-  check_shape("gather_expert_rows", assignments, topk, D);
-  if (assignments == 0) return;
+void gather_expert_rows(const bf16* x, const int32_t* inverse, int64_t tokens, int64_t topk, int64_t D,
+                        bf16* rows, cudaStream_t stream) {
+  check_shape("gather_expert_rows", tokens * topk, topk, D);
+  if (tokens == 0) return;
   with_piece_width(piece_width(D, {x, rows}), [&](auto n) {
     gather_kernel<decltype(n)::value>
-        <<<warp_blocks(assignments), kThreads, 0, stream>>>(x, permutation, assignments, topk, D, rows);
+        <<<warp_blocks(tokens), kThreads, 0, stream>>>(x, inverse, tokens, static_cast<int>(topk), D, rows);
   });
   SPINDLE_LAUNCHED("gather_kernel");
 }

@@ -19,8 +19,9 @@ namespace spindle::cuda {
 void invert_permutation(const int32_t* permutation, int32_t* inverse, int64_t assignments,
                         cudaStream_t stream);
 
-// rows[r, :] = x[permutation[r] / topk, :]; x [tokens, D], rows [assignments, D] (written).
-void gather_expert_rows(const __nv_bfloat16* x, const int32_t* permutation, int64_t assignments, int64_t topk,
+// rows[inverse[t * topk + k], :] = x[t, :] for every slot k; x [tokens, D], rows [tokens * topk, D]
+// (written).
+void gather_expert_rows(const __nv_bfloat16* x, const int32_t* inverse, int64_t tokens, int64_t topk,
                         int64_t D, __nv_bfloat16* rows, cudaStream_t stream);
 
 // y[t] = shared[t] + sum_k weight[t * topk + k] * rows[inverse[t * topk + k]], in fp32 in that

@@ -205,10 +205,18 @@ __global__ void route_backward_kernel(cpu::RouterShape s, const float* logits, c
   }
 }
 
-__global__ void count_kernel(const int32_t* expert, int64_t n, int32_t* counts) {
+// Counts in shared memory first, then one global add per block and expert: every assignment's
+// global atomic on the same few counters took 13 us at 65,536 assignments.
+__global__ void count_kernel(const int32_t* expert, int64_t n, int experts, int32_t* counts) {
+  extern __shared__ int32_t local[];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) local[e] = 0;
+  __syncthreads();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    atomicAdd(counts + expert[i], 1);
+    atomicAdd(local + expert[i], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x)
+    if (local[e] != 0) atomicAdd(counts + e, local[e]);
 }
 
 __global__ void offsets_kernel(const int32_t* counts, int64_t experts, int32_t* offsets) {
@@ -318,10 +326,12 @@ void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_
                               int32_t* offsets, int32_t* permutation, cudaStream_t stream) {
   check(assignments >= 0 && assignments < INT_MAX, "ExpertPermutation: ", assignments,
         " assignments (int32 limit)");
-  check(experts > 0, "ExpertPermutation: no experts");
+  check(experts > 0 && experts <= kMaxExperts, "ExpertPermutation: experts must be in 1..", kMaxExperts,
+        ", got ", experts);
   SPINDLE_CUDA(cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(int32_t), stream));
   if (assignments > 0) {
-    count_kernel<<<elementwise_blocks(assignments), kThreads, 0, stream>>>(expert, assignments, counts);
+    count_kernel<<<elementwise_blocks(assignments), kThreads, static_cast<size_t>(experts) * sizeof(int32_t),
+                   stream>>>(expert, assignments, static_cast<int>(experts), counts);
     SPINDLE_LAUNCHED("count_kernel");
   }
   offsets_kernel<<<1, 1, 0, stream>>>(counts, experts, offsets);

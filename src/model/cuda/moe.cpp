@@ -86,7 +86,7 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
   ctx.permutation.build(r.expert.data(), n, E, r.counts.data(), r.offsets.data(), r.permutation.data(), s);
   invert_permutation(r.permutation.data(), r.inverse.data(), n, s);
   r.rows = activations(n * D);
-  gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), s);
+  gather_expert_rows(x, r.inverse.data(), L, k, D, r.rows.data(), s);
   ctx.permutation.download_offsets(r.offsets.data(), E, s);  // for_each_expert waits for them
   ctx.record.note("moe/experts", "cublaslt per expert over sorted rows, on " +
                                      std::to_string(ctx.lanes.count()) + " streams");
@@ -105,7 +105,7 @@ Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const
   kept = MoeRouting();
   r.lane = ctx.lanes.assign(r.host_offsets);
   r.rows = activations(n * D);
-  gather_expert_rows(x, r.permutation.data(), n, k, D, r.rows.data(), ctx.stream());
+  gather_expert_rows(x, r.inverse.data(), L, k, D, r.rows.data(), ctx.stream());
   return r;
 }
 
@@ -194,7 +194,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),
                      dy_rows = activations(n * D), dhidden = activations(n * I);
   DeviceBuffer<float> dweight = activations_f32(n);
-  gather_expert_rows(dy, r.permutation.data(), n, k, D, dy_rows.data(), s);
+  gather_expert_rows(dy, r.inverse.data(), L, k, D, dy_rows.data(), s);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
