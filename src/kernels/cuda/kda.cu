@@ -10,7 +10,7 @@
 //      column: S's column j sees only v[:, j]): the [dk, 16] state tile walks the chunks in
 //      order, u = U0 - W S, S = diag(exp G_last) S + Kb^T u, each chunk's entry state into
 //      chunk_states and u over U0; the next chunk's operands arrive by cp.async meanwhile;
-//   3. output, grid value tiles of 64 x chunks x heads: o = exp(G) q S_c + Aq u.
+//   3. output, grid chunks x heads: o = exp(G) q S_c + Aq u over all value columns.
 // The intra-chunk products (A and Aq by 16-token sub-chunks, W, U0, the output's) and the state
 // pass's run on the tensor cores as 3xTF32; the exponentials of the diagonal sub-chunk blocks and
 // the solve in fp32 on the CUDA cores. Every exponential is of a difference <= 0, so no cumulative
@@ -219,82 +219,151 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The output pass: a CTA per chunk, head and 64 value columns. Shared memory: exp(G) q [C, dk],
-// the entry state's columns [dk, 64], Aq and u's columns: 107 KB, two CTAs per SM. Strides: q and
-// Aq are read as mma A operands (4 mod 32 words), the state and u as B operands (8 mod 32).
-constexpr int kOutV = 64;
-constexpr int kSv = kOutV + 8;
+// The output pass: a CTA per chunk and head over all value columns, so that q and g are read and
+// exp(G) q formed once per chunk and head (224 -> 176 KB of traffic with the halves of 64 columns).
+// Shared memory: g, then exp(G) q in its place [C, kKp] fp32; q [C, kQs] bf16; Aq [C, kAq]; u [C,
+// kUs]: 104 KB, two CTAs per SM (one CTA per SM, the entry state staged whole, measured no faster:
+// docs/PERF.md). The entry state never passes through shared memory: each warp loads its B
+// fragments of it into registers at the start (each element once, every warp-wide load four full
+// 32-byte sectors) and splits each once. Strides: exp(G) q and Aq are read as mma A operands (4 mod
+// 32 words), u as B operand (8 mod 32).
+constexpr int kOutCols = 32 * kMaxDim / kThreads;  // value columns per warp: two n8 tiles
+constexpr int kKSteps = kMaxDim / 8;               // the state's k-steps
+constexpr int kQs = kMaxDim + 8;                   // q's bf16 rows: 16-byte aligned
 constexpr int kAq = kC + 4;
-size_t output_smem_bytes() {
-  return sizeof(float) * static_cast<size_t>(kC * kKp + kMaxDim * kSv + kC * kAq + kC * kSv + kMaxDim);
-}
-static_assert(kThreads == 2 * kMaxDim, "the output's prefix sums: two threads per channel");
+constexpr int kUs = kMaxDim + 8;
+constexpr int kOffOutQ = kC * kKp, kOffOutAq = kOffOutQ + kC * kQs / 2, kOffOutU = kOffOutAq + kC * kAq,
+              kOffOutHalf = kOffOutU + kC * kUs;
+size_t output_smem_bytes() { return sizeof(float) * static_cast<size_t>(kOffOutHalf + kMaxDim); }
+static_assert(kThreads == 2 * kMaxDim && kOutCols == 16,
+              "the output: two threads per channel, 16 columns a warp");
+static_assert(2 * (kOffOutHalf + kMaxDim) * sizeof(float) + 2 * 1024 <= 228 * 1024, "two outputs per SM");
 
-// Value columns j0 = 64 blockIdx.x .. of chunk c0 + blockIdx.y, head blockIdx.z: o = exp(G) q S_c +
-// Aq u on the tensor cores as 3xTF32. Plain TF32 looked enough for a bf16 output (2^-11 per operand
-// against the result's 2^-9), but through the model's 45 layers it moved whole-model log-probs past
-// their bounds (CudaStreaming: 0.0167 for 0.01 between chunkings). The state, Aq and u arrive by
-// cp.async all at once while the threads load q and g (64 loads each in flight) and form exp(G) q
-// in registers. Warp w: rows 16 (w / 2) .. + 15, columns 32 (w % 2) .. + 31 of the CTA's 64.
+// Chunk c0 + blockIdx.x, head blockIdx.y: o = exp(G) q S_c + Aq u on the tensor cores as 3xTF32.
+// Plain TF32 looked enough for a bf16 output (2^-11 per operand against the result's 2^-9), but
+// through the model's 45 layers it moved whole-model log-probs past their bounds (CudaStreaming:
+// 0.0167 for 0.01 between chunkings). g and q arrive by cp.async first, Aq and u after them, and
+// the state's fragments by plain loads into registers, all in flight while exp(G) q is formed. Warp
+// w: value columns 16 w .. + 15, all 64 rows (four m-tiles sharing each B fragment). Every output
+// element takes the same products in the same order as one CTA per 64 columns did.
 __global__ void __launch_bounds__(kThreads, 2)
     kda_fwd_output_kernel(const __nv_bfloat16* __restrict__ q, const float* __restrict__ g,
                           const float* __restrict__ blocks, const float* __restrict__ chunk_states,
                           __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
                           int dv) {
   extern __shared__ __align__(16) float smem[];
-  const int j0 = kOutV * blockIdx.x, h = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t c = c0 + blockIdx.y, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, q4 = lane % 4;
+  const int64_t c = c0 + blockIdx.x, t0 = c * kC;
   const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
-  const int dk8 = (dk + 7) / 8 * 8, nv = min(kOutV, dv - j0);
-  float* qs = smem;                // [C, kKp]: exp(G) q, zero past the chunk and past dk
-  float* St = qs + kC * kKp;       // [kMaxDim, kSv]: S_c[:, j0 ..], zero rows dk .. dk8
-  float* Aq = St + kMaxDim * kSv;  // [C, kAq]
-  float* u = Aq + kC * kAq;        // [C, kSv]
-  float* half_sum = u + kC * kSv;  // [kMaxDim]: G of token C / 2 - 1
-  const float* block = blocks + (static_cast<int64_t>(blockIdx.y) * heads + h) * kKdaForwardBlockFloats;
-  stage_rows(St, kSv, chunk_states + (c * heads + h) * SS + j0, dv, dk, nv);
-  stage_rows(Aq, kAq, block, kC, kC, kC);
-  // u and Aq are zero past the chunk and u past dv in the block: whole 8-column steps are exact.
-  stage_rows(u, kSv, block + kOffU + j0, kMaxDim, kC, (nv + 7) / 8 * 8);
+  float* qg = smem;  // [C, kKp]: g, then exp(G) q (zero past the chunk and past dk)
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem + kOffOutQ);  // [C, kQs]
+  float* Aq = smem + kOffOutAq;                                           // [C, kAq]
+  float* u = smem + kOffOutU;                                             // [C, kUs]
+  float* half_sum = smem + kOffOutHalf;                                   // [kMaxDim]: G of token C / 2 - 1
+  const float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
+  const int64_t rows = (t0 * heads + h) * dk, row_stride = static_cast<int64_t>(heads) * dk;
+  stage_rows(qg, kKp, g + rows, row_stride, n, dk);
+  stage_chunk_rows(qs, kQs, q, t0, n, h, heads, dk);
   copy_commit();
-  // The state's rows dk .. dk8 meet q's zero columns there, but 0 x garbage may be NaN. (Columns
-  // past dv only reach outputs that are not stored.)
-  for (int idx = tid; idx < (dk8 - dk) * kOutV; idx += kThreads)
-    St[(dk + idx / kOutV) * kSv + idx % kOutV] = 0.0f;
-  // exp(G) q: thread (channel i, half of the chunk) loads its 32 tokens' q and g at once, sums g
-  // along them, and adds the first half's total in the second.
+  // Aq, and u up to the warps' last column; both are zero past the chunk, u past dv.
+  stage_rows(Aq, kAq, block, kC, kC, kC);
+  stage_rows(u, kUs, block + kOffU, kMaxDim, kC, min(kMaxDim, (dv + kOutCols - 1) / kOutCols * kOutCols));
+  copy_commit();
+  // The warp's B fragments of S_c[:, j0 ..]: sf[ks][nt][e] is row 8 ks + q4 + 4 e, column j0 + 8 nt +
+  // gr, zero past dk (q's zero columns there need finite rows) and past dv.
+  const int j0 = kOutCols * warp, dk8 = (dk + 7) / 8 * 8;
+  const float* S = chunk_states + (c * heads + h) * static_cast<int64_t>(dk) * dv;
+  float sf[kKSteps][2][2];
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 8 * ks + q4 + 4 * e, j = j0 + 8 * nt + gr;
+        sf[ks][nt][e] = i < dk && j < dv ? S[i * dv + j] : 0.0f;
+      }
+  // exp(G) q over g's tile: thread (channel i, half of the chunk) sums g along its 32 tokens; the
+  // first half's threads hand their total to the second's first.
   constexpr int kHalf = kC / 2;
   const int i = tid % kMaxDim, tb = tid / kMaxDim * kHalf;
-  float gv[kHalf], qv[kHalf];
+  const auto g_at = [&](int t) { return i < dk && t < n ? qg[t * kKp + i] * kLog2e : 0.0f; };
+  copy_wait<1>();
+  __syncthreads();  // g and q are in
+  if (tb == 0) {
+    float sum = g_at(0);
 #pragma unroll
-  for (int r = 0; r < kHalf; ++r) {
-    const int t = tb + r;
-    const bool live = i < dk && t < n;
-    const int64_t src = ((t0 + t) * heads + h) * dk + i;
-    gv[r] = live ? g[src] * kLog2e : 0.0f;
-    qv[r] = live ? __bfloat162float(q[src]) : 0.0f;
+    for (int r = 1; r < kHalf; ++r) sum += g_at(r);
+    half_sum[i] = sum;
+  }
+  __syncthreads();
+  {
+    const float base = tb == 0 ? 0.0f : half_sum[i];
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kHalf; ++r) {
+      const int t = tb + r;
+      const bool live = i < dk && t < n;
+      sum = r == 0 ? g_at(t) : sum + g_at(t);
+      const float qv = live ? __bfloat162float(qs[t * kQs + i]) : 0.0f;
+      qg[t * kKp + i] = qv * exp2_ftz(base + sum);
+    }
+  }
+  copy_wait_all();
+  __syncthreads();  // exp(G) q, Aq and u are in
+  if (j0 >= dv) return;
+  const int mts = (n + 15) / 16;  // m-tiles with a row in the chunk
+  float acc[4][2][4] = {};
+  const auto a_frag = [&](const float* L, int ls, int m0, int k0) {
+    KdaFragA a;
+    a.set(0, L[(m0 + gr) * ls + k0 + q4]);
+    a.set(1, L[(m0 + gr + 8) * ls + k0 + q4]);
+    a.set(2, L[(m0 + gr) * ls + k0 + q4 + 4]);
+    a.set(3, L[(m0 + gr + 8) * ls + k0 + q4 + 4]);
+    return a;
+  };
+  // exp(G) q S_c (k-steps past dk8 skipped, as they were: an mma of zeros may move the last bits).
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    if (8 * ks >= dk8) break;
+    KdaFragB b[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) b[nt].set(e, sf[ks][nt][e]);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      if (mt >= mts) break;
+      const KdaFragA a = a_frag(qg, kKp, 16 * mt, 8 * ks);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) mma_tf32(acc[mt][nt], a, b[nt]);
+    }
+  }
+  // + Aq u: m-tile mt sums over the tokens s < 16 (mt + 1).
+#pragma unroll
+  for (int ks = 0; ks < kC / 8; ++ks) {
+    KdaFragB b[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) b[nt].set(e, u[(8 * ks + q4 + 4 * e) * kUs + j0 + 8 * nt + gr]);
+#pragma unroll
+    for (int mt = ks / 2; mt < 4; ++mt) {
+      if (mt >= mts) break;
+      const KdaFragA a = a_frag(Aq, kAq, 16 * mt, 8 * ks);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) mma_tf32(acc[mt][nt], a, b[nt]);
+    }
   }
 #pragma unroll
-  for (int r = 1; r < kHalf; ++r) gv[r] += gv[r - 1];
-  if (tb == 0) half_sum[i] = gv[kHalf - 1];
-  __syncthreads();
-  const float base = tb == 0 ? 0.0f : half_sum[i];
+  for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-  for (int r = 0; r < kHalf; ++r) qs[(tb + r) * kKp + i] = qv[r] * exp2_ftz(base + gv[r]);
-  copy_wait_all();
-  __syncthreads();
-  const int mt = warp / 2, n0 = 32 * (warp % 2);
-  if (16 * mt >= n || n0 >= nv) return;
-  float acc[4][4] = {};
-  tile_times<4>(acc, qs, kKp, St, kSv, 16 * mt, n0, dk8);
-  lower_times<4>(acc, Aq, kAq, u, kSv, mt, n0);
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = 16 * mt + lane / 4 + 8 * (e / 2), j = n0 + 8 * nt + 2 * (lane % 4) + e % 2;
-      if (t < n && j < nv) out[((t0 + t) * heads + h) * dv + j0 + j] = __float2bfloat16(acc[nt][e]);
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int t = 16 * mt + gr + 8 * (e / 2), j = j0 + 8 * nt + 2 * q4 + e % 2;
+        if (t < n && j < dv) out[((t0 + t) * heads + h) * dv + j] = __float2bfloat16(acc[mt][nt][e]);
+      }
 }
 
 void check_shape(const char* name, int64_t tokens, int64_t heads, int64_t dk, int64_t dv) {
@@ -334,9 +403,7 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                                                                             c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
     if (c1 > c0) {
-      const dim3 output_grid(static_cast<unsigned>((dv + kOutV - 1) / kOutV), static_cast<unsigned>(c1 - c0),
-                             static_cast<unsigned>(heads));
-      kda_fwd_output_kernel<<<output_grid, kThreads, output_smem_bytes(), stream>>>(
+      kda_fwd_output_kernel<<<chunk_grid, kThreads, output_smem_bytes(), stream>>>(
           q, g, workspace, chunk_states, out, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_output_kernel");
     }
