@@ -266,7 +266,7 @@ constexpr int kQp = kMaxDim + 4;  // [C, dk] tiles' row stride, likewise
 constexpr int kGradMats = 2 * kC * kQp + 3 * kC * kAp;
 constexpr int kGradTiles = 2 * kMaxDim * kTs + 6 * kC * kTs;
 static_assert(3 * kC * kQp <= kGradMats, "q, k and G fit where W, Kb and the matrices were");
-static_assert(kC * kMaxDim <= kGradTiles, "dG fits where the value tiles were");
+static_assert(kC * kQp <= kGradTiles, "dG fits where the value tiles were");
 constexpr int kGradParts = kGradThreads / kMaxDim;  // load_chunk_batched's threads per channel
 size_t grad_smem_floats() {
   return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim;
@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* du = dO + kC * kTs;        // [C, kTs]
   float* u = du + kC * kTs;         // [C, kTs]
   float* dR = u + kC * kTs;         // [C, kTs]
-  float* dG = St;                   // after the value tiles: [C, kMaxDim]
+  float* dG = St;                   // after the value tiles: [C, kQp] (dq, then dG)
   float* bt = St + kGradTiles;      // [C]
   float* dbeta_acc = bt + kC;       // [C]
   float* glast = dbeta_acc + kC;    // [kMaxDim]: G_last
@@ -566,16 +566,17 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i], f = exp2_ftz(Gt - Gs[(diagonal_mma ? mid : r) * kQp + i]);
+        const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
+        const float Gt = Gs[x], f = exp2_ftz(Gt - Gs[(diagonal_mma ? mid : r) * kQp + i]);
         float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
         for (int s2 = r; !diagonal_mma && s2 <= t; ++s2) {
           const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
           ra = fmaf(dA[t * kAp + s2], w, ra);
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
-        const float E = exp2_ftz(Gt);
-        acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
+        const float E = exp2_ftz(Gt), dq_x = fmaf(E, acc_q[2 * nh + nt][e], rq);
+        if (t < n && i < dk) dq[((t0 + t) * heads + h) * dk + i] = dq_x;
+        dG[x] = dq_x;  // for dG, below: the register is free from here
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
                                      ra);  // later = exp(G) dW + rowA
       }
@@ -632,13 +633,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
         }
         const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
-        const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
-        if (t < n && i < dk) {
-          const int64_t row = (t0 + t) * heads + h;
-          dq[row * dk + i] = dq_x;
-          dk_out[row * dk + i] = later + earlier;
-        }
-        dG[t * kMaxDim + i] = Qs[x] * dq_x + Ks[x] * (later - earlier);
+        const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = dG[x];
+        if (t < n && i < dk) dk_out[((t0 + t) * heads + h) * dk + i] = later + earlier;
+        dG[x] = Qs[x] * dq_x + Ks[x] * (later - earlier);
         gpart[nt][e % 2] += Ks[x] * kb_part;  // zero past the chunk: k is
       }
       // G_last's share through Kb: summed over the lanes of a column (g4) into
@@ -661,7 +658,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     float acc = exp2_ftz(glast[i]) * sdS[i];
     for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
     for (int t = n - 1; t >= 0; --t) {
-      acc += dG[t * kMaxDim + i];
+      acc += dG[t * kQp + i];
       dg[((t0 + t) * heads + h) * dk + i] = acc;
     }
   }
