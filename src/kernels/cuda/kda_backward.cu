@@ -266,7 +266,7 @@ constexpr int kQp = kMaxDim + 4;  // [C, dk] tiles' row stride, likewise
 constexpr int kGradMats = 2 * kC * kQp + 3 * kC * kAp;
 constexpr int kGradTiles = 2 * kMaxDim * kTs + 6 * kC * kTs;
 static_assert(3 * kC * kQp <= kGradMats, "q, k and G fit where W, Kb and the matrices were");
-static_assert(kC * kMaxDim <= kGradTiles, "dG fits where the value tiles were");
+static_assert(kC * kQp <= kGradTiles, "dG fits where the value tiles were");
 constexpr int kGradParts = kGradThreads / kMaxDim;  // load_chunk_batched's threads per channel
 size_t grad_smem_floats() {
   return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim;
@@ -289,7 +289,8 @@ size_t grad_smem_floats() {
 // first token r, exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), the columns (t
 // the earlier token) past it through its last, both factors
 // <= 1, so each is one mma; within the sub-chunk two more mma against its middle
-// token where the decays allow (kKdaHalfDecayBound), else element by element. dq,
+// token where the decays allow (kKdaHalfDecayBound; the blocks before and after then
+// through the middle token too, their factors still <= 1), else element by element. dq,
 // dk, dG from the registers, and dg by the reverse prefix sum.
 __global__ void __launch_bounds__(kGradThreads, 1)
     kda_bwd_grad_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* du = dO + kC * kTs;        // [C, kTs]
   float* u = du + kC * kTs;         // [C, kTs]
   float* dR = u + kC * kTs;         // [C, kTs]
-  float* dG = St;                   // after the value tiles: [C, kMaxDim]
+  float* dG = St;                   // after the value tiles: [C, kQp] (dq, then dG)
   float* bt = St + kGradTiles;      // [C]
   float* dbeta_acc = bt + kC;       // [C]
   float* glast = dbeta_acc + kC;    // [kMaxDim]: G_last
@@ -512,20 +513,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
   const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };
   const int mid = 16 * bm + 8;  // the block's middle token
-  // The accumulators a, b of column half nh times exp(G_x - G_y), column by column.
-  const auto rescale = [&](float(&a)[2][4], float(&b)[2][4], int nh, int x, int y) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = ei(2 * nh + nt, e);
-        const float f = exp2_ftz(Gs[x * kQp + i] - Gs[y * kQp + i]);
-        a[nt][e] *= f;
-        b[nt][e] *= f;
-      }
-  };
-  // Rows: through r = 16 bm for the sub-chunks before (exp(G_r - G_s) <= 1, then exp(G_t - G_r)),
-  // then within the block: two more mma steps against mid, or element by element (s from r to t).
+  // Rows: through ref for the sub-chunks before (exp(G_ref - G_s) <= 1, then exp(G_t - G_ref)), ref
+  // = mid where the block takes two more mma steps against it, else r = 16 bm and the block element
+  // by element (s from r to t).
   // Two column halves one after the other, so that fewer accumulators are live next to the [C, dk]
   // ones.
 #pragma unroll
@@ -556,33 +546,34 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         mma_tf32(row_q[nt], fq, b);
       }
     };
-    for (int k0 = 0; k0 < r; k0 += 8) row_step(k0, r, true);
+    const int ref = diagonal_mma ? mid : r;  // exp(G_ref - G_s) <= 1 for s < r either way
+    for (int k0 = 0; k0 < r; k0 += 8) row_step(k0, ref, true);
     if (diagonal_mma) {
-      rescale(row_a, row_q, nh, mid, r);  // from exp(G_r - G_s) to exp(G_mid - G_s): times <= 1
-      row_step(r, mid, false);            // dA and dAq are zero above their diagonals
+      row_step(r, mid, false);  // dA and dAq are zero above their diagonals
       row_step(r + 8, mid, false);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = et(e), i = ei(2 * nh + nt, e);
-        const float Gt = Gs[t * kQp + i], f = exp2_ftz(Gt - Gs[(diagonal_mma ? mid : r) * kQp + i]);
+        const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
+        const float Gt = Gs[x], f = exp2_ftz(Gt - Gs[ref * kQp + i]);
         float ra = row_a[nt][e] * f, rq = row_q[nt][e] * f;
         for (int s2 = r; !diagonal_mma && s2 <= t; ++s2) {
           const float w = exp2_ftz(Gt - Gs[s2 * kQp + i]) * Ks[s2 * kQp + i];
           ra = fmaf(dA[t * kAp + s2], w, ra);
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
-        const float E = exp2_ftz(Gt);
-        acc_q[2 * nh + nt][e] = fmaf(E, acc_q[2 * nh + nt][e], rq);  // dq
+        const float E = exp2_ftz(Gt), dq_x = fmaf(E, acc_q[2 * nh + nt][e], rq);
+        if (t < n && i < dk) dq[((t0 + t) * heads + h) * dk + i] = dq_x;
+        dG[x] = dq_x;  // for dG, below: the register is free from here
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
                                      ra);  // later = exp(G) dW + rowA
       }
   }
-  // Columns: through r = 16 bm + 15 for the sub-chunks after (exp(G_s - G_r) <= 1, then exp(G_r -
-  // G_t)), then within the block: two more mma steps against mid, or element by element (s from t
-  // to r); the column halves again.
+  // Columns: through ref for the sub-chunks after (exp(G_s - G_ref) <= 1, then exp(G_ref - G_t)),
+  // ref = mid where the block takes two more mma steps against it, else r = 16 bm + 15 and the
+  // block element by element (s from t to r); the column halves again.
 #pragma unroll
   for (int nh = 0; nh < 2; ++nh) {
     const int r = 16 * bm + 15;
@@ -613,10 +604,10 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         mma_tf32(col_q[nt], fq, bq);
       }
     };
-    for (int k0 = r + 1; k0 < kC; k0 += 8) col_step(k0, r, true);
+    const int ref = diagonal_mma ? mid : r;  // exp(G_s - G_ref) <= 1 for s > r either way
+    for (int k0 = r + 1; k0 < kC; k0 += 8) col_step(k0, ref, true);
     if (diagonal_mma) {
-      rescale(col_a, col_q, nh, r, mid);  // from exp(G_s - G_r) to exp(G_s - G_mid): times <= 1
-      col_step(16 * bm, mid, false);      // dA and dAq are zero above their diagonals
+      col_step(16 * bm, mid, false);  // dA and dAq are zero above their diagonals
       col_step(16 * bm + 8, mid, false);
     }
 #pragma unroll
@@ -624,7 +615,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = et(e), i = ei(2 * nh + nt, e), x = t * kQp + i;
-        const float Gt = Gs[x], f = exp2_ftz(Gs[(diagonal_mma ? mid : r) * kQp + i] - Gt);
+        const float Gt = Gs[x], f = exp2_ftz(Gs[ref * kQp + i] - Gt);
         float ca = col_a[nt][e] * f, cq = col_q[nt][e] * f;
         for (int s2 = t; !diagonal_mma && s2 <= r; ++s2) {
           const float w = exp2_ftz(Gs[s2 * kQp + i] - Gt);
@@ -632,13 +623,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           cq = fmaf(dAq[s2 * kAp + t] * w, Qs[s2 * kQp + i], cq);
         }
         const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
-        const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = acc_q[2 * nh + nt][e];
-        if (t < n && i < dk) {
-          const int64_t row = (t0 + t) * heads + h;
-          dq[row * dk + i] = dq_x;
-          dk_out[row * dk + i] = later + earlier;
-        }
-        dG[t * kMaxDim + i] = Qs[x] * dq_x + Ks[x] * (later - earlier);
+        const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = dG[x];
+        if (t < n && i < dk) dk_out[((t0 + t) * heads + h) * dk + i] = later + earlier;
+        dG[x] = Qs[x] * dq_x + Ks[x] * (later - earlier);
         gpart[nt][e % 2] += Ks[x] * kb_part;  // zero past the chunk: k is
       }
       // G_last's share through Kb: summed over the lanes of a column (g4) into
@@ -661,7 +648,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     float acc = exp2_ftz(glast[i]) * sdS[i];
     for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
     for (int t = n - 1; t >= 0; --t) {
-      acc += dG[t * kMaxDim + i];
+      acc += dG[t * kQp + i];
       dg[((t0 + t) * heads + h) * dk + i] = acc;
     }
   }
