@@ -489,21 +489,26 @@ __global__ void __launch_bounds__(kThreads)
 // hc_combine of a 64-token tile and the next site's mix of its output in one pass (hc_mult 4): the
 // combine's output is the next site's streams, so the mix's product reads it from shared memory where
 // it was just written instead of from DRAM in the next site's hc_coefficients. Per slice of kMixColumns
-// columns of each stream (kSlice values of k, the mix's slice): thread (token tid / 4, 8 columns
-// (tid % 4) 8 ..) combines its columns of the 4 streams exactly as hc_combine_kernel does, stores them
-// to `out` and to the stage's x tile, and the warps multiply the tile by fn's split slice (mix_slice),
-// the next slice's fn arriving by cp.async and its inputs in registers meanwhile.
+// columns of each stream (kSlice values of k, the mix's slice), through a ring of kCombineStages
+// stages by cp.async: thread (token tid / 4, 8 columns (tid % 4) 8 ..) copies its columns of the 4
+// streams into the stage's x tile and of y into the tile's padding columns, combines them in place
+// exactly as hc_combine_kernel does (its own copies: no barrier first), stores them to `out`, and
+// after the slice's barrier the warps multiply the tile by fn's split slice (mix_slice) while two
+// more slices load. (The next slice's inputs in registers, one slice a tile in flight, ran at 2.3
+// TB/s: too few bytes in flight for the DRAM's latency.)
 constexpr int kMixColumns = kSlice / 4;
+constexpr int kCombineStages = 3;
+static_assert(kXStride - kSlice >= kMixColumns, "y's slice in the x tile's padding columns");
 
-// Eight bf16 (a 16-byte load) as fp32: a bf16 is the high half of its fp32.
-__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&f)[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
+// hc_combine_mix_kernel's shared memory: the ring (each stage the x tile, then fn's split slice as
+// Tile's), raw [64, M + 1], then the tile's post [64, H] and comb [64, H, H].
+template <int H>
+struct CombineMixTile {
+  static constexpr size_t kRawOffset = kCombineStages * Tile<H>::kStageBytes;
+  static constexpr size_t kPostOffset = kRawOffset + kTileTokens * (Tile<H>::M + 1) * sizeof(float);
+  static constexpr size_t kBytes = kPostOffset + kTileTokens * (H + H * H) * sizeof(float);
+  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two blocks an SM (228 KiB, 1 KiB reserved a block)");
+};
 
 template <int H>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -512,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           int64_t tokens, int D) {
   static_assert(H * kMixColumns == kSlice && kTileTokens * H == kThreads, "a thread per token and 8 columns");
   using T = Tile<H>;
+  using L = CombineMixTile<H>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
@@ -521,67 +527,68 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tt = static_cast<int>(threadIdx.x) / 4, cc = static_cast<int>(threadIdx.x) % 4 * 8;
   const bool live = tt < count;
   const int64_t t = t0 + (live ? tt : 0);
-  const auto stage_fn = [&](int slice) {  // fn's columns of this slice of every stream, as kk = h 32 + c
-    uint32_t* fs = reinterpret_cast<uint32_t*>(smem + slice % kStages * T::kStageBytes + T::kXBytes);
+  const __nv_bfloat16* x = streams + t * K + cc;
+  const __nv_bfloat16* yr = y + t * D + cc;
+  // Slice `slice` into its stage as one commit group (empty past the last slice): the thread's own
+  // columns of the streams at kk = j 32 + c and of y at kSlice + c (zeros past the tokens), and its
+  // share of fn's columns of this slice of every stream.
+  const auto stage = [&](int slice) {
+    unsigned char* buf = smem + slice % kCombineStages * T::kStageBytes;
     if (slice < slices) {
+      const int d = slice * kMixColumns;
+      __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(buf) + tt * kXStride + cc;
+#pragma unroll
+      for (int j = 0; j < H; ++j) copy16(row + j * kMixColumns, x + j * D + d, live);
+      copy16(row + kSlice, yr + d, live);
+      uint32_t* fs = reinterpret_cast<uint32_t*>(buf + T::kXBytes);
       for (int e = threadIdx.x; e < T::NT * 8 * kSlice / 4; e += kThreads) {
         const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4;
-        const int64_t k = static_cast<int64_t>(kk / kMixColumns) * D + slice * kMixColumns + kk % kMixColumns;
+        const int64_t k = static_cast<int64_t>(kk / kMixColumns) * D + d + kk % kMixColumns;
         copy16(fs + o * kFStride + kk, o < M ? fn_next + o * static_cast<int64_t>(K) + k : fn_next, o < M);
       }
     }
     copy_commit();
   };
-  // The tile's post [64, H] and comb [64, H, H] after raw (in shared memory: in registers they spill).
-  float* post_s = reinterpret_cast<float*>(smem + T::kPreOffset);
+#pragma unroll
+  for (int s = 0; s < kCombineStages - 1; ++s) stage(s);
+  // The tile's post and comb in shared memory (in registers they spill).
+  float* post_s = reinterpret_cast<float*>(smem + L::kPostOffset);
   float* comb_s = post_s + kTileTokens * H;
   for (int e = threadIdx.x; e < count * H; e += kThreads) post_s[e] = post[t0 * H + e];
   for (int e = threadIdx.x; e < count * H * H; e += kThreads) comb_s[e] = comb[t0 * H * H + e];
   const float* po = post_s + tt * H;
   const float* cm = comb_s + tt * H * H;  // cm[j H + h]: stream j's weight in output stream h
-  const __nv_bfloat16* x = streams + t * K + cc;
-  const __nv_bfloat16* yr = y + t * D + cc;
-  const auto load_inputs = [&](int slice, uint4(&xv)[H], uint4& yv) {
-    if (!live || slice >= slices) return;
-#pragma unroll
-    for (int j = 0; j < H; ++j) xv[j] = *reinterpret_cast<const uint4*>(x + j * D + slice * kMixColumns);
-    yv = *reinterpret_cast<const uint4*>(yr + slice * kMixColumns);
-  };
+  __syncthreads();                        // post and comb are in
   MixAccumulators<H> m;
-  uint4 xv[H] = {}, yv = {};
-  load_inputs(0, xv, yv);
-  stage_fn(0);
-  __syncthreads();  // post and comb are in
   for (int s = 0; s < slices; ++s) {
-    uint4 xn[H] = {}, yn = {};
-    load_inputs(s + 1, xn, yn);
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + s % kStages * T::kStageBytes);
-    float xf[H][8], yf[8];
+    unsigned char* buf = smem + s % kCombineStages * T::kStageBytes;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
+    copy_wait<kCombineStages - 2>();  // this thread's copies of slice s have landed
+    if (live) {                       // past the tokens the rows stay the copies' zeros
+      __nv_bfloat16* row = xs + tt * kXStride + cc;
+      float xf[H][8], yf[8];
 #pragma unroll
-    for (int j = 0; j < H; ++j) unpack_bf16x8(xv[j], xf[j]);
-    unpack_bf16x8(yv, yf);
+      for (int j = 0; j < H; ++j) load<8>(row + j * kMixColumns, xf[j]);
+      load<8>(row + kSlice, yf);
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      float acc[8];
+      for (int h = 0; h < H; ++h) {
+        float acc[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        acc[e] = po[h] * yf[e];
+        for (int e = 0; e < 8; ++e) {
+          acc[e] = po[h] * yf[e];
 #pragma unroll
-        for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j * H + h], xf[j][e], acc[e]);
+          for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j * H + h], xf[j][e], acc[e]);
+        }
+        store<8>(row + h * kMixColumns, acc);
+        store<8>(out + t * K + h * D + s * kMixColumns + cc, acc);
       }
-      store<8>(xs + tt * kXStride + h * kMixColumns + cc, acc);  // zeros past the tokens: live is false
-      if (live) store<8>(out + t * K + h * D + s * kMixColumns + cc, acc);
     }
-#pragma unroll
-    for (int j = 0; j < H; ++j) xv[j] = xn[j];
-    yv = yn;
-    copy_wait<kStages - 2>();  // this thread's copies of fn's slice s have landed
-    __syncthreads();           // everyone's, and the tile's x; nobody reads slice s - 1 any more
-    stage_fn(s + 1);
-    mix_slice<H>(xs, reinterpret_cast<const uint32_t*>(smem + s % kStages * T::kStageBytes + T::kXBytes), m);
+    __syncthreads();  // everyone's rows and copies of fn's slice are in; nobody reads slice s - 1 any more
+    stage(s + kCombineStages - 1);
+    mix_slice<H>(xs, reinterpret_cast<const uint32_t*>(buf + T::kXBytes), m);
   }
-  copy_wait<0>();
-  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
+  copy_wait<0>();  // only empty groups are left
+  float* raw = reinterpret_cast<float*>(smem + L::kRawOffset);
   store_mix<H>(m, raw);
   for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix[t0 * (M + 1) + e] = raw[e];
 }
@@ -1311,8 +1318,7 @@ void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const _
   if (s.tokens == 0) return;
   const DeviceBuffer<uint32_t> split = split_fn(s, fn_next, stream);
   constexpr int H = 4;
-  // The ring, raw, and the tile's post and comb.
-  const size_t bytes = Tile<H>::kPreOffset + kTileTokens * (H + H * H) * sizeof(float);
+  const size_t bytes = CombineMixTile<H>::kBytes;
   allow_shared_memory(hc_combine_mix_kernel<H>, bytes, "hc_combine_mix_kernel");
   const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
   hc_combine_mix_kernel<H><<<blocks, kThreads, bytes, stream>>>(streams, y, post, comb, out, split.data(),
