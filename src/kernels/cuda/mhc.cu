@@ -500,6 +500,14 @@ constexpr int kMixColumns = kSlice / 4;
 constexpr int kCombineStages = 3;
 static_assert(kXStride - kSlice >= kMixColumns, "y's slice in the x tile's padding columns");
 
+// copy16 telling the L2 to fetch the source's whole 128-byte line: hc_combine_mix reads each row's
+// line in two slices, so the DRAM sees whole lines and the second slice finds its half in the L2.
+__device__ __forceinline__ void copy16_line(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // hc_combine_mix_kernel's shared memory: the ring (each stage the x tile, then fn's split slice as
 // Tile's), raw [64, M + 1], then the tile's post [64, H] and comb [64, H, H].
 template <int H>
@@ -538,8 +546,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int d = slice * kMixColumns;
       __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(buf) + tt * kXStride + cc;
 #pragma unroll
-      for (int j = 0; j < H; ++j) copy16(row + j * kMixColumns, x + j * D + d, live);
-      copy16(row + kSlice, yr + d, live);
+      for (int j = 0; j < H; ++j) copy16_line(row + j * kMixColumns, x + j * D + d, live);
+      copy16_line(row + kSlice, yr + d, live);
       uint32_t* fs = reinterpret_cast<uint32_t*>(buf + T::kXBytes);
       for (int e = threadIdx.x; e < T::NT * 8 * kSlice / 4; e += kThreads) {
         const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4;
