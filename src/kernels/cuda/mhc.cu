@@ -1417,12 +1417,14 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
       constexpr size_t bytes = StreamStage<H, V>::kRingBytes;
       allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
       // One wave: the column blocks times as many runs of tokens as the GPU then holds, each run
-      // whole stages (and at most 2^30 tokens, so that the kernel's stage offsets stay ints).
+      // whole stages, at least a tile's 64 tokens (fn's loads and the ring's filling a block stay
+      // few; the ring wraps within a run in the tests' small cases too), at most 2^30 (the kernel's
+      // stage offsets stay ints).
       const int64_t columns = (s.hidden + kStreamColumns<H, V> - 1) / kStreamColumns<H, V>;
       const int64_t runs = std::max<int64_t>(1, resident_blocks_of(kernel, kThreads, bytes) / columns);
+      const int64_t per_run = std::max<int64_t>(kTileTokens, (s.tokens + runs - 1) / runs);
       const int64_t run =
-          std::min<int64_t>((s.tokens + runs - 1) / runs + kStreamRows - 1, int64_t{1} << 30) / kStreamRows *
-          kStreamRows;
+          std::min<int64_t>(per_run + kStreamRows - 1, int64_t{1} << 30) / kStreamRows * kStreamRows;
       const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>((s.tokens + run - 1) / run));
       kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, comb, dout, dstreams,
                                                 s.tokens, D, static_cast<int>(run), vec);
