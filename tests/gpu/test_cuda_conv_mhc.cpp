@@ -94,11 +94,13 @@ struct HcCase {
 // dm rows' padding; the dfn's w chunk in 16-byte pieces); H 6 and 8: the backward's one-column
 // path (M > 24). 200 x 4 x 512: 32 mix slices per tile (the cp.async ring wraps many times) on the
 // 16-byte path; 1100 x 2 x 200: dfn's last 128-column block partial, two 1024-token blocks.
-// The last three are wider: 70 x 4 x 2048, the model's width; 40 x 3 x 1400 and 33 x 5 x 1000, wide
-// rows on the two-column and one-column paths.
-const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},   {19, 8, 40},   {1, 4, 12},
-                           {2100, 4, 96}, {200, 4, 512}, {1100, 2, 200}, {70, 1, 24},   {150, 3, 64},
-                           {65, 6, 32},   {90, 3, 13},   {70, 4, 2048},  {40, 3, 1400}, {33, 5, 1000}};
+// Three are wider: 70 x 4 x 2048, the model's width; 40 x 3 x 1400 and 33 x 5 x 1000, wide
+// rows on the two-column and one-column paths. 40 x 4 x 32: hc_combine_mix's one slice, fewer than
+// its ring loads ahead.
+const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},  {19, 8, 40},
+                           {1, 4, 12},    {2100, 4, 96}, {200, 4, 512}, {1100, 2, 200},
+                           {70, 1, 24},   {150, 3, 64},  {65, 6, 32},   {90, 3, 13},
+                           {70, 4, 2048}, {40, 3, 1400}, {33, 5, 1000}, {40, 4, 32}};
 
 cpu::HcShape shape_of(const HcCase& c) { return cpu::HcShape{c.tokens, c.H, c.D, 1e-6, 1e-6, 20}; }
 

@@ -11,7 +11,7 @@
 //      back through the passes, each pass's input rebuilt from its output and sums;
 //   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
 //      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
-//      (hc_stream_gradient_kernel), whose blocks come in many waves.
+//      (hc_stream_gradient_kernel), whose blocks each walk a run of tokens, in one wave.
 // hc_combine and its backward take one warp per token (memory bound); hc_combine_mix, the forward's
 // form at hc_mult 4, combines a 64-token tile slice by slice and multiplies it by the next site's fn
 // (mix_slice) as it goes; dfn = w^T x, w = dm times the
@@ -103,23 +103,18 @@ struct Tile {
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
 };
 
-// w's row stride in the stream pass for H streams (float4 reads).
+// What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel and
+// hc_dfn_kernel: a row of kStreamInputs floats a token, [w = dm inv (M), corr = inv^3 (dm . raw) / K,
+// pre (H)] (one contiguous copy a stage for the stream pass), then w^T as bf16 hi and lo [M, tokens]
+// each (the dfn product's A operand, split once rather than in each of its column blocks);
+// hc_coefficients_backward_workspace sizes it.
+template <int H>
+constexpr int kStreamInputs = (2 + H) * H + 1 + H;
+// The stream pass's shared copy of a row: w padded to whole float4s (zeros), then corr and pre.
 template <int H>
 constexpr int kWStride = ((2 + H) * H + 3) / 4 * 4;
-
-// What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel (w,
-// corr, pre) and hc_dfn_kernel (w^T split): w = dm inv [tokens, M], corr = inv^3 (dm . raw) / K
-// [tokens], pre [tokens, H], and w^T as bf16 hi and lo [M, tokens] each (the dfn product's A operand,
-// split once rather than in each of its column blocks); hc_coefficients_backward_workspace sizes it.
-template <class F>  // float or const float
-struct StreamGradientInputs {
-  F *w, *corr, *pre;
-};
-template <int H, class F>
-__device__ __forceinline__ StreamGradientInputs<F> stream_gradient_inputs(F* workspace, int64_t tokens) {
-  F* corr = workspace + tokens * Tile<H>::M;
-  return {workspace, corr, corr + tokens};
-}
+template <int H>
+constexpr int kInputStride = (kWStride<H> + 1 + H + 3) / 4 * 4;
 // w^T's hi rows [M, tokens]; the lo rows follow them.
 template <int H, class F,
           class B = std::conditional_t<std::is_const_v<F>, const __nv_bfloat16, __nv_bfloat16>>
@@ -489,21 +484,34 @@ __global__ void __launch_bounds__(kThreads)
 // hc_combine of a 64-token tile and the next site's mix of its output in one pass (hc_mult 4): the
 // combine's output is the next site's streams, so the mix's product reads it from shared memory where
 // it was just written instead of from DRAM in the next site's hc_coefficients. Per slice of kMixColumns
-// columns of each stream (kSlice values of k, the mix's slice): thread (token tid / 4, 8 columns
-// (tid % 4) 8 ..) combines its columns of the 4 streams exactly as hc_combine_kernel does, stores them
-// to `out` and to the stage's x tile, and the warps multiply the tile by fn's split slice (mix_slice),
-// the next slice's fn arriving by cp.async and its inputs in registers meanwhile.
+// columns of each stream (kSlice values of k, the mix's slice), through a ring of kCombineStages
+// stages by cp.async: thread (token tid / 4, 8 columns (tid % 4) 8 ..) copies its columns of the 4
+// streams into the stage's x tile and of y into the tile's padding columns, combines them in place
+// exactly as hc_combine_kernel does (its own copies: no barrier first), stores them to `out`, and
+// after the slice's barrier the warps multiply the tile by fn's split slice (mix_slice) while two
+// more slices load. (The next slice's inputs in registers, one slice a tile in flight, ran at 2.3
+// TB/s: too few bytes in flight for the DRAM's latency.)
 constexpr int kMixColumns = kSlice / 4;
+constexpr int kCombineStages = 3;
+static_assert(kXStride - kSlice >= kMixColumns, "y's slice in the x tile's padding columns");
 
-// Eight bf16 (a 16-byte load) as fp32: a bf16 is the high half of its fp32.
-__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&f)[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
+// copy16 telling the L2 to fetch the source's whole 128-byte line: hc_combine_mix reads each row's
+// line in two slices, so the DRAM sees whole lines and the second slice finds its half in the L2.
+__device__ __forceinline__ void copy16_line(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
 }
+
+// hc_combine_mix_kernel's shared memory: the ring (each stage the x tile, then fn's split slice as
+// Tile's), raw [64, M + 1], then the tile's post [64, H] and comb [64, H, H].
+template <int H>
+struct CombineMixTile {
+  static constexpr size_t kRawOffset = kCombineStages * Tile<H>::kStageBytes;
+  static constexpr size_t kPostOffset = kRawOffset + kTileTokens * (Tile<H>::M + 1) * sizeof(float);
+  static constexpr size_t kBytes = kPostOffset + kTileTokens * (H + H * H) * sizeof(float);
+  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two blocks an SM (228 KiB, 1 KiB reserved a block)");
+};
 
 template <int H>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -512,6 +520,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           int64_t tokens, int D) {
   static_assert(H * kMixColumns == kSlice && kTileTokens * H == kThreads, "a thread per token and 8 columns");
   using T = Tile<H>;
+  using L = CombineMixTile<H>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
@@ -521,67 +530,68 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tt = static_cast<int>(threadIdx.x) / 4, cc = static_cast<int>(threadIdx.x) % 4 * 8;
   const bool live = tt < count;
   const int64_t t = t0 + (live ? tt : 0);
-  const auto stage_fn = [&](int slice) {  // fn's columns of this slice of every stream, as kk = h 32 + c
-    uint32_t* fs = reinterpret_cast<uint32_t*>(smem + slice % kStages * T::kStageBytes + T::kXBytes);
+  const __nv_bfloat16* x = streams + t * K + cc;
+  const __nv_bfloat16* yr = y + t * D + cc;
+  // Slice `slice` into its stage as one commit group (empty past the last slice): the thread's own
+  // columns of the streams at kk = j 32 + c and of y at kSlice + c (zeros past the tokens), and its
+  // share of fn's columns of this slice of every stream.
+  const auto stage = [&](int slice) {
+    unsigned char* buf = smem + slice % kCombineStages * T::kStageBytes;
     if (slice < slices) {
+      const int d = slice * kMixColumns;
+      __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(buf) + tt * kXStride + cc;
+#pragma unroll
+      for (int j = 0; j < H; ++j) copy16_line(row + j * kMixColumns, x + j * D + d, live);
+      copy16_line(row + kSlice, yr + d, live);
+      uint32_t* fs = reinterpret_cast<uint32_t*>(buf + T::kXBytes);
       for (int e = threadIdx.x; e < T::NT * 8 * kSlice / 4; e += kThreads) {
         const int o = e / (kSlice / 4), kk = e % (kSlice / 4) * 4;
-        const int64_t k = static_cast<int64_t>(kk / kMixColumns) * D + slice * kMixColumns + kk % kMixColumns;
+        const int64_t k = static_cast<int64_t>(kk / kMixColumns) * D + d + kk % kMixColumns;
         copy16(fs + o * kFStride + kk, o < M ? fn_next + o * static_cast<int64_t>(K) + k : fn_next, o < M);
       }
     }
     copy_commit();
   };
-  // The tile's post [64, H] and comb [64, H, H] after raw (in shared memory: in registers they spill).
-  float* post_s = reinterpret_cast<float*>(smem + T::kPreOffset);
+#pragma unroll
+  for (int s = 0; s < kCombineStages - 1; ++s) stage(s);
+  // The tile's post and comb in shared memory (in registers they spill).
+  float* post_s = reinterpret_cast<float*>(smem + L::kPostOffset);
   float* comb_s = post_s + kTileTokens * H;
   for (int e = threadIdx.x; e < count * H; e += kThreads) post_s[e] = post[t0 * H + e];
   for (int e = threadIdx.x; e < count * H * H; e += kThreads) comb_s[e] = comb[t0 * H * H + e];
   const float* po = post_s + tt * H;
   const float* cm = comb_s + tt * H * H;  // cm[j H + h]: stream j's weight in output stream h
-  const __nv_bfloat16* x = streams + t * K + cc;
-  const __nv_bfloat16* yr = y + t * D + cc;
-  const auto load_inputs = [&](int slice, uint4(&xv)[H], uint4& yv) {
-    if (!live || slice >= slices) return;
-#pragma unroll
-    for (int j = 0; j < H; ++j) xv[j] = *reinterpret_cast<const uint4*>(x + j * D + slice * kMixColumns);
-    yv = *reinterpret_cast<const uint4*>(yr + slice * kMixColumns);
-  };
+  __syncthreads();                        // post and comb are in
   MixAccumulators<H> m;
-  uint4 xv[H] = {}, yv = {};
-  load_inputs(0, xv, yv);
-  stage_fn(0);
-  __syncthreads();  // post and comb are in
   for (int s = 0; s < slices; ++s) {
-    uint4 xn[H] = {}, yn = {};
-    load_inputs(s + 1, xn, yn);
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + s % kStages * T::kStageBytes);
-    float xf[H][8], yf[8];
+    unsigned char* buf = smem + s % kCombineStages * T::kStageBytes;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf);
+    copy_wait<kCombineStages - 2>();  // this thread's copies of slice s have landed
+    if (live) {                       // past the tokens the rows stay the copies' zeros
+      __nv_bfloat16* row = xs + tt * kXStride + cc;
+      float xf[H][8], yf[8];
 #pragma unroll
-    for (int j = 0; j < H; ++j) unpack_bf16x8(xv[j], xf[j]);
-    unpack_bf16x8(yv, yf);
+      for (int j = 0; j < H; ++j) load<8>(row + j * kMixColumns, xf[j]);
+      load<8>(row + kSlice, yf);
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      float acc[8];
+      for (int h = 0; h < H; ++h) {
+        float acc[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        acc[e] = po[h] * yf[e];
+        for (int e = 0; e < 8; ++e) {
+          acc[e] = po[h] * yf[e];
 #pragma unroll
-        for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j * H + h], xf[j][e], acc[e]);
+          for (int j = 0; j < H; ++j) acc[e] = fmaf(cm[j * H + h], xf[j][e], acc[e]);
+        }
+        store<8>(row + h * kMixColumns, acc);
+        store<8>(out + t * K + h * D + s * kMixColumns + cc, acc);
       }
-      store<8>(xs + tt * kXStride + h * kMixColumns + cc, acc);  // zeros past the tokens: live is false
-      if (live) store<8>(out + t * K + h * D + s * kMixColumns + cc, acc);
     }
-#pragma unroll
-    for (int j = 0; j < H; ++j) xv[j] = xn[j];
-    yv = yn;
-    copy_wait<kStages - 2>();  // this thread's copies of fn's slice s have landed
-    __syncthreads();           // everyone's, and the tile's x; nobody reads slice s - 1 any more
-    stage_fn(s + 1);
-    mix_slice<H>(xs, reinterpret_cast<const uint32_t*>(smem + s % kStages * T::kStageBytes + T::kXBytes), m);
+    __syncthreads();  // everyone's rows and copies of fn's slice are in; nobody reads slice s - 1 any more
+    stage(s + kCombineStages - 1);
+    mix_slice<H>(xs, reinterpret_cast<const uint32_t*>(buf + T::kXBytes), m);
   }
-  copy_wait<0>();
-  float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
+  copy_wait<0>();  // only empty groups are left
+  float* raw = reinterpret_cast<float*>(smem + L::kRawOffset);
   store_mix<H>(m, raw);
   for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix[t0 * (M + 1) + e] = raw[e];
 }
@@ -701,12 +711,15 @@ __global__ void __launch_bounds__(kThreads)
 // pre[t, h] dcol[t, d] with dn = w fn (i = h D + d), where g is dx itself (accumulated) or, given
 // the site's comb and dout, hc_combine's part sum_k comb[t, h, k] dout[t, k, d] (dx written once:
 // hc_combine_backward then leaves dx alone). A block takes kStreamColumns<H, V> columns d of every
-// stream of a 64-token tile, so that each dout value is read once and used by the H streams' threads;
-// thread (h, d) owns V adjacent columns with their fn [M] in registers, w comes from shared memory
-// (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, in fp32), and fn
-// leaves the registers little room for loads in flight: the rows come through a ring of
-// shared-memory stages of kStreamRows tokens by cp.async instead (two stages loading while one is
-// used), and the blocks come in many waves, so that one block's loads overlap another's arithmetic.
+// stream of a run of tokens, so that each dout value is read once and used by the H streams'
+// threads; thread (h, d) owns V adjacent columns with their fn [M] in registers, w comes from shared
+// memory (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, in fp32),
+// and fn leaves the registers little room for loads in flight: the rows (and each token's w, corr
+// and pre) come through a ring of shared-memory stages of kStreamRows tokens by cp.async instead
+// (two stages loading while one is used). The grid is one wave of runs (column blocks times runs of
+// tokens), each block's ring running on along its run: blocks of 64-token tiles in many waves paid
+// fn's loads, w's staging and the ring's filling and draining once a tile, 0.54 ms at 16k tokens
+// where the bytes take 0.33.
 constexpr int kStreamRows = 8;    // tokens per stage
 constexpr int kStreamStages = 3;  // stages in the ring
 
@@ -716,108 +729,112 @@ template <int H, int V>
 constexpr int kStreamColumns = kThreads* V / H / 8 * 8;
 
 // A stage: g [rows, H, C] fp32 (dx or dout), x [rows, H, C] bf16, dcol [rows, C] bf16, comb [rows,
-// H, H] fp32 (C = kStreamColumns).
+// H, H] fp32 (C = kStreamColumns), and the rows' w, corr and pre [rows, kInputStride] (see there).
 template <int H, int V>
 struct StreamStage {
   static constexpr int C = kStreamColumns<H, V>;
   static constexpr size_t kXOffset = kStreamRows * H * C * sizeof(float);
   static constexpr size_t kColOffset = kXOffset + kStreamRows * H * C * sizeof(__nv_bfloat16);
   static constexpr size_t kCombOffset = kColOffset + kStreamRows * C * sizeof(__nv_bfloat16);
-  static constexpr size_t kBytes = (kCombOffset + kStreamRows * H * H * sizeof(float) + 15) / 16 * 16;
+  static constexpr size_t kWOffset = kCombOffset + kStreamRows * H * H * sizeof(float);
+  static constexpr size_t kBytes = kWOffset + kStreamRows * kInputStride<H> * sizeof(float);
   static constexpr size_t kRingBytes = kStreamStages * kBytes;
-  static_assert(kXOffset % 16 == 0 && kColOffset % 16 == 0 && kCombOffset % 16 == 0, "16-byte aligned rows");
+  static_assert(kXOffset % 16 == 0 && kColOffset % 16 == 0 && kCombOffset % 16 == 0 && kWOffset % 16 == 0,
+                "16-byte aligned rows");
 };
 
-// The stream pass's shared memory for H streams: the ring, then w [64, kWStride], corr [64], pre [64, H].
-template <int H, int V>
-constexpr size_t kStreamGradientBytes = StreamStage<H, V>::kRingBytes +
-                                        kTileTokens*(kWStride<H> + 1 + H) * sizeof(float);
-
-// Stages rows [r0, r0 + kStreamRows) of the tile's g, x and dcol at columns [d0, d0 + C) of every
-// stream (and comb, when given) into buf: zeros past the tile's tokens and past D, as one commit
-// group. `vec` (D % 8 == 0, 16-byte aligned rows): by cp.async, 4 or 8 columns a copy; else by plain
-// loads.
+// Stages rows [r0, r0 + kStreamRows) of the run of `count` tokens from t0: g's, x's and dcol's
+// columns [d0, d0 + C) of every stream, each token's row of w, corr and pre (kStreamInputs, from
+// `workspace`), and its comb when given, into buf: zeros past the run and past D, as one commit
+// group. `vec` (D % 8 == 0, 16-byte aligned rows): g, x and dcol by cp.async of 4 or 8 columns; else
+// by plain loads. The kernel's own pointers and t0, not the run's: pointers of the run's would each
+// hold two registers through the kernel.
 template <int H, int V>
 __device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
-                                  const float* comb, int count, int D, int d0, int r0, bool vec,
-                                  unsigned char* buf) {
+                                  const float* comb, const float* workspace, int64_t t0, int count, int D,
+                                  int d0, int r0, bool vec, unsigned char* buf) {
   using S = StreamStage<H, V>;
-  constexpr int C = S::C;
+  constexpr int C = S::C, M = Tile<H>::M, MP = kWStride<H>;
   const int K = H * D;
+  // The stage's first rows; offsets from them are ints (8 rows of at most 2^24 elements).
+  const int64_t first = t0 + r0;
+  const float* g_rows = g + first * K;
+  const __nv_bfloat16* x_rows = x + first * K;
+  const __nv_bfloat16* col_rows = dcol + first * D;
   float* gs = reinterpret_cast<float*>(buf);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kXOffset);
   __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(buf + S::kColOffset);
   if (vec) {
     for (int e = threadIdx.x; e < kStreamRows * H * C / 4; e += kThreads) {
-      const int r = e / (H * C / 4), h = e / (C / 4) % H, c = e % (C / 4) * 4, t = r0 + r, d = d0 + c;
-      const bool valid = t < count && d < D;
-      copy16(gs + (r * H + h) * C + c, valid ? g + static_cast<int64_t>(t) * K + h * D + d : g, valid);
+      const int r = e / (H * C / 4), h = e / (C / 4) % H, c = e % (C / 4) * 4, d = d0 + c;
+      const bool valid = r0 + r < count && d < D;
+      copy16(gs + (r * H + h) * C + c, valid ? g_rows + (r * K + h * D + d) : g, valid);
     }
     for (int e = threadIdx.x; e < kStreamRows * H * C / 8; e += kThreads) {
-      const int r = e / (H * C / 8), h = e / (C / 8) % H, c = e % (C / 8) * 8, t = r0 + r, d = d0 + c;
-      const bool valid = t < count && d < D;
-      copy16(xs + (r * H + h) * C + c, valid ? x + static_cast<int64_t>(t) * K + h * D + d : x, valid);
+      const int r = e / (H * C / 8), h = e / (C / 8) % H, c = e % (C / 8) * 8, d = d0 + c;
+      const bool valid = r0 + r < count && d < D;
+      copy16(xs + (r * H + h) * C + c, valid ? x_rows + (r * K + h * D + d) : x, valid);
     }
     for (int e = threadIdx.x; e < kStreamRows * C / 8; e += kThreads) {
-      const int r = e / (C / 8), c = e % (C / 8) * 8, t = r0 + r, d = d0 + c;
-      const bool valid = t < count && d < D;
-      copy16(cs + r * C + c, valid ? dcol + static_cast<int64_t>(t) * D + d : dcol, valid);
+      const int r = e / (C / 8), c = e % (C / 8) * 8, d = d0 + c;
+      const bool valid = r0 + r < count && d < D;
+      copy16(cs + r * C + c, valid ? col_rows + (r * D + d) : dcol, valid);
     }
   } else {
     for (int e = threadIdx.x; e < kStreamRows * H * C; e += kThreads) {
-      const int r = e / (H * C), h = e / C % H, c = e % C, t = r0 + r, d = d0 + c;
-      const bool valid = t < count && d < D;
-      gs[e] = valid ? g[static_cast<int64_t>(t) * K + h * D + d] : 0.0f;
-      xs[e] = valid ? x[static_cast<int64_t>(t) * K + h * D + d] : __float2bfloat16(0.0f);
+      const int r = e / (H * C), h = e / C % H, c = e % C, d = d0 + c;
+      const bool valid = r0 + r < count && d < D;
+      gs[e] = valid ? g_rows[r * K + h * D + d] : 0.0f;
+      xs[e] = valid ? x_rows[r * K + h * D + d] : __float2bfloat16(0.0f);
     }
     for (int e = threadIdx.x; e < kStreamRows * C; e += kThreads) {
-      const int r = e / C, c = e % C, t = r0 + r, d = d0 + c;
-      cs[e] = t < count && d < D ? dcol[static_cast<int64_t>(t) * D + d] : __float2bfloat16(0.0f);
+      const int r = e / C, c = e % C, d = d0 + c;
+      cs[e] = r0 + r < count && d < D ? col_rows[r * D + d] : __float2bfloat16(0.0f);
     }
+  }
+  // Row element p: w[p] below M, zeros up to MP, then corr and pre (the workspace row's M ..).
+  float* ws = reinterpret_cast<float*>(buf + S::kWOffset);
+  const float* w_rows = workspace + first * kStreamInputs<H>;
+  for (int e = threadIdx.x; e < kStreamRows * kInputStride<H>; e += kThreads) {
+    const int r = e / kInputStride<H>, p = e % kInputStride<H>, j = p < M ? p : p - MP + M;
+    const bool valid = r0 + r < count && (p < M || (p >= MP && j < kStreamInputs<H>));
+    copy4(ws + e, valid ? w_rows + (r * kStreamInputs<H> + j) : workspace, valid);
   }
   if (comb != nullptr) {
     float* ms = reinterpret_cast<float*>(buf + S::kCombOffset);
     for (int e = threadIdx.x; e < kStreamRows * H * H; e += kThreads) {
       const bool valid = r0 + e / (H * H) < count;
-      copy4(ms + e, valid ? comb + static_cast<int64_t>(r0) * H * H + e : comb, valid);
+      copy4(ms + e, valid ? comb + first * H * H + e : comb, valid);
     }
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
 }
 
+// Runs of `run_tokens` tokens (a multiple of kStreamRows, at most 2^30), one per blockIdx.y.
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
                               const float* workspace, const float* comb, const float* dout, float* dstreams,
-                              int64_t tokens, int D, bool vec) {
+                              int64_t tokens, int D, int run_tokens, bool vec) {
   using S = StreamStage<H, V>;
   constexpr int M = Tile<H>::M, MP = kWStride<H>, C = S::C;
   extern __shared__ float4 shared_words[];
   unsigned char* ring = reinterpret_cast<unsigned char*>(shared_words);
-  float* w_s = reinterpret_cast<float*>(ring + S::kRingBytes);  // [64, kWStride] (kStreamGradientBytes)
-  float* corr_s = w_s + kTileTokens * MP;                       // [64]
-  float* pre_s = corr_s + kTileTokens;                          // [64, H]
   const int K = H * D;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
-  const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * run_tokens;
+  const int count = static_cast<int>(tokens - t0 < run_tokens ? tokens - t0 : run_tokens);
   const int d0 = static_cast<int>(blockIdx.x) * C;
   const bool fused = comb != nullptr;
-  const float* g = (fused ? dout : dstreams) + t0 * K;
-  const __nv_bfloat16* x = streams + t0 * K;
-  const __nv_bfloat16* dcol = d_collapsed + t0 * D;
-  const float* tile_comb = fused ? comb + t0 * H * H : nullptr;
-  float* dx = dstreams + t0 * K;
+  const float* g = fused ? dout : dstreams;
+  // V > 1 is launched only where vec: the plain loads' path compiled out (its registers spilled).
+  const bool by_copies = V > 1 || vec;
+  const auto stage = [&](int s) {
+    stage_stream_rows<H, V>(g, streams, d_collapsed, comb, workspace, t0, count, D, d0, s * kStreamRows,
+                            by_copies, ring + s % kStreamStages * S::kBytes);
+  };
 #pragma unroll
-  for (int s = 0; s < kStreamStages - 1; ++s)
-    stage_stream_rows<H, V>(g, x, dcol, tile_comb, count, D, d0, s * kStreamRows, vec, ring + s * S::kBytes);
+  for (int s = 0; s < kStreamStages - 1; ++s) stage(s);
 
-  const StreamGradientInputs<const float> in = stream_gradient_inputs<H>(workspace, tokens);
-  for (int e = threadIdx.x; e < kTileTokens * MP; e += kThreads) {
-    const int tt = e / MP, o = e % MP;
-    w_s[e] = tt < count && o < M ? in.w[(t0 + tt) * M + o] : 0.0f;
-  }
-  for (int tt = threadIdx.x; tt < count; tt += kThreads) corr_s[tt] = in.corr[t0 + tt];
-  for (int e = threadIdx.x; e < count * H; e += kThreads) pre_s[e] = in.pre[t0 * H + e];
   const int h = static_cast<int>(threadIdx.x) / (C / V), c = static_cast<int>(threadIdx.x) % (C / V) * V;
   const bool mine = h < H && d0 + c < D;
   const int64_t i = static_cast<int64_t>(h) * D + d0 + c;  // the thread's first column of dx
@@ -832,24 +849,24 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     }
   }
 
+  float* dx = dstreams + t0 * K + i;
   const int stages = (count + kStreamRows - 1) / kStreamRows;
   for (int s = 0; s < stages; ++s) {
     copy_wait<kStreamStages - 2>();  // this thread's copies of stage s have landed
     __syncthreads();                 // everyone's have; stage s - 1 is no longer read
-    const int next = s + kStreamStages - 1;
-    stage_stream_rows<H, V>(g, x, dcol, tile_comb, count, D, d0, next * kStreamRows, vec,
-                            ring + next % kStreamStages * S::kBytes);
+    stage(s + kStreamStages - 1);
     if (!mine) continue;
     const unsigned char* buf = ring + s % kStreamStages * S::kBytes;
     const float* gs = reinterpret_cast<const float*>(buf);
     const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kXOffset);
     const __nv_bfloat16* cs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kColOffset);
     const float* ms = reinterpret_cast<const float*>(buf + S::kCombOffset);
+    const float* ws = reinterpret_cast<const float*>(buf + S::kWOffset);
 #pragma unroll 1
     for (int r = 0; r < kStreamRows; ++r) {
       const int tt = s * kStreamRows + r;
       if (tt >= count) break;
-      const float* wr = w_s + tt * MP;
+      const float* wr = ws + r * kInputStride<H>;
       float dn[V] = {};
 #pragma unroll
       for (int o = 0; o < MP; o += 4) {
@@ -874,11 +891,11 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       }
       load<V>(xs + (r * H + h) * C + c, xv);
       load<V>(cs + r * C + c, cv);
-      const float corr = corr_s[tt], ph = pre_s[tt * H + h];
+      const float corr = wr[MP], ph = wr[MP + 1 + h];
       float out[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) out[v] = gv[v] + dn[v] - xv[v] * corr + ph * cv[v];
-      store<V>(dx + static_cast<int64_t>(tt) * K + i, out);
+      store_global<V>(dx + static_cast<int64_t>(tt) * K, out);  // one access: store<V> made V here
     }
   }
   copy_wait<0>();
@@ -887,7 +904,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
 // Per tile: the mix (kept by hc_coefficients), the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes
 // forward and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and
 // the collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv, corr =
-// inv^3 (dm . raw) / (H D) and pre in the workspace (StreamGradientInputs) for hc_dfn_kernel and
+// inv^3 (dm . raw) / (H D) and pre in the workspace (kStreamInputs) for hc_dfn_kernel and
 // hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse paths.
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
@@ -905,7 +922,6 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   float* dbase_s = dpre_s + kTileTokens * H;                         // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
   float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
-  const StreamGradientInputs<float> out = stream_gradient_inputs<H>(workspace, tokens);
   __nv_bfloat16* w_hi_t = split_w_transposed<H>(workspace, tokens);
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
@@ -998,7 +1014,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
         const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
         g[H + h] = live ? d_post[t * H + h] * 2.0f * so * (1.0f - so) : 0.0f;
-        if (live) out.pre[t * H + h] = sp + hc_eps;
+        if (live) workspace[t * kStreamInputs<H> + M + 1 + h] = sp + hc_eps;
       }
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
       float ds[3] = {};  // dscale's three parts
@@ -1009,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         ds[group_of<H>(o)] += g[o] * r[o] * inv;
         if (live) {
           const float w = dm * inv;
-          workspace[t * M + o] = w;
+          workspace[t * kStreamInputs<H> + o] = w;
           const Bf16Split split = split_bf16(w);
           w_hi_t[o * tokens + t] = split.hi;
           w_hi_t[(M + o) * tokens + t] = split.lo;
@@ -1022,7 +1038,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         const float sum = warp_sum(ds[k]);
         if (threadIdx.x % 32 == 0) atomicAdd(dscale_s + k, sum);
       }
-      if (live) out.corr[t] = inv * inv * inv * dot / static_cast<float>(K);
+      if (live) workspace[t * kStreamInputs<H> + M] = inv * inv * inv * dot / static_cast<float>(K);
     }
   }
   __syncthreads();
@@ -1311,8 +1327,7 @@ void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const _
   if (s.tokens == 0) return;
   const DeviceBuffer<uint32_t> split = split_fn(s, fn_next, stream);
   constexpr int H = 4;
-  // The ring, raw, and the tile's post and comb.
-  const size_t bytes = Tile<H>::kPreOffset + kTileTokens * (H + H * H) * sizeof(float);
+  const size_t bytes = CombineMixTile<H>::kBytes;
   allow_shared_memory(hc_combine_mix_kernel<H>, bytes, "hc_combine_mix_kernel");
   const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
   hc_combine_mix_kernel<H><<<blocks, kThreads, bytes, stream>>>(streams, y, post, comb, out, split.data(),
@@ -1399,12 +1414,20 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
                  d_collapsed, dbase, dscale, workspace, s.tokens, D, rms_eps, hc_eps, iters, threads, vec);
     const auto stream_pass = [&](auto kernel, auto width) {
       constexpr int V = decltype(width)::value;
-      const dim3 grid(static_cast<unsigned>((s.hidden + kStreamColumns<H, V> - 1) / kStreamColumns<H, V>),
-                      static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
-      constexpr size_t bytes = kStreamGradientBytes<H, V>;
+      constexpr size_t bytes = StreamStage<H, V>::kRingBytes;
       allow_shared_memory(kernel, bytes, "hc_stream_gradient_kernel: hc_mult ", H);
+      // One wave: the column blocks times as many runs of tokens as the GPU then holds, each run
+      // whole stages, at least a tile's 64 tokens (fn's loads and the ring's filling a block stay
+      // few; the ring wraps within a run in the tests' small cases too), at most 2^30 (the kernel's
+      // stage offsets stay ints).
+      const int64_t columns = (s.hidden + kStreamColumns<H, V> - 1) / kStreamColumns<H, V>;
+      const int64_t runs = std::max<int64_t>(1, resident_blocks_of(kernel, kThreads, bytes) / columns);
+      const int64_t per_run = std::max<int64_t>(kTileTokens, (s.tokens + runs - 1) / runs);
+      const int64_t run =
+          std::min<int64_t>(per_run + kStreamRows - 1, int64_t{1} << 30) / kStreamRows * kStreamRows;
+      const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>((s.tokens + run - 1) / run));
       kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, comb, dout, dstreams,
-                                                s.tokens, D, vec);
+                                                s.tokens, D, static_cast<int>(run), vec);
     };
     // Two columns a thread where they fit the registers, with H a power of two (at H = 3 the
     // thread's stream and column cost the registers of a spill).
