@@ -7,8 +7,7 @@
 //
 // Use: fork(main); queue each expert's work on stream(lane), lane from assign(); the main stream
 // may queue work of its own meanwhile; join(main) before anything on main reads the lanes' results
-// or frees their buffers. fork(stream(0)) after work on lane 0 (the routing) makes every lane wait
-// for it.
+// or frees their buffers.
 #pragma once
 
 #include <cstdint>

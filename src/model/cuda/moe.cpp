@@ -1,8 +1,7 @@
 // The feed-forward sublayers on the GPU: the dense SwiGLU MLP and the routed experts (router,
-// expert-sorted permutation and gathered rows on the first side stream, one cuBLASLt product per
-// expert over its contiguous rows, the experts spread over side streams (expert_lanes.h), all
-// while the shared expert runs on the main stream; weighted deterministic combine). CPU reference:
-// model/mlp.cpp, model/moe.cpp.
+// expert-sorted permutation, one cuBLASLt product per expert over its contiguous rows, the experts
+// spread over side streams (expert_lanes.h) while the shared expert runs on the main stream,
+// weighted deterministic combine). CPU reference: model/mlp.cpp, model/moe.cpp.
 #include <optional>
 #include <string>
 
@@ -59,9 +58,6 @@ cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
           c.routed_scaling_factor};
 }
 
-// The lane the routing runs on (the first expert lane).
-cudaStream_t routing_lane(Context& ctx) { return ctx.lanes.stream(0); }
-
 // Routing and the expert-sorted rows: what both passes start from. host_offsets and lane: once the
 // caller has them (wait_for_offsets), or at once where a kept routing was taken.
 struct Routing : MoeRouting {
@@ -70,9 +66,9 @@ struct Routing : MoeRouting {
   DeviceBuffer<bf16> rows;  // [assignments, hidden]: the gathered inputs
 };
 
-Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
-              cudaStream_t s) {
+Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
+  const cudaStream_t s = ctx.stream();
   Routing r;
   r.logits = activations_f32(L * E);
   r.weight = activations_f32(n);
@@ -99,8 +95,7 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
 
 // The forward's routing of the same x (moe_backward's `kept`): the rows gathered again, nothing to
 // wait for.
-Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const bf16* x, int64_t L,
-                     cudaStream_t s) {
+Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const bf16* x, int64_t L) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.num_experts_per_tok, n = L * k;
   check(
       kept.weight.size() == static_cast<size_t>(n) && kept.host_offsets.size() == static_cast<size_t>(E + 1),
@@ -110,7 +105,7 @@ Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const
   kept = MoeRouting();
   r.lane = ctx.lanes.assign(r.host_offsets);
   r.rows = activations(n * D);
-  gather_expert_rows(x, r.inverse.data(), L, k, D, r.rows.data(), s);
+  gather_expert_rows(x, r.inverse.data(), L, k, D, r.rows.data(), ctx.stream());
   return r;
 }
 
@@ -155,17 +150,14 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
                  std::vector<int64_t>* load, float* router_logits, MoeRouting* keep) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
-  const cudaStream_t s = ctx.stream(), rs = routing_lane(ctx);
-  // The routing on a lane, beside the shared expert on the main stream (it does not need it); the
-  // other lanes start after the routing. Every buffer the lanes use exists before the shared
-  // expert's are made: the allocator knows no streams, so a block the main stream frees meanwhile
-  // must not reach them.
-  ctx.lanes.fork(s);
-  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", rs);
-  Routing r = route(ctx, c, w, x, L, rs);
-  ctx.lanes.fork(rs);
+  const cudaStream_t s = ctx.stream();
+  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
+  Routing r = route(ctx, c, w, x, L);
+  // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
+  // the main stream frees meanwhile (the shared expert's) must not reach them.
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I), out = activations(n * D),
                      shared = activations(L * D);
+  ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared", s);
   mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());  // while the host waits for the offsets
   // From the shared expert's end to the last lane's: the routed products, and any wait for the host.
@@ -191,20 +183,19 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
                   const bf16* dy, float* dx, MoeWeights& grad, const BalanceLoss* balance, MoeRouting* kept) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
-  const cudaStream_t s = ctx.stream(), rs = routing_lane(ctx);
+  const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(c.swiglu_limit);
   Gemm& gemm = ctx.gemm;
-  // The routing and the rows' gathers on a lane, beside the shared expert's backward on the main
-  // stream; the other lanes start after them. Buffers as in moe_forward.
-  ctx.lanes.fork(s);
-  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", rs);
+  std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
   const bool taken = kept != nullptr && !kept->empty();
-  Routing r = taken ? take_routing(ctx, c, *kept, x, L, rs) : route(ctx, c, w, x, L, rs);
+  Routing r = taken ? take_routing(ctx, c, *kept, x, L) : route(ctx, c, w, x, L);
+  // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
+  // the main stream frees meanwhile (the shared expert's) must not reach them.
   DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),
                      dy_rows = activations(n * D), dhidden = activations(n * I);
   DeviceBuffer<float> dweight = activations_f32(n);
-  gather_expert_rows(dy, r.inverse.data(), L, k, D, dy_rows.data(), rs);
-  ctx.lanes.fork(rs);
+  gather_expert_rows(dy, r.inverse.data(), L, k, D, dy_rows.data(), s);
+  ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
   mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
   part.emplace(ctx.timer, "moe.experts_backward", s);
