@@ -2,8 +2,8 @@
 // per block of 256 threads, H a template parameter:
 //   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
 //      GEMM on the tensor cores: x is bf16 already and fn (fp32) is split into bf16 hi + lo, so
-//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 2-stage cp.async
-//      ring (one loading while one is multiplied), each fn slice read once per tile, not once per
+//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 3-stage cp.async
+//      ring (two loading while one is multiplied), each fn slice read once per tile, not once per
 //      token. hc_coefficients writes the mix out for the site's backward (and for
 //      hc_coefficients_from_mix, where a recomputation kept it), which loads it instead;
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
@@ -50,11 +50,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
 constexpr int kTileTokens = 64;  // tokens per block of the coefficient kernels: 4 MMA rows of 16
-// Mix reduction slice: 32-wide k chunks, alternately for each half of the warps. Two stages of 128
-// (one loading while one is multiplied) leave the backward's Sinkhorn room for all 64 tokens' sums
-// at two blocks per SM; four stages of 64 measured no faster in the forward and left room for 32.
+// Mix reduction slice: 32-wide k chunks, alternately for each half of the warps. Three stages of
+// 128 (two loading while one is multiplied) still fit two blocks per SM at hc_mult 4; with two (one
+// slice a tile in flight) the mix ran well below the DRAM's bandwidth.
 constexpr int kSlice = 128;
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 // Row strides of a staged slice. A quarter warp reads rows g and g + 1 with 16-byte accesses at 16 c
 // (x) or 32 c (fn) bytes: rows 64 mod 128 bytes apart (x) or 4 words mod 32 (fn) hit disjoint banks.
 constexpr int kXStride = kSlice + 32;  // bf16
@@ -101,6 +101,8 @@ struct Tile {
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
+  static_assert(H > 4 || 2 * (kCommonBytes + 1024) <= 228 * 1024,
+                "two blocks an SM (1 KiB reserved a block)");
 };
 
 // What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel and
