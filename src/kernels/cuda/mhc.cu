@@ -9,8 +9,9 @@
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
 //      registers; backward, the same again keeping each pass's line sums in shared memory, then
 //      back through the passes, each pass's input rebuilt from its output and sums;
-//   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
-//      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
+//   3. the collapse (forward), each thread's vectors of x through its own cp.async ring, the first
+//      loading during the Sinkhorn passes (with load_mix's copies, where the mix was kept); backward,
+//      the stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
 //      (hc_stream_gradient_kernel), whose blocks each walk a run of tokens, in one wave.
 // hc_combine and its backward take one warp per token (memory bound); hc_combine_mix, the forward's
 // form at hc_mult 4, combines a 64-token tile slice by slice and multiplies it by the next site's fn
@@ -87,20 +88,31 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
   }
 }
 
-// Shared-memory layout of the coefficient kernels for H streams; kRing: the kernel multiplies the
-// mix itself (the ring first), else it loads a mix kept since.
-template <int H, bool kRing = true>
+// Slots of the forward's collapse ring (see stage_collapse), each a 16-byte vector of every stream a
+// thread: four in flight while one is summed.
+constexpr int kCollapseSlots = 5;
+
+// What comes before raw in a coefficient kernel's shared memory: the mix's ring (the kernel multiplies
+// the mix; the collapse's ring takes its place after the mix), the collapse's ring alone (it loads a
+// mix kept since), or nothing (the backward).
+enum class Ring { kMix, kCollapse, kNone };
+
+// Shared-memory layout of the coefficient kernels for H streams.
+template <int H, Ring kRing = Ring::kMix>
 struct Tile {
   static constexpr int M = (2 + H) * H;   // mix outputs
   static constexpr int NT = (M + 7) / 8;  // MMA column tiles of the mix (fn rows staged: 8 NT)
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
+  static constexpr size_t kCollapseBytes = size_t{kCollapseSlots} * H * kThreads * 16;
   // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
-  static constexpr size_t kRawOffset = kRing ? kStages * kStageBytes : 0;
+  static constexpr size_t kRawOffset =
+      kRing == Ring::kMix ? kStages * kStageBytes : (kRing == Ring::kCollapse ? kCollapseBytes : 0);
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
+  static_assert(kCollapseBytes <= kStages * kStageBytes, "the collapse's ring in the mix's");
   static_assert(H > 4 || 2 * (kCommonBytes + 1024) <= 228 * 1024,
                 "two blocks an SM (1 KiB reserved a block)");
 };
@@ -344,12 +356,30 @@ __device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float
 }
 
 // A tile's mix rows [count, M + 1] (raw, as mix_tile leaves them) from a kept mix [tokens, M + 1]
-// into shared memory, then a barrier.
+// into shared memory by cp.async, as one commit group: all of a thread's loads in flight at once
+// (plain loads went one after the other). The caller waits for the group, then a barrier.
 template <int H>
 __device__ void load_mix(const float* mix, int64_t t0, int count, float* raw) {
   constexpr int W = Tile<H>::M + 1;
-  for (int e = threadIdx.x; e < count * W; e += kThreads) raw[e] = mix[t0 * W + e];
-  __syncthreads();
+  for (int e = threadIdx.x; e < count * W; e += kThreads) copy4(raw + e, mix + t0 * W + e, true);
+  copy_commit();
+}
+
+// Item k of the calling thread in the forward's collapse (vec: D % 8 == 0, 16-byte aligned rows):
+// token e / (D / 8), 8 columns e % (D / 8) 8, e = threadIdx.x + k kThreads; its vector of each of the
+// H streams of x (the tile's rows [count, H D]) into slot k % kCollapseSlots of the thread's own ring,
+// as one commit group (empty past the n = count D / 8 items). The thread reads back only what it
+// copied: no barriers, and the loads are in flight without holding registers.
+template <int H>
+__device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, int n, int k, uint4* ring) {
+  const int e = threadIdx.x + k * kThreads, per_token = D / 8;
+  if (e < n) {
+    const __nv_bfloat16* src = x + static_cast<int64_t>(e / per_token) * H * D + e % per_token * 8;
+    uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;  // [slot, h, thread]
+#pragma unroll
+    for (int h = 0; h < H; ++h) copy16(slot + h * kThreads, src + h * D, true);
+  }
+  copy_commit();
 }
 
 // kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
@@ -360,20 +390,32 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                            float* mix_out, const float* base, const float* scale, float* pre, float* post,
                            float* comb, __nv_bfloat16* collapsed, int64_t tokens, int D, float rms_eps,
                            float hc_eps, int iters, bool vec) {
-  using T = Tile<H, !kFromMix>;
+  using T = Tile<H, kFromMix ? Ring::kCollapse : Ring::kMix>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // the collapse's, once the mix is done with its own
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
+  // The collapse's first items start loading as soon as the ring is free, so that the DRAM is busy
+  // during the Sinkhorn passes too (they need nothing but the mix).
+  const int n = vec ? count * (D / 8) : 0;
+  const auto start_collapse = [&] {
+#pragma unroll
+    for (int k = 0; k < kCollapseSlots - 1; ++k) stage_collapse<H>(x, D, n, k, ring);
+  };
   if constexpr (kFromMix) {
     load_mix<H>(kept_mix, t0, count, raw);
+    start_collapse();
+    copy_wait<kCollapseSlots - 1>();  // the mix has landed (committed before the collapse's items)
+    __syncthreads();
   } else {
     mix_tile<H>(x, count, fn, K, vec, smem);
+    start_collapse();
     if (mix_out != nullptr)
       for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix_out[t0 * (M + 1) + e] = raw[e];
   }
@@ -412,30 +454,22 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   __syncthreads();
   if (vec) {
-    // All loads of kBatch vectors first, then the sums: a thread keeps kBatch H 16-byte loads in
-    // flight (the tile's x is no longer in L2 by now).
-    constexpr int kBatch = H <= 4 ? 2 : 1;
-    const int per_token = D / 8, n = count * per_token;
-    for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * kThreads) {
-      float v[kBatch][H][8];
+    // The thread's items through its ring (stage_collapse), kCollapseSlots - 1 in flight (the tile's
+    // x is no longer in L2 by now).
+    const int per_token = D / 8;
+    for (int k = 0; static_cast<int>(threadIdx.x) + k * kThreads < n; ++k) {
+      copy_wait<kCollapseSlots - 2>();  // item k has landed
+      // Into the slot of item k - 1, whose values this thread has summed and stored already.
+      stage_collapse<H>(x, D, n, k + kCollapseSlots - 1, ring);
+      const int e = threadIdx.x + k * kThreads, tt = e / per_token, d = e % per_token * 8;
+      const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
+      float v[H][8], acc[8];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
-        if (e < n) {
-#pragma unroll
-          for (int h = 0; h < H; ++h) load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, v[b][h]);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
-        if (e < n) {
-          float acc[8];
-          collapse_columns<H, 8>(v[b], pre_s + tt * H, acc);
-          store<8>(collapsed + (t0 + tt) * D + d, acc);
-        }
-      }
+      for (int h = 0; h < H; ++h) load<8>(reinterpret_cast<const __nv_bfloat16*>(slot + h * kThreads), v[h]);
+      collapse_columns<H, 8>(v, pre_s + tt * H, acc);
+      store<8>(collapsed + (t0 + tt) * D + d, acc);
     }
+    copy_wait<0>();  // only empty groups are left
     return;
   }
   for (int e = threadIdx.x; e < count * D; e += kThreads) {
@@ -915,7 +949,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
                                     float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
                                     float hc_eps, int iters, int sinkhorn_threads, bool vec) {
-  using T = Tile<H, false>;
+  using T = Tile<H, Ring::kNone>;
   constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
@@ -932,6 +966,8 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
   load_mix<H>(mix, t0, count, raw);
+  copy_wait<0>();
+  __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int tt = warp; tt < count; tt += kWarps) {
@@ -1276,7 +1312,7 @@ void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, co
     if (fn != nullptr)
       launch(hc_coefficients_kernel<H, false>, Tile<H>::kCommonBytes);
     else
-      launch(hc_coefficients_kernel<H, true>, Tile<H, false>::kCommonBytes);
+      launch(hc_coefficients_kernel<H, true>, Tile<H, Ring::kCollapse>::kCommonBytes);
   })
 }
 
@@ -1403,7 +1439,8 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
     // 4 and 20 iterations: 64 threads, 49 KB).
-    const size_t fixed = Tile<H, false>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
+    const size_t fixed =
+        Tile<H, Ring::kNone>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
     int threads = kTileTokens;
