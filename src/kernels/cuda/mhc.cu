@@ -357,11 +357,12 @@ __device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float
 
 // A tile's mix rows [count, M + 1] (raw, as mix_tile leaves them) from a kept mix [tokens, M + 1]
 // into shared memory by cp.async, as one commit group: all of a thread's loads in flight at once
-// (plain loads went one after the other). The caller waits for the group, then a barrier.
+// (plain loads went one after the other). Threads 0 .. threads - 1 call it; they wait for the group,
+// then a barrier.
 template <int H>
-__device__ void load_mix(const float* mix, int64_t t0, int count, float* raw) {
+__device__ void load_mix(const float* mix, int64_t t0, int count, float* raw, int threads = kThreads) {
   constexpr int W = Tile<H>::M + 1;
-  for (int e = threadIdx.x; e < count * W; e += kThreads) copy4(raw + e, mix + t0 * W + e, true);
+  for (int e = threadIdx.x; e < count * W; e += threads) copy4(raw + e, mix + t0 * W + e, true);
   copy_commit();
 }
 
@@ -942,6 +943,9 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
 // the collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv, corr =
 // inv^3 (dm . raw) / (H D) and pre in the workspace (kStreamInputs) for hc_dfn_kernel and
 // hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse paths.
+// The Sinkhorn warps take the comb's and post's gradients (all but dpre's part) while the other warps
+// stream the dots, which all warps then finish, claiming tokens one at a time: the DRAM keeps working
+// during the Sinkhorn passes (one wave of tiles: they ran between the dots and the DRAM idled).
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* mix, const float* base,
@@ -952,12 +956,14 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   using T = Tile<H, Ring::kNone>;
   constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
+  __shared__ int next_token;  // the dots' next token to claim
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
   float* dbase_s = dpre_s + kTileTokens * H;                         // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
-  float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
+  float* g_s = dscale_s + 3;               // [64, M]: the Sinkhorn's gradients of the mix's outputs H ..
+  float* scratch = g_s + kTileTokens * M;  // per Sinkhorn thread
   __nv_bfloat16* w_hi_t = split_w_transposed<H>(workspace, tokens);
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
@@ -965,12 +971,71 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
-  load_mix<H>(mix, t0, count, raw);
-  copy_wait<0>();
+  const bool sinkhorn = static_cast<int>(threadIdx.x) < sinkhorn_threads;  // whole warps
+  // Only the Sinkhorn warps read the mix: they copy it, then wait for one another alone.
+  if (sinkhorn) load_mix<H>(mix, t0, count, raw, sinkhorn_threads);
+  if (threadIdx.x == 0) next_token = 0;
+  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;  // and dscale_s
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int tt = warp; tt < count; tt += kWarps) {
+  if (sinkhorn) {
+    copy_wait<0>();
+    asm volatile("bar.sync 1, %0;\n" ::"r"(sinkhorn_threads) : "memory");  // everyone's mix rows are in
+    // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
+    // normalize_lines), in rounds of sinkhorn_threads tokens; each pass's line sums + eps in scratch,
+    // an odd stride between threads keeping their stores in distinct banks.
+    float* sums = scratch + threadIdx.x * (passes * H + 1);
+    for (int round = 0; round < count; round += sinkhorn_threads) {
+      const int tt = round + static_cast<int>(threadIdx.x);
+      if (tt >= count) break;
+      const int64_t t = t0 + tt;
+      const float* r = raw + tt * (M + 1);
+      const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
+      // Forward again: the comb softmax p, then the passes, keeping their sums.
+      float p[H][H], c[H][H], dc[H][H];
+      comb_softmax<H>(r, inv, scale[2], base, p);
+#pragma unroll
+      for (int i = 0; i < H; ++i)
+#pragma unroll
+        for (int j = 0; j < H; ++j) {
+          c[i][j] = p[i][j] + hc_eps;
+          dc[i][j] = d_comb[t * HH + i * H + j];
+        }
+      normalize_lines<H, true>(c, hc_eps, sums);
+      for (int it = 1; it < iters; ++it) {
+        normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
+        normalize_lines<H, true>(c, hc_eps, sums + 2 * it * H);
+      }
+      // Back through the passes, rebuilding each pass's input from its output.
+      for (int it = iters - 1; it >= 1; --it) {
+        normalize_lines_backward<H, true>(c, dc, sums + 2 * it * H);
+        normalize_lines_backward<H, false>(c, dc, sums + (2 * it - 1) * H);
+      }
+      normalize_lines_backward<H, true>(c, dc, sums);
+      // dc is now the gradient of p + eps: back through the row softmax, and post's part.
+      float* g = g_s + tt * M;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < H; ++j) dot = fmaf(p[i][j], dc[i][j], dot);
+#pragma unroll
+        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i][j] * (dc[i][j] - dot);
+      }
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
+        g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
+      }
+    }
+  }
+
+  const int lane = threadIdx.x % 32;
+  for (;;) {
+    int tt = 0;
+    if (lane == 0) tt = atomicAdd(&next_token, 1);
+    tt = __shfl_sync(0xffffffffu, tt, 0);
+    if (tt >= count) break;
     float v[H];
 #pragma unroll
     for (int h = 0; h < H; ++h) v[h] = 0.0f;
@@ -1000,60 +1065,26 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       if (lane == 0) dpre_s[tt * H + h] = s + (d_pre != nullptr ? d_pre[(t0 + tt) * H + h] : 0.0f);
     }
   }
-  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;  // and dscale_s
   __syncthreads();
 
-  // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
-  // normalize_lines), in rounds of sinkhorn_threads tokens (a multiple of 32: whole warps, for the
-  // warp sums below).
-  if (static_cast<int>(threadIdx.x) < sinkhorn_threads) {
-    // Each pass's line sums + eps; an odd stride between threads keeps their stores in distinct banks.
-    float* sums = scratch + threadIdx.x * (passes * H + 1);
+  // pre's part from the dots, then every output's gradient back to dm, in rounds as above (whole
+  // warps, for the warp sums; absent tokens add zeros).
+  if (sinkhorn) {
     for (int round = 0; round < count; round += sinkhorn_threads) {
       const int tt = round + static_cast<int>(threadIdx.x);
       const bool live = tt < count;
       const int64_t t = t0 + (live ? tt : 0);
       const float* r = raw + (live ? tt : 0) * (M + 1);
       const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
-      // Forward again: the comb softmax p, then the passes, keeping their sums.
-      float p[H][H], c[H][H], dc[H][H];
-      comb_softmax<H>(r, inv, scale[2], base, p);
-#pragma unroll
-      for (int i = 0; i < H; ++i)
-#pragma unroll
-        for (int j = 0; j < H; ++j) {
-          c[i][j] = p[i][j] + hc_eps;
-          dc[i][j] = live ? d_comb[t * HH + i * H + j] : 0.0f;
-        }
-      normalize_lines<H, true>(c, hc_eps, sums);
-      for (int it = 1; it < iters; ++it) {
-        normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
-        normalize_lines<H, true>(c, hc_eps, sums + 2 * it * H);
-      }
-      // Back through the passes, rebuilding each pass's input from its output.
-      for (int it = iters - 1; it >= 1; --it) {
-        normalize_lines_backward<H, true>(c, dc, sums + 2 * it * H);
-        normalize_lines_backward<H, false>(c, dc, sums + (2 * it - 1) * H);
-      }
-      normalize_lines_backward<H, true>(c, dc, sums);
-      // dc is now the gradient of p + eps: back through the row softmax, pre and post.
       float g[M];
-#pragma unroll
-      for (int i = 0; i < H; ++i) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < H; ++j) dot = fmaf(p[i][j], dc[i][j], dot);
-#pragma unroll
-        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i][j] * (dc[i][j] - dot);
-      }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const float sp = sigmoid(r[h] * inv * scale[0] + base[h]);
         g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
-        const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
-        g[H + h] = live ? d_post[t * H + h] * 2.0f * so * (1.0f - so) : 0.0f;
         if (live) workspace[t * kStreamInputs<H> + M + 1 + h] = sp + hc_eps;
       }
+#pragma unroll
+      for (int o = H; o < M; ++o) g[o] = live ? g_s[tt * M + o] : 0.0f;
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
       float ds[3] = {};  // dscale's three parts
 #pragma unroll
@@ -1068,13 +1099,13 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
           w_hi_t[o * tokens + t] = split.hi;
           w_hi_t[(M + o) * tokens + t] = split.lo;
         }
-        const float sum = warp_sum(g[o]);  // absent tokens add zero
-        if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);
+        const float sum = warp_sum(g[o]);
+        if (lane == 0) atomicAdd(dbase_s + o, sum);
       }
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         const float sum = warp_sum(ds[k]);
-        if (threadIdx.x % 32 == 0) atomicAdd(dscale_s + k, sum);
+        if (lane == 0) atomicAdd(dscale_s + k, sum);
       }
       if (live) workspace[t * kStreamInputs<H> + M] = inv * inv * inv * dot / static_cast<float>(K);
     }
@@ -1438,9 +1469,9 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   SPINDLE_HC_DISPATCH({
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
-    // 4 and 20 iterations: 64 threads, 49 KB).
-    const size_t fixed =
-        Tile<H, Ring::kNone>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
+    // 4 and 20 iterations: 64 threads, 55 KB).
+    const size_t fixed = Tile<H, Ring::kNone>::kCommonBytes +
+                         (kTileTokens * H + Tile<H>::M + 3 + kTileTokens * Tile<H>::M) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
     int threads = kTileTokens;
