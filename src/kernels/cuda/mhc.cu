@@ -2,15 +2,16 @@
 // per block of 256 threads, H a template parameter:
 //   1. the mix raw = x [tokens, H D] fn^T [H D, (2 + H) H] and each token's sum of squares, a thin
 //      GEMM on the tensor cores: x is bf16 already and fn (fp32) is split into bf16 hi + lo, so
-//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 2-stage cp.async
-//      ring (one loading while one is multiplied), each fn slice read once per tile, not once per
+//      that x hi + x lo keeps fp32 accuracy; slices of x and fn stream through a 3-stage cp.async
+//      ring (two loading while one is multiplied), each fn slice read once per tile, not once per
 //      token. hc_coefficients writes the mix out for the site's backward (and for
 //      hc_coefficients_from_mix, where a recomputation kept it), which loads it instead;
 //   2. the tiny per-token work: the softmax and the 2 iters - 1 Sinkhorn passes in one thread's
 //      registers; backward, the same again keeping each pass's line sums in shared memory, then
 //      back through the passes, each pass's input rebuilt from its output and sums;
-//   3. the collapse (forward), with several tokens' loads in flight per thread; backward, the
-//      stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
+//   3. the collapse (forward), each thread's vectors of x through its own cp.async ring, the first
+//      loading during the Sinkhorn passes (with load_mix's copies, where the mix was kept); backward,
+//      the stream gradient dstreams += dm fn with the RMS and collapse paths is a kernel of its own
 //      (hc_stream_gradient_kernel), whose blocks each walk a run of tokens, in one wave.
 // hc_combine and its backward take one warp per token (memory bound); hc_combine_mix, the forward's
 // form at hc_mult 4, combines a 64-token tile slice by slice and multiplies it by the next site's fn
@@ -50,11 +51,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
 constexpr int kTileTokens = 64;  // tokens per block of the coefficient kernels: 4 MMA rows of 16
-// Mix reduction slice: 32-wide k chunks, alternately for each half of the warps. Two stages of 128
-// (one loading while one is multiplied) leave the backward's Sinkhorn room for all 64 tokens' sums
-// at two blocks per SM; four stages of 64 measured no faster in the forward and left room for 32.
+// Mix reduction slice: 32-wide k chunks, alternately for each half of the warps. Three stages of
+// 128 (two loading while one is multiplied) still fit two blocks per SM at hc_mult 4; with two (one
+// slice a tile in flight) the mix ran well below the DRAM's bandwidth.
 constexpr int kSlice = 128;
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 // Row strides of a staged slice. A quarter warp reads rows g and g + 1 with 16-byte accesses at 16 c
 // (x) or 32 c (fn) bytes: rows 64 mod 128 bytes apart (x) or 4 words mod 32 (fn) hit disjoint banks.
 constexpr int kXStride = kSlice + 32;  // bf16
@@ -87,20 +88,33 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
   }
 }
 
-// Shared-memory layout of the coefficient kernels for H streams; kRing: the kernel multiplies the
-// mix itself (the ring first), else it loads a mix kept since.
-template <int H, bool kRing = true>
+// Slots of the forward's collapse ring (see stage_collapse), each a 16-byte vector of every stream a
+// thread: four in flight while one is summed.
+constexpr int kCollapseSlots = 5;
+
+// What comes before raw in a coefficient kernel's shared memory: the mix's ring (the kernel multiplies
+// the mix; the collapse's ring takes its place after the mix), the collapse's ring alone (it loads a
+// mix kept since), or nothing (the backward).
+enum class Ring { kMix, kCollapse, kNone };
+
+// Shared-memory layout of the coefficient kernels for H streams.
+template <int H, Ring kRing = Ring::kMix>
 struct Tile {
   static constexpr int M = (2 + H) * H;   // mix outputs
   static constexpr int NT = (M + 7) / 8;  // MMA column tiles of the mix (fn rows staged: 8 NT)
   static constexpr int HH = H * H;
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
+  static constexpr size_t kCollapseBytes = size_t{kCollapseSlots} * H * kThreads * 16;
   // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
-  static constexpr size_t kRawOffset = kRing ? kStages * kStageBytes : 0;
+  static constexpr size_t kRawOffset =
+      kRing == Ring::kMix ? kStages * kStageBytes : (kRing == Ring::kCollapse ? kCollapseBytes : 0);
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
   static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
+  static_assert(kCollapseBytes <= kStages * kStageBytes, "the collapse's ring in the mix's");
+  static_assert(H > 4 || 2 * (kCommonBytes + 1024) <= 228 * 1024,
+                "two blocks an SM (1 KiB reserved a block)");
 };
 
 // What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel and
@@ -342,12 +356,31 @@ __device__ __forceinline__ void normalize_lines_backward(float (&c)[H][H], float
 }
 
 // A tile's mix rows [count, M + 1] (raw, as mix_tile leaves them) from a kept mix [tokens, M + 1]
-// into shared memory, then a barrier.
+// into shared memory by cp.async, as one commit group: all of a thread's loads in flight at once
+// (plain loads went one after the other). Threads 0 .. threads - 1 call it; they wait for the group,
+// then a barrier.
 template <int H>
-__device__ void load_mix(const float* mix, int64_t t0, int count, float* raw) {
+__device__ void load_mix(const float* mix, int64_t t0, int count, float* raw, int threads = kThreads) {
   constexpr int W = Tile<H>::M + 1;
-  for (int e = threadIdx.x; e < count * W; e += kThreads) raw[e] = mix[t0 * W + e];
-  __syncthreads();
+  for (int e = threadIdx.x; e < count * W; e += threads) copy4(raw + e, mix + t0 * W + e, true);
+  copy_commit();
+}
+
+// Item k of the calling thread in the forward's collapse (vec: D % 8 == 0, 16-byte aligned rows):
+// token e / (D / 8), 8 columns e % (D / 8) 8, e = threadIdx.x + k kThreads; its vector of each of the
+// H streams of x (the tile's rows [count, H D]) into slot k % kCollapseSlots of the thread's own ring,
+// as one commit group (empty past the n = count D / 8 items). The thread reads back only what it
+// copied: no barriers, and the loads are in flight without holding registers.
+template <int H>
+__device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, int n, int k, uint4* ring) {
+  const int e = threadIdx.x + k * kThreads, per_token = D / 8;
+  if (e < n) {
+    const __nv_bfloat16* src = x + static_cast<int64_t>(e / per_token) * H * D + e % per_token * 8;
+    uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;  // [slot, h, thread]
+#pragma unroll
+    for (int h = 0; h < H; ++h) copy16(slot + h * kThreads, src + h * D, true);
+  }
+  copy_commit();
 }
 
 // kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
@@ -358,20 +391,32 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                            float* mix_out, const float* base, const float* scale, float* pre, float* post,
                            float* comb, __nv_bfloat16* collapsed, int64_t tokens, int D, float rms_eps,
                            float hc_eps, int iters, bool vec) {
-  using T = Tile<H, !kFromMix>;
+  using T = Tile<H, kFromMix ? Ring::kCollapse : Ring::kMix>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // the collapse's, once the mix is done with its own
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* pre_s = reinterpret_cast<float*>(smem + T::kPreOffset);
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
   const int count = static_cast<int>(tokens - t0 < kTileTokens ? tokens - t0 : kTileTokens);
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
+  // The collapse's first items start loading as soon as the ring is free, so that the DRAM is busy
+  // during the Sinkhorn passes too (they need nothing but the mix).
+  const int n = vec ? count * (D / 8) : 0;
+  const auto start_collapse = [&] {
+#pragma unroll
+    for (int k = 0; k < kCollapseSlots - 1; ++k) stage_collapse<H>(x, D, n, k, ring);
+  };
   if constexpr (kFromMix) {
     load_mix<H>(kept_mix, t0, count, raw);
+    start_collapse();
+    copy_wait<kCollapseSlots - 1>();  // the mix has landed (committed before the collapse's items)
+    __syncthreads();
   } else {
     mix_tile<H>(x, count, fn, K, vec, smem);
+    start_collapse();
     if (mix_out != nullptr)
       for (int e = threadIdx.x; e < count * (M + 1); e += kThreads) mix_out[t0 * (M + 1) + e] = raw[e];
   }
@@ -410,30 +455,22 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   }
   __syncthreads();
   if (vec) {
-    // All loads of kBatch vectors first, then the sums: a thread keeps kBatch H 16-byte loads in
-    // flight (the tile's x is no longer in L2 by now).
-    constexpr int kBatch = H <= 4 ? 2 : 1;
-    const int per_token = D / 8, n = count * per_token;
-    for (int e0 = threadIdx.x; e0 < n; e0 += kBatch * kThreads) {
-      float v[kBatch][H][8];
+    // The thread's items through its ring (stage_collapse), kCollapseSlots - 1 in flight (the tile's
+    // x is no longer in L2 by now).
+    const int per_token = D / 8;
+    for (int k = 0; static_cast<int>(threadIdx.x) + k * kThreads < n; ++k) {
+      copy_wait<kCollapseSlots - 2>();  // item k has landed
+      // Into the slot of item k - 1, whose values this thread has summed and stored already.
+      stage_collapse<H>(x, D, n, k + kCollapseSlots - 1, ring);
+      const int e = threadIdx.x + k * kThreads, tt = e / per_token, d = e % per_token * 8;
+      const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
+      float v[H][8], acc[8];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
-        if (e < n) {
-#pragma unroll
-          for (int h = 0; h < H; ++h) load<8>(x + static_cast<int64_t>(tt) * K + h * D + d, v[b][h]);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int e = e0 + b * kThreads, tt = e / per_token, d = e % per_token * 8;
-        if (e < n) {
-          float acc[8];
-          collapse_columns<H, 8>(v[b], pre_s + tt * H, acc);
-          store<8>(collapsed + (t0 + tt) * D + d, acc);
-        }
-      }
+      for (int h = 0; h < H; ++h) load<8>(reinterpret_cast<const __nv_bfloat16*>(slot + h * kThreads), v[h]);
+      collapse_columns<H, 8>(v, pre_s + tt * H, acc);
+      store<8>(collapsed + (t0 + tt) * D + d, acc);
     }
+    copy_wait<0>();  // only empty groups are left
     return;
   }
   for (int e = threadIdx.x; e < count * D; e += kThreads) {
@@ -906,6 +943,9 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
 // the collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv, corr =
 // inv^3 (dm . raw) / (H D) and pre in the workspace (kStreamInputs) for hc_dfn_kernel and
 // hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse paths.
+// The Sinkhorn warps take the comb's and post's gradients (all but dpre's part) while the other warps
+// stream the dots, which all warps then finish, claiming tokens one at a time: the DRAM keeps working
+// during the Sinkhorn passes (one wave of tiles: they ran between the dots and the DRAM idled).
 template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_backward_kernel(const __nv_bfloat16* streams, const float* mix, const float* base,
@@ -913,15 +953,17 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
                                     float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
                                     float hc_eps, int iters, int sinkhorn_threads, bool vec) {
-  using T = Tile<H, false>;
+  using T = Tile<H, Ring::kNone>;
   constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
+  __shared__ int next_token;  // the dots' next token to claim
   unsigned char* smem = reinterpret_cast<unsigned char*>(shared_words);
   float* raw = reinterpret_cast<float*>(smem + T::kRawOffset);
   float* dpre_s = reinterpret_cast<float*>(smem + T::kCommonBytes);  // [64, H]
   float* dbase_s = dpre_s + kTileTokens * H;                         // [M]
   float* dscale_s = dbase_s + M;                                     // [3]
-  float* scratch = dscale_s + 3;                                     // per Sinkhorn thread
+  float* g_s = dscale_s + 3;               // [64, M]: the Sinkhorn's gradients of the mix's outputs H ..
+  float* scratch = g_s + kTileTokens * M;  // per Sinkhorn thread
   __nv_bfloat16* w_hi_t = split_w_transposed<H>(workspace, tokens);
   const int passes = 2 * iters - 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
@@ -929,10 +971,71 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int K = H * D;
   const __nv_bfloat16* x = streams + t0 * K;
   const __nv_bfloat16* dcol = d_collapsed + t0 * D;
-  load_mix<H>(mix, t0, count, raw);
+  const bool sinkhorn = static_cast<int>(threadIdx.x) < sinkhorn_threads;  // whole warps
+  // Only the Sinkhorn warps read the mix: they copy it, then wait for one another alone.
+  if (sinkhorn) load_mix<H>(mix, t0, count, raw, sinkhorn_threads);
+  if (threadIdx.x == 0) next_token = 0;
+  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;  // and dscale_s
+  __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int tt = warp; tt < count; tt += kWarps) {
+  if (sinkhorn) {
+    copy_wait<0>();
+    asm volatile("bar.sync 1, %0;\n" ::"r"(sinkhorn_threads) : "memory");  // everyone's mix rows are in
+    // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
+    // normalize_lines), in rounds of sinkhorn_threads tokens; each pass's line sums + eps in scratch,
+    // an odd stride between threads keeping their stores in distinct banks.
+    float* sums = scratch + threadIdx.x * (passes * H + 1);
+    for (int round = 0; round < count; round += sinkhorn_threads) {
+      const int tt = round + static_cast<int>(threadIdx.x);
+      if (tt >= count) break;
+      const int64_t t = t0 + tt;
+      const float* r = raw + tt * (M + 1);
+      const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
+      // Forward again: the comb softmax p, then the passes, keeping their sums.
+      float p[H][H], c[H][H], dc[H][H];
+      comb_softmax<H>(r, inv, scale[2], base, p);
+#pragma unroll
+      for (int i = 0; i < H; ++i)
+#pragma unroll
+        for (int j = 0; j < H; ++j) {
+          c[i][j] = p[i][j] + hc_eps;
+          dc[i][j] = d_comb[t * HH + i * H + j];
+        }
+      normalize_lines<H, true>(c, hc_eps, sums);
+      for (int it = 1; it < iters; ++it) {
+        normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
+        normalize_lines<H, true>(c, hc_eps, sums + 2 * it * H);
+      }
+      // Back through the passes, rebuilding each pass's input from its output.
+      for (int it = iters - 1; it >= 1; --it) {
+        normalize_lines_backward<H, true>(c, dc, sums + 2 * it * H);
+        normalize_lines_backward<H, false>(c, dc, sums + (2 * it - 1) * H);
+      }
+      normalize_lines_backward<H, true>(c, dc, sums);
+      // dc is now the gradient of p + eps: back through the row softmax, and post's part.
+      float* g = g_s + tt * M;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < H; ++j) dot = fmaf(p[i][j], dc[i][j], dot);
+#pragma unroll
+        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i][j] * (dc[i][j] - dot);
+      }
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
+        g[H + h] = d_post[t * H + h] * 2.0f * so * (1.0f - so);
+      }
+    }
+  }
+
+  const int lane = threadIdx.x % 32;
+  for (;;) {
+    int tt = 0;
+    if (lane == 0) tt = atomicAdd(&next_token, 1);
+    tt = __shfl_sync(0xffffffffu, tt, 0);
+    if (tt >= count) break;
     float v[H];
 #pragma unroll
     for (int h = 0; h < H; ++h) v[h] = 0.0f;
@@ -962,60 +1065,26 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       if (lane == 0) dpre_s[tt * H + h] = s + (d_pre != nullptr ? d_pre[(t0 + tt) * H + h] : 0.0f);
     }
   }
-  for (int o = threadIdx.x; o < M + 3; o += kThreads) dbase_s[o] = 0.0f;  // and dscale_s
   __syncthreads();
 
-  // The Sinkhorn backward, one token per thread with its matrices in registers (the forward's
-  // normalize_lines), in rounds of sinkhorn_threads tokens (a multiple of 32: whole warps, for the
-  // warp sums below).
-  if (static_cast<int>(threadIdx.x) < sinkhorn_threads) {
-    // Each pass's line sums + eps; an odd stride between threads keeps their stores in distinct banks.
-    float* sums = scratch + threadIdx.x * (passes * H + 1);
+  // pre's part from the dots, then every output's gradient back to dm, in rounds as above (whole
+  // warps, for the warp sums; absent tokens add zeros).
+  if (sinkhorn) {
     for (int round = 0; round < count; round += sinkhorn_threads) {
       const int tt = round + static_cast<int>(threadIdx.x);
       const bool live = tt < count;
       const int64_t t = t0 + (live ? tt : 0);
       const float* r = raw + (live ? tt : 0) * (M + 1);
       const float inv = rsqrtf(r[M] / static_cast<float>(K) + rms_eps);
-      // Forward again: the comb softmax p, then the passes, keeping their sums.
-      float p[H][H], c[H][H], dc[H][H];
-      comb_softmax<H>(r, inv, scale[2], base, p);
-#pragma unroll
-      for (int i = 0; i < H; ++i)
-#pragma unroll
-        for (int j = 0; j < H; ++j) {
-          c[i][j] = p[i][j] + hc_eps;
-          dc[i][j] = live ? d_comb[t * HH + i * H + j] : 0.0f;
-        }
-      normalize_lines<H, true>(c, hc_eps, sums);
-      for (int it = 1; it < iters; ++it) {
-        normalize_lines<H, false>(c, hc_eps, sums + (2 * it - 1) * H);
-        normalize_lines<H, true>(c, hc_eps, sums + 2 * it * H);
-      }
-      // Back through the passes, rebuilding each pass's input from its output.
-      for (int it = iters - 1; it >= 1; --it) {
-        normalize_lines_backward<H, true>(c, dc, sums + 2 * it * H);
-        normalize_lines_backward<H, false>(c, dc, sums + (2 * it - 1) * H);
-      }
-      normalize_lines_backward<H, true>(c, dc, sums);
-      // dc is now the gradient of p + eps: back through the row softmax, pre and post.
       float g[M];
-#pragma unroll
-      for (int i = 0; i < H; ++i) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < H; ++j) dot = fmaf(p[i][j], dc[i][j], dot);
-#pragma unroll
-        for (int j = 0; j < H; ++j) g[2 * H + i * H + j] = p[i][j] * (dc[i][j] - dot);
-      }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const float sp = sigmoid(r[h] * inv * scale[0] + base[h]);
         g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
-        const float so = sigmoid(r[H + h] * inv * scale[1] + base[H + h]);
-        g[H + h] = live ? d_post[t * H + h] * 2.0f * so * (1.0f - so) : 0.0f;
         if (live) workspace[t * kStreamInputs<H> + M + 1 + h] = sp + hc_eps;
       }
+#pragma unroll
+      for (int o = H; o < M; ++o) g[o] = live ? g_s[tt * M + o] : 0.0f;
       float dot = 0.0f;  // dm . raw, for the RMS factor's gradient
       float ds[3] = {};  // dscale's three parts
 #pragma unroll
@@ -1030,13 +1099,13 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
           w_hi_t[o * tokens + t] = split.hi;
           w_hi_t[(M + o) * tokens + t] = split.lo;
         }
-        const float sum = warp_sum(g[o]);  // absent tokens add zero
-        if (threadIdx.x % 32 == 0) atomicAdd(dbase_s + o, sum);
+        const float sum = warp_sum(g[o]);
+        if (lane == 0) atomicAdd(dbase_s + o, sum);
       }
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         const float sum = warp_sum(ds[k]);
-        if (threadIdx.x % 32 == 0) atomicAdd(dscale_s + k, sum);
+        if (lane == 0) atomicAdd(dscale_s + k, sum);
       }
       if (live) workspace[t * kStreamInputs<H> + M] = inv * inv * inv * dot / static_cast<float>(K);
     }
@@ -1274,7 +1343,7 @@ void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, co
     if (fn != nullptr)
       launch(hc_coefficients_kernel<H, false>, Tile<H>::kCommonBytes);
     else
-      launch(hc_coefficients_kernel<H, true>, Tile<H, false>::kCommonBytes);
+      launch(hc_coefficients_kernel<H, true>, Tile<H, Ring::kCollapse>::kCommonBytes);
   })
 }
 
@@ -1400,8 +1469,9 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
   SPINDLE_HC_DISPATCH({
     // Threads that run the Sinkhorn backward at once, one token each: whole warps, up to the tile's
     // tokens, as many as their passes' sums fit in shared memory with two blocks per SM (at hc_mult
-    // 4 and 20 iterations: 64 threads, 49 KB).
-    const size_t fixed = Tile<H, false>::kCommonBytes + (kTileTokens * H + Tile<H>::M + 3) * sizeof(float);
+    // 4 and 20 iterations: 64 threads, 55 KB).
+    const size_t fixed = Tile<H, Ring::kNone>::kCommonBytes +
+                         (kTileTokens * H + Tile<H>::M + 3 + kTileTokens * Tile<H>::M) * sizeof(float);
     const size_t per_thread = static_cast<size_t>(passes * H + 1) * sizeof(float);
     const size_t budget = kMaxDynamicShared / (H <= 4 ? 2 : 1);
     int threads = kTileTokens;
