@@ -332,21 +332,26 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
   // Tinv = M^-1, M = I + diag(beta) A, by blocks: from M T = I, T_ab = -T_aa sum_{b<=c<a} M_ac T_cb
   // for b < a, with M_ac = diag(beta_a) A_ac. First the diagonal blocks T_aa = M_aa^-1 by forward
   // substitution, column s by four lanes of one warp ((I + diag(beta) A) x = e_s within the block:
-  // x_t = -beta_t sum_{r<t} A[t][r] x_r), rows following each other with only a warp barrier; a
-  // warp's 8 columns share a block.
+  // x_t = -beta_t sum_{r<t} A[t][r] x_r); a warp's 8 columns share a block. Lane sub sums the rows
+  // r = r0 + sub + 4 j and keeps their x_r in registers (every lane has each x_t after the
+  // shuffles): the 16 dependent steps wait on no shared memory, and all of A's loads are
+  // independent of them.
   if (tid < 4 * C) {
     const int s = tid / 4, sub = tid % 4, r0 = s / B * B;
-    for (int t = r0; t < r0 + B; ++t) {
+    float xr[B / 4] = {};
+#pragma unroll
+    for (int dt = 0; dt < B; ++dt) {
+      const int t = r0 + dt;
       float acc = 0.0f;
-      for (int r = r0 + sub; r < t; r += 4) acc = fmaf(m.As[t * AS + r], m.Ts[r * T + s], acc);
+#pragma unroll
+      for (int j = 0; 4 * j < dt; ++j)
+        if (4 * j + sub < dt) acc = fmaf(m.As[t * AS + r0 + sub + 4 * j], xr[j], acc);
       acc += __shfl_xor_sync(0xffffffffu, acc, 1);
       acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-      if (sub == 0) {
-        float x = 0.0f;
-        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -m.bt[t] * acc : 0.0f);
-        m.Ts[t * T + s] = x;
-      }
-      __syncwarp();
+      float x = 0.0f;
+      if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -m.bt[t] * acc : 0.0f);
+      if (sub == dt % 4) xr[dt / 4] = x;
+      if (sub == 0) m.Ts[t * T + s] = x;
     }
   }
   __syncthreads();
