@@ -355,28 +355,60 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
     }
   }
   __syncthreads();
-  // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower).
-  for (int idx = tid; idx < Tiles::kNFloats; idx += blockDim.x) {
-    const int p = idx / (B * B), x = idx / B % B, y = idx % B;
+  // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower). Here and in
+  // the levels below a thread takes four adjacent columns y0 .. y0 + 3 of one row x: float4 shared
+  // loads (every row and column offset a multiple of 4), each row of the right operand read once
+  // for four fmaf chains, each chain what it was with one element a thread.
+  static_assert(T % 4 == 0 && AS % 4 == 0 && B % 4 == 0, "float4 rows");
+  const auto load4 = [](const float* p, float(&v)[4]) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  };
+  for (int quad = tid; quad < Tiles::kNFloats / 4; quad += blockDim.x) {
+    const int p = quad / (B * B / 4), x = quad / (B / 4) % B, y0 = 4 * (quad % (B / 4));
     int a, c;
     offdiag_block_index(p, a, c);
-    float acc = 0.0f;
-    for (int z = 0; z <= x; ++z)
-      acc =
-          fmaf(m.Ts[(B * a + x) * T + B * a + z] * m.bt[B * a + z], m.As[(B * a + z) * AS + B * c + y], acc);
-    m.ns[idx] = acc;
+    float acc[4] = {};
+    for (int z0 = 0; z0 <= x; z0 += 4) {
+      float tz[4], bz[4];
+      load4(m.Ts + (B * a + x) * T + B * a + z0, tz);
+      load4(m.bt + B * a + z0, bz);
+#pragma unroll
+      for (int zz = 0; zz < 4; ++zz) {
+        if (z0 + zz > x) break;
+        const float w = tz[zz] * bz[zz];
+        float av[4];
+        load4(m.As + (B * a + z0 + zz) * AS + B * c + y0, av);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = fmaf(w, av[e], acc[e]);
+      }
+    }
+    *reinterpret_cast<float4*>(m.ns + 4 * quad) = make_float4(acc[0], acc[1], acc[2], acc[3]);
   }
   __syncthreads();
   // T_ab = -sum_{b<=c<a} N_ac T_cb, by distance a - b: each level reads blocks of the levels before.
   for (int d = 1; d < Tiles::kSubs; ++d) {
-    for (int idx = tid; idx < (Tiles::kSubs - d) * B * B; idx += blockDim.x) {
-      const int b = idx / (B * B), a = b + d, x = idx / B % B, y = idx % B;
-      float acc = 0.0f;
+    for (int quad = tid; quad < (Tiles::kSubs - d) * B * B / 4; quad += blockDim.x) {
+      const int b = quad / (B * B / 4), a = b + d, x = quad / (B / 4) % B, y0 = 4 * (quad % (B / 4));
+      float acc[4] = {};
       for (int c = b; c < a; ++c) {
         const float* N = m.ns + (a * (a - 1) / 2 + c) * B * B + x * B;
-        for (int z = 0; z < B; ++z) acc = fmaf(N[z], m.Ts[(B * c + z) * T + B * b + y], acc);
+        const float* Tc = m.Ts + B * c * T + B * b + y0;
+#pragma unroll
+        for (int z0 = 0; z0 < B; z0 += 4) {
+          float nz[4];
+          load4(N + z0, nz);
+#pragma unroll
+          for (int zz = 0; zz < 4; ++zz) {
+            float tv[4];
+            load4(Tc + (z0 + zz) * T, tv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] = fmaf(nz[zz], tv[e], acc[e]);
+          }
+        }
       }
-      m.Ts[(B * a + x) * T + B * b + y] = -acc;
+      *reinterpret_cast<float4*>(m.Ts + (B * a + x) * T + B * b + y0) =
+          make_float4(-acc[0], -acc[1], -acc[2], -acc[3]);
     }
     __syncthreads();
   }
