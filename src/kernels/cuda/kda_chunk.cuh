@@ -111,7 +111,9 @@ __device__ inline void stage_chunk_rows(__nv_bfloat16* dst, int stride, const __
   }
 }
 
-constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
+// Tinv's rows: 4 mod 32 words, as W's (and the backward's P's) mma A-operand reads want (rows g,
+// columns c in distinct banks); the solve reads it by float4 rows and its substitution not at all.
+constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 4;
 
 // The preps' products on the tensor cores: TF32 mma, as 3xTF32 (each fp32 operand split into two
 // TF32 parts by tf32_split, three mma per product) so that A, Aq, W and U0 keep fp32-level
