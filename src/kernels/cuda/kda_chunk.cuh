@@ -501,17 +501,27 @@ constexpr int kKdaPackedTinv = kKdaPackedAq + static_cast<int>(kKdaChunk * (kKda
 static_assert(kKdaPackedTinv + kKdaPackedAq == kKdaMatrixFloats, "kda.h's packed size");
 
 // A, Aq and Tinv of one chunk and head as chunk_matrices left them, packed into out. Every thread
-// takes part.
+// takes part (Tiles::kThreads of them). Aq's values are all loaded before the first store: in the
+// forward's prep they are in global memory, where out might alias them as far as the compiler
+// knows, so that loads between the stores would each wait the whole latency.
 template <class Tiles>
 __device__ inline void store_kda_matrices(const Tiles& m, float* out) {
-  constexpr int C = Tiles::kC;
-  for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-    const int t = idx / C, s = idx - t * C;
+  constexpr int C = Tiles::kC, R = C * C / Tiles::kThreads;
+  static_assert(R * Tiles::kThreads == C * C, "whole rounds");
+  float aq[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + Tiles::kThreads * r, t = idx / C, s = idx - t * C;
+    aq[r] = s <= t ? m.Aqs[t * Tiles::kAqStride + s] : 0.0f;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + Tiles::kThreads * r, t = idx / C, s = idx - t * C;
     if (s < t) {
       out[t * (t - 1) / 2 + s] = m.As[t * Tiles::kAStride + s];
       out[kKdaPackedTinv + t * (t - 1) / 2 + s] = m.Ts[t * kKdaSolveStride + s];
     }
-    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = m.Aqs[t * Tiles::kAqStride + s];
+    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = aq[r];
   }
 }
 
