@@ -71,14 +71,16 @@ __device__ int nt_column(int nt, int j) {
 }
 
 // acc[h] += Tinv'[16 mt_h .. + 15, :] X[:, n0 + nt_column(nt, ..)] (h = 0, 1; mt0 < mt1) with the
-// lower Tinv' (row stride kKdaSolveStride), each as lower_times would take it: the k-steps of 8
-// both m-tiles sum over read X's B fragments (split as kSplitX says) once for the two. Every
-// accumulator takes the same mma in the same order as with lower_times.
+// lower Tinv' = Tinv diag(bt) (Tinv's row stride kKdaSolveStride; each element times beta as it is
+// read, the multiplication chunk_prep's scale_tinv would have made), each as lower_times would
+// take it: the k-steps of 8 both m-tiles sum over read X's B fragments (split as kSplitX says)
+// once for the two. Every accumulator takes the same mma in the same order as with lower_times.
 template <bool kSpread, bool kSplitX>
-__device__ void lower_times_pair(float (&acc)[2][4][4], const float* X, int xs, const float* T, int mt0,
-                                 int mt1, int n0) {
+__device__ void lower_times_pair(float (&acc)[2][4][4], const float* X, int xs, const float* T,
+                                 const float* bt, int mt0, int mt1, int n0) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   for (int k0 = 0; k0 < 16 * (mt1 + 1); k0 += 8) {
+    const float b0 = bt[k0 + c], b1 = bt[k0 + c + 4];
     Tf32Frag<2, kSplitX> b[4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -90,10 +92,10 @@ __device__ void lower_times_pair(float (&acc)[2][4][4], const float* X, int xs, 
       const int m0 = 16 * (h == 0 ? mt0 : mt1);
       if (k0 >= m0 + 16) continue;
       KdaFragA a;
-      a.set(0, T[(m0 + g) * kKdaSolveStride + k0 + c]);
-      a.set(1, T[(m0 + g + 8) * kKdaSolveStride + k0 + c]);
-      a.set(2, T[(m0 + g) * kKdaSolveStride + k0 + c + 4]);
-      a.set(3, T[(m0 + g + 8) * kKdaSolveStride + k0 + c + 4]);
+      a.set(0, T[(m0 + g) * kKdaSolveStride + k0 + c] * b0);
+      a.set(1, T[(m0 + g + 8) * kKdaSolveStride + k0 + c] * b0);
+      a.set(2, T[(m0 + g) * kKdaSolveStride + k0 + c + 4] * b1);
+      a.set(3, T[(m0 + g + 8) * kKdaSolveStride + k0 + c + 4] * b1);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) mma_tf32(acc[h][nt], a, b[nt]);
     }
@@ -135,10 +137,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   const FwdPrepTiles m(smem, block);     // Aq: the block's first [C, C]
   PrefetchedRows<kMaxDim, kThreads> vv;  // in flight while the matrices are computed
   vv.load(v, t0, n, h, heads, dv);
-  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
-             [&](const FwdPrepTiles& tiles) {
-               if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
-             });
+  chunk_prep(
+      q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
+      [&](const FwdPrepTiles& tiles) {
+        if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
+      },
+      false);  // Tinv diag(beta) as W and U0 read Tinv
   float* vs = smem;
   vv.store(vs, kVs);
   __syncthreads();
@@ -151,12 +155,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(FwdPrepTiles::kStride % 32 == 4 && kVs % 32 == 8, "nt_column's bank cases");
   {
     float acc[2][4][4] = {};
-    lower_times_pair<true, kKdaSplitTf32>(acc, m.Gs, FwdPrepTiles::kStride, m.Ts, p, 3 - p, n0);
+    lower_times_pair<true, kKdaSplitTf32>(acc, m.Gs, FwdPrepTiles::kStride, m.Ts, m.bt, p, 3 - p, n0);
     store_pair<true>(acc, block + kOffW, p, 3 - p, n0);
   }
   {
     float acc[2][4][4] = {};
-    lower_times_pair<false, kKdaBf16Operand>(acc, vs, kVs, m.Ts, p, 3 - p, n0);  // v
+    lower_times_pair<false, kKdaBf16Operand>(acc, vs, kVs, m.Ts, m.bt, p, 3 - p, n0);  // v
     store_pair<false>(acc, block + kOffU, p, 3 - p, n0);
   }
 }

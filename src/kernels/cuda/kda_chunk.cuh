@@ -547,13 +547,15 @@ __device__ inline void unpack_kda_matrices(const float* pa, const float* paq, co
 // while the matrices are as computed (it may read A, Aq and Tinv, not q, k or G); Kb = exp(G_last -
 // G) k and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and
 // past dk); W's operand exp(G) k, in k's own tile where that is fp32 (and q's becomes exp(G) q if
-// scale_q), else over G's; then Tinv becomes Tinv diag(beta). Tiles::kThreads threads; ends with a
+// scale_q), else over G's; then Tinv becomes Tinv diag(beta) if scale_tinv (else the caller
+// multiplies each element Tinv[t][s] by bt[s] as it reads it: the same values wherever t < n and
+// s < n, and the same zeros elsewhere, bt being zero past n). Tiles::kThreads threads; ends with a
 // barrier.
 template <class Tiles, class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
                            int h, int heads, int dk, const Tiles& m, float* kb_out, float* glast_out,
-                           bool scale_q, const float* kept, Keep keep) {
+                           bool scale_q, const float* kept, Keep keep, bool scale_tinv = true) {
   constexpr int C = Tiles::kC, S = Tiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   // beta into a register first, stored once the chunk's loads are in: no wait before them.
@@ -609,11 +611,13 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   }
   for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
   __syncthreads();  // `keep` read Tinv
-  for (int idx = tid; idx < n * C; idx += blockDim.x) {
-    const int t = idx / C, s = idx - t * C;
-    if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
+  if (scale_tinv) {
+    for (int idx = tid; idx < n * C; idx += blockDim.x) {
+      const int t = idx / C, s = idx - t * C;
+      if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
+    }
+    __syncthreads();
   }
-  __syncthreads();
 }
 
 }  // namespace spindle::cuda
