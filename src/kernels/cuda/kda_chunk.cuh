@@ -101,6 +101,7 @@ __device__ inline void stage_chunk_rows(__nv_bfloat16* dst, int stride, const __
   if (pairs)
     stage_rows(reinterpret_cast<float*>(dst), stride / 2, reinterpret_cast<const float*>(rows), ss / 2, n,
                dk / 2);
+  if (n == C && dk == D) return;  // a whole chunk at the widest dk: no zeros, every pair copied
   for (int p = threadIdx.x; p < C * D; p += blockDim.x) {
     const int t = p / D, i = p - t * D;
     if (t >= n || i >= dk) {
