@@ -59,6 +59,64 @@ constexpr size_t kPrepSmemBytes = sizeof(float) * FwdPrepTiles::floats();
 static_assert(2 * (kPrepSmemBytes + 1024) <= 228 * 1024, "two preps per sm_90 SM (1 KB reserved per CTA)");
 size_t prep_smem_bytes() { return kPrepSmemBytes; }
 
+// The column, from a warp's first, of column j (0 .. 7) of its n-tile nt (0 .. 3) of W or U0: plain
+// (8 nt + j) or spread (4 nt + j % 4 + 16 (j / 4)). The mma's B fragments read a row-major X[k][n]
+// as k = c, n = column(nt, g) for the lanes' (g, c): with X's rows at 4 mod 32 words (exp(G) k in
+// G's tile) the plain columns put lanes (g, c) and (g - 4, c + 1) in one bank, the spread ones
+// none; at 8 mod 32 (v) the plain ones are conflict-free. Each output element is the same dot
+// product whichever n-tile column it takes.
+template <bool kSpread>
+__device__ int nt_column(int nt, int j) {
+  return kSpread ? 4 * nt + j % 4 + 16 * (j / 4) : 8 * nt + j;
+}
+
+// acc[h] += Tinv'[16 mt_h .. + 15, :] X[:, n0 + nt_column(nt, ..)] (h = 0, 1; mt0 < mt1) with the
+// lower Tinv' = Tinv diag(bt) (Tinv's row stride kKdaSolveStride; each element times beta as it is
+// read, the multiplication chunk_prep's scale_tinv would have made), each as lower_times would
+// take it: the k-steps of 8 both m-tiles sum over read X's B fragments (split as kSplitX says)
+// once for the two. Every accumulator takes the same mma in the same order as with lower_times.
+template <bool kSpread, bool kSplitX>
+__device__ void lower_times_pair(float (&acc)[2][4][4], const float* X, int xs, const float* T,
+                                 const float* bt, int mt0, int mt1, int n0) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  for (int k0 = 0; k0 < 16 * (mt1 + 1); k0 += 8) {
+    const float b0 = bt[k0 + c], b1 = bt[k0 + c + 4];
+    Tf32Frag<2, kSplitX> b[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      b[nt].set(0, X[(k0 + c) * xs + n0 + nt_column<kSpread>(nt, g)]);
+      b[nt].set(1, X[(k0 + c + 4) * xs + n0 + nt_column<kSpread>(nt, g)]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m0 = 16 * (h == 0 ? mt0 : mt1);
+      if (k0 >= m0 + 16) continue;
+      KdaFragA a;
+      a.set(0, T[(m0 + g) * kKdaSolveStride + k0 + c] * b0);
+      a.set(1, T[(m0 + g + 8) * kKdaSolveStride + k0 + c] * b0);
+      a.set(2, T[(m0 + g) * kKdaSolveStride + k0 + c + 4] * b1);
+      a.set(3, T[(m0 + g + 8) * kKdaSolveStride + k0 + c + 4] * b1);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) mma_tf32(acc[h][nt], a, b[nt]);
+    }
+  }
+}
+
+// lower_times_pair's accumulators into out [C, kMaxDim] (W or U0 in the block): rows 16 mt0 .. and
+// 16 mt1 .., columns n0 + nt_column(..).
+template <bool kSpread>
+__device__ void store_pair(const float (&acc)[2][4][4], float* out, int mt0, int mt1, int n0) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int t = 16 * (h == 0 ? mt0 : mt1) + lane / 4, i = n0 + nt_column<kSpread>(nt, 2 * (lane % 4));
+      *reinterpret_cast<float2*>(out + t * kMaxDim + i) = make_float2(acc[h][nt][0], acc[h][nt][1]);
+      *reinterpret_cast<float2*>(out + (t + 8) * kMaxDim + i) = make_float2(acc[h][nt][2], acc[h][nt][3]);
+    }
+}
+
 // Chunk c0 + blockIdx.x of head blockIdx.y: its workspace block, and its A, Aq and Tinv into
 // `kept` (the segment's part of kept_matrices, kda.h) if not null. With Tinv = (I + diag(beta)
 // A)^-1, W = Tinv diag(beta) exp(G) k and U0 = Tinv diag(beta) v, so that u = U0 - W S needs no
@@ -79,37 +137,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   const FwdPrepTiles m(smem, block);     // Aq: the block's first [C, C]
   PrefetchedRows<kMaxDim, kThreads> vv;  // in flight while the matrices are computed
   vv.load(v, t0, n, h, heads, dv);
-  chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
-             [&](const FwdPrepTiles& tiles) {
-               if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
-             });
+  chunk_prep(
+      q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
+      [&](const FwdPrepTiles& tiles) {
+        if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
+      },
+      false);  // Tinv diag(beta) as W and U0 read Tinv
   float* vs = smem;
   vv.store(vs, kVs);
   __syncthreads();
   // W = Tinv' exp(G) k (in G's tile) and U0 = Tinv' v with the lower Tinv' = Tinv diag(beta), on the
   // tensor cores. Warp w: columns 32 (w % 4) .. + 31 of both, m-tiles p and 3 - p (p = w / 4): as
-  // m-tile mt sums over 16 (mt + 1) tokens, every warp takes 2 x 10 steps of 8. Rows past the chunk
-  // and columns past dk / dv come out zero, as the tiles are there.
-  const int warp = tid / 32, lane = tid % 32, p = warp / 4, n0 = 32 * (warp % 4);
-  for (int product = 0; product < 2; ++product) {
-    const float* X = product == 0 ? m.Gs : vs;
-    const int xs = product == 0 ? FwdPrepTiles::kStride : kVs;
-    float* out = block + (product == 0 ? kOffW : kOffU);
-    for (int half = 0; half < 2; ++half) {
-      const int mt = half == 0 ? p : 3 - p;
-      float acc[4][4] = {};
-      if (product == 0) {
-        lower_times(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);
-      } else {
-        lower_times<4, kKdaBf16Operand>(acc, m.Ts, kKdaSolveStride, X, xs, mt, n0);  // v
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int t = 16 * mt + lane / 4, i = n0 + 8 * nt + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(out + t * kMaxDim + i) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2*>(out + (t + 8) * kMaxDim + i) = make_float2(acc[nt][2], acc[nt][3]);
-      }
-    }
+  // m-tile mt sums over 16 (mt + 1) tokens, every warp takes 10 mma steps of 8, over 16 (4 - p)
+  // tokens' B fragments. Rows past the chunk and columns past dk / dv come out zero, as the tiles
+  // are there.
+  const int warp = tid / 32, p = warp / 4, n0 = 32 * (warp % 4);
+  static_assert(FwdPrepTiles::kStride % 32 == 4 && kVs % 32 == 8, "nt_column's bank cases");
+  {
+    float acc[2][4][4] = {};
+    lower_times_pair<true, kKdaSplitTf32>(acc, m.Gs, FwdPrepTiles::kStride, m.Ts, m.bt, p, 3 - p, n0);
+    store_pair<true>(acc, block + kOffW, p, 3 - p, n0);
+  }
+  {
+    float acc[2][4][4] = {};
+    lower_times_pair<false, kKdaBf16Operand>(acc, vs, kVs, m.Ts, m.bt, p, 3 - p, n0);  // v
+    store_pair<false>(acc, block + kOffU, p, 3 - p, n0);
   }
 }
 

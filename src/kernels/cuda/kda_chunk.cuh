@@ -101,6 +101,7 @@ __device__ inline void stage_chunk_rows(__nv_bfloat16* dst, int stride, const __
   if (pairs)
     stage_rows(reinterpret_cast<float*>(dst), stride / 2, reinterpret_cast<const float*>(rows), ss / 2, n,
                dk / 2);
+  if (n == C && dk == D) return;  // a whole chunk at the widest dk: no zeros, every pair copied
   for (int p = threadIdx.x; p < C * D; p += blockDim.x) {
     const int t = p / D, i = p - t * D;
     if (t >= n || i >= dk) {
@@ -111,7 +112,9 @@ __device__ inline void stage_chunk_rows(__nv_bfloat16* dst, int stride, const __
   }
 }
 
-constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 8;  // Tinv's rows: 4 x 8 lanes, 32 banks
+// Tinv's rows: 4 mod 32 words, as W's (and the backward's P's) mma A-operand reads want (rows g,
+// columns c in distinct banks); the solve reads it by float4 rows and its substitution not at all.
+constexpr int kKdaSolveStride = static_cast<int>(kKdaChunk) + 4;
 
 // The preps' products on the tensor cores: TF32 mma, as 3xTF32 (each fp32 operand split into two
 // TF32 parts by tf32_split, three mma per product) so that A, Aq, W and U0 keep fp32-level
@@ -332,46 +335,83 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
   // Tinv = M^-1, M = I + diag(beta) A, by blocks: from M T = I, T_ab = -T_aa sum_{b<=c<a} M_ac T_cb
   // for b < a, with M_ac = diag(beta_a) A_ac. First the diagonal blocks T_aa = M_aa^-1 by forward
   // substitution, column s by four lanes of one warp ((I + diag(beta) A) x = e_s within the block:
-  // x_t = -beta_t sum_{r<t} A[t][r] x_r), rows following each other with only a warp barrier; a
-  // warp's 8 columns share a block.
+  // x_t = -beta_t sum_{r<t} A[t][r] x_r); a warp's 8 columns share a block. Lane sub sums the rows
+  // r = r0 + sub + 4 j and keeps their x_r in registers (every lane has each x_t after the
+  // shuffles): the 16 dependent steps wait on no shared memory, and all of A's loads are
+  // independent of them.
   if (tid < 4 * C) {
     const int s = tid / 4, sub = tid % 4, r0 = s / B * B;
-    for (int t = r0; t < r0 + B; ++t) {
+    float xr[B / 4] = {};
+#pragma unroll
+    for (int dt = 0; dt < B; ++dt) {
+      const int t = r0 + dt;
       float acc = 0.0f;
-      for (int r = r0 + sub; r < t; r += 4) acc = fmaf(m.As[t * AS + r], m.Ts[r * T + s], acc);
+#pragma unroll
+      for (int j = 0; 4 * j < dt; ++j)
+        if (4 * j + sub < dt) acc = fmaf(m.As[t * AS + r0 + sub + 4 * j], xr[j], acc);
       acc += __shfl_xor_sync(0xffffffffu, acc, 1);
       acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-      if (sub == 0) {
-        float x = 0.0f;
-        if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -m.bt[t] * acc : 0.0f);
-        m.Ts[t * T + s] = x;
-      }
-      __syncwarp();
+      float x = 0.0f;
+      if (t < n && s < n) x = t == s ? 1.0f : (t > s ? -m.bt[t] * acc : 0.0f);
+      if (sub == dt % 4) xr[dt / 4] = x;
+      if (sub == 0) m.Ts[t * T + s] = x;
     }
   }
   __syncthreads();
-  // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower).
-  for (int idx = tid; idx < Tiles::kNFloats; idx += blockDim.x) {
-    const int p = idx / (B * B), x = idx / B % B, y = idx % B;
+  // N_ac = T_aa diag(beta_a) A_ac for each block below the diagonal (T_aa is lower). Here and in
+  // the levels below a thread takes four adjacent columns y0 .. y0 + 3 of one row x: float4 shared
+  // loads (every row and column offset a multiple of 4), each row of the right operand read once
+  // for four fmaf chains, each chain what it was with one element a thread.
+  static_assert(T % 4 == 0 && AS % 4 == 0 && B % 4 == 0, "float4 rows");
+  const auto load4 = [](const float* p, float(&v)[4]) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  };
+  for (int quad = tid; quad < Tiles::kNFloats / 4; quad += blockDim.x) {
+    const int p = quad / (B * B / 4), x = quad / (B / 4) % B, y0 = 4 * (quad % (B / 4));
     int a, c;
     offdiag_block_index(p, a, c);
-    float acc = 0.0f;
-    for (int z = 0; z <= x; ++z)
-      acc =
-          fmaf(m.Ts[(B * a + x) * T + B * a + z] * m.bt[B * a + z], m.As[(B * a + z) * AS + B * c + y], acc);
-    m.ns[idx] = acc;
+    float acc[4] = {};
+    for (int z0 = 0; z0 <= x; z0 += 4) {
+      float tz[4], bz[4];
+      load4(m.Ts + (B * a + x) * T + B * a + z0, tz);
+      load4(m.bt + B * a + z0, bz);
+#pragma unroll
+      for (int zz = 0; zz < 4; ++zz) {
+        if (z0 + zz > x) break;
+        const float w = tz[zz] * bz[zz];
+        float av[4];
+        load4(m.As + (B * a + z0 + zz) * AS + B * c + y0, av);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = fmaf(w, av[e], acc[e]);
+      }
+    }
+    *reinterpret_cast<float4*>(m.ns + 4 * quad) = make_float4(acc[0], acc[1], acc[2], acc[3]);
   }
   __syncthreads();
   // T_ab = -sum_{b<=c<a} N_ac T_cb, by distance a - b: each level reads blocks of the levels before.
   for (int d = 1; d < Tiles::kSubs; ++d) {
-    for (int idx = tid; idx < (Tiles::kSubs - d) * B * B; idx += blockDim.x) {
-      const int b = idx / (B * B), a = b + d, x = idx / B % B, y = idx % B;
-      float acc = 0.0f;
+    for (int quad = tid; quad < (Tiles::kSubs - d) * B * B / 4; quad += blockDim.x) {
+      const int b = quad / (B * B / 4), a = b + d, x = quad / (B / 4) % B, y0 = 4 * (quad % (B / 4));
+      float acc[4] = {};
       for (int c = b; c < a; ++c) {
         const float* N = m.ns + (a * (a - 1) / 2 + c) * B * B + x * B;
-        for (int z = 0; z < B; ++z) acc = fmaf(N[z], m.Ts[(B * c + z) * T + B * b + y], acc);
+        const float* Tc = m.Ts + B * c * T + B * b + y0;
+#pragma unroll
+        for (int z0 = 0; z0 < B; z0 += 4) {
+          float nz[4];
+          load4(N + z0, nz);
+#pragma unroll
+          for (int zz = 0; zz < 4; ++zz) {
+            float tv[4];
+            load4(Tc + (z0 + zz) * T, tv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] = fmaf(nz[zz], tv[e], acc[e]);
+          }
+        }
       }
-      m.Ts[(B * a + x) * T + B * b + y] = -acc;
+      *reinterpret_cast<float4*>(m.Ts + (B * a + x) * T + B * b + y0) =
+          make_float4(-acc[0], -acc[1], -acc[2], -acc[3]);
     }
     __syncthreads();
   }
@@ -462,17 +502,27 @@ constexpr int kKdaPackedTinv = kKdaPackedAq + static_cast<int>(kKdaChunk * (kKda
 static_assert(kKdaPackedTinv + kKdaPackedAq == kKdaMatrixFloats, "kda.h's packed size");
 
 // A, Aq and Tinv of one chunk and head as chunk_matrices left them, packed into out. Every thread
-// takes part.
+// takes part (Tiles::kThreads of them). Aq's values are all loaded before the first store: in the
+// forward's prep they are in global memory, where out might alias them as far as the compiler
+// knows, so that loads between the stores would each wait the whole latency.
 template <class Tiles>
 __device__ inline void store_kda_matrices(const Tiles& m, float* out) {
-  constexpr int C = Tiles::kC;
-  for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
-    const int t = idx / C, s = idx - t * C;
+  constexpr int C = Tiles::kC, R = C * C / Tiles::kThreads;
+  static_assert(R * Tiles::kThreads == C * C, "whole rounds");
+  float aq[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + Tiles::kThreads * r, t = idx / C, s = idx - t * C;
+    aq[r] = s <= t ? m.Aqs[t * Tiles::kAqStride + s] : 0.0f;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int idx = threadIdx.x + Tiles::kThreads * r, t = idx / C, s = idx - t * C;
     if (s < t) {
       out[t * (t - 1) / 2 + s] = m.As[t * Tiles::kAStride + s];
       out[kKdaPackedTinv + t * (t - 1) / 2 + s] = m.Ts[t * kKdaSolveStride + s];
     }
-    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = m.Aqs[t * Tiles::kAqStride + s];
+    if (s <= t) out[kKdaPackedAq + t * (t + 1) / 2 + s] = aq[r];
   }
 }
 
@@ -498,13 +548,15 @@ __device__ inline void unpack_kda_matrices(const float* pa, const float* paq, co
 // while the matrices are as computed (it may read A, Aq and Tinv, not q, k or G); Kb = exp(G_last -
 // G) k and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and
 // past dk); W's operand exp(G) k, in k's own tile where that is fp32 (and q's becomes exp(G) q if
-// scale_q), else over G's; then Tinv becomes Tinv diag(beta). Tiles::kThreads threads; ends with a
+// scale_q), else over G's; then Tinv becomes Tinv diag(beta) if scale_tinv (else the caller
+// multiplies each element Tinv[t][s] by bt[s] as it reads it: the same values wherever t < n and
+// s < n, and the same zeros elsewhere, bt being zero past n). Tiles::kThreads threads; ends with a
 // barrier.
 template <class Tiles, class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
                            int h, int heads, int dk, const Tiles& m, float* kb_out, float* glast_out,
-                           bool scale_q, const float* kept, Keep keep) {
+                           bool scale_q, const float* kept, Keep keep, bool scale_tinv = true) {
   constexpr int C = Tiles::kC, S = Tiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   // beta into a register first, stored once the chunk's loads are in: no wait before them.
@@ -560,11 +612,13 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   }
   for (int i = tid; i < D; i += blockDim.x) glast_out[i] = i < dk ? m.gl[i] : 0.0f;
   __syncthreads();  // `keep` read Tinv
-  for (int idx = tid; idx < n * C; idx += blockDim.x) {
-    const int t = idx / C, s = idx - t * C;
-    if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
+  if (scale_tinv) {
+    for (int idx = tid; idx < n * C; idx += blockDim.x) {
+      const int t = idx / C, s = idx - t * C;
+      if (s < n) m.Ts[t * kKdaSolveStride + s] *= m.bt[s];
+    }
+    __syncthreads();
   }
-  __syncthreads();
 }
 
 }  // namespace spindle::cuda
