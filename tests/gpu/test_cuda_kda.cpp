@@ -199,9 +199,9 @@ TEST(CudaKda, StrongDecaysWithPartialChunks) {
 }
 
 TEST(CudaKda, DiagonalBlocksOnBothPaths) {
-  // The grad kernel takes a chunk's diagonal blocks on the tensor cores while its decay over each
-  // half sub-chunk stays within kKdaHalfDecayBound (kda.h), element by element past it
-  // (decays below about -5.5 per token): decays down to -7 put part of these chunks past it, and
+  // The preps and the grad kernel take a chunk's diagonal blocks on the tensor cores while its
+  // decay over each half sub-chunk stays within kKdaHalfDecayBound (kda.h), element by element past
+  // it (decays below about -5.5 per token): decays down to -7 put part of these chunks past it, and
   // the check needs both kinds.
   const int64_t T = 2600, H = 2, dk = 16;
   const auto g = check_against_recurrence(T, H, dk, 32, true, -7.0f);
@@ -214,7 +214,7 @@ TEST(CudaKda, DiagonalBlocksOnBothPaths) {
 // for its backward (kept_matrices, kernels/cuda/kda.h): the forward that writes them must be the
 // same as one that does not, and the backward that takes them bit for bit the one that computes
 // them again.
-void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried) {
+void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried, float g_min) {
   auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
   normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
   normalise_rows(kf, dk, 1.0f);
@@ -222,7 +222,7 @@ void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carr
   Stream stream;
   auto qb = device(to_bf16(rounded(qf))), kb = device(to_bf16(rounded(kf)));
   auto vb = device(to_bf16(random_floats(T * H * dv))), dob = device(to_bf16(random_floats(T * H * dv)));
-  auto gb = device(random_uniform(T * H * dk, -5.0f, 0.0f)), bb = device(random_uniform(T * H, 1e-3f, 1.0f));
+  auto gb = device(random_uniform(T * H * dk, g_min, 0.0f)), bb = device(random_uniform(T * H, 1e-3f, 1.0f));
   auto initial = device(random_floats(H * SS, 0.3f)), d_final = device(random_floats(H * SS));
   auto matrices = poisoned<float>(kda_kept_matrices_floats(T, H));
   struct Run {
@@ -269,12 +269,14 @@ void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carr
 
 TEST(CudaKda, KeptMatricesGiveTheSameBackward) {
   // A partial last chunk and sub-chunk with dk != dv; 257 chunks, past the forward's segment of
-  // 256 and the backward's of 128; head dims that are no multiple of 4 or 8.
-  for (auto [T, H, dk, dv, carried] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, bool>{333, 2, 128, 40, false},
-        {16448, 2, 64, 64, true},
-        {150, 2, 30, 21, true}})
-    check_kept_matrices(T, H, dk, dv, carried);
+  // 256 and the backward's of 128; head dims that are no multiple of 4 or 8; decays down to -7, so
+  // that the chunks' diagonal blocks take both of chunk_matrices' forms (DiagonalBlocksOnBothPaths).
+  for (auto [T, H, dk, dv, carried, g_min] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, bool, float>{333, 2, 128, 40, false, -5.0f},
+        {16448, 2, 64, 64, true, -5.0f},
+        {150, 2, 30, 21, true, -5.0f},
+        {2600, 2, 16, 16, false, -7.0f}})
+    check_kept_matrices(T, H, dk, dv, carried, g_min);
 }
 
 }  // namespace

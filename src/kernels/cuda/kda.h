@@ -14,11 +14,12 @@ namespace spindle::cuda {
 constexpr int64_t kKdaChunk = 64;    // tokens per chunk
 constexpr int64_t kKdaMaxDim = 128;  // dk, dv <= this
 
-// The decay bound of a diagonal block's mma form (kda_backward.cu's grad kernel): exp(G_t - G_s),
-// s and t in one sub-chunk of 16 tokens, as exp(G_t - G_m) exp(G_m - G_s) from its middle token m,
-// where no factor exceeds 2^kKdaHalfDecayBound if G falls by at most that (log2 domain) over each
-// half of every sub-chunk. GLM's lower bound of -5 per token makes at most 57.7 over 8 tokens;
-// a chunk past it takes the element-by-element form.
+// The decay bound of a diagonal block's mma form (the preps' chunk_matrices, kda_chunk.cuh, and
+// kda_backward.cu's grad kernel): exp(G_t - G_s), s and t in one sub-chunk of 16 tokens, as
+// exp(G_t - G_m) exp(G_m - G_s) from its middle token m, where no factor exceeds
+// 2^kKdaHalfDecayBound if G falls by at most that (log2 domain) over each half of every sub-chunk.
+// GLM's lower bound of -5 per token makes at most 57.7 over 8 tokens; a chunk past it takes the
+// element-by-element form.
 constexpr float kKdaHalfDecayBound = 64.0f;
 
 inline int64_t kda_chunks(int64_t tokens) { return (tokens + kKdaChunk - 1) / kKdaChunk; }

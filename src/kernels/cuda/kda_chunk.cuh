@@ -200,24 +200,43 @@ __device__ inline void offdiag_block_index(int p, int& a, int& b) {
   b = p - a * (a - 1) / 2;
 }
 
-// One warp: the off-diagonal 16 x 16 block (a, b), b < a, of A and Aq on the tensor cores. With
-// the reference r = 16 a, the first token of t's sub-chunk, s < r <= t for every pair, so
-// exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with both factors <= 1 (nothing overflows, however
-// strong the decay; a factor that underflows belongs to a pair that decays to nothing anyway), and
-// the block is a plain product over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r -
-// G_s). The tiles are zero past token n and channel dk; the clamps at 0 only matter there.
+// Whether the diagonal 16 x 16 blocks take their mma form (kda.h, kKdaHalfDecayBound): G ([kC,
+// kStride], log2 domain) falls by at most the bound over each half of every sub-chunk, in every
+// channel (the grad kernel's test, kda_backward.cu). Every thread takes part; a barrier.
 template <class Tiles>
-__device__ inline void offdiag_matrices(const Tiles& m, int a, int b, int n, int dk) {
+__device__ inline bool diagonal_blocks_on_mma(const Tiles& m) {
+  constexpr int S = Tiles::kStride, B = Tiles::kSub, D = static_cast<int>(kKdaMaxDim);
+  bool past = false;
+  for (int p = threadIdx.x; p < Tiles::kSubs * D; p += blockDim.x) {
+    const int a = B * (p / D), i = p % D;
+    const float first = m.Gs[a * S + i] - m.Gs[(a + 8) * S + i],
+                second = m.Gs[(a + 8) * S + i] - m.Gs[(a + 15) * S + i];
+    past = past || !(fmaxf(first, second) <= kKdaHalfDecayBound);
+  }
+  return __syncthreads_or(past) == 0;
+}
+
+// One warp: the 16 x 16 block (a, b), b <= a (kDiagonal: b = a), of A and Aq on the tensor cores,
+// a plain product over the channels of (k_t or q_t) exp(G_t - G_r) and k_s exp(G_r - G_s) through
+// a reference token r. Below the diagonal, r = 16 a, the first token of t's sub-chunk: s < r <= t
+// for every pair, both factors <= 1 (nothing overflows, however strong the decay; a factor that
+// underflows belongs to a pair that decays to nothing anyway); the tiles are zero past token n and
+// channel dk, and the clamps at 0 only matter there. On it (where diagonal_blocks_on_mma said so),
+// r is the block's middle token: one factor may exceed 1, by at most 2^kKdaHalfDecayBound, and the
+// pairs s > t (s >= t for A), whose products may overflow, are not kept.
+template <bool kDiagonal, class Tiles>
+__device__ inline void block_matrices(const Tiles& m, int a, int b, int n, int dk) {
   constexpr int S = Tiles::kStride, B = Tiles::kSub, C = Tiles::kAStride, Cq = Tiles::kAqStride;
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r = B * a;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, r0 = B * a, r = r0 + (kDiagonal ? B / 2 : 0);
+  const auto factor = [](float d) { return exp2_ftz(kDiagonal ? d : fminf(d, 0.0f)); };
   float acc_a[2][4] = {}, acc_q[2][4] = {};
   for (int i0 = 0; i0 < dk; i0 += 8) {
     const float gr[2] = {m.Gs[r * S + i0 + c], m.Gs[r * S + i0 + c + 4]};  // columns c and c + 4
     KdaFragA ka, qa;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = r + g + 8 * (e & 1), i = i0 + c + 4 * (e >> 1);
-      const float f = exp2_ftz(fminf(m.Gs[t * S + i] - gr[e >> 1], 0.0f));
+      const int t = r0 + g + 8 * (e & 1), i = i0 + c + 4 * (e >> 1);
+      const float f = factor(m.Gs[t * S + i] - gr[e >> 1]);
       ka.set(e, m.k(t, i) * f);
       qa.set(e, m.q(t, i) * f);
     }
@@ -227,7 +246,7 @@ __device__ inline void offdiag_matrices(const Tiles& m, int a, int b, int n, int
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int s = B * b + 8 * nt + g, i = i0 + c + 4 * e;
-        kb.set(e, m.k(s, i) * exp2_ftz(fminf(gr[e] - m.Gs[s * S + i], 0.0f)));
+        kb.set(e, m.k(s, i) * factor(gr[e] - m.Gs[s * S + i]));
       }
       mma_tf32(acc_a[nt], ka, kb);
       mma_tf32(acc_q[nt], qa, kb);
@@ -237,14 +256,15 @@ __device__ inline void offdiag_matrices(const Tiles& m, int a, int b, int n, int
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = r + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
-      m.As[t * C + s] = t < n ? acc_a[nt][e] : 0.0f;
-      m.Aqs[t * Cq + s] = t < n ? acc_q[nt][e] : 0.0f;
+      const int t = r0 + g + 8 * (e >> 1), s = B * b + 8 * nt + 2 * c + (e & 1);
+      m.As[t * C + s] = t < n && (!kDiagonal || s < t) ? acc_a[nt][e] : 0.0f;
+      m.Aqs[t * Cq + s] = t < n && (!kDiagonal || s <= t) ? acc_q[nt][e] : 0.0f;
     }
 }
 
-// One of the 320 tasks of the diagonal 16 x 16 blocks of A and Aq, where no reference token lies
-// between every s and t: exp(G_t - G_s) per element, in fp32 on the CUDA cores. Task = (block a,
+// One of the 320 tasks of the diagonal 16 x 16 blocks of A and Aq past kKdaHalfDecayBound, where
+// no reference token keeps both factors in range: exp(G_t - G_s) per element, in fp32 on the CUDA
+// cores. Task = (block a,
 // one of its 10 lower 4 x 4 tiles of (t, s), channel slice sl: channels sl, sl + 8, ..); the 8
 // slices of a tile are adjacent lanes, summed by shuffles. A 4 x 4 tile loads 20 values per
 // channel for 16 pairs. All 32 lanes of the warp must call it.
@@ -303,10 +323,11 @@ __device__ inline void diag_matrices(const Tiles& m, int task, int n, int dk) {
 //   Aq[t][s] likewise with q_t, s <= t (m.Aqs, row stride kAqStride),
 //   Tinv = (I + diag(beta) A)^-1, unit lower (m.Ts, row stride kKdaSolveStride),
 // all zero past token n. By 16 x 16 blocks of sub-chunks: the 6 below the diagonal on the tensor
-// cores (a warp each, offdiag_matrices), the 4 on it element by element (320 tasks, diag_matrices,
-// 10 warps' worth). Every element's arithmetic is the same whichever thread takes it, so the
-// matrices do not depend on Tiles::kThreads. Exponents are differences <= 0 (G only falls along
-// the chunk). Ends with a barrier.
+// cores (a warp each, block_matrices), the 4 on it too where diagonal_blocks_on_mma says so, else
+// element by element (320 tasks, diag_matrices, 10 warps' worth). Every element's arithmetic is
+// the same whichever thread takes it, so the matrices do not depend on Tiles::kThreads. Exponents
+// are differences <= 0 (G only falls along the chunk) but on the diagonal blocks' mma form. Ends
+// with a barrier.
 template <class Tiles>
 __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
   constexpr int C = Tiles::kC, B = Tiles::kSub, T = kKdaSolveStride, AS = Tiles::kAStride;
@@ -314,21 +335,27 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
   constexpr int kWarps = Tiles::kThreads / 32;
   static_assert(Tiles::kThreads >= 4 * C, "the diagonal blocks' substitution: four threads a column");
   const int tid = threadIdx.x, warp = tid / 32;
+  const bool diagonal_mma = diagonal_blocks_on_mma(m);
   // The warps' shares in rounds: warp w takes shares w, w + kWarps, .. (one round with 16 warps, two
-  // with 8): an off-diagonal block each first, then 32 diagonal tasks each.
-  for (int share = warp; share < kMmaWarps + kDiagWarps; share += kWarps) {
+  // with 8): an off-diagonal block each first, then a diagonal block or 32 diagonal tasks each.
+  const int shares = kMmaWarps + (diagonal_mma ? Tiles::kSubs : kDiagWarps);
+  for (int share = warp; share < shares; share += kWarps) {
     if (share < kMmaWarps) {
       int a, b;
       offdiag_block_index(share, a, b);
-      offdiag_matrices(m, a, b, n, dk);
+      block_matrices<false>(m, a, b, n, dk);
+    } else if (diagonal_mma) {
+      block_matrices<true>(m, share - kMmaWarps, share - kMmaWarps, n, dk);
     } else {
       diag_matrices(m, 32 * (share - kMmaWarps) + tid % 32, n, dk);
     }
   }
-  // Zero above the diagonal: A's and Aq's 4 x 4 tiles there, Tinv's 16 x 16 blocks.
+  // Zero above the diagonal: A's and Aq's 16 x 16 blocks there, and their 4 x 4 tiles within the
+  // diagonal blocks where diag_matrices took them; Tinv's 16 x 16 blocks.
   for (int idx = tid; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
-    if (s / 4 > t / 4) m.As[t * AS + s] = m.Aqs[t * Tiles::kAqStride + s] = 0.0f;
+    if (s / B > t / B || (!diagonal_mma && s / 4 > t / 4))
+      m.As[t * AS + s] = m.Aqs[t * Tiles::kAqStride + s] = 0.0f;
     if (s / B > t / B) m.Ts[t * T + s] = 0.0f;
   }
   __syncthreads();
