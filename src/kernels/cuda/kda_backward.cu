@@ -501,14 +501,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // The diagonal blocks (s and t in the same sub-chunk) by mma against the block's middle token m
   // where every sub-chunk's decay over each half stays within kKdaHalfDecayBound, so that neither
   // factor of exp(G_t - G_s) = exp(G_t - G_m) exp(G_m - G_s) exceeds 2^64; else element by element.
-  // One (sub-chunk, channel) per thread; a barrier.
-  static_assert(kGradThreads == kC / 16 * kMaxDim, "one (sub-chunk, channel) per thread");
-  const bool diagonal_mma = [&] {
-    const int a = 16 * (tid / kMaxDim), i = tid % kMaxDim;
-    const float first = Gs[a * kQp + i] - Gs[(a + 8) * kQp + i],
-                second = Gs[(a + 8) * kQp + i] - Gs[(a + 15) * kQp + i];
-    return __syncthreads_or(!(fmaxf(first, second) <= kKdaHalfDecayBound)) == 0;
-  }();
+  // A barrier.
+  const bool diagonal_mma = kda_diagonal_blocks_on_mma(Gs, kQp);
   // The warp's fragment elements: row et(e), column ei(nt, e).
   const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
   const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };

@@ -200,17 +200,17 @@ __device__ inline void offdiag_block_index(int p, int& a, int& b) {
   b = p - a * (a - 1) / 2;
 }
 
-// Whether the diagonal 16 x 16 blocks take their mma form (kda.h, kKdaHalfDecayBound): G ([kC,
-// kStride], log2 domain) falls by at most the bound over each half of every sub-chunk, in every
-// channel (the grad kernel's test, kda_backward.cu). Every thread takes part; a barrier.
-template <class Tiles>
-__device__ inline bool diagonal_blocks_on_mma(const Tiles& m) {
-  constexpr int S = Tiles::kStride, B = Tiles::kSub, D = static_cast<int>(kKdaMaxDim);
+// Whether the diagonal 16 x 16 blocks take their mma form (kda.h, kKdaHalfDecayBound): G ([C, stride]
+// floats, log2 domain) falls by at most the bound over each half of every 16-token sub-chunk, in
+// every channel. Both preps and the grad kernel (kda_backward.cu) decide by it. Every thread takes
+// part; a barrier.
+__device__ inline bool kda_diagonal_blocks_on_mma(const float* Gs, int stride) {
+  constexpr int D = static_cast<int>(kKdaMaxDim), kSubs = static_cast<int>(kKdaChunk) / 16;
   bool past = false;
-  for (int p = threadIdx.x; p < Tiles::kSubs * D; p += blockDim.x) {
-    const int a = B * (p / D), i = p % D;
-    const float first = m.Gs[a * S + i] - m.Gs[(a + 8) * S + i],
-                second = m.Gs[(a + 8) * S + i] - m.Gs[(a + 15) * S + i];
+  for (int p = threadIdx.x; p < kSubs * D; p += blockDim.x) {
+    const int a = 16 * (p / D), i = p % D;
+    const float first = Gs[a * stride + i] - Gs[(a + 8) * stride + i],
+                second = Gs[(a + 8) * stride + i] - Gs[(a + 15) * stride + i];
     past = past || !(fmaxf(first, second) <= kKdaHalfDecayBound);
   }
   return __syncthreads_or(past) == 0;
@@ -221,7 +221,7 @@ __device__ inline bool diagonal_blocks_on_mma(const Tiles& m) {
 // a reference token r. Below the diagonal, r = 16 a, the first token of t's sub-chunk: s < r <= t
 // for every pair, both factors <= 1 (nothing overflows, however strong the decay; a factor that
 // underflows belongs to a pair that decays to nothing anyway); the tiles are zero past token n and
-// channel dk, and the clamps at 0 only matter there. On it (where diagonal_blocks_on_mma said so),
+// channel dk, and the clamps at 0 only matter there. On it (where kda_diagonal_blocks_on_mma said so),
 // r is the block's middle token: one factor may exceed 1, by at most 2^kKdaHalfDecayBound, and the
 // pairs s > t (s >= t for A), whose products may overflow, are not kept.
 template <bool kDiagonal, class Tiles>
@@ -323,7 +323,7 @@ __device__ inline void diag_matrices(const Tiles& m, int task, int n, int dk) {
 //   Aq[t][s] likewise with q_t, s <= t (m.Aqs, row stride kAqStride),
 //   Tinv = (I + diag(beta) A)^-1, unit lower (m.Ts, row stride kKdaSolveStride),
 // all zero past token n. By 16 x 16 blocks of sub-chunks: the 6 below the diagonal on the tensor
-// cores (a warp each, block_matrices), the 4 on it too where diagonal_blocks_on_mma says so, else
+// cores (a warp each, block_matrices), the 4 on it too where kda_diagonal_blocks_on_mma says so, else
 // element by element (320 tasks, diag_matrices, 10 warps' worth). Every element's arithmetic is
 // the same whichever thread takes it, so the matrices do not depend on Tiles::kThreads. Exponents
 // are differences <= 0 (G only falls along the chunk) but on the diagonal blocks' mma form. Ends
@@ -335,7 +335,7 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
   constexpr int kWarps = Tiles::kThreads / 32;
   static_assert(Tiles::kThreads >= 4 * C, "the diagonal blocks' substitution: four threads a column");
   const int tid = threadIdx.x, warp = tid / 32;
-  const bool diagonal_mma = diagonal_blocks_on_mma(m);
+  const bool diagonal_mma = kda_diagonal_blocks_on_mma(m.Gs, Tiles::kStride);
   // The warps' shares in rounds: warp w takes shares w, w + kWarps, .. (one round with 16 warps, two
   // with 8): an off-diagonal block each first, then a diagonal block or 32 diagonal tasks each.
   const int shares = kMmaWarps + (diagonal_mma ? Tiles::kSubs : kDiagWarps);
