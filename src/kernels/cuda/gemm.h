@@ -6,8 +6,8 @@
 //   linear_backward_weight: dw[N, K] += alpha dy^T x         (fp32 gradients)
 // matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
 // the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
-// leading dimensions, output type and operand alignment; the heuristic runs once per shape, row
-// counts within 128 of each other counting as one (the MoE's change with every routing).
+// leading dimensions, output type and operand alignment; row counts within 128 of each other
+// (the MoE's change with every routing) share one plan, its layouts resized for each product.
 // matmul_batched runs many products of one shape at fixed element strides in one launch (the
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
@@ -62,6 +62,15 @@ class Gemm {
                       cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch, float alpha,
                       float beta, cudaStream_t stream);
 
+  // Plans made (each asks the heuristic) and the host time they took, during which a GPU waiting on
+  // the host idles; products run on a bucket's plan resized to their shape; shapes whose bucket's
+  // algorithm cuBLASLt refused, which got their own plan.
+  struct PlanStats {
+    int64_t plans = 0, bucket_reuses = 0, exact_fallbacks = 0;
+    double seconds = 0;
+  };
+  const PlanStats& plan_stats() const { return plan_stats_; }
+
  private:
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
@@ -71,11 +80,10 @@ class Gemm {
   // transposes, m, n, k, leading dimensions, c's type, alignments, then batch and strides.
   using PlanKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t,
                              uint32_t, uint32_t, int64_t, int64_t, int64_t, int64_t>;
+  // The plan of key's bucket (row counts by bucket of 128), its layouts set to key's shape.
   const Plan& plan(const PlanKey& key);
-
-  // The heuristic's algorithms by shape, row counts by bucket (plan()).
-  using AlgoKey = PlanKey;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
+  // Descriptors and the heuristic's algorithm for key's exact shape.
+  Plan make_plan(const PlanKey& key);
 
   // The workspace of `stream`, allocated on its first product.
   void* workspace(cudaStream_t stream);
@@ -85,7 +93,9 @@ class Gemm {
   cublasLtHandle_t handle_ = nullptr;
   std::vector<std::pair<cudaStream_t, void*>> workspaces_;
   size_t workspace_bytes_ = 32u << 20;
-  std::map<PlanKey, Plan> plans_;
+  std::map<PlanKey, Plan> plans_;        // by bucket
+  std::map<PlanKey, Plan> exact_plans_;  // by shape, where a bucket's algorithm was refused
+  PlanStats plan_stats_;
 };
 
 }  // namespace spindle::cuda
