@@ -220,10 +220,17 @@ __global__ void __launch_bounds__(kPlaceThreads)
     tile_count_kernel(const int32_t* expert, int64_t n, int experts, int32_t* tile_counts) {
   extern __shared__ int32_t local[];
   for (int e = threadIdx.x; e < experts; e += kPlaceThreads) local[e] = 0;
-  __syncthreads();
   const int64_t first = blockIdx.x * static_cast<int64_t>(kTile);
-  for (int i = threadIdx.x; i < kTile && first + i < n; i += kPlaceThreads)
-    atomicAdd(local + expert[first + i], 1);
+  int32_t round_expert[kPlaceRounds];  // -1 past the end; loaded together
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r) {
+    const int64_t a = first + r * kPlaceThreads + threadIdx.x;
+    round_expert[r] = a < n ? expert[a] : -1;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r)
+    if (round_expert[r] >= 0) atomicAdd(local + round_expert[r], 1);
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += kPlaceThreads)
     tile_counts[blockIdx.x * static_cast<int64_t>(experts) + e] = local[e];
@@ -240,23 +247,36 @@ __global__ void __launch_bounds__(kPlaceThreads)
   extern __shared__ int32_t place_shared[];
   int32_t *next = place_shared, *in_warp = place_shared + experts;
   const int tile = static_cast<int>(blockIdx.x), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Each thread a run of consecutive experts: their totals over all tiles (kept in in_warp's first
-  // row until the scan gives the run's offset) and their rows in earlier tiles.
-  const int per_thread = (experts + kPlaceThreads - 1) / kPlaceThreads;
-  const int begin = min(static_cast<int>(threadIdx.x) * per_thread, experts),
-            end = min(begin + per_thread, experts);
-  int32_t run_total = 0;
-  for (int e = begin; e < end; ++e) {
+  const int64_t first = tile * static_cast<int64_t>(kTile);
+  int32_t round_expert[kPlaceRounds];  // -1 past the end; loaded together, early
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r) {
+    const int64_t a = first + r * kPlaceThreads + threadIdx.x;
+    round_expert[r] = a < n ? expert[a] : -1;
+  }
+  // Each warp a share of the experts, its lanes over the tiles: the expert's total (kept in
+  // in_warp's first row until the scan below) and its rows in earlier tiles.
+  for (int e = warp; e < experts; e += kPlaceWarps) {
     int32_t total = 0, before = 0;
-    for (int b = 0; b < tiles; ++b) {
+    for (int b = lane; b < tiles; b += 32) {
       const int32_t count = tile_counts[static_cast<int64_t>(b) * experts + e];
       total += count;
       if (b < tile) before += count;
     }
-    next[e] = before;
-    in_warp[e] = total;
-    run_total += total;
+    total = __reduce_add_sync(0xffffffffu, total);
+    before = __reduce_add_sync(0xffffffffu, before);
+    if (lane == 0) {
+      next[e] = before;
+      in_warp[e] = total;
+    }
   }
+  __syncthreads();
+  // Each thread a run of consecutive experts, its offset from a scan over the block.
+  const int per_thread = (experts + kPlaceThreads - 1) / kPlaceThreads;
+  const int begin = min(static_cast<int>(threadIdx.x) * per_thread, experts),
+            end = min(begin + per_thread, experts);
+  int32_t run_total = 0;
+  for (int e = begin; e < end; ++e) run_total += in_warp[e];
   using Scan = cub::BlockScan<int32_t, kPlaceThreads>;
   __shared__ typename Scan::TempStorage scan;
   int32_t offset, all;
@@ -270,13 +290,6 @@ __global__ void __launch_bounds__(kPlaceThreads)
   if (tile == 0 && threadIdx.x == 0) host_offsets[experts] = all;
   for (int i = experts + threadIdx.x; i < kPlaceWarps * experts; i += kPlaceThreads) in_warp[i] = 0;
 
-  const int64_t first = tile * static_cast<int64_t>(kTile);
-  int32_t round_expert[kPlaceRounds];  // -1 past the end; loaded together
-#pragma unroll
-  for (int r = 0; r < kPlaceRounds; ++r) {
-    const int64_t a = first + r * kPlaceThreads + threadIdx.x;
-    round_expert[r] = a < n ? expert[a] : -1;
-  }
   __syncthreads();
   const unsigned lower_lanes = (1u << lane) - 1;
 #pragma unroll
