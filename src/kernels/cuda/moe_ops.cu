@@ -118,22 +118,23 @@ __global__ void route_kernel(cpu::RouterShape s, const float* logits, const floa
     taken[e] = 0;
   }
   __syncwarp();
-  for (int g = lane; g < G; g += 32) {
-    float best = -INFINITY, second = -INFINITY;
-    for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
-      const float c = choice[e];
-      if (c > best) {
-        second = best;
-        best = c;
-      } else if (c > second) {
-        second = c;
-      }
-    }
-    group_score[g] = best + second;
-  }
-  __syncwarp();
   if (s.topk_groups < G) {
-    // Keep the topk_groups best groups (ties to the lower index); mask the others' choices.
+    // Keep the topk_groups best groups by the sum of their two best choices (ties to the lower
+    // index); mask the others' choices. With every group kept, the scores would go unread.
+    for (int g = lane; g < G; g += 32) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+        const float c = choice[e];
+        if (c > best) {
+          second = best;
+          best = c;
+        } else if (c > second) {
+          second = c;
+        }
+      }
+      group_score[g] = best + second;
+    }
+    __syncwarp();
     for (int g = lane; g < G; g += 32) taken[g] = 0;
     __syncwarp();
     for (int64_t pick = 0; pick < s.topk_groups; ++pick) {
