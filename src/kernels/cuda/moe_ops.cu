@@ -404,8 +404,8 @@ void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_
     pinned_ = allocate_pinned(static_cast<size_t>(experts + 1) * sizeof(int32_t), "the experts' row offsets");
     pinned_count_ = experts + 1;
   }
-  // With unified addressing (every 64-bit CUDA platform) the kernel writes the pinned memory
-  // through its host address.
+  // Under unified addressing (every 64-bit process) a kernel reaches pinned memory from
+  // cudaHostAlloc (not write-combined) through its host address.
   auto* host_offsets = static_cast<int32_t*>(pinned_.get());
   const auto E = static_cast<int>(experts);
   tile_count_kernel<<<static_cast<unsigned>(tiles), kPlaceThreads,
