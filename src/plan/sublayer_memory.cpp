@@ -11,6 +11,7 @@ namespace {
 constexpr int64_t kKdaChunk = 64;                   // kernels/cuda/kda.h kKdaChunk
 constexpr int64_t kKdaSegmentChunks = 256;          // kernels/cuda/kda.h kKdaSegmentChunks
 constexpr int64_t kKdaBackwardSegmentChunks = 128;  // kernels/cuda/kda.h
+constexpr int64_t kPermutationTile = 2048;          // kernels/cuda/moe_ops.cu kTile
 constexpr int64_t kKdaMaxDim = 128;                 // kernels/cuda/kda.h: the blocks' strides
 constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
@@ -203,10 +204,8 @@ Blocks routing(Ledger& m, const Shapes& s, int64_t L) {
   return r;
 }
 
-// The rest of route: the experts' counts and offsets, and the gathered rows of this GPU's experts.
+// The rest of route: the gathered rows of this GPU's experts (the offsets go to pinned host memory).
 void expert_rows(Ledger& m, const Shapes& s, int64_t L, Blocks& r) {
-  r.push_back(i32(m, s.experts));      // counts
-  r.push_back(i32(m, s.experts + 1));  // offsets
   r.push_back(bf16(m, routed_rows(s, L) * s.hidden));
 }
 
@@ -306,7 +305,8 @@ int64_t routed_rows(const Shapes& s, int64_t tokens) {
 }
 
 int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens) {
-  return (2 * tokens * s.topk + 64) * 4;
+  const int64_t tiles = std::max<int64_t>(1, (tokens * s.topk + kPermutationTile - 1) / kPermutationTile);
+  return 4 * s.experts * tiles;
 }
 
 }  // namespace spindle::plan

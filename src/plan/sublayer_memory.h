@@ -53,8 +53,8 @@ void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pas
 int64_t routed_rows(const Shapes& s, int64_t tokens);
 // Selection width x 4 bytes per query: the int32 token indices a DSA layer attends to.
 int64_t selection_bytes(const Shapes& s, int64_t tokens);
-// The expert permutation's workspace (kernels/cuda/moe_ops.cu: 2 int32 words per assignment
-// plus 64; CUB's radix-sort scratch, a few KiB, is not counted).
+// The expert permutation's workspace (kernels/cuda/moe_ops.cu: an int32 count per expert and tile
+// of 2,048 assignments).
 int64_t permutation_workspace_bytes(const Shapes& s, int64_t tokens);
 
 }  // namespace spindle::plan

@@ -234,6 +234,26 @@ void separated_router_inputs(const cpu::RouterShape& s, std::vector<float>& logi
   }
 }
 
+// The host's expert-sorted assignments (as ExpertPermutation builds them): each expert's first
+// row, the stable sort of the assignments by expert and its inverse.
+struct SortedAssignments {
+  std::vector<int32_t> offsets, permutation, inverse;
+};
+
+SortedAssignments sorted_assignments(const std::vector<int32_t>& expert, int64_t E) {
+  SortedAssignments s;
+  s.offsets.assign(E + 1, 0);
+  for (int32_t e : expert) ++s.offsets[e + 1];
+  for (int64_t e = 0; e < E; ++e) s.offsets[e + 1] += s.offsets[e];
+  s.permutation.resize(expert.size());
+  std::iota(s.permutation.begin(), s.permutation.end(), 0);
+  std::stable_sort(s.permutation.begin(), s.permutation.end(),
+                   [&](int32_t a, int32_t b) { return expert[a] < expert[b]; });
+  s.inverse.resize(expert.size());
+  for (size_t r = 0; r < expert.size(); ++r) s.inverse[s.permutation[r]] = static_cast<int32_t>(r);
+  return s;
+}
+
 TEST(CudaLossMoe, RouterMatchesTheCpuExactly) {
   // tokens, experts, groups, topk_groups, topk, normalize, scaling
   for (const cpu::RouterShape& s :
@@ -252,9 +272,10 @@ TEST(CudaLossMoe, RouterMatchesTheCpuExactly) {
     auto expert = poisoned<int32_t>(T * K);
     auto weight = poisoned<float>(T * K);
     route_tokens(s, dl.data(), db.data(), expert.data(), weight.data(), stream.get());
-    auto counts = poisoned<int32_t>(E), offsets = poisoned<int32_t>(E + 1), perm = poisoned<int32_t>(T * K);
+    auto perm = poisoned<int32_t>(T * K), inverse = poisoned<int32_t>(T * K);
     ExpertPermutation permutation;
-    permutation.build(expert.data(), T * K, E, counts.data(), offsets.data(), perm.data(), stream.get());
+    permutation.build(expert.data(), T * K, E, perm.data(), inverse.data(), stream.get());
+    const std::vector<int32_t> offsets = permutation.host_offsets();
     stream.synchronize();
 
     const auto ld = to_double(logits), bd = to_double(bias);
@@ -265,16 +286,11 @@ TEST(CudaLossMoe, RouterMatchesTheCpuExactly) {
     EXPECT_EQ(expert_got, expert_ref) << "expert indices, " << where;
     EXPECT_LT(relative_error(weight.download(), weight_ref), 1e-5) << "weights, " << where;
 
-    // Counts, offsets and the stable expert-sorted permutation, from the reference choice.
-    std::vector<int32_t> counts_ref(E, 0), offsets_ref(E + 1, 0), perm_ref(T * K);
-    for (int32_t e : expert_ref) ++counts_ref[e];
-    for (int64_t e = 0; e < E; ++e) offsets_ref[e + 1] = offsets_ref[e] + counts_ref[e];
-    std::iota(perm_ref.begin(), perm_ref.end(), 0);
-    std::stable_sort(perm_ref.begin(), perm_ref.end(),
-                     [&](int32_t a, int32_t b) { return expert_ref[a] < expert_ref[b]; });
-    EXPECT_EQ(counts.download(), counts_ref) << "counts, " << where;
-    EXPECT_EQ(offsets.download(), offsets_ref) << "offsets, " << where;
-    EXPECT_EQ(perm.download(), perm_ref) << "permutation, " << where;
+    // Offsets, the stable expert-sorted permutation and its inverse, from the reference choice.
+    const SortedAssignments ref = sorted_assignments(expert_ref, E);
+    EXPECT_EQ(offsets, ref.offsets) << "offsets, " << where;
+    EXPECT_EQ(perm.download(), ref.permutation) << "permutation, " << where;
+    EXPECT_EQ(inverse.download(), ref.inverse) << "inverse, " << where;
 
     // Weight backward on fresh logits (any values: the choice is given) and upstream gradients.
     const auto logits2 = random_floats(T * E, 2.0f), dweight = random_floats(T * K);
@@ -291,34 +307,49 @@ TEST(CudaLossMoe, RouterMatchesTheCpuExactly) {
 }
 
 TEST(CudaLossMoe, ExpertPermutationOnUnevenLoads) {
-  // Skewed loads (the busiest expert several times the mean) and experts with no tokens.
-  const int64_t T = 5000, K = 8, E = 288;
-  std::vector<int32_t> expert(T * K);
-  std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(E - 1)), hot(0, 7);
-  std::uniform_real_distribution<double> u(0, 1);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int32_t> row;
-    while (static_cast<int64_t>(row.size()) < K) {
-      const int32_t e = u(rng()) < 0.5 ? hot(rng()) : any(rng()) / 2 * 2;  // odd experts get none
-      if (std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
-    }
-    std::copy(row.begin(), row.end(), expert.begin() + t * K);
-  }
-  Stream stream;
-  auto dexp = device(expert);
-  auto counts = poisoned<int32_t>(E), offsets = poisoned<int32_t>(E + 1), perm = poisoned<int32_t>(T * K);
+  // Skewed loads (the busiest expert several times the mean) and experts with no tokens; one
+  // ExpertPermutation for all cases, its workspace grown on the way: a last tile in part, the
+  // model's 16k chunk (32 whole tiles), over 48 KB of shared memory a block (2,048 experts), one
+  // assignment; then none.
+  struct Case {
+    int64_t T, K, E;
+  };
   ExpertPermutation permutation;
-  permutation.build(dexp.data(), T * K, E, counts.data(), offsets.data(), perm.data(), stream.get());
+  Stream stream;
+  for (const Case& c : {Case{5000, 8, 288}, Case{16384, 4, 16}, Case{3000, 2, 2048}, Case{1, 1, 4}}) {
+    const auto [T, K, E] = c;
+    const std::string where =
+        "T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E);
+    std::vector<int32_t> expert(T * K);
+    std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(E - 1)),
+        hot(0, static_cast<int32_t>(std::min<int64_t>(E, 8) - 1));
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int32_t> row;
+      while (static_cast<int64_t>(row.size()) < K) {
+        const int32_t e = u(rng()) < 0.5 ? hot(rng()) : any(rng()) / 2 * 2;  // odd experts past 8 get none
+        if (std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
+      }
+      std::copy(row.begin(), row.end(), expert.begin() + t * K);
+    }
+    auto dexp = device(expert);
+    auto perm = poisoned<int32_t>(T * K), inverse = poisoned<int32_t>(T * K);
+    permutation.build(dexp.data(), T * K, E, perm.data(), inverse.data(), stream.get());
+    const std::vector<int32_t> offsets = permutation.host_offsets();
+    stream.synchronize();
+    const SortedAssignments ref = sorted_assignments(expert, E);
+    EXPECT_EQ(offsets, ref.offsets) << where;
+    EXPECT_EQ(perm.download(), ref.permutation) << where;
+    EXPECT_EQ(inverse.download(), ref.inverse) << where;
+  }
+  // No assignments (one-element buffers, not to be touched): every offset zero.
+  auto dexp = device(std::vector<int32_t>{3});
+  auto perm = poisoned<int32_t>(1), inverse = poisoned<int32_t>(1);
+  permutation.build(dexp.data(), 0, 64, perm.data(), inverse.data(), stream.get());
+  EXPECT_EQ(permutation.host_offsets(), std::vector<int32_t>(65, 0));
   stream.synchronize();
-  std::vector<int32_t> counts_ref(E, 0), offsets_ref(E + 1, 0), perm_ref(T * K);
-  for (int32_t e : expert) ++counts_ref[e];
-  for (int64_t e = 0; e < E; ++e) offsets_ref[e + 1] = offsets_ref[e] + counts_ref[e];
-  std::iota(perm_ref.begin(), perm_ref.end(), 0);
-  std::stable_sort(perm_ref.begin(), perm_ref.end(),
-                   [&](int32_t a, int32_t b) { return expert[a] < expert[b]; });
-  EXPECT_EQ(counts.download(), counts_ref);
-  EXPECT_EQ(offsets.download(), offsets_ref);
-  EXPECT_EQ(perm.download(), perm_ref);
+  EXPECT_EQ(perm.download(), std::vector<int32_t>{-1});
+  EXPECT_EQ(inverse.download(), std::vector<int32_t>{-1});
 }
 
 }  // namespace

@@ -107,8 +107,7 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     for (float& w : weight) w = u(rng());
 
     Stream stream;
-    auto permutation = device(routing.permutation);
-    auto inverse = poisoned<int32_t>(A);
+    auto inverse = device(routing.inverse);
     auto x_d = device(to_bf16(x));
     auto rows = poisoned<bf16>(A * D);
     auto out_d = device(to_bf16(expert_out)), shared_d = device(to_bf16(shared));
@@ -118,7 +117,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
     auto drows_d = device(to_bf16(drows_in));
     auto dx = device(dx_before);
     wait_for_uploads();
-    invert_permutation(permutation.data(), inverse.data(), A, stream.get());
     gather_expert_rows(x_d.data(), inverse.data(), T, K, D, rows.data(), stream.get());
     combine_expert_rows(out_d.data(), inverse.data(), weight_d.data(), shared_d.data(), T, K, D, y.data(),
                         stream.get());
@@ -126,8 +124,6 @@ TEST(CudaMoeDispatch, GatherCombineAndBackwardMatchTheHost) {
                         y_in_place.data(), stream.get());
     scatter_expert_rows_backward(drows_d.data(), inverse.data(), T, K, D, dx.data(), stream.get());
     stream.synchronize();
-
-    EXPECT_EQ(inverse.download(), routing.inverse) << "inverse, " << where;
 
     // The gather is a copy: every element exact.
     const auto rows_got = rows.download();

@@ -77,12 +77,6 @@ __device__ float warp_sum(float value) {
   return value;
 }
 
-__global__ void invert_kernel(const int32_t* permutation, int32_t* inverse, int64_t n) {
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    inverse[permutation[r]] = static_cast<int32_t>(r);
-}
-
 // A warp per token: its row read once (kUnroll pieces a lane in flight), then written to each of
 // its topk sorted rows. By sorted row instead, a token's row was read topk times, scattered in time.
 constexpr int kUnroll = 8;
@@ -232,17 +226,6 @@ void check_shape(const char* what, int64_t assignments, int64_t topk, int64_t D)
 }
 
 }  // namespace
-
-void invert_permutation(const int32_t* permutation, int32_t* inverse, int64_t assignments,
-                        cudaStream_t stream) {
-  check(assignments >= 0 && assignments < INT_MAX, "invert_permutation: ", assignments,
-        " assignments (int32 limit)");
-  if (assignments == 0) return;
-  const auto blocks =
-      static_cast<unsigned>(std::min<int64_t>((assignments + kThreads - 1) / kThreads, kMaxBlocks));
-  invert_kernel<<<blocks, kThreads, 0, stream>>>(permutation, inverse, assignments);
-  SPINDLE_LAUNCHED("invert_kernel");
-}
 
 void gather_expert_rows(const bf16* x, const int32_t* inverse, int64_t tokens, int64_t topk, int64_t D,
                         bf16* rows, cudaStream_t stream) {

@@ -15,10 +15,6 @@
 
 namespace spindle::cuda {
 
-// inverse[permutation[r]] = r for r < assignments (written).
-void invert_permutation(const int32_t* permutation, int32_t* inverse, int64_t assignments,
-                        cudaStream_t stream);
-
 // rows[inverse[t * topk + k], :] = x[t, :] for every slot k; x [tokens, D], rows [tokens * topk, D]
 // (written).
 void gather_expert_rows(const __nv_bfloat16* x, const int32_t* inverse, int64_t tokens, int64_t topk,

@@ -1,11 +1,11 @@
 // MoE kernels: the clamped SwiGLU (elementwise, memory-bound), the router (one warp per token,
 // the token's scores in shared memory, group and expert choice by repeated warp arg-max with
 // ties to the lower index), its weight backward (one warp per token) and the expert-sorted
-// permutation (CUB's stable radix sort of the expert ids, with the assignment index as value).
+// permutation (a stable counting sort over tiles of assignments, with its inverse).
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cub/device/device_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/moe_ops.h"
@@ -118,22 +118,23 @@ __global__ void route_kernel(cpu::RouterShape s, const float* logits, const floa
     taken[e] = 0;
   }
   __syncwarp();
-  for (int g = lane; g < G; g += 32) {
-    float best = -INFINITY, second = -INFINITY;
-    for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
-      const float c = choice[e];
-      if (c > best) {
-        second = best;
-        best = c;
-      } else if (c > second) {
-        second = c;
-      }
-    }
-    group_score[g] = best + second;
-  }
-  __syncwarp();
   if (s.topk_groups < G) {
-    // Keep the topk_groups best groups (ties to the lower index); mask the others' choices.
+    // Keep the topk_groups best groups by the sum of their two best choices (ties to the lower
+    // index); mask the others' choices. With every group kept, the scores would go unread.
+    for (int g = lane; g < G; g += 32) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+        const float c = choice[e];
+        if (c > best) {
+          second = best;
+          best = c;
+        } else if (c > second) {
+          second = c;
+        }
+      }
+      group_score[g] = best + second;
+    }
+    __syncwarp();
     for (int g = lane; g < G; g += 32) taken[g] = 0;
     __syncwarp();
     for (int64_t pick = 0; pick < s.topk_groups; ++pick) {
@@ -205,33 +206,116 @@ __global__ void route_backward_kernel(cpu::RouterShape s, const float* logits, c
   }
 }
 
-// Counts in shared memory first, then one global add per block and expert: every assignment's
-// global atomic on the same few counters took 13 us at 65,536 assignments.
-__global__ void count_kernel(const int32_t* expert, int64_t n, int experts, int32_t* counts) {
+// The expert-sorted permutation, a stable counting sort over tiles of kTile assignments in two
+// kernels (before: a count, a scan, CUB's radix sort in four kernels, the inverse, a copy to the
+// host and a memset, each a launch about 1.2 us after the last).
+constexpr int kPlaceThreads = 256;
+constexpr int kPlaceWarps = kPlaceThreads / 32;
+constexpr int kPlaceRounds = 8;
+constexpr int kTile = kPlaceRounds * kPlaceThreads;
+
+// tile_counts[tile, e] = the tile's assignments to e, every entry written (no memset first). Counts
+// in shared memory first: a global atomic per assignment on the same few counters took 13 us at
+// 65,536 assignments.
+__global__ void __launch_bounds__(kPlaceThreads)
+    tile_count_kernel(const int32_t* expert, int64_t n, int experts, int32_t* tile_counts) {
   extern __shared__ int32_t local[];
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) local[e] = 0;
-  __syncthreads();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    atomicAdd(local + expert[i], 1);
-  __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += blockDim.x)
-    if (local[e] != 0) atomicAdd(counts + e, local[e]);
-}
-
-__global__ void offsets_kernel(const int32_t* counts, int64_t experts, int32_t* offsets) {
-  int32_t total = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    offsets[e] = total;
-    total += counts[e];
+  for (int e = threadIdx.x; e < experts; e += kPlaceThreads) local[e] = 0;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kTile);
+  int32_t round_expert[kPlaceRounds];  // -1 past the end; loaded together
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r) {
+    const int64_t a = first + r * kPlaceThreads + threadIdx.x;
+    round_expert[r] = a < n ? expert[a] : -1;
   }
-  offsets[experts] = total;
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r)
+    if (round_expert[r] >= 0) atomicAdd(local + round_expert[r], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += kPlaceThreads)
+    tile_counts[blockIdx.x * static_cast<int64_t>(experts) + e] = local[e];
 }
 
-__global__ void iota_kernel(int32_t* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = static_cast<int32_t>(i);
+// A block per tile: each assignment's row is its expert's offset, plus the rows its expert took in
+// earlier tiles, in earlier rounds of this tile (kPlaceThreads assignments a round, in order), in
+// earlier warps of this round and in lower lanes of this warp. Block 0 writes the offsets (to
+// host memory). Shared memory: next[experts] (the expert's next row after the rounds so far) and
+// in_warp[kPlaceWarps][experts] (a round's assignments by warp and expert, zero between rounds).
+__global__ void __launch_bounds__(kPlaceThreads)
+    place_kernel(const int32_t* expert, int64_t n, int experts, const int32_t* tile_counts, int tiles,
+                 int32_t* host_offsets, int32_t* permutation, int32_t* inverse) {
+  extern __shared__ int32_t place_shared[];
+  int32_t *next = place_shared, *in_warp = place_shared + experts;
+  const int tile = static_cast<int>(blockIdx.x), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t first = tile * static_cast<int64_t>(kTile);
+  int32_t round_expert[kPlaceRounds];  // -1 past the end; loaded together, early
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r) {
+    const int64_t a = first + r * kPlaceThreads + threadIdx.x;
+    round_expert[r] = a < n ? expert[a] : -1;
+  }
+  // Each warp a share of the experts, its lanes over the tiles: the expert's total (kept in
+  // in_warp's first row until the scan below) and its rows in earlier tiles.
+  for (int e = warp; e < experts; e += kPlaceWarps) {
+    int32_t total = 0, before = 0;
+    for (int b = lane; b < tiles; b += 32) {
+      const int32_t count = tile_counts[static_cast<int64_t>(b) * experts + e];
+      total += count;
+      if (b < tile) before += count;
+    }
+    total = __reduce_add_sync(0xffffffffu, total);
+    before = __reduce_add_sync(0xffffffffu, before);
+    if (lane == 0) {
+      next[e] = before;
+      in_warp[e] = total;
+    }
+  }
+  __syncthreads();
+  // Each thread a run of consecutive experts, its offset from a scan over the block.
+  const int per_thread = (experts + kPlaceThreads - 1) / kPlaceThreads;
+  const int begin = min(static_cast<int>(threadIdx.x) * per_thread, experts),
+            end = min(begin + per_thread, experts);
+  int32_t run_total = 0;
+  for (int e = begin; e < end; ++e) run_total += in_warp[e];
+  using Scan = cub::BlockScan<int32_t, kPlaceThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  int32_t offset, all;
+  Scan(scan).ExclusiveSum(run_total, offset, all);
+  for (int e = begin; e < end; ++e) {
+    if (tile == 0) host_offsets[e] = offset;
+    next[e] += offset;
+    offset += in_warp[e];
+    in_warp[e] = 0;
+  }
+  if (tile == 0 && threadIdx.x == 0) host_offsets[experts] = all;
+  for (int i = experts + threadIdx.x; i < kPlaceWarps * experts; i += kPlaceThreads) in_warp[i] = 0;
+
+  __syncthreads();
+  const unsigned lower_lanes = (1u << lane) - 1;
+#pragma unroll
+  for (int r = 0; r < kPlaceRounds; ++r) {
+    if (first + r * kPlaceThreads >= n) break;  // the same for the whole block
+    const int e = round_expert[r];
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(peers & lower_lanes), count = __popc(peers);
+    const bool leader = e >= 0 && rank == 0;
+    if (leader) in_warp[warp * experts + e] = count;
+    __syncthreads();
+    if (e >= 0) {
+      int32_t row = next[e] + rank;
+      for (int w = 0; w < warp; ++w) row += in_warp[w * experts + e];
+      const int64_t a = first + r * kPlaceThreads + threadIdx.x;
+      permutation[row] = static_cast<int32_t>(a);
+      inverse[a] = row;
+    }
+    __syncthreads();
+    if (leader) {
+      atomicAdd(next + e, count);
+      in_warp[warp * experts + e] = 0;
+    }
+    __syncthreads();
+  }
 }
 
 void check_router(const cpu::RouterShape& s) {
@@ -304,60 +388,45 @@ void route_weights_backward(const cpu::RouterShape& s, const float* logits, cons
   SPINDLE_LAUNCHED("route_backward_kernel");
 }
 
-void ExpertPermutation::download_offsets(const int32_t* offsets, int64_t experts, cudaStream_t stream) {
-  if (pinned_count_ < experts + 1) {
-    pinned_ = allocate_pinned(static_cast<size_t>(experts + 1) * sizeof(int32_t), "the experts' row offsets");
-    pinned_count_ = experts + 1;
-  }
-  SPINDLE_CUDA(cudaMemcpyAsync(pinned_.get(), offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
-                               cudaMemcpyDeviceToHost, stream));
-  downloaded_event_.record(stream);
-  downloaded_ = experts + 1;
-}
-
-std::vector<int32_t> ExpertPermutation::host_offsets() const {
-  check(downloaded_ > 0, "ExpertPermutation: host_offsets() before download_offsets()");
-  downloaded_event_.synchronize();
-  const auto* values = static_cast<const int32_t*>(pinned_.get());
-  return std::vector<int32_t>(values, values + downloaded_);
-}
-
-void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_t experts, int32_t* counts,
-                              int32_t* offsets, int32_t* permutation, cudaStream_t stream) {
+void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_t experts,
+                              int32_t* permutation, int32_t* inverse, cudaStream_t stream) {
   check(assignments >= 0 && assignments < INT_MAX, "ExpertPermutation: ", assignments,
         " assignments (int32 limit)");
   check(experts > 0 && experts <= kMaxExperts, "ExpertPermutation: experts must be in 1..", kMaxExperts,
         ", got ", experts);
-  SPINDLE_CUDA(cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(int32_t), stream));
-  if (assignments > 0) {
-    count_kernel<<<elementwise_blocks(assignments), kThreads, static_cast<size_t>(experts) * sizeof(int32_t),
-                   stream>>>(expert, assignments, static_cast<int>(experts), counts);
-    SPINDLE_LAUNCHED("count_kernel");
+  // One tile at least, so that no assignments still give offsets of zero.
+  const int64_t tiles = std::max<int64_t>(1, (assignments + kTile - 1) / kTile);
+  if (tile_counts_.size() < static_cast<size_t>(tiles * experts)) {
+    tile_counts_ = DeviceBuffer<int32_t>();
+    tile_counts_ = DeviceBuffer<int32_t>(static_cast<size_t>(tiles * experts), MemoryCategory::Workspace);
   }
-  offsets_kernel<<<1, 1, 0, stream>>>(counts, experts, offsets);
-  SPINDLE_LAUNCHED("offsets_kernel");
-  if (assignments == 0) return;
-  const int n = static_cast<int>(assignments);
-  int end_bit = 1;
-  while ((int64_t{1} << end_bit) < experts) ++end_bit;
-  size_t temp_bytes = 0;
-  SPINDLE_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, expert, static_cast<int32_t*>(nullptr),
-                                               static_cast<const int32_t*>(nullptr), permutation, n, 0,
-                                               end_bit, stream));
-  const size_t words = 2 * static_cast<size_t>(n) + 64 + (temp_bytes + sizeof(int32_t) - 1) / sizeof(int32_t);
-  if (workspace_.size() < words) {
-    workspace_ = DeviceBuffer<int32_t>();
-    workspace_ = DeviceBuffer<int32_t>(words, MemoryCategory::Workspace);
+  if (pinned_count_ < experts + 1) {
+    pinned_ = allocate_pinned(static_cast<size_t>(experts + 1) * sizeof(int32_t), "the experts' row offsets");
+    pinned_count_ = experts + 1;
   }
-  int32_t* keys_out = workspace_.data();
-  int32_t* values_in = keys_out + n;
-  // CUB's temporary storage, 256-byte aligned.
-  auto temp_address = reinterpret_cast<uintptr_t>(values_in + n);
-  temp_address = (temp_address + 255) / 256 * 256;
-  iota_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(values_in, n);
-  SPINDLE_LAUNCHED("iota_kernel");
-  SPINDLE_CUDA(cub::DeviceRadixSort::SortPairs(reinterpret_cast<void*>(temp_address), temp_bytes, expert,
-                                               keys_out, values_in, permutation, n, 0, end_bit, stream));
+  // Under unified addressing (every 64-bit process) a kernel reaches pinned memory from
+  // cudaHostAlloc (not write-combined) through its host address.
+  auto* host_offsets = static_cast<int32_t*>(pinned_.get());
+  const auto E = static_cast<int>(experts);
+  tile_count_kernel<<<static_cast<unsigned>(tiles), kPlaceThreads,
+                      static_cast<size_t>(experts) * sizeof(int32_t), stream>>>(expert, assignments, E,
+                                                                                tile_counts_.data());
+  SPINDLE_LAUNCHED("tile_count_kernel");
+  const size_t shared_bytes = static_cast<size_t>(1 + kPlaceWarps) * experts * sizeof(int32_t);
+  allow_shared_memory(place_kernel, shared_bytes, "place_kernel: ", experts, " experts");
+  place_kernel<<<static_cast<unsigned>(tiles), kPlaceThreads, shared_bytes, stream>>>(
+      expert, assignments, E, tile_counts_.data(), static_cast<int>(tiles), host_offsets, permutation,
+      inverse);
+  SPINDLE_LAUNCHED("place_kernel");
+  built_event_.record(stream);
+  built_ = experts + 1;
+}
+
+std::vector<int32_t> ExpertPermutation::host_offsets() const {
+  check(built_ > 0, "ExpertPermutation: host_offsets() before build()");
+  built_event_.synchronize();
+  const auto* values = static_cast<const int32_t*>(pinned_.get());
+  return std::vector<int32_t>(values, values + built_);
 }
 
 }  // namespace spindle::cuda

@@ -1,6 +1,7 @@
 // Mixture-of-experts operations on the GPU: the clamped SwiGLU of the experts (bf16 storage,
 // fp32 math), the DeepSeek-V3 router (fp32 logits, bias and weights) and the expert-sorted
-// permutation of the (token, slot) assignments that grouped expert GEMMs consume.
+// permutation of the (token, slot) assignments that grouped expert GEMMs consume, and its
+// inverse.
 // CPU references: cpu::clamped_swiglu(_backward), cpu::route_tokens, cpu::route_weights_backward.
 #pragma once
 
@@ -51,25 +52,25 @@ void route_weights_backward(const cpu::RouterShape& s, const float* logits, cons
                             const float* dweight, float* dlogits, cudaStream_t stream);
 
 // The assignments a = t * topk + k (expert[a] in [0, experts)) grouped by expert for grouped
-// GEMMs: counts[e] = assignments to e; offsets[e] = sum of counts before e, offsets[experts] =
-// total; permutation[offsets[e] + i] = the i-th assignment to e in token order (a stable sort
-// by expert; token = permutation / topk). Workspace (owned, grown on demand): 8 bytes per
-// assignment plus CUB's radix-sort temporary storage.
+// GEMMs: permutation[offsets[e] + i] = the i-th assignment to e in token order (a stable sort by
+// expert; token = permutation / topk), inverse[permutation[r]] = r, with offsets[e] = the
+// assignments to experts before e, offsets[experts] = all of them. The per-expert products need
+// the offsets on the host: build() writes them straight to pinned host memory, and host_offsets()
+// waits for that, so that work queued in between (the gather, the shared expert) keeps the GPU
+// busy meanwhile. Workspace (owned, grown on demand): 4 bytes per expert and tile of 2,048
+// assignments.
 class ExpertPermutation {
  public:
-  void build(const int32_t* expert, int64_t assignments, int64_t experts, int32_t* counts, int32_t* offsets,
-             int32_t* permutation, cudaStream_t stream);
-  // The per-expert products need the offsets (experts + 1 of them, as build wrote them) on the
-  // host: the copy is queued here, and the host waits for it in host_offsets(), so that work queued
-  // in between (the shared expert) keeps the GPU busy meanwhile.
-  void download_offsets(const int32_t* offsets, int64_t experts, cudaStream_t stream);
+  void build(const int32_t* expert, int64_t assignments, int64_t experts, int32_t* permutation,
+             int32_t* inverse, cudaStream_t stream);
+  // The offsets of the last build (experts + 1 of them).
   std::vector<int32_t> host_offsets() const;
 
  private:
-  DeviceBuffer<int32_t> workspace_;
-  std::shared_ptr<void> pinned_;  // [pinned_count_] int32
-  int64_t pinned_count_ = 0, downloaded_ = 0;
-  Event downloaded_event_{cudaEventDisableTiming};
+  DeviceBuffer<int32_t> tile_counts_;
+  std::shared_ptr<void> pinned_;  // [pinned_count_] int32, written by the GPU
+  int64_t pinned_count_ = 0, built_ = 0;
+  Event built_event_{cudaEventDisableTiming};
 };
 
 }  // namespace spindle::cuda

@@ -61,7 +61,6 @@ cpu::RouterShape router_shape(const ModelConfig& c, int64_t L) {
 // Routing and the expert-sorted rows: what both passes start from. host_offsets and lane: once the
 // caller has them (wait_for_offsets), or at once where a kept routing was taken.
 struct Routing : MoeRouting {
-  DeviceBuffer<int32_t> counts, offsets;
   std::vector<int> lane;    // [experts]: the side stream of each expert's products
   DeviceBuffer<bf16> rows;  // [assignments, hidden]: the gathered inputs
 };
@@ -76,18 +75,15 @@ Routing route(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf1
     return DeviceBuffer<int32_t>(static_cast<size_t>(count), MemoryCategory::Activations);
   };
   r.expert = ints(n);
-  r.counts = ints(E);
-  r.offsets = ints(E + 1);
   r.permutation = ints(n);
   r.inverse = ints(n);
   ctx.gemm.linear(x, bf16_data(w.router), r.logits.data(), L, D, E, s);
   route_tokens(router_shape(c, L), r.logits.data(), f32_data(w.correction_bias), r.expert.data(),
                r.weight.data(), s);
-  ctx.permutation.build(r.expert.data(), n, E, r.counts.data(), r.offsets.data(), r.permutation.data(), s);
-  invert_permutation(r.permutation.data(), r.inverse.data(), n, s);
+  // The offsets reach the host before the gather: for_each_expert waits for them.
+  ctx.permutation.build(r.expert.data(), n, E, r.permutation.data(), r.inverse.data(), s);
   r.rows = activations(n * D);
   gather_expert_rows(x, r.inverse.data(), L, k, D, r.rows.data(), s);
-  ctx.permutation.download_offsets(r.offsets.data(), E, s);  // for_each_expert waits for them
   ctx.record.note("moe/experts", "cublaslt per expert over sorted rows, on " +
                                      std::to_string(ctx.lanes.count()) + " streams");
   return r;
@@ -109,8 +105,9 @@ Routing take_routing(Context& ctx, const ModelConfig& c, MoeRouting& kept, const
   return r;
 }
 
-// The per-expert products need the row offsets on the host: route() queued their copy, so that the
-// caller can queue work that does not need them (the shared expert) before it waits here.
+// The per-expert products need the row offsets on the host: route() had the GPU write them before
+// the gather, so that the caller can queue work that does not need them (the shared expert) before
+// it waits here, and the GPU runs the gather and that work while the host queues the products.
 void wait_for_offsets(Context& ctx, Routing& r) {
   r.host_offsets = ctx.permutation.host_offsets();
   r.lane = ctx.lanes.assign(r.host_offsets);
