@@ -268,6 +268,18 @@ void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, co
   SPINDLE_LAUNCHED("indexer_pool_keys_kernel");
 }
 
+void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
+                  int32_t* selected, cudaStream_t stream) {
+  check(first >= s.first_query && rows >= 0 && first + rows <= s.tokens && rows < (int64_t{1} << 31),
+        "indexer_topk: queries ", first, " + ", rows, " outside ", s.first_query, " .. ", s.tokens,
+        " or too many for one launch");
+  if (rows == 0) return;
+  indexer_topk_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      scores, selected, first, s.first_query, s.complete_pools(), s.kpool, s.topk, s.width(),
+      s.select_tail ? 1 : 0);
+  SPINDLE_LAUNCHED("indexer_topk_kernel");
+}
+
 size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_block) {
   return static_cast<size_t>(query_block) * static_cast<size_t>(s.complete_pools()) * sizeof(float);
 }
@@ -290,12 +302,8 @@ void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
   const int64_t query_block = pools == 0 ? s.queries() : block;
   for (int64_t t0 = s.first_query; t0 < s.tokens; t0 += query_block) {
     const int64_t rows = std::min(query_block, s.tokens - t0);
-    check(rows < (int64_t{1} << 31), "indexer_select: query block of ", rows,
-          " rows is too large for one launch");
     indexer_scores(s, q, pool_keys, head_weights, t0, rows, workspace, stream);
-    indexer_topk_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-        workspace, selected, t0, s.first_query, pools, s.kpool, s.topk, s.width(), s.select_tail ? 1 : 0);
-    SPINDLE_LAUNCHED("indexer_topk_kernel");
+    indexer_topk(s, workspace, t0, rows, selected, stream);
   }
 }
 

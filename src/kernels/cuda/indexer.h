@@ -69,6 +69,12 @@ void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, cons
 // "wgmma" or "mma.sync": the scorer indexer_scores runs for this shape.
 const char* indexer_scorer(const cpu::IndexerShape& s);
 
+// The top-k of the queries first .. first + rows - 1 (absolute positions, first >= s.first_query)
+// from their scores as indexer_scores writes them (row r at scores + r * complete_pools): their rows
+// of selected (row t - s.first_query for query t) written as indexer_select writes them.
+void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
+                  int32_t* selected, cudaStream_t stream);
+
 // The queries are the tokens from s.first_query on (a chunk of a streamed sequence; 0: all), the
 // keys all s.tokens. q: [queries, heads, head_dim]; pool_keys: [complete_pools, head_dim];
 // head_weights: [queries, heads] (already scaled by heads^-0.5); selected: [queries, width()]
