@@ -28,11 +28,14 @@
 // tiles per multiprocessor). Limits, checked loudly: heads <= 32, head_dim a multiple of 8 up to 128, q and
 // pool_keys 16-byte aligned.
 //
-// Selection (indexer_topk_kernel), a second launch per query block: one CTA of 256 threads per
-// query reads its workspace row and runs an exact radix select (4 passes of 8-bit histograms over
-// the order-preserving bits of the fp32 scores) of the top topk/kpool visible pools, ties to the
-// lower pool, written in ascending pool order, expanded to tokens, plus the tail; -1 elsewhere.
-// Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed finite (no NaN).
+// Selection (indexer_topk, indexer_topk_kernel), a second launch per query block: one CTA per
+// query reads its workspace row and runs an exact radix select (a 12-bit histogram, then two 10-bit
+// ones over the threshold bin's keys, over the order-preserving bits of the fp32 scores) of the top
+// topk/kpool visible pools, ties to the lower pool, written in ascending pool order, expanded to
+// tokens, plus the tail; -1 elsewhere. Rows of more than 4096 pools take 1024 threads a CTA and keep
+// up to 49,408 of their keys in shared memory after the first read.
+// Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed not NaN (-inf ranks
+// below every finite score).
 #pragma once
 
 #include <cuda_bf16.h>
