@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
                         int select_tail, int64_t cache_keys) {
   constexpr int kWarps = T / 32;
   static_assert(kHeadBins % T == 0 && kTailBins % T == 0, "each thread owns whole bins");
-  extern __shared__ unsigned cache[];
+  extern __shared__ __align__(16) unsigned cache[];
   __shared__ unsigned hist[kHeadBins];
   __shared__ unsigned candidates[kCandidates];
   __shared__ unsigned found[2], candidate_count;
@@ -232,17 +232,38 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
       unsigned prefix = bin << (32 - kHeadBits), mask = ~0u << (32 - kHeadBits);
       if (threadIdx.x == 0) candidate_count = 0;
       __syncthreads();
-      for (int64_t base = 0; base < visible; base += T) {
-        const int64_t p = base + threadIdx.x;
-        const unsigned u = p < visible ? row_key(p) : 0u;
-        const bool in = p < visible && (u & mask) == prefix;
-        const unsigned ballot = __ballot_sync(kFull, in);
-        if (ballot == 0) continue;
-        unsigned first = 0;
-        if (lane == __ffs(ballot) - 1) first = atomicAdd(&candidate_count, __popc(ballot));
-        first = __shfl_sync(kFull, first, __ffs(ballot) - 1);
-        const unsigned slot = first + __popc(ballot & ((1u << lane) - 1u));
-        if (in && slot < kCandidates) candidates[slot] = u;
+      // Four adjacent keys a thread (one 16-byte load where they are cached); a warp appends only
+      // where one of its 128 keys is in the bin, few of them but where scores tie.
+      for (int64_t base = 0; base < visible; base += 4 * int64_t{T}) {
+        const int64_t p = base + 4 * threadIdx.x;
+        unsigned u[4];
+        if (p + 3 < cached) {
+          const uint4 v = *reinterpret_cast<const uint4*>(cache + p);
+          u[0] = v.x;
+          u[1] = v.y;
+          u[2] = v.z;
+          u[3] = v.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) u[j] = p + j < visible ? row_key(p + j) : 0u;
+        }
+        bool in[4], any = false;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          in[j] = p + j < visible && (u[j] & mask) == prefix;
+          any = any || in[j];
+        }
+        if (!__any_sync(kFull, any)) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const unsigned ballot = __ballot_sync(kFull, in[j]);
+          if (ballot == 0) continue;
+          unsigned first = 0;
+          if (lane == __ffs(ballot) - 1) first = atomicAdd(&candidate_count, __popc(ballot));
+          first = __shfl_sync(kFull, first, __ffs(ballot) - 1);
+          const unsigned slot = first + __popc(ballot & ((1u << lane) - 1u));
+          if (in[j] && slot < kCandidates) candidates[slot] = u[j];
+        }
       }
       __syncthreads();
       const unsigned count = candidate_count;
