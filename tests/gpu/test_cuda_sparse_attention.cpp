@@ -483,7 +483,7 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
 
 // The top-k alone (indexer_topk) on scores made here, against the selection rule written out: per
 // query the top min(topk / kpool, visible) pools by score, ties to the lower pool, in pool order,
-// expanded to tokens, then the tail. Rows of up to 200,000 pools (past what the kernel keeps in
+// expanded to tokens, then the tail. Rows of up to 300,000 pools (past what the kernel keeps in
 // shared memory), rows shorter than k, and score kinds that reach each path of the radix select:
 // distinct values, exact zeros with few positives (the threshold is 0, ties among the zeros), four
 // values 2^-20 apart (every key in one first-pass bin: more than the kernel holds, the re-read path),
@@ -508,6 +508,9 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
                         // 200,000 pools and 2048 of them chosen
                         {200000, 1, 2048, false, 199990, 10, Kind::distinct},
                         {200000, 1, 2048, true, 199992, 8, Kind::four_values},
+                        // more than 262,144 pools: a mark for every two groups of a thread's four pools
+                        {300000, 1, 64, false, 299996, 4, Kind::distinct},
+                        {300000, 1, 64, false, 299996, 4, Kind::four_values},
                         // rows of about 48,000 and 50,000 pools, about what the kernel keeps
                         {48000, 1, 256, true, 47900, 100, Kind::distinct},
                         {50000, 1, 256, true, 49900, 100, Kind::distinct},

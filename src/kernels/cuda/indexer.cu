@@ -180,12 +180,13 @@ __device__ void threshold_bin(const unsigned* hist, int bins, unsigned& k, unsig
 // scores (row blockIdx.x of the workspace), ties to the lower pool, in ascending pool order,
 // expanded to tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
 //
-// Three reads of the row where there are few ties: the first radix pass's histogram, the keys of
-// the threshold's bin into shared memory (the other passes run there), and the output in pool
-// order: each warp turns 32 pools into a bit word by a ballot, 32 words a warp and T * 32 pools a
-// CTA at a time, with one scan over the warps per T * 32 pools. The first pass also keeps the keys
-// of pools below `cache_keys` in dynamic shared memory (cache_keys unsigned), where the later
-// passes read them.
+// Two reads of the row where there are few ties. The first radix pass's histogram, which also
+// keeps the keys of pools below `cache_keys` in dynamic shared memory (cache_keys unsigned), where
+// the later passes read them. Then each thread, over its own stretch of the row, appends the keys
+// of the threshold's bin to shared memory (the other radix passes run there) and marks its groups
+// of four pools that hold a key at or above that bin. The output reads only the marked groups
+// again: each thread counts its pools above the threshold and equal to it, CTA scans order the
+// counts, and each thread writes its pools taken at their places in pool order.
 template <int T>
 __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
     indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
@@ -198,23 +199,57 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
   __shared__ unsigned candidates[kCandidates];
   __shared__ unsigned found[2], candidate_count;
   __shared__ int scan_shared[kWarps + 1];
-  __shared__ int warp_above[kWarps], warp_equal[kWarps];
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t t = t0 + blockIdx.x;
   const float* scores = workspace + static_cast<int64_t>(blockIdx.x) * pools;
   int32_t* out = selected + (t - first_query) * width;
   for (int64_t i = threadIdx.x; i < width; i += T) out[i] = -1;
   __syncthreads();  // the -1 fill is visible to the whole CTA before the selection overwrites it
 
-  const int64_t visible = min(pools, (t + 1) / kp);
-  const int64_t chosen = min(topk / kp, visible);
+  // Pools within a row are ints (the launcher checks that they fit).
+  const int visible = static_cast<int>(min(pools, (t + 1) / kp));
+  const int chosen = static_cast<int>(min(topk / kp, int64_t{visible}));
   if (chosen > 0) {
     // The threshold: the chosen-th largest key, and how many of the keys equal to it to take.
     const bool all = chosen == visible;
     // Keys below `cached` are in the cache once the first pass has run (it does not when all).
-    const int64_t cached = all ? 0 : min(visible, cache_keys);
-    const auto row_key = [scores, cached](int64_t p) { return p < cached ? cache[p] : ordered(scores[p]); };
-    unsigned threshold = 0, equal_taken = 0;
+    const int cached = all ? 0 : static_cast<int>(min(int64_t{visible}, cache_keys));
+    const auto row_key = [scores, cached](int p) { return p < cached ? cache[p] : ordered(scores[p]); };
+    // After the first pass each thread takes `groups` groups of four adjacent pools from first_pool
+    // on, visited from group lane % groups on so that a warp's 16-byte loads from the cache meet
+    // no bank twice where groups is a multiple of 8 (16 in a 1M row). Bit b of `hits` marks groups
+    // b * 2^hit_shift on (at most 64 bits) where a key reaches the threshold's first bin (all of them
+    // when all).
+    const int groups = (visible + 4 * T - 1) / (4 * T),
+              first_pool = 4 * groups * static_cast<int>(threadIdx.x);
+    int hit_shift = 0;
+    while ((64 << hit_shift) < groups) ++hit_shift;
+    uint64_t hits = all ? ~uint64_t{0} : 0;
+    // 16-byte loads of the uncached scores too where the row is so aligned.
+    const bool aligned = reinterpret_cast<uintptr_t>(scores) % 16 == 0;
+    // Group `group`'s keys into u (0 past the visible ones); returns its first pool.
+    const auto group_keys = [&](int group, unsigned* u) {
+      const int p = first_pool + 4 * group;
+      if (p + 3 < cached) {
+        const uint4 v = *reinterpret_cast<const uint4*>(cache + p);
+        u[0] = v.x;
+        u[1] = v.y;
+        u[2] = v.z;
+        u[3] = v.w;
+      } else if (aligned && p >= cached && p + 3 < visible) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(scores + p));
+        u[0] = ordered(v.x);
+        u[1] = ordered(v.y);
+        u[2] = ordered(v.z);
+        u[3] = ordered(v.w);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) u[j] = p + j < visible ? row_key(p + j) : 0u;
+      }
+      return p;
+    };
+    unsigned threshold = 0;
+    int equal_taken = 0;
     if (!all) {
       unsigned k = static_cast<unsigned>(chosen), bin = 0;
       for (int b = threadIdx.x; b < kHeadBins; b += T) hist[b] = 0;
@@ -232,27 +267,19 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
       unsigned prefix = bin << (32 - kHeadBits), mask = ~0u << (32 - kHeadBits);
       if (threadIdx.x == 0) candidate_count = 0;
       __syncthreads();
-      // Four adjacent keys a thread (one 16-byte load where they are cached); a warp appends only
-      // where one of its 128 keys is in the bin, few of them but where scores tie.
-      for (int64_t base = 0; base < visible; base += 4 * int64_t{T}) {
-        const int64_t p = base + 4 * threadIdx.x;
+      // The threshold bin's keys to the candidates, and `hits` marked where a key is at or above it.
+      // A warp appends only where one of its keys is in the bin, few of them but where scores tie.
+      for (int g = 0, group = lane % groups; g < groups; ++g, group = group + 1 == groups ? 0 : group + 1) {
         unsigned u[4];
-        if (p + 3 < cached) {
-          const uint4 v = *reinterpret_cast<const uint4*>(cache + p);
-          u[0] = v.x;
-          u[1] = v.y;
-          u[2] = v.z;
-          u[3] = v.w;
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) u[j] = p + j < visible ? row_key(p + j) : 0u;
-        }
-        bool in[4], any = false;
+        const int p = group_keys(group, u);
+        bool in[4], any = false, reached = false;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           in[j] = p + j < visible && (u[j] & mask) == prefix;
           any = any || in[j];
+          reached = reached || (p + j < visible && u[j] >= prefix);
         }
+        if (reached) hits |= uint64_t{1} << (group >> hit_shift);
         if (!__any_sync(kFull, any)) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -278,66 +305,41 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
         mask |= static_cast<unsigned>(kTailBins - 1) << shift;
       }
       threshold = prefix;
-      equal_taken = k;
+      equal_taken = static_cast<int>(k);
     }
-    // In pool order: every key above the threshold and the first equal_taken equal to it. Lane j of
-    // a warp ends with word j of the warp's 32: the pools above, and those equal.
-    int above_before = 0, equal_before = 0;  // over the earlier segments
-    for (int64_t segment = 0; segment < visible; segment += int64_t{T} * 32) {
-      const int64_t word = segment / 32 + warp * 32 + lane;
-      unsigned above = 0, equal = 0;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int64_t p = (segment / 32 + warp * 32 + i) * 32 + lane;
-        const bool valid = p < visible;
-        const unsigned u = valid ? row_key(p) : 0u;
-        const unsigned a = __ballot_sync(kFull, valid && (all || u > threshold));
-        const unsigned e = __ballot_sync(kFull, valid && !all && u == threshold);
-        if (lane == i) {
-          above = a;
-          equal = e;
-        }
+    // In pool order: every key above the threshold and the first equal_taken equal to it. The
+    // thread's pools taken, in order, are in its marked groups: f(p, u) for each of their keys.
+    const auto for_each_marked = [&](auto f) {
+      for (uint64_t rest = hits; rest != 0; rest &= rest - 1u) {
+        const int bit = __ffsll(static_cast<long long>(rest)) - 1;
+        for (int group = bit << hit_shift; group < min(groups, (bit + 1) << hit_shift); ++group)
+          for (int p = first_pool + 4 * group; p < min(visible, first_pool + 4 * group + 4); ++p)
+            f(p, row_key(p));
       }
-      // Exclusive counts before this lane's word: within the warp by shuffles, then over the warps.
-      int a_incl = __popc(above), e_incl = __popc(equal);
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const int a_up = __shfl_up_sync(kFull, a_incl, offset), e_up = __shfl_up_sync(kFull, e_incl, offset);
-        if (lane >= offset) {
-          a_incl += a_up;
-          e_incl += e_up;
-        }
-      }
-      if (lane == 31) {
-        warp_above[warp] = a_incl;
-        warp_equal[warp] = e_incl;
-      }
-      __syncthreads();
-      int a_warps = 0, e_warps = 0, a_all = 0, e_all = 0;
-      for (int w = 0; w < kWarps; ++w) {
-        if (w < warp) {
-          a_warps += warp_above[w];
-          e_warps += warp_equal[w];
-        }
-        a_all += warp_above[w];
-        e_all += warp_equal[w];
-      }
-      __syncthreads();  // warp_above and warp_equal are read before the next segment writes them
-      const int a_excl = above_before + a_warps + a_incl - __popc(above);
-      const int e_excl = equal_before + e_warps + e_incl - __popc(equal);
-      // The first equal_taken equal keys in pool order: this word's lowest ones up to the budget.
-      int budget = max(0, min(static_cast<int>(equal_taken) - e_excl, __popc(equal)));
-      unsigned take = above;
-      for (unsigned rest = equal; budget > 0; --budget) {
-        take |= rest & (0u - rest);
-        rest &= rest - 1u;
-      }
-      int position = a_excl + min(static_cast<int>(equal_taken), e_excl);
-      for (unsigned rest = take; rest != 0; rest &= rest - 1u, ++position) {
-        const int64_t pool = word * 32 + (__ffs(rest) - 1);
+    };
+    const auto is_above = [&](unsigned u) { return all || u > threshold; };
+    const auto is_equal = [&](unsigned u) { return !all && u == threshold; };
+    int above = 0, equal = 0;
+    for_each_marked([&](int, unsigned u) {
+      above += is_above(u) ? 1 : 0;
+      equal += is_equal(u) ? 1 : 0;
+    });
+    int total = 0;
+    int above_before = block_exclusive_scan<T>(above, scan_shared, total);
+    int equal_before = block_exclusive_scan<T>(equal, scan_shared, total);
+    if (above > 0 || (equal > 0 && equal_before < equal_taken)) {
+      const auto take = [&](int position, int pool) {
         for (int64_t j = 0; j < kp; ++j) out[position * kp + j] = static_cast<int32_t>(pool * kp + j);
-      }
-      above_before += a_all;
-      equal_before += e_all;
+      };
+      for_each_marked([&](int p, unsigned u) {
+        if (is_above(u)) {
+          take(above_before + min(equal_taken, equal_before), p);
+          ++above_before;
+        } else if (is_equal(u)) {
+          if (equal_before < equal_taken) take(above_before + equal_before, p);
+          ++equal_before;
+        }
+      });
     }
   }
   if (select_tail && kp > 1) {
@@ -368,6 +370,8 @@ void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first
         " or too many for one launch");
   if (rows == 0) return;
   const int64_t pools = s.complete_pools(), longest = std::min(pools, (first + rows) / s.kpool);
+  check(longest < (int64_t{1} << 31) - 4 * kLongThreads, "indexer_topk: rows of ", longest,
+        " pools are too long");
   const unsigned grid = static_cast<unsigned>(rows);
   const int tail = s.select_tail ? 1 : 0;
   if (longest <= kShortRow) {
