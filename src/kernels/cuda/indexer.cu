@@ -269,27 +269,40 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
       __syncthreads();
       // The threshold bin's keys to the candidates, and `hits` marked where a key is at or above it.
       // A warp appends only where one of its keys is in the bin, few of them but where scores tie.
-      for (int g = 0, group = lane % groups; g < groups; ++g, group = group + 1 == groups ? 0 : group + 1) {
-        unsigned u[4];
-        const int p = group_keys(group, u);
-        bool in[4], any = false, reached = false;
+      // Long rows load kBatch groups before their uses: the warps over the uncached end of the row
+      // wait on L2 once a batch (one CTA a multiprocessor hides little).
+      constexpr int kBatch = T >= 1024 ? 4 : 1;
+      for (int g = 0, group = lane % groups; g < groups; g += kBatch) {
+        unsigned u[kBatch][4];
+        int p[kBatch], visited[kBatch];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          in[j] = p + j < visible && (u[j] & mask) == prefix;
-          any = any || in[j];
-          reached = reached || (p + j < visible && u[j] >= prefix);
+        for (int b = 0; b < kBatch; ++b) {
+          visited[b] = group;
+          p[b] = visible;  // no key, past the thread's groups
+          if (g + b < groups) p[b] = group_keys(group, u[b]);
+          group = group + 1 == groups ? 0 : group + 1;
         }
-        if (reached) hits |= uint64_t{1} << (group >> hit_shift);
-        if (!__any_sync(kFull, any)) continue;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const unsigned ballot = __ballot_sync(kFull, in[j]);
-          if (ballot == 0) continue;
-          unsigned first = 0;
-          if (lane == __ffs(ballot) - 1) first = atomicAdd(&candidate_count, __popc(ballot));
-          first = __shfl_sync(kFull, first, __ffs(ballot) - 1);
-          const unsigned slot = first + __popc(ballot & ((1u << lane) - 1u));
-          if (in[j] && slot < kCandidates) candidates[slot] = u[j];
+        for (int b = 0; b < kBatch; ++b) {
+          bool in[4], any = false, reached = false;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            in[j] = p[b] + j < visible && (u[b][j] & mask) == prefix;
+            any = any || in[j];
+            reached = reached || (p[b] + j < visible && u[b][j] >= prefix);
+          }
+          if (reached) hits |= uint64_t{1} << (visited[b] >> hit_shift);
+          if (!__any_sync(kFull, any)) continue;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const unsigned ballot = __ballot_sync(kFull, in[j]);
+            if (ballot == 0) continue;
+            unsigned first = 0;
+            if (lane == __ffs(ballot) - 1) first = atomicAdd(&candidate_count, __popc(ballot));
+            first = __shfl_sync(kFull, first, __ffs(ballot) - 1);
+            const unsigned slot = first + __popc(ballot & ((1u << lane) - 1u));
+            if (in[j] && slot < kCandidates) candidates[slot] = u[b][j];
+          }
         }
       }
       __syncthreads();
@@ -312,9 +325,13 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
     const auto for_each_marked = [&](auto f) {
       for (uint64_t rest = hits; rest != 0; rest &= rest - 1u) {
         const int bit = __ffsll(static_cast<long long>(rest)) - 1;
-        for (int group = bit << hit_shift; group < min(groups, (bit + 1) << hit_shift); ++group)
-          for (int p = first_pool + 4 * group; p < min(visible, first_pool + 4 * group + 4); ++p)
-            f(p, row_key(p));
+        for (int group = bit << hit_shift; group < min(groups, (bit + 1) << hit_shift); ++group) {
+          unsigned u[4];
+          const int p = group_keys(group, u);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (p + j < visible) f(p + j, u[j]);
+        }
       }
     };
     const auto is_above = [&](unsigned u) { return all || u > threshold; };
