@@ -85,19 +85,22 @@ constexpr int kCandidates = 4096;
 
 // The two launch shapes, by the launch's longest row. Up to kShortRow pools: kShortThreads a CTA,
 // kShortBlocks CTAs a multiprocessor (what the static shared memory allows; at most 40 registers),
-// and each pass reads the row from global memory (the rows in flight fit in L2). Longer rows:
+// and every read of the row is from global memory (the rows in flight fit in L2). Longer rows:
 // kLongThreads a CTA, one a multiprocessor (64 registers), which keeps the first kCachedKeys keys
 // of its row in shared memory from the first pass on, so that only that pass reads them from
 // DRAM, 64 KiB of loads in flight a multiprocessor. The rest of a row (from 49,408 pools on,
 // 16,128 of a 1M row's 65,536) is read from global memory in each pass, 8 MB over the whole GPU,
-// which L2 holds. kCachedKeys leaves 34 KiB for the static shared memory (33 KiB).
+// which L2 holds. kShortRow is a guess at where one CTA a multiprocessor starts to pay: the fixed
+// work of a row (histograms, scans, barriers of 1024 threads) overlaps nothing there. kCachedKeys
+// leaves 34 KiB for the static shared memory (33 KiB).
 constexpr int kShortThreads = 256, kLongThreads = 1024, kShortBlocks = 6;
 constexpr int64_t kShortRow = 4096;
 constexpr int64_t kCachedKeys = (kMaxDynamicShared - 34 * 1024) / sizeof(unsigned);
 
 // f(p, score) for every p in [begin, end) of the row, each of the T threads taking a share: float4
-// loads over the 16-byte aligned middle, a batch of them a thread issued before their uses. kStreaming loads
-// are marked evict-first in L2, for scores that are not read from global memory again.
+// loads over the 16-byte aligned middle, a batch of them a thread issued before their uses.
+// kStreaming loads are marked evict-first in L2, for scores that are not read from global memory
+// again.
 template <int T, bool kStreaming, class F>
 __device__ __forceinline__ void for_each_score(const float* __restrict__ row, int64_t begin, int64_t end,
                                                F f) {
@@ -107,7 +110,7 @@ __device__ __forceinline__ void for_each_score(const float* __restrict__ row, in
   for (int64_t p = begin + threadIdx.x; p < head; p += T) f(p, row[p]);
   const float4* body = reinterpret_cast<const float4*>(row + head);
   const int64_t vectors = (end - head) / 4;
-  constexpr int kBatch = T >= 1024 ? 4 : 2;  // within the short rows' 42 registers
+  constexpr int kBatch = T >= 1024 ? 4 : 2;  // within the short rows' 40 registers
   for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += int64_t{kBatch} * T) {
     float4 x[kBatch];
 #pragma unroll
