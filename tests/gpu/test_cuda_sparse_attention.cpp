@@ -481,6 +481,123 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
   }
 }
 
+// The top-k alone (indexer_topk) on scores made here, against the selection rule written out: per
+// query the top min(topk / kpool, visible) pools by score, ties to the lower pool, in pool order,
+// expanded to tokens, then the tail. Rows of up to 300,000 pools (past what the kernel keeps in
+// shared memory), rows shorter than k, and score kinds that reach each path of the radix select:
+// distinct values, exact zeros with few positives (the threshold is 0, ties among the zeros), four
+// values 2^-20 apart (every key in one first-pass bin: more than the kernel holds, the re-read path),
+// one value everywhere, and -inf (masked) pools, in rows with fewer finite scores than k. Scores past
+// a row's visible pools are NaN and must not count; the output starts as 0x7f7f7f7f, so every slot
+// must be written.
+TEST(CudaIndexer, TopKMatchesTheRule) {
+  enum class Kind { distinct, zeros, four_values, constant, masked };
+  struct Case {
+    int64_t tokens, kpool, topk;
+    bool tail;
+    int64_t first, rows;
+    Kind kind;
+  };
+  const int64_t M = int64_t{1} << 20;
+  const Case cases[] = {// 1M tokens, GLM's k-pool 16 and top 2048: rows of 65,536 pools
+                        {M, 16, 2048, true, M - 40, 40, Kind::distinct},
+                        {M, 16, 2048, true, M - 24, 24, Kind::zeros},
+                        {M, 16, 2048, false, M - 24, 24, Kind::four_values},
+                        {M, 16, 2048, true, M - 24, 24, Kind::masked},
+                        {M, 16, 2048, true, M - 8, 8, Kind::constant},
+                        // 200,000 pools and 2048 of them chosen
+                        {200000, 1, 2048, false, 199990, 10, Kind::distinct},
+                        {200000, 1, 2048, true, 199992, 8, Kind::four_values},
+                        // more than 262,144 pools: a mark for every two groups of a thread's four pools
+                        {300000, 1, 64, false, 299996, 4, Kind::distinct},
+                        {300000, 1, 64, false, 299996, 4, Kind::four_values},
+                        // rows of about 48,000 and 50,000 pools, about what the kernel keeps
+                        {48000, 1, 256, true, 47900, 100, Kind::distinct},
+                        {50000, 1, 256, true, 49900, 100, Kind::distinct},
+                        // 8192 pools a row: all of a four-value row in one bin
+                        {int64_t{1} << 17, 16, 2048, true, (int64_t{1} << 17) - 64, 64, Kind::four_values},
+                        // from the first query: rows with no pools and rows shorter than k, in one launch
+                        // with rows longer than k
+                        {4200, 1, 2048, false, 0, 4200, Kind::distinct},
+                        {4200, 1, 2048, false, 0, 4200, Kind::masked},
+                        {20000, 4, 512, true, 0, 2000, Kind::zeros},
+                        // short rows (about 2,000 pools, a 32k sequence's)
+                        {32768, 16, 2048, true, 30000, 300, Kind::distinct},
+                        {32768, 16, 2048, true, 30000, 300, Kind::zeros},
+                        {32768, 16, 2048, true, 30000, 300, Kind::four_values},
+                        {32768, 16, 2048, true, 30000, 300, Kind::constant},
+                        {32768, 16, 2048, true, 30000, 300, Kind::masked}};
+  for (const Case& c : cases) {
+    cpu::IndexerShape s{c.tokens, 1, 16, c.kpool, c.topk, c.tail};
+    s.first_query = c.first;
+    const int64_t P = s.complete_pools(), width = s.width();
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_int_distribution<int> die(0, 1023);
+    std::vector<float> scores(static_cast<size_t>(c.rows * P), NAN);
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const int64_t visible = std::min(P, (c.first + r + 1) / c.kpool);
+      for (int64_t p = 0; p < visible; ++p) {
+        float& x = scores[static_cast<size_t>(r * P + p)];
+        switch (c.kind) {
+          case Kind::distinct:
+            x = normal(rng());
+            break;
+          case Kind::zeros:
+            x = die(rng()) == 0 ? std::abs(normal(rng())) : 0.0f;
+            break;
+          case Kind::four_values:
+            x = 1.0f + static_cast<float>(die(rng()) % 4) * 0x1p-20f;
+            break;
+          case Kind::constant:
+            x = 0.75f;
+            break;
+          case Kind::masked:
+            x = die(rng()) < 2 ? normal(rng()) : -INFINITY;
+            break;
+        }
+      }
+    }
+    std::vector<int32_t> want(static_cast<size_t>(c.rows * width), -1);
+    std::vector<int64_t> order;
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const int64_t t = c.first + r, visible = std::min(P, (t + 1) / c.kpool);
+      const int64_t chosen = std::min(c.topk / c.kpool, visible);
+      const float* row = scores.data() + r * P;
+      order.resize(static_cast<size_t>(visible));
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + chosen, order.end(), [row](int64_t a, int64_t b) {
+        return row[a] > row[b] || (row[a] == row[b] && a < b);
+      });
+      std::sort(order.begin(), order.begin() + chosen);
+      int32_t* out = want.data() + r * width;
+      for (int64_t i = 0; i < chosen; ++i)
+        for (int64_t j = 0; j < c.kpool; ++j)
+          out[i * c.kpool + j] = static_cast<int32_t>(order[i] * c.kpool + j);
+      if (c.tail && c.kpool > 1) {
+        const int64_t tail = (t + 1) % c.kpool;
+        for (int64_t j = 0; j < tail; ++j) out[c.topk + j] = static_cast<int32_t>(t + 1 - tail + j);
+      }
+    }
+    Stream stream;
+    auto dscores = device(scores);
+    DeviceBuffer<int32_t> sel = fresh_buffer<int32_t>(want.size(), MemoryCategory::Activations);
+    SPINDLE_CUDA(cudaMemsetAsync(sel.data(), 0x7f, want.size() * sizeof(int32_t), stream.get()));
+    indexer_topk(s, dscores.data(), c.first, c.rows, sel.data(), stream.get());
+    stream.synchronize();
+    const auto got = sel.download();
+    int64_t mismatched_rows = 0, first = -1;
+    for (int64_t r = 0; r < c.rows; ++r)
+      if (!std::equal(got.begin() + r * width, got.begin() + (r + 1) * width, want.begin() + r * width)) {
+        if (first < 0) first = c.first + r;
+        ++mismatched_rows;
+      }
+    EXPECT_EQ(mismatched_rows, 0) << "tokens " << c.tokens << " kpool " << c.kpool << " topk " << c.topk
+                                  << " tail " << c.tail << " queries " << c.first << " + " << c.rows
+                                  << " kind " << static_cast<int>(c.kind) << ": first mismatched query "
+                                  << first;
+  }
+}
+
 // The tensor-core scores themselves on unconstrained random inputs (signed head weights): every
 // visible score within 1e-4 of its magnitude sum_h |w_h| sum_c |q_hc k_c| / sqrt(d), the bound of
 // fp32 accumulation of exact bf16 products (2^-24 per addition, 128 + 32 additions, with room for

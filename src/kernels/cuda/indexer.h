@@ -28,11 +28,14 @@
 // tiles per multiprocessor). Limits, checked loudly: heads <= 32, head_dim a multiple of 8 up to 128, q and
 // pool_keys 16-byte aligned.
 //
-// Selection (indexer_topk_kernel), a second launch per query block: one CTA of 256 threads per
-// query reads its workspace row and runs an exact radix select (4 passes of 8-bit histograms over
-// the order-preserving bits of the fp32 scores) of the top topk/kpool visible pools, ties to the
-// lower pool, written in ascending pool order, expanded to tokens, plus the tail; -1 elsewhere.
-// Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed finite (no NaN).
+// Selection (indexer_topk, indexer_topk_kernel), a second launch per query block: one CTA per
+// query reads its workspace row and runs an exact radix select (a 12-bit histogram, then two 10-bit
+// ones over the threshold bin's keys, over the order-preserving bits of the fp32 scores) of the top
+// topk/kpool visible pools, ties to the lower pool, written in ascending pool order, expanded to
+// tokens, plus the tail; -1 elsewhere. Rows of more than 4096 pools take 1024 threads a CTA and keep
+// up to 49,408 of their keys in shared memory after the first read.
+// Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed not NaN (-inf ranks
+// below every finite score).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -68,6 +71,12 @@ void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, cons
 
 // "wgmma" or "mma.sync": the scorer indexer_scores runs for this shape.
 const char* indexer_scorer(const cpu::IndexerShape& s);
+
+// The top-k of the queries first .. first + rows - 1 (absolute positions, first >= s.first_query)
+// from their scores as indexer_scores writes them (row r at scores + r * complete_pools): their rows
+// of selected (row t - s.first_query for query t) written as indexer_select writes them.
+void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
+                  int32_t* selected, cudaStream_t stream);
 
 // The queries are the tokens from s.first_query on (a chunk of a streamed sequence; 0: all), the
 // keys all s.tokens. q: [queries, heads, head_dim]; pool_keys: [complete_pools, head_dim];
