@@ -757,11 +757,12 @@ __global__ void __launch_bounds__(kThreads)
 // each block's ring running on along its run: blocks of 64-token tiles in many waves paid fn's
 // loads, w's staging and the ring's filling and draining once a tile, 0.54 ms at 16k tokens where
 // the bytes take 0.33.
-// Shared memory's return to the registers (128 bytes a cycle an SM) paces the pass more than the
-// DRAM: each lane takes each token's whole w, 4 M bytes, for its V columns. Where kDotSplit is 2,
-// the lanes of a pair split the dot instead: each takes half of w's coefficients (fn's half rows in
-// registers, as many as one lane's whole rows) for the pair's 2 V columns, then they swap the
-// partial sums of each other's columns (one shuffle a column): half of w's bytes a column.
+// Read whole by each lane, a token's w (4 M bytes for V columns, broadcast) is most of what shared
+// memory returns to the registers (128 bytes a cycle an SM), more than the rows' own bytes. Where
+// kDotSplit is 2, the lanes of a pair split the dot instead: each takes half of w's coefficients
+// (fn's half rows in registers, as many as one lane's whole rows) for the pair's 2 V columns, then
+// they swap the partial sums of each other's columns (one shuffle a column): half of w's bytes a
+// column.
 constexpr int kStreamRows = 8;    // tokens per stage
 constexpr int kStreamStages = 3;  // stages in the ring
 
