@@ -749,27 +749,16 @@ __global__ void __launch_bounds__(kThreads)
 // the site's comb and dout, hc_combine's part sum_k comb[t, h, k] dout[t, k, d] (dx written once:
 // hc_combine_backward then leaves dx alone). A block takes kStreamColumns<H, V> columns d of every
 // stream of a run of tokens, so that each dout value is read once and used by the H streams'
-// threads; thread (h, d) writes V adjacent columns, w comes from shared memory (broadcast). This
-// pass moves most of the backward's bytes (dx or dout in, dx out, in fp32), and fn leaves the
-// registers little room for loads in flight: the rows (and each token's w, corr and pre) come
-// through a ring of shared-memory stages of kStreamRows tokens by cp.async instead (two stages
-// loading while one is used). The grid is one wave of runs (column blocks times runs of tokens),
-// each block's ring running on along its run: blocks of 64-token tiles in many waves paid fn's
-// loads, w's staging and the ring's filling and draining once a tile, 0.54 ms at 16k tokens where
-// the bytes take 0.33.
-// Read whole by each lane, a token's w (4 M bytes for V columns, broadcast) is most of what shared
-// memory returns to the registers (128 bytes a cycle an SM), more than the rows' own bytes. Where
-// kDotSplit is 2, the lanes of a pair split the dot instead: each takes half of w's coefficients
-// (fn's half rows in registers, as many as one lane's whole rows) for the pair's 2 V columns, then
-// they swap the partial sums of each other's columns (one shuffle a column): half of w's bytes a
-// column.
+// threads; thread (h, d) owns V adjacent columns with their fn [M] in registers, w comes from shared
+// memory (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, in fp32),
+// and fn leaves the registers little room for loads in flight: the rows (and each token's w, corr
+// and pre) come through a ring of shared-memory stages of kStreamRows tokens by cp.async instead
+// (two stages loading while one is used). The grid is one wave of runs (column blocks times runs of
+// tokens), each block's ring running on along its run: blocks of 64-token tiles in many waves paid
+// fn's loads, w's staging and the ring's filling and draining once a tile, 0.54 ms at 16k tokens
+// where the bytes take 0.33.
 constexpr int kStreamRows = 8;    // tokens per stage
 constexpr int kStreamStages = 3;  // stages in the ring
-
-// Lanes that split each column's dot w fn (see above): 2 for V = 2 where w's padded row halves into
-// whole float4s (hc_mult 2 and 4), else 1.
-template <int H, int V>
-constexpr int kDotSplit = V == 2 && kWStride<H> % 8 == 0 ? 2 : 1;
 
 // Columns d per block for H streams at V a thread: the block's threads over the H streams, in
 // multiples of 8 (whole 16-byte copies of bf16).
@@ -886,23 +875,14 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int h = static_cast<int>(threadIdx.x) / (C / V), c = static_cast<int>(threadIdx.x) % (C / V) * V;
   const bool mine = h < H && d0 + c < D;
   const int64_t i = static_cast<int64_t>(h) * D + d0 + c;  // the thread's first column of dx
-  // The thread's share of the dot: coefficients [o0, o0 + O) of its own V columns (f[.][0, V)) and,
-  // split, of its partner's V columns (f[.][V, 2 V): the lanes of a pair are adjacent, the even one's
-  // columns first; both write or neither, as D % 8 == 0 where V = 2).
-  constexpr int kSplit = kDotSplit<H, V>, O = MP / kSplit;
-  const int part = kSplit == 2 ? static_cast<int>(threadIdx.x) % 2 : 0, o0 = part * O;
-  float f[O][kSplit * V];
+  float f[MP][V];
 #pragma unroll
-  for (int oo = 0; oo < O; ++oo) {
+  for (int o = 0; o < MP; ++o) {
+    if (o < M && mine) {
+      load<V>(fn + static_cast<int64_t>(o) * K + i, f[o]);
+    } else {
 #pragma unroll
-    for (int p = 0; p < kSplit; ++p) {
-      const int64_t column = i + (p == 0 ? 0 : V - 2 * part * V);  // own, then the partner's
-      if (o0 + oo < M && mine) {
-        load<V>(fn + static_cast<int64_t>(o0 + oo) * K + column, f[oo] + p * V);
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) f[oo][p * V + v] = 0.0f;
-      }
+      for (int v = 0; v < V; ++v) f[o][v] = 0.0f;
     }
   }
 
@@ -924,20 +904,14 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       const int tt = s * kStreamRows + r;
       if (tt >= count) break;
       const float* wr = ws + r * kInputStride<H>;
-      float dn[kSplit * V] = {};
+      float dn[V] = {};
 #pragma unroll
-      for (int o = 0; o < O; o += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(wr + o0 + o);
+      for (int o = 0; o < MP; o += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(wr + o);
 #pragma unroll
-        for (int v = 0; v < kSplit * V; ++v)
+        for (int v = 0; v < V; ++v)
           dn[v] = fmaf(q.x, f[o][v],
                        fmaf(q.y, f[o + 1][v], fmaf(q.z, f[o + 2][v], fmaf(q.w, f[o + 3][v], dn[v]))));
-      }
-      if constexpr (kSplit == 2) {
-        // The partner's half of the own columns' sums, for its half of the partner's.
-        const unsigned pair = 3u << ((threadIdx.x % 32) & ~1u);
-#pragma unroll
-        for (int v = 0; v < V; ++v) dn[v] += __shfl_xor_sync(pair, dn[V + v], 1);
       }
       float gv[V] = {}, xv[V], cv[V];
       if (fused) {
