@@ -90,11 +90,13 @@ constexpr int kCandidates = 4096;
 // of its row in shared memory from the first pass on, so that only that pass reads them from
 // DRAM, 64 KiB of loads in flight a multiprocessor. The rest of a row (from 49,408 pools on,
 // 16,128 of a 1M row's 65,536) is read from global memory in each pass, 8 MB over the whole GPU,
-// which L2 holds. kShortRow is a guess at where one CTA a multiprocessor starts to pay: the fixed
-// work of a row (histograms, scans, barriers of 1024 threads) overlaps nothing there. kCachedKeys
+// which L2 holds. One CTA a multiprocessor overlaps nothing with a row's fixed work (histograms,
+// scans, barriers of 1024 threads), so it pays only on long rows: bench_indexer_topk (8,192 queries,
+// H200) measured it slower at 8,192 and 16,384 pools (0.75 and 0.87 ms against 0.38 and 0.73) and
+// faster at 65,536 (1.94 against 2.63); kShortRow is where the two lines cross. kCachedKeys
 // leaves 34 KiB for the static shared memory (33 KiB).
 constexpr int kShortThreads = 256, kLongThreads = 1024, kShortBlocks = 6;
-constexpr int64_t kShortRow = 4096;
+constexpr int64_t kShortRow = 24576;
 constexpr int64_t kCachedKeys = (kMaxDynamicShared - 34 * 1024) / sizeof(unsigned);
 
 // f(p, score) for every p in [begin, end) of the row, each of the T threads taking a share: float4
