@@ -91,12 +91,13 @@ constexpr int kCandidates = 4096;
 // DRAM, 64 KiB of loads in flight a multiprocessor. The rest of a row (from 49,408 pools on,
 // 16,128 of a 1M row's 65,536) is read from global memory in each pass, 8 MB over the whole GPU,
 // which L2 holds. One CTA a multiprocessor overlaps nothing with a row's fixed work (histograms,
-// scans, barriers of 1024 threads), so it pays only on long rows: bench_indexer_topk (8,192 queries,
-// H200) measured it slower at 8,192 and 16,384 pools (0.75 and 0.87 ms against 0.38 and 0.73) and
-// faster at 65,536 (1.94 against 2.63); kShortRow is where the two lines cross. kCachedKeys
-// leaves 34 KiB for the static shared memory (33 KiB).
+// scans, barriers of 1024 threads), so it pays only on long rows. bench_indexer_topk (8,192 queries,
+// H200), against the three-read kernel before it: 8,192 pools 0.38 ms on the short shape (0.40),
+// 16,384 0.78 (0.73; 0.87 on the long shape), 20,480 1.01 (0.94), 24,576 1.05 (1.08; 1.47 on the
+// short shape), 32,768 1.14 (1.37), 65,536 1.95 (2.63). kCachedKeys leaves 34 KiB for the static
+// shared memory (33 KiB).
 constexpr int kShortThreads = 256, kLongThreads = 1024, kShortBlocks = 6;
-constexpr int64_t kShortRow = 24576;
+constexpr int64_t kShortRow = 16384;
 constexpr int64_t kCachedKeys = (kMaxDynamicShared - 34 * 1024) / sizeof(unsigned);
 
 // f(p, score) for every p in [begin, end) of the row, each of the T threads taking a share: float4

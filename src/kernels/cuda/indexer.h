@@ -32,7 +32,7 @@
 // query reads its workspace row and runs an exact radix select (a 12-bit histogram, then two 10-bit
 // ones over the threshold bin's keys, over the order-preserving bits of the fp32 scores) of the top
 // topk/kpool visible pools, ties to the lower pool, written in ascending pool order, expanded to
-// tokens, plus the tail; -1 elsewhere. Rows of more than 24,576 pools take 1024 threads a CTA and keep
+// tokens, plus the tail; -1 elsewhere. Rows of more than 16,384 pools take 1024 threads a CTA and keep
 // up to 49,408 of their keys in shared memory after the first read.
 // Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed not NaN (-inf ranks
 // below every finite score).
