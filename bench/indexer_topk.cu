@@ -17,7 +17,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_memory.h"
-#include "cuda_timing.cuh"
+#include "indexer_inputs.cuh"
 #include "kernels/cpu/dsa.h"
 #include "kernels/cuda/indexer.h"
 
@@ -32,16 +32,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "expected 1 <= queries <= tokens and zero_share in [0, 1]\n");
     return 2;
   }
-  const int64_t heads = 32, dim = 128, kpool = 16, topk = 2048;
-  cpu::IndexerShape s{tokens, heads, dim, kpool, topk, true};
-  s.first_query = tokens - queries;
-  const int64_t pools = s.complete_pools();
-  auto q = random_bf16(queries * heads * dim, 1), keys = random_bf16(pools * dim, 2),
-       weights = random_bf16(queries * heads, 3);
-  if (zero_eighths > 0) {  // pools p with p % 8 < zero_eighths
-    const size_t row = dim * sizeof(__nv_bfloat16);
-    SPINDLE_CUDA(cudaMemset2D(keys.data(), 8 * row, 0, zero_eighths * row, static_cast<size_t>(pools / 8)));
-  }
+  IndexerBenchInputs in = indexer_bench_inputs(tokens, queries, zero_eighths);
+  const cpu::IndexerShape& s = in.shape;
+  const int64_t pools = in.pools, kpool = s.kpool;
+  const auto &q = in.q, &keys = in.keys, &weights = in.weights;
   DeviceBuffer<float> scores(static_cast<size_t>(std::max<int64_t>(queries * pools, 1)),
                              MemoryCategory::Workspace);
   DeviceBuffer<int32_t> selected(static_cast<size_t>(queries * s.width()), MemoryCategory::Activations);
