@@ -163,22 +163,9 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
   check(k > 0, "Gemm: a batched product with k = 0");
   if (batch == 1) stride_a = stride_b = stride_c = 0;
   const int64_t c_bytes = static_cast<int64_t>(element_bytes(c_type));
-  const PlanKey key{transpose_a,
-                    transpose_b,
-                    m,
-                    n,
-                    k,
-                    lda,
-                    ldb,
-                    ldc,
-                    static_cast<int>(c_type),
-                    alignment_of(a, 2 * stride_a),
-                    alignment_of(b, 2 * stride_b),
-                    alignment_of(c, c_bytes * stride_c),
-                    batch,
-                    stride_a,
-                    stride_b,
-                    stride_c};
+  const PlanKey key(transpose_a, transpose_b, m, n, k, lda, ldb, ldc, static_cast<int>(c_type),
+                    alignment_of(a, 2 * stride_a), alignment_of(b, 2 * stride_b),
+                    alignment_of(c, c_bytes * stride_c), batch, stride_a, stride_b, stride_c);
   auto exact = exact_plans_.find(key);
   const Plan& p = exact != exact_plans_.end() ? exact->second : plan(key);
   if (profile_) profile_->begin(stream);

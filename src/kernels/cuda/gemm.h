@@ -11,7 +11,8 @@
 // matmul_batched runs many products of one shape at fixed element strides in one launch (the
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
-// products queued on different streams may run together.
+// products queued on different streams may run together. It is not thread-safe: plans are cached
+// and a bucket's layouts resized as products are queued, from one host thread.
 //
 // With SPINDLE_GEMM_PROFILE set in the environment, every product is timed by CUDA events and the
 // Gemm prints, when destroyed, the time by shape (row counts that are not multiples of 64, the
