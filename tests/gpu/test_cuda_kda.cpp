@@ -153,7 +153,8 @@ int64_t chunks_past_the_decay_bound(const std::vector<float>& g, int64_t T, int6
 
 TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
   // A partial last chunk and sub-chunk, non-multiples of 16 in both head dims, the largest head
-  // dims, a single token, a long sequence, and a partial chunk with the largest dk and dv != dk.
+  // dims, a single token, a long sequence, a partial chunk with the largest dk and dv != dk, and a dv
+  // that is not a multiple of 4.
   for (auto [T, H, dk, dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 2, 16, 16},
                               {257, 3, 64, 64},
                               {130, 2, 40, 24},
@@ -161,7 +162,8 @@ TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
                               {1, 2, 32, 32},
                               {4096, 2, 64, 64},
                               {333, 2, 128, 40},
-                              {700, 2, 8, 8}})  // the tiny model's heads (tests/configs/tiny.json)
+                              {700, 2, 8, 8},     // the tiny model's heads (tests/configs/tiny.json)
+                              {130, 2, 36, 18}})  // dv not a multiple of 4: the passes' scalar stores
     check_against_recurrence(T, H, dk, dv, false);
 }
 
@@ -171,6 +173,7 @@ TEST(CudaKda, CarriedStatesMatchRecurrence) {
                               {77, 1, 128, 128},
                               {0, 2, 16, 16},
                               {100, 2, 24, 128},
+                              {150, 2, 20, 18},
                               {16448, 1, 32, 32}})  // 257 chunks: segments of 256 + 1 (128 + 128 + 1)
     check_against_recurrence(T, H, dk, dv, true);
 }

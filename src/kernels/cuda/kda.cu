@@ -167,14 +167,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // The state pass's shared memory, in floats: two stages of W [C, kKdaRowsStride] (the A operand of
 // W S), Kb [C, kKdaColumnsStride] (read transposed: Kb^T u), U0 [C, kKdaSplitStride] and glast; then
-// the state tile [kMaxDim, 16] and u [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh).
+// the state tile [kMaxDim, 16] and u [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh),
+// and as fp32 tiles, from which they go to global memory as whole 16-byte rows.
 constexpr int kOffStageKb = kC * kKdaRowsStride, kOffStageU = kOffStageKb + kC * kKdaColumnsStride,
               kOffStageGlast = kOffStageU + kC * kKdaSplitStride;
 constexpr int kStageFloats = kOffStageGlast + kMaxDim;
 constexpr int kSplitStateFloats = kMaxDim * kKdaSplitStride, kSplitChunkFloats = kC * kKdaSplitStride;
 size_t scan_smem_bytes() {
   return sizeof(float) *
-         static_cast<size_t>(2 * kStageFloats + 2 * kSplitStateFloats + 2 * kSplitChunkFloats);
+         static_cast<size_t>(2 * kStageFloats + 3 * kSplitStateFloats + 3 * kSplitChunkFloats);
 }
 static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
               "the state pass: a warp per 16 rows of the state, two 8-column mma tiles");
@@ -185,7 +186,8 @@ static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
 // writes back. Per chunk, on the tensor cores (kda_state_products.cuh): u = U0 - W S, warp w the
 // tokens 16 (w / 2) .. and columns 8 (w % 2) ..; then S = diag(exp G_last) S + Kb^T u, warp w the
 // state rows 16 w .. (its tile stays in the warp's registers from chunk to chunk). The next chunk's
-// W, Kb, U0 and glast arrive by cp.async while this one computes.
+// W, Kb, U0 and glast arrive by cp.async while this one computes. u and each entry state also go
+// into fp32 tiles, which the whole CTA stores as 16-byte row pieces after the next barrier.
 __global__ void __launch_bounds__(kThreads)
     kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, int64_t c0, int64_t c1,
                         int heads, int dk, int dv) {
@@ -198,6 +200,13 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t* Slo = Shi + kSplitStateFloats;
   uint32_t* uhi = Slo + kSplitStateFloats;
   uint32_t* ulo = uhi + kSplitChunkFloats;
+  float* Sf = reinterpret_cast<float*>(ulo + kSplitChunkFloats);  // the state tile, fp32
+  float* uf = Sf + kSplitStateFloats;                             // u, fp32
+  const bool vec = dv % 4 == 0;
+  const int cols = min(kTileV, dv - j0);
+  const auto store_state = [&](int64_t c) {
+    kda_store_tile_rows<kThreads>(chunk_states + (c * heads + h) * SS + j0, dv, Sf, dk, cols, vec);
+  };
   const auto load_stage = [&](int64_t c, float* stage) {
     const float* block = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats;
     // Whole rows, so that every row and column of the state tile stays zero past dk.
@@ -226,36 +235,36 @@ __global__ void __launch_bounds__(kThreads)
       const int i = row(e), j = j0 + col(nt, e);
       S[nt][e] = initial != nullptr && i < dk && j < dv ? initial[h * SS + i * dv + j] : 0.0f;
       store_tf32_split(Shi, Slo, i * kKdaSplitStride + col(nt, e), S[nt][e]);
+      Sf[i * kKdaSplitStride + col(nt, e)] = S[nt][e];
     }
   if (c0 < c1) load_stage(c0, stages);
   for (int64_t c = c0;; ++c) {
-    float* state_out = chunk_states + (c * heads + h) * SS;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row(e), j = j0 + col(nt, e);
-        if (i < dk && j < dv) state_out[i * dv + j] = S[nt][e];
-      }
-    if (c == c1) break;
+    if (c == c1) {
+      __syncthreads();  // the final state's tile is in
+      store_state(c);
+      break;
+    }
     copy_wait_all();
-    __syncthreads();  // this chunk's stage and the split state are in; no one reads the other stage
+    __syncthreads();  // this chunk's stage and the state's tiles are in; no one reads the other stage
     if (c + 1 < c1) load_stage(c + 1, stages + ((c + 1 - c0) & 1) * kStageFloats);
+    store_state(c);  // the entry state of chunk c (Sf is next written after the barrier below)
     const float* stage = stages + ((c - c0) & 1) * kStageFloats;
     {  // u = U0 - W S (rows past the chunk are zero in W and U0: u = 0 there)
       const int m0 = 16 * (warp / 2), n0 = 8 * (warp % 2);
       float ws[4];
       kda_rows_times_state(ws, stage, Shi, Slo, m0, n0);
-      float* u_out = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = m0 + g + 8 * (e / 2), j = n0 + 2 * q4 + e % 2;
         const float u = stage[kOffStageU + t * kKdaSplitStride + j] - ws[e];
-        u_out[t * kMaxDim + j0 + j] = u;
         store_tf32_split(uhi, ulo, t * kKdaSplitStride + j, u);
+        uf[t * kKdaSplitStride + j] = u;
       }
     }
     __syncthreads();  // u is in
+    // u over U0 (uf is next written after the next chunk's first barrier).
+    kda_store_tile_rows<kThreads>(blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU + j0,
+                                  kMaxDim, uf, kC, kTileV, true);
     // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
     float ku[2][4];
     kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);
@@ -267,6 +276,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         S[nt][e] = fmaf(decay[e / 2], S[nt][e], ku[nt][e]);
         store_tf32_split(Shi, Slo, row(e) * kKdaSplitStride + col(nt, e), S[nt][e]);
+        Sf[row(e) * kKdaSplitStride + col(nt, e)] = S[nt][e];
       }
   }
 }
