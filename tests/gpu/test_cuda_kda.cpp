@@ -163,7 +163,7 @@ TEST(CudaKda, ChunkedForwardAndBackwardMatchRecurrence) {
                               {4096, 2, 64, 64},
                               {333, 2, 128, 40},
                               {700, 2, 8, 8},     // the tiny model's heads (tests/configs/tiny.json)
-                              {130, 2, 36, 18}})  // dv not a multiple of 4: the passes' scalar stores
+                              {130, 2, 36, 18}})  // dv not a multiple of 4: the scan stores value by value
     check_against_recurrence(T, H, dk, dv, false);
 }
 

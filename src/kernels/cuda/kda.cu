@@ -180,6 +180,28 @@ size_t scan_smem_bytes() {
 static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
               "the state pass: a warp per 16 rows of the state, two 8-column mma tiles");
 
+// Rows [0, rows) and columns [0, cols) (cols <= 16) of an fp32 tile [*, kKdaSplitStride] in shared
+// memory to dst, whose rows are `ld` floats apart, by all the CTA's threads: in 16-byte
+// pieces where `vec` (dst and ld 16-byte aligned, cols a multiple of 4), else one value at a time.
+// The scan's per-chunk outputs leave this way, whole sectors at a time: stored as the mma fragments'
+// scattered pairs of floats they took about a fifth of its time (docs/KDA.md).
+__device__ __forceinline__ void store_tile_rows(float* dst, int64_t ld, const float* tile, int rows, int cols,
+                                                bool vec) {
+  if (vec) {
+    for (int p = threadIdx.x; p < rows * 4; p += kThreads) {
+      const int r = p / 4, j = 4 * (p % 4);
+      if (j < cols)
+        *reinterpret_cast<float4*>(dst + r * ld + j) =
+            *reinterpret_cast<const float4*>(tile + r * kKdaSplitStride + j);
+    }
+  } else {
+    for (int p = threadIdx.x; p < rows * 16; p += kThreads) {
+      const int r = p / 16, j = p % 16;
+      if (j < cols) dst[r * ld + j] = tile[r * kKdaSplitStride + j];
+    }
+  }
+}
+
 // Head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks [c0, c1) of the segment from
 // `initial` (null: zero), writing chunk_states[c0 .. c1] and replacing each block's U0 tile by u.
 // `initial` may be chunk_states[c0] itself (a later segment): each thread reads the elements it
@@ -205,7 +227,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool vec = dv % 4 == 0;
   const int cols = min(kTileV, dv - j0);
   const auto store_state = [&](int64_t c) {
-    kda_store_tile_rows<kThreads>(chunk_states + (c * heads + h) * SS + j0, dv, Sf, dk, cols, vec);
+    store_tile_rows(chunk_states + (c * heads + h) * SS + j0, dv, Sf, dk, cols, vec);
   };
   const auto load_stage = [&](int64_t c, float* stage) {
     const float* block = blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats;
@@ -263,8 +285,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // u is in
     // u over U0 (uf is next written after the next chunk's first barrier).
-    kda_store_tile_rows<kThreads>(blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU + j0,
-                                  kMaxDim, uf, kC, kTileV, true);
+    store_tile_rows(blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU + j0, kMaxDim, uf, kC,
+                    kTileV, true);
     // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
     float ku[2][4];
     kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);

@@ -153,12 +153,11 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
 
 // Kernel 2's shared memory, in floats: two stages of W [C, kKdaColumnsStride] (read transposed: W^T
 // X), Kb [C, kKdaRowsStride] (the A operand of Kb dS') and G_last; then the dS tile [kMaxDim, 16]
-// and X [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh); the dS tile again in fp32,
-// from which it goes to global memory as whole 16-byte rows.
+// and X [C, 16] as TF32 hi and lo bit tiles (kda_state_products.cuh).
 constexpr int kOffStageKb = kC * kKdaColumnsStride, kOffStageGlast = kOffStageKb + kC * kKdaRowsStride;
 constexpr int kStageFloats = kOffStageGlast + kMaxDim;
 constexpr int kSplitStateFloats = kMaxDim * kKdaSplitStride, kSplitChunkFloats = kC * kKdaSplitStride;
-size_t state_smem_floats() { return 2 * kStageFloats + 3 * kSplitStateFloats + 2 * kSplitChunkFloats; }
+size_t state_smem_floats() { return 2 * kStageFloats + 2 * kSplitStateFloats + 2 * kSplitChunkFloats; }
 static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
               "the state pass: a warp per 16 rows of dS, two 8-column mma tiles");
 
@@ -172,8 +171,7 @@ static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
 // gradient entering chunk c0 (the next, earlier segment's `initial`: each
 // thread reads the elements of it that it writes), d_initial, if not null,
 // that of chunk 0. The next chunk's W, Kb and G_last arrive by cp.async while
-// this one computes. Each chunk's dS also goes into an fp32 tile, which the
-// whole CTA stores as 16-byte row pieces after the next barrier.
+// this one computes.
 __global__ void __launch_bounds__(kThreads)
     kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
                          float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
@@ -187,12 +185,6 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t* dSlo = dShi + kSplitStateFloats;
   uint32_t* Xhi = dSlo + kSplitStateFloats;
   uint32_t* Xlo = Xhi + kSplitChunkFloats;
-  float* dSf = reinterpret_cast<float*>(Xlo + kSplitChunkFloats);  // the dS tile, fp32
-  const bool vec = dv % 4 == 0;
-  const int cols = min(kTileV, dv - j0);
-  const auto store_dS = [&](float* to) {
-    kda_store_tile_rows<kThreads>(to + h * SS + j0, dv, dSf, dk, cols, vec);
-  };
   const auto load_stage = [&](int64_t c, float* stage) {
     const float* op = ops + ((c - c0) * heads + h) * kKdaBackwardOpsFloats;
     for (int p = tid; p < kC * kMaxDim / 4; p += kThreads) {
@@ -230,10 +222,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) z[nt][e] = owned(nt, e) ? slot[at(nt, e)] : 0.0f;
     copy_wait_all();
-    __syncthreads();  // this chunk's stage and dS's tiles are in; no one reads the other stage
+    __syncthreads();  // this chunk's stage and the split dS are in; no one reads the other stage
     if (c - 1 >= c0) load_stage(c - 1, stages + ((c1 - c) & 1) * kStageFloats);
-    // The gradient entering chunk c + 1, computed last step (dSf is next written after the barrier below).
-    if (c + 1 < c1) store_dS(slots + (c + 1 - c0) * heads * SS);
     const float* stage = stages + ((c1 - 1 - c) & 1) * kStageFloats;
     {  // X = Kb dS' (rows past the chunk are zero in Kb: X = 0 there)
       const int m0 = 16 * (warp / 2), n0 = 8 * (warp % 2);
@@ -255,14 +245,12 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         dS[nt][e] = fmaf(decay[e / 2], dS[nt][e], z[nt][e]) - wx[nt][e];
         store_tf32_split(dShi, dSlo, row(e) * kKdaSplitStride + col(nt, e), dS[nt][e]);
-        dSf[row(e) * kKdaSplitStride + col(nt, e)] = dS[nt][e];
+        if (!owned(nt, e)) continue;
+        slot[at(nt, e)] = dS[nt][e];
+        if (c == c0) carry[h * SS + at(nt, e)] = dS[nt][e];
+        if (c == 0 && d_initial != nullptr) d_initial[h * SS + at(nt, e)] = dS[nt][e];
       }
   }
-  if (c1 == c0) return;
-  __syncthreads();  // the gradient entering chunk c0 is in dSf
-  store_dS(slots);
-  store_dS(carry);
-  if (c0 == 0 && d_initial != nullptr) store_dS(d_initial);
 }
 
 // Kernel 3: 16 warps, so that twice as many as before hide the shared-memory

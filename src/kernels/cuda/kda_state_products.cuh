@@ -31,29 +31,6 @@ __device__ __forceinline__ void store_tf32_split(uint32_t* hi, uint32_t* lo, int
   tf32_split(x, hi[idx], lo[idx]);
 }
 
-// Rows [0, rows) and columns [0, cols) (cols <= 16) of an fp32 tile [*, kKdaSplitStride] in shared
-// memory to dst, whose rows are `ld` floats apart, by all kThreads threads of the CTA: in 16-byte
-// pieces where `vec` (dst and ld 16-byte aligned, cols a multiple of 4), else one value at a time.
-// A pass's per-chunk outputs leave this way, whole sectors at a time, instead of as the mma
-// fragments' scattered pairs of floats (which cost the forward's scan about a fifth of its time).
-template <int kThreads>
-__device__ __forceinline__ void kda_store_tile_rows(float* dst, int64_t ld, const float* tile, int rows,
-                                                    int cols, bool vec) {
-  if (vec) {
-    for (int p = threadIdx.x; p < rows * 4; p += kThreads) {
-      const int r = p / 4, j = 4 * (p % 4);
-      if (j < cols)
-        *reinterpret_cast<float4*>(dst + r * ld + j) =
-            *reinterpret_cast<const float4*>(tile + r * kKdaSplitStride + j);
-    }
-  } else {
-    for (int p = threadIdx.x; p < rows * 16; p += kThreads) {
-      const int r = p / 16, j = p % 16;
-      if (j < cols) dst[r * ld + j] = tile[r * kKdaSplitStride + j];
-    }
-  }
-}
-
 // exp(G_last) of the warp's state rows i0 + g and i0 + g + 8, by which each chunk decays them
 // (glast: the chunk's G_last [kKdaMaxDim], log2 domain).
 __device__ __forceinline__ void kda_state_row_decays(const float* glast, int i0, float (&decay)[2]) {
