@@ -272,12 +272,15 @@ void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carr
 
 TEST(CudaKda, KeptMatricesGiveTheSameBackward) {
   // A partial last chunk and sub-chunk with dk != dv; 257 chunks, past the forward's segment of
-  // 256 and the backward's of 128; head dims that are no multiple of 4 or 8; decays down to -7, so
-  // that the chunks' diagonal blocks take both of chunk_matrices' forms (DiagonalBlocksOnBothPaths).
+  // 256 and the backward's of 128; head dims that are no multiple of 4 or 8, an odd dk (the kept
+  // prep's q and k tiles by plain loads) beside the widest dv (its dO tile copied whole); decays
+  // down to -7, so that the chunks' diagonal blocks take both of chunk_matrices' forms
+  // (DiagonalBlocksOnBothPaths).
   for (auto [T, H, dk, dv, carried, g_min] :
        {std::tuple<int64_t, int64_t, int64_t, int64_t, bool, float>{333, 2, 128, 40, false, -5.0f},
         {16448, 2, 64, 64, true, -5.0f},
         {150, 2, 30, 21, true, -5.0f},
+        {97, 1, 127, 128, false, -5.0f},
         {2600, 2, 16, 16, false, -7.0f}})
     check_kept_matrices(T, H, dk, dv, carried, g_min);
 }

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   PrefetchedRows<kMaxDim, kThreads> vv;  // in flight while the matrices are computed
   vv.load(v, t0, n, h, heads, dv);
   chunk_prep(
-      q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false, nullptr,
+      q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
       [&](const FwdPrepTiles& tiles) {
         if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
       },

@@ -8,7 +8,8 @@
 //      WY form W = Tinv diag(beta) exp(G) k and Kb = exp(G_last - G) k, and the
 //      chunk's own share of its entry state's gradient, Z = (exp(G) q - Aq W)^T
 //      dO, into the workspace; with kept matrices (kda.h) A, Aq and Tinv are
-//      the forward's, loaded instead of computed;
+//      the forward's, read from their packed rows by a leaner kernel of the
+//      same arithmetic, two CTAs per SM;
 //   2. state gradients, grid heads x value tiles of 16: the chunks in reverse,
 //   carrying only the
 //      [dk, 16] tile of dS; per chunk dS = diag(exp G_last) dS' - W^T (Kb dS')
@@ -55,19 +56,36 @@ static_assert(kOpGlast + kMaxDim == kKdaBackwardOpsFloats, "kda.h's operand bloc
 
 size_t prep_smem_floats() { return ChunkPrepTiles::floats(); }
 
+// Z = P^T dO over the chunk's n tokens on the tensor cores, one warp's rows i0 .. i0 + 15 and
+// columns j0 .. j0 + 63 of it, into Z [dk, dv] (only i < dk, j < dv written): P [C, ps] (read
+// transposed), dO [C, ds] fp32 or bf16 (exact in TF32: not split). Both kernel 1's.
+template <class E>
+__device__ void store_z_tile(const float* P, int ps, const E* dO, int ds, int i0, int j0, int n, int dk,
+                             int dv, float* Z) {
+  const int lane = threadIdx.x % 32, g4 = lane / 4, c4 = lane % 4;
+  float z[8][4] = {};
+  warp_mma<8, kKdaSplitTf32, kKdaBf16Operand, true>(z, P, ps, dO, ds, i0, j0, 0, n);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = i0 + g4 + 8 * (e / 2), j = j0 + 8 * nt + 2 * c4 + e % 2;
+      if (i < dk && j < dv) Z[i * dv + j] = z[nt][e];
+    }
+}
+
 // Kernel 1, chunk c = c0 + blockIdx.x of head blockIdx.y: A (strictly lower),
 // Aq (lower) and Tinv (unit lower) into mats [chunks, heads, kMats] (packed,
-// kda_chunk.cuh), or, if `kept` (the forward's, this segment's part), from
-// there; W, Kb
-// and G_last into ops; and, into slot c - c0 of slots, the chunk's own share of
-// its entry state's gradient, Z = (Qg - Aq W)^T dO [dk, dv], so that the state
-// pass is dS = diag(exp G_last) dS' - W^T (Kb dS') + Z (docs/KDA.md).
+// kda_chunk.cuh); W, Kb and G_last into ops; and, into slot c - c0 of slots,
+// the chunk's own share of its entry state's gradient, Z = (Qg - Aq W)^T dO
+// [dk, dv], so that the state pass is dS = diag(exp G_last) dS' - W^T (Kb dS')
+// + Z (docs/KDA.md). With kept matrices kda_bwd_kept_prep_kernel runs instead.
 __global__ void __launch_bounds__(kKdaPrepThreads, 1)
     kda_bwd_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const float* __restrict__ g, const float* __restrict__ beta,
-                        const __nv_bfloat16* __restrict__ dout, const float* __restrict__ kept,
-                        float* __restrict__ mats, float* __restrict__ ops, float* __restrict__ slots,
-                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+                        const __nv_bfloat16* __restrict__ dout, float* __restrict__ mats,
+                        float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
+                        int heads, int dk, int dv) {
   extern __shared__ __align__(16) float smem[];
   constexpr int S = ChunkPrepTiles::kStride, AS = ChunkPrepTiles::kAStride;
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -79,12 +97,10 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   const ChunkPrepTiles m(smem);
   const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
   float* op = ops + chunk_head * kKdaBackwardOpsFloats;
-  PrefetchedChunk dO;  // in flight while the matrices are computed or loaded
+  PrefetchedChunk dO;  // in flight while the matrices are computed
   dO.load(dout, t0, n, h, heads, dv);
   chunk_prep(q, k, g, beta, t0, n, h, heads, dk, m, op + kOpKb, op + kOpGlast, true,
-             kept != nullptr ? kept + chunk_head * kMats : nullptr, [&](const ChunkPrepTiles& tiles) {
-               if (kept == nullptr) store_kda_matrices(tiles, mats + chunk_head * kMats);
-             });
+             [&](const ChunkPrepTiles& tiles) { store_kda_matrices(tiles, mats + chunk_head * kMats); });
   // W = Tinv diag(beta) exp(G) k on the tensor cores: out, and into G's tile (G
   // is no longer needed). Warp w: columns 16 (w % 8) .. + 15, m-tiles p and 3 -
   // p (p = w / 8), so that every warp takes 10 steps of 8 tokens (m-tile mt
@@ -119,36 +135,141 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
   }
   dO.store(m.ks, S);
   __syncthreads();
-  // Z = P^T dO [dk, dv] over the chunk's tokens on the tensor cores: warp w
-  // takes rows 16 (w / 2)
-  // .. + 15 and columns 64 (w % 2) .. + 63. P^T's fragment is read from P's
-  // tile transposed.
-  const int i0 = 16 * (warp / 2), j0 = 64 * (warp % 2);
-  float z[8][4] = {};
-  for (int k0 = 0; k0 < n; k0 += 8) {
-    KdaFragA a;
-    const float* Pc = m.qs + (k0 + c4) * S + i0 + g4;  // P^T (i0 + g4, k0 + c4)
-    a.set(0, Pc[0]);
-    a.set(1, Pc[8]);
-    a.set(2, Pc[4 * S]);
-    a.set(3, Pc[4 * S + 8]);
+  // Z: warp w the rows 16 (w / 2) .. and columns 64 (w % 2) ...
+  store_z_tile(m.qs, S, m.ks, S, 16 * (warp / 2), 64 * (warp % 2), n, dk, dv, slots + chunk_head * dk * dv);
+}
+
+// Kernel 1 with kept matrices: nothing to solve, so a lean prep of 256 threads
+// and 104 KB of shared memory, two CTAs per SM (kda_bwd_prep_kernel's one CTA
+// of 16 warps per SM waited on its loads). Every output element's arithmetic
+// is kda_bwd_prep_kernel's (the same operations, TF32 splits and mma steps in
+// the same order), so W, Kb, G_last and Z are bit for bit what it writes; only
+// threads and operands' places differ: q, k and dO in bf16 tiles (exact), Aq
+// and Tinv read from their packed rows, Tinv's elements times beta as they are
+// read (the products kda_bwd_prep_kernel's scaled tile holds), Qg held in
+// registers until q and k are read.
+constexpr int kKeptThreads = 256;
+// Row stride of its [C, dk] tiles, fp32 and bf16: 8 mod 32 words in the fp32
+// ones, where the mma reads B operands (exp(G) k, W) and P^T's transposed A
+// fragments, conflict-free either way; 16-byte bf16 rows for cp.async.
+constexpr int kKs = kMaxDim + 8;
+// Shared memory, in floats: G, then exp(G) k, then W [C, kKs]; q and k (bf16
+// [C, kKs] each), then Qg, then P [C, kKs]; dO (bf16 [C, kKs]); Aq's and
+// Tinv's packed rows; load_chunk_batched's partial sums; beta; G_last.
+constexpr int kKeptP = kC * kKs, kKeptDo = 2 * kC * kKs, kKeptMats = kKeptDo + kC * kKs / 2;
+constexpr int kKeptPart = kKeptMats + kMats - kKdaPackedAq, kKeptBeta = kKeptPart + kKdaPrepParts * kMaxDim;
+constexpr int kKeptGlast = kKeptBeta + kC;
+constexpr size_t kKeptSmemBytes = sizeof(float) * (kKeptGlast + kMaxDim);
+static_assert(kKs % 32 == 8 && kKeptDo % 4 == 0 && kKeptMats % 4 == 0,
+              "conflict-free fp32 rows, 16-byte tiles");
+static_assert(2 * (kKeptSmemBytes + 1024) <= 228 * 1024, "two per sm_90 SM (1 KB reserved per CTA)");
+
+// Chunk c = c0 + blockIdx.x of head blockIdx.y with kept (the segment's part
+// of the forward's matrices): W, Kb and G_last into ops and Z into slot c - c0,
+// as kda_bwd_prep_kernel.
+__global__ void __launch_bounds__(kKeptThreads, 2)
+    kda_bwd_kept_prep_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                             const float* __restrict__ g, const float* __restrict__ beta,
+                             const __nv_bfloat16* __restrict__ dout, const float* __restrict__ kept,
+                             float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
+                             int heads, int dk, int dv) {
+  extern __shared__ __align__(16) float smem[];
+  constexpr int D = kMaxDim;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
+  const int64_t t0 = (c0 + blockIdx.x) * kC;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kC), tokens - t0));
+  const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
+  float* op = ops + chunk_head * kKdaBackwardOpsFloats;
+  float* Gs = smem;                                          // G, then exp(G) k, then W
+  float* Ps = smem + kKeptP;                                 // Qg = exp(G) q, then P = Qg - Aq W
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(Ps);  // q and k until Qg
+  __nv_bfloat16* ks = qs + kC * kKs;
+  const __nv_bfloat16* dOs = reinterpret_cast<const __nv_bfloat16*>(smem + kKeptDo);
+  const float* paq = smem + kKeptMats;                    // Aq's packed rows,
+  const float* pt = paq + kKdaPackedTinv - kKdaPackedAq;  // then Tinv's
+  float *bt = smem + kKeptBeta, *gl = smem + kKeptGlast;
+  // Every load in flight at once: the packed rows (adjacent, 16 KB), q and k by
+  // cp.async, dO too (a group of its own: needed last), while G's prefix sums
+  // load into registers.
+  const float beta_t = tid < n ? beta[(t0 + tid) * heads + h] : 0.0f;
+  stage_rows(smem + kKeptMats, 0, kept + chunk_head * kMats + kKdaPackedAq, 0, 1, kMats - kKdaPackedAq);
+  stage_chunk_rows(qs, kKs, q, t0, n, h, heads, dk);
+  stage_chunk_rows(ks, kKs, k, t0, n, h, heads, dk);
+  copy_commit();
+  stage_chunk_rows(reinterpret_cast<__nv_bfloat16*>(smem + kKeptDo), kKs, dout, t0, n, h, heads, dv);
+  copy_commit();
+  load_chunk_batched<kKdaPrepParts, kKeptThreads>(nullptr, nullptr, g, t0, n, h, heads, dk, kKs, nullptr,
+                                                  nullptr, Gs, smem + kKeptPart, gl);
+  if (tid < kC) bt[tid] = beta_t;
+  copy_wait_all_but_newest();
+  __syncthreads();
+  // Kb out and exp(G) k over G, each element by the thread that reads it; Qg
+  // into registers, over q and k once every thread has read them.
+  constexpr int kPerThread = kC * D / kKeptThreads;
+  float qg[kPerThread];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float* Dc = m.ks + (k0 + c4) * S + j0 + 8 * nt + g4;
-      Tf32Frag<2, kKdaBf16Operand> b;
-      b.set(0, Dc[0]);
-      b.set(1, Dc[4 * S]);
-      mma_tf32(z[nt], a, b);
-    }
+  for (int r = 0; r < kPerThread; ++r) {
+    const int idx = tid + kKeptThreads * r, t = idx / D, i = idx % D, x = t * kKs + i;
+    const bool live = t < n && i < dk;
+    const float G = Gs[x], kv = __bfloat162float(ks[x]), e = exp2_ftz(G);
+    op[kOpKb + idx] = live ? exp2_ftz(gl[i] - G) * kv : 0.0f;
+    Gs[x] = live ? kv * e : 0.0f;
+    qg[r] = live ? __bfloat162float(qs[x]) * e : 0.0f;
   }
-  float* Z = slots + (static_cast<int64_t>(blockIdx.x) * heads + h) * dk * dv;
+  if (tid < D) op[kOpGlast + tid] = tid < dk ? gl[tid] : 0.0f;
+  __syncthreads();
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int r = 0; r < kPerThread; ++r) {
+    const int idx = tid + kKeptThreads * r;
+    Ps[idx / D * kKs + idx % D] = qg[r];
+  }
+  // W = Tinv diag(beta) exp(G) k on the tensor cores, held until every warp has
+  // read exp(G) k; then out, and over it. Warp w: columns 32 (w % 4) .. + 31,
+  // m-tiles p and 3 - p (p = w / 4): 10 mma steps of 8 tokens each. Tinv's
+  // elements are scaled where kda_bwd_prep_kernel scales its tile (t, s < n).
+  const int p = warp / 4, n0 = 32 * (warp % 4);
+  const auto tinv_beta = [&](int t, int s) {
+    const float x = packed_tinv(pt, n, t, s);
+    return t < n && s < n ? x * bt[s] : x;
+  };
+  float w[2][4][4] = {};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = i0 + g4 + 8 * (e / 2), j = j0 + 8 * nt + 2 * c4 + e % 2;
-      if (i < dk && j < dv) Z[i * dv + j] = z[nt][e];
-    }
+  for (int half = 0; half < 2; ++half) {
+    const int mt = half == 0 ? p : 3 - p;
+    warp_mma_at<4, kKdaSplitTf32, kKdaSplitTf32>(w[half], tinv_beta, Gs, kKs, 16 * mt, n0, 0, 16 * (mt + 1));
+  }
+  __syncthreads();  // exp(G) k is read; Qg is in
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int t = 16 * (half == 0 ? p : 3 - p) + g4 + 8 * (e / 2), i = n0 + 8 * nt + 2 * c4;
+        const float2 v = make_float2(w[half][nt][e], w[half][nt][e + 1]);
+        *reinterpret_cast<float2*>(op + t * D + i) = v;
+        *reinterpret_cast<float2*>(Gs + t * kKs + i) = v;
+      }
+  __syncthreads();
+  // P = Qg - Aq W in place (each element read and written by the lane whose
+  // product it is), the same split over the warps.
+  const auto aq = [&](int t, int s) { return packed_aq(paq, t, s); };
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int mt = half == 0 ? p : 3 - p;
+    float acc[4][4] = {};
+    warp_mma_at<4, kKdaSplitTf32, kKdaSplitTf32>(acc, aq, Gs, kKs, 16 * mt, n0, 0, 16 * (mt + 1));
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        Ps[(16 * mt + g4 + 8 * (e / 2)) * kKs + n0 + 8 * nt + 2 * c4 + e % 2] -= acc[nt][e];
+  }
+  copy_wait_all();  // dO
+  __syncthreads();
+  // Z: warp w the rows 16 w .., both column halves.
+  for (int j0 = 0; j0 < D; j0 += 64)
+    store_z_tile(Ps, kKs, dOs, kKs, 16 * warp, j0, n, dk, dv, slots + chunk_head * dk * dv);
 }
 
 // Kernel 2's shared memory, in floats: two stages of W [C, kKdaColumnsStride] (read transposed: W^T
@@ -680,6 +801,7 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   float* slots = ops + segment * heads * kKdaBackwardOpsFloats;
   float* carry = slots + (segment + 1) * heads * SS;
   allow_shared_memory(kda_bwd_prep_kernel, prep_smem_floats() * sizeof(float), "kda_bwd_prep_kernel");
+  allow_shared_memory(kda_bwd_kept_prep_kernel, kKeptSmemBytes, "kda_bwd_kept_prep_kernel");
   allow_shared_memory(kda_bwd_state_kernel, state_smem_floats() * sizeof(float), "kda_bwd_state_kernel");
   allow_shared_memory(kda_bwd_grad_kernel, grad_smem_floats() * sizeof(float), "kda_bwd_grad_kernel");
   const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
@@ -689,9 +811,13 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     const float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kMats : nullptr;
-    kda_bwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float), stream>>>(
-        q, k, g, beta, dout, kept, mats, ops, slots, c0, tokens, H, dki, dvi);
-    SPINDLE_LAUNCHED("kda_bwd_prep_kernel");
+    if (kept != nullptr)
+      kda_bwd_kept_prep_kernel<<<chunk_grid, kKeptThreads, kKeptSmemBytes, stream>>>(
+          q, k, g, beta, dout, kept, ops, slots, c0, tokens, H, dki, dvi);
+    else
+      kda_bwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float), stream>>>(
+          q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
+    SPINDLE_LAUNCHED(kept != nullptr ? "kda_bwd_kept_prep_kernel" : "kda_bwd_prep_kernel");
     // A later segment left the gradient of this one's exit state in the carry.
     const float* initial = c1 == chunks ? d_final_state : carry;
     const dim3 state_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));

@@ -446,17 +446,15 @@ __device__ inline void chunk_matrices(const Tiles& m, int n, int dk) {
 
 // acc[nt] += op(L)[m0 .. m0 + 15, k] op(X)[k, n0 + 8 nt .. + 7] summed over k in [kbeg, kend)
 // (multiples of 8), one warp on the tensor cores, each operand split or not (kSplitL, kSplitX:
-// mma_tf32; split both for 3xTF32, neither for plain TF32). L and X are
-// row-major (row strides ls, xs); kTL reads L transposed (op(L)[r][k] = L[k ls + r]), kTX X
-// (op(X)[k][n] = X[n xs + k]). Both finite everywhere they are read. Shared-memory banks: a
-// stride of 4 mod 8 words keeps the plain A and the transposed B reads conflict-free, 8 or 24 mod
-// 32 the transposed A and the plain B reads.
-template <int NT, bool kSplitL, bool kSplitX, bool kTL = false, bool kTX = false>
-__device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, const float* X, int xs, int m0,
-                                int n0, int kbeg, int kend) {
+// mma_tf32; split both for 3xTF32, neither for plain TF32), op(L)[r][k] = l_at(r, k) (any layout:
+// warp_mma's tiles, the kept matrices' packed rows). X is row-major (row stride xs) fp32 or bf16
+// (tile_float); kTX reads it transposed (op(X)[k][n] = X[n xs + k]). Both finite everywhere they
+// are read.
+template <int NT, bool kSplitL, bool kSplitX, bool kTX = false, class LAt, class EX>
+__device__ inline void warp_mma_at(float (&acc)[NT][4], const LAt& l_at, const EX* X, int xs, int m0, int n0,
+                                   int kbeg, int kend) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const auto l_at = [&](int r, int k) { return kTL ? L[k * ls + r] : L[r * ls + k]; };
-  const auto x_at = [&](int k, int n) { return kTX ? X[n * xs + k] : X[k * xs + n]; };
+  const auto x_at = [&](int k, int n) { return tile_float(kTX ? X[n * xs + k] : X[k * xs + n]); };
   for (int k0 = kbeg; k0 < kend; k0 += 8) {
     Tf32Frag<4, kSplitL> a;
     a.set(0, l_at(m0 + g, k0 + c));
@@ -471,6 +469,16 @@ __device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, con
       mma_tf32(acc[nt], a, b);
     }
   }
+}
+
+// warp_mma_at with L a row-major shared tile (row stride ls); kTL reads it transposed (op(L)[r][k]
+// = L[k ls + r]). Shared-memory banks: a stride of 4 mod 8 words keeps the plain A and the
+// transposed B reads conflict-free, 8 or 24 mod 32 the transposed A and the plain B reads.
+template <int NT, bool kSplitL, bool kSplitX, bool kTL = false, bool kTX = false, class EX>
+__device__ inline void warp_mma(float (&acc)[NT][4], const float* L, int ls, const EX* X, int xs, int m0,
+                                int n0, int kbeg, int kend) {
+  const auto l_at = [&](int r, int k) { return kTL ? L[k * ls + r] : L[r * ls + k]; };
+  warp_mma_at<NT, kSplitL, kSplitX, kTX>(acc, l_at, X, xs, m0, n0, kbeg, kend);
 }
 
 // acc[nt] += L[m0 .. m0 + 15, 0 .. kend) X[0 .. kend, n0 + 8 nt .. + 7] (warp_mma, both row-major;
@@ -553,37 +561,47 @@ __device__ inline void store_kda_matrices(const Tiles& m, float* out) {
   }
 }
 
-// The packed rows of a chunk of n tokens (pa, paq, pt: A's, Aq's and Tinv's, as store_kda_matrices
-// wrote them; copied to shared memory by cp.async) back into square shared tiles (row strides as,
-// aqs, ts; A's skipped if null), zero above the diagonal, exactly as chunk_matrices wrote them.
-// Every thread takes part; the caller's barrier makes them visible.
+// Element (t, s) of a chunk's A, Aq and Tinv from their packed rows (pa, paq, pt: as
+// store_kda_matrices wrote them, in shared memory) exactly as chunk_matrices left it: zero above
+// the diagonal, Tinv's diagonal one for the chunk's n tokens.
+__device__ inline float packed_a(const float* pa, int t, int s) {
+  return s < t ? pa[t * (t - 1) / 2 + s] : 0.0f;
+}
+__device__ inline float packed_aq(const float* paq, int t, int s) {
+  return s <= t ? paq[t * (t + 1) / 2 + s] : 0.0f;
+}
+__device__ inline float packed_tinv(const float* pt, int n, int t, int s) {
+  return s < t ? pt[t * (t - 1) / 2 + s] : (s == t && t < n ? 1.0f : 0.0f);
+}
+
+// The packed rows of a chunk of n tokens (copied to shared memory by cp.async) back into square
+// shared tiles (row strides as, aqs, ts). Every thread takes part; the caller's barrier makes them
+// visible.
 __device__ inline void unpack_kda_matrices(const float* pa, const float* paq, const float* pt, int n,
                                            float* A, int as, float* Aq, int aqs, float* T, int ts) {
   constexpr int C = static_cast<int>(kKdaChunk);
   for (int idx = threadIdx.x; idx < C * C; idx += blockDim.x) {
     const int t = idx / C, s = idx - t * C;
-    if (A != nullptr) A[t * as + s] = s < t ? pa[t * (t - 1) / 2 + s] : 0.0f;
-    Aq[t * aqs + s] = s <= t ? paq[t * (t + 1) / 2 + s] : 0.0f;
-    T[t * ts + s] = s < t ? pt[t * (t - 1) / 2 + s] : (s == t && t < n ? 1.0f : 0.0f);
+    A[t * as + s] = packed_a(pa, t, s);
+    Aq[t * aqs + s] = packed_aq(paq, t, s);
+    T[t * ts + s] = packed_tinv(pt, n, t, s);
   }
 }
 
-// The first steps of both preps for the chunk of n tokens from t0, head h: q, k, G, beta (the tiles
-// zero past the chunk and past dk), then A, Aq and Tinv (chunk_matrices), or, where `kept` holds
-// them (this chunk and head's packed matrices, as store_kda_matrices wrote them), Aq and Tinv
-// loaded from there (A's tile then holds their packed rows, not A); `keep(tiles)` (every thread)
-// while the matrices are as computed (it may read A, Aq and Tinv, not q, k or G); Kb = exp(G_last -
-// G) k and G_last out to kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and
-// past dk); W's operand exp(G) k, in k's own tile where that is fp32 (and q's becomes exp(G) q if
-// scale_q), else over G's; then Tinv becomes Tinv diag(beta) if scale_tinv (else the caller
-// multiplies each element Tinv[t][s] by bt[s] as it reads it: the same values wherever t < n and
-// s < n, and the same zeros elsewhere, bt being zero past n). Tiles::kThreads threads; ends with a
-// barrier.
+// The first steps of the forward's prep and the backward's (the one without kept matrices) for the
+// chunk of n tokens from t0, head h: q, k, G, beta (the tiles zero past the chunk and past dk),
+// then A, Aq and Tinv (chunk_matrices); `keep(tiles)` (every thread) while the matrices are as
+// computed (it may read A, Aq and Tinv, not q, k or G); Kb = exp(G_last - G) k and G_last out to
+// kb_out [C, kKdaMaxDim] and glast_out [kKdaMaxDim] (zero past the chunk and past dk); W's
+// operand exp(G) k, in k's own tile where that is fp32 (and q's becomes exp(G) q if scale_q), else
+// over G's; then Tinv becomes Tinv diag(beta) if scale_tinv (else the caller multiplies each
+// element Tinv[t][s] by bt[s] as it reads it: the same values wherever t < n and s < n, and the
+// same zeros elsewhere, bt being zero past n). Tiles::kThreads threads; ends with a barrier.
 template <class Tiles, class Keep>
 __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                            const float* __restrict__ g, const float* __restrict__ beta, int64_t t0, int n,
                            int h, int heads, int dk, const Tiles& m, float* kb_out, float* glast_out,
-                           bool scale_q, const float* kept, Keep keep, bool scale_tinv = true) {
+                           bool scale_q, Keep keep, bool scale_tinv = true) {
   constexpr int C = Tiles::kC, S = Tiles::kStride, D = static_cast<int>(kKdaMaxDim);
   const int tid = threadIdx.x;
   // beta into a register first, stored once the chunk's loads are in: no wait before them.
@@ -592,14 +610,6 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
   // solve). Past token n and channel dk, q and k are zero, as the products need; G stays at the
   // last token's past n, where only zero q and k meet it.
   static_assert(kKdaPrepParts * D <= Tiles::kNFloats, "load_chunk_batched's partial sums fit in ns");
-  // Kept: Aq's and Tinv's packed rows (adjacent, 16 KB) by cp.async into A's tile, which this prep
-  // does not need then, in flight while the chunk loads; unpacked from there.
-  constexpr int kPackedAqT = static_cast<int>(kKdaMatrixFloats) - kKdaPackedAq;
-  static_assert(kPackedAqT <= C * Tiles::kAStride, "the packed rows fit in A's tile");
-  if (kept != nullptr) {
-    stage_rows(m.As, 0, kept + kKdaPackedAq, 0, 1, kPackedAqT);
-    copy_commit();
-  }
   if constexpr (Tiles::kFp32) {
     load_chunk_batched<kKdaPrepParts, Tiles::kThreads>(q, k, g, t0, n, h, heads, dk, S, m.qs, m.ks, m.Gs,
                                                        m.ns, m.gl);
@@ -612,16 +622,8 @@ __device__ void chunk_prep(const __nv_bfloat16* __restrict__ q, const __nv_bfloa
     copy_wait_all();
     __syncthreads();
   }
-  if (tid < C) m.bt[tid] = beta_t;  // read after the barriers below
-  if (kept != nullptr) {
-    copy_wait_all();
-    __syncthreads();
-    unpack_kda_matrices(nullptr, m.As, m.As + (kKdaPackedTinv - kKdaPackedAq), n, nullptr, 0, m.Aqs,
-                        Tiles::kAqStride, m.Ts, kKdaSolveStride);
-    __syncthreads();
-  } else {
-    chunk_matrices(m, n, dk);
-  }
+  if (tid < C) m.bt[tid] = beta_t;  // read after chunk_matrices' barriers
+  chunk_matrices(m, n, dk);
   keep(m);
   // Each element of q, k and G read and rewritten by one thread: nothing else reads them now.
   for (int idx = tid; idx < C * D; idx += blockDim.x) {
