@@ -93,6 +93,9 @@ class DeviceModel {
   virtual void set_timing(bool on) = 0;
   virtual std::map<std::string, double> collect_timing() = 0;
   virtual void synchronize() = 0;
+  // Opens (begin) or closes a profiler's capture range: nsys --capture-range=cudaProfilerApi records
+  // only the device work queued in between (bench/step_profile.sh).
+  virtual void profile_range(bool begin) = 0;
 };
 
 using DeviceModelFactory = std::function<std::unique_ptr<DeviceModel>(

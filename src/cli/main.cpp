@@ -49,7 +49,7 @@ commands:
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
-            [--host-optimizer] [--indexer-kl] [--out FILE.json]
+            [--host-optimizer] [--indexer-kl] [--profile] [--out FILE.json]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU,
                                                 the memory policy (the planner's pick unless --chunk)

@@ -1,6 +1,8 @@
 // The CUDA backend behind spindle::DeviceModel: the GPU model (model/cuda) plus the optimizer
 // state on the device (fp32 masters for bf16 weights; fp32 weights are their own masters) or, when
 // asked, on the host (backend/cuda/host_optimizer.h).
+#include <cuda_profiler_api.h>
+
 #include <cmath>
 #include <map>
 #include <memory>
@@ -226,6 +228,7 @@ class CudaDeviceModel final : public DeviceModel {
     return ms;
   }
   void synchronize() override { model_.context().synchronize(); }
+  void profile_range(bool begin) override { SPINDLE_CUDA(begin ? cudaProfilerStart() : cudaProfilerStop()); }
   int64_t memory_outside_allocator() const override { return DeviceAllocator::instance().outside_bytes(); }
   int64_t memory_capacity() const override {
     size_t free = 0, total = 0;

@@ -74,7 +74,7 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args("bench", argv,
                   {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy"},
-                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl"});
+                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -88,6 +88,8 @@ int run_bench(const std::vector<std::string>& argv) {
   std::optional<plan::ActivationPolicy> forced_policy;
   if (const auto name = args.optional("policy")) forced_policy = plan::parse_site_policy(*name);
   check(!(forced_policy && forced_chunk), "--chunk and --policy exclude each other (--chunk N streams)");
+  // The last step of each length inside a profiler's capture range (bench/step_profile.sh).
+  const bool profile = args.flag("profile");
   const bool random_tokens = args.flag("random-tokens");
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
@@ -166,14 +168,16 @@ int run_bench(const std::vector<std::string>& argv) {
     std::map<std::string, double> kind_ms;
     double loss = 0;
     for (int64_t step = 0; step < warmup + steps; ++step) {
-      const bool timed = step >= warmup;
+      const bool timed = step >= warmup, profiled = profile && step + 1 == warmup + steps;
       device->set_timing(timed);
+      if (profiled) device->profile_range(true);
       const auto start = std::chrono::steady_clock::now();
       device->zero_gradients();
       loss = device->loss_and_gradients(tokens, loss_options).loss;
       device->clip_gradients(1.0);
       device->optimizer_step(adam, 1e-5, step + 1);
       device->synchronize();
+      if (profiled) device->profile_range(false);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (timed) seconds.push_back(elapsed);
       log_info("bench L=", L, " step ", step + 1, "/", warmup + steps, timed ? "" : " (warm-up)", ": ",
