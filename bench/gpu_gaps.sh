@@ -10,10 +10,7 @@
 set -euo pipefail
 out=$1 seq_len=${2:-32768} chunk=${3:-16384}
 cd "$(dirname "$0")/.."
-for libs in build/devlibs build/nsyslibs; do
-  if [ -d "$libs" ]; then export LD_LIBRARY_PATH="$PWD/$libs:${LD_LIBRARY_PATH:-}"; fi
-done
-nsys=${NSYS:-$(command -v nsys || ls /opt/nvidia/nsight-*/*/host/target-linux-x64/nsys 2>/dev/null | head -1)}
+source bench/nsys_env.sh
 mkdir -p "$out"
 "$nsys" profile -t cuda --sample=none --cpuctxsw=none -o "$out/trace" -f true ./build/spindle bench \
   --model bench/glm53-flash-4b-4layers.json --seq-len "$seq_len" --chunk "$chunk" --steps 1 --warmup 1 \

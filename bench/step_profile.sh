@@ -5,15 +5,12 @@
 #     bash bench/step_profile.sh OUT_DIR MODEL SEQ_LEN [more spindle bench options]
 # e.g. the trained checkpoint of bench/trained_1m_h200.sh at 1M:
 #     bash bench/step_profile.sh OUT /tmp/tf/run/$(cat /tmp/tf/run/latest) 1048576 --host-optimizer
-# The GPU machine's nsys needs libdw and libelf (see bench/gpu_gaps.sh: build/nsyslibs).
+# The GPU machine's nsys needs libdw and libelf (see bench/nsys_env.sh: build/nsyslibs).
 set -euo pipefail
 out=$1 model=$2 seq_len=$3
 shift 3
 cd "$(dirname "$0")/.."
-for libs in build/devlibs build/nsyslibs; do
-  if [ -d "$libs" ]; then export LD_LIBRARY_PATH="$PWD/$libs:${LD_LIBRARY_PATH:-}"; fi
-done
-nsys=${NSYS:-$(command -v nsys || ls /opt/nvidia/nsight-*/*/host/target-linux-x64/nsys 2>/dev/null | head -1)}
+source bench/nsys_env.sh
 mkdir -p "$out"
 "$nsys" profile -t cuda --sample=none --cpuctxsw=none --capture-range=cudaProfilerApi \
   --capture-range-end=stop -o "$out/step" -f true ./build/spindle bench --model "$model" --seq-len "$seq_len" \
