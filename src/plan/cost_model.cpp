@@ -25,6 +25,7 @@ constexpr double kFfnPassesPerChunk = 4;
 struct Work {
   double forward = 0;  // without the indexer's scores
   double indexer = 0;
+  double sparse_attention = 0;  // the DSA layers' attention over their selections
   double attention_share = 0;
   double core_share = 0;  // of the attention sites': the KDA recurrence and the sparse attention
 };
@@ -53,6 +54,7 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   Work w;
   w.forward = (attention + ffn - experts + head) / t + experts * busiest;
   w.indexer = flops.indexer / t;
+  w.sparse_attention = flops.attention / t;
   w.attention_share = attention / t / w.forward;
   w.core_share = attention > 0 ? (flops.kda + flops.attention) / attention : 0;
   return w;
@@ -94,7 +96,7 @@ double forward_passes(const Policy& policy, int64_t tokens, double attention_sha
 }
 
 StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
-                   const Policy& policy, const Hardware& h) {
+                   const Policy& policy, const Hardware& h, bool indexer_kl) {
   const Work work = gpu_work(c, p, tokens);
   const double passes = forward_passes(policy, tokens, work.attention_share, work.core_share);
   // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
@@ -104,6 +106,7 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   const double indexer = (policy.indexer_again ? 2 : 1) * work.indexer / h.indexer_mfu / h.peak_flops;
   StepTime time;
   time.compute = passes * seconds_per_pass + indexer;
+  if (indexer_kl) time.compute += work.sparse_attention / h.indexer_kl_mfu / h.peak_flops;
   if (policy.activations == ActivationPolicy::Stream && !policy.outputs_again && policy.kda_matrices_again) {
     const auto kda_layers =
         static_cast<double>(std::count(c.layer_types.begin(), c.layer_types.end(), AttentionKind::Kda));

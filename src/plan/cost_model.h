@@ -35,14 +35,17 @@ namespace spindle::plan {
 
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
-  // Measured speeds of today's executor, fitted to the 4B config on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 11.5% of peak (counted as 5 passes,
-  // see kCalibrationPasses; 1M stream 16k + host AdamW 139.05 s at cac0719 (142.25 s at 3c5f1b0;
-  // 128k stream 16k 16.4-17.2 s at d046467), the KDA matrices kept),
-  // the indexer's quadratic scores with their selection, which run once per step, at 34% (the wgmma
-  // scorer in halves and the three-read top-k: 9.25-9.31 s per run at 1M, 2026-12-02).
-  double mfu = 0.115;
-  double indexer_mfu = 0.34;
+  // Measured speeds of today's executor, fitted to the 4B config's 1M step on the H200 (docs/PLANNER.md
+  // "Step time"): model FLOPs without the indexer's scores at 20.4% of peak (counted as 5 passes,
+  // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
+  // per step, at 30.6%: stream 16k + host AdamW 86.19 s from a trained checkpoint at f4bf5af, its
+  // indexer 10.22 s (2026-12-04; 139.05 s and 9.3 s from random weights at cac0719, before the
+  // union form, at 11.5% and 34%). The indexer's KL training (`--indexer-kl`) adds the attention's
+  // mass over the selection and the KL's gradient, counted as the sparse attention's forward FLOPs
+  // at 14%: 88.96 s with it at f4bf5af.
+  double mfu = 0.204;
+  double indexer_mfu = 0.306;
+  double indexer_kl_mfu = 0.14;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
@@ -73,7 +76,7 @@ struct StepTime {
 };
 
 StepTime step_time(const ModelConfig& c, const Parallel& parallel, const StateBytes& state, int64_t tokens,
-                   const Policy& policy, const Hardware& hardware);
+                   const Policy& policy, const Hardware& hardware, bool indexer_kl);
 
 // Forward passes of work per step (see above) for a sequence of `tokens`; attention_share: the
 // attention sites' share of a forward's FLOPs; core_share: the KDA recurrence's and sparse

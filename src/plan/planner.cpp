@@ -64,7 +64,7 @@ Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
     Candidate x;
     x.policy = policy;
     x.memory = predict_memory(shapes, state, r.tokens, policy, r.options);
-    x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware);
+    x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware, r.options.indexer_kl);
     if (x.memory.device.peak_total > usable)
       x.infeasible = "device " + gib_text(x.memory.device.peak_total) + " > " + gib_text(usable) + " usable";
     else if (x.memory.host > r.machine.host_bytes)

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <string>
 
 #include "cli/args.h"
 #include "cli/commands.h"
@@ -108,12 +109,19 @@ int run_plan(const std::vector<std::string>& argv) {
       source.c_str(), static_cast<long long>(request.tokens), static_cast<long long>(request.machine.gpus),
       request.machine.gpus > 1 ? "s" : "", gpu_gib, in_gib(usable), in_gib(plan::kDeviceReserveBytes),
       host_gib);
+  std::string kl_rate;
+  if (request.options.indexer_kl) {
+    char text[96];
+    std::snprintf(text, sizeof text, "; its KL training as the sparse attention's FLOPs at %.0f%%",
+                  100 * request.hardware.indexer_kl_mfu);
+    kl_rate = text;
+  }
   std::printf(
       "assumes: %s MLA, indexer KL %s; one training step = forward + backward + AdamW (bf16 weights, fp32 "
       "gradients and AdamW state); time at the measured MFU %.2f%% of %.0f TFLOP/s (the indexer's scores, "
-      "once per step, %.0f%%), PCIe %.0f GB/s, host AdamW %.0f GB/s\n",
+      "once per step, %.0f%%%s), PCIe %.0f GB/s, host AdamW %.0f GB/s\n",
       mla.c_str(), request.options.indexer_kl ? "trained" : "off", 100 * request.hardware.mfu,
-      request.hardware.peak_flops / 1e12, 100 * request.hardware.indexer_mfu,
+      request.hardware.peak_flops / 1e12, 100 * request.hardware.indexer_mfu, kl_rate.c_str(),
       request.hardware.pcie_bytes_per_s / 1e9, request.hardware.host_adam_bytes_per_s / 1e9);
   std::printf("parallel: %s\n", plan::Parallel{request.machine.gpus, 1}.describe(config).c_str());
   int name_width = 6;
