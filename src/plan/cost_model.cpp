@@ -25,7 +25,7 @@ constexpr double kFfnPassesPerChunk = 4;
 struct Work {
   double forward = 0;  // without the indexer's scores
   double indexer = 0;
-  double sparse_attention = 0;  // the DSA layers' attention over their selections
+  double trained_attention = 0;  // the attention over the selections of the layers with their own indexer
   double attention_share = 0;
   double core_share = 0;  // of the attention sites': the KDA recurrence and the sparse attention
 };
@@ -33,8 +33,12 @@ struct Work {
 Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   const double L = static_cast<double>(tokens), D = static_cast<double>(c.hidden_size);
   const double t = static_cast<double>(p.tensor);
-  double ffn = 0, experts = 0;
+  double ffn = 0, experts = 0, dsa_layers = 0, own_indexers = 0;
   for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.layer_types[i] == AttentionKind::Dsa) {
+      ++dsa_layers;
+      if (c.indexer_types[i] == IndexerKind::Full) ++own_indexers;
+    }
     if (c.mlp_layer_types[i] == MlpKind::Dense) {
       ffn += 2 * 3 * D * static_cast<double>(c.intermediate_size) * L;
     } else {
@@ -54,7 +58,8 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   Work w;
   w.forward = (attention + ffn - experts + head) / t + experts * busiest;
   w.indexer = flops.indexer / t;
-  w.sparse_attention = flops.attention / t;
+  // Every DSA layer attends over as many selected keys; the KL trains only the layers' own indexers.
+  w.trained_attention = dsa_layers > 0 ? flops.attention * own_indexers / dsa_layers / t : 0;
   w.attention_share = attention / t / w.forward;
   w.core_share = attention > 0 ? (flops.kda + flops.attention) / attention : 0;
   return w;
@@ -106,7 +111,7 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
   const double indexer = (policy.indexer_again ? 2 : 1) * work.indexer / h.indexer_mfu / h.peak_flops;
   StepTime time;
   time.compute = passes * seconds_per_pass + indexer;
-  if (indexer_kl) time.compute += work.sparse_attention / h.indexer_kl_mfu / h.peak_flops;
+  if (indexer_kl) time.compute += work.trained_attention / h.indexer_kl_mfu / h.peak_flops;
   if (policy.activations == ActivationPolicy::Stream && !policy.outputs_again && policy.kda_matrices_again) {
     const auto kda_layers =
         static_cast<double>(std::count(c.layer_types.begin(), c.layer_types.end(), AttentionKind::Kda));

@@ -41,8 +41,8 @@ struct Hardware {
   // per step, at 30.6%: stream 16k + host AdamW 86.19 s from a trained checkpoint at f4bf5af, its
   // indexer 10.22 s (2026-12-04; 139.05 s and 9.3 s from random weights at cac0719, before the
   // union form, at 11.5% and 34%). The indexer's KL training (`--indexer-kl`) adds the attention's
-  // mass over the selection and the KL's gradient, counted as the sparse attention's forward FLOPs
-  // at 14%: 88.96 s with it at f4bf5af.
+  // mass over the selection and the KL's gradient, counted as the sparse attention's forward FLOPs in
+  // the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
   double mfu = 0.204;
   double indexer_mfu = 0.306;
   double indexer_kl_mfu = 0.14;
