@@ -1,7 +1,7 @@
 // The mHC kernels at one streamed chunk of the 4B config (hc_mult 4, hidden 2048, 20 Sinkhorn
 // iterations; 16,384 tokens by default): each entry point of kernels/cuda/mhc.h timed by CUDA
 // events (median of a few launches), with the bytes it must move at the least (the budgets in
-// mhc.cu's header: streams bf16, their gradients fp32) and the bandwidth that makes. A residual
+// mhc.cu's header: streams and their gradients bf16) and the bandwidth that makes. A residual
 // site's backward runs hc_coefficients once more (or, from the mix a recomputation kept,
 // hc_coefficients_from_mix) and each of the backward kernels once; its forward hc_coefficients and
 // hc_combine.
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
        scale = random_f32(3, 6, 0.5f, 1.5f);
   auto pre = random_f32(T * H, 7, 0, 1), post = random_f32(T * H, 8, 0, 1),
        comb = random_f32(T * H * H, 9, 0, 1);
-  auto dout = random_f32(T * K, 10, -1, 1), dstreams = random_f32(T * K, 11, -1, 1);
+  auto dout = random_bf16(T * K, 10), dstreams = random_bf16(T * K, 11);
   auto d_pre = random_f32(T * H, 12, -1, 1), d_post = random_f32(T * H, 13, -1, 1),
        d_comb = random_f32(T * H * H, 14, -1, 1);
   auto dfn = random_f32(M * K, 15, -1, 1), dbase = random_f32(M, 16, -1, 1),
@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
       mix(static_cast<size_t>(hc_mix_floats(s)), MemoryCategory::Activations);
   SPINDLE_CUDA(cudaDeviceSynchronize());
 
-  const double bf16_streams = 2.0 * T * K, f32_streams = 4.0 * T * K, row = 2.0 * T * D;
+  const double bf16_streams = 2.0 * T * K, row = 2.0 * T * D;  // the streams' gradients bf16 as well
   std::printf("mHC at %lld tokens, hc_mult %lld, hidden %lld (least bytes each must move; GB/s):\n",
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(D));
   const auto report = [&](const char* name, double bytes, double ms) {
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
                               mix.data(), nullptr);
              },
              5));
-  report("hc_combine_backward", bf16_streams + 3 * f32_streams + row,
+  report("hc_combine_backward", 3 * bf16_streams + row,
          median_ms(
              [&] {
                hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), dstreams.data(),
@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
              },
              5));
   // As the model runs it where y is known before the combine's backward: d_post in the same pass.
-  report("hc_combine_backward + d_post", bf16_streams + 3 * f32_streams + 2 * row,
+  report("hc_combine_backward + d_post", 3 * bf16_streams + 2 * row,
          median_ms(
              [&] {
                hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), dstreams.data(),
@@ -102,16 +102,16 @@ int main(int argc, char** argv) {
              },
              5));
   // As the model runs it: the streams' gradient left to the coefficients' stream pass.
-  report("hc_combine_backward + d_post, no dstreams", bf16_streams + f32_streams + 2 * row,
+  report("hc_combine_backward + d_post, no dstreams", 2 * bf16_streams + 2 * row,
          median_ms(
              [&] {
                hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), nullptr,
                                    dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
              },
              5));
-  report("hc_post_gradient", f32_streams + row,
+  report("hc_post_gradient", bf16_streams + row,
          median_ms([&] { hc_post_gradient(s, y.data(), dout.data(), d_post.data(), nullptr); }, 5));
-  report("hc_coefficients_backward", bf16_streams + 2 * f32_streams + row,
+  report("hc_coefficients_backward", 3 * bf16_streams + row,
          median_ms(
              [&] {
                hc_coefficients_backward(s, streams.data(), mix.data(), fn.data(), base.data(), scale.data(),
@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
              },
              5));
   // As the model runs it: dstreams written from the combine's dout and comb as well.
-  report("hc_coefficients_backward + comb^T dout", bf16_streams + 2 * f32_streams + row,
+  report("hc_coefficients_backward + comb^T dout", 3 * bf16_streams + row,
          median_ms(
              [&] {
                hc_coefficients_backward(s, streams.data(), mix.data(), fn.data(), base.data(), scale.data(),

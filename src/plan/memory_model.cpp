@@ -78,7 +78,7 @@ class StepReplay {
     Blocks a = site_activations(m_, s_, L, true, std::move(mix));
     if (site == Site::Attention || kept.empty()) a.push_back(m_.activations(2 * L * D));  // y
     if (site == Site::Ffn && kept.empty()) ffn_forward(m_, s_, layer, pass_);
-    Block d_in = m_.activations(4 * L * H * D);
+    Block d_in = m_.activations(stream_bytes(s_, L));
     a.push_back(m_.activations(4 * L * H));      // d_post
     a.push_back(m_.activations(4 * L * H * H));  // d_comb
     a.push_back(m_.activations(4 * L * D));      // d_normed
@@ -155,7 +155,7 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   head.push_back(m.activations(4));                 // loss
   head.push_back(m.activations(2 * L * s.hidden));  // dhidden
   head.push_back(m.activations(2 * L * s.hidden));  // dmean
-  Block dstreams = m.activations(4 * L * s.streams * s.hidden);
+  Block dstreams = m.activations(S);
   Block indexer_kl = m.workspace(3 * 8);  // the KL training's three sums
 
   for (size_t i = layers; i-- > 0;) {

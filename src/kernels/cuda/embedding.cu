@@ -55,7 +55,7 @@ __device__ void atomic_add(float* grad, const float* v) {
 }
 
 template <int V>
-__global__ void embed_backward_kernel(const int32_t* tokens, const float* dstreams, float* dembed,
+__global__ void embed_backward_kernel(const int32_t* tokens, const bf16* dstreams, float* dembed,
                                       int64_t count, int64_t H, int64_t D, int32_t skip_id) {
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
@@ -90,7 +90,7 @@ __global__ void stream_mean_kernel(const bf16* streams, bf16* mean, int64_t coun
 }
 
 template <int V>
-__global__ void stream_mean_backward_kernel(const bf16* dmean, float* dstreams, int64_t count, int64_t H,
+__global__ void stream_mean_backward_kernel(const bf16* dmean, bf16* dstreams, int64_t count, int64_t H,
                                             int64_t D) {
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
@@ -120,10 +120,10 @@ void embed_streams(const int32_t* tokens, const bf16* embed, bf16* streams, int6
   SPINDLE_LAUNCHED("embed_streams_kernel");
 }
 
-void embed_backward(const int32_t* tokens, const float* dstreams, float* dembed, int64_t tokens_count,
+void embed_backward(const int32_t* tokens, const bf16* dstreams, float* dembed, int64_t tokens_count,
                     int64_t H, int64_t D, int32_t skip_id, cudaStream_t stream) {
   if (tokens_count == 0 || H == 0 || D == 0) return;
-  with_width(vector_width({{dstreams, kF}, {dembed, kF}}, D), [&](auto width) {
+  with_width(vector_width({{dstreams, kB}, {dembed, kF}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
     embed_backward_kernel<V><<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(
         tokens, dstreams, dembed, tokens_count, H, D, skip_id);
@@ -143,10 +143,10 @@ void stream_mean(const bf16* streams, bf16* mean, int64_t tokens_count, int64_t 
   SPINDLE_LAUNCHED("stream_mean_kernel");
 }
 
-void stream_mean_backward(const bf16* dmean, float* dstreams, int64_t tokens_count, int64_t H, int64_t D,
+void stream_mean_backward(const bf16* dmean, bf16* dstreams, int64_t tokens_count, int64_t H, int64_t D,
                           cudaStream_t stream) {
   if (tokens_count == 0 || H == 0 || D == 0) return;
-  with_width(vector_width({{dmean, kB}, {dstreams, kF}}, D), [&](auto width) {
+  with_width(vector_width({{dmean, kB}, {dstreams, kB}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
     stream_mean_backward_kernel<V>
         <<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(dmean, dstreams, tokens_count, H, D);

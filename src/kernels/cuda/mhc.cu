@@ -25,9 +25,9 @@
 //     0.08 ms]; 2 T K M (the mix) + 4 T K FLOPs [6.7 GFLOP: 0.1 ms on the CUDA cores' fp32, so the
 //     tensor cores]. A tile's x (1 MB) leaves L2 before its collapse reads it again: x is read
 //     twice [604 MB, 0.14 ms].
-//   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams read and written 8 T K + w
-//     4 T M bytes [1411 MB, 0.33 ms]; 2 T K M (dn = dm fn) + ~8 T K FLOPs [7.5 GFLOP]. x is read
-//     twice (dpre, the stream pass) and d_collapsed twice [1746 MB, 0.41 ms].
+//   hc_coefficients_backward: x 2 T K + d_collapsed 2 T D + dstreams (bf16) read and written 4 T K
+//     + w 4 T M bytes [874 MB, 0.20 ms]; 2 T K M (dn = dm fn) + ~8 T K FLOPs [7.5 GFLOP]. x is read
+//     twice (dpre, the stream pass) and d_collapsed twice [1210 MB, 0.28 ms].
 //   hc_dfn: x 2 T K + w 4 T M + dfn's atomics 4 M K per 1024 tokens [282 MB, 0.066 ms]; 2 T K M
 //     FLOPs [6.4 GFLOP, twice that on the tensor cores for w's hi + lo].
 #include <algorithm>
@@ -637,12 +637,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 // dstreams is written, not accumulated: the first gradient of a site's streams, so that no pass
 // zeroes it and this one does not read it (a quarter of the site backward's stream bytes).
 // kPost: also d_post[t, h] = dout[t, h, :] . y[t, :] (hc_post_gradient's work) while dout is at
-// hand, when y is known already.
+// hand, when y is known already. Up to H = 4 each step loads all its rows (dout, x and y: one
+// 16-byte access each at V = 8) before its first store, which the loads could not pass: with dout
+// in bf16 as many bytes are in flight as its fp32 rows alone were. Past 4 the x rows come one at a
+// time (all of them would not fit the registers), after the H rows of dout.
 template <int H, int V, bool kPost>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
-                               const float* dout, const __nv_bfloat16* y, float* dstreams, __nv_bfloat16* dy,
-                               float* d_comb, float* d_post, int64_t tokens, int64_t D) {
+                               const __nv_bfloat16* dout, const __nv_bfloat16* y, __nv_bfloat16* dstreams,
+                               __nv_bfloat16* dy, float* d_comb, float* d_post, int64_t tokens, int64_t D) {
   constexpr int N = H * H;  // d_comb [j * H + h]
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
@@ -658,12 +661,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < N; ++k) v[k] = 0.0f;
   const __nv_bfloat16* x = streams + t * H * D;
-  const float* g = dout + t * H * D;
+  const __nv_bfloat16* g = dout + t * H * D;
   const bool write_streams = dstreams != nullptr;  // else the coefficients' stream pass adds this part
+  constexpr bool kRowsFirst = H <= 4;
   for (int64_t d = lane * V; d < D; d += 32 * V) {
-    float gv[H][V], dyv[V];
+    float gv[H][V], xv[H][V], yv[V], dyv[V];
 #pragma unroll
     for (int h = 0; h < H; ++h) load<V>(g + h * D + d, gv[h]);
+#pragma unroll
+    for (int j = 0; j < H; ++j)
+      if constexpr (kRowsFirst) load<V>(x + j * D + d, xv[j]);
+    if constexpr (kPost) load<V>(y + t * D + d, yv);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       dyv[e] = 0.0f;
@@ -672,8 +680,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     store<V>(dy + t * D + d, dyv);
     if constexpr (kPost) {
-      float yv[V];
-      load<V>(y + t * D + d, yv);
 #pragma unroll
       for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -681,12 +687,11 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int j = 0; j < H; ++j) {
-      float xv[V];
-      load<V>(x + j * D + d, xv);
+      if constexpr (!kRowsFirst) load<V>(x + j * D + d, xv[j]);
 #pragma unroll
       for (int e = 0; e < V; ++e)
 #pragma unroll
-        for (int h = 0; h < H; ++h) v[j * H + h] = fmaf(gv[h][e], xv[e], v[j * H + h]);
+        for (int h = 0; h < H; ++h) v[j * H + h] = fmaf(gv[h][e], xv[j][e], v[j * H + h]);
       if (write_streams) {
         float acc[V];
 #pragma unroll
@@ -713,10 +718,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// d_post[t, h] = dout[t, h, :] . y[t, :]: one warp per token.
+// d_post[t, h] = dout[t, h, :] . y[t, :]: one warp per token. Two steps unrolled: their loads (no
+// stores between) in flight together, as many bytes as one step's with dout in fp32.
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
-    hc_post_gradient_kernel(const __nv_bfloat16* y, const float* dout, float* d_post, int64_t tokens,
+    hc_post_gradient_kernel(const __nv_bfloat16* y, const __nv_bfloat16* dout, float* d_post, int64_t tokens,
                             int64_t D) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
@@ -724,7 +730,8 @@ __global__ void __launch_bounds__(kThreads)
   float v[H];
 #pragma unroll
   for (int h = 0; h < H; ++h) v[h] = 0.0f;
-  const float* g = dout + t * H * D;
+  const __nv_bfloat16* g = dout + t * H * D;
+#pragma unroll 2
   for (int64_t d = lane * V; d < D; d += 32 * V) {
     float yv[V];
     load<V>(y + t * D + d, yv);
@@ -750,7 +757,7 @@ __global__ void __launch_bounds__(kThreads)
 // hc_combine_backward then leaves dx alone). A block takes kStreamColumns<H, V> columns d of every
 // stream of a run of tokens, so that each dout value is read once and used by the H streams'
 // threads; thread (h, d) owns V adjacent columns with their fn [M] in registers, w comes from shared
-// memory (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, in fp32),
+// memory (broadcast). This pass moves most of the backward's bytes (dx or dout in, dx out, bf16),
 // and fn leaves the registers little room for loads in flight: the rows (and each token's w, corr
 // and pre) come through a ring of shared-memory stages of kStreamRows tokens by cp.async instead
 // (two stages loading while one is used). The grid is one wave of runs (column blocks times runs of
@@ -765,12 +772,12 @@ constexpr int kStreamStages = 3;  // stages in the ring
 template <int H, int V>
 constexpr int kStreamColumns = kThreads* V / H / 8 * 8;
 
-// A stage: g [rows, H, C] fp32 (dx or dout), x [rows, H, C] bf16, dcol [rows, C] bf16, comb [rows,
-// H, H] fp32 (C = kStreamColumns), and the rows' w, corr and pre [rows, kInputStride] (see there).
+// A stage: g [rows, H, C] (dx or dout), x [rows, H, C], dcol [rows, C] (all bf16), comb [rows, H, H]
+// fp32 (C = kStreamColumns), and the rows' w, corr and pre [rows, kInputStride] (see there).
 template <int H, int V>
 struct StreamStage {
   static constexpr int C = kStreamColumns<H, V>;
-  static constexpr size_t kXOffset = kStreamRows * H * C * sizeof(float);
+  static constexpr size_t kXOffset = kStreamRows * H * C * sizeof(__nv_bfloat16);
   static constexpr size_t kColOffset = kXOffset + kStreamRows * H * C * sizeof(__nv_bfloat16);
   static constexpr size_t kCombOffset = kColOffset + kStreamRows * C * sizeof(__nv_bfloat16);
   static constexpr size_t kWOffset = kCombOffset + kStreamRows * H * H * sizeof(float);
@@ -783,11 +790,11 @@ struct StreamStage {
 // Stages rows [r0, r0 + kStreamRows) of the run of `count` tokens from t0: g's, x's and dcol's
 // columns [d0, d0 + C) of every stream, each token's row of w, corr and pre (kStreamInputs, from
 // `workspace`), and its comb when given, into buf: zeros past the run and past D, as one commit
-// group. `vec` (D % 8 == 0, 16-byte aligned rows): g, x and dcol by cp.async of 4 or 8 columns; else
-// by plain loads. The kernel's own pointers and t0, not the run's: pointers of the run's would each
+// group. `vec` (D % 8 == 0, 16-byte aligned rows): g, x and dcol by cp.async of 8 columns; else by
+// plain loads. The kernel's own pointers and t0, not the run's: pointers of the run's would each
 // hold two registers through the kernel.
 template <int H, int V>
-__device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
+__device__ void stage_stream_rows(const __nv_bfloat16* g, const __nv_bfloat16* x, const __nv_bfloat16* dcol,
                                   const float* comb, const float* workspace, int64_t t0, int count, int D,
                                   int d0, int r0, bool vec, unsigned char* buf) {
   using S = StreamStage<H, V>;
@@ -795,22 +802,19 @@ __device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const 
   const int K = H * D;
   // The stage's first rows; offsets from them are ints (8 rows of at most 2^24 elements).
   const int64_t first = t0 + r0;
-  const float* g_rows = g + first * K;
+  const __nv_bfloat16* g_rows = g + first * K;
   const __nv_bfloat16* x_rows = x + first * K;
   const __nv_bfloat16* col_rows = dcol + first * D;
-  float* gs = reinterpret_cast<float*>(buf);
+  __nv_bfloat16* gs = reinterpret_cast<__nv_bfloat16*>(buf);
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(buf + S::kXOffset);
   __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(buf + S::kColOffset);
   if (vec) {
-    for (int e = threadIdx.x; e < kStreamRows * H * C / 4; e += kThreads) {
-      const int r = e / (H * C / 4), h = e / (C / 4) % H, c = e % (C / 4) * 4, d = d0 + c;
-      const bool valid = r0 + r < count && d < D;
-      copy16(gs + (r * H + h) * C + c, valid ? g_rows + (r * K + h * D + d) : g, valid);
-    }
     for (int e = threadIdx.x; e < kStreamRows * H * C / 8; e += kThreads) {
       const int r = e / (H * C / 8), h = e / (C / 8) % H, c = e % (C / 8) * 8, d = d0 + c;
       const bool valid = r0 + r < count && d < D;
-      copy16(xs + (r * H + h) * C + c, valid ? x_rows + (r * K + h * D + d) : x, valid);
+      const int offset = (r * H + h) * C + c;
+      copy16(gs + offset, valid ? g_rows + (r * K + h * D + d) : g, valid);
+      copy16(xs + offset, valid ? x_rows + (r * K + h * D + d) : x, valid);
     }
     for (int e = threadIdx.x; e < kStreamRows * C / 8; e += kThreads) {
       const int r = e / (C / 8), c = e % (C / 8) * 8, d = d0 + c;
@@ -821,7 +825,7 @@ __device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const 
     for (int e = threadIdx.x; e < kStreamRows * H * C; e += kThreads) {
       const int r = e / (H * C), h = e / C % H, c = e % C, d = d0 + c;
       const bool valid = r0 + r < count && d < D;
-      gs[e] = valid ? g_rows[r * K + h * D + d] : 0.0f;
+      gs[e] = valid ? g_rows[r * K + h * D + d] : __float2bfloat16(0.0f);
       xs[e] = valid ? x_rows[r * K + h * D + d] : __float2bfloat16(0.0f);
     }
     for (int e = threadIdx.x; e < kStreamRows * C; e += kThreads) {
@@ -851,8 +855,8 @@ __device__ void stage_stream_rows(const float* g, const __nv_bfloat16* x, const 
 template <int H, int V>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
-                              const float* workspace, const float* comb, const float* dout, float* dstreams,
-                              int64_t tokens, int D, int run_tokens, bool vec) {
+                              const float* workspace, const float* comb, const __nv_bfloat16* dout,
+                              __nv_bfloat16* dstreams, int64_t tokens, int D, int run_tokens, bool vec) {
   using S = StreamStage<H, V>;
   constexpr int M = Tile<H>::M, MP = kWStride<H>, C = S::C;
   extern __shared__ float4 shared_words[];
@@ -862,7 +866,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const int count = static_cast<int>(tokens - t0 < run_tokens ? tokens - t0 : run_tokens);
   const int d0 = static_cast<int>(blockIdx.x) * C;
   const bool fused = comb != nullptr;
-  const float* g = fused ? dout : dstreams;
+  const __nv_bfloat16* g = fused ? dout : dstreams;
   // V > 1 is launched only where vec: the plain loads' path compiled out (its registers spilled).
   const bool by_copies = V > 1 || vec;
   const auto stage = [&](int s) {
@@ -886,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     }
   }
 
-  float* dx = dstreams + t0 * K + i;
+  __nv_bfloat16* dx = dstreams + t0 * K + i;
   const int stages = (count + kStreamRows - 1) / kStreamRows;
   for (int s = 0; s < stages; ++s) {
     copy_wait<kStreamStages - 2>();  // this thread's copies of stage s have landed
@@ -894,7 +898,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     stage(s + kStreamStages - 1);
     if (!mine) continue;
     const unsigned char* buf = ring + s % kStreamStages * S::kBytes;
-    const float* gs = reinterpret_cast<const float*>(buf);
+    const __nv_bfloat16* gs = reinterpret_cast<const __nv_bfloat16*>(buf);
     const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kXOffset);
     const __nv_bfloat16* cs = reinterpret_cast<const __nv_bfloat16*>(buf + S::kColOffset);
     const float* ms = reinterpret_cast<const float*>(buf + S::kCombOffset);
@@ -1405,14 +1409,15 @@ void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const _
 }
 
 void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* post,
-                         const float* comb, const float* dout, float* dstreams, __nv_bfloat16* dy,
-                         float* d_comb, cudaStream_t stream, const __nv_bfloat16* y, float* d_post) {
+                         const float* comb, const __nv_bfloat16* dout, __nv_bfloat16* dstreams,
+                         __nv_bfloat16* dy, float* d_comb, cudaStream_t stream, const __nv_bfloat16* y,
+                         float* d_post) {
   check_shape(s, "hc_combine_backward");
   check((y == nullptr) == (d_post == nullptr), "hc_combine_backward: y and d_post come together");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
   const bool vec =
-      vector_rows(s, {{streams, 2}, {dout, 4}, {dstreams, 4}, {dy, 2}, {y != nullptr ? y : dy, 2}});
+      vector_rows(s, {{streams, 2}, {dout, 2}, {dstreams, 2}, {dy, 2}, {y != nullptr ? y : dy, 2}});
   const auto run = [&](auto kernel) {
     kernel<<<blocks, kThreads, 0, stream>>>(streams, post, comb, dout, y, dstreams, dy, d_comb, d_post,
                                             s.tokens, s.hidden);
@@ -1430,12 +1435,12 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
   SPINDLE_LAUNCHED("hc_combine_backward_kernel");
 }
 
-void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const float* dout, float* d_post,
+void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const __nv_bfloat16* dout, float* d_post,
                       cudaStream_t stream) {
   check_shape(s, "hc_post_gradient");
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
-  if (vector_rows(s, {{y, 2}, {dout, 4}})) {
+  if (vector_rows(s, {{y, 2}, {dout, 2}})) {
     SPINDLE_HC_DISPATCH(hc_post_gradient_kernel<H, 8>
                         <<<blocks, kThreads, 0, stream>>>(y, dout, d_post, s.tokens, s.hidden))
   } else {
@@ -1452,15 +1457,16 @@ int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {
 void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
                               const float* fn, const float* base, const float* scale, const float* d_pre,
                               const float* d_post, const float* d_comb, const __nv_bfloat16* d_collapsed,
-                              const float* comb, const float* dout, float* dstreams, float* dfn, float* dbase,
-                              float* dscale, float* workspace, cudaStream_t stream) {
+                              const float* comb, const __nv_bfloat16* dout, __nv_bfloat16* dstreams,
+                              float* dfn, float* dbase, float* dscale, float* workspace,
+                              cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
   check((comb == nullptr) == (dout == nullptr), "hc_coefficients_backward: comb and dout come together");
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
             D = static_cast<int>(s.hidden);
-  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 4}, {dout, 4}});
+  const bool vec = vector_rows(s, {{streams, 2}, {fn, 4}, {d_collapsed, 2}, {dstreams, 2}, {dout, 2}});
   const bool dfn_vec = vector_rows(s, {{streams, 2}, {workspace, 4}}) && s.tokens % 8 == 0;
   const int64_t flat = s.streams * s.hidden;
   const dim3 dfn_grid(

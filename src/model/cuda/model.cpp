@@ -78,7 +78,7 @@ void CudaModel::ffn_forward(const LayerWeights& layer, const bf16* x, int64_t L,
 }
 
 void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const bf16* x, int64_t L,
-                                  DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
+                                  DeviceBuffer<bf16>& dstreams, const BalanceLoss* balance_loss,
                                   DeviceBuffer<bf16>* kept_y, SiteMix* kept_mix, MoeRouting* kept_routing) {
   const ModelConfig& c = config_;
   residual_site_backward(
@@ -276,7 +276,7 @@ LossResult CudaModel::loss_and_gradients(const std::vector<int32_t>& tokens, con
                              f32_data(g.lm_head), L, D, V, s);
   rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), L, D,
                     static_cast<float>(c.rms_norm_eps), s);
-  DeviceBuffer<float> dstreams = activations_f32(L * H * D);
+  DeviceBuffer<bf16> dstreams = activations(L * H * D);
   stream_mean_backward(dmean.data(), dstreams.data(), L, H, D, s);
   end();
   ctx_.record.note("head", "cuda chunked lm_head + cross-entropy");

@@ -83,7 +83,7 @@ class CudaModel {
   // `kept_y`, `kept_mix` and `kept_routing` (if not null and not empty): the feed-forward's
   // output, the site's mHC mix and a MoE's routing, taken instead of recomputed.
   void ffn_site_backward(const LayerWeights& layer, LayerWeights& grad, const __nv_bfloat16* x, int64_t L,
-                         DeviceBuffer<float>& dstreams, const BalanceLoss* balance_loss,
+                         DeviceBuffer<__nv_bfloat16>& dstreams, const BalanceLoss* balance_loss,
                          DeviceBuffer<__nv_bfloat16>* kept_y = nullptr, SiteMix* kept_mix = nullptr,
                          MoeRouting* kept_routing = nullptr);
   // `load`, `router_logits` and `keep_routing` as for moe_forward's `keep` (MoE layers only).

@@ -85,7 +85,7 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
 }
 
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
-                            const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<float>& dstreams,
+                            const Tensor& norm, int64_t L, const bf16* streams, DeviceBuffer<bf16>& dstreams,
                             HyperConnectionWeights& ghc, Tensor& gnorm, const SublayerForward& sublayer,
                             const SublayerBackward& sublayer_backward, DeviceBuffer<bf16>* kept_y,
                             SiteMix* kept_mix) {
@@ -100,8 +100,9 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   if (sublayer && !y_kept) sublayer(a.normed.data(), y.data());
   const bool y_before = sublayer || y_kept;  // else the sublayer's backward recomputes it
 
-  DeviceBuffer<float> d_in = activations_f32(L * H * D), d_post = activations_f32(L * H),
-                      d_comb = activations_f32(L * H * H), d_normed = activations_f32(L * D);
+  DeviceBuffer<bf16> d_in = activations(L * H * D);
+  DeviceBuffer<float> d_post = activations_f32(L * H), d_comb = activations_f32(L * H * H),
+                      d_normed = activations_f32(L * D);
   DeviceBuffer<bf16> dy = activations(L * D);
   {
     const TimedScope timed = ctx.timed("mhc");

@@ -1,7 +1,7 @@
 // The mHC residual around each sublayer on the GPU (the CPU's model/residual.h):
 //   pre, post, comb, collapsed = hc(streams);  y = sublayer(rms_norm(collapsed));
 //   streams' = post * y + comb^T streams
-// Streams are bf16 [tokens, H, D]; their gradients fp32.
+// Streams and their gradients are bf16 [tokens, H, D] (kernels/cuda/mhc.h says why).
 #pragma once
 
 #include <functional>
@@ -48,7 +48,7 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
 // it holds one (taken), else from the product again.
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const __nv_bfloat16* streams,
-                            DeviceBuffer<float>& dstreams, HyperConnectionWeights& ghc, Tensor& gnorm,
+                            DeviceBuffer<__nv_bfloat16>& dstreams, HyperConnectionWeights& ghc, Tensor& gnorm,
                             const SublayerForward& sublayer, const SublayerBackward& sublayer_backward,
                             DeviceBuffer<__nv_bfloat16>* kept_y = nullptr, SiteMix* kept_mix = nullptr);
 

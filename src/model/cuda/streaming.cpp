@@ -197,7 +197,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                                nullptr, scale, dhidden.data(), f32_data(g.lm_head), n, D, V, s);
     rms_norm_backward(mean.data(), bf16_data(w.norm), dhidden.data(), dmean.data(), f32_data(g.norm), n, D,
                       static_cast<float>(c.rms_norm_eps), s);
-    DeviceBuffer<float> dstreams = activations_f32(n * H * D);
+    DeviceBuffer<bf16> dstreams = activations(n * H * D);
     stream_mean_backward(dmean.data(), dstreams.data(), n, H, D, s);
     end();
 
