@@ -380,13 +380,13 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
                         {10, 4, 64, 16, 2048, true, 10},
                         {12, 32, 128, 16, 2048, false, 12},
                         {4096, 32, 128, 16, 2048, true, 1024},
-                        // rows with 32 tiles of 64 pools or more for 16 chosen: the top-k from the tile
-                        // maxima (the wgmma scorer's, and the mma.sync scorer's then the maxima kernel),
-                        // with ties at the threshold among the bf16 pool keys' magnitudes; with most
-                        // keys equal, more candidates than it holds (the radix select)
-                        {3000, 17, 16, 1, 16, false, 1000},
-                        {5000, 4, 32, 2, 32, true, 1500},
-                        {3000, 17, 16, 1, 16, false, 1000, true},
+                        // a last query block of rows longer than 16,384 pools with 32 tiles of 64 pools
+                        // or more for 16 chosen: the top-k from the tile maxima (the mma.sync scorer's
+                        // scores, then the maxima kernel), with ties at the threshold among the bf16
+                        // pool keys' magnitudes; with most keys equal (below tau: more than 16 of the
+                        // other keys are larger)
+                        {16900, 2, 8, 1, 16, false, 2000},
+                        {16900, 2, 8, 1, 16, false, 2000, true},
                         // the threshold's bin held in shared memory with a thousand equal keys in it,
                         // and with more than it holds (the full radix select)
                         {1500, 2, 16, 1, 64, false, 1500, true},
@@ -530,6 +530,9 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
                         // rows of about 48,000 and 50,000 pools, about what the kernel keeps
                         {48000, 1, 256, true, 47900, 100, Kind::distinct},
                         {50000, 1, 256, true, 49900, 100, Kind::distinct},
+                        // rows on both sides of 512 tiles (256 chosen): the radix select and the top-k
+                        // from the tile maxima in one launch
+                        {33000, 1, 256, true, 32000, 1000, Kind::distinct},
                         // 8192 pools a row: all of a four-value row in one bin
                         {int64_t{1} << 17, 16, 2048, true, (int64_t{1} << 17) - 64, 64, Kind::four_values},
                         // from the first query: rows with no pools and rows shorter than k, in one launch
@@ -606,7 +609,8 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
     auto dscores = device(scores);
     auto maxima = poisoned<unsigned>(static_cast<size_t>(std::max<int64_t>(1, c.rows * indexer_tiles(s))));
     indexer_tile_maxima(s, dscores.data(), c.first, c.rows, maxima.data(), stream.get());
-    // The radix select alone, then from the tile maxima (rows with two tiles or more per chosen pool).
+    // The radix select alone, then from the tile maxima (in launches of rows longer than 16,384
+    // pools, the rows with two tiles or more per chosen pool).
     for (const unsigned* m :
          {static_cast<const unsigned*>(nullptr), static_cast<const unsigned*>(maxima.data())}) {
       DeviceBuffer<int32_t> sel = fresh_buffer<int32_t>(want.size(), MemoryCategory::Activations);

@@ -94,8 +94,8 @@ static_assert(kHeadBits + 2 * kTailBits == 32, "the passes cover the 32-bit key"
 // in that bin (many equal scores) reads the row again instead.
 constexpr int kCandidates = 4096;
 
-// The two launch shapes of the radix select alone, by the launch's longest row (with the tile
-// maxima, select_from_maxima's shape instead). Up to kShortRow pools: kShortThreads a CTA,
+// The two launch shapes of the radix select, by the launch's longest row (longer rows with the tile
+// maxima: select_from_maxima's shape instead). Up to kShortRow pools: kShortThreads a CTA,
 // kShortBlocks CTAs a multiprocessor (what the static shared memory allows; at most 40 registers),
 // and every read of the row is from global memory (the rows in flight fit in L2). Longer rows:
 // kLongThreads a CTA, one a multiprocessor (64 registers), which keeps the first kCachedKeys keys
@@ -219,9 +219,13 @@ __device__ unsigned radix_threshold(Key key, int64_t n, unsigned& k, unsigned* h
 // chosen * (1 + ln(tiles / chosen)) of them. One read of the row collects them (keys and pools) in
 // shared memory, where the radix select finds the threshold among them.
 constexpr int kMaximaTilesPerChosen = 2, kMaximaChosen = 256;
-// Its launch shape, for every row of a launch given the maxima: kShortThreads a CTA, kMaximaBlocks
-// CTAs a multiprocessor (64 registers), kMaximaBatch 16-byte loads a thread in flight (64 KiB a
-// multiprocessor), and no cache: rows read once need none.
+// Its launch shape, for every row of a launch of rows longer than kShortRow given the maxima (the
+// shorter rows' launches keep the short shape: their rows have too few tiles): kShortThreads a CTA,
+// kMaximaBlocks CTAs a multiprocessor (64 registers; six CTAs of the short shape's 40 spill),
+// kMaximaBatch 16-byte loads a thread in flight (64 KiB a multiprocessor), and no cache: rows read
+// once need none, and several CTAs a multiprocessor overlap a row's fixed work (six radix passes
+// over a few thousand keys) with the others' reads. Its rows that overflow take the radix select
+// without the cache.
 constexpr int kMaximaBlocks = 4, kMaximaBatch = 4;
 // Candidates held (keys, then pools, in the radix select's candidates), and keys equal to the
 // threshold ranked by pool (quadratic in their count); more of either: the radix select instead.
@@ -538,15 +542,13 @@ void indexer_topk(const cpu::IndexerShape& s, const float* scores, const unsigne
         " pools are too long");
   const unsigned grid = static_cast<unsigned>(rows);
   const int tail = s.select_tail ? 1 : 0;
-  // With the tile maxima every row takes the short shape: the long rows, read once, need no cache,
-  // and six CTAs a multiprocessor overlap one row's fixed work with the others' reads.
-  if (maxima != nullptr) {
+  if (longest <= kShortRow) {
+    indexer_topk_kernel<kShortThreads, false><<<grid, kShortThreads, 0, stream>>>(
+        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, nullptr, 0);
+  } else if (maxima != nullptr) {
     indexer_topk_kernel<kShortThreads, true>
         <<<grid, kShortThreads, 0, stream>>>(scores, selected, first, s.first_query, pools, s.kpool, s.topk,
                                              s.width(), tail, 0, maxima, indexer_tiles(s));
-  } else if (longest <= kShortRow) {
-    indexer_topk_kernel<kShortThreads, false><<<grid, kShortThreads, 0, stream>>>(
-        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, nullptr, 0);
   } else {
     // The limit raised to the largest cache (past the default 48 KiB with the static shared memory);
     // a launch takes what its longest row needs.

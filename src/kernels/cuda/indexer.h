@@ -34,9 +34,9 @@
 // ones over the threshold bin's keys, over the order-preserving bits of the fp32 scores) of the top
 // topk/kpool visible pools, ties to the lower pool, written in ascending pool order, expanded to
 // tokens, plus the tail; -1 elsewhere. Rows of more than 16,384 pools take 1024 threads a CTA and keep
-// up to 49,408 of their keys in shared memory after the first read. With the tile maxima (the
-// scorer's, in indexer_select) every row takes 256 threads a CTA, four a multiprocessor, and the
-// rows of at most 256 chosen pools and at least two tiles of 64 pools per chosen one are read once:
+// up to 49,408 of their keys in shared memory after the first read; with the tile maxima (the
+// scorer's, in indexer_select) they take 256 threads a CTA, four a multiprocessor, and those of at
+// most 256 chosen pools and at least two tiles of 64 pools per chosen one are read once:
 // tau, the chosen-th largest tile maximum, bounds the chosen-th largest score from below, so the
 // scores >= tau (a few hundred where scores are spread) hold the selection, which the radix select
 // finds among them in shared memory. Rows where more than 2,048 scores reach tau, or more than 256
