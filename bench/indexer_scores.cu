@@ -1,11 +1,13 @@
 // The DSA indexer's scores and selection at a million tokens, GLM's indexer shape (32 heads x 128,
 // k-pool 16, top 2048): a streamed chunk of queries near the end of the sequence against every
 // pool before it (65536 at 1M), in query blocks as the executor runs them. Times, by CUDA events,
-// the wgmma scorer, the mma.sync scorer and the whole selection (scores + radix select), each the
-// median of a few launches, with the scores' TFLOP/s (2 x heads x head_dim per visible pool).
+// the wgmma scorer (with the tile maxima, as the selection runs it), the mma.sync scorer alone and the
+// whole selection (scores + top-k), each the median of a few launches, with the scores' TFLOP/s (2 x
+// heads x head_dim per visible pool).
 // zero_share (0 by default, in eighths): that share of the pools get all-zero keys, so that their
 // scores are exactly 0 for every query, as a trained indexer's relu leaves many pools: the radix
-// select's histograms then meet many equal keys in one bin.
+// select's histograms then meet many equal keys in one bin, and rows with fewer positive tile
+// maxima than chosen pools take it instead of the selection from the maxima.
 //     build/bench_indexer_scores [tokens] [queries] [block] [zero_share]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -38,16 +40,26 @@ int main(int argc, char** argv) {
   const cpu::IndexerShape& s = in.shape;
   const int64_t pools = in.pools, heads = s.heads, dim = s.head_dim, kpool = s.kpool;
   const auto &q = in.q, &keys = in.keys, &weights = in.weights;
-  DeviceBuffer<float> scores(static_cast<size_t>(block * pools), MemoryCategory::Workspace);
+  // The selection's workspace: a block's scores, then its tile maxima.
+  DeviceBuffer<float> scores((indexer_select_workspace_bytes(s, block) + 3) / 4, MemoryCategory::Workspace);
+  unsigned* maxima = reinterpret_cast<unsigned*>(scores.data() + block * pools);
   DeviceBuffer<int32_t> selected(static_cast<size_t>(queries * s.width()), MemoryCategory::Activations);
   double flops = 0;
   for (int64_t t = s.first_query; t < s.first_query + block; ++t)
     flops += 2.0 * heads * dim * static_cast<double>(std::min(pools, (t + 1) / kpool));
-  const auto scorer = [&](auto f) {
-    return
-        [&, f] { f(s, q.data(), keys.data(), weights.data(), s.first_query, block, scores.data(), nullptr); };
-  };
-  const double wgmma = median_ms(scorer(indexer_scores), 5), mma = median_ms(scorer(indexer_scores_mma), 5);
+  // indexer_scores with the tile maxima, as the selection runs it; the mma.sync scorer alone.
+  const double wgmma = median_ms(
+      [&] {
+        indexer_scores(s, q.data(), keys.data(), weights.data(), s.first_query, block, scores.data(), maxima,
+                       nullptr);
+      },
+      5);
+  const double mma = median_ms(
+      [&] {
+        indexer_scores_mma(s, q.data(), keys.data(), weights.data(), s.first_query, block, scores.data(),
+                           nullptr);
+      },
+      5);
   const double select = median_ms(
       [&] {
         indexer_select(s, q.data(), keys.data(), weights.data(), selected.data(), scores.data(),
@@ -58,7 +70,7 @@ int main(int argc, char** argv) {
   std::printf(
       "indexer at %lld tokens (%lld pools, %d/8 of them zero), queries %lld .. %lld in blocks of %lld:\n"
       "  scores, one block: %s %.3f ms (%.0f TFLOP/s), mma.sync %.3f ms (%.0f TFLOP/s)\n"
-      "  selection of all %lld queries (scores + radix select): %.3f ms; radix select about %.3f ms\n",
+      "  selection of all %lld queries (scores + top-k): %.3f ms; top-k about %.3f ms\n",
       static_cast<long long>(tokens), static_cast<long long>(pools), zero_eighths,
       static_cast<long long>(s.first_query), static_cast<long long>(tokens), static_cast<long long>(block),
       indexer_scorer(s), wgmma, flops / wgmma / 1e9, mma, flops / mma / 1e9, static_cast<long long>(queries),

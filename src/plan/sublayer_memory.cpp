@@ -18,6 +18,7 @@ constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDi
 // kernels/cuda/kda.h: A, Aq and Tinv packed by their lower triangles
 constexpr int64_t kKdaMatrixFloats = kKdaChunk * (kKdaChunk - 1) + kKdaChunk * (kKdaChunk + 1) / 2;
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
+constexpr int64_t kIndexerTilePools = 64;  // kernels/cuda/indexer.h: pools per tile of the scores' maxima
 
 using Blocks = std::vector<Ledger::Block>;
 
@@ -126,12 +127,13 @@ Blocks indexer_activations(Ledger& m, const Shapes& s, const Pass& p) {
 }
 
 // run_indexer: the indexer's inputs, the score tile for a block of queries (at most 1 GiB, at
-// least one row), then the selection, which outlives the call.
+// least one row) and its tile maxima (1/64 of it), then the selection, which outlives the call.
 Ledger::Block run_indexer(Ledger& m, const Shapes& s, const Pass& p) {
   Blocks a = indexer_activations(m, s, p);
-  const int64_t row = complete_pools(s, p) * 4;
-  const int64_t bytes = std::max(row, std::min(kSelectWorkspaceBytes, row * p.tokens));
-  Ledger::Block tile = m.workspace((bytes + 3) / 4 * 4);
+  const int64_t pools = complete_pools(s, p), tiles = (pools + kIndexerTilePools - 1) / kIndexerTilePools;
+  const int64_t block =
+      std::max<int64_t>(1, std::min(p.tokens, kSelectWorkspaceBytes / std::max<int64_t>(1, pools * 4)));
+  Ledger::Block tile = m.workspace(block * (pools + tiles) * 4);
   return m.activations(selection_bytes(s, p.tokens));
 }
 

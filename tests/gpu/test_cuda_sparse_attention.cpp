@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -379,6 +380,13 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
                         {10, 4, 64, 16, 2048, true, 10},
                         {12, 32, 128, 16, 2048, false, 12},
                         {4096, 32, 128, 16, 2048, true, 1024},
+                        // a last query block of rows longer than 16,384 pools with 32 tiles of 64 pools
+                        // or more for 16 chosen: the top-k from the tile maxima (the mma.sync scorer's
+                        // scores, then the maxima kernel), with ties at the threshold among the bf16
+                        // pool keys' magnitudes; with most keys equal (below tau: more than 16 of the
+                        // other keys are larger)
+                        {16900, 2, 8, 1, 16, false, 2000},
+                        {16900, 2, 8, 1, 16, false, 2000, true},
                         // the threshold's bin held in shared memory with a thousand equal keys in it,
                         // and with more than it holds (the full radix select)
                         {1500, 2, 16, 1, 64, false, 1500, true},
@@ -489,9 +497,12 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
 // values 2^-20 apart (every key in one first-pass bin: more than the kernel holds, the re-read path),
 // one value everywhere, and -inf (masked) pools, in rows with fewer finite scores than k. Scores past
 // a row's visible pools are NaN and must not count; the output starts as 0x7f7f7f7f, so every slot
-// must be written.
+// must be written. Each case twice: the radix select alone, and with the tile maxima (from
+// indexer_tile_maxima), where the long rows' candidates are few (distinct), tie at tau (1M tiers),
+// or are more than it holds (zeros, four values, constant, mostly -inf), or tie at the threshold more
+// than it ranks (many tiers, 300,000-pool tiers).
 TEST(CudaIndexer, TopKMatchesTheRule) {
-  enum class Kind { distinct, zeros, four_values, constant, masked };
+  enum class Kind { distinct, zeros, four_values, constant, masked, tiers, many_tiers };
   struct Case {
     int64_t tokens, kpool, topk;
     bool tail;
@@ -505,15 +516,23 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
                         {M, 16, 2048, false, M - 24, 24, Kind::four_values},
                         {M, 16, 2048, true, M - 24, 24, Kind::masked},
                         {M, 16, 2048, true, M - 8, 8, Kind::constant},
+                        // the chosen-th score exactly at tau, tied across tiles and within them: the
+                        // ties ranked in shared memory, and more of them than it ranks
+                        {M, 16, 2048, true, M - 24, 24, Kind::tiers},
+                        {M, 16, 2048, false, M - 24, 24, Kind::many_tiers},
                         // 200,000 pools and 2048 of them chosen
                         {200000, 1, 2048, false, 199990, 10, Kind::distinct},
                         {200000, 1, 2048, true, 199992, 8, Kind::four_values},
                         // more than 262,144 pools: a mark for every two groups of a thread's four pools
                         {300000, 1, 64, false, 299996, 4, Kind::distinct},
                         {300000, 1, 64, false, 299996, 4, Kind::four_values},
+                        {300000, 1, 64, false, 299996, 4, Kind::tiers},
                         // rows of about 48,000 and 50,000 pools, about what the kernel keeps
                         {48000, 1, 256, true, 47900, 100, Kind::distinct},
                         {50000, 1, 256, true, 49900, 100, Kind::distinct},
+                        // rows on both sides of 512 tiles (256 chosen): the radix select and the top-k
+                        // from the tile maxima in one launch
+                        {33000, 1, 256, true, 32000, 1000, Kind::distinct},
                         // 8192 pools a row: all of a four-value row in one bin
                         {int64_t{1} << 17, 16, 2048, true, (int64_t{1} << 17) - 64, 64, Kind::four_values},
                         // from the first query: rows with no pools and rows shorter than k, in one launch
@@ -554,6 +573,14 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
           case Kind::masked:
             x = die(rng()) < 2 ? normal(rng()) : -INFINITY;
             break;
+          case Kind::tiers:
+          case Kind::many_tiers: {
+            // Two peaks a tile of 64 over small scores: 3 (few: fewer tiles than chosen), else 2
+            // (about 200 a 1M row's 2,048 peaks; half of them with many_tiers), else 1.
+            const int d = die(rng()), twos = c.kind == Kind::tiers ? 150 : 562;
+            x = p % 32 != 0 ? 0.1f * normal(rng()) : d < 50 ? 3.0f : d < twos ? 2.0f : 1.0f;
+            break;
+          }
         }
       }
     }
@@ -580,21 +607,28 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
     }
     Stream stream;
     auto dscores = device(scores);
-    DeviceBuffer<int32_t> sel = fresh_buffer<int32_t>(want.size(), MemoryCategory::Activations);
-    SPINDLE_CUDA(cudaMemsetAsync(sel.data(), 0x7f, want.size() * sizeof(int32_t), stream.get()));
-    indexer_topk(s, dscores.data(), c.first, c.rows, sel.data(), stream.get());
-    stream.synchronize();
-    const auto got = sel.download();
-    int64_t mismatched_rows = 0, first = -1;
-    for (int64_t r = 0; r < c.rows; ++r)
-      if (!std::equal(got.begin() + r * width, got.begin() + (r + 1) * width, want.begin() + r * width)) {
-        if (first < 0) first = c.first + r;
-        ++mismatched_rows;
-      }
-    EXPECT_EQ(mismatched_rows, 0) << "tokens " << c.tokens << " kpool " << c.kpool << " topk " << c.topk
-                                  << " tail " << c.tail << " queries " << c.first << " + " << c.rows
-                                  << " kind " << static_cast<int>(c.kind) << ": first mismatched query "
-                                  << first;
+    auto maxima = poisoned<unsigned>(static_cast<size_t>(std::max<int64_t>(1, c.rows * indexer_tiles(s))));
+    indexer_tile_maxima(s, dscores.data(), c.first, c.rows, maxima.data(), stream.get());
+    // The radix select alone, then from the tile maxima (in launches of rows longer than 16,384
+    // pools, the rows with two tiles or more per chosen pool).
+    for (const unsigned* m :
+         {static_cast<const unsigned*>(nullptr), static_cast<const unsigned*>(maxima.data())}) {
+      DeviceBuffer<int32_t> sel = fresh_buffer<int32_t>(want.size(), MemoryCategory::Activations);
+      SPINDLE_CUDA(cudaMemsetAsync(sel.data(), 0x7f, want.size() * sizeof(int32_t), stream.get()));
+      indexer_topk(s, dscores.data(), m, c.first, c.rows, sel.data(), stream.get());
+      stream.synchronize();
+      const auto got = sel.download();
+      int64_t mismatched_rows = 0, first = -1;
+      for (int64_t r = 0; r < c.rows; ++r)
+        if (!std::equal(got.begin() + r * width, got.begin() + (r + 1) * width, want.begin() + r * width)) {
+          if (first < 0) first = c.first + r;
+          ++mismatched_rows;
+        }
+      EXPECT_EQ(mismatched_rows, 0) << (m ? "from the tile maxima" : "radix select") << ": tokens "
+                                    << c.tokens << " kpool " << c.kpool << " topk " << c.topk << " tail "
+                                    << c.tail << " queries " << c.first << " + " << c.rows << " kind "
+                                    << static_cast<int>(c.kind) << ": first mismatched query " << first;
+    }
   }
 }
 
@@ -603,7 +637,9 @@ TEST(CudaIndexer, TopKMatchesTheRule) {
 // fp32 accumulation of exact bf16 products (2^-24 per addition, 128 + 32 additions, with room for
 // the tensor cores' own rounding); an indexing slip is off by O(1) of it. The row past the last is
 // poisoned and must stay so. Both scorers where the wgmma one takes the shape (17 to 32 heads,
-// head_dim a multiple of 16): its 16-query, 64-pool tiles end inside the rows and pools here.
+// head_dim a multiple of 16): its 16-query, 64-pool tiles end inside the rows and pools here. The
+// tile maxima of the scores written (the maxima kernel's, and indexer_scores' own) equal them
+// computed here.
 TEST(CudaIndexer, ScoresMatchTheCpu) {
   struct Case {
     int64_t tokens, heads, head_dim, kpool, first, rows;
@@ -644,10 +680,32 @@ TEST(CudaIndexer, ScoresMatchTheCpu) {
     for (const bool mma : {false, true}) {
       if (mma && !both) continue;  // the first pass ran it
       auto scores = poisoned<float>((c.rows + 1) * P);
-      (mma ? indexer_scores_mma : indexer_scores)(s, dq.data(), dk.data(), dw.data(), c.first, c.rows,
-                                                  scores.data(), stream.get());
+      const int64_t tiles = indexer_tiles(s);
+      auto maxima = poisoned<unsigned>(c.rows * tiles), from_scores = poisoned<unsigned>(c.rows * tiles);
+      if (mma)
+        indexer_scores_mma(s, dq.data(), dk.data(), dw.data(), c.first, c.rows, scores.data(), stream.get());
+      else
+        indexer_scores(s, dq.data(), dk.data(), dw.data(), c.first, c.rows, scores.data(), maxima.data(),
+                       stream.get());
+      indexer_tile_maxima(s, scores.data(), c.first, c.rows, from_scores.data(), stream.get());
       stream.synchronize();
       const auto got = scores.download();
+      // The tile maxima of the scores written, as keys (0 for a tile without visible pools): from the
+      // maxima kernel, and from indexer_scores (its scorer's own), bit for bit.
+      std::vector<unsigned> want_maxima(static_cast<size_t>(c.rows * tiles), 0u);
+      for (int64_t r = 0; r < c.rows; ++r)
+        for (int64_t p = 0; p < std::min(P, (c.first + r + 1) / c.kpool); ++p) {
+          unsigned u = 0;
+          std::memcpy(&u, &got[r * P + p], sizeof(u));
+          u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+          unsigned& m = want_maxima[r * tiles + p / kIndexerTilePools];
+          m = std::max(m, u);
+        }
+      const char* scorer = mma ? "mma.sync" : indexer_scorer(s);
+      EXPECT_EQ(from_scores.download(), want_maxima) << "tile maxima from the " << scorer << " scores";
+      if (!mma) {
+        EXPECT_EQ(maxima.download(), want_maxima) << "tile maxima of the " << scorer << " scorer";
+      }
       int64_t bad = 0, checked = 0;
       double worst = 0;
       for (size_t i = 0; i < want.size(); ++i) {
@@ -659,7 +717,6 @@ TEST(CudaIndexer, ScoresMatchTheCpu) {
       }
       int64_t touched = 0;
       for (int64_t p = 0; p < P; ++p) touched += std::isnan(got[c.rows * P + p]) ? 0 : 1;
-      const char* scorer = mma ? "mma.sync" : indexer_scorer(s);
       EXPECT_EQ(bad, 0) << scorer << " scorer: of " << checked << " scores; worst error " << worst
                         << "; tokens " << c.tokens << " heads " << H << " head_dim " << d << " kpool "
                         << c.kpool << " queries " << c.first << " + " << c.rows;

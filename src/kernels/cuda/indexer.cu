@@ -1,5 +1,5 @@
-// DSA k-pool indexer: pooling and the per-query top-k (the scores: indexer_scores.cu). See indexer.h
-// for the contract and launch shapes.
+// DSA k-pool indexer: pooling, the scores' tile maxima and the per-query top-k (the scores:
+// indexer_scores.cu). See indexer.h for the contract and launch shapes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -7,6 +7,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/indexer.h"
+#include "kernels/cuda/indexer_keys.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
@@ -37,10 +38,20 @@ __global__ void indexer_pool_keys_kernel(const __nv_bfloat16* __restrict__ keys,
   pool_keys[i] = __float2bfloat16(acc / sum);
 }
 
-// Order-preserving map of fp32 bits to unsigned: a > b as floats iff key(a) > key(b).
-__device__ __forceinline__ unsigned ordered(float value) {
-  const unsigned u = __float_as_uint(value);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+// One warp per (row, tile) of indexer_tiles: the largest key of the row's visible pools in the
+// tile, 0 where it has none.
+__global__ void indexer_tile_maxima_kernel(const float* __restrict__ scores, unsigned* __restrict__ maxima,
+                                           int64_t first, int64_t rows, int64_t pools, int64_t kp,
+                                           int64_t tiles) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  if (w >= rows * tiles) return;  // whole warps
+  const int64_t r = w / tiles, j = w % tiles;
+  const int64_t end = min(min(pools, (first + r + 1) / kp), (j + 1) * kIndexerTilePools);
+  unsigned m = 0;
+  for (int64_t p = j * kIndexerTilePools + threadIdx.x % 32; p < end; p += 32)
+    m = max(m, ordered_key(scores[r * pools + p]));
+  m = __reduce_max_sync(kFull, m);
+  if (threadIdx.x % 32 == 0) maxima[w] = m;
 }
 
 // Exclusive prefix sum over the CTA (T threads); `total` gets the sum. Uses shared[0 .. T / 32]: the
@@ -83,7 +94,8 @@ static_assert(kHeadBits + 2 * kTailBits == 32, "the passes cover the 32-bit key"
 // in that bin (many equal scores) reads the row again instead.
 constexpr int kCandidates = 4096;
 
-// The two launch shapes, by the launch's longest row. Up to kShortRow pools: kShortThreads a CTA,
+// The two launch shapes of the radix select, by the launch's longest row (longer rows with the tile
+// maxima: select_from_maxima's shape instead). Up to kShortRow pools: kShortThreads a CTA,
 // kShortBlocks CTAs a multiprocessor (what the static shared memory allows; at most 40 registers),
 // and every read of the row is from global memory (the rows in flight fit in L2). Longer rows:
 // kLongThreads a CTA, one a multiprocessor (64 registers), which keeps the first kCachedKeys keys
@@ -101,10 +113,10 @@ constexpr int64_t kShortRow = 16384;
 constexpr int64_t kCachedKeys = (kMaxDynamicShared - 34 * 1024) / sizeof(unsigned);
 
 // f(p, score) for every p in [begin, end) of the row, each of the T threads taking a share: float4
-// loads over the 16-byte aligned middle, a batch of them a thread issued before their uses.
-// kStreaming loads are marked evict-first in L2, for scores that are not read from global memory
-// again.
-template <int T, bool kStreaming, class F>
+// loads over the 16-byte aligned middle, kBatch of them a thread issued before their uses (by
+// default 2 within the short rows' 40 registers). kStreaming loads are marked evict-first in L2,
+// for scores that are not read from global memory again.
+template <int T, bool kStreaming, int kBatch = (T >= 1024 ? 4 : 2), class F>
 __device__ __forceinline__ void for_each_score(const float* __restrict__ row, int64_t begin, int64_t end,
                                                F f) {
   if (begin >= end) return;
@@ -113,7 +125,6 @@ __device__ __forceinline__ void for_each_score(const float* __restrict__ row, in
   for (int64_t p = begin + threadIdx.x; p < head; p += T) f(p, row[p]);
   const float4* body = reinterpret_cast<const float4*>(row + head);
   const int64_t vectors = (end - head) / 4;
-  constexpr int kBatch = T >= 1024 ? 4 : 2;  // within the short rows' 40 registers
   for (int64_t v0 = threadIdx.x; v0 < vectors; v0 += int64_t{kBatch} * T) {
     float4 x[kBatch];
 #pragma unroll
@@ -182,6 +193,117 @@ __device__ void threshold_bin(const unsigned* hist, int bins, unsigned& k, unsig
   __syncthreads();
 }
 
+// The k-th largest (k >= 1, at most n) of the n keys key(i): the three radix passes over them. k
+// ends as that key's rank among the keys equal to it, counted from the top. Every thread calls it;
+// it ends with a barrier.
+template <int T, class Key>
+__device__ unsigned radix_threshold(Key key, int64_t n, unsigned& k, unsigned* hist, int* scan_shared,
+                                    unsigned* found) {
+  unsigned bin = 0;
+  histogram_pass<T>(key, n, 0u, 0u, 32 - kHeadBits, kHeadBins, hist);
+  threshold_bin<T>(hist, kHeadBins, k, bin, scan_shared, found);
+  unsigned prefix = bin << (32 - kHeadBits), mask = ~0u << (32 - kHeadBits);
+  for (int shift = 32 - kHeadBits - kTailBits; shift >= 0; shift -= kTailBits) {
+    histogram_pass<T>(key, n, mask, prefix, shift, kTailBins, hist);
+    threshold_bin<T>(hist, kTailBins, k, bin, scan_shared, found);
+    prefix |= bin << shift;
+    mask |= static_cast<unsigned>(kTailBins - 1) << shift;
+  }
+  return prefix;
+}
+
+// The selection from the tile maxima (indexer.h) of rows with at least kMaximaTilesPerChosen tiles
+// per chosen pool and at most kMaximaChosen chosen. tau, the chosen-th largest tile maximum, is a
+// score of the row's chosen-th largest or below (the chosen largest maxima are chosen pools' keys),
+// so the pools the rule takes are among those with a key >= tau: for independent scores about
+// chosen * (1 + ln(tiles / chosen)) of them. One read of the row collects them (keys and pools) in
+// shared memory, where the radix select finds the threshold among them.
+constexpr int kMaximaTilesPerChosen = 2, kMaximaChosen = 256;
+// Its launch shape, for every row of a launch of rows longer than kShortRow given the maxima (the
+// shorter rows' launches keep the short shape: their rows have too few tiles): kShortThreads a CTA,
+// kMaximaBlocks CTAs a multiprocessor (64 registers; six CTAs of the short shape's 40 spill),
+// kMaximaBatch 16-byte loads a thread in flight (64 KiB a multiprocessor), and no cache: rows read
+// once need none, and several CTAs a multiprocessor overlap a row's fixed work (six radix passes
+// over a few thousand keys) with the others' reads. Its rows that overflow take the radix select
+// without the cache.
+constexpr int kMaximaBlocks = 4, kMaximaBatch = 4;
+// Candidates held (keys, then pools, in the radix select's candidates), and keys equal to the
+// threshold ranked by pool (quadratic in their count); more of either: the radix select instead.
+constexpr int kMaximaHeld = kCandidates / 2, kMaximaTies = 256;
+static_assert(kMaximaTies + kMaximaChosen <= kHeadBins, "the ties and the taken pools fit the histogram");
+
+// The top `chosen` of the row's `visible` scores from its tile maxima, written as the radix select
+// writes them (ties to the lower pool, in pool order, expanded to kp tokens), or false, having
+// written nothing, where its candidates or ties at the threshold are more than shared memory holds.
+// The shared memory is the radix select's. Every thread calls it; it ends with a barrier where it
+// returns false.
+template <int T>
+__device__ bool select_from_maxima(const float* __restrict__ scores, const unsigned* __restrict__ row_maxima,
+                                   int visible, int chosen, int64_t kp, int32_t* out, unsigned* hist,
+                                   unsigned* candidates, unsigned* found, int* scan_shared, unsigned* count) {
+  const int tiles = static_cast<int>((visible + kIndexerTilePools - 1) / kIndexerTilePools);
+  unsigned k = static_cast<unsigned>(chosen);
+  const unsigned tau = radix_threshold<T>([row_maxima](int64_t j) { return __ldg(row_maxima + j); }, tiles, k,
+                                          hist, scan_shared, found);
+  if (threadIdx.x == 0) *count = 0;
+  __syncthreads();
+  unsigned *keys = candidates, *pools = candidates + kMaximaHeld;
+  for_each_score<T, true, kMaximaBatch>(scores, 0, visible, [&](int64_t p, float score) {
+    const unsigned u = ordered_key(score);
+    if (u >= tau) {
+      const unsigned slot = atomicAdd(count, 1u);
+      if (slot < kMaximaHeld) {
+        keys[slot] = u;
+        pools[slot] = static_cast<unsigned>(p);
+      }
+    }
+  });
+  __syncthreads();
+  const unsigned held = *count;
+  __syncthreads();  // read by every thread before the radix select resets it
+  if (held > kMaximaHeld) return false;
+
+  // The threshold among the candidates (every pool the rule takes is one) and how many of the keys
+  // equal to it to take; then the pools taken, unordered, in hist[kMaximaTies ..]: those above the
+  // threshold, and the equal ones whose pool has fewer than equal_taken equal ones below it.
+  k = static_cast<unsigned>(chosen);
+  const unsigned threshold =
+      radix_threshold<T>([keys](int64_t i) { return keys[i]; }, held, k, hist, scan_shared, found);
+  const unsigned equal_taken = k;
+  unsigned *ties = hist, *taken = hist + kMaximaTies;
+  if (threadIdx.x == 0) found[0] = found[1] = 0;  // ties, taken
+  __syncthreads();
+  for (unsigned i = threadIdx.x; i < held; i += T) {
+    const unsigned u = keys[i];
+    if (u > threshold) {
+      taken[atomicAdd(&found[1], 1u)] = pools[i];
+    } else if (u == threshold) {
+      const unsigned slot = atomicAdd(&found[0], 1u);
+      if (slot < kMaximaTies) ties[slot] = pools[i];
+    }
+  }
+  __syncthreads();
+  const unsigned tied = found[0];
+  if (tied > kMaximaTies) {
+    __syncthreads();  // found read by every thread
+    return false;
+  }
+  for (unsigned i = threadIdx.x; i < tied; i += T) {
+    unsigned below = 0;
+    for (unsigned j = 0; j < tied; ++j) below += ties[j] < ties[i] ? 1u : 0u;
+    if (below < equal_taken) taken[atomicAdd(&found[1], 1u)] = ties[i];
+  }
+  __syncthreads();
+  // The chosen pools taken, each written at its rank among them.
+  for (int i = threadIdx.x; i < chosen; i += T) {
+    const unsigned pool = taken[i];
+    int position = 0;
+    for (int j = 0; j < chosen; ++j) position += taken[j] < pool ? 1 : 0;
+    for (int64_t j = 0; j < kp; ++j) out[position * kp + j] = static_cast<int32_t>(pool * kp + j);
+  }
+  return true;
+}
+
 // One CTA of T threads per query of the block: the exact top topk/kpool of its visible pools'
 // scores (row blockIdx.x of the workspace), ties to the lower pool, in ascending pool order,
 // expanded to tokens; then the tail; -1 elsewhere. Query t (absolute) writes row t - first_query.
@@ -193,11 +315,15 @@ __device__ void threshold_bin(const unsigned* hist, int bins, unsigned& k, unsig
 // of four pools that hold a key at or above that bin. The output reads only the marked groups
 // again: each thread counts its pools above the threshold and equal to it, CTA scans order the
 // counts, and each thread writes its pools taken at their places in pool order.
-template <int T>
-__global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
+//
+// kMaxima: the launch has the rows' tile maxima (row blockIdx.x at maxima + blockIdx.x * tiles), and
+// the rows select_from_maxima takes are read once instead.
+template <int T, bool kMaxima>
+__global__ void __launch_bounds__(T, kMaxima ? kMaximaBlocks : kShortThreads* kShortBlocks / T)
     indexer_topk_kernel(const float* __restrict__ workspace, int32_t* __restrict__ selected, int64_t t0,
                         int64_t first_query, int64_t pools, int64_t kp, int64_t topk, int64_t width,
-                        int select_tail, int64_t cache_keys) {
+                        int select_tail, int64_t cache_keys, const unsigned* __restrict__ maxima,
+                        int64_t tiles) {
   constexpr int kWarps = T / 32;
   static_assert(kHeadBins % T == 0 && kTailBins % T == 0, "each thread owns whole bins");
   extern __shared__ __align__(16) unsigned cache[];
@@ -215,12 +341,18 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
   // Pools within a row are ints (the launcher checks that they fit).
   const int visible = static_cast<int>(min(pools, (t + 1) / kp));
   const int chosen = static_cast<int>(min(topk / kp, int64_t{visible}));
-  if (chosen > 0) {
+  const bool from_maxima =
+      kMaxima && chosen < visible && chosen <= kMaximaChosen &&
+      (visible + kIndexerTilePools - 1) / kIndexerTilePools >= int64_t{kMaximaTilesPerChosen} * chosen;
+  if (chosen > 0 &&
+      !(from_maxima &&
+        select_from_maxima<T>(scores, maxima + static_cast<int64_t>(blockIdx.x) * tiles, visible, chosen, kp,
+                              out, hist, candidates, found, scan_shared, &candidate_count))) {
     // The threshold: the chosen-th largest key, and how many of the keys equal to it to take.
     const bool all = chosen == visible;
     // Keys below `cached` are in the cache once the first pass has run (it does not when all).
     const int cached = all ? 0 : static_cast<int>(min(int64_t{visible}, cache_keys));
-    const auto row_key = [scores, cached](int p) { return p < cached ? cache[p] : ordered(scores[p]); };
+    const auto row_key = [scores, cached](int p) { return p < cached ? cache[p] : ordered_key(scores[p]); };
     // After the first pass each thread takes `groups` groups of four adjacent pools from first_pool
     // on, visited from group lane % groups on so that a warp's 16-byte loads from the cache meet
     // no bank twice where groups is a multiple of 8 (16 in a 1M row). Bit b of `hits` marks groups
@@ -244,10 +376,10 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
         u[3] = v.w;
       } else if (aligned && p >= cached && p + 3 < visible) {
         const float4 v = __ldg(reinterpret_cast<const float4*>(scores + p));
-        u[0] = ordered(v.x);
-        u[1] = ordered(v.y);
-        u[2] = ordered(v.z);
-        u[3] = ordered(v.w);
+        u[0] = ordered_key(v.x);
+        u[1] = ordered_key(v.y);
+        u[2] = ordered_key(v.z);
+        u[3] = ordered_key(v.w);
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) u[j] = p + j < visible ? row_key(p + j) : 0u;
@@ -261,12 +393,12 @@ __global__ void __launch_bounds__(T, kShortThreads* kShortBlocks / T)
       for (int b = threadIdx.x; b < kHeadBins; b += T) hist[b] = 0;
       __syncthreads();
       for_each_score<T, true>(scores, 0, cached, [](int64_t p, float score) {
-        const unsigned u = ordered(score);
+        const unsigned u = ordered_key(score);
         cache[p] = u;
         atomicAdd(&hist[u >> (32 - kHeadBits)], 1u);
       });
       for_each_score<T, false>(scores, cached, visible, [](int64_t, float score) {
-        atomicAdd(&hist[ordered(score) >> (32 - kHeadBits)], 1u);
+        atomicAdd(&hist[ordered_key(score) >> (32 - kHeadBits)], 1u);
       });
       __syncthreads();
       threshold_bin<T>(hist, kHeadBins, k, bin, scan_shared, found);
@@ -386,8 +518,21 @@ void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, co
   SPINDLE_LAUNCHED("indexer_pool_keys_kernel");
 }
 
-void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
-                  int32_t* selected, cudaStream_t stream) {
+void indexer_tile_maxima(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
+                         unsigned* maxima, cudaStream_t stream) {
+  check(first >= s.first_query && rows >= 0 && first + rows <= s.tokens, "indexer_tile_maxima: queries ",
+        first, " + ", rows, " outside ", s.first_query, " .. ", s.tokens);
+  const int64_t tiles = indexer_tiles(s), warps = rows * tiles;
+  if (warps == 0) return;
+  const int64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
+  check(blocks < (int64_t{1} << 31), "indexer_tile_maxima: ", warps, " tiles are too many for one launch");
+  indexer_tile_maxima_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      scores, maxima, first, rows, s.complete_pools(), s.kpool, tiles);
+  SPINDLE_LAUNCHED("indexer_tile_maxima_kernel");
+}
+
+void indexer_topk(const cpu::IndexerShape& s, const float* scores, const unsigned* maxima, int64_t first,
+                  int64_t rows, int32_t* selected, cudaStream_t stream) {
   check(first >= s.first_query && rows >= 0 && first + rows <= s.tokens && rows < (int64_t{1} << 31),
         "indexer_topk: queries ", first, " + ", rows, " outside ", s.first_query, " .. ", s.tokens,
         " or too many for one launch");
@@ -398,23 +543,32 @@ void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first
   const unsigned grid = static_cast<unsigned>(rows);
   const int tail = s.select_tail ? 1 : 0;
   if (longest <= kShortRow) {
-    indexer_topk_kernel<kShortThreads><<<grid, kShortThreads, 0, stream>>>(
-        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0);
+    indexer_topk_kernel<kShortThreads, false><<<grid, kShortThreads, 0, stream>>>(
+        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, nullptr, 0);
+  } else if (maxima != nullptr) {
+    indexer_topk_kernel<kShortThreads, true>
+        <<<grid, kShortThreads, 0, stream>>>(scores, selected, first, s.first_query, pools, s.kpool, s.topk,
+                                             s.width(), tail, 0, maxima, indexer_tiles(s));
   } else {
     // The limit raised to the largest cache (past the default 48 KiB with the static shared memory);
     // a launch takes what its longest row needs.
-    allow_shared_memory(indexer_topk_kernel<kLongThreads>, kCachedKeys * sizeof(unsigned),
+    allow_shared_memory(indexer_topk_kernel<kLongThreads, false>, kCachedKeys * sizeof(unsigned),
                         "indexer_topk_kernel");
     const int64_t cache_keys = std::min(longest, kCachedKeys);
     const size_t bytes = static_cast<size_t>(cache_keys) * sizeof(unsigned);
-    indexer_topk_kernel<kLongThreads><<<grid, kLongThreads, bytes, stream>>>(
-        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, cache_keys);
+    indexer_topk_kernel<kLongThreads, false>
+        <<<grid, kLongThreads, bytes, stream>>>(scores, selected, first, s.first_query, pools, s.kpool,
+                                                s.topk, s.width(), tail, cache_keys, nullptr, 0);
   }
   SPINDLE_LAUNCHED("indexer_topk_kernel");
 }
 
+int64_t indexer_tiles(const cpu::IndexerShape& s) {
+  return (s.complete_pools() + kIndexerTilePools - 1) / kIndexerTilePools;
+}
+
 size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_block) {
-  return static_cast<size_t>(query_block) * static_cast<size_t>(s.complete_pools()) * sizeof(float);
+  return static_cast<size_t>(query_block) * static_cast<size_t>(s.complete_pools() + indexer_tiles(s)) * 4;
 }
 
 void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
@@ -428,15 +582,18 @@ void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __
         s.first_query, ", tokens ", s.tokens);
   if (s.queries() == 0) return;
   const int64_t pools = s.complete_pools();
-  const size_t row_bytes = static_cast<size_t>(std::max<int64_t>(pools, 1)) * sizeof(float);
+  const size_t row_bytes = std::max<size_t>(indexer_select_workspace_bytes(s, 1), 1);
   const int64_t block = std::min<int64_t>(s.queries(), static_cast<int64_t>(workspace_bytes / row_bytes));
   check(block >= 1 || pools == 0, "indexer_select: the workspace (", workspace_bytes,
-        " bytes) holds no query row of ", pools, " pooled scores (", row_bytes, " bytes)");
+        " bytes) holds no query row of ", pools, " pooled scores and their tile maxima (", row_bytes,
+        " bytes)");
   const int64_t query_block = pools == 0 ? s.queries() : block;
+  // The block's scores, then its tile maxima.
+  unsigned* maxima = reinterpret_cast<unsigned*>(workspace + query_block * pools);
   for (int64_t t0 = s.first_query; t0 < s.tokens; t0 += query_block) {
     const int64_t rows = std::min(query_block, s.tokens - t0);
-    indexer_scores(s, q, pool_keys, head_weights, t0, rows, workspace, stream);
-    indexer_topk(s, workspace, t0, rows, selected, stream);
+    indexer_scores(s, q, pool_keys, head_weights, t0, rows, workspace, maxima, stream);
+    indexer_topk(s, workspace, maxima, t0, rows, selected, stream);
   }
 }
 

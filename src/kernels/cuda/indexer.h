@@ -2,11 +2,12 @@
 // cpu::indexer_pool_keys / cpu::indexer_select (kernels/cpu/dsa.h). bf16 storage, fp32 math.
 //
 // Selection never forms a tokens x tokens buffer: queries are scored in blocks of `query_block`
-// rows against the visible pooled keys, into an fp32 score tile [query_block, complete_pools] in
-// a caller-provided workspace (indexer_select_workspace_bytes), reused block after block. The
-// wrapper takes the largest block that fits the workspace it is given: e.g. 1M tokens with kpool 4
-// (262144 pools) is 1 MiB per query row, so a 1 GiB workspace scores 1024 queries per launch;
-// keep the workspace under 2 GiB.
+// rows against the visible pooled keys, into an fp32 score tile [query_block, complete_pools] and
+// its tile maxima [query_block, indexer_tiles] (1/64 of it) in a caller-provided workspace
+// (indexer_select_workspace_bytes), reused block after block. The wrapper takes the largest block
+// that fits the workspace it is given: e.g. 1M tokens with kpool 4 (262144 pools) is 1 MiB (and
+// 16 KiB) per query row, so a 1 GiB workspace scores 1008 queries per launch; keep the workspace
+// under 2 GiB.
 //
 // Scoring (indexer_scores, indexer_scores.cu) runs on the tensor cores. With 17 to 32 heads and
 // head_dim a multiple of 16 up to 128 (GLM's 32 x 128) on wgmma (indexer_scores_hopper.h);
@@ -33,7 +34,13 @@
 // ones over the threshold bin's keys, over the order-preserving bits of the fp32 scores) of the top
 // topk/kpool visible pools, ties to the lower pool, written in ascending pool order, expanded to
 // tokens, plus the tail; -1 elsewhere. Rows of more than 16,384 pools take 1024 threads a CTA and keep
-// up to 49,408 of their keys in shared memory after the first read.
+// up to 49,408 of their keys in shared memory after the first read; with the tile maxima (the
+// scorer's, in indexer_select) they take 256 threads a CTA, four a multiprocessor, and those of at
+// most 256 chosen pools and at least two tiles of 64 pools per chosen one are read once:
+// tau, the chosen-th largest tile maximum, bounds the chosen-th largest score from below, so the
+// scores >= tau (a few hundred where scores are spread) hold the selection, which the radix select
+// finds among them in shared memory. Rows where more than 2,048 scores reach tau, or more than 256
+// equal the threshold (ties, exact zeros), take the radix select.
 // Pooling: one thread per (pool, channel), 256 per CTA. Scores are assumed not NaN (-inf ranks
 // below every finite score).
 #pragma once
@@ -52,16 +59,31 @@ namespace spindle::cuda {
 void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, const __nv_bfloat16* gate,
                        const __nv_bfloat16* ape, __nv_bfloat16* pool_keys, cudaStream_t stream);
 
-// Workspace bytes for scoring `query_block` queries at a time: query_block * complete_pools * 4.
+// Workspace bytes for scoring `query_block` queries at a time: their scores and tile maxima,
+// query_block * (complete_pools + indexer_tiles) * 4.
 size_t indexer_select_workspace_bytes(const cpu::IndexerShape& s, int64_t query_block);
+
+// Pools per tile of the tile maxima: maxima[r][j] is the largest order-preserving key (the fp32
+// score's bits, sign-flipped so that unsigned order is float order; indexer_keys.cuh) of row r's
+// visible pools j * kIndexerTilePools .. (j + 1) * kIndexerTilePools - 1, 0 (below every score's key)
+// where the tile has no visible pool. Row stride indexer_tiles(s) = ceil(complete_pools / 64).
+constexpr int64_t kIndexerTilePools = 64;
+int64_t indexer_tiles(const cpu::IndexerShape& s);
 
 // Scores of queries first .. first + rows - 1 (absolute positions, first >= s.first_query)
 // against their visible pools: scores[r][p] for p < min(complete_pools, (first + r + 1) / kpool),
 // row stride complete_pools; the rest of each row is unspecified. q, pool_keys, head_weights as for
-// indexer_select.
+// indexer_select. Where maxima is not null, also the rows' tile maxima (all of each row's
+// indexer_tiles): the wgmma scorer folds them into its epilogue, the mma.sync one's are read back
+// from the scores (indexer_tile_maxima).
 void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
-                    cudaStream_t stream);
+                    unsigned* maxima, cudaStream_t stream);
+
+// The tile maxima of queries first .. first + rows - 1 from their scores (as indexer_scores writes
+// them), for scores made elsewhere; bit for bit what indexer_scores writes.
+void indexer_tile_maxima(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
+                         unsigned* maxima, cudaStream_t stream);
 
 // The mma.sync scorer alone, for any shape indexer_scores takes (tests and bench/ compare it with
 // the wgmma one).
@@ -74,15 +96,17 @@ const char* indexer_scorer(const cpu::IndexerShape& s);
 
 // The top-k of the queries first .. first + rows - 1 (absolute positions, first >= s.first_query)
 // from their scores as indexer_scores writes them (row r at scores + r * complete_pools): their rows
-// of selected (row t - s.first_query for query t) written as indexer_select writes them.
-void indexer_topk(const cpu::IndexerShape& s, const float* scores, int64_t first, int64_t rows,
-                  int32_t* selected, cudaStream_t stream);
+// of selected (row t - s.first_query for query t) written as indexer_select writes them. maxima:
+// the rows' tile maxima (row r at maxima + r * indexer_tiles), which let long rows be read once; null:
+// the radix select alone. The same selection either way.
+void indexer_topk(const cpu::IndexerShape& s, const float* scores, const unsigned* maxima, int64_t first,
+                  int64_t rows, int32_t* selected, cudaStream_t stream);
 
 // The queries are the tokens from s.first_query on (a chunk of a streamed sequence; 0: all), the
 // keys all s.tokens. q: [queries, heads, head_dim]; pool_keys: [complete_pools, head_dim];
 // head_weights: [queries, heads] (already scaled by heads^-0.5); selected: [queries, width()]
-// written (absolute token indices), -1 where unused. workspace: fp32 scratch of workspace_bytes,
-// at least one query row (complete_pools * 4 bytes).
+// written (absolute token indices), -1 where unused. workspace: scratch of workspace_bytes, at
+// least one query row (indexer_select_workspace_bytes(s, 1)).
 void indexer_select(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int32_t* selected, float* workspace,
                     size_t workspace_bytes, cudaStream_t stream);

@@ -256,11 +256,13 @@ void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, cons
 
 void indexer_scores(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                     const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
-                    cudaStream_t stream) {
-  if (indexer_scores_hopper_takes(s))
-    indexer_scores_hopper(s, q, pool_keys, head_weights, first, rows, scores, stream);
-  else
+                    unsigned* maxima, cudaStream_t stream) {
+  if (indexer_scores_hopper_takes(s)) {
+    indexer_scores_hopper(s, q, pool_keys, head_weights, first, rows, scores, maxima, stream);
+  } else {
     indexer_scores_mma(s, q, pool_keys, head_weights, first, rows, scores, stream);
+    if (maxima != nullptr) indexer_tile_maxima(s, scores, first, rows, maxima, stream);
+  }
 }
 
 const char* indexer_scorer(const cpu::IndexerShape& s) {

@@ -4,6 +4,8 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/indexer.h"
+#include "kernels/cuda/indexer_keys.cuh"
 #include "kernels/cuda/indexer_scores_hopper.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
@@ -17,6 +19,7 @@ constexpr int kGroups = 2, kThreads = 128 * kGroups;
 constexpr int kGroupQueries = 8, kQueries = kGroups * kGroupQueries;
 constexpr int kSlots = 32;  // head slots per query
 constexpr int kPools = 64;  // pools per tile: M
+static_assert(kPools == kIndexerTilePools, "a CTA's tile is a tile of the maxima");
 // A warpgroup multiplies its queries in two halves, N = 4 x 32 = 128 each, so that the first
 // half's epilogue runs while the second half's products do.
 constexpr int kHalfQueries = kGroupQueries / 2, kHalfColumns = kHalfQueries * kSlots;
@@ -29,7 +32,8 @@ struct Args {
   const __nv_bfloat16* pool_keys;
   const __nv_bfloat16* head_weights;
   float* scores;
-  int64_t first, rows, pools, kpool, first_query;
+  unsigned* maxima;  // null: none written
+  int64_t first, rows, pools, kpool, first_query, tiles;
   int heads;
   float scale;
 };
@@ -68,6 +72,12 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   const int64_t mine = (tiles - blockIdx.y + gridDim.y - 1) / gridDim.y;  // tiles blockIdx.y + i gridDim.y
   if (static_cast<int64_t>(blockIdx.y) >= tiles) return;
   const int64_t offset = a.first - a.first_query;  // q's row of block row 0
+  // The pools visible to this thread's query in each half (the store's row).
+  int64_t row_visible[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    row_visible[half] =
+        min(a.pools, (a.first + q0 + kGroupQueries * group + kHalfQueries * half + c + 1) / a.kpool);
 
   // q as 512 rows (query 16 g + row / 32 of warpgroup g's 256, head row % 32), core-matrix layout:
   // 16-byte unit u lands at byte 16 u. Zero past the last head and row.
@@ -164,6 +174,17 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 #pragma unroll
     for (int m = 0; m < 2; ++m)
       if (row < a.rows && pool + 8 * m < a.pools) a.scores[row * a.pools + pool + 8 * m] = sum[m];
+    if (a.maxima != nullptr) {
+      // The warp's 16 pools of the row: its lanes c, c + 4, .. and their two pools each.
+      unsigned key = 0;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+        if (pool + 8 * m < row_visible[half]) key = max(key, ordered_key(sum[m]));
+#pragma unroll
+      for (int step = 4; step < 32; step *= 2) key = max(key, __shfl_xor_sync(0xffffffffu, key, step));
+      if (lane < 4 && row < a.rows && key != 0)
+        atomicMax(a.maxima + row * a.tiles + first_pool(i) / kPools, key);
+    }
   };
 
   // Both halves' products are queued at once; the first half's scores are folded and stored while
@@ -193,13 +214,16 @@ bool indexer_scores_hopper_takes(const cpu::IndexerShape& s) {
 
 void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                            const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
-                           cudaStream_t stream) {
+                           unsigned* maxima, cudaStream_t stream) {
   check(indexer_scores_hopper_takes(s), "indexer scores on wgmma: heads 17..", kSlots,
         " and head_dim a multiple of 16 up to 128, got heads ", s.heads, ", head_dim ", s.head_dim);
   check(reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(pool_keys) % 16 == 0,
         "indexer scores on wgmma: q and pool_keys must be 16-byte aligned (cp.async)");
   const int64_t pools = s.complete_pools();
   if (rows == 0 || pools == 0) return;
+  const int64_t tiles = indexer_tiles(s);
+  if (maxima != nullptr)  // the atomic maxima's start, below every key
+    SPINDLE_CUDA(cudaMemsetAsync(maxima, 0, static_cast<size_t>(rows * tiles) * sizeof(unsigned), stream));
   int device = 0, sms = 0;
   SPINDLE_CUDA(cudaGetDevice(&device));
   SPINDLE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -216,6 +240,8 @@ void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, c
   args.pool_keys = pool_keys;
   args.head_weights = head_weights;
   args.scores = scores;
+  args.maxima = maxima;
+  args.tiles = tiles;
   args.first = first;
   args.rows = rows;
   args.pools = pools;

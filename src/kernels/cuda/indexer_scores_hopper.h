@@ -11,7 +11,9 @@
 // 4 queries, over its 8 of each query's 32 head columns), adds them across the 4 lanes that share a
 // row (two butterfly steps, the same tree for every pool, so that equal keys give bit-equal
 // scores), and stores them (a warp's store: 8 consecutive pools of 4 queries). The first half's
-// epilogue runs while the second half's products do.
+// epilogue runs while the second half's products do. Where asked, the tiles of 64 pools are the
+// tile maxima's (indexer.h): each warp reduces its 16 pools' keys of a query by shuffles, and four
+// atomic maxima a (query, tile), into maxima zeroed before the launch, combine the warps.
 //
 // Why this shape: each 16 KB key tile feeds 2 x 4.2 MFLOP (512 FLOP per byte from L2), and the
 // tensor cores work during half of the epilogues. Measured on the H200 (docs/PERF.md): one
@@ -35,6 +37,6 @@ bool indexer_scores_hopper_takes(const cpu::IndexerShape& s);
 
 void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, const __nv_bfloat16* pool_keys,
                            const __nv_bfloat16* head_weights, int64_t first, int64_t rows, float* scores,
-                           cudaStream_t stream);
+                           unsigned* maxima, cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -80,16 +80,18 @@ void run_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, co
                  DeviceBuffer<int32_t>& selection) {
   const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
   IndexerQueries a = indexer_queries(ctx, c, w, x, q_resid, L);
-  const size_t row_bytes = indexer_select_workspace_bytes(shape, 1);
-  const size_t bytes =
-      std::max(row_bytes, std::min(kSelectWorkspaceBytes, row_bytes * static_cast<size_t>(L)));
+  // Query blocks whose score tile fits kSelectWorkspaceBytes (at least one row), with their tile maxima.
+  const size_t row_bytes = std::max<size_t>(1, static_cast<size_t>(shape.complete_pools()) * sizeof(float));
+  const int64_t block =
+      std::max<int64_t>(1, std::min(L, static_cast<int64_t>(kSelectWorkspaceBytes / row_bytes)));
+  const size_t bytes = indexer_select_workspace_bytes(shape, block);
   DeviceBuffer<float> workspace((bytes + 3) / 4, MemoryCategory::Workspace);
   if (selection.size() != static_cast<size_t>(L * shape.width()))
     selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
   indexer_select(shape, a.q.data(), cache.pool_keys.data(), a.head_weights.data(), selection.data(),
                  workspace.data(), workspace.size() * 4, ctx.stream());
   ctx.record.note("dsa/indexer", std::string("cuda k-pool scores (") + indexer_scorer(shape) +
-                                     ") + radix select in query blocks");
+                                     ") + top-k from the tile maxima in query blocks");
 }
 
 // Rows of the indexer keys' and gates' gradient window: a chunk and the pool before it that
