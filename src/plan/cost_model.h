@@ -36,15 +36,15 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config's 1M step on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 20.4% of peak (counted as 5 passes,
+  // "Step time"): model FLOPs without the indexer's scores at 20.6% of peak (counted as 5 passes,
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
-  // per step, at 30.6%: stream 16k + host AdamW 86.19 s from a trained checkpoint at f4bf5af, its
-  // indexer 10.22 s (2026-12-04; 139.05 s and 9.3 s from random weights at cac0719, before the
-  // union form, at 11.5% and 34%). The indexer's KL training (`--indexer-kl`) adds the attention's
+  // per step, at 33.3%: stream 16k + host AdamW 84.99 s from a trained checkpoint at a265920, its
+  // indexer 9.39 s (2026-12-05; 86.19 s and 10.22 s at f4bf5af, at 20.4% and 30.6%; 139.05 s and
+  // 9.3 s from random weights at cac0719, before the union form, at 11.5% and 34%). The indexer's KL training (`--indexer-kl`) adds the attention's
   // mass over the selection and the KL's gradient, counted as the sparse attention's forward FLOPs in
   // the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
-  double mfu = 0.204;
-  double indexer_mfu = 0.306;
+  double mfu = 0.206;
+  double indexer_mfu = 0.333;
   double indexer_kl_mfu = 0.14;
   double pcie_bytes_per_s = 50e9;
   double hbm_bytes_per_s = 4.8e12;
