@@ -62,21 +62,26 @@ int main(int argc, char** argv) {
                                    dw.data(), T * heads, head_dim, eps, nullptr);
          }));
   report("causal_conv_silu, 2048 channels", 2.0 * T * D * 2,
-         time([&] { causal_conv_silu(x.data(), taps.data(), y.data(), T, D, conv, nullptr); }));
+         time([&] { causal_conv_silu(x.data(), D, taps.data(), y.data(), T, D, conv, nullptr); }));
   // dw holds the taps' gradient, channels x K (the norms' dw above has only D values).
   auto dtaps = random_f32(D * conv, 11, -1, 1);
   report("causal_conv_silu_backward, 2048 channels", 2.0 * T * D * 3, time([&] {
-           causal_conv_silu_backward(x.data(), taps.data(), dy.data(), dx.data(), D, dtaps.data(), T, D, conv,
-                                     nullptr);
+           causal_conv_silu_backward(x.data(), D, taps.data(), dy.data(), dx.data(), D, dtaps.data(), T, D,
+                                     conv, nullptr);
          }));
   {
-    // As the KDA backward calls it: dx into the k columns of the stacked gradients (q, k, v, then the
-    // small ones), rows 3 D + 2 head_dim + heads = 6416 values apart at the 4B config.
-    const int64_t ld = 3 * D + 2 * head_dim + heads;
+    // As the KDA layer calls them: x in the k columns of the projections side by side (q, k, v, then
+    // the two low-rank: rows 3 D + 2 head_dim = 6400 values apart at the 4B config), the backward's
+    // dx into the k columns of the stacked gradients (b's too: rows 6416 apart).
+    const int64_t x_ld = 3 * D + 2 * head_dim, ld = x_ld + heads;
+    auto projected = random_bf16(T * x_ld, 12);
     DeviceBuffer<__nv_bfloat16> stacked(static_cast<size_t>(T * ld), MemoryCategory::Activations);
-    report("causal_conv_silu_backward, dx rows 6416 apart", 2.0 * T * D * 3, time([&] {
-             causal_conv_silu_backward(x.data(), taps.data(), dy.data(), stacked.data() + D, ld, dtaps.data(),
-                                       T, D, conv, nullptr);
+    report("causal_conv_silu, x rows 6400 apart", 2.0 * T * D * 2, time([&] {
+             causal_conv_silu(projected.data() + D, x_ld, taps.data(), y.data(), T, D, conv, nullptr);
+           }));
+    report("causal_conv_silu_backward, x, dx strided", 2.0 * T * D * 3, time([&] {
+             causal_conv_silu_backward(projected.data() + D, x_ld, taps.data(), dy.data(), stacked.data() + D,
+                                       ld, dtaps.data(), T, D, conv, nullptr);
            }));
   }
   // The decay over fp32 [T, 2048] (the 4B config: no lower bound, the softplus form; with one, the

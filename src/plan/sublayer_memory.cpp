@@ -30,15 +30,17 @@ int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
   return ((L + kKdaChunk - 1) / kKdaChunk + 1) * s.kda_heads * s.kda_dim * s.kda_dim;
 }
 
-// KdaActivations of model/cuda/kda.cpp: ten bf16 [L, heads * dim] (projections, convs, normalised
-// q/k, gate, core), two bf16 low-rank [L, dim], fp32 f and g, fp32 beta, the fp32 chunk states;
-// with `kept`, the recurrence's (core, chunk states) are the forward's.
+// KdaActivations of model/cuda/kda.cpp: the projections' weights stacked (a copy, the backward's
+// too: [3 heads * dim + 2 dim + heads, hidden]), the projections side by side (q, k, v and the two
+// low-rank, the conv's carried rows on top), seven bf16 [L, heads * dim] (convs, normalised q/k,
+// gate, core), fp32 f and g, fp32 beta, the fp32 chunk states; with `kept`, the recurrence's (core,
+// chunk states) are the forward's.
 Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept) {
-  const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
+  const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads, projected = 3 * w + 2 * dh;
   Blocks a;
-  for (int i = 0; i < (kept ? 9 : 10); ++i) a.push_back(bf16(m, L * w));
-  a.push_back(bf16(m, L * dh));
-  a.push_back(bf16(m, L * dh));
+  a.push_back(m.workspace(2 * (projected + H) * s.hidden));
+  a.push_back(bf16(m, (s.conv_kernel - 1 + L) * projected));
+  for (int i = 0; i < (kept ? 6 : 7); ++i) a.push_back(bf16(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
@@ -63,7 +65,7 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
         m.workspace(4 * (segment * H * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
                          (segment + 2) * H * dh * dh));
   }
-  // The gradients into dx side by side: the q, k, v windows', the gate's low-rank, db, f's low-rank.
+  // The gradients into dx side by side: the q, k, v windows', the gate's and f's low-rank, db.
   const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
   a.push_back(bf16(m, rows * stacked_width));
   a.push_back(bf16(m, L * H));     // db
@@ -73,8 +75,6 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   dq = {};                         // each branch's gradient after its conv input's
   dk = {};
   dv = {};
-  // The weights stacked alike for the one product into dx, freed after it.
-  const Ledger::Block stacked_w = m.workspace(2 * stacked_width * s.hidden);
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and

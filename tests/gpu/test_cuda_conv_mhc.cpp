@@ -58,33 +58,40 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
   // tokens than taps, the 4B model's KDA shape, channels 2 mod 4 (two a thread, not four); dx into
   // columns of a wider buffer (the KDA backward's stacked gradients), its rows an even and an odd
-  // number of values apart.
-  for (auto [T, C, K, dx_ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1000, 256, 4, 256},
-                                {1029, 2048, 4, 2048},
-                                {1029, 2048, 4, 6416},
-                                {333, 100, 3, 100},
-                                {333, 100, 3, 101},
-                                {70, 1031, 4, 1031},
-                                {2, 64, 4, 64},
-                                {130, 40, 8, 40},
-                                {65, 129, 1, 129},
-                                {300, 102, 4, 102}}) {
+  // number of values apart; x in columns of a wider buffer (the KDA forward's projections side by
+  // side, 6400 values a row at the 4B config), its rows 2 mod 4 (two a thread) and an odd number of
+  // values apart, the values between its rows NaN (never read).
+  for (auto [T, C, K, dx_ld, x_ld] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{1000, 256, 4, 256, 256},
+        {1029, 2048, 4, 2048, 2048},
+        {1029, 2048, 4, 6416, 6400},
+        {333, 100, 3, 100, 100},
+        {333, 100, 3, 101, 100},
+        {333, 100, 3, 100, 102},
+        {70, 1031, 4, 1031, 1031},
+        {2, 64, 4, 64, 64},
+        {130, 40, 8, 40, 41},
+        {65, 129, 1, 129, 129},
+        {300, 102, 4, 102, 102}}) {
     const auto x = rounded(random_floats(T * C)), dy = rounded(random_floats(T * C));
     const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
+    std::vector<float> x_rows(T * x_ld, NAN);
+    for (int64_t t = 0; t < T; ++t) std::copy_n(x.begin() + t * C, C, x_rows.begin() + t * x_ld);
     Stream stream;
-    auto xb = device(to_bf16(x)), dyb = device(to_bf16(dy));
+    auto xb = device(to_bf16(x_rows)), dyb = device(to_bf16(dy));
     auto wb = device(w, MemoryCategory::Weights);
     auto dwb = device(dw0, MemoryCategory::Gradients);
     auto y = poisoned<bf16>(T * C), dx = poisoned<bf16>(T * dx_ld);
-    causal_conv_silu(xb.data(), wb.data(), y.data(), T, C, K, stream.get());
-    causal_conv_silu_backward(xb.data(), wb.data(), dyb.data(), dx.data(), dx_ld, dwb.data(), T, C, K,
+    causal_conv_silu(xb.data(), x_ld, wb.data(), y.data(), T, C, K, stream.get());
+    causal_conv_silu_backward(xb.data(), x_ld, wb.data(), dyb.data(), dx.data(), dx_ld, dwb.data(), T, C, K,
                               stream.get());
     stream.synchronize();
     const auto xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
     std::vector<double> y_ref(T * C), dx_ref(T * C), dw_ref(C * K, 0.0);
     cpu::causal_conv_silu(xd.data(), wd.data(), y_ref.data(), T, C, K);
     cpu::causal_conv_silu_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), T, C, K);
-    EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "y, T=" << T << " C=" << C << " K=" << K;
+    EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound)
+        << "y, T=" << T << " C=" << C << " K=" << K << " x_ld=" << x_ld;
     const auto dx_rows = dx.download();
     std::vector<bf16> dx_got(T * C);
     int64_t gaps_written = 0;  // the values between dx's rows keep their poison
@@ -97,10 +104,10 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
           gaps_written += !std::isnan(__bfloat162float(v));
       }
     EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound)
-        << "dx, T=" << T << " C=" << C << " K=" << K << " dx_ld=" << dx_ld;
+        << "dx, T=" << T << " C=" << C << " K=" << K << " dx_ld=" << dx_ld << " x_ld=" << x_ld;
     EXPECT_EQ(gaps_written, 0) << "dx_ld=" << dx_ld;
     EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound)
-        << "dw, T=" << T << " C=" << C << " K=" << K;
+        << "dw, T=" << T << " C=" << C << " K=" << K << " x_ld=" << x_ld;
   }
 }
 

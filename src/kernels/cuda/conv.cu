@@ -77,15 +77,15 @@ __device__ __forceinline__ void load_taps(const float* __restrict__ w, int64_t c
 }
 
 // The K - 1 inputs before token t0 (zero before the sequence) as the window before its first
-// shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1.
+// shift: win[v][j] = x[t0 - K + j, c + v] for j >= 1 (x's rows x_ld values apart).
 template <int K, int V>
-__device__ __forceinline__ void load_halo(const __nv_bfloat16* __restrict__ x, int64_t c, int t0,
-                                          int64_t channels, float (&win)[V][K]) {
+__device__ __forceinline__ void load_halo(const __nv_bfloat16* __restrict__ x, int64_t x_ld, int64_t c,
+                                          int t0, float (&win)[V][K]) {
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int row = t0 - K + j;
     float halo[V] = {};
-    if (j > 0 && row >= 0) unpack<V>(load_row<V>(x + row * channels + c), halo);
+    if (j > 0 && row >= 0) unpack<V>(load_row<V>(x + row * x_ld + c), halo);
 #pragma unroll
     for (int v = 0; v < V; ++v) win[v][j] = halo[v];
   }
@@ -117,23 +117,23 @@ __device__ __forceinline__ float preactivation(const float (&wr)[K], const float
 // two) know that every row they refill exists.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
+    causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld, const float* __restrict__ w,
                             __nv_bfloat16* __restrict__ y, int tokens, int64_t channels, int run) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
   float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
   load_taps<K, V>(w, c, wr);
-  load_halo<K, V>(x, c, t0, channels, win);
+  load_halo<K, V>(x, x_ld, c, t0, win);
   // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
-  const __nv_bfloat16* next = x + static_cast<int64_t>(t0) * channels + c;  // the next x row to read
-  __nv_bfloat16* out = y + static_cast<int64_t>(t0) * channels + c;         // the next y row to write
-  Bf16s<V> xb[kBatch] = {};                                                 // x rows u + b of the batch at u
+  const __nv_bfloat16* next = x + static_cast<int64_t>(t0) * x_ld + c;  // the next x row to read
+  __nv_bfloat16* out = y + static_cast<int64_t>(t0) * channels + c;     // the next y row to write
+  Bf16s<V> xb[kBatch] = {};                                             // x rows u + b of the batch at u
 #pragma unroll
   for (int b = 0; b < kBatch; ++b) {
     if (t0 + b < t1) {
       xb[b] = load_row<V>(next);
-      next += channels;
+      next += x_ld;
     }
   }
   const auto batch = [&](int u, auto checked) {
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
       unpack<V>(xb[b], in);
       if (!kChecked || u + b + kBatch < t1) {
         xb[b] = load_row<V>(next);
-        next += channels;
+        next += x_ld;
       }
       shift_in<K, V>(win, in);
       float out_values[V];
@@ -174,10 +174,10 @@ __global__ void __launch_bounds__(kThreads)
 // channels K values.
 template <int K, int V>
 __global__ void __launch_bounds__(kThreads)
-    causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, const float* __restrict__ w,
-                                     const __nv_bfloat16* __restrict__ dy, __nv_bfloat16* __restrict__ dx,
-                                     int64_t dx_ld, float* __restrict__ dw, int tokens, int64_t channels,
-                                     int run) {
+    causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld,
+                                     const float* __restrict__ w, const __nv_bfloat16* __restrict__ dy,
+                                     __nv_bfloat16* __restrict__ dx, int64_t dx_ld, float* __restrict__ dw,
+                                     int tokens, int64_t channels, int run) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
@@ -186,10 +186,10 @@ __global__ void __launch_bounds__(kThreads)
   float wr[V][K], dwacc[V][K] = {};
   load_taps<K, V>(w, c, wr);
   float win[V][K], dh[V][K] = {};  // after the shift at step u: dh[v][j] = da[u - (K - 1) + j, c + v]
-  load_halo<K, V>(x, c, t0, channels, win);
+  load_halo<K, V>(x, x_ld, c, t0, win);
   // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
-  const int64_t first = static_cast<int64_t>(t0) * channels + c;
-  const __nv_bfloat16 *x_next = x + first, *dy_next = dy + first;     // the next rows to read
+  const __nv_bfloat16* x_next = x + static_cast<int64_t>(t0) * x_ld + c;  // the next rows to read
+  const __nv_bfloat16* dy_next = dy + static_cast<int64_t>(t0) * channels + c;
   __nv_bfloat16* dx_out = dx + static_cast<int64_t>(t0) * dx_ld + c;  // the next dx row to write
   Bf16s<V> xb[kBatch] = {}, db[kBatch] = {};  // x and dy rows u + b of the batch at u (zero past `rows`)
 #pragma unroll
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads)
     if (t0 + b < rows) {
       xb[b] = load_row<V>(x_next);
       db[b] = load_row<V>(dy_next);
-      x_next += channels;
+      x_next += x_ld;
       dy_next += channels;
     }
   }
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads)
       if (!kChecked || step + kBatch < rows) {
         xb[b] = load_row<V>(x_next);
         db[b] = load_row<V>(dy_next);
-        x_next += channels;
+        x_next += x_ld;
         dy_next += channels;
       } else {
         xb[b] = db[b] = Bf16s<V>{};
@@ -301,20 +301,21 @@ ConvGrid conv_grid(const void* kernel, int64_t tokens, int64_t channels, int val
 }
 
 template <int K, int V>
-void launch_forward(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
+void launch_forward(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
                     int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_kernel<K, V>;
   const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, w, y, static_cast<int>(tokens), channels, grid.run);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, y, static_cast<int>(tokens), channels, grid.run);
 }
 
 template <int K, int V>
-void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy, __nv_bfloat16* dx,
-                     int64_t dx_ld, float* dw, int64_t tokens, int64_t channels, cudaStream_t stream) {
+void launch_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
+                     __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
+                     cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
   const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, w, dy, dx, dx_ld, dw, static_cast<int>(tokens), channels,
-                                               grid.run);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, dy, dx, dx_ld, dw, static_cast<int>(tokens),
+                                               channels, grid.run);
 }
 
 // Calls LAUNCH<K, V>(args...) for the runtime kernel size (1 to kMaxKernel).
@@ -348,35 +349,36 @@ void launch_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16
 
 }  // namespace
 
-void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
+void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream) {
+  check(x_ld >= channels, "causal_conv_silu: x's rows ", x_ld, " apart for ", channels, " channels");
   check_shape("causal_conv_silu", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
-  const int values = values_per_thread({channels}, {x, y});
+  const int values = values_per_thread({channels, x_ld}, {x, y});
   if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 4, x, w, y, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_forward, 4, x, x_ld, w, y, tokens, channels, stream)
   } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 2, x, w, y, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_forward, 2, x, x_ld, w, y, tokens, channels, stream)
   } else {
-    SPINDLE_CONV_DISPATCH(launch_forward, 1, x, w, y, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_forward, 1, x, x_ld, w, y, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
 
-void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
+void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
                                __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
                                int64_t kernel, cudaStream_t stream) {
-  check(dx_ld >= channels, "causal_conv_silu_backward: dx's rows ", dx_ld, " apart for ", channels,
-        " channels");
+  check(x_ld >= channels && dx_ld >= channels, "causal_conv_silu_backward: x's rows ", x_ld, " and dx's ",
+        dx_ld, " apart for ", channels, " channels");
   check_shape("causal_conv_silu_backward", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
-  const int values = values_per_thread({channels, dx_ld}, {x, dy, dx});
+  const int values = values_per_thread({channels, x_ld, dx_ld}, {x, dy, dx});
   if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_backward, 4, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_backward, 4, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   } else {
-    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, w, dy, dx, dx_ld, dw, tokens, channels, stream)
+    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }

@@ -10,14 +10,17 @@
 
 namespace spindle::cuda {
 
-// y[t, c] = silu(sum_j w[c, j] * x[t - (K - 1) + j, c]), zeros before the first token.
-void causal_conv_silu(const __nv_bfloat16* x, const float* w, __nv_bfloat16* y, int64_t tokens,
+// y[t, c] = silu(sum_j w[c, j] * x[t - (K - 1) + j, c]), zeros before the first token. x's rows are
+// x_ld >= channels values apart, so that it can be columns of a wider buffer (the KDA projections
+// side by side); y's are channels apart.
+void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
                       int64_t channels, int64_t kernel, cudaStream_t stream);
 
 // Backward: dx (bf16, written; its rows dx_ld >= channels values apart, so that it can fill
 // columns of a wider buffer) and dw (fp32 [channels, K], accumulated: the caller zeroes it once
-// per step). dw is reduced over a run of tokens per thread before one atomic per tap (or per four).
-void causal_conv_silu_backward(const __nv_bfloat16* x, const float* w, const __nv_bfloat16* dy,
+// per step); x's rows x_ld apart as the forward's, dy's channels apart. dw is reduced over a run of
+// tokens per thread before one atomic per tap (or per four).
+void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
                                __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
                                int64_t kernel, cudaStream_t stream);
 

@@ -18,13 +18,30 @@ namespace spindle::cuda {
 
 namespace {
 
-// Each projection goes into a window of kernel - 1 + L rows: the carried rows (zeros at the start
-// of a sequence), then this chunk's; the conv runs over the whole window and the chunk's outputs
-// are its rows from kernel - 1 on.
+// x's projections come from one product, side by side in `projected` (kernel - 1 + L rows): the q,
+// k and v windows, then the gate's and the forget gate's low-rank. A window holds the carried rows
+// (zeros at the start of a sequence), then this chunk's; the conv runs over the whole window and the
+// chunk's outputs are its rows from kernel - 1 on. The low-rank columns use the chunk's rows only.
+// stacked_w: the weights stacked alike, then b_proj's (beta keeps its own fp32 product), so that
+// the backward's one product into dx reuses them.
 struct KdaActivations {
-  DeviceBuffer<bf16> qp, kp, vp, qcw, kcw, vcw, q, k, f_low, gate_low, gate, core;
+  DeviceBuffer<bf16> stacked_w, projected, qcw, kcw, vcw, q, k, gate, core;
   DeviceBuffer<float> f, g, beta, chunk_states, matrices;  // matrices: kept ones, or empty
 };
+
+// Columns of a row of `projected` (and of the backward's stacked gradients; rows of the stacked
+// weights): q, k, v, the gate's low-rank, the forget gate's low-rank, then b (the backward's only).
+struct KdaColumns {
+  int64_t qkv, dh, H;
+  int64_t gate_low() const { return 3 * qkv; }
+  int64_t forget_low() const { return 3 * qkv + dh; }
+  int64_t projected() const { return 3 * qkv + 2 * dh; }  // the forward's product's width
+  int64_t stacked() const { return projected() + H; }     // with b
+};
+
+KdaColumns kda_columns(const ModelConfig& c) {
+  return {c.linear_qkv_dim(), c.linear_head_dim, c.linear_num_heads};
+}
 
 KdaDecayShape decay_shape(const ModelConfig& c, int64_t L) {
   return {L, c.linear_num_heads, c.linear_head_dim, c.linear_lower_bound.has_value(),
@@ -42,22 +59,30 @@ void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
   SPINDLE_CUDA(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
 }
 
-// Gemm::linear_backward_input into, and linear_backward_weight from, columns of a wider row-major
-// buffer whose rows are `ld` values apart.
+// Gemm::linear, linear_backward_input and linear_backward_weight with operands in columns of wider
+// row-major buffers whose rows are `ld` (x_ld, y_ld, dy_ld) values apart.
+// y = x w^T (bf16 or fp32 y, [M, N]).
+void linear_strided(Gemm& gemm, const bf16* x, int64_t x_ld, const bf16* w, void* y, cudaDataType_t y_type,
+                    int64_t y_ld, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm.matmul(true, false, N, M, K, w, K, x, x_ld, y, y_type, y_ld, 1.0f, 0.0f, s);
+}
+
+// dx = dy w (bf16 dx, [M, K]).
 void backward_input_into_columns(Gemm& gemm, const bf16* dy, const bf16* w, bf16* dx, int64_t ld, int64_t M,
                                  int64_t K, int64_t N, cudaStream_t s) {
   gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s);
 }
 
-// dx += dy w for dy in a row-major buffer whose rows are `ld` values apart (fp32 dx, [M, K]).
+// dx += dy w (fp32 dx, [M, K], its rows K apart).
 void backward_input_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* w, float* dx, int64_t M,
                                  int64_t K, int64_t N, cudaStream_t s) {
   gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 1.0f, s);
 }
 
-void backward_weight_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* x, float* dw, int64_t M,
-                                  int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(false, true, K, N, M, x, K, dy, ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s);
+// dw += dy^T x (fp32 dw, [N, K]).
+void backward_weight_strided(Gemm& gemm, const bf16* dy, int64_t dy_ld, const bf16* x, int64_t x_ld,
+                             float* dw, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm.matmul(false, true, K, N, M, x, x_ld, dy, dy_ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s);
 }
 
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
@@ -67,12 +92,22 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
                                int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr,
                                bool keep_matrices = false) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
+  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L, carried = K - 1;
+  const KdaColumns cols = kda_columns(c);
+  const int64_t ld = cols.projected();
   check(dh <= kKdaMaxDim, "KDA head_dim ", dh, " exceeds the CUDA kernel's limit ", kKdaMaxDim);
   const cudaStream_t s = ctx.stream();
   const bool recurrence_kept = kept != nullptr && !kept->empty();
   KdaActivations a;
-  for (auto* b : {&a.qp, &a.kp, &a.vp, &a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
+  // A copy (2 (ld + H) D bytes, about 26 MB for the 4B model) that backward() reuses for dx.
+  a.stacked_w = DeviceBuffer<bf16>(static_cast<size_t>(cols.stacked() * D), MemoryCategory::Workspace);
+  int64_t stacked_row = 0;
+  for (const Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.g_a_proj, &w.f_a_proj, &w.b_proj}) {
+    copy_device(a.stacked_w.data() + stacked_row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
+    stacked_row += t->dim(0);
+  }
+  a.projected = activations(rows * ld);
+  for (auto* b : {&a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
   for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
   if (recurrence_kept) {
     check(kept->out.size() == static_cast<size_t>(L * qkv), "KDA backward: a kept output of ",
@@ -81,8 +116,6 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   } else {
     a.core = activations(L * qkv);
   }
-  a.f_low = activations(L * dh);
-  a.gate_low = activations(L * dh);
   a.f = activations_f32(L * qkv);
   a.g = activations_f32(L * qkv);
   a.beta = activations_f32(L * H);
@@ -94,24 +127,27 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
     if (keep_matrices) a.matrices = activations_f32(kda_kept_matrices_floats(L, H));
   }
 
-  const std::array<DeviceBuffer<bf16>*, 3> windows{&a.qp, &a.kp, &a.vp}, convolved{&a.qcw, &a.kcw, &a.vcw};
-  const std::array<const Tensor*, 3> projections{&w.q_proj, &w.k_proj, &w.v_proj},
-      convs{&w.q_conv, &w.k_conv, &w.v_conv};
-  for (size_t b = 0; b < 3; ++b) {
-    bf16* window = windows[b]->data();
-    if (carry != nullptr)
-      copy_device(window, carry->tails.data() + b * tail, tail * sizeof(bf16), s);
-    else
-      SPINDLE_CUDA(cudaMemsetAsync(window, 0, tail * sizeof(bf16), s));
-    ctx.gemm.linear(x, bf16_data(*projections[b]), window + tail, L, D, qkv, s);
-    causal_conv_silu(window, f32_data(*convs[b]), convolved[b]->data(), rows, qkv, K, s);
-  }
+  // The carried rows: the windows' columns from the carry (the low-rank columns' carried rows stay
+  // unused).
+  if (carry != nullptr)
+    SPINDLE_CUDA(cudaMemcpy2DAsync(a.projected.data(), ld * sizeof(bf16), carry->tails.data(),
+                                   3 * qkv * sizeof(bf16), 3 * qkv * sizeof(bf16), carried,
+                                   cudaMemcpyDeviceToDevice, s));
+  else
+    SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
+  bf16* chunk_rows = a.projected.data() + carried * ld;  // token 0's row
+  const bf16 *gate_low = chunk_rows + cols.gate_low(), *f_low = chunk_rows + cols.forget_low();
+  linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
+  const std::array<DeviceBuffer<bf16>*, 3> convolved{&a.qcw, &a.kcw, &a.vcw};
+  const std::array<const Tensor*, 3> convs{&w.q_conv, &w.k_conv, &w.v_conv};
+  for (size_t b = 0; b < 3; ++b)
+    causal_conv_silu(a.projected.data() + b * qkv, ld, f32_data(*convs[b]), convolved[b]->data(), rows, qkv,
+                     K, s);
   l2_normalize_forward(a.qcw.data() + tail, a.q.data(), L * H, dh, 1e-6f,
                        1.0f / std::sqrt(static_cast<float>(dh)), s);
   l2_normalize_forward(a.kcw.data() + tail, a.k.data(), L * H, dh, 1e-6f, 1.0f, s);
 
-  ctx.gemm.linear(x, bf16_data(w.f_a_proj), a.f_low.data(), L, D, dh, s);
-  ctx.gemm.linear(a.f_low.data(), bf16_data(w.f_b_proj), a.f.data(), L, dh, qkv, s);
+  linear_strided(ctx.gemm, f_low, ld, bf16_data(w.f_b_proj), a.f.data(), CUDA_R_32F, qkv, L, dh, qkv, s);
   kda_decay_forward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), a.g.data(), s);
   ctx.gemm.linear(x, bf16_data(w.b_proj), a.beta.data(), L, D, H, s);
   sigmoid_forward(a.beta.data(), a.beta.data(), L * H, s);
@@ -125,8 +161,8 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
                         carry != nullptr ? carry->state.data() : nullptr,
                         keep_matrices ? a.matrices.data() : nullptr);
   }
-  ctx.gemm.linear(x, bf16_data(w.g_a_proj), a.gate_low.data(), L, D, dh, s);
-  ctx.gemm.linear(a.gate_low.data(), bf16_data(w.g_b_proj), a.gate.data(), L, dh, qkv, s);
+  linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
+                 s);
   ctx.record.note("kda/projections", "cublaslt bf16");
   ctx.record.note("kda/conv", "cuda causal_conv_silu");
   ctx.record.note("kda/recurrence", "cuda chunked (C=64, fp32 state)");
@@ -138,17 +174,19 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const cudaStream_t s = ctx.stream();
   KdaActivations a = kda_activations(ctx, c, w, x, L, carry, nullptr, keep != nullptr && keep->keep_matrices);
-  if (carry != nullptr) {  // the final state and each window's last kernel - 1 rows move on
-    const int64_t tail = tail_size(c);
+  if (carry != nullptr) {  // the final state and the windows' last kernel - 1 rows move on
+    const int64_t ld = kda_columns(c).projected();
     copy_device(carry->state.data(), a.chunk_states.data() + kda_chunks(L) * state_size(c),
                 state_size(c) * sizeof(float), s);
-    for (const auto& [b, window] : {std::pair{0, &a.qp}, std::pair{1, &a.kp}, std::pair{2, &a.vp}})
-      copy_device(carry->tails.data() + b * tail, window->data() + L * qkv, tail * sizeof(bf16), s);
+    SPINDLE_CUDA(cudaMemcpy2DAsync(carry->tails.data(), 3 * qkv * sizeof(bf16), a.projected.data() + L * ld,
+                                   ld * sizeof(bf16), 3 * qkv * sizeof(bf16), c.linear_conv_kernel_dim - 1,
+                                   cudaMemcpyDeviceToDevice, s));
   }
-  // The gated norm's output reuses qp (free after the conv and the carry).
-  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qp.data(), L * H, dh,
+  // The gated norm's output reuses qcw (free once the l2 norm has read it; the backward's recomputation
+  // keeps it).
+  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qcw.data(), L * H, dh,
                          static_cast<float>(c.rms_norm_eps), s);
-  ctx.gemm.linear(a.qp.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
+  ctx.gemm.linear(a.qcw.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
   if (keep != nullptr) {
     keep->out = std::move(a.core);
     keep->stats = std::move(a.chunk_states);
@@ -160,7 +198,7 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
               const bf16* dy, float* dx, KdaWeights& grad, const KdaCarry* carry_in, KdaCarry* carry_grad,
               bf16* y, AttentionKept* kept) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
-  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L;
+  const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L, carried = K - 1;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
   Gemm& gemm = ctx.gemm;
@@ -175,7 +213,10 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   gemm.linear_backward_weight(dy, z.data(), f32_data(grad.o_proj), L, qkv, D, s);
   gated_rms_norm_backward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), dz.data(), dcore.data(),
                           dgate.data(), f32_data(grad.o_norm), L * H, dh, eps, s);
-  gemm.linear_backward_weight(dgate.data(), a.gate_low.data(), f32_data(grad.g_b_proj), L, dh, qkv, s);
+  const KdaColumns cols = kda_columns(c);
+  const bf16* projected_rows = a.projected.data() + carried * cols.projected();  // token 0's row
+  backward_weight_strided(gemm, dgate.data(), qkv, projected_rows + cols.gate_low(), cols.projected(),
+                          f32_data(grad.g_b_proj), L, dh, qkv, s);
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
@@ -198,16 +239,17 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
   // Every gradient that reaches dx through a weight, side by side in one [rows, ld] buffer: the q,
-  // k and v windows' (rows of the conv's window), then the gate's low-rank, db and the forget
-  // gate's low-rank (the chunk's rows), so that dx takes them all in one product against the
-  // weights stacked alike. Each product into dx reads and writes all of the fp32 dx: six of them
+  // k and v windows' (rows of the conv's window), then the gate's and the forget gate's low-rank and
+  // db (the chunk's rows), so that dx takes them all in one product against the stacked weights
+  // (kda_columns' order). Each product into dx reads and writes all of the fp32 dx: six of them
   // cost about a third more than the one.
-  const int64_t small = 2 * dh + H, ld = 3 * qkv + small, carried = K - 1;  // carried: the window's
+  const int64_t ld = cols.stacked();
   DeviceBuffer<bf16> stacked = activations(rows * ld);
   bf16* chunk_rows = stacked.data() + carried * ld;  // token 0's row
-  bf16 *d_low_g = chunk_rows + 3 * qkv, *db_cols = d_low_g + dh, *d_low_f = db_cols + H;
+  bf16 *d_low_g = chunk_rows + cols.gate_low(), *d_low_f = chunk_rows + cols.forget_low(),
+       *db_cols = chunk_rows + cols.projected();
   backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, ld, L, dh, qkv, s);
-  backward_weight_from_columns(gemm, d_low_g, ld, x, f32_data(grad.g_a_proj), L, D, dh, s);
+  backward_weight_strided(gemm, d_low_g, ld, x, D, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
@@ -219,8 +261,9 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
                      df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
   dg = {};
   backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, ld, L, dh, qkv, s);
-  gemm.linear_backward_weight(df.data(), a.f_low.data(), f32_data(grad.f_b_proj), L, dh, qkv, s);
-  backward_weight_from_columns(gemm, d_low_f, ld, x, f32_data(grad.f_a_proj), L, D, dh, s);
+  backward_weight_strided(gemm, df.data(), qkv, projected_rows + cols.forget_low(), cols.projected(),
+                          f32_data(grad.f_b_proj), L, dh, qkv, s);
+  backward_weight_strided(gemm, d_low_f, ld, x, D, f32_data(grad.f_a_proj), L, D, dh, s);
 
   // l2 norms (the query scale inside), convs, projections' weights, each branch over its window:
   // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
@@ -235,9 +278,10 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     Tensor& dconv_w;
     Tensor& dproj_w;
   };
-  const std::array<Branch, 3> branches{Branch{a.qp.data(), dq, w.q_conv, grad.q_conv, grad.q_proj},
-                                       Branch{a.kp.data(), dk, w.k_conv, grad.k_conv, grad.k_proj},
-                                       Branch{a.vp.data(), dv, w.v_conv, grad.v_conv, grad.v_proj}};
+  const std::array<Branch, 3> branches{
+      Branch{a.projected.data(), dq, w.q_conv, grad.q_conv, grad.q_proj},
+      Branch{a.projected.data() + qkv, dk, w.k_conv, grad.k_conv, grad.k_proj},
+      Branch{a.projected.data() + 2 * qkv, dv, w.v_conv, grad.v_conv, grad.v_proj}};
   for (size_t b = 0; b < 3; ++b) {
     const Branch& br = branches[b];
     bf16* dconv_rows = dconv.data() + tail;
@@ -250,25 +294,17 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
       f32_to_bf16(br.d_out.data(), dconv_rows, L * qkv, s);
     br.d_out = {};
     bf16* dwindow = stacked.data() + b * qkv;
-    causal_conv_silu_backward(br.window, f32_data(br.conv), dconv.data(), dwindow, ld, f32_data(br.dconv_w),
-                              rows, qkv, K, s);
-    if (carry_grad) {
-      bf16* tails = carry_grad->tails.data() + b * tail;
-      add_bf16_rows(tails, qkv, dwindow + L * ld, ld, carried, qkv, s);
-      SPINDLE_CUDA(cudaMemcpy2DAsync(tails, qkv * sizeof(bf16), dwindow, ld * sizeof(bf16),
+    causal_conv_silu_backward(br.window, cols.projected(), f32_data(br.conv), dconv.data(), dwindow, ld,
+                              f32_data(br.dconv_w), rows, qkv, K, s);
+    if (carry_grad) {  // the tails: [kernel - 1, 3 qkv], the branch's columns
+      bf16* tails = carry_grad->tails.data() + b * qkv;
+      add_bf16_rows(tails, 3 * qkv, dwindow + L * ld, ld, carried, qkv, s);
+      SPINDLE_CUDA(cudaMemcpy2DAsync(tails, 3 * qkv * sizeof(bf16), dwindow, ld * sizeof(bf16),
                                      qkv * sizeof(bf16), carried, cudaMemcpyDeviceToDevice, s));
     }
-    backward_weight_from_columns(gemm, dwindow + carried * ld, ld, x, f32_data(br.dproj_w), L, D, qkv, s);
+    backward_weight_strided(gemm, dwindow + carried * ld, ld, x, D, f32_data(br.dproj_w), L, D, qkv, s);
   }
-  {  // the weights stacked as their gradients are (a copy: 2 ld D bytes, about 26 MB for the 4B model)
-    DeviceBuffer<bf16> stacked_w(static_cast<size_t>(ld * D), MemoryCategory::Workspace);
-    int64_t row = 0;
-    for (const Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.g_a_proj, &w.b_proj, &w.f_a_proj}) {
-      copy_device(stacked_w.data() + row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
-      row += t->dim(0);
-    }
-    backward_input_from_columns(gemm, chunk_rows, ld, stacked_w.data(), dx, L, D, ld, s);
-  }
+  backward_input_from_columns(gemm, chunk_rows, ld, a.stacked_w.data(), dx, L, D, ld, s);
 }
 
 }  // namespace

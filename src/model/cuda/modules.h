@@ -24,8 +24,9 @@ using bf16 = __nv_bfloat16;
 
 // What a KDA layer carries from one chunk of a sequence to the next (docs/STREAMING.md): the
 // delta-rule state (fp32 [heads, dk, dv]) and the last kernel - 1 rows of the q, k and v
-// projections (bf16 [3, kernel - 1, qkv]: the causal conv's window). Zero at the start. As a
-// gradient: of the state a chunk handed on, then of the one it received.
+// projections (bf16 [kernel - 1, 3 qkv], q's, k's and v's side by side: the causal conv's
+// windows). Zero at the start. As a gradient: of the state a chunk handed on, then of the one it
+// received.
 struct KdaCarry {
   KdaCarry(const ModelConfig& c, cudaStream_t stream);   // zeros
   KdaCarry(const KdaCarry& other, cudaStream_t stream);  // a copy
