@@ -79,6 +79,14 @@ int main(int argc, char** argv) {
     report("causal_conv_silu, x rows 6400 apart", 2.0 * T * D * 2, time([&] {
              causal_conv_silu(projected.data() + D, x_ld, taps.data(), y.data(), T, D, conv, nullptr);
            }));
+    // q's and k's: their l2 norms (heads of 128) on their own, then in the conv's pass (the window's
+    // carried rows skipped).
+    report("l2_normalize_forward, rows of 128", 2.0 * T * D * 2,
+           time([&] { l2_normalize_forward(y.data(), dx.data(), T * heads, head_dim, eps, 1.0f, nullptr); }));
+    report("causal_conv_silu_l2, x rows 6400 apart", 2.0 * T * D * 3, time([&] {
+             causal_conv_silu_l2(projected.data(), x_ld, taps.data(), y.data(), dx.data(), conv - 1, T, D,
+                                 conv, head_dim, eps, 1.0f, nullptr);
+           }));
     report("causal_conv_silu_backward, x, dx strided", 2.0 * T * D * 3, time([&] {
              causal_conv_silu_backward(projected.data() + D, x_ld, taps.data(), dy.data(), stacked.data() + D,
                                        ld, dtaps.data(), T, D, conv, nullptr);

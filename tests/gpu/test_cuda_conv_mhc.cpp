@@ -26,6 +26,7 @@
 #include "gpu_test_util.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/mhc.h"
+#include "kernels/cpu/norms.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/mhc.h"
 
@@ -108,6 +109,46 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
     EXPECT_EQ(gaps_written, 0) << "dx_ld=" << dx_ld;
     EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound)
         << "dw, T=" << T << " C=" << C << " K=" << K << " x_ld=" << x_ld;
+  }
+}
+
+TEST(CudaConvMhc, CausalConvSiluWithL2NormsEqualsTheConvThenTheNorms) {
+  // (tokens, channels, K, head_dim, x_ld, skip): fused with heads of 128 (four channels a thread: the
+  // KDA's q and k, x in the projections' columns, many runs that start past `skip`), 64 (two) and 32
+  // (one, x's rows an odd number of values apart); skip 0; fewer tokens than a load batch; the norm's
+  // own pass where x's alignment allows two channels a thread for heads of 128 or a head is 8
+  // channels (the tests' tiny models).
+  for (auto [T, C, K, head_dim, x_ld, skip] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{1029, 2048, 4, 128, 6400, 3},
+        {2000, 512, 4, 128, 512, 0},
+        {333, 256, 4, 64, 256, 3},
+        {130, 96, 3, 32, 101, 2},
+        {5, 128, 4, 128, 128, 3},
+        {300, 256, 4, 128, 258, 3},
+        {70, 64, 4, 8, 64, 3}}) {
+    const auto x = rounded(random_floats(T * C));
+    const auto w = random_floats(C * K, 0.5f);
+    std::vector<float> x_rows(T * x_ld, NAN);
+    for (int64_t t = 0; t < T; ++t) std::copy_n(x.begin() + t * C, C, x_rows.begin() + t * x_ld);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim)), eps = 1e-6f;
+    Stream stream;
+    auto xb = device(to_bf16(x_rows));
+    auto wb = device(w, MemoryCategory::Weights);
+    auto y = poisoned<bf16>(T * C), z = poisoned<bf16>((T - skip) * C);
+    causal_conv_silu_l2(xb.data(), x_ld, wb.data(), y.data(), z.data(), skip, T, C, K, head_dim, eps, scale,
+                        stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), wd = to_double(w);
+    std::vector<double> y_ref(T * C);
+    cpu::causal_conv_silu(xd.data(), wd.data(), y_ref.data(), T, C, K);
+    std::vector<double> z_ref(y_ref.begin() + skip * C, y_ref.end());
+    cpu::l2_normalize(z_ref.data(), (T - skip) * C / head_dim, head_dim, double{eps});
+    for (double& v : z_ref) v *= scale;
+    const std::string shape = "T=" + std::to_string(T) + " C=" + std::to_string(C) +
+                              " K=" + std::to_string(K) + " head_dim=" + std::to_string(head_dim) +
+                              " x_ld=" + std::to_string(x_ld) + " skip=" + std::to_string(skip);
+    EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "y, " << shape;
+    EXPECT_LT(relative_error(z.download(), z_ref), kBf16Bound) << "z, " << shape;
   }
 }
 

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/memory_bound.cuh"
+#include "kernels/cuda/norms.h"
 
 namespace spindle::cuda {
 
@@ -111,17 +112,46 @@ __device__ __forceinline__ float preactivation(const float (&wr)[K], const float
   return a;
 }
 
+// The l2-normalised copy of the conv's output (causal_conv_silu_l2); unused by the plain conv.
+struct L2Output {
+  __nv_bfloat16* z;
+  int skip;
+  float eps, scale;
+};
+
+// v (a token's V channels of y, as y's bf16 holds them) times scale / sqrt(sum of squares + eps),
+// the sum over the warp's 32 V channels (one head).
+template <int V>
+__device__ __forceinline__ void l2_normalize_head(float (&v)[V], float eps, float scale) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    v[i] = __bfloat162float(__float2bfloat16(v[i]));
+    sum = fmaf(v[i], v[i], sum);
+  }
+#pragma unroll
+  for (int lanes = 16; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+  const float factor = scale * rsqrtf(sum + eps);
+#pragma unroll
+  for (int i = 0; i < V; ++i) v[i] *= factor;
+}
+
 // Each thread walks tokens [t0, t1) of its run, t0 = blockIdx.y * run. The loop is in batches of
 // kBatch tokens; batch(u, checked) takes tokens [u, u + kBatch), reading each token's x row from the
 // buffer and refilling it with the row kBatch tokens later. Unchecked batches (all but the last one or
-// two) know that every row they refill exists.
-template <int K, int V>
+// two) know that every row they refill exists. kNormalize: a warp's 32 V channels are one head, and
+// y's rows t >= l2.skip also go to z's row t - l2.skip, l2-normalised per head (the whole warp takes
+// the same tokens, so that every lane joins each row's sum).
+template <int K, int V, bool kNormalize>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld, const float* __restrict__ w,
-                            __nv_bfloat16* __restrict__ y, int tokens, int64_t channels, int run) {
+                            __nv_bfloat16* __restrict__ y, const L2Output l2, int tokens, int64_t channels,
+                            int run) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
+  __nv_bfloat16* normalized = nullptr;  // the next z row to write
+  if constexpr (kNormalize) normalized = l2.z + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c;
   float wr[V][K], win[V][K];  // after the shift at token t: win[v][j] = x[t - (K - 1) + j, c + v]
   load_taps<K, V>(w, c, wr);
   load_halo<K, V>(x, x_ld, c, t0, win);
@@ -156,6 +186,13 @@ __global__ void __launch_bounds__(kThreads)
       if (!kChecked || u + b < t1) {
         store_global<V>(out, out_values);
         out += channels;
+        if constexpr (kNormalize) {
+          if (u + b >= l2.skip) {
+            l2_normalize_head<V>(out_values, l2.eps, l2.scale);
+            store_global<V>(normalized, out_values);
+            normalized += channels;
+          }
+        }
       }
     }
   };
@@ -300,12 +337,25 @@ ConvGrid conv_grid(const void* kernel, int64_t tokens, int64_t channels, int val
   return {dim3(static_cast<unsigned>(across), static_cast<unsigned>(along)), static_cast<int>(run)};
 }
 
+template <int K, int V, bool kNormalize>
+void launch_conv(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, const L2Output& l2,
+                 int64_t tokens, int64_t channels, cudaStream_t stream) {
+  const auto kernel = causal_conv_silu_kernel<K, V, kNormalize>;
+  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
+  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, y, l2, static_cast<int>(tokens), channels,
+                                               grid.run);
+}
+
 template <int K, int V>
 void launch_forward(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
                     int64_t channels, cudaStream_t stream) {
-  const auto kernel = causal_conv_silu_kernel<K, V>;
-  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, y, static_cast<int>(tokens), channels, grid.run);
+  launch_conv<K, V, false>(x, x_ld, w, y, L2Output{}, tokens, channels, stream);
+}
+
+template <int K, int V>
+void launch_forward_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y,
+                       const L2Output& l2, int64_t tokens, int64_t channels, cudaStream_t stream) {
+  launch_conv<K, V, true>(x, x_ld, w, y, l2, tokens, channels, stream);
 }
 
 template <int K, int V>
@@ -363,6 +413,37 @@ void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv
     SPINDLE_CONV_DISPATCH(launch_forward, 1, x, x_ld, w, y, tokens, channels, stream)
   }
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
+}
+
+void causal_conv_silu_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y,
+                         __nv_bfloat16* z, int64_t skip, int64_t tokens, int64_t channels, int64_t kernel,
+                         int64_t head_dim, float eps, float scale, cudaStream_t stream) {
+  check(x_ld >= channels, "causal_conv_silu_l2: x's rows ", x_ld, " apart for ", channels, " channels");
+  check(head_dim > 0 && channels % head_dim == 0 && skip >= 0 && skip <= tokens,
+        "causal_conv_silu_l2: ", channels, " channels in heads of ", head_dim, ", ", skip, " of ", tokens,
+        " rows skipped");
+  // Fused where a warp's 32 V channels can be one head (V within what the alignment allows); else
+  // the conv, then the norm's own pass.
+  const int64_t values = head_dim / 32;
+  const bool fused = head_dim % 32 == 0 && (values == 1 || values == 2 || values == 4) &&
+                     values <= values_per_thread({channels, x_ld}, {x, y, z});
+  if (!fused) {
+    causal_conv_silu(x, x_ld, w, y, tokens, channels, kernel, stream);
+    l2_normalize_forward(y + skip * channels, z, (tokens - skip) * channels / head_dim, head_dim, eps, scale,
+                         stream);
+    return;
+  }
+  check_shape("causal_conv_silu_l2", tokens, kernel);
+  if (tokens == 0 || channels == 0) return;
+  const L2Output l2{z, static_cast<int>(skip), eps, scale};
+  if (values == 4) {
+    SPINDLE_CONV_DISPATCH(launch_forward_l2, 4, x, x_ld, w, y, l2, tokens, channels, stream)
+  } else if (values == 2) {
+    SPINDLE_CONV_DISPATCH(launch_forward_l2, 2, x, x_ld, w, y, l2, tokens, channels, stream)
+  } else {
+    SPINDLE_CONV_DISPATCH(launch_forward_l2, 1, x, x_ld, w, y, l2, tokens, channels, stream)
+  }
+  SPINDLE_LAUNCHED("causal_conv_silu_kernel (l2)");
 }
 
 void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,

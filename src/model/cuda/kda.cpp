@@ -138,14 +138,12 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   bf16* chunk_rows = a.projected.data() + carried * ld;  // token 0's row
   const bf16 *gate_low = chunk_rows + cols.gate_low(), *f_low = chunk_rows + cols.forget_low();
   linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
-  const std::array<DeviceBuffer<bf16>*, 3> convolved{&a.qcw, &a.kcw, &a.vcw};
-  const std::array<const Tensor*, 3> convs{&w.q_conv, &w.k_conv, &w.v_conv};
-  for (size_t b = 0; b < 3; ++b)
-    causal_conv_silu(a.projected.data() + b * qkv, ld, f32_data(*convs[b]), convolved[b]->data(), rows, qkv,
-                     K, s);
-  l2_normalize_forward(a.qcw.data() + tail, a.q.data(), L * H, dh, 1e-6f,
-                       1.0f / std::sqrt(static_cast<float>(dh)), s);
-  l2_normalize_forward(a.kcw.data() + tail, a.k.data(), L * H, dh, 1e-6f, 1.0f, s);
+  // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows.
+  causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.qcw.data(), a.q.data(), carried, rows,
+                      qkv, K, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)), s);
+  causal_conv_silu_l2(a.projected.data() + qkv, ld, f32_data(w.k_conv), a.kcw.data(), a.k.data(), carried,
+                      rows, qkv, K, dh, 1e-6f, 1.0f, s);
+  causal_conv_silu(a.projected.data() + 2 * qkv, ld, f32_data(w.v_conv), a.vcw.data(), rows, qkv, K, s);
 
   linear_strided(ctx.gemm, f_low, ld, bf16_data(w.f_b_proj), a.f.data(), CUDA_R_32F, qkv, L, dh, qkv, s);
   kda_decay_forward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), a.g.data(), s);
@@ -164,7 +162,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
                  s);
   ctx.record.note("kda/projections", "cublaslt bf16");
-  ctx.record.note("kda/conv", "cuda causal_conv_silu");
+  ctx.record.note("kda/conv", "cuda causal_conv_silu, q and k with their l2 norms");
   ctx.record.note("kda/recurrence", "cuda chunked (C=64, fp32 state)");
   return a;
 }
