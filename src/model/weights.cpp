@@ -14,7 +14,12 @@ HyperConnectionWeights make_hc(const ModelConfig& c, const WeightFactory& make_t
 
 MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightFactory& make_tensor) {
   const auto make = [&](const Shape& shape) { return make_tensor(shape, WeightPrecision::Compute); };
-  return {make({intermediate, hidden}), make({intermediate, hidden}), make({hidden, intermediate})};
+  MlpWeights m;
+  m.gate_up = make({2 * intermediate, hidden});
+  m.gate_proj = m.gate_up.block(0, {intermediate, hidden});
+  m.up_proj = m.gate_up.block(intermediate * hidden, {intermediate, hidden});
+  m.down_proj = make({hidden, intermediate});
+  return m;
 }
 
 }  // namespace

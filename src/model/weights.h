@@ -54,6 +54,9 @@ struct DsaWeights {
 };
 
 struct MlpWeights {
+  // [2 intermediate, hidden]: the gate rows, then the up rows, so that the GPU multiplies both in
+  // one product; gate_proj and up_proj are its halves (the table names them apart, as checkpoints do).
+  Tensor gate_up;
   Tensor gate_proj, up_proj;  // [intermediate, hidden]
   Tensor down_proj;           // [hidden, intermediate]
 };

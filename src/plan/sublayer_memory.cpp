@@ -186,11 +186,11 @@ void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pas
 }
 
 void mlp_forward(Ledger& m, int64_t L, int64_t inter) {
-  Ledger::Block gate = bf16(m, L * inter), up = bf16(m, L * inter);
+  Ledger::Block gate_up = bf16(m, L * 2 * inter), hidden = bf16(m, L * inter);
 }
 
 void mlp_backward(Ledger& m, int64_t L, int64_t inter) {
-  Ledger::Block gate = bf16(m, L * inter), up = bf16(m, L * inter), hidden = bf16(m, L * inter);
+  Ledger::Block gate_up = bf16(m, L * 2 * inter), hidden = bf16(m, L * inter);
 }
 
 // Routing (model/cuda/moe.cpp route), what a kept routing holds (MoeRouting): router logits,

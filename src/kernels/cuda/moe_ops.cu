@@ -21,10 +21,6 @@ constexpr int64_t kMaxExperts = 2048;
 
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-unsigned elementwise_blocks(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536));
-}
-
 // One element of the clamped SwiGLU: out = silu(min(gate, limit)) * clamp(up, -limit, limit).
 __device__ void swiglu_element(const __nv_bfloat16& gate, const __nv_bfloat16& up, __nv_bfloat16& out,
                                float limit) {
@@ -44,23 +40,8 @@ __device__ void swiglu_gradient_element(const __nv_bfloat16& gate, const __nv_bf
   dup = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
 }
 
-__global__ void swiglu_forward_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, __nv_bfloat16* out,
-                                      int64_t n, float limit) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    swiglu_element(gate[i], up[i], out[i], limit);
-}
-
-__global__ void swiglu_backward_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,
-                                       const __nv_bfloat16* dout, __nv_bfloat16* dgate, __nv_bfloat16* dup,
-                                       int64_t n, float limit) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    swiglu_gradient_element(gate[i], up[i], dout[i], dgate[i], dup[i], limit);
-}
-
-// The same over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: a block per row at a
-// time, its threads over the columns.
+// The clamped SwiGLU over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: a block per
+// row at a time, its threads over the columns.
 __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                              int cols, float limit) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -330,22 +311,6 @@ void check_router(const cpu::RouterShape& s) {
 }
 
 }  // namespace
-
-void clamped_swiglu_forward(const __nv_bfloat16* gate, const __nv_bfloat16* up, __nv_bfloat16* out, int64_t n,
-                            float limit, cudaStream_t stream) {
-  if (n == 0) return;
-  swiglu_forward_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(gate, up, out, n, limit);
-  SPINDLE_LAUNCHED("swiglu_forward_kernel");
-}
-
-void clamped_swiglu_backward(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* dout,
-                             __nv_bfloat16* dgate, __nv_bfloat16* dup, int64_t n, float limit,
-                             cudaStream_t stream) {
-  if (n == 0) return;
-  swiglu_backward_kernel<<<elementwise_blocks(n), kThreads, 0, stream>>>(gate, up, dout, dgate, dup, n,
-                                                                         limit);
-  SPINDLE_LAUNCHED("swiglu_backward_kernel");
-}
 
 void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                    int64_t cols, float limit, cudaStream_t stream) {

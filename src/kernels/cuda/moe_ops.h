@@ -20,18 +20,10 @@
 
 namespace spindle::cuda {
 
-// out = silu(min(gate, limit)) * clamp(up, -limit, limit), elementwise over n.
-void clamped_swiglu_forward(const __nv_bfloat16* gate, const __nv_bfloat16* up, __nv_bfloat16* out, int64_t n,
-                            float limit, cudaStream_t stream);
-
-// dgate, dup written (zero where a clamp held the input; bounds pass the gradient, as torch.clamp).
-void clamped_swiglu_backward(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* dout,
-                             __nv_bfloat16* dgate, __nv_bfloat16* dup, int64_t n, float limit,
-                             cudaStream_t stream);
-
-// The same with gate and up as the two halves of each row of gate_up [rows, 2 cols] (as the
-// experts' backward keeps them, so that one product with both weights gives the input gradient):
-// out [rows, cols]; the backward writes dgate, dup over gate, up.
+// out = silu(min(gate, limit)) * clamp(up, -limit, limit) with gate and up the two halves of each
+// row of gate_up [rows, 2 cols] (as the MLPs and the experts keep them, so that one product with
+// both weights gives the input gradient): out [rows, cols]. The backward writes dgate, dup over
+// gate, up (zero where a clamp held the input; bounds pass the gradient, as torch.clamp).
 void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                    int64_t cols, float limit, cudaStream_t stream);
 void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,

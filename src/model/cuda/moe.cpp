@@ -15,35 +15,35 @@
 
 namespace spindle::cuda {
 
+// The dense MLP and the shared expert as the routed experts run theirs: [gate | up] = x W_gate_up^T
+// in one product, the swiglu of each row's halves, then the down projection.
 void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y) {
-  const int64_t I = w.gate_proj.dim(0), D = w.gate_proj.dim(1);
+  const int64_t D = w.down_proj.dim(0), I = w.down_proj.dim(1);
   const cudaStream_t s = ctx.stream();
-  DeviceBuffer<bf16> gate = activations(L * I), up = activations(L * I);
-  ctx.gemm.linear(x, bf16_data(w.gate_proj), gate.data(), L, D, I, s);
-  ctx.gemm.linear(x, bf16_data(w.up_proj), up.data(), L, D, I, s);
-  clamped_swiglu_forward(gate.data(), up.data(), gate.data(), L * I, static_cast<float>(swiglu_limit), s);
-  ctx.gemm.linear(gate.data(), bf16_data(w.down_proj), y, L, I, D, s);
+  DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
+  ctx.gemm.linear(x, bf16_data(w.gate_up), gate_up.data(), L, D, 2 * I, s);
+  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), L, I, static_cast<float>(swiglu_limit), s);
+  ctx.gemm.linear(hidden.data(), bf16_data(w.down_proj), y, L, I, D, s);
   ctx.record.note("mlp/swiglu", "cublaslt bf16 + cuda clamped swiglu");
 }
 
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,
                   const bf16* dy, float* dx, MlpWeights& grad) {
-  const int64_t I = w.gate_proj.dim(0), D = w.gate_proj.dim(1);
+  const int64_t D = w.down_proj.dim(0), I = w.down_proj.dim(1);
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(swiglu_limit);
   Gemm& gemm = ctx.gemm;
-  DeviceBuffer<bf16> gate = activations(L * I), up = activations(L * I), hidden = activations(L * I);
-  gemm.linear(x, bf16_data(w.gate_proj), gate.data(), L, D, I, s);
-  gemm.linear(x, bf16_data(w.up_proj), up.data(), L, D, I, s);
-  clamped_swiglu_forward(gate.data(), up.data(), hidden.data(), L * I, limit, s);
+  DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
+  gemm.linear(x, bf16_data(w.gate_up), gate_up.data(), L, D, 2 * I, s);
+  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), L, I, limit, s);
   DeviceBuffer<bf16>& dhidden = hidden;  // written after its last read below
   gemm.linear_backward_weight(dy, hidden.data(), f32_data(grad.down_proj), L, I, D, s);
   gemm.linear_backward_input(dy, bf16_data(w.down_proj), dhidden.data(), L, I, D, s);
-  clamped_swiglu_backward(gate.data(), up.data(), dhidden.data(), gate.data(), up.data(), L * I, limit, s);
-  gemm.linear_backward_input(gate.data(), bf16_data(w.gate_proj), dx, L, D, I, 1.0f, s);
-  gemm.linear_backward_weight(gate.data(), x, f32_data(grad.gate_proj), L, D, I, s);
-  gemm.linear_backward_input(up.data(), bf16_data(w.up_proj), dx, L, D, I, 1.0f, s);
-  gemm.linear_backward_weight(up.data(), x, f32_data(grad.up_proj), L, D, I, s);
+  // Gate's and up's gradients over their halves of gate_up: against the stacked weights they give
+  // the input gradient in one product, added to dx once.
+  clamped_swiglu_halves_backward(gate_up.data(), dhidden.data(), L, I, limit, s);
+  gemm.linear_backward_input(gate_up.data(), bf16_data(w.gate_up), dx, L, D, 2 * I, 1.0f, s);
+  gemm.linear_backward_weight(gate_up.data(), x, f32_data(grad.gate_up), L, D, 2 * I, s);
 }
 
 namespace {
