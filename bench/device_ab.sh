@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One device call over builds packed here, each against the others on the same GPU. The GPU machine's
+# session ends 30 s after a call, taking /tmp (and a trained checkpoint) with it, so a call does
+# all that needs the checkpoint. Here, after building each variant (git checkout, cmake --build):
+#     bash bench/device_ab.sh pack NAME     # build/xz/NAME.tar.xz: spindle + spindle_gpu_tests, stripped
+# then, carrying build/xz, build/devlibs (scripts/prepare_device.sh), build/nsyslibs for PROFILE
+# (bench/nsys_env.sh) and data, on the device (every part optional, in this order):
+#     VARIANTS="main new"                     # unpack build/xz/{main,new}.tar.xz; main's is build/spindle
+#     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
+#     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
+#     STEPS=262144 STEP_VARIANTS="main new"   # two steps from random weights (configs/glm53-flash-4b.json)
+#     STEPS1M="main new new:kl"               # a trained checkpoint (bench/trained_1m_h200.sh train,
+#                                             # about 150 s), then one 1M step from it per entry
+#                                             # (:kl with the indexers' KL training)
+#     PROFILE=262144                          # an nsys trace of main's step at that length from the
+#                                             # checkpoint (or configs/glm53-flash-4b.json without
+#                                             # STEPS1M): bench/step_kernels.py and bench/gpu_gaps.py
+#     OUT=... bash bench/device_ab.sh run
+# A part that would not finish inside the call's 600 s (LIMIT) is skipped and says so.
+set -fuo pipefail
+cd "$(dirname "$0")/.." || exit
+mode=${1:-run}
+if [ "$mode" = pack ]; then
+  name=$2 dir=$(mktemp -d)
+  cp build/spindle build/tests/spindle_gpu_tests "$dir/" && strip "$dir/spindle" "$dir/spindle_gpu_tests" && mkdir -p build/xz &&
+    tar cJf "build/xz/$name.tar.xz" -C "$dir" . && rm -rf "$dir" && ls -l "build/xz/$name.tar.xz"
+  exit
+fi
+start=$(date +%s)
+left() { echo $((${LIMIT:-585} - ($(date +%s) - start))); }
+at() { echo "at $(($(date +%s) - start)) s"; }
+export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"
+for v in ${VARIANTS:-main}; do mkdir -p "build/a/$v" && tar xJf "build/xz/$v.tar.xz" -C "build/a/$v"; done
+cp build/a/main/spindle build/spindle
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+tokens=data/hs37chrXtrunc.fa.gz
+if [ -n "${SUITE:-}" ]; then
+  timeout 240 build/a/main/spindle_gpu_tests > "$OUT/suite.log" 2>&1
+  echo "suite rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/suite.log" | head -20
+  timeout 120 bash tests/gpu_train_checks.sh build/spindle > "$OUT/train_checks.log" 2>&1
+  echo "train_checks rc=$? $(at)"; tail -3 "$OUT/train_checks.log"
+fi
+for vf in ${TESTS:-}; do
+  v=${vf%%=*}
+  timeout 200 "build/a/$v/spindle_gpu_tests" --gtest_filter="${vf#*=}" > "$OUT/tests_$v.log" 2>&1
+  echo "tests $v rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/tests_$v.log" | head
+done
+for v in ${STEP_VARIANTS:-}; do
+  [ "$(left)" -lt 150 ] && { echo "skip the ${STEPS:-262144} step of $v: $(left) s left"; continue; }
+  "build/a/$v/spindle" bench --model configs/glm53-flash-4b.json --seq-len "${STEPS:-262144}" --steps 2 \
+    --warmup 0 --tokens "$tokens" --out "$OUT/step_$v.jsonl" 2> "$OUT/step_$v.log"
+  echo "$v rc=$? $(at)"; head -c 2500 "$OUT/step_$v.jsonl"; echo
+done
+model=configs/glm53-flash-4b.json
+if [ -n "${STEPS1M:-}" ]; then
+  FREEZE_STEPS=10 STEPS=20 bash bench/trained_1m_h200.sh /tmp/tf train > "$OUT/train.log" 2>&1
+  echo "train rc=$? $(at)"; tail -2 "$OUT/train.log"
+  model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
+fi
+for vk in ${STEPS1M:-}; do
+  [ "$(left)" -lt 145 ] && { echo "skip the 1M step of $vk: $(left) s left"; continue; }
+  v=${vk%:kl} name=${vk/:/_} extra=()
+  [ "$vk" != "$v" ] && extra=(--indexer-kl)
+  "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup 0 --tokens "$tokens" \
+    --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
+  echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
+done
+if [ -n "${PROFILE:-}" ]; then
+  bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" > "$OUT/profile.log" 2>&1
+  echo "profile rc=$? $(at)"
+  python3 bench/step_kernels.py /tmp/prof/step.sqlite 120 > "$OUT/kernels.txt" 2>&1
+  (cd bench && python3 gpu_gaps.py /tmp/prof/step.sqlite 1000 40) > "$OUT/gaps.txt" 2>&1
+  cp /tmp/prof/bench.json "$OUT/profile_bench.json" 2> /dev/null
+  head -60 "$OUT/kernels.txt"; head -30 "$OUT/gaps.txt"
+fi
