@@ -15,14 +15,27 @@
 
 namespace spindle::cuda {
 
-// The dense MLP and the shared expert as the routed experts run theirs: [gate | up] = x W_gate_up^T
-// in one product, the swiglu of each row's halves, then the down projection.
+namespace {
+
+// The first half of every SwiGLU MLP here (the dense one, the shared expert, each routed expert):
+// [gate | up] = x W_gate_up^T in one product ([rows, 2I] into gate_up), hidden = the swiglu of each
+// row's halves ([rows, I]).
+void gate_up_swiglu(Gemm& gemm, const bf16* x, const bf16* w_gate_up, bf16* gate_up, bf16* hidden,
+                    int64_t rows, int64_t D, int64_t I, float limit, cudaStream_t s) {
+  gemm.linear(x, w_gate_up, gate_up, rows, D, 2 * I, s);
+  clamped_swiglu_halves_forward(gate_up, hidden, rows, I, limit, s);
+}
+
+}  // namespace
+
+// The dense MLP and the shared expert as the routed experts run theirs: gate_up_swiglu, then the
+// down projection.
 void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y) {
   const int64_t D = w.down_proj.dim(0), I = w.down_proj.dim(1);
   const cudaStream_t s = ctx.stream();
   DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
-  ctx.gemm.linear(x, bf16_data(w.gate_up), gate_up.data(), L, D, 2 * I, s);
-  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), L, I, static_cast<float>(swiglu_limit), s);
+  gate_up_swiglu(ctx.gemm, x, bf16_data(w.gate_up), gate_up.data(), hidden.data(), L, D, I,
+                 static_cast<float>(swiglu_limit), s);
   ctx.gemm.linear(hidden.data(), bf16_data(w.down_proj), y, L, I, D, s);
   ctx.record.note("mlp/swiglu", "cublaslt bf16 + cuda clamped swiglu");
 }
@@ -34,8 +47,7 @@ void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const 
   const auto limit = static_cast<float>(swiglu_limit);
   Gemm& gemm = ctx.gemm;
   DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
-  gemm.linear(x, bf16_data(w.gate_up), gate_up.data(), L, D, 2 * I, s);
-  clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), L, I, limit, s);
+  gate_up_swiglu(gemm, x, bf16_data(w.gate_up), gate_up.data(), hidden.data(), L, D, I, limit, s);
   DeviceBuffer<bf16>& dhidden = hidden;  // written after its last read below
   gemm.linear_backward_weight(dy, hidden.data(), f32_data(grad.down_proj), L, I, D, s);
   gemm.linear_backward_input(dy, bf16_data(w.down_proj), dhidden.data(), L, I, D, s);
@@ -134,9 +146,8 @@ void queue_experts(Context& ctx, const ModelConfig& c, const MoeWeights& w, cons
   Gemm& gemm = ctx.gemm;
   for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t s) {
     bf16 *gu = gate_up + first * 2 * I, *h = hidden + first * I;
-    gemm.linear(r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D, gu, rows, D, 2 * I,
-                s);
-    clamped_swiglu_halves_forward(gu, h, rows, I, limit, s);
+    gate_up_swiglu(gemm, r.rows.data() + first * D, bf16_data(w.experts_gate_up) + e * 2 * I * D, gu, h, rows,
+                   D, I, limit, s);
     if (out != nullptr) gemm.linear(h, bf16_data(w.experts_down) + e * D * I, out + first * D, rows, I, D, s);
   });
 }
