@@ -15,6 +15,7 @@
 #     PROFILE=262144                          # an nsys trace of main's step at that length from the
 #                                             # checkpoint (or configs/glm53-flash-4b.json without
 #                                             # STEPS1M): bench/step_kernels.py and bench/gpu_gaps.py
+#     PROFILE_ARGS=--host-optimizer           # more options for that step (word-split)
 #     OUT=... bash bench/device_ab.sh run
 # A part that would not finish inside the call's 600 s (LIMIT) is skipped and says so.
 set -fuo pipefail
@@ -66,7 +67,7 @@ for vk in ${STEPS1M:-}; do
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
 done
 if [ -n "${PROFILE:-}" ]; then
-  bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" > "$OUT/profile.log" 2>&1
+  bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   echo "profile rc=$? $(at)"
   python3 bench/step_kernels.py /tmp/prof/step.sqlite 120 > "$OUT/kernels.txt" 2>&1
   (cd bench && python3 gpu_gaps.py /tmp/prof/step.sqlite 1000 40) > "$OUT/gaps.txt" 2>&1
