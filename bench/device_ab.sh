@@ -14,7 +14,8 @@
 #                                             # (:kl with the indexers' KL training)
 #     PROFILE=262144                          # an nsys trace of main's step at that length from the
 #                                             # checkpoint (or configs/glm53-flash-4b.json without
-#                                             # STEPS1M): bench/step_kernels.py and bench/gpu_gaps.py
+#                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
+#                                             # and bench/host_gaps.py
 #     PROFILE_ARGS=--host-optimizer           # more options for that step (word-split)
 #     OUT=... bash bench/device_ab.sh run
 # A part that would not finish inside the call's 600 s (LIMIT) is skipped and says so.
@@ -71,6 +72,7 @@ if [ -n "${PROFILE:-}" ]; then
   echo "profile rc=$? $(at)"
   python3 bench/step_kernels.py /tmp/prof/step.sqlite 120 > "$OUT/kernels.txt" 2>&1
   (cd bench && python3 gpu_gaps.py /tmp/prof/step.sqlite 1000 40) > "$OUT/gaps.txt" 2>&1
+  python3 bench/host_gaps.py /tmp/prof/step.sqlite 40 > "$OUT/host_gaps.txt" 2>&1
   cp /tmp/prof/bench.json "$OUT/profile_bench.json" 2> /dev/null
-  head -60 "$OUT/kernels.txt"; head -30 "$OUT/gaps.txt"
+  head -40 "$OUT/kernels.txt"; head -12 "$OUT/gaps.txt"; head -90 "$OUT/host_gaps.txt"
 fi
