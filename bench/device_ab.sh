@@ -17,6 +17,7 @@
 #                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
 #                                             # and bench/host_gaps.py
 #     PROFILE_ARGS=--host-optimizer           # more options for that step (word-split)
+#     PROFILE_NEEDS=240                       # seconds it needs (default 120), else skipped
 #     OUT=... bash bench/device_ab.sh run
 # A part that would not finish inside the call's 600 s (LIMIT) is skipped and says so.
 set -fuo pipefail
@@ -67,7 +68,9 @@ for vk in ${STEPS1M:-}; do
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
 done
-if [ -n "${PROFILE:-}" ]; then
+if [ -n "${PROFILE:-}" ] && [ "$(left)" -lt "${PROFILE_NEEDS:-120}" ]; then
+  echo "skip the profile: $(left) s left"
+elif [ -n "${PROFILE:-}" ]; then
   bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   echo "profile rc=$? $(at)"
   python3 bench/step_kernels.py /tmp/prof/step.sqlite 120 > "$OUT/kernels.txt" 2>&1
