@@ -35,6 +35,11 @@ struct LossOptions {
   // (A, Aq, Tinv packed: 100 MB per layer at 16k tokens for the 4B config), which their backward
   // then does not compute again.
   bool keep_kda_matrices = true;
+  // The streaming executor on the GPU, with keep_outputs: each feed-forward site's input is made
+  // again before its backward (one mHC combine) instead of kept from the recomputation, and the
+  // memory that frees keeps each attention sublayer's output (its backward then runs no output
+  // projection) and each MoE's [gate | up] products (its backward multiplies no rows again).
+  bool rebuild_ffn_inputs = false;
 };
 
 struct LossResult {

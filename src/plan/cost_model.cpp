@@ -28,16 +28,22 @@ struct Work {
   double trained_attention = 0;  // the attention over the selections of the layers with their own indexer
   double attention_share = 0;
   double core_share = 0;  // of the attention sites': the KDA recurrence and the sparse attention
+  // Of the forward: the attention sublayers' output projections and the MoE's [gate | up]
+  // products (routed and shared), which Policy::ffn_inputs_again keeps for their backwards.
+  double rebuilt_share = 0;
 };
 
 Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   const double L = static_cast<double>(tokens), D = static_cast<double>(c.hidden_size);
   const double t = static_cast<double>(p.tensor);
-  double ffn = 0, experts = 0, dsa_layers = 0, own_indexers = 0;
+  double ffn = 0, experts = 0, dsa_layers = 0, own_indexers = 0, outputs = 0, shared_gate_up = 0;
   for (size_t i = 0; i < c.layer_types.size(); ++i) {
     if (c.layer_types[i] == AttentionKind::Dsa) {
       ++dsa_layers;
       if (c.indexer_types[i] == IndexerKind::Full) ++own_indexers;
+      outputs += 2 * static_cast<double>(c.num_attention_heads * c.v_head_dim) * D * L;
+    } else {
+      outputs += 2 * static_cast<double>(c.linear_qkv_dim()) * D * L;
     }
     if (c.mlp_layer_types[i] == MlpKind::Dense) {
       ffn += 2 * 3 * D * static_cast<double>(c.intermediate_size) * L;
@@ -45,6 +51,7 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
       const double I = static_cast<double>(c.moe_intermediate_size);
       const double routed = 2 * 3 * D * I * static_cast<double>(c.num_experts_per_tok) * L;
       experts += routed;
+      shared_gate_up += 2 * 2 * D * I * static_cast<double>(c.n_shared_experts) * L;
       ffn += routed + 2 *
                           (D * static_cast<double>(c.n_routed_experts) +
                            static_cast<double>(c.n_shared_experts) * 3 * D * I) *
@@ -62,6 +69,8 @@ Work gpu_work(const ModelConfig& c, const Parallel& p, int64_t tokens) {
   w.trained_attention = dsa_layers > 0 ? flops.attention * own_indexers / dsa_layers / t : 0;
   w.attention_share = attention / t / w.forward;
   w.core_share = attention > 0 ? (flops.kda + flops.attention) / attention : 0;
+  // The routed experts' [gate | up] is two of their three products.
+  w.rebuilt_share = (outputs / t + shared_gate_up / t + experts * busiest * 2 / 3) / w.forward;
   return w;
 }
 
@@ -75,7 +84,8 @@ double all_reduce(double bytes, int64_t gpus, const Hardware& h) {
 
 }  // namespace
 
-double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share) {
+double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share,
+                      double rebuilt_share) {
   // The attention sites' backward writes their output for the combine: one recomputation less.
   const double keep = kCalibrationPasses - attention_share;
   switch (policy.activations) {
@@ -94,7 +104,8 @@ double forward_passes(const Policy& policy, int64_t tokens, double attention_sha
       // run again).
       const double chunks = std::ceil(static_cast<double>(tokens) / static_cast<double>(policy.chunk_tokens));
       return keep + (chunks - 1) / chunks -
-             (policy.outputs_again ? 0 : 1 - attention_share + attention_share * core_share);
+             (policy.outputs_again ? 0 : 1 - attention_share + attention_share * core_share) -
+             (policy.ffn_inputs_again ? rebuilt_share : 0);
     }
   }
   return keep;
@@ -103,7 +114,8 @@ double forward_passes(const Policy& policy, int64_t tokens, double attention_sha
 StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& state, int64_t tokens,
                    const Policy& policy, const Hardware& h, bool indexer_kl) {
   const Work work = gpu_work(c, p, tokens);
-  const double passes = forward_passes(policy, tokens, work.attention_share, work.core_share);
+  const double passes =
+      forward_passes(policy, tokens, work.attention_share, work.core_share, work.rebuilt_share);
   // The measured rate counts 3 forwards of model FLOPs per step of the calibration's 5 passes.
   const double seconds_per_pass = 3 * work.forward / h.mfu / h.peak_flops / kCalibrationPasses;
   // The indexer's scores run once per step, in the forward: every recomputation reuses the
@@ -125,6 +137,11 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
                             ? static_cast<double>((tokens + policy.chunk_tokens - 1) / policy.chunk_tokens)
                             : 1;
 
+  if (policy.ffn_inputs_again) {  // a combine per layer: the streams read and written, y read
+    const double H = static_cast<double>(c.hc_mult), D = static_cast<double>(c.hidden_size);
+    time.compute += static_cast<double>(c.num_hidden_layers) * static_cast<double>(tokens) * (2 * H + 1) * D *
+                    2 / h.hbm_bytes_per_s;
+  }
   if (policy.activations == ActivationPolicy::Stream) {
     const double ffn_passes = kFfnPassesPerChunk - (policy.outputs_again ? 0 : 1);
     const double launches = layers * (kAttentionPassesPerChunk + ffn_passes) * kKernelsPerSublayerPass;

@@ -15,7 +15,9 @@
 //     again, weights read again), less what the recomputation keeps for the backward (unless
 //     "outputs again"): the feed-forward's recomputation for the combine, and the attention
 //     cores' (KDA recurrence, sparse attention) inside the backward, and the KDA backward's
-//     intra-chunk matrices (unless "KDA matrices again", a measured time per token);
+//     intra-chunk matrices (unless "KDA matrices again", a measured time per token); with
+//     "feed-forward inputs again" also the attention's output projections and the MoE's [gate | up]
+//     products, for a combine per layer (at HBM speed) that makes each feed-forward site's input;
 //   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
 //     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
 //   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
@@ -40,9 +42,9 @@ struct Hardware {
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
   // per step, at 33.3%: stream 16k + host AdamW 84.99 s from a trained checkpoint at a265920, its
   // indexer 9.39 s (2026-12-05; 86.19 s and 10.22 s at f4bf5af, at 20.4% and 30.6%; 139.05 s and
-  // 9.3 s from random weights at cac0719, before the union form, at 11.5% and 34%). The indexer's KL training (`--indexer-kl`) adds the attention's
-  // mass over the selection and the KL's gradient, counted as the sparse attention's forward FLOPs in
-  // the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
+  // 9.3 s from random weights at cac0719, before the union form, at 11.5% and 34%). The indexer's KL training
+  // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as the
+  // sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
   double mfu = 0.206;
   double indexer_mfu = 0.333;
   double indexer_kl_mfu = 0.14;
@@ -80,7 +82,9 @@ StepTime step_time(const ModelConfig& c, const Parallel& parallel, const StateBy
 
 // Forward passes of work per step (see above) for a sequence of `tokens`; attention_share: the
 // attention sites' share of a forward's FLOPs; core_share: the KDA recurrence's and sparse
-// attention's share of theirs.
-double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share);
+// attention's share of theirs; rebuilt_share: the share of a forward that Policy::ffn_inputs_again
+// keeps for the backward (the attention's output projections, the MoE's [gate | up] products).
+double forward_passes(const Policy& policy, int64_t tokens, double attention_share, double core_share,
+                      double rebuilt_share = 0);
 
 }  // namespace spindle::plan

@@ -31,6 +31,7 @@ Execution from(const Candidate& candidate, const char* forced_by) {
   e.keep_selections = !candidate.policy.indexer_again;
   e.keep_outputs = !candidate.policy.outputs_again;
   e.keep_kda_matrices = e.keep_outputs && !candidate.policy.kda_matrices_again;
+  e.rebuild_ffn_inputs = e.keep_kda_matrices && candidate.policy.ffn_inputs_again;
   e.predicted_peak_bytes = candidate.memory.device.peak_total;
   e.forced = forced_by != nullptr;
   e.summary =

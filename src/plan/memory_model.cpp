@@ -69,14 +69,21 @@ class StepReplay {
   // attention sublayer's backward writes its output itself), the combine's gradients, the
   // sublayer's backward (which recomputes it), the mHC coefficients' workspace; the input's
   // gradient replaces `dstreams`. `kept` (freed here): the recomputation's kept outputs of this
-  // site (the feed-forward's y, or attention_kept), empty for none; `mix` (freed here): its kept
+  // site (the feed-forward's y; attention_kept, after the attention's y with rebuild_ffn_inputs),
+  // empty for none; `mix` (freed here): its kept
   // mHC mix, from which the coefficients come without the product; `routing` (freed in the
   // feed-forward's backward): a MoE's kept routing.
   void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks mix,
                      Blocks routing = {}) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
     Blocks a = site_activations(m_, s_, L, true, std::move(mix));
-    if (site == Site::Attention || kept.empty()) a.push_back(m_.activations(2 * L * D));  // y
+    const bool y_kept = !kept.empty() && (site == Site::Ffn || pass_.rebuild_ffn_inputs);
+    if (!y_kept) {
+      a.push_back(m_.activations(2 * L * D));  // y
+    } else if (site == Site::Attention) {
+      a.push_back(std::move(kept.front()));
+      kept.erase(kept.begin());
+    }
     if (site == Site::Ffn && kept.empty()) ffn_forward(m_, s_, layer, pass_);
     Block d_in = m_.activations(stream_bytes(s_, L));
     a.push_back(m_.activations(4 * L * H));      // d_post
@@ -125,9 +132,10 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       on_device.pop_front();
     }
   };
-  std::vector<Blocks> kept(2 * layers);          // Pass::keep_outputs: each site's, until its backward
-  std::vector<Blocks> mixes(2 * layers);         // likewise, each site's mHC mix
-  std::vector<Blocks> routings(layers);          // and each MoE's routing
+  std::vector<Blocks> kept(2 * layers);   // Pass::keep_outputs: each site's, until its backward
+  std::vector<Blocks> mixes(2 * layers);  // likewise, each site's mHC mix
+  std::vector<Blocks> routings(layers);   // and each MoE's routing
+  std::vector<Blocks> combines(layers);   // rebuild_ffn_inputs: each attention site's post and comb
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
@@ -135,9 +143,15 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       Block next = m.activations(S);
       step.site_forward(layer, site, true, selections, pass.keep_outputs ? &mixes[index] : nullptr,
                         pass.keep_outputs && site == Site::Ffn ? &routings[i] : nullptr);
-      if (pass.keep_outputs && site == Site::Attention) kept[index] = attention_kept(m, s, layer, pass);
-      if (pass.keep_outputs && site == Site::Ffn) kept[index].push_back(m.activations(2 * L * s.hidden));
-      if (site == Site::Attention || all_sites)
+      if (pass.keep_outputs && (site == Site::Ffn || pass.rebuild_ffn_inputs))
+        kept[index].push_back(m.activations(2 * L * s.hidden));  // y
+      if (pass.keep_outputs && site == Site::Attention)
+        for (Block& b : attention_kept(m, s, layer, pass)) kept[index].push_back(std::move(b));
+      if (pass.rebuild_ffn_inputs && site == Site::Attention) {
+        combines[i].push_back(m.activations(4 * L * s.streams));
+        combines[i].push_back(m.activations(4 * L * s.streams * s.streams));
+      }
+      if (site == Site::Attention || (all_sites && !pass.rebuild_ffn_inputs))
         store(index);
       else
         streams = Block();
@@ -169,11 +183,14 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       Blocks none;
       step.site_forward(layer, Site::Attention, false, none);
     }
-    step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]),
-                       std::move(mixes[2 * i + 1]), std::move(routings[i]));
+    if (pass.rebuild_ffn_inputs) {  // residual_site_output
+      stored[2 * i + 1] = m.activations(S);
+      combines[i].clear();
+    }
+    step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]), std::move(mixes[2 * i + 1]),
+                       std::move(routings[i]));
     stored[2 * i + 1] = Block();
-    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]),
-                       std::move(mixes[2 * i]));
+    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]), std::move(mixes[2 * i]));
     stored[2 * i] = Block();
   }
 }
@@ -227,13 +244,15 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
   Block carries;
   if (streamed) carries = m.activations(streaming_carry_bytes(s, tokens, L, options, !policy.indexer_again));
   const bool keep_outputs = streamed && !policy.outputs_again;
+  const bool keep_matrices = keep_outputs && !policy.kda_matrices_again;
   const Pass pass{L,
                   tokens,
                   streamed,
                   options.absorbed,
                   options.indexer_kl,
                   keep_outputs,
-                  keep_outputs && !policy.kda_matrices_again};
+                  keep_matrices,
+                  keep_matrices && policy.ffn_inputs_again};
   replay_step(m, s, pass, policy.activations);
 
   MemoryPrediction p;

@@ -26,13 +26,17 @@ std::vector<Policy> policies(const ModelConfig& c, int64_t tokens, int64_t gpus)
       for (const ActivationPolicy a : {ActivationPolicy::KeepSites, ActivationPolicy::KeepLayerInputs,
                                        ActivationPolicy::OffloadLayerInputs})
         out.push_back({a, 0, host, t, gradients});
-      // Kept outputs with the KDA matrices, kept outputs without them, or nothing kept.
+      // Kept outputs with the KDA matrices (and the feed-forward inputs made again, or not), kept
+      // outputs without them, or nothing kept.
+      struct Kept {
+        bool outputs_again, matrices_again, ffn_inputs_again;
+      };
       for (const int64_t chunk : chunk_lengths(tokens))
         for (const bool again : {false, true})
-          for (const auto& [outputs_again, matrices_again] :
-               {std::pair{false, false}, std::pair{false, true}, std::pair{true, false}})
-            out.push_back(
-                {ActivationPolicy::Stream, chunk, host, t, gradients, again, outputs_again, matrices_again});
+          for (const Kept k : {Kept{false, false, false}, Kept{false, false, true}, Kept{false, true, false},
+                               Kept{true, false, false}})
+            out.push_back({ActivationPolicy::Stream, chunk, host, t, gradients, again, k.outputs_again,
+                           k.matrices_again, k.ffn_inputs_again});
     }
   }
   return out;

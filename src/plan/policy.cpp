@@ -24,6 +24,7 @@ std::string Policy::name() const {
     if (indexer_again) text += ", indexer twice";
     if (outputs_again) text += ", outputs again";
     if (kda_matrices_again) text += ", KDA matrices again";
+    if (ffn_inputs_again) text += ", feed-forward inputs again";
   }
   if (optimizer_on_host) text += gradients_to_host ? " + host AdamW and gradients" : " + host AdamW";
   if (tensor_parallel > 1) text += " tp" + std::to_string(tensor_parallel);

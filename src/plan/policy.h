@@ -34,6 +34,13 @@ struct Policy {
   // Aq, Tinv) once more instead of keeping them from the recomputation (3.4 GB for the 4B config
   // at 16k chunks; less memory, more time).
   bool kda_matrices_again = false;
+  // Stream with kept outputs and KDA matrices only: each feed-forward site's input is made again
+  // before its backward from the attention site's (one mHC combine) instead of kept, and what that
+  // frees keeps the attention sublayers' outputs and the MoE's [gate | up] products, which their
+  // backwards then do not compute again (LossOptions::rebuild_ffn_inputs; about 9 GB less at 16k
+  // chunks for the 4B config, a combine per layer more and an output projection and the experts'
+  // first products less).
+  bool ffn_inputs_again = false;
 
   // e.g. "keep", "stream 64k", "stream 16k, indexer twice, outputs again", "stream 16k, KDA
   // matrices again", "offload + host AdamW", with " tp8" when tensor parallel.

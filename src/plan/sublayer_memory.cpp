@@ -189,8 +189,10 @@ void mlp_forward(Ledger& m, int64_t L, int64_t inter) {
   Ledger::Block gate_up = bf16(m, L * 2 * inter), hidden = bf16(m, L * inter);
 }
 
-void mlp_backward(Ledger& m, int64_t L, int64_t inter) {
-  Ledger::Block gate_up = bf16(m, L * 2 * inter), hidden = bf16(m, L * inter);
+// `gate_up_kept`: the forward's product is taken (freed here), not made again.
+void mlp_backward(Ledger& m, int64_t L, int64_t inter, Ledger::Block gate_up_kept = {}) {
+  Ledger::Block gate_up = gate_up_kept.bytes() > 0 ? std::move(gate_up_kept) : bf16(m, L * 2 * inter),
+                hidden = bf16(m, L * inter);
 }
 
 // Routing (model/cuda/moe.cpp route), what a kept routing holds (MoeRouting): router logits,
@@ -213,36 +215,50 @@ void expert_rows(Ledger& m, const Shapes& s, int64_t L, Blocks& r) {
 
 // The experts' gate and up (the halves of one [rows, 2 inter] block), hidden and outputs, and the
 // shared expert's output, all before the experts' side streams fork; then the shared expert on the
-// main stream while the host waits for the routed rows' offsets. `keep`: takes the routing.
-void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep) {
+// main stream while the host waits for the routed rows' offsets. `keep`: takes the routing, and
+// with `products` the routed and shared [gate | up] products after it.
+void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep, bool products) {
   const int64_t rows = routed_rows(s, L);
   Blocks kept = routing(m, s, L), r, a;
   expert_rows(m, s, L, r);
-  a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
-  a.push_back(bf16(m, rows * s.moe_inter));      // hidden
-  a.push_back(bf16(m, rows * s.hidden));         // out
-  a.push_back(bf16(m, L * s.hidden));            // shared
-  mlp_forward(m, L, s.shared_inter);
-  if (keep != nullptr) *keep = std::move(kept);
+  Ledger::Block gate_up = bf16(m, rows * 2 * s.moe_inter);
+  a.push_back(bf16(m, rows * s.moe_inter));  // hidden
+  a.push_back(bf16(m, rows * s.hidden));     // out
+  a.push_back(bf16(m, L * s.hidden));        // shared
+  Ledger::Block shared_gate_up = bf16(m, L * 2 * s.shared_inter), shared_hidden = bf16(m, L * s.shared_inter);
+  shared_hidden = {};
+  if (keep == nullptr) return;
+  *keep = std::move(kept);
+  if (!products) return;
+  keep->push_back(std::move(gate_up));
+  keep->push_back(std::move(shared_gate_up));
 }
 
 // The experts' gate and up and hidden again (not their output), dy gathered to the sorted rows and
 // the hidden's gradient, then the shared expert's backward while the host waits for the offsets.
-// With the forward's routing `kept`, only the rows are gathered again.
-void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept) {
+// With the forward's routing `kept`, only the rows are gathered again; with `products`, its last
+// two blocks are the routed and shared [gate | up] products, taken instead of made again.
+void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept, bool products) {
   const int64_t rows = routed_rows(s, L);
   const bool taken = !kept.empty();
+  Ledger::Block gate_up, shared_gate_up;
+  if (taken && products) {
+    shared_gate_up = std::move(kept.back());
+    kept.pop_back();
+    gate_up = std::move(kept.back());
+    kept.pop_back();
+  }
   Blocks r = taken ? std::move(kept) : routing(m, s, L), a;
   if (taken)
     r.push_back(bf16(m, rows * s.hidden));  // the rows gathered again
   else
     expert_rows(m, s, L, r);
-  a.push_back(bf16(m, rows * 2 * s.moe_inter));  // gate_up
-  a.push_back(bf16(m, rows * s.moe_inter));      // hidden
-  a.push_back(bf16(m, rows * s.hidden));         // dy_rows
-  a.push_back(bf16(m, rows * s.moe_inter));      // dhidden
-  a.push_back(f32(m, L * s.topk));               // dweight
-  mlp_backward(m, L, s.shared_inter);
+  a.push_back(gate_up.bytes() > 0 ? std::move(gate_up) : bf16(m, rows * 2 * s.moe_inter));
+  a.push_back(bf16(m, rows * s.moe_inter));  // hidden
+  a.push_back(bf16(m, rows * s.hidden));     // dy_rows
+  a.push_back(bf16(m, rows * s.moe_inter));  // dhidden
+  a.push_back(f32(m, L * s.topk));           // dweight
+  mlp_backward(m, L, s.shared_inter, std::move(shared_gate_up));
   a.push_back(f32(m, L * s.experts));   // dlogits
   a.push_back(bf16(m, L * s.experts));  // dlogits16
 }
@@ -291,7 +307,7 @@ void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass
   if (layer.mlp == MlpKind::Dense)
     mlp_forward(m, pass.tokens, s.dense_inter);
   else
-    moe_forward(m, s, pass.tokens, keep_routing);
+    moe_forward(m, s, pass.tokens, keep_routing, pass.rebuild_ffn_inputs);
 }
 
 void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
@@ -299,7 +315,7 @@ void ffn_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pas
   if (layer.mlp == MlpKind::Dense)
     mlp_backward(m, pass.tokens, s.dense_inter);
   else
-    moe_backward(m, s, pass.tokens, std::move(kept_routing));
+    moe_backward(m, s, pass.tokens, std::move(kept_routing), pass.rebuild_ffn_inputs);
 }
 
 int64_t routed_rows(const Shapes& s, int64_t tokens) {

@@ -27,6 +27,9 @@ struct Pass {
   bool keep_outputs = false;
   // With keep_outputs: the KDA layers' intra-chunk matrices too (Policy::kda_matrices_again false).
   bool keep_kda_matrices = false;
+  // With keep_outputs: the feed-forward sites' inputs made again, the attention sublayers' outputs
+  // and the MoE's [gate | up] products kept (Policy::ffn_inputs_again).
+  bool rebuild_ffn_inputs = false;
 };
 
 // What the streaming executor keeps of an attention sublayer's forward for its backward

@@ -223,7 +223,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   int64_t device_chunk_tokens = 0;    // the planner's streaming chunk, 0: none
   int64_t device_predicted_peak = 0;  // the planner's device peak, to set beside the measured one
   SiteMemory device_site_memory = SiteMemory::KeepSites;
-  bool device_keep_selections = true, device_keep_outputs = true, device_keep_kda_matrices = true;
+  bool device_keep_selections = true, device_keep_outputs = true, device_keep_kda_matrices = true,
+       device_rebuild_ffn_inputs = false;
   if (options.device != Device::CPU) {
     device = open_device_model(options.device, config, model.weights, {options.strict_kernels});
     plan::StepOptions plan_options;
@@ -240,6 +241,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     device_keep_selections = execution.keep_selections;
     device_keep_outputs = execution.keep_outputs;
     device_keep_kda_matrices = execution.keep_kda_matrices;
+    device_rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);
     device->load_optimizer(optimizer);
     log_info("training on ", device->device_name(),
@@ -277,6 +279,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   loss_options.keep_selections = device_keep_selections;
   loss_options.keep_outputs = device_keep_outputs;
   loss_options.keep_kda_matrices = device_keep_kda_matrices;
+  loss_options.rebuild_ffn_inputs = device_rebuild_ffn_inputs;
   const auto started = Clock::now();
   const int64_t first_step = state.step;
   bool warned_closed = false;  // dead indexers are reported once; metrics.jsonl has every step

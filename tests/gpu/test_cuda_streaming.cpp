@@ -196,12 +196,14 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
       // Chunks of 37 both ways: the forward's selections kept as pool lists (the default) and the
       // indexer run again before each chunk's backward; 64 kept, 150 again. The recomputation keeps
       // the sublayers' outputs for their backwards (the default) at 37, with the KDA matrices (the
-      // default) and without, each backward computes them again at 64 and 150.
+      // default) and without, and with the feed-forward sites' inputs made again; each backward
+      // computes them again at 64 and 150.
       struct Streamed {
         int64_t chunk;
-        bool keep_selections, keep_outputs, keep_kda_matrices;
+        bool keep_selections, keep_outputs, keep_kda_matrices, rebuild_ffn_inputs = false;
       };
       for (const Streamed& run : {Streamed{37, true, true, true},
+                                  {37, true, true, true, true},
                                   {37, false, true, false},
                                   {64, true, false, false},
                                   {150, false, false, false}}) {
@@ -209,22 +211,26 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         const bool keep = run.keep_selections;
         SCOPED_TRACE("chunks of " + std::to_string(chunk) + (keep ? ", selections kept" : ", indexer again") +
                      (run.keep_outputs ? ", outputs kept" : ", outputs again") +
-                     (run.keep_kda_matrices ? ", KDA matrices kept" : ""));
+                     (run.keep_kda_matrices ? ", KDA matrices kept" : "") +
+                     (run.rebuild_ffn_inputs ? ", feed-forward inputs again" : ""));
         LossOptions streamed_options = options;
         streamed_options.chunk_tokens = chunk;
         streamed_options.keep_selections = keep;
         streamed_options.keep_outputs = run.keep_outputs;
         streamed_options.keep_kda_matrices = run.keep_kda_matrices;
+        streamed_options.rebuild_ffn_inputs = run.rebuild_ffn_inputs;
         auto device = on_gpu(config, weights, absorbed);
         const LossResult streamed = device->loss_and_gradients(tokens, streamed_options);
         ModelWeights grads = zero_gradients(config, DType::F32);
         device->download_gradients(grads);
-        std::printf("%s, chunks of %lld%s%s%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
-                    absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk),
-                    keep ? "" : " (indexer again)", run.keep_outputs ? "" : " (outputs again)",
-                    run.keep_outputs && !run.keep_kda_matrices ? " (KDA matrices again)" : "",
-                    aux_loss_coef > 0 ? "" : " (no balance loss)", streamed.loss, whole.loss,
-                    streamed.indexer_kl, whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
+        std::printf(
+            "%s, chunks of %lld%s%s%s%s%s: loss %.6f / %.6f, indexer KL %.6f / %.6f, aux %.6f / %.6f\n",
+            absorbed ? "absorbed" : "expanded", static_cast<long long>(chunk), keep ? "" : " (indexer again)",
+            run.keep_outputs ? "" : " (outputs again)",
+            run.keep_outputs && !run.keep_kda_matrices ? " (KDA matrices again)" : "",
+            run.rebuild_ffn_inputs ? " (feed-forward inputs again)" : "",
+            aux_loss_coef > 0 ? "" : " (no balance loss)", streamed.loss, whole.loss, streamed.indexer_kl,
+            whole.indexer_kl, streamed.aux_loss, whole.aux_loss);
         EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
         EXPECT_NEAR(streamed.aux_loss, whole.aux_loss, 1e-3 * whole.aux_loss);
         EXPECT_NEAR(streamed.indexer_kl, whole.indexer_kl, 1e-2 * whole.indexer_kl);
@@ -247,6 +253,51 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
       }
     }
+}
+
+// The feed-forward sites' inputs made again before their backwards (one combine from the attention
+// site's input, its kept output and coefficients) and the kept attention outputs and MoE products
+// (LossOptions::rebuild_ffn_inputs) change no value the step computes: the same loss bit for bit
+// (the head runs on the same recomputation) and the same gradients but for the order of the
+// backward's atomic sums.
+TEST(CudaStreaming, FeedForwardInputsMadeAgainChangeNothing) {
+  const ModelConfig config = streaming_config(512);
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 11);
+  const std::vector<int32_t> tokens = dna(300);
+  LossOptions options;
+  options.chunk_tokens = 64;
+  options.indexer_kl_coef = 0.5;
+  options.aux_loss_coef = 0.01;
+  std::vector<LossResult> results;
+  std::vector<ModelWeights> grads;
+  for (const bool rebuild : {false, true}) {
+    options.rebuild_ffn_inputs = rebuild;
+    auto device = on_gpu(config, weights, true);
+    results.push_back(device->loss_and_gradients(tokens, options));
+    grads.push_back(zero_gradients(config, DType::F32));
+    device->download_gradients(grads.back());
+  }
+  EXPECT_EQ(results[1].loss, results[0].loss);
+  EXPECT_EQ(results[1].aux_loss, results[0].aux_loss);
+  EXPECT_EQ(results[1].expert_load, results[0].expert_load);
+  const auto a = parameter_table(config, grads[0]), b = parameter_table(config, grads[1]);
+  double diff = 0, norm = 0;
+  int64_t differing = 0, values = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (int64_t j = 0; j < a[i].tensor.numel(); ++j) {
+      const double x = a[i].tensor.item_as_double(j), y = b[i].tensor.item_as_double(j);
+      diff += (x - y) * (x - y), norm += x * x;
+      differing += x != y;
+      ++values;
+    }
+  std::printf(
+      "feed-forward inputs again: loss %.9f / %.9f, %lld of %lld gradient values differ, relative "
+      "difference %.3g\n",
+      results[1].loss, results[0].loss, static_cast<long long>(differing), static_cast<long long>(values),
+      std::sqrt(diff / norm));
+  EXPECT_GT(norm, 0);
+  EXPECT_LT(std::sqrt(diff / norm), 1e-4);
 }
 
 // The union form of the DSA attention (docs/UNION_ATTENTION.md: on by default where its fused

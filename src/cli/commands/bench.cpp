@@ -162,6 +162,7 @@ int run_bench(const std::vector<std::string>& argv) {
     loss_options.keep_selections = execution.keep_selections;
     loss_options.keep_outputs = execution.keep_outputs;
     loss_options.keep_kda_matrices = execution.keep_kda_matrices;
+    loss_options.rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
     loss_options.indexer_kl_coef = indexer_kl ? 1.0 : 0.0;
     device->reset_memory_peak();
     std::vector<double> seconds;

@@ -141,9 +141,13 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
                   IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
                   bf16* y, AttentionKept* kept = nullptr);
 
-void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y);
+// `keep_gate_up` (may be null): takes the [gate | up] product ([L, 2 I]).
+void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y,
+                 DeviceBuffer<bf16>* keep_gate_up = nullptr);
+// `kept_gate_up` (if not null and not empty): the forward's product of the same x, taken instead of
+// multiplied again.
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, MlpWeights& grad);
+                  const bf16* dy, float* dx, MlpWeights& grad, DeviceBuffer<bf16>* kept_gate_up = nullptr);
 
 // The balance loss's pooled statistics (device) and its coefficient, for the routers' gradient.
 struct BalanceLoss {
@@ -157,10 +161,15 @@ struct BalanceLoss {
 // neither routes the same rows again nor waits for the experts' row offsets: the router's logits
 // [tokens, experts], each (token, choice) assignment's weight and expert, the expert-sorted
 // permutation of the assignments and its inverse, and the experts' first rows (host, [experts + 1]).
+// With `keep_products` set before the forward (LossOptions::rebuild_ffn_inputs), also the routed
+// experts' and the shared expert's [gate | up] products, which the backward then takes instead of
+// multiplying the rows again.
 struct MoeRouting {
+  bool keep_products = false;
   DeviceBuffer<float> logits, weight;
   DeviceBuffer<int32_t> expert, permutation, inverse;
   std::vector<int32_t> host_offsets;
+  DeviceBuffer<bf16> gate_up, shared_gate_up;  // [assignments, 2 I] in expert order; [tokens, 2 I]
   bool empty() const { return host_offsets.empty(); }
 };
 

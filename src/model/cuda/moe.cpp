@@ -30,24 +30,33 @@ void gate_up_swiglu(Gemm& gemm, const bf16* x, const bf16* w_gate_up, bf16* gate
 
 // The dense MLP and the shared expert as the routed experts run theirs: gate_up_swiglu, then the
 // down projection.
-void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y) {
+void mlp_forward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L, bf16* y,
+                 DeviceBuffer<bf16>* keep_gate_up) {
   const int64_t D = w.down_proj.dim(0), I = w.down_proj.dim(1);
   const cudaStream_t s = ctx.stream();
   DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
   gate_up_swiglu(ctx.gemm, x, bf16_data(w.gate_up), gate_up.data(), hidden.data(), L, D, I,
                  static_cast<float>(swiglu_limit), s);
   ctx.gemm.linear(hidden.data(), bf16_data(w.down_proj), y, L, I, D, s);
+  if (keep_gate_up != nullptr) *keep_gate_up = std::move(gate_up);
   ctx.record.note("mlp/swiglu", "cublaslt bf16 + cuda clamped swiglu");
 }
 
 void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const bf16* x, int64_t L,
-                  const bf16* dy, float* dx, MlpWeights& grad) {
+                  const bf16* dy, float* dx, MlpWeights& grad, DeviceBuffer<bf16>* kept_gate_up) {
   const int64_t D = w.down_proj.dim(0), I = w.down_proj.dim(1);
   const cudaStream_t s = ctx.stream();
   const auto limit = static_cast<float>(swiglu_limit);
   Gemm& gemm = ctx.gemm;
-  DeviceBuffer<bf16> gate_up = activations(L * 2 * I), hidden = activations(L * I);
-  gate_up_swiglu(gemm, x, bf16_data(w.gate_up), gate_up.data(), hidden.data(), L, D, I, limit, s);
+  const bool kept = kept_gate_up != nullptr && kept_gate_up->size() != 0;
+  check(!kept || kept_gate_up->size() == static_cast<size_t>(L * 2 * I), "MLP backward: a kept product of ",
+        kept ? kept_gate_up->size() : 0, " values for ", L, " rows");
+  DeviceBuffer<bf16> gate_up = kept ? std::move(*kept_gate_up) : activations(L * 2 * I),
+                     hidden = activations(L * I);
+  if (kept)
+    clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), L, I, limit, s);
+  else
+    gate_up_swiglu(gemm, x, bf16_data(w.gate_up), gate_up.data(), hidden.data(), L, D, I, limit, s);
   DeviceBuffer<bf16>& dhidden = hidden;  // written after its last read below
   gemm.linear_backward_weight(dy, hidden.data(), f32_data(grad.down_proj), L, I, D, s);
   gemm.linear_backward_input(dy, bf16_data(w.down_proj), dhidden.data(), L, I, D, s);
@@ -159,6 +168,7 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
   const int64_t D = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size,
                 k = c.num_experts_per_tok, n = L * k;
   const cudaStream_t s = ctx.stream();
+  const bool keep_products = keep != nullptr && keep->keep_products;
   std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
   Routing r = route(ctx, c, w, x, L);
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
@@ -167,7 +177,9 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
                      shared = activations(L * D);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared", s);
-  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data());  // while the host waits for the offsets
+  DeviceBuffer<bf16> shared_gate_up;
+  mlp_forward(ctx, w.shared, c.swiglu_limit, x, L, shared.data(),  // while the host waits for the offsets
+              keep_products ? &shared_gate_up : nullptr);
   // From the shared expert's end to the last lane's: the routed products, and any wait for the host.
   part.emplace(ctx.timer, "moe.experts", s);
   wait_for_offsets(ctx, r);
@@ -185,6 +197,10 @@ void moe_forward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const 
         cudaMemcpyAsync(router_logits, r.logits.data(), L * E * sizeof(float), cudaMemcpyDeviceToDevice, s));
   combine_expert_rows(out.data(), r.inverse.data(), r.weight.data(), shared.data(), L, k, D, y, s);
   if (keep != nullptr) *keep = std::move(static_cast<MoeRouting&>(r));
+  if (keep_products) {
+    keep->gate_up = std::move(gate_up);
+    keep->shared_gate_up = std::move(shared_gate_up);
+  }
 }
 
 void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const bf16* x, int64_t L,
@@ -197,20 +213,26 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   std::optional<TimedScope> part(std::in_place, ctx.timer, "moe.route", s);
   const bool taken = kept != nullptr && !kept->empty();
   Routing r = taken ? take_routing(ctx, c, *kept, x, L) : route(ctx, c, w, x, L);
+  const bool products = r.gate_up.size() != 0;
+  check(!products || r.gate_up.size() == static_cast<size_t>(n * 2 * I), "MoE backward: kept products of ",
+        r.gate_up.size(), " values for ", n, " rows");
   // Every buffer the lanes use exists before they fork: the allocator knows no streams, so a block
   // the main stream frees meanwhile (the shared expert's) must not reach them.
-  DeviceBuffer<bf16> gate_up = activations(n * 2 * I), hidden = activations(n * I),
-                     dy_rows = activations(n * D), dhidden = activations(n * I);
+  DeviceBuffer<bf16> gate_up = products ? std::move(r.gate_up) : activations(n * 2 * I),
+                     hidden = activations(n * I), dy_rows = activations(n * D), dhidden = activations(n * I);
   DeviceBuffer<float> dweight = activations_f32(n);
   gather_expert_rows(dy, r.inverse.data(), L, k, D, dy_rows.data(), s);
+  if (products) clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared,
+               products ? &r.shared_gate_up : nullptr);
   part.emplace(ctx.timer, "moe.experts_backward", s);
   if (!taken) wait_for_offsets(ctx, r);
-  // The experts' gate and up again, not their output: dy . out, the weights' gradient, is
-  // (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient needs anyway.
-  queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
+  // The experts' gate and up again (unless kept), not their output: dy . out, the weights'
+  // gradient, is (dy W_down) . hidden, and g = dy W_down is the product the hidden's gradient
+  // needs anyway.
+  if (!products) queue_experts(ctx, c, w, r, gate_up.data(), hidden.data(), nullptr);
   DeviceBuffer<bf16>& drows = r.rows;  // each expert's rows, overwritten after their last read
   for_each_expert(ctx, r, [&](int64_t e, int64_t first, int64_t rows, cudaStream_t ls) {
     const bf16 *x_rows = r.rows.data() + first * D, *dy_e = dy_rows.data() + first * D;

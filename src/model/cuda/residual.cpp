@@ -64,7 +64,7 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const bf16* streams, bf16* next,
                            const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y, SiteMix* keep_mix,
-                           SiteChain* chain) {
+                           SiteChain* chain, SiteCombine* keep_combine) {
   const cpu::HcShape shape = hc_shape(c, L);
   SiteMix* handed = chain != nullptr && chain->mix.mix.size() != 0 ? &chain->mix : nullptr;
   SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, keep_mix != nullptr, handed);
@@ -82,6 +82,18 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
   }
   if (keep_y != nullptr) *keep_y = std::move(a.collapsed);
   if (keep_mix != nullptr) *keep_mix = SiteMix{std::move(a.mix)};
+  if (keep_combine != nullptr) *keep_combine = SiteCombine{std::move(a.post), std::move(a.comb)};
+}
+
+void residual_site_output(Context& ctx, const ModelConfig& c, int64_t L, const bf16* streams, const bf16* y,
+                          const SiteCombine& combine, bf16* next) {
+  const int64_t H = c.hc_mult;
+  check(combine.post.size() == static_cast<size_t>(L * H) &&
+            combine.comb.size() == static_cast<size_t>(L * H * H),
+        "residual site output: kept coefficients of ", combine.post.size(), " and ", combine.comb.size(),
+        " values for ", L, " tokens");
+  const TimedScope timed = ctx.timed("mhc");
+  hc_combine(hc_shape(c, L), streams, y, combine.post.data(), combine.comb.data(), next, ctx.stream());
 }
 
 void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,

@@ -26,6 +26,12 @@ struct SiteMix {
   DeviceBuffer<float> mix;
 };
 
+// A site's combine coefficients (fp32 post [tokens, H] and comb [tokens, H, H]), kept from a
+// recomputation so that the site's output streams can be made again (residual_site_output).
+struct SiteCombine {
+  DeviceBuffer<float> post, comb;
+};
+
 // The mix handed from one site to the next in a forward pass: a site's combine also multiplies its
 // output by the next site's fn where hc_combine_mix takes the shape, and the next site takes its
 // coefficients from that mix instead of reading its streams for the product again.
@@ -35,11 +41,18 @@ struct SiteChain {
 };
 
 // streams (input) -> next (output), both [tokens, H, D]; the sublayer's output [tokens, D] goes
-// to `keep_y` and the mix to `keep_mix`, each if given; `chain` as SiteChain says, if given.
+// to `keep_y`, the mix to `keep_mix` and the combine's coefficients to `keep_combine`, each if
+// given; `chain` as SiteChain says, if given.
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
                            const SublayerForward& sublayer, DeviceBuffer<__nv_bfloat16>* keep_y = nullptr,
-                           SiteMix* keep_mix = nullptr, SiteChain* chain = nullptr);
+                           SiteMix* keep_mix = nullptr, SiteChain* chain = nullptr,
+                           SiteCombine* keep_combine = nullptr);
+
+// The site's output streams `next` again from its input `streams`, its sublayer's output y and its
+// combine's coefficients, kept from residual_site_forward: bit for bit that pass's output.
+void residual_site_output(Context& ctx, const ModelConfig& c, int64_t L, const __nv_bfloat16* streams,
+                          const __nv_bfloat16* y, const SiteCombine& combine, __nv_bfloat16* next);
 
 // `streams` is the site's input; dstreams holds the gradient of its output on entry and of its
 // input on return. The combine's backward needs the sublayer's output y: taken from `kept_y`

@@ -122,8 +122,14 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     // With keep_outputs, each sublayer's forward output its backward would compute a third time
     // (and a MoE's routing) is kept from the recomputation until that backward
     // (LossOptions::keep_outputs).
+    // With rebuild_ffn_inputs, the feed-forward sites' inputs are not kept: each is made again
+    // before its backward from the attention site's input, output and combine coefficients, and the
+    // memory that frees keeps every attention site's output (no output projection again) and each
+    // MoE's [gate | up] products (no expert products again) (LossOptions::rebuild_ffn_inputs).
+    const bool rebuild = options.keep_outputs && options.rebuild_ffn_inputs;
     std::vector<AttentionKept> attention_kept(layers);
-    std::vector<DeviceBuffer<bf16>> ffn_kept(layers);
+    std::vector<DeviceBuffer<bf16>> attention_y(layers), ffn_kept(layers);
+    std::vector<SiteCombine> combines(layers);
     std::vector<MoeRouting> routing_kept(layers);
     std::vector<SiteMix> mixes(2 * layers);  // each site's, with keep_outputs
     const auto attention = [&](size_t i, const bf16* x, bf16* y, DeviceBuffer<int32_t>& selection,
@@ -148,15 +154,16 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     embed_streams(sequence.ids.data() + start, bf16_data(w.embed_tokens), streams.data(), n, H, D, s);
     SiteChain chain;  // as forward_chunk hands each site's mix on, so that both passes compute alike
     const auto run_site = [&](size_t index, const HyperConnectionWeights& hc, const Tensor& norm,
-                              const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y) {
+                              const SublayerForward& sublayer, DeviceBuffer<bf16>* keep_y,
+                              SiteCombine* keep_combine) {
       DeviceBuffer<bf16> next = activations(n * H * D);
       const size_t following = index + 1;  // the next site: layer following / 2's, attention if even
       chain.next = following == 2 * layers ? nullptr
                    : following % 2 == 0    ? &w.layers[following / 2].attn_hc
                                            : &w.layers[following / 2].ffn_hc;
       residual_site_forward(ctx_, c, hc, norm, n, streams.data(), next.data(), sublayer, keep_y,
-                            options.keep_outputs ? &mixes[index] : nullptr, &chain);
-      site_inputs[index] = std::move(streams);
+                            options.keep_outputs ? &mixes[index] : nullptr, &chain, keep_combine);
+      if (!rebuild || index % 2 == 0) site_inputs[index] = std::move(streams);
       streams = std::move(next);
     };
     for (size_t i = 0; i < layers; ++i) {
@@ -173,16 +180,17 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
             attention(i, x, y, dsa ? *selection : unused, kept);
             if (dsa) selections[i] = selection;
           },
-          nullptr);
+          rebuild ? &attention_y[i] : nullptr, rebuild ? &combines[i] : nullptr);
       run_site(
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
           [&](const bf16* x, bf16* y) {
             std::vector<int64_t> load;  // counted here only where this is the chunk's only forward
+            routing_kept[i].keep_products = rebuild;
             ffn_forward(layer, x, n, y, forward_here ? &load : nullptr, nullptr,
                         options.keep_outputs ? &routing_kept[i] : nullptr);
             if (forward_here) add_load(i, load);
           },
-          options.keep_outputs ? &ffn_kept[i] : nullptr);
+          options.keep_outputs ? &ffn_kept[i] : nullptr, nullptr);
     }
 
     // The head over this chunk's rows: row r predicts token start + r + 1 (the sequence's last
@@ -205,6 +213,12 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     for (size_t i = layers; i-- > 0;) {
       const LayerWeights& layer = w.layers[i];
       LayerWeights& grad = g.layers[i];
+      if (rebuild) {
+        site_inputs[2 * i + 1] = activations(n * H * D);
+        residual_site_output(ctx_, c, n, site_inputs[2 * i].data(), attention_y[i].data(), combines[i],
+                             site_inputs[2 * i + 1].data());
+        combines[i] = SiteCombine();
+      }
       ffn_site_backward(layer, grad, site_inputs[2 * i + 1].data(), n, dstreams,
                         balance ? &balance_loss : nullptr, &ffn_kept[i], &mixes[2 * i + 1], &routing_kept[i]);
       site_inputs[2 * i + 1] = DeviceBuffer<bf16>();
@@ -223,7 +237,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                            *carries[i].dsa, start, *cache_grad[i], y, &attention_kept[i]);
             end();
           },
-          nullptr, &mixes[2 * i]);
+          &attention_y[i], &mixes[2 * i]);
       site_inputs[2 * i] = DeviceBuffer<bf16>();
     }
 
