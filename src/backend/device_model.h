@@ -85,6 +85,12 @@ class DeviceModel {
   // Device memory in use that the allocator does not hold: the CUDA context, the kernels' local
   // memory, libraries' own allocations.
   virtual int64_t memory_outside_allocator() const = 0;
+  // The device allocator's calls to the driver so far (cudaMalloc; cache flushes when an allocation
+  // did not fit beside the cached blocks, each a device synchronisation).
+  struct AllocatorCounts {
+    int64_t driver_allocations = 0, cache_flushes = 0;
+  };
+  virtual AllocatorCounts allocator_counts() const = 0;
   virtual void reset_memory_peak() = 0;
   virtual std::string device_name() const = 0;
 

@@ -230,6 +230,10 @@ class CudaDeviceModel final : public DeviceModel {
   void synchronize() override { model_.context().synchronize(); }
   void profile_range(bool begin) override { SPINDLE_CUDA(begin ? cudaProfilerStart() : cudaProfilerStop()); }
   int64_t memory_outside_allocator() const override { return DeviceAllocator::instance().outside_bytes(); }
+  AllocatorCounts allocator_counts() const override {
+    const DeviceAllocator& a = DeviceAllocator::instance();
+    return {a.driver_allocations(), a.cache_flushes()};
+  }
   int64_t memory_capacity() const override {
     size_t free = 0, total = 0;
     SPINDLE_CUDA(cudaMemGetInfo(&free, &total));

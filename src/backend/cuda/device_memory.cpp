@@ -31,9 +31,11 @@ void* DeviceAllocator::allocate(size_t bytes, MemoryCategory category) {
     free_.erase(it);
     cached_bytes_ -= static_cast<int64_t>(size);
   } else {
+    ++driver_allocations_;
     cudaError_t status = cudaMalloc(&pointer, size);
     if (status == cudaErrorMemoryAllocation && cached_bytes_ > 0) {
       (void)cudaGetLastError();
+      ++cache_flushes_;
       empty_cache();
       status = cudaMalloc(&pointer, size);
     }

@@ -28,6 +28,10 @@ class DeviceAllocator {
   // Peaks restart from the current use (to measure one phase).
   void reset_peak();
   int64_t cached_bytes() const { return cached_bytes_; }
+  // Calls to the driver so far: blocks allocated (cudaMalloc), and cache flushes (every cached
+  // block returned because an allocation did not fit beside them: a device synchronisation).
+  int64_t driver_allocations() const { return driver_allocations_; }
+  int64_t cache_flushes() const { return cache_flushes_; }
   // Device memory in use that this allocator does not hold (the CUDA context, the kernels' local
   // memory, libraries' own allocations): cudaMemGetInfo's used bytes less its live and cached ones.
   int64_t outside_bytes() const;
@@ -39,7 +43,7 @@ class DeviceAllocator {
     MemoryCategory category;
   };
   MemoryStats stats_;
-  int64_t cached_bytes_ = 0;
+  int64_t cached_bytes_ = 0, driver_allocations_ = 0, cache_flushes_ = 0;
   std::map<void*, Block> live_;
   std::multimap<size_t, void*> free_;  // by rounded size
 };

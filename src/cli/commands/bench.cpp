@@ -166,12 +166,14 @@ int run_bench(const std::vector<std::string>& argv) {
     loss_options.indexer_kl_coef = indexer_kl ? 1.0 : 0.0;
     device->reset_memory_peak();
     std::vector<double> seconds;
+    std::vector<int64_t> allocations, flushes;  // the allocator's driver calls in each timed step
     std::map<std::string, double> kind_ms;
     double loss = 0;
     for (int64_t step = 0; step < warmup + steps; ++step) {
       const bool timed = step >= warmup, profiled = profile && step + 1 == warmup + steps;
       device->set_timing(timed);
       if (profiled) device->profile_range(true);
+      const DeviceModel::AllocatorCounts before = device->allocator_counts();
       const auto start = std::chrono::steady_clock::now();
       device->zero_gradients();
       loss = device->loss_and_gradients(tokens, loss_options).loss;
@@ -180,7 +182,12 @@ int run_bench(const std::vector<std::string>& argv) {
       device->synchronize();
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (profiled) device->profile_range(false);  // outside the step's time
-      if (timed) seconds.push_back(elapsed);
+      if (timed) {
+        const DeviceModel::AllocatorCounts after = device->allocator_counts();
+        seconds.push_back(elapsed);
+        allocations.push_back(after.driver_allocations - before.driver_allocations);
+        flushes.push_back(after.cache_flushes - before.cache_flushes);
+      }
       log_info("bench L=", L, " step ", step + 1, "/", warmup + steps, timed ? "" : " (warm-up)", ": ",
                elapsed, " s, loss ", loss);
     }
@@ -208,6 +215,11 @@ int run_bench(const std::vector<std::string>& argv) {
         {"warmup", warmup},
         {"step_seconds_median", median},
         {"step_seconds", seconds},
+        // Per step: blocks the device allocator took from the driver, and its cache flushes (an
+        // allocation that did not fit beside the cached blocks: a synchronisation, then the driver
+        // again for every size).
+        {"step_driver_allocations", allocations},
+        {"step_cache_flushes", flushes},
         {"tokens_per_second", static_cast<double>(L) / median},
         {"seconds_by_layer_kind", by_kind},
         {"peak_memory", memory_json(device->memory())},
