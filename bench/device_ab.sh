@@ -9,9 +9,11 @@
 #     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
 #     STEPS=262144 STEP_VARIANTS="main new"   # two steps from random weights (configs/glm53-flash-4b.json)
-#     STEPS1M="main new new:kl"               # a trained checkpoint (bench/trained_1m_h200.sh train,
+#     STEPS1M="main new new:kl main:b"        # a trained checkpoint (bench/trained_1m_h200.sh train,
 #                                             # about 150 s), then one 1M step from it per entry
-#                                             # (:kl with the indexers' KL training)
+#                                             # (:kl with the indexers' KL training, :b with
+#                                             # --plan-policy "$POLICY_B": another of the planner's
+#                                             # policies, e.g. POLICY_B="stream 16k + host AdamW")
 #     PROFILE=262144                          # an nsys trace of main's step at that length from the
 #                                             # checkpoint (or configs/glm53-flash-4b.json without
 #                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
@@ -62,8 +64,9 @@ if [ -n "${STEPS1M:-}" ]; then
 fi
 for vk in ${STEPS1M:-}; do
   [ "$(left)" -lt 145 ] && { echo "skip the 1M step of $vk: $(left) s left"; continue; }
-  v=${vk%:kl} name=${vk/:/_} extra=()
-  [ "$vk" != "$v" ] && extra=(--indexer-kl)
+  v=${vk%%:*} name=${vk//:/_} extra=()
+  [[ ":$vk:" == *":kl:"* ]] && extra+=(--indexer-kl)
+  [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
   "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup 0 --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo

@@ -49,10 +49,11 @@ commands:
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
-            [--host-optimizer] [--indexer-kl] [--profile] [--out FILE.json]
+            [--host-optimizer] [--indexer-kl] [--profile] [--out FILE.json] [--plan-policy NAME]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU,
-                                                the memory policy (the planner's pick unless --chunk)
+                                                the memory policy (the planner's pick unless --chunk,
+                                                or --plan-policy: a policy as spindle plan names it)
   plan      --model DIR|CONFIG.json --seq-len L [--gpus N] [--gpu-mem GB] [--host-mem GB]
             [--mla expanded|absorbed] [--indexer-kl] [--mfu F]
                                                 every memory policy with predicted peak device and

@@ -64,7 +64,8 @@ ActivationPolicy parse_site_policy(const std::string& name) {
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
                          const StepOptions& options, std::optional<int64_t> forced_chunk,
                          std::optional<bool> optimizer_on_host,
-                         std::optional<ActivationPolicy> forced_activations) {
+                         std::optional<ActivationPolicy> forced_activations,
+                         const std::optional<std::string>& forced_name) {
   const auto runs = [&](const Policy& p) {
     return executor_runs(p) && (!optimizer_on_host || p.optimizer_on_host == *optimizer_on_host);
   };
@@ -75,6 +76,19 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
   request.options = options;
   const Plan plan = make_plan(c, request);
   check(!(forced_chunk && forced_activations), "--chunk and --policy exclude each other (--chunk N streams)");
+  if (forced_name) {
+    check(!forced_chunk && !forced_activations, "--plan-policy excludes --chunk and --policy");
+    for (const Candidate& candidate : plan.candidates) {
+      if (candidate.policy.name() != *forced_name) continue;
+      check(executor_runs(candidate.policy), "--plan-policy '", *forced_name,
+            "': the planner predicts it, the executor does not run it");
+      check(!optimizer_on_host || candidate.policy.optimizer_on_host == *optimizer_on_host, "--plan-policy '",
+            *forced_name, "': the AdamW state is ", *optimizer_on_host ? "on the host" : "on the device",
+            " for this run");
+      return from(candidate, "--plan-policy");
+    }
+    fail("the planner has no policy '", *forced_name, "' for ", tokens, " tokens (spindle plan lists them)");
+  }
   if (forced_activations) {
     check(*forced_activations != ActivationPolicy::Stream, "a streamed policy is forced by --chunk N");
     Policy wanted;

@@ -38,11 +38,14 @@ struct Execution {
 // forced_chunk: the user's --chunk (0 or >= tokens: no chunks). optimizer_on_host: where the
 // AdamW state already is (a run of several lengths places it once), else the planner's choice.
 // forced_activations: the user's --policy (KeepSites, KeepLayerInputs or OffloadLayerInputs;
-// not with a forced chunk). Fails with every policy's reason when none the executor runs fits.
+// not with a forced chunk). forced_name: the planner's policy of that name (Policy::name, as
+// spindle plan prints it), which the executor must run; alone. Fails with every policy's reason
+// when none the executor runs fits.
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
                          const StepOptions& options, std::optional<int64_t> forced_chunk,
                          std::optional<bool> optimizer_on_host = std::nullopt,
-                         std::optional<ActivationPolicy> forced_activations = std::nullopt);
+                         std::optional<ActivationPolicy> forced_activations = std::nullopt,
+                         const std::optional<std::string>& forced_name = std::nullopt);
 
 // --policy's names: keep, recompute, offload.
 ActivationPolicy parse_site_policy(const std::string& name);

@@ -455,6 +455,32 @@ TEST(Plan, KdaMatricesKeptWithTheOutputsWhereTheyFit) {
   EXPECT_LE(million.predicted_peak_bytes, int64_t{130} * 1000 * 1000 * 1000);
 }
 
+TEST(Plan, ExecutionTakesAPolicyByItsName) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  const Machine h200{1, bytes(141), bytes(128)};
+  StepOptions absorbed;
+  absorbed.absorbed = true;
+  const Execution pick = plan_execution(c, 1048576, h200, absorbed, std::nullopt);
+  EXPECT_TRUE(pick.rebuild_ffn_inputs);
+  const Execution named = plan_execution(c, 1048576, h200, absorbed, std::nullopt, std::nullopt, std::nullopt,
+                                         std::string("stream 16k + host AdamW"));
+  EXPECT_TRUE(named.forced);
+  EXPECT_EQ(named.policy.name(), "stream 16k + host AdamW");
+  EXPECT_EQ(named.chunk_tokens, 16384);
+  EXPECT_TRUE(named.keep_outputs);
+  EXPECT_FALSE(named.rebuild_ffn_inputs);
+  EXPECT_LT(named.predicted_peak_bytes, int64_t{130} * 1000 * 1000 * 1000);
+  EXPECT_THROW(plan_execution(c, 1048576, h200, absorbed, std::nullopt, std::nullopt, std::nullopt,
+                              std::string("stream 16k + host AdamW and gradients")),
+               Error);  // planned only
+  EXPECT_THROW(
+      plan_execution(c, 1048576, h200, absorbed, std::nullopt, true, std::nullopt, std::string("stream 16k")),
+      Error);  // the AdamW state is on the host
+  EXPECT_THROW(plan_execution(c, 1048576, h200, absorbed, std::nullopt, std::nullopt, std::nullopt,
+                              std::string("stream 16 k")),
+               Error);
+}
+
 TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
   const Machine h200{1, bytes(141), bytes(128)};

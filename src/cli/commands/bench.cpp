@@ -72,9 +72,10 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args("bench", argv,
-                  {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy"},
-                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
+  const Args args(
+      "bench", argv,
+      {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy", "plan-policy"},
+      {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -88,6 +89,9 @@ int run_bench(const std::vector<std::string>& argv) {
   std::optional<plan::ActivationPolicy> forced_policy;
   if (const auto name = args.optional("policy")) forced_policy = plan::parse_site_policy(*name);
   check(!(forced_policy && forced_chunk), "--chunk and --policy exclude each other (--chunk N streams)");
+  // Any policy the executor runs, by the name `spindle plan` prints (to compare two of them).
+  const std::optional<std::string> forced_name = args.optional("plan-policy");
+  check(!forced_name || !(forced_policy || forced_chunk), "--plan-policy excludes --chunk and --policy");
   // The last step of each length inside a profiler's capture range (bench/step_profile.sh).
   const bool profile = args.flag("profile");
   const bool random_tokens = args.flag("random-tokens");
@@ -131,7 +135,7 @@ int run_bench(const std::vector<std::string>& argv) {
   const bool optimizer_on_host =
       args.flag("host-optimizer") ||
       plan::plan_execution(config, *std::max_element(lengths.begin(), lengths.end()), machine, plan_options,
-                           forced_chunk, std::nullopt, forced_policy)
+                           forced_chunk, std::nullopt, forced_policy, forced_name)
           .policy.optimizer_on_host;
   device->set_optimizer_on_host(optimizer_on_host);
   device->init_optimizer();
@@ -154,7 +158,7 @@ int run_bench(const std::vector<std::string>& argv) {
       tokens = dna.at(L);
     }
     const plan::Execution execution = plan::plan_execution(config, L, machine, plan_options, forced_chunk,
-                                                           optimizer_on_host, forced_policy);
+                                                           optimizer_on_host, forced_policy, forced_name);
     log_info("bench L=", L, ": ", execution.summary);
     LossOptions loss_options;
     loss_options.chunk_tokens = execution.chunk_tokens;
