@@ -8,14 +8,16 @@ import sys
 
 
 def intervals(db):
+    """The GPU's kernels, copies and memsets, sorted: (start, end, name, the launching call's correlation id)."""
     names = dict(db.execute("select id, value from StringIds"))
     rows = []
-    for start, end, name in db.execute("select start, end, shortName from CUPTI_ACTIVITY_KIND_KERNEL"):
-        rows.append((start, end, names.get(name, "?")))
+    for start, end, name, corr in db.execute(
+            "select start, end, shortName, correlationId from CUPTI_ACTIVITY_KIND_KERNEL"):
+        rows.append((start, end, names.get(name, "?"), corr))
     for table, label in (("CUPTI_ACTIVITY_KIND_MEMCPY", "memcpy"), ("CUPTI_ACTIVITY_KIND_MEMSET", "memset")):
         try:
-            for start, end in db.execute(f"select start, end from {table}"):
-                rows.append((start, end, label))
+            for start, end, corr in db.execute(f"select start, end, correlationId from {table}"):
+                rows.append((start, end, label, corr))
         except sqlite3.OperationalError:
             pass
     return sorted(rows)
@@ -26,13 +28,13 @@ def main():
     window = float(sys.argv[2]) * 1e9
     top = int(sys.argv[3]) if len(sys.argv) > 3 else 25
     rows = intervals(db)
-    last = max(end for _, end, _ in rows)
+    last = max(r[1] for r in rows)
     rows = [r for r in rows if r[0] >= last - window]
     busy_end, busy, idle = rows[0][0], 0, 0
     gaps_after = collections.Counter()
     gap_count = collections.Counter()
     previous = rows[0][2]
-    for start, end, name in rows:
+    for start, end, name, _ in rows:
         if start > busy_end:
             gap = start - busy_end
             idle += gap

@@ -10,19 +10,7 @@ import sqlite3
 import sys
 from bisect import bisect_left
 
-
-def gpu_work(db, names):
-    rows = []
-    queries = (("select start, end, correlationId, shortName from CUPTI_ACTIVITY_KIND_KERNEL", None),
-               ("select start, end, correlationId from CUPTI_ACTIVITY_KIND_MEMCPY", "memcpy"),
-               ("select start, end, correlationId from CUPTI_ACTIVITY_KIND_MEMSET", "memset"))
-    for query, label in queries:
-        try:
-            for row in db.execute(query):
-                rows.append((row[0], row[1], row[2], label or names.get(row[3], "?")))
-        except sqlite3.OperationalError:
-            pass
-    return sorted(rows)
+from gpu_gaps import intervals
 
 
 def runtime_calls(db, names):
@@ -47,7 +35,7 @@ def main():
     db = sqlite3.connect(sys.argv[1])
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 25
     names = dict(db.execute("select id, value from StringIds"))
-    work = gpu_work(db, names)
+    work = intervals(db)
     by_thread, by_correlation = runtime_calls(db, names)
     starts = {tid: [c[0] for c in calls] for tid, calls in by_thread.items()}
 
@@ -58,8 +46,8 @@ def main():
     by_launch = collections.Counter()      # the host's gaps by what came after them
     by_launch_count = collections.Counter()
     busy_end = work[0][0]
-    previous = work[0][3]
-    for start, end, corr, name in work:
+    previous = work[0][2]
+    for start, end, name, corr in work:
         if start > busy_end:
             gap = start - busy_end
             launch = by_correlation.get(corr)

@@ -185,8 +185,10 @@ void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pas
   a.push_back(bf16(m, L * s.q_rank));  // dq_low
 }
 
-void mlp_forward(Ledger& m, int64_t L, int64_t inter) {
+// `keep_gate_up`: takes the [gate | up] product.
+void mlp_forward(Ledger& m, int64_t L, int64_t inter, Ledger::Block* keep_gate_up = nullptr) {
   Ledger::Block gate_up = bf16(m, L * 2 * inter), hidden = bf16(m, L * inter);
+  if (keep_gate_up != nullptr) *keep_gate_up = std::move(gate_up);
 }
 
 // `gate_up_kept`: the forward's product is taken (freed here), not made again.
@@ -221,15 +223,15 @@ void moe_forward(Ledger& m, const Shapes& s, int64_t L, Blocks* keep, bool produ
   const int64_t rows = routed_rows(s, L);
   Blocks kept = routing(m, s, L), r, a;
   expert_rows(m, s, L, r);
-  Ledger::Block gate_up = bf16(m, rows * 2 * s.moe_inter);
+  Ledger::Block gate_up = bf16(m, rows * 2 * s.moe_inter), shared_gate_up;
   a.push_back(bf16(m, rows * s.moe_inter));  // hidden
   a.push_back(bf16(m, rows * s.hidden));     // out
   a.push_back(bf16(m, L * s.hidden));        // shared
-  Ledger::Block shared_gate_up = bf16(m, L * 2 * s.shared_inter), shared_hidden = bf16(m, L * s.shared_inter);
-  shared_hidden = {};
+  const bool keep_products = keep != nullptr && products;
+  mlp_forward(m, L, s.shared_inter, keep_products ? &shared_gate_up : nullptr);
   if (keep == nullptr) return;
   *keep = std::move(kept);
-  if (!products) return;
+  if (!keep_products) return;
   keep->push_back(std::move(gate_up));
   keep->push_back(std::move(shared_gate_up));
 }

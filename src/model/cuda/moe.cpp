@@ -225,8 +225,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   if (products) clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared,
-               products ? &r.shared_gate_up : nullptr);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared, &r.shared_gate_up);
   part.emplace(ctx.timer, "moe.experts_backward", s);
   if (!taken) wait_for_offsets(ctx, r);
   // The experts' gate and up again (unless kept), not their output: dy . out, the weights'
