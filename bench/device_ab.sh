@@ -38,6 +38,13 @@ export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"
 for v in ${VARIANTS:-main}; do mkdir -p "build/a/$v" && tar xJf "build/xz/$v.tar.xz" -C "build/a/$v"; done
 cp build/a/main/spindle build/spindle
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# The SM clock, power and temperature each second through the call (bench/clocks.py reads them
+# over each step's window), to tell a slower kernel from a throttled GPU.
+nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+  --format=csv,noheader -lms 1000 > "$OUT/clocks.csv" 2>&1 &
+sampler=$!
+trap 'kill $sampler 2> /dev/null' EXIT
+window() { echo "$1 $2 $(date +%T)" >> "$OUT/windows.txt"; }
 tokens=data/hs37chrXtrunc.fa.gz
 if [ -n "${SUITE:-}" ]; then
   timeout 240 build/a/main/spindle_gpu_tests > "$OUT/suite.log" 2>&1
@@ -52,8 +59,10 @@ for vf in ${TESTS:-}; do
 done
 for v in ${STEP_VARIANTS:-}; do
   [ "$(left)" -lt 150 ] && { echo "skip the ${STEPS:-262144} step of $v: $(left) s left"; continue; }
+  window "step_$v" start
   "build/a/$v/spindle" bench --model configs/glm53-flash-4b.json --seq-len "${STEPS:-262144}" --steps 2 \
     --warmup 0 --tokens "$tokens" --out "$OUT/step_$v.jsonl" 2> "$OUT/step_$v.log"
+  window "step_$v" end
   echo "$v rc=$? $(at)"; head -c 2500 "$OUT/step_$v.jsonl"; echo
 done
 model=configs/glm53-flash-4b.json
@@ -67,8 +76,10 @@ for vk in ${STEPS1M:-}; do
   v=${vk%%:*} name=${vk//:/_} extra=()
   [[ ":$vk:" == *":kl:"* ]] && extra+=(--indexer-kl)
   [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
+  window "step1m_$name" start
   "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup 0 --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
+  window "step1m_$name" end
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
 done
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -lt "${PROFILE_NEEDS:-120}" ]; then
@@ -82,3 +93,4 @@ elif [ -n "${PROFILE:-}" ]; then
   cp /tmp/prof/bench.json "$OUT/profile_bench.json" 2> /dev/null
   head -40 "$OUT/kernels.txt"; head -12 "$OUT/gaps.txt"; head -90 "$OUT/host_gaps.txt"
 fi
+if [ -s "$OUT/windows.txt" ]; then python3 bench/clocks.py "$OUT/clocks.csv" "$OUT/windows.txt"; fi
