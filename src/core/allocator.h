@@ -21,15 +21,6 @@ constexpr int64_t device_allocation_bytes(int64_t bytes) {
   return n <= kSmall ? (n + kGranule - 1) / kGranule * kGranule : (n + kPage - 1) / kPage * kPage;
 }
 
-// Whether a cached device block of `block` bytes serves a request that takes `request` (both as
-// device_allocation_bytes gives them): the smallest cached block that is at most a quarter larger.
-// Sizes that change from call to call (a chunk's union of selected keys, the tokens routed to a
-// lane) then reuse blocks: a cudaMalloc costs about 0.15 ms, and many come right after the host
-// waited on the GPU, which then idles (1.8 s of a million-token step from random weights).
-constexpr bool cached_block_serves(int64_t block, int64_t request) {
-  return block >= request && block - request <= request / 4;
-}
-
 struct MemoryStats {
   std::array<int64_t, kMemoryCategories> current{};
   std::array<int64_t, kMemoryCategories> peak{};

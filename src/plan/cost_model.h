@@ -38,14 +38,17 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config's 1M step on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 20.6% of peak (counted as 5 passes,
+  // "Step time"): model FLOPs without the indexer's scores at 20.35% of peak (counted as 5 passes,
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
-  // per step, at 33.3%: stream 16k + host AdamW 84.99 s from a trained checkpoint at a265920, its
-  // indexer 9.39 s (2026-12-05; 86.19 s and 10.22 s at f4bf5af, at 20.4% and 30.6%; 139.05 s and
+  // per step, at 33.3%: stream 16k, feed-forward inputs again + host AdamW 81.50 s from a trained
+  // checkpoint at 025590b, its indexer 9.37 s (2026-12-05; in the same call stream 16k + host AdamW
+  // 83.52 s, predicted 85.7: the kept products save 2.0 s, not the 4.2 predicted, as the MoE's
+  // products run faster than the average rate; 84.99 s at a265920 fitted 20.6%; 86.19 s and 10.22 s
+  // at f4bf5af, at 20.4% and 30.6%; 139.05 s and
   // 9.3 s from random weights at cac0719, before the union form, at 11.5% and 34%). The indexer's KL training
   // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as the
   // sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
-  double mfu = 0.206;
+  double mfu = 0.2035;
   double indexer_mfu = 0.333;
   double indexer_kl_mfu = 0.14;
   double pcie_bytes_per_s = 50e9;

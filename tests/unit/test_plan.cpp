@@ -62,16 +62,6 @@ TEST(Plan, DeviceAllocationsTakeWholePagesPastOneMebibyte) {
   EXPECT_EQ(device_allocation_bytes(100 * MiB + 512), 102 * MiB);
 }
 
-TEST(Plan, CachedDeviceBlocksServeRequestsUpToAQuarterSmaller) {
-  constexpr int64_t MiB = int64_t{1} << 20;
-  EXPECT_TRUE(cached_block_serves(8 * MiB, 8 * MiB));
-  EXPECT_TRUE(cached_block_serves(10 * MiB, 8 * MiB));
-  EXPECT_FALSE(cached_block_serves(12 * MiB, 8 * MiB));
-  EXPECT_FALSE(cached_block_serves(6 * MiB, 8 * MiB));
-  EXPECT_TRUE(cached_block_serves(5120, 4096));
-  EXPECT_FALSE(cached_block_serves(5632, 4096));
-}
-
 TEST(Plan, TodaysExecutorPeakWithinTenPercentOfTheH200) {
   const ModelConfig c = load_model_config(kConfigs + "glm53-flash-1b.json");
   for (const Measured& m : kH200Peaks) {

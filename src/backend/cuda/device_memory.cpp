@@ -24,11 +24,9 @@ DeviceAllocator& DeviceAllocator::instance() {
 }
 
 void* DeviceAllocator::allocate(size_t bytes, MemoryCategory category) {
-  size_t size = rounded(bytes);
+  const size_t size = rounded(bytes);
   void* pointer = nullptr;
-  if (auto it = free_.lower_bound(size);
-      it != free_.end() && cached_block_serves(static_cast<int64_t>(it->first), static_cast<int64_t>(size))) {
-    size = it->first;  // the block's own size, in use until it is released
+  if (auto it = free_.find(size); it != free_.end()) {
     pointer = it->second;
     free_.erase(it);
     cached_bytes_ -= static_cast<int64_t>(size);

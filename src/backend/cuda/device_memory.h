@@ -1,6 +1,5 @@
-// Device memory from one caching allocator: blocks are kept after release and reused by requests
-// of their size class or a little smaller (cached_block_serves), so steady-state training makes
-// few cudaMalloc calls. Statistics per category
+// Device memory from one caching allocator: blocks are kept per exact size class after release
+// and reused, so steady-state training makes no cudaMalloc calls. Statistics per category
 // (weights, gradients, optimizer, activations, workspace): current, peak, cached. Release is not
 // stream-ordered: a block goes to the next allocation at once, while work queued before its
 // release may still use it; only work queued after on that same stream may use it safely.
@@ -46,7 +45,7 @@ class DeviceAllocator {
   MemoryStats stats_;
   int64_t cached_bytes_ = 0, driver_allocations_ = 0, cache_flushes_ = 0;
   std::map<void*, Block> live_;
-  std::multimap<size_t, void*> free_;  // by block size
+  std::multimap<size_t, void*> free_;  // by rounded size
 };
 
 // A host-to-device copy that has landed when it returns, after all queued device work (which may
