@@ -7,8 +7,10 @@
 // to one block at the end timed as bench_indexer_scores times it (median of 5): the step's
 // indexer (9.4 s for 11 layers at 1M, 2026-12-05) against its kernel's bench.
 // round_waves 1: each block rounded down to whole waves of the scorer's CTAs (16 queries each, one
-// an SM), to measure what the blocks' last partial wave costs.
-//     build/bench_indexer_layer [tokens] [chunk] [workspace_mib] [round_waves]
+// an SM), to measure what the blocks' last partial wave costs. layers: the layer run that many
+// times in a row (the step runs 11), each pass's totals printed, to see the GPU's clock and power
+// settle as they do in a step (sample them beside it: nvidia-smi -lms 100).
+//     build/bench_indexer_layer [tokens] [chunk] [workspace_mib] [round_waves] [layers]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,8 +56,9 @@ int main(int argc, char** argv) {
   const int64_t chunk = argc > 2 ? std::atoll(argv[2]) : 16384;
   const int64_t workspace_mib = argc > 3 ? std::atoll(argv[3]) : 1024;
   const bool round_waves = argc > 4 && std::atoi(argv[4]) != 0;
-  if (chunk < 1 || tokens < chunk || tokens % chunk != 0 || workspace_mib < 1) {
-    std::fprintf(stderr, "tokens must be a multiple of chunk (>= 1), workspace_mib >= 1\n");
+  const int layers = argc > 5 ? std::atoi(argv[5]) : 1;
+  if (chunk < 1 || tokens < chunk || tokens % chunk != 0 || workspace_mib < 1 || layers < 1) {
+    std::fprintf(stderr, "tokens must be a multiple of chunk (>= 1), workspace_mib and layers >= 1\n");
     return 2;
   }
   int sms = 0;
@@ -117,8 +120,18 @@ int main(int argc, char** argv) {
     const int64_t block = block_of(s);
     blocks += (chunk + block - 1) / block;
     flops[i] = flops_of(s, s.first_query, chunk);
-    scores_ms[i] = once_ms([&] { scores_of(s, block); });
-    select_ms[i] = once_ms([&] { select_of(s, block); });
+  }
+  // The last pass's times are the ones reported by quarter; each pass's totals as it ends.
+  for (int pass = 0; pass < layers; ++pass) {
+    double pass_ms = 0;
+    for (int64_t i = 0; i < chunks; ++i) {
+      const cpu::IndexerShape s = shape_at(i * chunk);
+      const int64_t block = block_of(s);
+      scores_ms[i] = once_ms([&] { scores_of(s, block); });
+      select_ms[i] = once_ms([&] { select_of(s, block); });
+      pass_ms += scores_ms[i] + select_ms[i];
+    }
+    if (layers > 1) std::printf("  pass %d: scores and selection %.1f ms\n", pass + 1, pass_ms);
   }
   double total_scores = 0, total_select = 0, total_flops = 0;
   for (int64_t i = 0; i < chunks; ++i) {
