@@ -2,12 +2,16 @@
 # One device call over builds packed here, each against the others on the same GPU. The GPU machine's
 # session ends 30 s after a call, taking /tmp (and a trained checkpoint) with it, so a call does
 # all that needs the checkpoint. Here, after building each variant (git checkout, cmake --build):
-#     bash bench/device_ab.sh pack NAME     # build/xz/NAME.tar.xz: spindle + spindle_gpu_tests, stripped
+#     bash bench/device_ab.sh pack NAME [BENCH..]  # build/xz/NAME.tar.xz: spindle, spindle_gpu_tests
+#                                           # and the kernel benches named (bench_indexer_layer ..),
+#                                           # stripped (all of them would pass the 64 MiB carry)
 # then, carrying build/xz, build/devlibs (scripts/prepare_device.sh), build/nsyslibs for PROFILE
 # (bench/nsys_env.sh) and data, on the device (every part optional, in this order):
 #     VARIANTS="main new"                     # unpack build/xz/{main,new}.tar.xz; main's is build/spindle
 #     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
+#     BENCH="bench_indexer_layer 1048576"     # a kernel bench's command line, each variant's binary
+#                                             # in turn (BENCH_VARIANTS, default VARIANTS), twice, ABAB
 #     STEPS=262144 STEP_VARIANTS="main new"   # two steps from random weights (configs/glm53-flash-4b.json)
 #     STEPS1M="main new new:kl main:b"        # a trained checkpoint (bench/trained_1m_h200.sh train,
 #                                             # about 150 s), then one 1M step from it per entry
@@ -27,7 +31,9 @@ cd "$(dirname "$0")/.." || exit
 mode=${1:-run}
 if [ "$mode" = pack ]; then
   name=$2 dir=$(mktemp -d)
-  cp build/spindle build/tests/spindle_gpu_tests "$dir/" && strip "$dir/spindle" "$dir/spindle_gpu_tests" && mkdir -p build/xz &&
+  benches=("${@:3}")
+  cp build/spindle build/tests/spindle_gpu_tests "${benches[@]/#/build/}" "$dir/" &&
+    find "$dir" -type f -exec strip {} + && mkdir -p build/xz &&
     tar cJf "build/xz/$name.tar.xz" -C "$dir" . && rm -rf "$dir" && ls -l "build/xz/$name.tar.xz"
   exit
 fi
@@ -57,6 +63,16 @@ for vf in ${TESTS:-}; do
   timeout 200 "build/a/$v/spindle_gpu_tests" --gtest_filter="${vf#*=}" > "$OUT/tests_$v.log" 2>&1
   echo "tests $v rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/tests_$v.log" | head
 done
+if [ -n "${BENCH:-}" ]; then
+  set -- $BENCH
+  for round in 1 2; do
+    for v in ${BENCH_VARIANTS:-${VARIANTS:-main}}; do
+      window "bench_${v}_$round" start
+      timeout 120 "build/a/$v/$1" "${@:2}" > "$OUT/bench_${v}_$round.txt" 2>&1
+      echo "bench $v round $round rc=$? $(at)"; window "bench_${v}_$round" end; cat "$OUT/bench_${v}_$round.txt"
+    done
+  done
+fi
 for v in ${STEP_VARIANTS:-}; do
   [ "$(left)" -lt 150 ] && { echo "skip the ${STEPS:-262144} step of $v: $(left) s left"; continue; }
   window "step_$v" start
