@@ -9,6 +9,7 @@
 # (bench/nsys_env.sh) and data, on the device (every part optional, in this order):
 #     VARIANTS="main new"                     # unpack build/xz/{main,new}.tar.xz; main's is build/spindle
 #     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
+#                                             # (SUITE=NAME: that variant's)
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
 #     BENCH="bench_indexer_layer 1048576"     # a kernel bench's command line, each variant's binary
 #                                             # in turn (BENCH_VARIANTS, default VARIANTS), twice, ABAB
@@ -53,9 +54,10 @@ trap 'kill $sampler 2> /dev/null' EXIT
 window() { echo "$1 $2 $(date +%T)" >> "$OUT/windows.txt"; }
 tokens=data/hs37chrXtrunc.fa.gz
 if [ -n "${SUITE:-}" ]; then
-  timeout 240 build/a/main/spindle_gpu_tests > "$OUT/suite.log" 2>&1
-  echo "suite rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/suite.log" | head -20
-  timeout 120 bash tests/gpu_train_checks.sh build/spindle > "$OUT/train_checks.log" 2>&1
+  sv=${SUITE/#1/main}
+  timeout 240 "build/a/$sv/spindle_gpu_tests" > "$OUT/suite.log" 2>&1
+  echo "suite of $sv rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/suite.log" | head -20
+  timeout 120 bash tests/gpu_train_checks.sh "build/a/$sv/spindle" > "$OUT/train_checks.log" 2>&1
   echo "train_checks rc=$? $(at)"; tail -3 "$OUT/train_checks.log"
 fi
 for vf in ${TESTS:-}; do
