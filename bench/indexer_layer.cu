@@ -28,28 +28,7 @@
 using namespace spindle;
 using namespace spindle::cuda;
 
-namespace {
-
 constexpr int64_t kScorerQueries = 16;  // queries per CTA of the wgmma scorer
-
-// Milliseconds that `run` takes on the legacy stream, once.
-template <class F>
-double once_ms(F&& run) {
-  cudaEvent_t start, stop;
-  SPINDLE_CUDA(cudaEventCreate(&start));
-  SPINDLE_CUDA(cudaEventCreate(&stop));
-  SPINDLE_CUDA(cudaEventRecord(start));
-  run();
-  SPINDLE_CUDA(cudaEventRecord(stop));
-  SPINDLE_CUDA(cudaEventSynchronize(stop));
-  float ms = 0;
-  SPINDLE_CUDA(cudaEventElapsedTime(&ms, start, stop));
-  SPINDLE_CUDA(cudaEventDestroy(start));
-  SPINDLE_CUDA(cudaEventDestroy(stop));
-  return ms;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1048576;
@@ -127,8 +106,8 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < chunks; ++i) {
       const cpu::IndexerShape s = shape_at(i * chunk);
       const int64_t block = block_of(s);
-      scores_ms[i] = once_ms([&] { scores_of(s, block); });
-      select_ms[i] = once_ms([&] { select_of(s, block); });
+      scores_ms[i] = elapsed_ms([&] { scores_of(s, block); });
+      select_ms[i] = elapsed_ms([&] { select_of(s, block); });
       pass_ms += scores_ms[i] + select_ms[i];
     }
     if (layers > 1) std::printf("  pass %d: scores and selection %.1f ms\n", pass + 1, pass_ms);
