@@ -134,9 +134,9 @@ int main(int argc, char** argv) {
       sel_ms += select_ms[i];
       f += flops[i];
     }
-    std::printf("  quarter %d (tokens %lld .. %lld): scores %.1f ms (%.0f TFLOP/s), selection %.1f ms\n", q + 1,
-                static_cast<long long>(a * chunk), static_cast<long long>(b * chunk), s_ms, f / s_ms / 1e9,
-                sel_ms);
+    std::printf("  quarter %d (tokens %lld .. %lld): scores %.1f ms (%.0f TFLOP/s), selection %.1f ms\n",
+                q + 1, static_cast<long long>(a * chunk), static_cast<long long>(b * chunk), s_ms,
+                f / s_ms / 1e9, sel_ms);
   }
   return 0;
 }
