@@ -19,6 +19,9 @@
 #                                             # (:kl with the indexers' KL training, :b with
 #                                             # --plan-policy "$POLICY_B": another of the planner's
 #                                             # policies, e.g. POLICY_B="stream 16k + host AdamW")
+#     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
+#                                             # (still warm: called within 30 s), not trained again;
+#                                             # the profile's model too
 #     PROFILE=262144                          # an nsys trace of main's step at that length from the
 #                                             # checkpoint (or configs/glm53-flash-4b.json without
 #                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
@@ -84,7 +87,10 @@ for v in ${STEP_VARIANTS:-}; do
   echo "$v rc=$? $(at)"; head -c 2500 "$OUT/step_$v.jsonl"; echo
 done
 model=configs/glm53-flash-4b.json
-if [ -n "${STEPS1M:-}" ]; then
+if [ -n "${REUSE_CHECKPOINT:-}" ] && [ -s /tmp/tf/run/latest ]; then
+  model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
+  echo "the checkpoint an earlier call trained on this machine: $model"
+elif [ -n "${STEPS1M:-}" ]; then
   FREEZE_STEPS=10 STEPS=20 bash bench/trained_1m_h200.sh /tmp/tf train > "$OUT/train.log" 2>&1
   echo "train rc=$? $(at)"; tail -2 "$OUT/train.log"
   model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
