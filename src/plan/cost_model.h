@@ -40,14 +40,15 @@ struct Hardware {
   // Measured speeds of today's executor, fitted to the 4B config's 1M step on the H200 (docs/PLANNER.md
   // "Step time"): model FLOPs without the indexer's scores at 20.35% of peak (counted as 5 passes,
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
-  // per step, at 33.3%: stream 16k, feed-forward inputs again + host AdamW 81.50 s from a trained
-  // checkpoint at 025590b, its indexer 9.37 s (2026-12-05; in the same call stream 16k + host AdamW
-  // 83.52 s, predicted 85.7: the kept products save 2.0 s, not the 4.2 predicted, as the MoE's
-  // products run faster than the average rate; 84.99 s at a265920 fitted 20.6%; 86.19 s and 10.22 s
-  // at f4bf5af, at 20.4% and 30.6%; 139.05 s and
-  // 9.3 s from random weights at cac0719, before the union form, at 11.5% and 34%). The indexer's KL training
-  // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as the
-  // sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with it at f4bf5af.
+  // per step, at 33.3%. Fitted to stream 16k, feed-forward inputs again + host AdamW: 81.50 s from a
+  // trained checkpoint at 025590b, its indexer 9.37 s (2026-12-05). In the same call stream 16k +
+  // host AdamW took 83.52 s, predicted 85.7: the kept products saved 2.0 s, not the 4.2 predicted,
+  // as the MoE's products run faster than the average rate. Earlier fits: 20.6% at a265920 (84.99 s),
+  // 20.4% and 30.6% at f4bf5af (86.19 s, the indexer 10.22 s), 11.5% and 34% from random weights at
+  // cac0719, before the union form (139.05 s, the indexer 9.3 s). The indexer's KL training
+  // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as
+  // the sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with
+  // it at f4bf5af (89.2 predicted), 85.38 s at 025590b (84.3 predicted).
   double mfu = 0.2035;
   double indexer_mfu = 0.333;
   double indexer_kl_mfu = 0.14;
