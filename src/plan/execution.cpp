@@ -61,6 +61,15 @@ ActivationPolicy parse_site_policy(const std::string& name) {
   fail("--policy must be keep, recompute or offload (--chunk N streams), got '", name, "'");
 }
 
+void set_memory_options(const Execution& execution, LossOptions& options) {
+  options.chunk_tokens = execution.chunk_tokens;
+  options.site_memory = execution.site_memory;
+  options.keep_selections = execution.keep_selections;
+  options.keep_outputs = execution.keep_outputs;
+  options.keep_kda_matrices = execution.keep_kda_matrices;
+  options.rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
+}
+
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,
                          const StepOptions& options, std::optional<int64_t> forced_chunk,
                          std::optional<bool> optimizer_on_host,

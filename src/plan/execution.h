@@ -47,6 +47,9 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
                          std::optional<ActivationPolicy> forced_activations = std::nullopt,
                          const std::optional<std::string>& forced_name = std::nullopt);
 
+// The execution's chunk and what its passes keep, into a run's loss options (the rest untouched).
+void set_memory_options(const Execution& execution, LossOptions& options);
+
 // --policy's names: keep, recompute, offload.
 ActivationPolicy parse_site_policy(const std::string& name);
 

@@ -220,11 +220,9 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   // On a GPU the weights, gradients and optimizer state live there; the host copies are
   // refreshed for checkpoints.
   std::unique_ptr<DeviceModel> device;
-  int64_t device_chunk_tokens = 0;    // the planner's streaming chunk, 0: none
   int64_t device_predicted_peak = 0;  // the planner's device peak, to set beside the measured one
-  SiteMemory device_site_memory = SiteMemory::KeepSites;
-  bool device_keep_selections = true, device_keep_outputs = true, device_keep_kda_matrices = true,
-       device_rebuild_ffn_inputs = false;
+  LossOptions loss_options;           // on a GPU, with the planner's chunk and what its passes keep
+  loss_options.aux_loss_coef = run.moe.aux_loss_coef;
   if (options.device != Device::CPU) {
     device = open_device_model(options.device, config, model.weights, {options.strict_kernels});
     plan::StepOptions plan_options;
@@ -235,13 +233,8 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
         plan::plan_execution(config, run.train.seq_len, machine, plan_options, options.chunk_tokens,
                              options.optimizer_on_host, options.site_policy);
     log_info("memory ", execution.summary);
-    device_chunk_tokens = execution.chunk_tokens;
     device_predicted_peak = execution.predicted_peak_bytes;
-    device_site_memory = execution.site_memory;
-    device_keep_selections = execution.keep_selections;
-    device_keep_outputs = execution.keep_outputs;
-    device_keep_kda_matrices = execution.keep_kda_matrices;
-    device_rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
+    plan::set_memory_options(execution, loss_options);
     device->set_optimizer_on_host(execution.policy.optimizer_on_host);
     device->load_optimizer(optimizer);
     log_info("training on ", device->device_name(),
@@ -272,14 +265,6 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
   ModelWeights grads = device ? ModelWeights{} : zero_gradients(config, dtype);
   ModelWeights micro = device ? ModelWeights{} : zero_gradients(config, dtype);
   std::vector<int32_t> tokens(static_cast<size_t>(run.train.seq_len));
-  LossOptions loss_options;
-  loss_options.aux_loss_coef = run.moe.aux_loss_coef;
-  loss_options.chunk_tokens = device_chunk_tokens;
-  loss_options.site_memory = device_site_memory;
-  loss_options.keep_selections = device_keep_selections;
-  loss_options.keep_outputs = device_keep_outputs;
-  loss_options.keep_kda_matrices = device_keep_kda_matrices;
-  loss_options.rebuild_ffn_inputs = device_rebuild_ffn_inputs;
   const auto started = Clock::now();
   const int64_t first_step = state.step;
   bool warned_closed = false;  // dead indexers are reported once; metrics.jsonl has every step

@@ -91,7 +91,6 @@ int run_bench(const std::vector<std::string>& argv) {
   check(!(forced_policy && forced_chunk), "--chunk and --policy exclude each other (--chunk N streams)");
   // Any policy the executor runs, by the name `spindle plan` prints (to compare two of them).
   const std::optional<std::string> forced_name = args.optional("plan-policy");
-  check(!forced_name || !(forced_policy || forced_chunk), "--plan-policy excludes --chunk and --policy");
   // The last step of each length inside a profiler's capture range (bench/step_profile.sh).
   const bool profile = args.flag("profile");
   const bool random_tokens = args.flag("random-tokens");
@@ -161,12 +160,7 @@ int run_bench(const std::vector<std::string>& argv) {
                                                            optimizer_on_host, forced_policy, forced_name);
     log_info("bench L=", L, ": ", execution.summary);
     LossOptions loss_options;
-    loss_options.chunk_tokens = execution.chunk_tokens;
-    loss_options.site_memory = execution.site_memory;
-    loss_options.keep_selections = execution.keep_selections;
-    loss_options.keep_outputs = execution.keep_outputs;
-    loss_options.keep_kda_matrices = execution.keep_kda_matrices;
-    loss_options.rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
+    plan::set_memory_options(execution, loss_options);
     loss_options.indexer_kl_coef = indexer_kl ? 1.0 : 0.0;
     device->reset_memory_peak();
     std::vector<double> seconds;
