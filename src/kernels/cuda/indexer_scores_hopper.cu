@@ -7,6 +7,7 @@
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_keys.cuh"
 #include "kernels/cuda/indexer_scores_hopper.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -57,6 +58,7 @@ __host__ __device__ constexpr Layout layout(int head_dim) {
 
 template <int KSteps>
 __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(const Args a) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(128) unsigned char shared[];
   constexpr int kDim = 16 * KSteps, kChunks = kDim / 8;
   constexpr Layout L = layout(kDim);
@@ -253,7 +255,7 @@ void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, c
   const dim3 grid(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits));
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "indexer scores on wgmma: head_dim ", s.head_dim);
-    kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+    launch_kernel(kernel, grid, kThreads, shared_bytes, stream, args);
     SPINDLE_LAUNCHED("indexer_scores_hopper_kernel");
   };
   switch (s.head_dim / 16) {
