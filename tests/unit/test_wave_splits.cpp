@@ -39,9 +39,8 @@ double layer_fill(Choose choose) {
 }
 
 TEST(WaveSplits, TheExecutorsScorerLaunchesFillTheirWaves) {
-  const double split = layer_fill([](int64_t ctas, int64_t tiles) {
-    return wave_filling_splits(ctas, tiles, kSlots, kSetup);
-  });
+  const double split = layer_fill(
+      [](int64_t ctas, int64_t tiles) { return wave_filling_splits(ctas, tiles, kSlots, kSetup); });
   const double unsplit = layer_fill([](int64_t, int64_t) { return int64_t{1}; });
   EXPECT_GT(split, 0.95);
   EXPECT_GT(split, unsplit + 0.1) << "unsplit " << unsplit;
