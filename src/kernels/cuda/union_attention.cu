@@ -148,10 +148,10 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
   ChunkUnion u;
   u.count = last[0] + last[1];
   u.words = (u.count + 31) / 32;
-  u.keys =
-      DeviceBuffer<int32_t>(static_cast<size_t>(std::max<int64_t>(u.count, 1)), MemoryCategory::Workspace);
-  u.masks = DeviceBuffer<uint32_t>(static_cast<size_t>(std::max<int64_t>(s.queries * u.words, 1)),
-                                   MemoryCategory::Workspace);
+  u.capacity = geometric_capacity(u.count);
+  u.keys = DeviceBuffer<int32_t>(static_cast<size_t>(u.capacity), MemoryCategory::Workspace);
+  u.masks =
+      DeviceBuffer<uint32_t>(static_cast<size_t>(s.queries * (u.capacity / 32)), MemoryCategory::Workspace);
   if (u.count == 0) return u;
   launch_kernel(write_keys_kernel, blocks_for(span), kThreads, 0, stream, flags.data(), slots.data(), span,
                 u.keys.data());
@@ -171,7 +171,7 @@ struct UnionRows {
 };
 UnionRows expand_union(Gemm& gemm, const ChunkUnion& u, const UnionLatent& lat, int64_t kv_row,
                        cudaStream_t stream) {
-  const auto cells = static_cast<size_t>(std::max<int64_t>(u.count, 1));
+  const auto cells = static_cast<size_t>(u.capacity);
   UnionRows r{DeviceBuffer<bf16>(cells * lat.rank, MemoryCategory::Workspace),
               DeviceBuffer<bf16>(cells * kv_row, MemoryCategory::Workspace)};
   if (u.count == 0) return r;
@@ -219,9 +219,9 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
   const UnionRows union_rows = expand_union(gemm, u, lat, kv_row, stream);
   if (n > 0) {
     // The union's gradient from every query at once.
-    DeviceBuffer<bf16> union_dkv(static_cast<size_t>(n * kv_row), MemoryCategory::Workspace);
+    DeviceBuffer<bf16> union_dkv(static_cast<size_t>(u.capacity * kv_row), MemoryCategory::Workspace);
     union_attention_backward_fused_union(s, u, union_rows.kv.data(), selected, in, union_dkv.data(), stream);
-    DeviceBuffer<float> union_d_rows(static_cast<size_t>(n * lat.rank), MemoryCategory::Workspace);
+    DeviceBuffer<float> union_d_rows(static_cast<size_t>(u.capacity * lat.rank), MemoryCategory::Workspace);
     expand_backward(gemm, lat, union_rows.rows.data(), lat.rank, n, kv_row, union_dkv.data(),
                     union_d_rows.data(), d_kv_b_proj, stream);
     launch_kernel(add_rows_kernel, blocks_for(n * lat.rank), kThreads, 0, stream, union_d_rows.data(),

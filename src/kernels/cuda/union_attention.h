@@ -48,8 +48,10 @@ struct UnionLatent {
 
 // The chunk's union: keys [count], ascending; masks [queries][words], bit j % 32 of word j / 32:
 // the query's pool slots hold keys[j]. count is on the host: building it synchronises the stream.
+// The union's buffers (these and the attention's) hold `capacity` keys, the count rounded to a few
+// sizes (geometric_capacity), so the next chunk's and layer's unions reuse the cached blocks.
 struct ChunkUnion {
-  int64_t count = 0, words = 0;
+  int64_t count = 0, words = 0, capacity = 0;
   DeviceBuffer<int32_t> keys;
   DeviceBuffer<uint32_t> masks;
 };
