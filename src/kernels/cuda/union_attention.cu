@@ -120,7 +120,8 @@ int64_t most_fused_tail_rows(const UnionAttentionShape& s, int64_t group) {
 
 }  // namespace
 
-ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream) {
+ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream,
+                       int64_t most_keys) {
   const int64_t span = s.span();
   check(span > 0 && span <= (int64_t{1} << 31), "chunk_union: a span of ", span, " tokens");
   check(s.pooled >= 0 && s.tail() >= 0, "chunk_union: ", s.pooled, " pooled slots of ", s.width);
@@ -148,6 +149,7 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
   ChunkUnion u;
   u.count = last[0] + last[1];
   u.words = (u.count + 31) / 32;
+  if (u.count > most_keys) return u;
   u.capacity = geometric_capacity(u.count);
   u.keys = DeviceBuffer<int32_t>(static_cast<size_t>(u.capacity), MemoryCategory::Workspace);
   u.masks =

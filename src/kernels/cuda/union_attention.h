@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "backend/cuda/device_memory.h"
 #include "kernels/cuda/gemm.h"
@@ -55,7 +56,9 @@ struct ChunkUnion {
   DeviceBuffer<int32_t> keys;
   DeviceBuffer<uint32_t> masks;
 };
-ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream);
+// Over most_keys keys, only the count: no buffers allocated or written (the caller takes another form).
+ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream,
+                       int64_t most_keys = std::numeric_limits<int64_t>::max());
 
 // The shape must be one the fused kernels take (union_fused_unsupported empty).
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,
