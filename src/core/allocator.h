@@ -21,6 +21,18 @@ constexpr int64_t device_allocation_bytes(int64_t bytes) {
   return n <= kSmall ? (n + kGranule - 1) / kGranule * kGranule : (n + kPage - 1) / kPage * kPage;
 }
 
+// A count of rows rounded up to one of 8 sizes per doubling (at least 1024): buffers sized by a
+// count that changes with every call (a chunk's union of selected keys) then fall into a few size
+// classes, which the device allocator's cache serves again, where exact sizes would each be a new
+// cudaMalloc (a millisecond the GPU waits for, behind a synchronisation). At most 1/8 more rows.
+constexpr int64_t geometric_capacity(int64_t rows) {
+  constexpr int64_t kLeast = 1024;
+  if (rows <= kLeast) return kLeast;
+  int64_t step = 1;
+  while (step * 16 <= rows) step *= 2;  // rows in [8 step, 16 step): 1/8 of its doubling
+  return (rows + step - 1) / step * step;
+}
+
 struct MemoryStats {
   std::array<int64_t, kMemoryCategories> current{};
   std::array<int64_t, kMemoryCategories> peak{};

@@ -155,6 +155,28 @@ TEST(CudaKernels, BatchedGemmMatchesTheCpuProductPerHead) {
   EXPECT_LT(relative_error(grad.download(), want_grad), 1e-4);
 }
 
+// Every kernel launches as a programmatic dependent of the stream's previous kernel
+// (kernels/cuda/launch.cuh) and waits for it first: a chain of 64 launches on a stream of their
+// own, each doubling in place what the last wrote (16M values: many waves of CTAs, so that a
+// launch that did not wait would read values its predecessor had not yet written), ends exactly
+// at 2^64 times the input.
+TEST(CudaKernels, DependentLaunchesSeeTheirPredecessorsWrites) {
+  const int64_t n = int64_t{1} << 24;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> value(1.0f, 2.0f);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = value(rng);
+  DeviceBuffer<float> d(static_cast<size_t>(n), MemoryCategory::Workspace);
+  d.upload(x);
+  Stream stream;
+  for (int i = 0; i < 64; ++i) scale_values(d.data(), n, 2.0f, stream.get());
+  stream.synchronize();
+  const std::vector<float> got = d.download();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += got[i] != std::ldexp(x[i], 64);
+  EXPECT_EQ(wrong, 0);
+}
+
 TEST(CudaKernels, AllocatorCachesAndCounts) {
   auto& allocator = DeviceAllocator::instance();
   const int64_t before = allocator.stats().current_total;

@@ -103,6 +103,11 @@ TEST(CudaUnionAttention, ForwardAndBackwardMatchTheCpu) {
     want_keys.erase(std::unique(want_keys.begin(), want_keys.end()), want_keys.end());
     ASSERT_EQ(u.count, static_cast<int64_t>(want_keys.size())) << what;
     const int64_t n = u.count;
+    if (n > 0) {  // over a limit: the count alone
+      const ChunkUnion over = chunk_union(s, dsel.data(), stream.get(), n - 1);
+      EXPECT_EQ(over.count, n) << what;
+      EXPECT_EQ(over.keys.size() + over.masks.size(), 0u) << what;
+    }
     if (n > 0) {
       std::vector<int32_t> keys = u.keys.download();
       keys.resize(static_cast<size_t>(n));

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,21 @@ TEST(Plan, DeviceAllocationsTakeWholePagesPastOneMebibyte) {
   EXPECT_EQ(device_allocation_bytes(3 * MiB), 4 * MiB);
   EXPECT_EQ(device_allocation_bytes(10 * MiB + 512), 12 * MiB);
   EXPECT_EQ(device_allocation_bytes(100 * MiB + 512), 102 * MiB);
+}
+
+// Counts from 1 to 2^22: each rounds up to at most 1/8 more (1024 at least) and to itself again,
+// and each doubling holds 8 capacities.
+TEST(Plan, GeometricCapacityTakesEightSizesPerDoubling) {
+  std::map<int, std::set<int64_t>> by_doubling;
+  for (int64_t rows = 1; rows <= (int64_t{1} << 22); rows += 1 + rows / 97) {
+    const int64_t c = geometric_capacity(rows);
+    ASSERT_GE(c, rows);
+    ASSERT_LE(c, std::max<int64_t>(1024, rows + rows / 8)) << rows;
+    ASSERT_EQ(geometric_capacity(c), c) << rows;
+    if (rows > 1024) by_doubling[static_cast<int>(std::log2(static_cast<double>(rows)))].insert(c);
+  }
+  for (const auto& [doubling, capacities] : by_doubling) EXPECT_LE(capacities.size(), 9u) << doubling;
+  EXPECT_EQ(geometric_capacity(100000), 106496);  // 13 of 2^16 / 8
 }
 
 TEST(Plan, TodaysExecutorPeakWithinTenPercentOfTheH200) {

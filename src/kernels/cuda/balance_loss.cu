@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/balance_loss.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
@@ -63,6 +64,7 @@ __device__ void stage_row(const float* logits, int E, int lane, float* row, floa
 // Shared memory, per warp: its sums of p (double) [E], the token's row [E] and its pick counts [E].
 __global__ void statistics_kernel(const float* logits, int64_t tokens, int E, int K, double* counts,
                                   double* prob_sum) {
+  wait_for_earlier_kernels();
   extern __shared__ double shared[];
   double* warp_psum = shared;
   float* warp_row = reinterpret_cast<float*>(warp_psum + kWarps * E);
@@ -118,6 +120,7 @@ __global__ void statistics_kernel(const float* logits, int64_t tokens, int E, in
 // warp the row [E], overwritten with p.
 __global__ void balance_backward_kernel(const float* logits, const double* counts, int64_t tokens, int E,
                                         float factor, float* dlogits) {
+  wait_for_earlier_kernels();
   extern __shared__ float centred[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* row = centred + E + warp * E;
@@ -160,8 +163,8 @@ void balance_statistics(const float* logits, int64_t tokens, int64_t experts, in
   allow_shared_memory(statistics_kernel, bytes, "balance_statistics: ", experts, " experts");
   const auto blocks =
       static_cast<unsigned>(std::min<int64_t>((tokens + kWarps - 1) / kWarps, kStatisticsBlocks));
-  statistics_kernel<<<blocks, kThreads, bytes, stream>>>(logits, tokens, static_cast<int>(experts),
-                                                         static_cast<int>(topk), counts, prob_sum);
+  launch_kernel(statistics_kernel, blocks, kThreads, bytes, stream, logits, tokens, static_cast<int>(experts),
+                static_cast<int>(topk), counts, prob_sum);
   SPINDLE_LAUNCHED("statistics_kernel");
 }
 
@@ -184,8 +187,8 @@ void balance_loss_backward(const float* logits, const double* counts, int64_t to
   const auto blocks =
       static_cast<unsigned>(std::min<int64_t>((tokens + kWarps - 1) / kWarps, kBackwardBlocks));
   const auto factor = static_cast<float>(coef * static_cast<double>(experts) / (rows * rows));
-  balance_backward_kernel<<<blocks, kThreads, bytes, stream>>>(logits, counts, tokens,
-                                                               static_cast<int>(experts), factor, dlogits);
+  launch_kernel(balance_backward_kernel, blocks, kThreads, bytes, stream, logits, counts, tokens,
+                static_cast<int>(experts), factor, dlogits);
   SPINDLE_LAUNCHED("balance_backward_kernel");
 }
 

@@ -16,6 +16,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/norms.h"
 
@@ -147,6 +148,7 @@ __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld, const float* __restrict__ w,
                             __nv_bfloat16* __restrict__ y, const L2Output l2, int tokens, int64_t channels,
                             int run) {
+  wait_for_earlier_kernels();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
@@ -215,6 +217,7 @@ __global__ void __launch_bounds__(kThreads)
                                      const float* __restrict__ w, const __nv_bfloat16* __restrict__ dy,
                                      __nv_bfloat16* __restrict__ dx, int64_t dx_ld, float* __restrict__ dw,
                                      int tokens, int64_t channels, int run) {
+  wait_for_earlier_kernels();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= channels) return;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
@@ -342,8 +345,8 @@ void launch_conv(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bflo
                  int64_t tokens, int64_t channels, cudaStream_t stream) {
   const auto kernel = causal_conv_silu_kernel<K, V, kNormalize>;
   const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, y, l2, static_cast<int>(tokens), channels,
-                                               grid.run);
+  launch_kernel(kernel, grid.blocks, kThreads, 0, stream, x, x_ld, w, y, l2, static_cast<int>(tokens),
+                channels, grid.run);
 }
 
 template <int K, int V>
@@ -364,8 +367,8 @@ void launch_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const
                      cudaStream_t stream) {
   const auto kernel = causal_conv_silu_backward_kernel<K, V>;
   const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  kernel<<<grid.blocks, kThreads, 0, stream>>>(x, x_ld, w, dy, dx, dx_ld, dw, static_cast<int>(tokens),
-                                               channels, grid.run);
+  launch_kernel(kernel, grid.blocks, kThreads, 0, stream, x, x_ld, w, dy, dx, dx_ld, dw,
+                static_cast<int>(tokens), channels, grid.run);
 }
 
 // Calls LAUNCH<K, V>(args...) for the runtime kernel size (1 to kMaxKernel).

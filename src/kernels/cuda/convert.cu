@@ -1,5 +1,6 @@
 // fp32 <-> bf16 and bf16 sums: elementwise maps (the rounding is in the stores of memory_bound.cuh).
 #include "kernels/cuda/convert.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 
 namespace spindle::cuda {
@@ -12,6 +13,7 @@ struct Identity {
 
 __global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows, int64_t half,
                                       __nv_bfloat16* __restrict__ out) {
+  wait_for_earlier_kernels();
   const int64_t n = rows * half;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -24,6 +26,7 @@ __global__ void sum_row_halves_kernel(const float* __restrict__ in, int64_t rows
 __global__ void add_bf16_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld,
                                      __nv_bfloat16* __restrict__ y, int64_t y_ld, int64_t rows,
                                      int64_t cols) {
+  wait_for_earlier_kernels();
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -38,8 +41,8 @@ __global__ void add_bf16_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_
 void sum_row_halves_to_bf16(const float* in, int64_t rows, int64_t half, __nv_bfloat16* out,
                             cudaStream_t stream) {
   if (rows * half == 0) return;
-  sum_row_halves_kernel<<<grid_blocks(rows * half, kMapThreads), kMapThreads, 0, stream>>>(in, rows, half,
-                                                                                           out);
+  launch_kernel(sum_row_halves_kernel, grid_blocks(rows * half, kMapThreads), kMapThreads, 0, stream, in,
+                rows, half, out);
   SPINDLE_LAUNCHED("sum_row_halves_kernel");
 }
 
@@ -54,8 +57,8 @@ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, cudaStream_t st
 void add_bf16_rows(const __nv_bfloat16* x, int64_t x_ld, __nv_bfloat16* y, int64_t y_ld, int64_t rows,
                    int64_t cols, cudaStream_t stream) {
   if (rows * cols == 0) return;
-  add_bf16_rows_kernel<<<grid_blocks(rows * cols, kMapThreads), kMapThreads, 0, stream>>>(x, x_ld, y, y_ld,
-                                                                                          rows, cols);
+  launch_kernel(add_bf16_rows_kernel, grid_blocks(rows * cols, kMapThreads), kMapThreads, 0, stream, x, x_ld,
+                y, y_ld, rows, cols);
   SPINDLE_LAUNCHED("add_bf16_rows_kernel");
 }
 

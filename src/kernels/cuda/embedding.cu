@@ -5,6 +5,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/embedding.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 
 namespace spindle::cuda {
@@ -31,6 +32,7 @@ __device__ int64_t item_stride() { return static_cast<int64_t>(gridDim.x) * bloc
 template <int V>
 __global__ void embed_streams_kernel(const int32_t* tokens, const bf16* embed, bf16* streams, int64_t count,
                                      int64_t H, int64_t D) {
+  wait_for_earlier_kernels();
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
     const int64_t t = s.token(i), d = s.feature(i);
@@ -57,6 +59,7 @@ __device__ void atomic_add(float* grad, const float* v) {
 template <int V>
 __global__ void embed_backward_kernel(const int32_t* tokens, const bf16* dstreams, float* dembed,
                                       int64_t count, int64_t H, int64_t D, int32_t skip_id) {
+  wait_for_earlier_kernels();
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
     const int64_t t = s.token(i), d = s.feature(i);
@@ -74,6 +77,7 @@ __global__ void embed_backward_kernel(const int32_t* tokens, const bf16* dstream
 
 template <int V>
 __global__ void stream_mean_kernel(const bf16* streams, bf16* mean, int64_t count, int64_t H, int64_t D) {
+  wait_for_earlier_kernels();
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
     const int64_t t = s.token(i), d = s.feature(i);
@@ -92,6 +96,7 @@ __global__ void stream_mean_kernel(const bf16* streams, bf16* mean, int64_t coun
 template <int V>
 __global__ void stream_mean_backward_kernel(const bf16* dmean, bf16* dstreams, int64_t count, int64_t H,
                                             int64_t D) {
+  wait_for_earlier_kernels();
   const Slices<V> s(count, D);
   for (int64_t i = first_item(); i < s.count; i += item_stride()) {
     const int64_t t = s.token(i), d = s.feature(i);
@@ -114,8 +119,8 @@ void embed_streams(const int32_t* tokens, const bf16* embed, bf16* streams, int6
   if (tokens_count == 0 || H == 0 || D == 0) return;
   with_width(vector_width({{embed, kB}, {streams, kB}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
-    embed_streams_kernel<V>
-        <<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(tokens, embed, streams, tokens_count, H, D);
+    launch_kernel(embed_streams_kernel<V>, blocks_for(tokens_count, D, V), kThreads, 0, stream, tokens, embed,
+                  streams, tokens_count, H, D);
   });
   SPINDLE_LAUNCHED("embed_streams_kernel");
 }
@@ -125,8 +130,8 @@ void embed_backward(const int32_t* tokens, const bf16* dstreams, float* dembed, 
   if (tokens_count == 0 || H == 0 || D == 0) return;
   with_width(vector_width({{dstreams, kB}, {dembed, kF}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
-    embed_backward_kernel<V><<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(
-        tokens, dstreams, dembed, tokens_count, H, D, skip_id);
+    launch_kernel(embed_backward_kernel<V>, blocks_for(tokens_count, D, V), kThreads, 0, stream, tokens,
+                  dstreams, dembed, tokens_count, H, D, skip_id);
   });
   SPINDLE_LAUNCHED("embed_backward_kernel");
 }
@@ -137,8 +142,8 @@ void stream_mean(const bf16* streams, bf16* mean, int64_t tokens_count, int64_t 
   if (tokens_count == 0 || D == 0) return;
   with_width(vector_width({{streams, kB}, {mean, kB}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
-    stream_mean_kernel<V>
-        <<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(streams, mean, tokens_count, H, D);
+    launch_kernel(stream_mean_kernel<V>, blocks_for(tokens_count, D, V), kThreads, 0, stream, streams, mean,
+                  tokens_count, H, D);
   });
   SPINDLE_LAUNCHED("stream_mean_kernel");
 }
@@ -148,8 +153,8 @@ void stream_mean_backward(const bf16* dmean, bf16* dstreams, int64_t tokens_coun
   if (tokens_count == 0 || H == 0 || D == 0) return;
   with_width(vector_width({{dmean, kB}, {dstreams, kB}}, D), [&](auto width) {
     constexpr int V = decltype(width)::value;
-    stream_mean_backward_kernel<V>
-        <<<blocks_for(tokens_count, D, V), kThreads, 0, stream>>>(dmean, dstreams, tokens_count, H, D);
+    launch_kernel(stream_mean_backward_kernel<V>, blocks_for(tokens_count, D, V), kThreads, 0, stream, dmean,
+                  dstreams, tokens_count, H, D);
   });
   SPINDLE_LAUNCHED("stream_mean_backward_kernel");
 }

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_keys.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
@@ -22,6 +23,7 @@ __global__ void indexer_pool_keys_kernel(const __nv_bfloat16* __restrict__ keys,
                                          const __nv_bfloat16* __restrict__ ape,
                                          __nv_bfloat16* __restrict__ pool_keys, int64_t pools, int64_t d,
                                          int64_t kp) {
+  wait_for_earlier_kernels();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= pools * d) return;
   const int64_t p = i / d, c = i % d;
@@ -43,6 +45,7 @@ __global__ void indexer_pool_keys_kernel(const __nv_bfloat16* __restrict__ keys,
 __global__ void indexer_tile_maxima_kernel(const float* __restrict__ scores, unsigned* __restrict__ maxima,
                                            int64_t first, int64_t rows, int64_t pools, int64_t kp,
                                            int64_t tiles) {
+  wait_for_earlier_kernels();
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   if (w >= rows * tiles) return;  // whole warps
   const int64_t r = w / tiles, j = w % tiles;
@@ -324,6 +327,7 @@ __global__ void __launch_bounds__(T, kMaxima ? kMaximaBlocks : kShortThreads* kS
                         int64_t first_query, int64_t pools, int64_t kp, int64_t topk, int64_t width,
                         int select_tail, int64_t cache_keys, const unsigned* __restrict__ maxima,
                         int64_t tiles) {
+  wait_for_earlier_kernels();
   constexpr int kWarps = T / 32;
   static_assert(kHeadBins % T == 0 && kTailBins % T == 0, "each thread owns whole bins");
   extern __shared__ __align__(16) unsigned cache[];
@@ -513,8 +517,8 @@ void indexer_pool_keys(const cpu::IndexerShape& s, const __nv_bfloat16* keys, co
   if (n == 0) return;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   check(blocks < (int64_t{1} << 31), "indexer_pool_keys: ", n, " values are too many for one launch");
-  indexer_pool_keys_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      keys, gate, ape, pool_keys, s.complete_pools(), s.head_dim, s.kpool);
+  launch_kernel(indexer_pool_keys_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, keys, gate, ape,
+                pool_keys, s.complete_pools(), s.head_dim, s.kpool);
   SPINDLE_LAUNCHED("indexer_pool_keys_kernel");
 }
 
@@ -526,8 +530,8 @@ void indexer_tile_maxima(const cpu::IndexerShape& s, const float* scores, int64_
   if (warps == 0) return;
   const int64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
   check(blocks < (int64_t{1} << 31), "indexer_tile_maxima: ", warps, " tiles are too many for one launch");
-  indexer_tile_maxima_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      scores, maxima, first, rows, s.complete_pools(), s.kpool, tiles);
+  launch_kernel(indexer_tile_maxima_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, scores,
+                maxima, first, rows, s.complete_pools(), s.kpool, tiles);
   SPINDLE_LAUNCHED("indexer_tile_maxima_kernel");
 }
 
@@ -543,12 +547,11 @@ void indexer_topk(const cpu::IndexerShape& s, const float* scores, const unsigne
   const unsigned grid = static_cast<unsigned>(rows);
   const int tail = s.select_tail ? 1 : 0;
   if (longest <= kShortRow) {
-    indexer_topk_kernel<kShortThreads, false><<<grid, kShortThreads, 0, stream>>>(
-        scores, selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, nullptr, 0);
+    launch_kernel(indexer_topk_kernel<kShortThreads, false>, grid, kShortThreads, 0, stream, scores, selected,
+                  first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, nullptr, 0);
   } else if (maxima != nullptr) {
-    indexer_topk_kernel<kShortThreads, true>
-        <<<grid, kShortThreads, 0, stream>>>(scores, selected, first, s.first_query, pools, s.kpool, s.topk,
-                                             s.width(), tail, 0, maxima, indexer_tiles(s));
+    launch_kernel(indexer_topk_kernel<kShortThreads, true>, grid, kShortThreads, 0, stream, scores, selected,
+                  first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, 0, maxima, indexer_tiles(s));
   } else {
     // The limit raised to the largest cache (past the default 48 KiB with the static shared memory);
     // a launch takes what its longest row needs.
@@ -556,9 +559,9 @@ void indexer_topk(const cpu::IndexerShape& s, const float* scores, const unsigne
                         "indexer_topk_kernel");
     const int64_t cache_keys = std::min(longest, kCachedKeys);
     const size_t bytes = static_cast<size_t>(cache_keys) * sizeof(unsigned);
-    indexer_topk_kernel<kLongThreads, false>
-        <<<grid, kLongThreads, bytes, stream>>>(scores, selected, first, s.first_query, pools, s.kpool,
-                                                s.topk, s.width(), tail, cache_keys, nullptr, 0);
+    launch_kernel(indexer_topk_kernel<kLongThreads, false>, grid, kLongThreads, bytes, stream, scores,
+                  selected, first, s.first_query, pools, s.kpool, s.topk, s.width(), tail, cache_keys,
+                  nullptr, 0);
   }
   SPINDLE_LAUNCHED("indexer_topk_kernel");
 }

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_scores_hopper.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -73,6 +74,7 @@ struct ScoreArgs {
 // 8 warps, 4 along the rows x 2 along the pools, each 64 rows x 64 pools of accumulators; the key
 // tiles are double-buffered with cp.async.
 __global__ void __launch_bounds__(kThreads, 1) indexer_scores_kernel(const ScoreArgs args) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) unsigned char shared[];
   const int stride = args.kdim + kRowPad;                            // bf16 per shared row
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(shared);     // [kRows][stride]
@@ -249,8 +251,9 @@ void indexer_scores_mma(const cpu::IndexerShape& s, const __nv_bfloat16* q, cons
                  t.groups,
                  t.segment,
                  1.0f / std::sqrt(static_cast<float>(s.head_dim))};
-  indexer_scores_kernel<<<dim3(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits)), kThreads,
-                          t.shared_bytes, stream>>>(args);
+  launch_kernel(indexer_scores_kernel,
+                dim3(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits)), kThreads,
+                t.shared_bytes, stream, args);
   SPINDLE_LAUNCHED("indexer_scores_kernel");
 }
 

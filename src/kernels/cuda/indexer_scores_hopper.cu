@@ -7,8 +7,10 @@
 #include "kernels/cuda/indexer.h"
 #include "kernels/cuda/indexer_keys.cuh"
 #include "kernels/cuda/indexer_scores_hopper.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/wave_splits.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace spindle::cuda {
@@ -25,6 +27,9 @@ static_assert(kPools == kIndexerTilePools, "a CTA's tile is a tile of the maxima
 constexpr int kHalfQueries = kGroupQueries / 2, kHalfColumns = kHalfQueries * kSlots;
 // A ring of 4 key tiles, loaded 2 tiles ahead (measured faster than 3 ahead, and than a ring of 3).
 constexpr int kStages = 4, kAhead = 2;
+// A CTA's start in tile-times (its q, 8 tiles' bytes, and the ring's first tiles loaded; a tile's
+// products take about 2 us a multiprocessor): an estimate, for wave_filling_splits.
+constexpr int64_t kSetupTiles = 4;
 static_assert(kAhead < kStages, "a stage is reloaded only after the barrier that follows its last read");
 
 struct Args {
@@ -57,6 +62,7 @@ __host__ __device__ constexpr Layout layout(int head_dim) {
 
 template <int KSteps>
 __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(const Args a) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(128) unsigned char shared[];
   constexpr int kDim = 16 * KSteps, kChunks = kDim / 8;
   constexpr Layout L = layout(kDim);
@@ -230,11 +236,9 @@ void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, c
   const int64_t query_tiles = (rows + kQueries - 1) / kQueries;
   check(query_tiles < (int64_t{1} << 31), "indexer scores on wgmma: ", rows,
         " queries are too many for one launch");
-  // Split the pool tiles over blockIdx.y when the query tiles alone would leave multiprocessors
-  // idle (one CTA fits a multiprocessor): about two CTAs per multiprocessor in all.
+  // The pool tiles split over blockIdx.y so that the CTAs (one a multiprocessor) fill their waves.
   const int64_t most_tiles = (std::min(pools, (first + rows) / s.kpool) + kPools - 1) / kPools;
-  const int64_t splits = std::clamp<int64_t>((2 * sms + query_tiles - 1) / query_tiles, 1,
-                                             std::clamp<int64_t>(most_tiles, 1, 65535));
+  const int64_t splits = wave_filling_splits(query_tiles, std::max<int64_t>(most_tiles, 1), sms, kSetupTiles);
   Args args{};
   args.q = q;
   args.pool_keys = pool_keys;
@@ -253,7 +257,7 @@ void indexer_scores_hopper(const cpu::IndexerShape& s, const __nv_bfloat16* q, c
   const dim3 grid(static_cast<unsigned>(query_tiles), static_cast<unsigned>(splits));
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "indexer scores on wgmma: head_dim ", s.head_dim);
-    kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+    launch_kernel(kernel, grid, kThreads, shared_bytes, stream, args);
     SPINDLE_LAUNCHED("indexer_scores_hopper_kernel");
   };
   switch (s.head_dim / 16) {

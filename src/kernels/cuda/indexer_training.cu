@@ -7,6 +7,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/indexer_training.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(kMassWarps * 32)
     attention_mass_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,
                           const int32_t* __restrict__ selected, float* __restrict__ mass, int64_t H,
                           int64_t KH, int64_t dqk, int64_t stride, int64_t width, float scale) {
+  wait_for_earlier_kernels();
   extern __shared__ float smem[];
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -195,6 +197,7 @@ __global__ void __launch_bounds__(kKlWarps * 32) indexer_kl_backward_kernel(
     const float* __restrict__ mass, __nv_bfloat16* __restrict__ dq, float* __restrict__ dpool_keys,
     __nv_bfloat16* __restrict__ dhead_weights, double* __restrict__ sums, int64_t queries, int64_t H,
     int64_t d, int64_t kp, int64_t runs, int64_t width, float scale, float score_scale) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) unsigned char kl_smem[];
   __shared__ float scratch[kKlWarps];
   const KlLayout lay(H, d, runs);
@@ -383,6 +386,7 @@ __global__ void __launch_bounds__(kPoolThreads)
                                       const float* __restrict__ dpool_keys, __nv_bfloat16* __restrict__ dkeys,
                                       __nv_bfloat16* __restrict__ dgate, float* __restrict__ dape,
                                       int64_t pools, int64_t d, int64_t kp) {
+  wait_for_earlier_kernels();
   extern __shared__ float partial[];  // [kp, kPoolThreads]: each thread's share of dape[j, c]
   const int x = static_cast<int>(threadIdx.x % kPoolChannels),
             y = static_cast<int>(threadIdx.x / kPoolChannels);
@@ -443,9 +447,9 @@ void attention_mass(const cpu::SparseAttentionShape& s, const __nv_bfloat16* q, 
   const size_t bytes = warps * per_warp;
   allow_shared_memory(attention_mass_kernel, bytes, "attention_mass: width ", s.width, " and qk_dim ",
                       s.qk_dim);
-  attention_mass_kernel<<<static_cast<unsigned>(s.tokens), warps * 32, bytes, stream>>>(
-      q, kv, selected, mass, s.heads, s.key_heads(), s.qk_dim, s.qk_dim + s.v_dim, s.width,
-      static_cast<float>(s.scale));
+  launch_kernel(attention_mass_kernel, static_cast<unsigned>(s.tokens), warps * 32, bytes, stream, q, kv,
+                selected, mass, s.heads, s.key_heads(), s.qk_dim, s.qk_dim + s.v_dim, s.width,
+                static_cast<float>(s.scale));
   SPINDLE_LAUNCHED("attention_mass_kernel");
 }
 
@@ -472,9 +476,10 @@ void indexer_kl_backward(const cpu::IndexerShape& s, const __nv_bfloat16* q, con
                                                              kKlWarps * 32, bytes));
   check(per_sm > 0, "indexer_kl_backward: no CTA of ", bytes, " bytes of shared memory fits on an SM");
   const int64_t blocks = std::min<int64_t>(queries, static_cast<int64_t>(sms) * per_sm);
-  indexer_kl_backward_kernel<<<static_cast<unsigned>(blocks), kKlWarps * 32, bytes, stream>>>(
-      q, pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, sums, queries, s.heads,
-      s.head_dim, s.kpool, runs, s.width(), scale, 1.0f / std::sqrt(static_cast<float>(s.head_dim)));
+  launch_kernel(indexer_kl_backward_kernel, static_cast<unsigned>(blocks), kKlWarps * 32, bytes, stream, q,
+                pool_keys, head_weights, selected, mass, dq, dpool_keys, dhead_weights, sums, queries,
+                s.heads, s.head_dim, s.kpool, runs, s.width(), scale,
+                1.0f / std::sqrt(static_cast<float>(s.head_dim)));
   SPINDLE_LAUNCHED("indexer_kl_backward_kernel");
 }
 
@@ -501,8 +506,8 @@ void indexer_pool_keys_backward(const cpu::IndexerShape& s, const __nv_bfloat16*
   const dim3 grid(
       static_cast<unsigned>((d + kPoolChannels - 1) / kPoolChannels),
       static_cast<unsigned>(std::min<int64_t>((pools + kPoolRows - 1) / kPoolRows, kPoolBlocksMax)));
-  indexer_pool_keys_backward_kernel<<<grid, kPoolThreads, bytes, stream>>>(keys, gate, ape, dpool_keys, dkeys,
-                                                                           dgate, dape, pools, d, s.kpool);
+  launch_kernel(indexer_pool_keys_backward_kernel, grid, kPoolThreads, bytes, stream, keys, gate, ape,
+                dpool_keys, dkeys, dgate, dape, pools, d, s.kpool);
   SPINDLE_LAUNCHED("indexer_pool_keys_backward_kernel");
 }
 

@@ -24,6 +24,7 @@
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
 #include "kernels/cuda/kda_state_products.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, float* __restrict__ blocks, float* __restrict__ kept,
                         int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t t0 = (c0 + blockIdx.x) * kC;
@@ -213,6 +215,7 @@ __device__ __forceinline__ void store_tile_rows(float* dst, int64_t ld, const fl
 __global__ void __launch_bounds__(kThreads)
     kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, int64_t c0, int64_t c1,
                         int heads, int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
   const int warp = tid / 32, g = tid % 32 / 4, q4 = tid % 4;
@@ -335,6 +338,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           const float* __restrict__ blocks, const float* __restrict__ chunk_states,
                           __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
                           int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, q4 = lane % 4;
   const int64_t c = c0 + blockIdx.x, t0 = c * kC;
@@ -476,19 +480,19 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
     const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     if (c1 > c0) {
-      kda_fwd_prep_kernel<<<chunk_grid, kThreads, prep_smem_bytes(), stream>>>(
-          q, k, v, g, beta, workspace,
-          kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaMatrixFloats : nullptr, c0, tokens, H,
-          dki, dvi);
+      launch_kernel(kda_fwd_prep_kernel, chunk_grid, kThreads, prep_smem_bytes(), stream, q, k, v, g, beta,
+                    workspace,
+                    kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaMatrixFloats : nullptr, c0,
+                    tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_prep_kernel");
     }
     const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;
-    kda_fwd_scan_kernel<<<scan_grid, kThreads, scan_smem_bytes(), stream>>>(workspace, chunk_states, initial,
-                                                                            c0, c1, H, dki, dvi);
+    launch_kernel(kda_fwd_scan_kernel, scan_grid, kThreads, scan_smem_bytes(), stream, workspace,
+                  chunk_states, initial, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
     if (c1 > c0) {
-      kda_fwd_output_kernel<<<chunk_grid, kThreads, output_smem_bytes(), stream>>>(
-          q, g, workspace, chunk_states, out, c0, tokens, H, dki, dvi);
+      launch_kernel(kda_fwd_output_kernel, chunk_grid, kThreads, output_smem_bytes(), stream, q, g, workspace,
+                    chunk_states, out, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_output_kernel");
     }
     c0 = c1;

@@ -31,6 +31,7 @@
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
 #include "kernels/cuda/kda_state_products.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -86,6 +87,7 @@ __global__ void __launch_bounds__(kKdaPrepThreads, 1)
                         const __nv_bfloat16* __restrict__ dout, float* __restrict__ mats,
                         float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
                         int heads, int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   constexpr int S = ChunkPrepTiles::kStride, AS = ChunkPrepTiles::kAStride;
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(kKeptThreads, 2)
                              const __nv_bfloat16* __restrict__ dout, const float* __restrict__ kept,
                              float* __restrict__ ops, float* __restrict__ slots, int64_t c0, int64_t tokens,
                              int heads, int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   constexpr int D = kMaxDim;
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -297,6 +300,7 @@ __global__ void __launch_bounds__(kThreads)
     kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
                          float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
                          int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
   const int warp = tid / 32, g = tid % 32 / 4, q4 = tid % 4;
@@ -421,6 +425,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                         const float* __restrict__ slots, float* __restrict__ dq, float* __restrict__ dk_out,
                         float* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
                         int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
   const int64_t c = c0 + blockIdx.x, t0 = c * kC, SS = static_cast<int64_t>(dk) * dv;
@@ -812,21 +817,21 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
     const float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kMats : nullptr;
     if (kept != nullptr)
-      kda_bwd_kept_prep_kernel<<<chunk_grid, kKeptThreads, kKeptSmemBytes, stream>>>(
-          q, k, g, beta, dout, kept, ops, slots, c0, tokens, H, dki, dvi);
+      launch_kernel(kda_bwd_kept_prep_kernel, chunk_grid, kKeptThreads, kKeptSmemBytes, stream, q, k, g, beta,
+                    dout, kept, ops, slots, c0, tokens, H, dki, dvi);
     else
-      kda_bwd_prep_kernel<<<chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float), stream>>>(
-          q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
+      launch_kernel(kda_bwd_prep_kernel, chunk_grid, kKdaPrepThreads, prep_smem_floats() * sizeof(float),
+                    stream, q, k, g, beta, dout, mats, ops, slots, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED(kept != nullptr ? "kda_bwd_kept_prep_kernel" : "kda_bwd_prep_kernel");
     // A later segment left the gradient of this one's exit state in the carry.
     const float* initial = c1 == chunks ? d_final_state : carry;
     const dim3 state_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
-    kda_bwd_state_kernel<<<state_grid, kThreads, state_smem_floats() * sizeof(float), stream>>>(
-        ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
+    launch_kernel(kda_bwd_state_kernel, state_grid, kThreads, state_smem_floats() * sizeof(float), stream,
+                  ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_state_kernel");
-    kda_bwd_grad_kernel<<<chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float), stream>>>(
-        q, k, v, g, beta, dout, kept != nullptr ? kept : mats, chunk_states, slots, dq, dk_out, dv_out, dg,
-        dbeta, c0, tokens, H, dki, dvi);
+    launch_kernel(kda_bwd_grad_kernel, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float), stream,
+                  q, k, v, g, beta, dout, kept != nullptr ? kept : mats, chunk_states, slots, dq, dk_out,
+                  dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_grad_kernel");
     c1 = c0;
   }

@@ -15,6 +15,7 @@
 #include "backend/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/kda_gates.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 
 namespace spindle::cuda {
@@ -85,6 +86,7 @@ template <int V, bool kBounded>
 __global__ void __launch_bounds__(kThreads)
     kda_decay_forward_kernel(KdaDecayShape s, const float* __restrict__ f, const float* __restrict__ dt_bias,
                              const float* __restrict__ A_log, float* __restrict__ g, int64_t tile) {
+  wait_for_earlier_kernels();
   constexpr int U = kTokens<V>;
   const DecayTile b = decay_tile<V>(s, tile);
   if (b.c >= b.channels) return;  // V divides channels: the thread's V channels are all there
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ A_log, const float* __restrict__ dg,
                               __nv_bfloat16* __restrict__ df, float* __restrict__ d_dt_bias,
                               float* __restrict__ d_A_log, int64_t tile) {
+  wait_for_earlier_kernels();
   constexpr int U = kTokens<V>;
   // The block's heads from first_head: a thread's channels are in one head, so at most kThreads.
   __shared__ float head_sums[kThreads];
@@ -235,7 +238,7 @@ void kda_decay_forward(const KdaDecayShape& s, const float* f, const float* dt_b
   with_form(s, values, [&](auto V, auto bounded) {
     const auto kernel = kda_decay_forward_kernel<decltype(V)::value, decltype(bounded)::value>;
     const DecayGrid d = decay_grid<decltype(V)::value>(s, kernel);
-    kernel<<<d.grid, kThreads, 0, stream>>>(s, f, dt_bias, A_log, g, d.tile);
+    launch_kernel(kernel, d.grid, kThreads, 0, stream, s, f, dt_bias, A_log, g, d.tile);
   });
   SPINDLE_LAUNCHED("kda_decay_forward_kernel");
 }
@@ -249,7 +252,8 @@ void kda_decay_backward(const KdaDecayShape& s, const float* f, const float* dt_
   with_form(s, values, [&](auto V, auto bounded) {
     const auto kernel = kda_decay_backward_kernel<decltype(V)::value, decltype(bounded)::value>;
     const DecayGrid d = decay_grid<decltype(V)::value>(s, kernel);
-    kernel<<<d.grid, kThreads, 0, stream>>>(s, f, dt_bias, A_log, dg, df, d_dt_bias, d_A_log, d.tile);
+    launch_kernel(kernel, d.grid, kThreads, 0, stream, s, f, dt_bias, A_log, dg, df, d_dt_bias, d_A_log,
+                  d.tile);
   });
   SPINDLE_LAUNCHED("kda_decay_backward_kernel");
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/lm_loss.h"
 
 namespace spindle::cuda::lm_loss_detail {
@@ -23,6 +24,7 @@ __device__ void merge(float& m1, float& s1, float m2, float s2) {
 __global__ void fold_chunk_kernel(const float* logits, int64_t ld, const int32_t* target, int64_t c0,
                                   int64_t C, float* run_max, float* run_sum, float* target_logit, bool first,
                                   bool last, float* logprob, float* lse) {
+  wait_for_earlier_kernels();
   __shared__ float shared_m[kThreads / 32], shared_s[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* l = logits + row * ld;
@@ -65,6 +67,7 @@ __global__ void fold_chunk_kernel(const float* logits, int64_t ld, const int32_t
 
 __global__ void softmax_grad_kernel(const float* logits, int64_t ld, const int32_t* target, const float* lse,
                                     int64_t c0, int64_t C, float scale, __nv_bfloat16* dlogits) {
+  wait_for_earlier_kernels();
   const int64_t row = blockIdx.x;
   const float* l = logits + row * ld;
   __nv_bfloat16* d = dlogits + row * ld;
@@ -82,6 +85,7 @@ __global__ void softmax_grad_kernel(const float* logits, int64_t ld, const int32
 }
 
 __global__ void mean_loss_kernel(const float* logprob, const int32_t* target, int64_t L, float* loss) {
+  wait_for_earlier_kernels();
   constexpr int kReduceThreads = 1024;
   __shared__ double shared_sum[kReduceThreads / 32];
   __shared__ int64_t shared_count[kReduceThreads / 32];
@@ -116,21 +120,21 @@ void fold_chunk(const float* logits, int64_t ld, const int32_t* target, int64_t 
                 float* run_max, float* run_sum, float* target_logit, bool first, bool last, float* logprob,
                 float* lse, cudaStream_t stream) {
   if (rows == 0) return;
-  fold_chunk_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      logits, ld, target, c0, C, run_max, run_sum, target_logit, first, last, logprob, lse);
+  launch_kernel(fold_chunk_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, logits, ld, target, c0,
+                C, run_max, run_sum, target_logit, first, last, logprob, lse);
   SPINDLE_LAUNCHED("fold_chunk_kernel");
 }
 
 void softmax_grad(const float* logits, int64_t ld, const int32_t* target, const float* lse, int64_t rows,
                   int64_t c0, int64_t C, float scale, __nv_bfloat16* dlogits, cudaStream_t stream) {
   if (rows == 0) return;
-  softmax_grad_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, ld, target, lse, c0, C,
-                                                                            scale, dlogits);
+  launch_kernel(softmax_grad_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, logits, ld, target,
+                lse, c0, C, scale, dlogits);
   SPINDLE_LAUNCHED("softmax_grad_kernel");
 }
 
 void mean_loss(const float* logprob, const int32_t* target, int64_t L, float* loss, cudaStream_t stream) {
-  mean_loss_kernel<<<1, 1024, 0, stream>>>(logprob, target, L, loss);
+  launch_kernel(mean_loss_kernel, 1, 1024, 0, stream, logprob, target, L, loss);
   SPINDLE_LAUNCHED("mean_loss_kernel");
 }
 

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace spindle::cuda {
 
@@ -182,6 +183,7 @@ __device__ __forceinline__ float apply(const Op& op, const float (&args)[N][V], 
 // out[i] = op(in[i]...): n / V vectors, then the tail of n % V elements one by one.
 template <int V, class Op, class Out, class... In>
 __global__ void map_kernel(Op op, Out* out, int64_t n, const In*... in) {
+  wait_for_earlier_kernels();
   constexpr int N = sizeof...(In);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -205,7 +207,8 @@ void launch_map(const char* name, const Op& op, Out* out, int64_t n, cudaStream_
   if (n == 0) return;
   with_width(vector_width({Access{out, sizeof(Out)}, Access{in, sizeof(In)}...}), [&](auto width) {
     constexpr int V = decltype(width)::value;
-    map_kernel<V><<<grid_blocks(n / V + 1, kMapThreads), kMapThreads, 0, stream>>>(op, out, n, in...);
+    launch_kernel(map_kernel<V, Op, Out, In...>, grid_blocks(n / V + 1, kMapThreads), kMapThreads, 0, stream,
+                  op, out, n, in...);
   });
   SPINDLE_LAUNCHED(name);
 }

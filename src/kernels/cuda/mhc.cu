@@ -38,6 +38,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_memory.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/mma.cuh"
@@ -140,6 +141,7 @@ __device__ __forceinline__ B* split_w_transposed(F* workspace, int64_t tokens) {
 // hi in the low half, lo in the high half. The mix's MMAs take fn's B fragments as bf16 pairs; split
 // at the mix, the 12 conversions per thread and slice were most of its integer instructions.
 __global__ void __launch_bounds__(kThreads) split_fn_kernel(const float* fn, uint32_t* split, int64_t n) {
+  wait_for_earlier_kernels();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
     const Bf16Split f = split_bf16(fn[i]);
     split[i] = static_cast<uint32_t>(__bfloat16_as_ushort(f.hi)) |
@@ -391,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                            float* mix_out, const float* base, const float* scale, float* pre, float* post,
                            float* comb, __nv_bfloat16* collapsed, int64_t tokens, int D, float rms_eps,
                            float hc_eps, int iters, bool vec) {
+  wait_for_earlier_kernels();
   using T = Tile<H, kFromMix ? Ring::kCollapse : Ring::kMix>;
   constexpr int M = T::M;
   extern __shared__ float4 shared_words[];
@@ -488,6 +491,7 @@ template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
     hc_combine_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
                       const float* comb, __nv_bfloat16* out, int64_t tokens, int64_t D) {
+  wait_for_earlier_kernels();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
   const int lane = threadIdx.x % 32;
@@ -555,6 +559,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     hc_combine_mix_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* y, const float* post,
                           const float* comb, __nv_bfloat16* out, const uint32_t* fn_next, float* mix,
                           int64_t tokens, int D) {
+  wait_for_earlier_kernels();
   static_assert(H * kMixColumns == kSlice && kTileTokens * H == kThreads, "a thread per token and 8 columns");
   using T = Tile<H>;
   using L = CombineMixTile<H>;
@@ -646,6 +651,7 @@ __global__ void __launch_bounds__(kThreads)
     hc_combine_backward_kernel(const __nv_bfloat16* streams, const float* post, const float* comb,
                                const __nv_bfloat16* dout, const __nv_bfloat16* y, __nv_bfloat16* dstreams,
                                __nv_bfloat16* dy, float* d_comb, float* d_post, int64_t tokens, int64_t D) {
+  wait_for_earlier_kernels();
   constexpr int N = H * H;  // d_comb [j * H + h]
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
@@ -724,6 +730,7 @@ template <int H, int V>
 __global__ void __launch_bounds__(kThreads)
     hc_post_gradient_kernel(const __nv_bfloat16* y, const __nv_bfloat16* dout, float* d_post, int64_t tokens,
                             int64_t D) {
+  wait_for_earlier_kernels();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= tokens) return;
   const int lane = threadIdx.x % 32;
@@ -857,6 +864,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_stream_gradient_kernel(const __nv_bfloat16* streams, const __nv_bfloat16* d_collapsed, const float* fn,
                               const float* workspace, const float* comb, const __nv_bfloat16* dout,
                               __nv_bfloat16* dstreams, int64_t tokens, int D, int run_tokens, bool vec) {
+  wait_for_earlier_kernels();
   using S = StreamStage<H, V>;
   constexpr int M = Tile<H>::M, MP = kWStride<H>, C = S::C;
   extern __shared__ float4 shared_words[];
@@ -957,6 +965,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
                                     const float* d_comb, const __nv_bfloat16* d_collapsed, float* dbase,
                                     float* dscale, float* workspace, int64_t tokens, int D, float rms_eps,
                                     float hc_eps, int iters, int sinkhorn_threads, bool vec) {
+  wait_for_earlier_kernels();
   using T = Tile<H, Ring::kNone>;
   constexpr int M = T::M, HH = T::HH;
   extern __shared__ float4 shared_words[];
@@ -1190,6 +1199,7 @@ template <int H>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_dfn_kernel(const __nv_bfloat16* streams, const float* workspace, float* dfn, int64_t tokens,
                   int64_t flat, bool vec) {
+  wait_for_earlier_kernels();
   using T = DfnTile<H>;
   constexpr int M = T::M, MT = T::MT;
   extern __shared__ float4 shared_words[];
@@ -1311,7 +1321,7 @@ bool vector_rows(const cpu::HcShape& s, std::initializer_list<Access> accesses) 
 DeviceBuffer<uint32_t> split_fn(const cpu::HcShape& s, const float* fn, cudaStream_t stream) {
   const int64_t n = (2 + s.streams) * s.streams * s.streams * s.hidden;
   DeviceBuffer<uint32_t> split(static_cast<size_t>(n), MemoryCategory::Workspace);
-  split_fn_kernel<<<grid_blocks(n, kThreads), kThreads, 0, stream>>>(fn, split.data(), n);
+  launch_kernel(split_fn_kernel, grid_blocks(n, kThreads), kThreads, 0, stream, fn, split.data(), n);
   SPINDLE_LAUNCHED("split_fn_kernel");
   return split;
 }
@@ -1322,7 +1332,7 @@ void launch_tiled(Kernel kernel, const cpu::HcShape& s, size_t bytes, cudaStream
                   Args... args) {
   allow_shared_memory(kernel, bytes, name, ": hidden ", s.hidden, ", ", s.streams, " streams");
   const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
-  kernel<<<blocks, kThreads, bytes, stream>>>(args...);
+  launch_kernel(kernel, blocks, kThreads, bytes, stream, args...);
   check_cuda(cudaGetLastError(), name, __FILE__, __LINE__);
 }
 
@@ -1377,11 +1387,11 @@ void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
   if (vector_rows(s, {{streams, 2}, {y, 2}, {out, 2}})) {
-    SPINDLE_HC_DISPATCH(hc_combine_kernel<H, 8>
-                        <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
+    SPINDLE_HC_DISPATCH(launch_kernel(hc_combine_kernel<H, 8>, blocks, kThreads, 0, stream, streams, y, post,
+                                      comb, out, s.tokens, s.hidden))
   } else {
-    SPINDLE_HC_DISPATCH(hc_combine_kernel<H, 1>
-                        <<<blocks, kThreads, 0, stream>>>(streams, y, post, comb, out, s.tokens, s.hidden))
+    SPINDLE_HC_DISPATCH(launch_kernel(hc_combine_kernel<H, 1>, blocks, kThreads, 0, stream, streams, y, post,
+                                      comb, out, s.tokens, s.hidden))
   }
   SPINDLE_LAUNCHED("hc_combine_kernel");
 }
@@ -1403,8 +1413,8 @@ void hc_combine_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const _
   const size_t bytes = CombineMixTile<H>::kBytes;
   allow_shared_memory(hc_combine_mix_kernel<H>, bytes, "hc_combine_mix_kernel");
   const auto blocks = static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens);
-  hc_combine_mix_kernel<H><<<blocks, kThreads, bytes, stream>>>(streams, y, post, comb, out, split.data(),
-                                                                mix, s.tokens, static_cast<int>(s.hidden));
+  launch_kernel(hc_combine_mix_kernel<H>, blocks, kThreads, bytes, stream, streams, y, post, comb, out,
+                split.data(), mix, s.tokens, static_cast<int>(s.hidden));
   SPINDLE_LAUNCHED("hc_combine_mix_kernel");
 }
 
@@ -1419,8 +1429,8 @@ void hc_combine_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, co
   const bool vec =
       vector_rows(s, {{streams, 2}, {dout, 2}, {dstreams, 2}, {dy, 2}, {y != nullptr ? y : dy, 2}});
   const auto run = [&](auto kernel) {
-    kernel<<<blocks, kThreads, 0, stream>>>(streams, post, comb, dout, y, dstreams, dy, d_comb, d_post,
-                                            s.tokens, s.hidden);
+    launch_kernel(kernel, blocks, kThreads, 0, stream, streams, post, comb, dout, y, dstreams, dy, d_comb,
+                  d_post, s.tokens, s.hidden);
   };
   SPINDLE_HC_DISPATCH({
     if (vec && y != nullptr)
@@ -1441,11 +1451,11 @@ void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const __nv_
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kWarps - 1) / kWarps);
   if (vector_rows(s, {{y, 2}, {dout, 2}})) {
-    SPINDLE_HC_DISPATCH(hc_post_gradient_kernel<H, 8>
-                        <<<blocks, kThreads, 0, stream>>>(y, dout, d_post, s.tokens, s.hidden))
+    SPINDLE_HC_DISPATCH(launch_kernel(hc_post_gradient_kernel<H, 8>, blocks, kThreads, 0, stream, y, dout,
+                                      d_post, s.tokens, s.hidden))
   } else {
-    SPINDLE_HC_DISPATCH(hc_post_gradient_kernel<H, 1>
-                        <<<blocks, kThreads, 0, stream>>>(y, dout, d_post, s.tokens, s.hidden))
+    SPINDLE_HC_DISPATCH(launch_kernel(hc_post_gradient_kernel<H, 1>, blocks, kThreads, 0, stream, y, dout,
+                                      d_post, s.tokens, s.hidden))
   }
   SPINDLE_LAUNCHED("hc_post_gradient_kernel");
 }
@@ -1502,8 +1512,8 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
       const int64_t run =
           std::min<int64_t>(per_run + kStreamRows - 1, int64_t{1} << 30) / kStreamRows * kStreamRows;
       const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>((s.tokens + run - 1) / run));
-      kernel<<<grid, kThreads, bytes, stream>>>(streams, d_collapsed, fn, workspace, comb, dout, dstreams,
-                                                s.tokens, D, static_cast<int>(run), vec);
+      launch_kernel(kernel, grid, kThreads, bytes, stream, streams, d_collapsed, fn, workspace, comb, dout,
+                    dstreams, s.tokens, D, static_cast<int>(run), vec);
     };
     // Two columns a thread where they fit the registers, with H a power of two (at H = 3 the
     // thread's stream and column cost the registers of a spill).
@@ -1515,8 +1525,8 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
     SPINDLE_LAUNCHED("hc_stream_gradient_kernel");
     const size_t dfn_bytes = DfnTile<H>::kBytes;
     allow_shared_memory(hc_dfn_kernel<H>, dfn_bytes, "hc_dfn_kernel: hc_mult ", H);
-    hc_dfn_kernel<H>
-        <<<dfn_grid, kThreads, dfn_bytes, stream>>>(streams, workspace, dfn, s.tokens, flat, dfn_vec);
+    launch_kernel(hc_dfn_kernel<H>, dfn_grid, kThreads, dfn_bytes, stream, streams, workspace, dfn, s.tokens,
+                  flat, dfn_vec);
     SPINDLE_LAUNCHED("hc_dfn_kernel");
   })
 }

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe_dispatch.h"
 
 namespace spindle::cuda {
@@ -84,6 +85,7 @@ constexpr int kUnroll = 8;
 template <int N>
 __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ inverse, int64_t tokens,
                               int topk, int64_t D, bf16* __restrict__ rows) {
+  wait_for_earlier_kernels();
   const int lane = threadIdx.x % 32;
   const int64_t pieces = D / N;
   for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
@@ -113,6 +115,7 @@ template <int N>
 __global__ void combine_kernel(const bf16* __restrict__ rows, const int32_t* __restrict__ inverse,
                                const float* __restrict__ weight, const bf16* shared, int64_t tokens, int topk,
                                int64_t D, bf16* y) {
+  wait_for_earlier_kernels();
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
     const bf16* src[kMaxTopk] = {};
@@ -143,6 +146,7 @@ __global__ void down_backward_kernel(const int32_t* __restrict__ permutation,
                                      const float* __restrict__ weight, int64_t assignments, int64_t I,
                                      bf16* __restrict__ g, bf16* __restrict__ hidden,
                                      float* __restrict__ dweight) {
+  wait_for_earlier_kernels();
   const int lane = threadIdx.x % 32;
   for (int64_t r = warp_index(); r < assignments; r += warp_count()) {
     const int32_t a = permutation[r];
@@ -169,6 +173,7 @@ __global__ void down_backward_kernel(const int32_t* __restrict__ permutation,
 template <int N>
 __global__ void scatter_backward_kernel(const bf16* __restrict__ drows, const int32_t* __restrict__ inverse,
                                         int64_t tokens, int topk, int64_t D, float* __restrict__ dx) {
+  wait_for_earlier_kernels();
   const int lane = threadIdx.x % 32;
   for (int64_t t = warp_index(); t < tokens; t += warp_count()) {
     const bf16* src[kMaxTopk] = {};
@@ -232,8 +237,8 @@ void gather_expert_rows(const bf16* x, const int32_t* inverse, int64_t tokens, i
   check_shape("gather_expert_rows", tokens * topk, topk, D);
   if (tokens == 0) return;
   with_piece_width(piece_width(D, {x, rows}), [&](auto n) {
-    gather_kernel<decltype(n)::value>
-        <<<warp_blocks(tokens), kThreads, 0, stream>>>(x, inverse, tokens, static_cast<int>(topk), D, rows);
+    launch_kernel(gather_kernel<decltype(n)::value>, warp_blocks(tokens), kThreads, 0, stream, x, inverse,
+                  tokens, static_cast<int>(topk), D, rows);
   });
   SPINDLE_LAUNCHED("gather_kernel");
 }
@@ -243,8 +248,8 @@ void combine_expert_rows(const bf16* rows, const int32_t* inverse, const float* 
   check_shape("combine_expert_rows", tokens * topk, topk, D);
   if (tokens == 0) return;
   with_piece_width(piece_width(D, {rows, shared, y}), [&](auto n) {
-    combine_kernel<decltype(n)::value><<<warp_blocks(tokens), kThreads, 0, stream>>>(
-        rows, inverse, weight, shared, tokens, static_cast<int>(topk), D, y);
+    launch_kernel(combine_kernel<decltype(n)::value>, warp_blocks(tokens), kThreads, 0, stream, rows, inverse,
+                  weight, shared, tokens, static_cast<int>(topk), D, y);
   });
   SPINDLE_LAUNCHED("combine_kernel");
 }
@@ -254,8 +259,8 @@ void expert_down_backward(const int32_t* permutation, const float* weight, int64
   check_shape("expert_down_backward", assignments, 1, I);
   if (assignments == 0) return;
   with_piece_width(piece_width(I, {g, hidden}), [&](auto n) {
-    down_backward_kernel<decltype(n)::value><<<warp_blocks(assignments), kThreads, 0, stream>>>(
-        permutation, weight, assignments, I, g, hidden, dweight);
+    launch_kernel(down_backward_kernel<decltype(n)::value>, warp_blocks(assignments), kThreads, 0, stream,
+                  permutation, weight, assignments, I, g, hidden, dweight);
   });
   SPINDLE_LAUNCHED("down_backward_kernel");
 }
@@ -265,8 +270,8 @@ void scatter_expert_rows_backward(const bf16* drows, const int32_t* inverse, int
   check_shape("scatter_expert_rows_backward", tokens * topk, topk, D);
   if (tokens == 0) return;
   with_piece_width(piece_width(D, {drows, dx}), [&](auto n) {
-    scatter_backward_kernel<decltype(n)::value>
-        <<<warp_blocks(tokens), kThreads, 0, stream>>>(drows, inverse, tokens, static_cast<int>(topk), D, dx);
+    launch_kernel(scatter_backward_kernel<decltype(n)::value>, warp_blocks(tokens), kThreads, 0, stream,
+                  drows, inverse, tokens, static_cast<int>(topk), D, dx);
   });
   SPINDLE_LAUNCHED("scatter_backward_kernel");
 }

@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -44,6 +45,7 @@ __device__ void swiglu_gradient_element(const __nv_bfloat16& gate, const __nv_bf
 // row at a time, its threads over the columns.
 __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                              int cols, float limit) {
+  wait_for_earlier_kernels();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const __nv_bfloat16* gate = gate_up + r * 2 * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
@@ -54,6 +56,7 @@ __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_
 // dgate, dup in place of gate, up.
 __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
                                               int cols, float limit) {
+  wait_for_earlier_kernels();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     __nv_bfloat16* gate = gate_up + r * 2 * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
@@ -82,6 +85,7 @@ __device__ void warp_argmax(float& value, int& index) {
 // Shared memory per warp: score[E], choice[E], group_score[G], taken flags[max(E, G)] (ints).
 __global__ void route_kernel(cpu::RouterShape s, const float* logits, const float* bias, int32_t* expert,
                              float* weight) {
+  wait_for_earlier_kernels();
   extern __shared__ float shared[];
   const int E = static_cast<int>(s.experts), G = static_cast<int>(s.groups), K = static_cast<int>(s.topk);
   const int per_group = E / G;
@@ -160,6 +164,7 @@ __global__ void route_kernel(cpu::RouterShape s, const float* logits, const floa
 
 __global__ void route_backward_kernel(cpu::RouterShape s, const float* logits, const int32_t* expert,
                                       const float* dweight, float* dlogits) {
+  wait_for_earlier_kernels();
   const int E = static_cast<int>(s.experts), K = static_cast<int>(s.topk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kRouterWarps) + warp;
@@ -200,6 +205,7 @@ constexpr int kTile = kPlaceRounds * kPlaceThreads;
 // 65,536 assignments.
 __global__ void __launch_bounds__(kPlaceThreads)
     tile_count_kernel(const int32_t* expert, int64_t n, int experts, int32_t* tile_counts) {
+  wait_for_earlier_kernels();
   extern __shared__ int32_t local[];
   for (int e = threadIdx.x; e < experts; e += kPlaceThreads) local[e] = 0;
   const int64_t first = blockIdx.x * static_cast<int64_t>(kTile);
@@ -226,6 +232,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
 __global__ void __launch_bounds__(kPlaceThreads)
     place_kernel(const int32_t* expert, int64_t n, int experts, const int32_t* tile_counts, int tiles,
                  int32_t* host_offsets, int32_t* permutation, int32_t* inverse) {
+  wait_for_earlier_kernels();
   extern __shared__ int32_t place_shared[];
   int32_t *next = place_shared, *in_warp = place_shared + experts;
   const int tile = static_cast<int>(blockIdx.x), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -316,8 +323,8 @@ void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* 
                                    int64_t cols, float limit, cudaStream_t stream) {
   const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_forward");
   if (rows == 0) return;
-  swiglu_halves_forward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, out, rows, static_cast<int>(cols),
-                                                                limit);
+  launch_kernel(swiglu_halves_forward_kernel, blocks, kThreads, 0, stream, gate_up, out, rows,
+                static_cast<int>(cols), limit);
   SPINDLE_LAUNCHED("swiglu_halves_forward_kernel");
 }
 
@@ -325,8 +332,8 @@ void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16*
                                     int64_t cols, float limit, cudaStream_t stream) {
   const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_backward");
   if (rows == 0) return;
-  swiglu_halves_backward_kernel<<<blocks, kThreads, 0, stream>>>(gate_up, dout, rows, static_cast<int>(cols),
-                                                                 limit);
+  launch_kernel(swiglu_halves_backward_kernel, blocks, kThreads, 0, stream, gate_up, dout, rows,
+                static_cast<int>(cols), limit);
   SPINDLE_LAUNCHED("swiglu_halves_backward_kernel");
 }
 
@@ -340,7 +347,8 @@ void route_tokens(const cpu::RouterShape& s, const float* logits, const float* b
   allow_shared_memory(route_kernel, shared_bytes, "route_kernel: ", s.experts, " experts in ", s.groups,
                       " groups");
   const auto blocks = static_cast<unsigned>((s.tokens + kRouterWarps - 1) / kRouterWarps);
-  route_kernel<<<blocks, kRouterWarps * 32, shared_bytes, stream>>>(s, logits, bias, expert, weight);
+  launch_kernel(route_kernel, blocks, kRouterWarps * 32, shared_bytes, stream, s, logits, bias, expert,
+                weight);
   SPINDLE_LAUNCHED("route_kernel");
 }
 
@@ -349,7 +357,8 @@ void route_weights_backward(const cpu::RouterShape& s, const float* logits, cons
   check_router(s);
   if (s.tokens == 0) return;
   const auto blocks = static_cast<unsigned>((s.tokens + kRouterWarps - 1) / kRouterWarps);
-  route_backward_kernel<<<blocks, kRouterWarps * 32, 0, stream>>>(s, logits, expert, dweight, dlogits);
+  launch_kernel(route_backward_kernel, blocks, kRouterWarps * 32, 0, stream, s, logits, expert, dweight,
+                dlogits);
   SPINDLE_LAUNCHED("route_backward_kernel");
 }
 
@@ -373,15 +382,15 @@ void ExpertPermutation::build(const int32_t* expert, int64_t assignments, int64_
   // cudaHostAlloc (not write-combined) through its host address.
   auto* host_offsets = static_cast<int32_t*>(pinned_.get());
   const auto E = static_cast<int>(experts);
-  tile_count_kernel<<<static_cast<unsigned>(tiles), kPlaceThreads,
-                      static_cast<size_t>(experts) * sizeof(int32_t), stream>>>(expert, assignments, E,
-                                                                                tile_counts_.data());
+  launch_kernel(tile_count_kernel, static_cast<unsigned>(tiles), kPlaceThreads,
+                static_cast<size_t>(experts) * sizeof(int32_t), stream, expert, assignments, E,
+                tile_counts_.data());
   SPINDLE_LAUNCHED("tile_count_kernel");
   const size_t shared_bytes = static_cast<size_t>(1 + kPlaceWarps) * experts * sizeof(int32_t);
   allow_shared_memory(place_kernel, shared_bytes, "place_kernel: ", experts, " experts");
-  place_kernel<<<static_cast<unsigned>(tiles), kPlaceThreads, shared_bytes, stream>>>(
-      expert, assignments, E, tile_counts_.data(), static_cast<int>(tiles), host_offsets, permutation,
-      inverse);
+  launch_kernel(place_kernel, static_cast<unsigned>(tiles), kPlaceThreads, shared_bytes, stream, expert,
+                assignments, E, tile_counts_.data(), static_cast<int>(tiles), host_offsets, permutation,
+                inverse);
   SPINDLE_LAUNCHED("place_kernel");
   built_event_.record(stream);
   built_ = experts + 1;

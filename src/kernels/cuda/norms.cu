@@ -10,6 +10,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/norms.h"
 
@@ -240,6 +241,7 @@ template <int V, int C, int kGroup, bool kGated>
 __global__ void __launch_bounds__(kMaxBlock)
     rms_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* gate, bf16* y, int64_t rows, int D,
                             float eps) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
@@ -272,6 +274,7 @@ template <int V, int C, int kGroup, bool kGated, class DY>
 __global__ void __launch_bounds__(kMaxBlock)
     rms_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* gate, const DY* dy, bf16* dx,
                              bf16* dgate, float* dweight, int64_t rows, int D, float eps) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[64];
   __shared__ __align__(16) float combine[kMaxWarpD];
@@ -323,6 +326,7 @@ template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
     layer_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* bias, bf16* y, int64_t rows,
                               int D, float eps) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
@@ -346,6 +350,7 @@ template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
     layer_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
                                float* dbias, int64_t rows, int D, float eps) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[64];
   __shared__ __align__(16) float combine[kMaxWarpD];
@@ -380,6 +385,7 @@ __global__ void __launch_bounds__(kMaxBlock)
 template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
     l2_normalize_forward_kernel(const bf16* x, bf16* y, int64_t rows, int D, float eps, float scale) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
@@ -402,6 +408,7 @@ template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
     l2_normalize_backward_kernel(const bf16* x, const float* dy, bf16* dx, int64_t rows, int D, float eps,
                                  float scale) {
+  wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[64];
   const RowSlot s = row_slot<kGroup>();
@@ -503,7 +510,8 @@ void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight
   with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, y, rows, static_cast<int>(D), eps);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, gate, y, rows,
+                  static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
@@ -518,8 +526,8 @@ void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weigh
   with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, gate, dy, dx, dgate, dweight, rows,
-                                                      static_cast<int>(D), eps);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, gate, dy, dx, dgate, dweight,
+                  rows, static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
@@ -561,7 +569,8 @@ void layer_norm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf1
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel = layer_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, bias, y, rows, static_cast<int>(D), eps);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, bias, y, rows,
+                  static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED("layer_norm_forward");
 }
@@ -573,8 +582,8 @@ void layer_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         layer_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, weight, dy, dx, dweight, dbias, rows,
-                                                      static_cast<int>(D), eps);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, dy, dx, dweight, dbias, rows,
+                  static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED("layer_norm_backward");
 }
@@ -586,7 +595,7 @@ void l2_normalize_forward(const bf16* x, bf16* y, int64_t rows, int64_t D, float
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         l2_normalize_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, y, rows, static_cast<int>(D), eps, scale);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, y, rows, static_cast<int>(D), eps, scale);
   });
   SPINDLE_LAUNCHED("l2_normalize_forward");
 }
@@ -598,7 +607,8 @@ void l2_normalize_backward(const bf16* x, const float* dy, bf16* dx, int64_t row
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         l2_normalize_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
-    kernel<<<grid(p, kernel), p.threads, 0, stream>>>(x, dy, dx, rows, static_cast<int>(D), eps, scale);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, dy, dx, rows, static_cast<int>(D), eps,
+                  scale);
   });
   SPINDLE_LAUNCHED("l2_normalize_backward");
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace spindle::cuda {
@@ -12,6 +13,7 @@ namespace {
 __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, const float* grad,
                              __nv_bfloat16* weight, int64_t n, AdamWStep s, float step_size,
                              float root_correction) {
+  wait_for_earlier_kernels();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float p = master[i];
@@ -29,6 +31,7 @@ __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, c
 
 // A grid-stride sum per thread, a warp then block reduction, one double atomic per block.
 __global__ void sum_squares_kernel(const float* x, int64_t n, double* sum) {
+  wait_for_earlier_kernels();
   double local = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -46,6 +49,7 @@ __global__ void sum_squares_kernel(const float* x, int64_t n, double* sum) {
 }
 
 __global__ void scale_kernel(float* x, int64_t n, float factor) {
+  wait_for_earlier_kernels();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     x[i] *= factor;
@@ -59,13 +63,13 @@ int64_t grid_for(int64_t n, int threads) {
 
 void sum_squares(const float* x, int64_t n, double* sum, cudaStream_t stream) {
   if (n == 0) return;
-  sum_squares_kernel<<<static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream>>>(x, n, sum);
+  launch_kernel(sum_squares_kernel, static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream, x, n, sum);
   SPINDLE_LAUNCHED("sum_squares_kernel");
 }
 
 void scale_values(float* x, int64_t n, float factor, cudaStream_t stream) {
   if (n == 0) return;
-  scale_kernel<<<static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream>>>(x, n, factor);
+  launch_kernel(scale_kernel, static_cast<unsigned>(grid_for(n, 256)), 256, 0, stream, x, n, factor);
   SPINDLE_LAUNCHED("scale_kernel");
 }
 
@@ -78,8 +82,8 @@ void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float*
       static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step.beta2), t)));
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
-  adamw_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      master, exp_avg, exp_avg_sq, grad, weight, n, step, step_size, root_correction);
+  launch_kernel(adamw_kernel, static_cast<unsigned>(blocks), threads, 0, stream, master, exp_avg, exp_avg_sq,
+                grad, weight, n, step, step_size, root_correction);
   SPINDLE_LAUNCHED("adamw_kernel");
 }
 

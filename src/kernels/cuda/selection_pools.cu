@@ -1,6 +1,7 @@
 // Selections to pool lists and back; see selection_pools.h. One thread per output value.
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/selection_pools.h"
 
 namespace spindle::cuda {
@@ -11,6 +12,7 @@ constexpr int kThreads = 256;
 
 __global__ void selection_to_pools_kernel(const int32_t* __restrict__ selected, int32_t* __restrict__ pools,
                                           int64_t queries, int64_t per_query, int64_t width, int64_t kp) {
+  wait_for_earlier_kernels();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= queries * per_query) return;
   const int64_t q = i / per_query, slot = i % per_query;
@@ -23,6 +25,7 @@ __global__ void selection_to_pools_kernel(const int32_t* __restrict__ selected, 
 __global__ void pools_to_selection_kernel(const int32_t* __restrict__ pools, int32_t* __restrict__ selected,
                                           int64_t first_query, int64_t queries, int64_t per_query,
                                           int64_t width, int64_t kp, int64_t topk) {
+  wait_for_earlier_kernels();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= queries * width) return;
   const int64_t q = i / width, slot = i % width;
@@ -48,8 +51,8 @@ void selection_to_pools(const cpu::IndexerShape& s, const int32_t* selected, int
   check(s.kpool >= 1 && s.topk >= 0, "selection_to_pools: kpool ", s.kpool, ", topk ", s.topk);
   const int64_t n = s.queries() * selection_pools_per_query(s);
   if (n == 0) return;
-  selection_to_pools_kernel<<<blocks(n), kThreads, 0, stream>>>(
-      selected, pools, s.queries(), selection_pools_per_query(s), s.width(), s.kpool);
+  launch_kernel(selection_to_pools_kernel, blocks(n), kThreads, 0, stream, selected, pools, s.queries(),
+                selection_pools_per_query(s), s.width(), s.kpool);
   SPINDLE_LAUNCHED("selection_to_pools_kernel");
 }
 
@@ -58,8 +61,8 @@ void pools_to_selection(const cpu::IndexerShape& s, const int32_t* pools, int32_
   check(s.kpool >= 1 && s.topk >= 0, "pools_to_selection: kpool ", s.kpool, ", topk ", s.topk);
   const int64_t n = s.queries() * s.width();
   if (n == 0) return;
-  pools_to_selection_kernel<<<blocks(n), kThreads, 0, stream>>>(
-      pools, selected, s.first_query, s.queries(), selection_pools_per_query(s), s.width(), s.kpool, s.topk);
+  launch_kernel(pools_to_selection_kernel, blocks(n), kThreads, 0, stream, pools, selected, s.first_query,
+                s.queries(), selection_pools_per_query(s), s.width(), s.kpool, s.topk);
   SPINDLE_LAUNCHED("pools_to_selection_kernel");
 }
 

@@ -22,6 +22,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_attention.h"
 
@@ -42,6 +43,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
                                     const int32_t* __restrict__ selected, __nv_bfloat16* __restrict__ out,
                                     int64_t H, int64_t KH, int64_t dqk, int64_t dv, int64_t width,
                                     float scale, int warps) {
+  wait_for_earlier_kernels();
   extern __shared__ float smem[];
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t groups = (H + warps - 1) / warps;
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
                                      const __nv_bfloat16* __restrict__ dout, __nv_bfloat16* __restrict__ dq,
                                      float* __restrict__ dkv, int64_t H, int64_t KH, int64_t dqk, int64_t dv,
                                      int64_t width, float scale, int warps) {
+  wait_for_earlier_kernels();
   extern __shared__ float smem[];
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t groups = (H + warps - 1) / warps;
@@ -202,9 +205,9 @@ void sparse_attention_forward(const cpu::SparseAttentionShape& s, const __nv_bfl
   const Launch launch =
       plan_launch(sparse_attention_forward_kernel, s, s.qk_dim + s.v_dim, "sparse_attention_forward");
   if (launch.blocks == 0) return;
-  sparse_attention_forward_kernel<<<launch.blocks, launch.warps * 32, launch.shared_bytes, stream>>>(
-      q, kv, selected, out, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width, static_cast<float>(s.scale),
-      launch.warps);
+  launch_kernel(sparse_attention_forward_kernel, launch.blocks, launch.warps * 32, launch.shared_bytes,
+                stream, q, kv, selected, out, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width,
+                static_cast<float>(s.scale), launch.warps);
   SPINDLE_LAUNCHED("sparse_attention_forward_kernel");
 }
 
@@ -214,9 +217,9 @@ void sparse_attention_backward(const cpu::SparseAttentionShape& s, const __nv_bf
   const Launch launch =
       plan_launch(sparse_attention_backward_kernel, s, 2 * s.qk_dim + s.v_dim, "sparse_attention_backward");
   if (launch.blocks == 0) return;
-  sparse_attention_backward_kernel<<<launch.blocks, launch.warps * 32, launch.shared_bytes, stream>>>(
-      q, kv, selected, dout, dq, dkv, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width,
-      static_cast<float>(s.scale), launch.warps);
+  launch_kernel(sparse_attention_backward_kernel, launch.blocks, launch.warps * 32, launch.shared_bytes,
+                stream, q, kv, selected, dout, dq, dkv, s.heads, s.key_heads(), s.qk_dim, s.v_dim, s.width,
+                static_cast<float>(s.scale), launch.warps);
   SPINDLE_LAUNCHED("sparse_attention_backward_kernel");
 }
 

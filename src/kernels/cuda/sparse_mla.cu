@@ -6,6 +6,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla.h"
@@ -300,6 +301,7 @@ __device__ __forceinline__ void rows_times_keys(float (&acc)[4], const __nv_bflo
 
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const MlaArgs a) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int R = 16 * MT;
   const int64_t t = blockIdx.x;
@@ -434,6 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_forward_kernel(const M
 
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_backward_kernel(const MlaArgs a) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int R = 16 * MT;
   const int64_t t = blockIdx.x;
@@ -634,7 +637,7 @@ void launch(Kernel kernel, const SparseMlaShape& s, const MlaArgs& args, size_t 
   allow_shared_memory(kernel, shared_bytes, name, ": dk ", s.dk, ", dv ", s.dv, ", ", s.heads, " heads");
   const int rows = 16 * m_tiles(s);
   const dim3 grid(static_cast<unsigned>(s.tokens), static_cast<unsigned>((s.heads + rows - 1) / rows));
-  kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+  launch_kernel(kernel, grid, kThreads, shared_bytes, stream, args);
   SPINDLE_LAUNCHED(name);
 }
 

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_backward_hopper.h"
@@ -495,6 +496,7 @@ __device__ __forceinline__ void backward_pair(const Args& a, const CUtensorMap& 
 // else each query alone, one after the other.
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_backward_hopper_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(128) unsigned char shared_base[];
   unsigned char* shared =
       shared_base + ((kAlignSlack - shared_address(shared_base) % kAlignSlack) % kAlignSlack);
@@ -551,7 +553,7 @@ void sparse_mla_backward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q,
   allow_shared_memory(sparse_mla_backward_hopper_kernel, kSharedBytes, "sparse MLA backward on wgmma");
   const dim3 grid(static_cast<unsigned>((s.tokens + 1) / 2),
                   static_cast<unsigned>((s.heads + kHeads - 1) / kHeads));
-  sparse_mla_backward_hopper_kernel<<<grid, kThreads, kSharedBytes, stream>>>(args, map);
+  launch_kernel(sparse_mla_backward_hopper_kernel, grid, kThreads, kSharedBytes, stream, args, map);
   SPINDLE_LAUNCHED("sparse_mla_backward_hopper_kernel");
 }
 

@@ -6,6 +6,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
@@ -312,6 +313,7 @@ __device__ __forceinline__ void forward_pair_per_query(const Args& a, const CUte
 template <int Blocks>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_forward_pairs_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(1024) unsigned char shared[];
   if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
   if (a.apart_only && a.pairs.together[blockIdx.x] != 0) return;
@@ -661,6 +663,7 @@ __device__ __forceinline__ void forward_pair_heads(const Args& a, const CUtensor
 // for both kept the two paths' registers at once, and spilled).
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_forward_heads_kernel(const Args a, const __grid_constant__ CUtensorMap latent_map) {
+  wait_for_earlier_kernels();
   extern __shared__ __align__(1024) unsigned char shared[];
   if (threadIdx.x == 0 && shared_address(shared) % 1024 != 0) __trap();  // the swizzle's alignment
   if (a.pairs.together[blockIdx.x] == 0) return;
@@ -704,14 +707,14 @@ void sparse_mla_forward_hopper(const SparseMlaShape& s, const __nv_bfloat16* q, 
     const uint32_t bytes = HeadsLayout::total(heads_list_capacity(s.width));
     allow_shared_memory(sparse_mla_forward_heads_kernel, bytes, "sparse MLA, the latent of 512: width ",
                         s.width);
-    sparse_mla_forward_heads_kernel<<<grid, kThreads, bytes, stream>>>(args, map);
+    launch_kernel(sparse_mla_forward_heads_kernel, grid, kThreads, bytes, stream, args, map);
     SPINDLE_LAUNCHED("sparse_mla_forward_heads_kernel");
     args.apart_only = true;
   }
   const size_t shared_bytes = layout(args.dk).total;
   const auto run = [&](auto kernel) {
     allow_shared_memory(kernel, shared_bytes, "sparse MLA on wgmma: dk ", s.dk, ", dv ", s.dv);
-    kernel<<<grid, kThreads, shared_bytes, stream>>>(args, map);
+    launch_kernel(kernel, grid, kThreads, shared_bytes, stream, args, map);
     SPINDLE_LAUNCHED("sparse_mla_forward_pairs_kernel");
   };
   switch (s.dv / 64) {

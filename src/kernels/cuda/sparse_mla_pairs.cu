@@ -1,5 +1,6 @@
 // The pairs' lists of the sparse MLA kernels; see sparse_mla_pairs.h.
 #include "backend/cuda/check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_mla_pairs.h"
 
@@ -30,6 +31,7 @@ __device__ __forceinline__ int lower_bound(const int32_t* list, int n, int32_t x
 __global__ void __launch_bounds__(kThreads)
     pair_union_kernel(const int32_t* selected, int64_t width, int64_t tokens, int64_t stride,
                       float share_limit, int32_t* unions, int32_t* lengths, int32_t* shares) {
+  wait_for_earlier_kernels();
   extern __shared__ int32_t lists[];  // first [width], second [width], before [width + 1]
   __shared__ int counts[2];
   __shared__ int scan[kThreads];
@@ -130,9 +132,8 @@ PairLists pair_lists(const int32_t* selected, int64_t width, int64_t tokens, dou
   }
   const size_t bytes = static_cast<size_t>(3 * width + 1) * sizeof(int32_t);
   allow_shared_memory(pair_union_kernel, bytes, "sparse MLA pairs' lists: width ", width);
-  pair_union_kernel<<<static_cast<unsigned>(pairs), kThreads, bytes, stream>>>(
-      selected, width, tokens, stride, static_cast<float>(share_limit), p.workspace.data(), lengths,
-      together);
+  launch_kernel(pair_union_kernel, static_cast<unsigned>(pairs), kThreads, bytes, stream, selected, width,
+                tokens, stride, static_cast<float>(share_limit), p.workspace.data(), lengths, together);
   SPINDLE_LAUNCHED("pair_union_kernel");
   return p;
 }

@@ -5,6 +5,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/union_attention.h"
 #include "kernels/cuda/union_attention_hopper.h"
 
@@ -23,6 +24,7 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1)
 
 __global__ void mark_selected_kernel(const int32_t* selected, int64_t queries, int64_t width, int64_t pooled,
                                      int64_t span, int32_t* flags) {
+  wait_for_earlier_kernels();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= queries * pooled) return;
   const int32_t t = selected[i / pooled * width + i % pooled];
@@ -30,6 +32,7 @@ __global__ void mark_selected_kernel(const int32_t* selected, int64_t queries, i
 }
 
 __global__ void write_keys_kernel(const int32_t* flags, const int32_t* slots, int64_t span, int32_t* keys) {
+  wait_for_earlier_kernels();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t < span && flags[t]) keys[slots[t]] = static_cast<int32_t>(t);
 }
@@ -39,6 +42,7 @@ __global__ void write_keys_kernel(const int32_t* flags, const int32_t* slots, in
 // the row, which this warp alone writes: no atomics (33M of them a 16k chunk, contended 16 to a word).
 __global__ void write_masks_kernel(const int32_t* selected, int64_t queries, int64_t width, int64_t pooled,
                                    int64_t span, const int32_t* slots, int64_t words, uint32_t* masks) {
+  wait_for_earlier_kernels();
   const int64_t query = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (query >= queries) return;  // the whole warp
@@ -58,6 +62,7 @@ __global__ void write_masks_kernel(const int32_t* selected, int64_t queries, int
 
 // One warp per (query, head): D = dout . out over the values.
 __global__ void output_dot_kernel(const bf16* dout, const bf16* out, int64_t rows, int64_t dv, float* dot) {
+  wait_for_earlier_kernels();
   const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -70,6 +75,7 @@ __global__ void output_dot_kernel(const bf16* dout, const bf16* out, int64_t row
 
 __global__ void gather_rows_kernel(const bf16* latent, int64_t stride, const int32_t* keys, int64_t n,
                                    int64_t cols, bf16* rows) {
+  wait_for_earlier_kernels();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n * cols) rows[i] = latent[keys[i / cols] * stride + i % cols];
 }
@@ -78,6 +84,7 @@ __global__ void gather_rows_kernel(const bf16* latent, int64_t stride, const int
 // else low + r (a group's consecutive tail rows).
 __global__ void add_rows_kernel(const float* d_rows, const int32_t* keys, int64_t low, int64_t n,
                                 int64_t cols, float* d_latent, int64_t stride) {
+  wait_for_earlier_kernels();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * cols) return;
   const int64_t r = i / cols, row = keys != nullptr ? keys[r] : low + r;
@@ -113,7 +120,8 @@ int64_t most_fused_tail_rows(const UnionAttentionShape& s, int64_t group) {
 
 }  // namespace
 
-ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream) {
+ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream,
+                       int64_t most_keys) {
   const int64_t span = s.span();
   check(span > 0 && span <= (int64_t{1} << 31), "chunk_union: a span of ", span, " tokens");
   check(s.pooled >= 0 && s.tail() >= 0, "chunk_union: ", s.pooled, " pooled slots of ", s.width);
@@ -122,8 +130,8 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
   SPINDLE_CUDA(cudaMemsetAsync(flags.data(), 0, flags.size() * sizeof(int32_t), stream));
   const int64_t entries = s.queries * s.pooled;
   if (entries > 0) {
-    mark_selected_kernel<<<blocks_for(entries), kThreads, 0, stream>>>(selected, s.queries, s.width, s.pooled,
-                                                                       span, flags.data());
+    launch_kernel(mark_selected_kernel, blocks_for(entries), kThreads, 0, stream, selected, s.queries,
+                  s.width, s.pooled, span, flags.data());
     SPINDLE_LAUNCHED("mark_selected_kernel");
   }
   size_t scratch_bytes = 0;
@@ -141,17 +149,18 @@ ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cu
   ChunkUnion u;
   u.count = last[0] + last[1];
   u.words = (u.count + 31) / 32;
-  u.keys =
-      DeviceBuffer<int32_t>(static_cast<size_t>(std::max<int64_t>(u.count, 1)), MemoryCategory::Workspace);
-  u.masks = DeviceBuffer<uint32_t>(static_cast<size_t>(std::max<int64_t>(s.queries * u.words, 1)),
-                                   MemoryCategory::Workspace);
+  if (u.count > most_keys) return u;
+  u.capacity = geometric_capacity(u.count);
+  u.keys = DeviceBuffer<int32_t>(static_cast<size_t>(u.capacity), MemoryCategory::Workspace);
+  u.masks =
+      DeviceBuffer<uint32_t>(static_cast<size_t>(s.queries * (u.capacity / 32)), MemoryCategory::Workspace);
   if (u.count == 0) return u;
-  write_keys_kernel<<<blocks_for(span), kThreads, 0, stream>>>(flags.data(), slots.data(), span,
-                                                               u.keys.data());
+  launch_kernel(write_keys_kernel, blocks_for(span), kThreads, 0, stream, flags.data(), slots.data(), span,
+                u.keys.data());
   SPINDLE_LAUNCHED("write_keys_kernel");
   SPINDLE_CUDA(cudaMemsetAsync(u.masks.data(), 0, u.masks.size() * sizeof(uint32_t), stream));
-  write_masks_kernel<<<blocks_for(s.queries * 32), kThreads, 0, stream>>>(
-      selected, s.queries, s.width, s.pooled, span, slots.data(), u.words, u.masks.data());
+  launch_kernel(write_masks_kernel, blocks_for(s.queries * 32), kThreads, 0, stream, selected, s.queries,
+                s.width, s.pooled, span, slots.data(), u.words, u.masks.data());
   SPINDLE_LAUNCHED("write_masks_kernel");
   return u;
 }
@@ -164,12 +173,12 @@ struct UnionRows {
 };
 UnionRows expand_union(Gemm& gemm, const ChunkUnion& u, const UnionLatent& lat, int64_t kv_row,
                        cudaStream_t stream) {
-  const auto cells = static_cast<size_t>(std::max<int64_t>(u.count, 1));
+  const auto cells = static_cast<size_t>(u.capacity);
   UnionRows r{DeviceBuffer<bf16>(cells * lat.rank, MemoryCategory::Workspace),
               DeviceBuffer<bf16>(cells * kv_row, MemoryCategory::Workspace)};
   if (u.count == 0) return r;
-  gather_rows_kernel<<<blocks_for(u.count * lat.rank), kThreads, 0, stream>>>(
-      lat.latent, lat.stride, u.keys.data(), u.count, lat.rank, r.rows.data());
+  launch_kernel(gather_rows_kernel, blocks_for(u.count * lat.rank), kThreads, 0, stream, lat.latent,
+                lat.stride, u.keys.data(), u.count, lat.rank, r.rows.data());
   SPINDLE_LAUNCHED("gather_rows_kernel");
   expand(gemm, lat, r.rows.data(), lat.rank, u.count, kv_row, r.kv.data(), stream);
   return r;
@@ -205,20 +214,20 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
     SPINDLE_CUDA(cudaMemsetAsync(mass, 0, static_cast<size_t>(s.queries * s.width) * sizeof(float), stream));
   const int64_t H = s.heads, n = u.count, kv_row = H * (s.qk_dim + s.v_dim);
   DeviceBuffer<float> dot(static_cast<size_t>(s.queries * H), MemoryCategory::Workspace);
-  output_dot_kernel<<<blocks_for(s.queries * H * 32), kThreads, 0, stream>>>(dout, out, s.queries * H,
-                                                                             s.v_dim, dot.data());
+  launch_kernel(output_dot_kernel, blocks_for(s.queries * H * 32), kThreads, 0, stream, dout, out,
+                s.queries * H, s.v_dim, dot.data());
   SPINDLE_LAUNCHED("output_dot_kernel");
   const UnionBackwardInputs in{q, lse, dout, dot.data()};
   const UnionRows union_rows = expand_union(gemm, u, lat, kv_row, stream);
   if (n > 0) {
     // The union's gradient from every query at once.
-    DeviceBuffer<bf16> union_dkv(static_cast<size_t>(n * kv_row), MemoryCategory::Workspace);
+    DeviceBuffer<bf16> union_dkv(static_cast<size_t>(u.capacity * kv_row), MemoryCategory::Workspace);
     union_attention_backward_fused_union(s, u, union_rows.kv.data(), selected, in, union_dkv.data(), stream);
-    DeviceBuffer<float> union_d_rows(static_cast<size_t>(n * lat.rank), MemoryCategory::Workspace);
+    DeviceBuffer<float> union_d_rows(static_cast<size_t>(u.capacity * lat.rank), MemoryCategory::Workspace);
     expand_backward(gemm, lat, union_rows.rows.data(), lat.rank, n, kv_row, union_dkv.data(),
                     union_d_rows.data(), d_kv_b_proj, stream);
-    add_rows_kernel<<<blocks_for(n * lat.rank), kThreads, 0, stream>>>(union_d_rows.data(), u.keys.data(), 0,
-                                                                       n, lat.rank, d_latent, lat.stride);
+    launch_kernel(add_rows_kernel, blocks_for(n * lat.rank), kThreads, 0, stream, union_d_rows.data(),
+                  u.keys.data(), 0, n, lat.rank, d_latent, lat.stride);
     SPINDLE_LAUNCHED("add_rows_kernel");
   }
   // dq and the tails' gradient a group of queries at a time.
@@ -240,8 +249,8 @@ void union_attention_backward(Gemm& gemm, const UnionAttentionShape& s, const Ch
     expand_backward(gemm, lat, tail_latent, lat.stride, t.high - t.low, kv_row, tail_dkv.data(),
                     tail_d_rows.data(), d_kv_b_proj, stream);
     // Consecutive groups share rows: their adds run in turn on the stream.
-    add_rows_kernel<<<blocks_for((t.high - t.low) * lat.rank), kThreads, 0, stream>>>(
-        tail_d_rows.data(), nullptr, t.low, t.high - t.low, lat.rank, d_latent, lat.stride);
+    launch_kernel(add_rows_kernel, blocks_for((t.high - t.low) * lat.rank), kThreads, 0, stream,
+                  tail_d_rows.data(), nullptr, t.low, t.high - t.low, lat.rank, d_latent, lat.stride);
     SPINDLE_LAUNCHED("add_rows_kernel");
   }
 }

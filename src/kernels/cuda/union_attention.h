@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "backend/cuda/device_memory.h"
 #include "kernels/cuda/gemm.h"
@@ -48,12 +49,16 @@ struct UnionLatent {
 
 // The chunk's union: keys [count], ascending; masks [queries][words], bit j % 32 of word j / 32:
 // the query's pool slots hold keys[j]. count is on the host: building it synchronises the stream.
+// The union's buffers (these and the attention's) hold `capacity` keys, the count rounded to a few
+// sizes (geometric_capacity), so the next chunk's and layer's unions reuse the cached blocks.
 struct ChunkUnion {
-  int64_t count = 0, words = 0;
+  int64_t count = 0, words = 0, capacity = 0;
   DeviceBuffer<int32_t> keys;
   DeviceBuffer<uint32_t> masks;
 };
-ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream);
+// Over most_keys keys, only the count: no buffers allocated or written (the caller takes another form).
+ChunkUnion chunk_union(const UnionAttentionShape& s, const int32_t* selected, cudaStream_t stream,
+                       int64_t most_keys = std::numeric_limits<int64_t>::max());
 
 // The shape must be one the fused kernels take (union_fused_unsupported empty).
 void union_attention_forward(Gemm& gemm, const UnionAttentionShape& s, const ChunkUnion& u,

@@ -10,6 +10,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/union_attention_hopper.h"
@@ -37,6 +38,7 @@ __device__ __forceinline__ int64_t blocks_of(const Tiles& t) {
 
 // One thread a query: its tail bits over its block's window.
 __global__ void tail_masks_kernel(Tiles t, uint32_t* tail_masks) {
+  wait_for_earlier_kernels();
   const int64_t query = t.q_begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (query >= t.q_end) return;
   const int64_t q0 = t.q_begin + (query - t.q_begin) / kRows * kRows;
@@ -75,6 +77,7 @@ size_t dq_shared_bytes(int64_t union_tiles) {
 
 __global__ void __launch_bounds__(kThreads, 2)
     union_dq_kernel(BackwardArgs a, const __grid_constant__ Maps maps) {
+  wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
   __shared__ Barriers bars;
@@ -162,6 +165,7 @@ size_t dkv_shared_bytes(int64_t blocks) {
 
 __global__ void __launch_bounds__(kThreads, 2)
     union_dkv_kernel(BackwardArgs a, const __grid_constant__ Maps maps) {
+  wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
   __shared__ Barriers bars;
@@ -318,8 +322,8 @@ void launch_dkv(const BackwardArgs& a, int64_t tiles, int heads, cudaStream_t st
   const size_t bytes = dkv_shared_bytes(blocks);
   allow_shared_memory(union_dkv_kernel, bytes, "union attention backward (fused): ", blocks,
                       " blocks of queries");
-  union_dkv_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(heads)), kThreads, bytes,
-                     stream>>>(a, union_fused_maps(a.t, a.q, a.dout));
+  launch_kernel(union_dkv_kernel, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(heads)), kThreads,
+                bytes, stream, a, union_fused_maps(a.t, a.q, a.dout));
   SPINDLE_LAUNCHED("union_dkv_kernel");
 }
 
@@ -347,14 +351,14 @@ void union_attention_backward_fused_tails(const UnionAttentionShape& s, const Ch
   a.first_tile = a.t.union_tiles;
   if (q_end <= q_begin) return;
   const int64_t blocks = (q_end - q_begin + kRows - 1) / kRows;
-  tail_masks_kernel<<<static_cast<unsigned>((q_end - q_begin + 255) / 256), 256, 0, stream>>>(a.t,
-                                                                                              tail_masks);
+  launch_kernel(tail_masks_kernel, static_cast<unsigned>((q_end - q_begin + 255) / 256), 256, 0, stream, a.t,
+                tail_masks);
   SPINDLE_LAUNCHED("tail_masks_kernel");
   const size_t dq_bytes = dq_shared_bytes(a.t.union_tiles);
   allow_shared_memory(union_dq_kernel, dq_bytes, "union attention backward (fused): a union of ", u.count,
                       " keys");
-  union_dq_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads)), kThreads, dq_bytes,
-                    stream>>>(a, union_fused_maps(a.t, a.q, a.dout));
+  launch_kernel(union_dq_kernel, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads)),
+                kThreads, dq_bytes, stream, a, union_fused_maps(a.t, a.q, a.dout));
   SPINDLE_LAUNCHED("union_dq_kernel");
   launch_dkv(a, blocks + 1, static_cast<int>(s.heads), stream);
 }

@@ -6,6 +6,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
@@ -34,6 +35,7 @@ struct ForwardArgs {
 
 __global__ void __launch_bounds__(kThreads, 2)
     union_forward_kernel(ForwardArgs a, const __grid_constant__ Maps maps) {
+  wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
   __shared__ Barriers bars;
@@ -174,7 +176,7 @@ void union_attention_forward_fused(const UnionAttentionShape& s, const ChunkUnio
   allow_shared_memory(union_forward_kernel, bytes, "union attention (fused): a union of ", u.count, " keys");
   const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows),
                   static_cast<unsigned>(s.heads));
-  union_forward_kernel<<<grid, kThreads, bytes, stream>>>(a, maps);
+  launch_kernel(union_forward_kernel, grid, kThreads, bytes, stream, a, maps);
   SPINDLE_LAUNCHED("union_forward_kernel");
 }
 

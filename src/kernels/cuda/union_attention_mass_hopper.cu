@@ -10,6 +10,7 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/log2_domain.h"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/union_attention_hopper.h"
@@ -35,6 +36,7 @@ constexpr size_t kMassSharedBytes = 1024 + kStages * kStageBytes;
 
 __global__ void __launch_bounds__(kThreads, 3)
     union_mass_kernel(MassArgs a, const __grid_constant__ Maps maps) {
+  wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ Barriers bars;
   unsigned char* stages = align_1024(raw);
@@ -139,7 +141,7 @@ void union_attention_mass_fused(const UnionAttentionShape& s, const ChunkUnion& 
   allow_shared_memory(union_mass_kernel, kMassSharedBytes, "union attention mass (fused)");
   const dim3 grid(static_cast<unsigned>((q_end - q_begin + kRows - 1) / kRows),
                   static_cast<unsigned>(a.t.union_tiles + kTailTiles));
-  union_mass_kernel<<<grid, kThreads, kMassSharedBytes, stream>>>(a, union_fused_maps(a.t, q, q));
+  launch_kernel(union_mass_kernel, grid, kThreads, kMassSharedBytes, stream, a, union_fused_maps(a.t, q, q));
   SPINDLE_LAUNCHED("union_mass_kernel");
 }
 

@@ -237,8 +237,9 @@ UnionLatent union_latent(const ModelConfig& c, const DsaWeights& w, const bf16* 
 // The chunk's union, or nothing where it is over the limit.
 std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionShape& s,
                                              const int32_t* selection) {
-  ChunkUnion u = chunk_union(s, selection, ctx.stream());
-  if (static_cast<double>(u.count) > kUnionLimit * static_cast<double>(s.pooled)) return std::nullopt;
+  const auto most_keys = static_cast<int64_t>(kUnionLimit * static_cast<double>(s.pooled));
+  ChunkUnion u = chunk_union(s, selection, ctx.stream(), most_keys);
+  if (u.count > most_keys) return std::nullopt;
   return u;
 }
 
