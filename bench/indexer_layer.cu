@@ -46,7 +46,6 @@ int main(int argc, char** argv) {
   IndexerBenchInputs in = indexer_bench_inputs(tokens, chunk, 0);
   const cpu::IndexerShape whole = in.shape;
   const size_t limit = static_cast<size_t>(workspace_mib) << 20;
-  DeviceBuffer<float> workspace(limit / 4, MemoryCategory::Workspace);
   DeviceBuffer<int32_t> selected(static_cast<size_t>(chunk * whole.width()), MemoryCategory::Activations);
 
   // A chunk's shape and its query block, as run_indexer sizes it (then rounded, if asked).
@@ -62,6 +61,14 @@ int main(int argc, char** argv) {
     if (round_waves && block > wave && block < chunk) block = block / wave * wave;
     return block;
   };
+  // The score tile and, past it, the block's tile maxima (as run_indexer allocates them), for the
+  // largest of the chunks' blocks.
+  size_t workspace_bytes = 0;
+  for (int64_t c0 = 0; c0 < tokens; c0 += chunk) {
+    const cpu::IndexerShape s = shape_at(c0);
+    workspace_bytes = std::max(workspace_bytes, indexer_select_workspace_bytes(s, block_of(s)));
+  }
+  DeviceBuffer<float> workspace((workspace_bytes + 3) / 4, MemoryCategory::Workspace);
   const auto scores_of = [&](const cpu::IndexerShape& s, int64_t block) {
     unsigned* maxima = reinterpret_cast<unsigned*>(workspace.data() + block * s.complete_pools());
     for (int64_t t0 = s.first_query; t0 < s.tokens; t0 += block)
