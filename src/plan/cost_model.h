@@ -41,13 +41,13 @@ struct Hardware {
   // "Step time"): model FLOPs without the indexer's scores at 20.35% of peak (counted as 5 passes,
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
   // per step, at 38% since the scorer's wave-filling splits (1b89334: the indexer 9.37 -> 8.21 s in
-  // one call, the step 82.79 -> 81.17 s; 2026-12-06), 33.3% before. Fitted to stream 16k, feed-forward
-  // inputs again + host AdamW: 81.50 s from a trained checkpoint at 025590b, its indexer 9.37 s
-  // (2026-12-05). In the same call stream 16k +
-  // host AdamW took 83.52 s, predicted 85.7: the kept products saved 2.0 s, not the 4.2 predicted,
-  // as the MoE's products run faster than the average rate. Earlier fits: 20.6% at a265920 (84.99 s),
-  // 20.4% and 30.6% at f4bf5af (86.19 s, the indexer 10.22 s), 11.5% and 34% from random weights at
-  // cac0719, before the union form (139.05 s, the indexer 9.3 s). The indexer's KL training
+  // one call, the step 82.79 -> 81.17 s; 2026-12-06), 33.3% before. Fitted to stream 16k,
+  // feed-forward inputs again + host AdamW: 81.50 s from a trained checkpoint at 025590b, its
+  // indexer 9.37 s (2026-12-05). In the same call stream 16k + host AdamW took 83.52 s, predicted
+  // 85.7: the kept products saved 2.0 s, not the 4.2 predicted, as the MoE's products run faster
+  // than the average rate. Earlier fits: 20.6% at a265920 (84.99 s), 20.4% and 30.6% at f4bf5af
+  // (86.19 s, the indexer 10.22 s), 11.5% and 34% from random weights at cac0719, before the union
+  // form (139.05 s, the indexer 9.3 s). The indexer's KL training
   // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as
   // the sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with
   // it at f4bf5af (89.2 predicted), 85.38 s at 025590b (84.3 predicted).
