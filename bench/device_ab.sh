@@ -7,7 +7,7 @@
 #                                           # stripped (all of them would pass the 64 MiB carry)
 # then, carrying build/xz, build/devlibs (scripts/prepare_device.sh), build/nsyslibs for PROFILE
 # (bench/nsys_env.sh) and data, on the device (every part optional, in this order):
-#     VARIANTS="main new"                     # unpack build/xz/{main,new}.tar.xz; main's is build/spindle
+#     VARIANTS="main new"                     # unpack build/xz/{main,new}.tar.xz; the first's is build/spindle
 #     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
 #                                             # (SUITE=NAME: that variant's)
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
@@ -22,7 +22,7 @@
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
 #                                             # the profile's model too
-#     PROFILE=262144                          # an nsys trace of main's step at that length from the
+#     PROFILE=262144                          # an nsys trace of the first variant's step at that length from the
 #                                             # checkpoint (or configs/glm53-flash-4b.json without
 #                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
 #                                             # and bench/host_gaps.py
@@ -46,7 +46,8 @@ left() { echo $((${LIMIT:-585} - ($(date +%s) - start))); }
 at() { echo "at $(($(date +%s) - start)) s"; }
 export LD_LIBRARY_PATH="$PWD/build/devlibs:${LD_LIBRARY_PATH:-}"
 for v in ${VARIANTS:-main}; do mkdir -p "build/a/$v" && tar xJf "build/xz/$v.tar.xz" -C "build/a/$v"; done
-cp build/a/main/spindle build/spindle
+variants=(${VARIANTS:-main})
+cp "build/a/${variants[0]}/spindle" build/spindle  # for the scripts that run build/spindle
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # The SM clock, power and temperature each second through the call (bench/clocks.py reads them
 # over each step's window), to tell a slower kernel from a throttled GPU.
