@@ -22,10 +22,10 @@
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
 #                                             # the profile's model too
-#     PROFILE=262144                          # an nsys trace of the first variant's step at that length from the
-#                                             # checkpoint (or configs/glm53-flash-4b.json without
-#                                             # STEPS1M): bench/step_kernels.py, bench/gpu_gaps.py
-#                                             # and bench/host_gaps.py
+#     PROFILE=262144                          # an nsys trace of the first variant's step at that
+#                                             # length from the checkpoint (or configs/glm53-flash-4b.json
+#                                             # without STEPS1M): bench/step_kernels.py,
+#                                             # bench/gpu_gaps.py and bench/host_gaps.py
 #     PROFILE_ARGS=--host-optimizer           # more options for that step (word-split)
 #     PROFILE_NEEDS=240                       # seconds it needs (default 120), else skipped
 #     OUT=... bash bench/device_ab.sh run
