@@ -16,7 +16,7 @@ using spindle::cuda::wave_filling_splits;
 constexpr int64_t kSlots = 132, kSetup = 4;
 
 int64_t tile_times(int64_t ctas, int64_t tiles, int64_t splits) {
-  return (ctas * splits + kSlots - 1) / kSlots * ((tiles + splits - 1) / splits + kSetup);
+  return spindle::cuda::wave_tile_times(ctas, tiles, splits, kSlots, kSetup);
 }
 
 // The share of the layer's launches' capacity (slots x tile-times) that its CTAs' tiles fill,
