@@ -19,6 +19,7 @@
 #                                             # (:kl with the indexers' KL training, :b with
 #                                             # --plan-policy "$POLICY_B": another of the planner's
 #                                             # policies, e.g. POLICY_B="stream 16k + host AdamW")
+#     TRAIN=1                                 # the checkpoint without STEPS1M (for PROFILE alone)
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
 #                                             # the profile's model too
@@ -91,7 +92,7 @@ model=configs/glm53-flash-4b.json
 if [ -n "${REUSE_CHECKPOINT:-}" ] && [ -s /tmp/tf/run/latest ]; then
   model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
   echo "the checkpoint an earlier call trained on this machine: $model"
-elif [ -n "${STEPS1M:-}" ]; then
+elif [ -n "${STEPS1M:-}${TRAIN:-}" ]; then
   FREEZE_STEPS=10 STEPS=20 bash bench/trained_1m_h200.sh /tmp/tf train > "$OUT/train.log" 2>&1
   echo "train rc=$? $(at)"; tail -2 "$OUT/train.log"
   model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
