@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -118,9 +119,11 @@ TEST(CudaLossMoe, ChunkedLmHeadLossMatchesTheCpu) {
 // ---------------------------------------------------------------- clamped SwiGLU
 
 // Gate and up as the halves of each row ([rows, 2 cols], as the MLPs and experts keep them): an odd
-// width wider than a block's threads.
-TEST(CudaLossMoe, ClampedSwigluOverRowHalvesMatchesTheCpu) {
-  const int64_t rows = 173, cols = 577, n = rows * cols;
+// width wider than a block's threads (one element a thread at a time), an expert's 576 (vectors of
+// 8) and 580 (vectors of 4).
+void check_clamped_swiglu_over_row_halves(int64_t cols) {
+  SCOPED_TRACE("cols " + std::to_string(cols));
+  const int64_t rows = 173, n = rows * cols;
   const float limit = 7.0f;
   // Wide enough that both clamps hold often; a few inputs exactly at the bounds (gradient passes there).
   auto gate = rounded(random_floats(n, 5.0f)), up = rounded(random_floats(n, 5.0f));
@@ -164,6 +167,10 @@ TEST(CudaLossMoe, ClampedSwigluOverRowHalvesMatchesTheCpu) {
       EXPECT_EQ(__bfloat162float(dup[i]), 0.0f) << i;
     }
   }
+}
+
+TEST(CudaLossMoe, ClampedSwigluOverRowHalvesMatchesTheCpu) {
+  for (const int64_t cols : {577, 576, 580}) check_clamped_swiglu_over_row_halves(cols);
 }
 
 // ---------------------------------------------------------------- router

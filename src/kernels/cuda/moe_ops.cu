@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/shared_memory_limit.h"
 
@@ -23,51 +24,63 @@ constexpr int64_t kMaxExperts = 2048;
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // One element of the clamped SwiGLU: out = silu(min(gate, limit)) * clamp(up, -limit, limit).
-__device__ void swiglu_element(const __nv_bfloat16& gate, const __nv_bfloat16& up, __nv_bfloat16& out,
-                               float limit) {
-  const float g = fminf(__bfloat162float(gate), limit);
-  const float u = fminf(fmaxf(__bfloat162float(up), -limit), limit);
-  out = __float2bfloat16(g * sigmoidf(g) * u);
+__device__ float swiglu_value(float gate, float up, float limit) {
+  const float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
+  return g * sigmoidf(g) * u;
 }
 
-// Its gradients; dgate and dup may be gate and up (everything is read before they are written).
-__device__ void swiglu_gradient_element(const __nv_bfloat16& gate, const __nv_bfloat16& up,
-                                        const __nv_bfloat16& dout, __nv_bfloat16& dgate, __nv_bfloat16& dup,
-                                        float limit) {
-  const float graw = __bfloat162float(gate), uraw = __bfloat162float(up), d = __bfloat162float(dout);
-  const float g = fminf(graw, limit), u = fminf(fmaxf(uraw, -limit), limit);
+// Its gradients, into dgate and dup.
+__device__ void swiglu_gradient(float gate, float up, float dout, float& dgate, float& dup, float limit) {
+  const float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
   const float sg = sigmoidf(g);
-  dgate = __float2bfloat16(graw <= limit ? d * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f);
-  dup = __float2bfloat16(uraw >= -limit && uraw <= limit ? d * g * sg : 0.0f);
+  dgate = gate <= limit ? dout * u * sg * (1.0f + g * (1.0f - sg)) : 0.0f;
+  dup = up >= -limit && up <= limit ? dout * g * sg : 0.0f;
 }
 
-// The clamped SwiGLU over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: a block per
-// row at a time, its threads over the columns.
+// The clamped SwiGLU over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: each thread V
+// consecutive columns of a row at a time (V divides cols), over the rows' vectors flat, so that a
+// row narrower than a block (an expert's 576) leaves no thread idle.
+template <int V>
 __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
-                                             int cols, float limit) {
+                                             int64_t cols, float limit) {
   wait_for_earlier_kernels();
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const __nv_bfloat16* gate = gate_up + r * 2 * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x)
-      swiglu_element(gate[c], gate[cols + c], out[r * cols + c], limit);
+  const int64_t per_row = cols / V, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * per_row;
+       i += stride) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+    float gate[V], up[V], y[V];
+    load<V>(gate_up + r * 2 * cols + c, gate);
+    load<V>(gate_up + r * 2 * cols + cols + c, up);
+#pragma unroll
+    for (int j = 0; j < V; ++j) y[j] = swiglu_value(gate[j], up[j], limit);
+    store<V>(out + r * cols + c, y);
   }
 }
 
-// dgate, dup in place of gate, up.
+// dgate, dup in place of gate, up; the vectors as the forward's.
+template <int V>
 __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
-                                              int cols, float limit) {
+                                              int64_t cols, float limit) {
   wait_for_earlier_kernels();
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    __nv_bfloat16* gate = gate_up + r * 2 * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x)
-      swiglu_gradient_element(gate[c], gate[cols + c], dout[r * cols + c], gate[c], gate[cols + c], limit);
+  const int64_t per_row = cols / V, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * per_row;
+       i += stride) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+    __nv_bfloat16* gate_at = gate_up + r * 2 * cols + c;
+    float gate[V], up[V], d[V], dgate[V], dup[V];
+    load<V>(gate_at, gate);
+    load<V>(gate_at + cols, up);
+    load<V>(dout + r * cols + c, d);
+#pragma unroll
+    for (int j = 0; j < V; ++j) swiglu_gradient(gate[j], up[j], d[j], dgate[j], dup[j], limit);
+    store<V>(gate_at, dgate);
+    store<V>(gate_at + cols, dup);
   }
 }
 
-// Blocks for the row kernels, after checking their sizes.
-unsigned row_blocks(int64_t rows, int64_t cols, const char* what) {
-  check(cols > 0 && cols <= INT_MAX && rows >= 0, what, ": ", rows, " rows of ", cols);
-  return static_cast<unsigned>(std::min<int64_t>(rows, 65536));
+// The widest vectors that the SwiGLU kernels' pointers and columns allow.
+int swiglu_width(const void* gate_up, const void* other, int64_t cols) {
+  return vector_width({Access{gate_up, sizeof(__nv_bfloat16)}, Access{other, sizeof(__nv_bfloat16)}}, cols);
 }
 
 // Warp arg-max over (value, index) pairs: larger value wins, ties to the lower index.
@@ -321,19 +334,25 @@ void check_router(const cpu::RouterShape& s) {
 
 void clamped_swiglu_halves_forward(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                    int64_t cols, float limit, cudaStream_t stream) {
-  const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_forward");
+  check(cols > 0 && rows >= 0, "clamped_swiglu_halves_forward: ", rows, " rows of ", cols);
   if (rows == 0) return;
-  launch_kernel(swiglu_halves_forward_kernel, blocks, kThreads, 0, stream, gate_up, out, rows,
-                static_cast<int>(cols), limit);
+  with_width(swiglu_width(gate_up, out, cols), [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    launch_kernel(swiglu_halves_forward_kernel<V>, grid_blocks(rows * (cols / V), kThreads), kThreads, 0,
+                  stream, gate_up, out, rows, cols, limit);
+  });
   SPINDLE_LAUNCHED("swiglu_halves_forward_kernel");
 }
 
 void clamped_swiglu_halves_backward(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
                                     int64_t cols, float limit, cudaStream_t stream) {
-  const unsigned blocks = row_blocks(rows, cols, "clamped_swiglu_halves_backward");
+  check(cols > 0 && rows >= 0, "clamped_swiglu_halves_backward: ", rows, " rows of ", cols);
   if (rows == 0) return;
-  launch_kernel(swiglu_halves_backward_kernel, blocks, kThreads, 0, stream, gate_up, dout, rows,
-                static_cast<int>(cols), limit);
+  with_width(swiglu_width(gate_up, dout, cols), [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    launch_kernel(swiglu_halves_backward_kernel<V>, grid_blocks(rows * (cols / V), kThreads), kThreads, 0,
+                  stream, gate_up, dout, rows, cols, limit);
+  });
   SPINDLE_LAUNCHED("swiglu_halves_backward_kernel");
 }
 
