@@ -520,7 +520,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
   }
   rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
                     f32_data(grad.kv_a_layernorm), L, kr, eps, s);
-  gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 1.0f, s);
+  gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 0.0f, s);  // writes dx
   gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.kv_a_proj), L, D, kr, s);
 
   DeviceBuffer<bf16> d_resid = activations(L * qr), dq_low = activations(L * qr);

@@ -73,10 +73,10 @@ void backward_input_into_columns(Gemm& gemm, const bf16* dy, const bf16* w, bf16
   gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s);
 }
 
-// dx += dy w (fp32 dx, [M, K], its rows K apart).
+// dx = dy w (fp32 dx, [M, K], its rows K apart).
 void backward_input_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* w, float* dx, int64_t M,
                                  int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 1.0f, s);
+  gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 0.0f, s);
 }
 
 // dw += dy^T x (fp32 dw, [N, K]).
@@ -239,8 +239,8 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   // Every gradient that reaches dx through a weight, side by side in one [rows, ld] buffer: the q,
   // k and v windows' (rows of the conv's window), then the gate's and the forget gate's low-rank and
   // db (the chunk's rows), so that dx takes them all in one product against the stacked weights
-  // (kda_columns' order). Each product into dx reads and writes all of the fp32 dx: six of them
-  // cost about a third more than the one.
+  // (kda_columns' order), which writes dx. Each product adding into dx would read and write all of
+  // the fp32 dx: six of them cost about a third more than the one.
   const int64_t ld = cols.stacked();
   DeviceBuffer<bf16> stacked = activations(rows * ld);
   bf16* chunk_rows = stacked.data() + carried * ld;  // token 0's row

@@ -1,7 +1,9 @@
-// The model's sublayers on the GPU, the same contracts as model/modules.h: x is the normalised
-// sublayer input [tokens, hidden] (bf16), y the output (bf16, written). Each backward recomputes
-// its sublayer's forward from x, accumulates the input gradient into dx (fp32) and the parameter
-// gradients into `grad` (fp32 device weights, same layout as the weights). The attention
+// The model's sublayers on the GPU, the same contracts as model/modules.h but for dx: x is the
+// normalised sublayer input [tokens, hidden] (bf16), y the output (bf16, written). Each backward
+// recomputes its sublayer's forward from x, writes the input gradient into dx (fp32: its first
+// product into dx overwrites it, so that no caller zeroes the buffer and no product reads it
+// first) and accumulates the parameter gradients into `grad` (fp32 device weights, same layout as
+// the weights). The attention
 // backwards also write the recomputed output into y unless it is null: the mHC combine's
 // backward needs it, and it costs them one projection, not a forward.
 #pragma once

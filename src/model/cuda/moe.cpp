@@ -61,9 +61,9 @@ void mlp_backward(Context& ctx, const MlpWeights& w, double swiglu_limit, const 
   gemm.linear_backward_weight(dy, hidden.data(), f32_data(grad.down_proj), L, I, D, s);
   gemm.linear_backward_input(dy, bf16_data(w.down_proj), dhidden.data(), L, I, D, s);
   // Gate's and up's gradients over their halves of gate_up: against the stacked weights they give
-  // the input gradient in one product, added to dx once.
+  // the input gradient in one product, which writes dx.
   clamped_swiglu_halves_backward(gate_up.data(), dhidden.data(), L, I, limit, s);
-  gemm.linear_backward_input(gate_up.data(), bf16_data(w.gate_up), dx, L, D, 2 * I, 1.0f, s);
+  gemm.linear_backward_input(gate_up.data(), bf16_data(w.gate_up), dx, L, D, 2 * I, 0.0f, s);
   gemm.linear_backward_weight(gate_up.data(), x, f32_data(grad.gate_up), L, D, 2 * I, s);
 }
 
@@ -225,7 +225,7 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   if (products) clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared, &r.shared_gate_up);
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared, &r.shared_gate_up);  // writes dx
   part.emplace(ctx.timer, "moe.experts_backward", s);
   if (!taken) wait_for_offsets(ctx, r);
   // The experts' gate and up again (unless kept), not their output: dy . out, the weights'

@@ -118,7 +118,6 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   DeviceBuffer<bf16> dy = activations(L * D);
   {
     const TimedScope timed = ctx.timed("mhc");
-    SPINDLE_CUDA(cudaMemsetAsync(d_normed.data(), 0, d_normed.size() * sizeof(float), s));
     // d_post comes here, while dout is read anyway, when y is known already (kept, or recomputed above).
     // The combine's part of the streams' gradient comes with the coefficients' below (d_in written once).
     hc_combine_backward(shape, streams, a.post.data(), a.comb.data(), dstreams.data(), nullptr, dy.data(),
