@@ -29,6 +29,9 @@
 #                                             # bench/gpu_gaps.py and bench/host_gaps.py
 #     PROFILE_ARGS=--host-optimizer           # more options for that step (word-split)
 #     PROFILE_NEEDS=240                       # seconds it needs (default 120), else skipped
+#     PROFILE_NO_PDL=1                        # the profiled step without programmatic dependent launches
+#                                             # (SPINDLE_NO_PDL=1, kernels/cuda/launch.cuh): each kernel's
+#                                             # span its own, not its wait for the one before
 #     OUT=... bash bench/device_ab.sh run
 # A part that would not finish inside the call's 600 s (LIMIT) is skipped and says so.
 set -fuo pipefail
@@ -111,7 +114,8 @@ done
 if [ -n "${PROFILE:-}" ] && [ "$(left)" -lt "${PROFILE_NEEDS:-120}" ]; then
   echo "skip the profile: $(left) s left"
 elif [ -n "${PROFILE:-}" ]; then
-  bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+  SPINDLE_NO_PDL=${PROFILE_NO_PDL:-0} bash bench/step_profile.sh /tmp/prof "$model" "$PROFILE" ${PROFILE_ARGS:-} \
+    > "$OUT/profile.log" 2>&1
   echo "profile rc=$? $(at)"
   python3 bench/step_kernels.py /tmp/prof/step.sqlite 120 > "$OUT/kernels.txt" 2>&1
   (cd bench && python3 gpu_gaps.py /tmp/prof/step.sqlite 1000 40) > "$OUT/gaps.txt" 2>&1

@@ -5,7 +5,9 @@
 #     bash bench/step_profile.sh OUT_DIR MODEL SEQ_LEN [more spindle bench options]
 # e.g. the trained checkpoint of bench/trained_1m_h200.sh at 1M:
 #     bash bench/step_profile.sh OUT /tmp/tf/run/$(cat /tmp/tf/run/latest) 1048576 --host-optimizer
-# The GPU machine's nsys needs libdw and libelf (see bench/nsys_env.sh: build/nsyslibs).
+# The GPU machine's nsys needs libdw and libelf (see bench/nsys_env.sh: build/nsyslibs). With
+# SPINDLE_NO_PDL=1 in the environment the kernels launch plainly, so that each kernel's span in the
+# table is its own: a programmatic dependent's span also holds its wait for the kernel before it.
 set -euo pipefail
 out=$1 model=$2 seq_len=$3
 shift 3
