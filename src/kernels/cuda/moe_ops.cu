@@ -37,24 +37,32 @@ __device__ void swiglu_gradient(float gate, float up, float dout, float& dgate, 
   dup = up >= -limit && up <= limit ? dout * g * sg : 0.0f;
 }
 
-// The clamped SwiGLU over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols]: each thread V
-// consecutive columns of a row at a time (V divides cols), over the rows' vectors flat, so that a
-// row narrower than a block (an expert's 576) leaves no thread idle.
+// visit(r, c) for every vector of V consecutive columns c .. c + V - 1 of rows [0, rows) (V divides
+// cols), a thread's at a time over the rows' vectors flat, so that a row narrower than a block (an
+// expert's 576) leaves no thread idle.
+template <int V, class Visit>
+__device__ void for_each_row_vector(int64_t rows, int64_t cols, const Visit& visit) {
+  const int64_t per_row = cols / V, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * per_row;
+       i += stride) {
+    const int64_t r = i / per_row;
+    visit(r, (i - r * per_row) * V);
+  }
+}
+
+// The clamped SwiGLU over rows of [gate | up] ([rows, 2 cols]) into out [rows, cols], in vectors of V.
 template <int V>
 __global__ void swiglu_halves_forward_kernel(const __nv_bfloat16* gate_up, __nv_bfloat16* out, int64_t rows,
                                              int64_t cols, float limit) {
   wait_for_earlier_kernels();
-  const int64_t per_row = cols / V, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * per_row;
-       i += stride) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+  for_each_row_vector<V>(rows, cols, [&](int64_t r, int64_t c) {
     float gate[V], up[V], y[V];
     load<V>(gate_up + r * 2 * cols + c, gate);
     load<V>(gate_up + r * 2 * cols + cols + c, up);
 #pragma unroll
     for (int j = 0; j < V; ++j) y[j] = swiglu_value(gate[j], up[j], limit);
     store<V>(out + r * cols + c, y);
-  }
+  });
 }
 
 // dgate, dup in place of gate, up; the vectors as the forward's.
@@ -62,10 +70,7 @@ template <int V>
 __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv_bfloat16* dout, int64_t rows,
                                               int64_t cols, float limit) {
   wait_for_earlier_kernels();
-  const int64_t per_row = cols / V, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * per_row;
-       i += stride) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+  for_each_row_vector<V>(rows, cols, [&](int64_t r, int64_t c) {
     __nv_bfloat16* gate_at = gate_up + r * 2 * cols + c;
     float gate[V], up[V], d[V], dgate[V], dup[V];
     load<V>(gate_at, gate);
@@ -75,7 +80,7 @@ __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv
     for (int j = 0; j < V; ++j) swiglu_gradient(gate[j], up[j], d[j], dgate[j], dup[j], limit);
     store<V>(gate_at, dgate);
     store<V>(gate_at + cols, dup);
-  }
+  });
 }
 
 // The widest vectors that the SwiGLU kernels' pointers and columns allow.
