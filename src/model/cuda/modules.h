@@ -3,9 +3,8 @@
 // recomputes its sublayer's forward from x, writes the input gradient into dx (fp32: its first
 // product into dx overwrites it, so that no caller zeroes the buffer and no product reads it
 // first) and accumulates the parameter gradients into `grad` (fp32 device weights, same layout as
-// the weights). The attention
-// backwards also write the recomputed output into y unless it is null: the mHC combine's
-// backward needs it, and it costs them one projection, not a forward.
+// the weights). The attention backwards also write the recomputed output into y unless it is null:
+// the mHC combine's backward needs it, and it costs them one projection, not a forward.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -225,7 +225,8 @@ void moe_backward(Context& ctx, const ModelConfig& c, const MoeWeights& w, const
   if (products) clamped_swiglu_halves_forward(gate_up.data(), hidden.data(), n, I, limit, s);
   ctx.lanes.fork(s);
   part.emplace(ctx.timer, "moe.shared_backward", s);
-  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared, &r.shared_gate_up);  // writes dx
+  // The shared expert's backward writes dx first; the experts' scatter and the router's add to it.
+  mlp_backward(ctx, w.shared, c.swiglu_limit, x, L, dy, dx, grad.shared, &r.shared_gate_up);
   part.emplace(ctx.timer, "moe.experts_backward", s);
   if (!taken) wait_for_offsets(ctx, r);
   // The experts' gate and up again (unless kept), not their output: dy . out, the weights'

@@ -15,9 +15,8 @@ namespace spindle::cuda {
 
 using SublayerForward = std::function<void(const __nv_bfloat16* normed, __nv_bfloat16* y)>;
 // Writes the input gradient into dnormed (fp32, modules.h) and accumulates the sublayer's parameter
-// gradients; where
-// y is not null, also writes the sublayer's output there (a backward that recomputes its forward
-// anyway gives it for one projection more).
+// gradients; where y is not null, also writes the sublayer's output there (a backward that
+// recomputes its forward anyway gives it for one projection more).
 using SublayerBackward = std::function<void(const __nv_bfloat16* normed, const __nv_bfloat16* dy,
                                             float* dnormed, __nv_bfloat16* y)>;
 
