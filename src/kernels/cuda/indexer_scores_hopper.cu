@@ -95,22 +95,38 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
         valid ? a.q + ((offset + q0 + query) * a.heads + head) * kDim + chunk * 8 : a.q;
     copy16(shared + u * 16, from, valid);
   }
-  float* weights = reinterpret_cast<float*>(shared + L.weights);  // [16 queries][32], scale folded in
+  // [16 queries][32], scale folded in; a query's heads in the order the fold reads them: head 8 jj +
+  // 2 c + e at 8 c + 2 jj + e, so that lane c's four pairs are two float4 loads.
+  float* weights = reinterpret_cast<float*>(shared + L.weights);
   for (int i = tid; i < kQueries * kSlots; i += kThreads) {
     const int query = i / kSlots, head = i % kSlots;
     const bool valid = head < a.heads && q0 + query < a.rows;
-    weights[i] =
+    weights[query * kSlots + head % 8 / 2 * 8 + head / 8 * 2 + head % 2] =
         valid ? a.scale * __bfloat162float(a.head_weights[(offset + q0 + query) * a.heads + head]) : 0.0f;
   }
   unsigned char* keys = shared + L.keys;
   const auto first_pool = [&](int64_t i) { return (blockIdx.y + i * gridDim.y) * kPools; };  // tile i's
+  // This thread's 16-byte units of a key tile (u = tid + kThreads j): each one's pool in the tile and
+  // element offset from the tile's first key, the same for every tile (the loop's index arithmetic
+  // was a fifth of the kernel's instructions when made per tile).
+  constexpr int kTileUnits = kPools * kChunks, kUnits = (kTileUnits + kThreads - 1) / kThreads;
+  const auto has_unit = [&](int j) { return kTileUnits % kThreads == 0 || tid + kThreads * j < kTileUnits; };
+  int unit_pool[kUnits], unit_offset[kUnits];
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int u = tid + kThreads * j;
+    unit_pool[j] = u / (8 * kChunks) * 8 + u % 8;
+    unit_offset[j] = unit_pool[j] * kDim + u / 8 % kChunks * 8;
+  }
   const auto load_keys = [&](int64_t i) {  // the CTA's i-th tile into stage i % 4, zero past the last pool
-    unsigned char* dst = keys + (i % kStages) * L.tile_bytes;
+    unsigned char* dst = keys + (i % kStages) * L.tile_bytes + tid * 16;
     const int64_t p0 = first_pool(i);
-    for (int u = tid; u < kPools * kChunks; u += kThreads) {
-      const int64_t pool = p0 + u / (8 * kChunks) * 8 + u % 8;
-      const bool valid = pool < a.pools;
-      copy16(dst + u * 16, valid ? a.pool_keys + pool * kDim + u / 8 % kChunks * 8 : a.pool_keys, valid);
+    const __nv_bfloat16* tile = a.pool_keys + p0 * kDim;
+    const int64_t left = a.pools - p0;  // pools of the tile that exist: unit_pool < left
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const bool valid = unit_pool[j] < left;
+      if (has_unit(j)) copy16(dst + kThreads * 16 * j, valid ? tile + unit_offset[j] : a.pool_keys, valid);
     }
   };
   // kAhead commit groups, possibly empty, so that the count stays uniform: q and the first tile,
@@ -121,22 +137,23 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
     copy_commit();
   }
 
-  const uint32_t keys_address = shared_address(keys);
   constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
-  // The warpgroup's two halves of q: kHalfColumns rows (groups of 8) each.
-  const uint32_t q_half[2] = {shared_address(shared) + group * L.q_bytes,
-                              shared_address(shared) + group * L.q_bytes + kHalfColumns / 8 * kGroupBytes};
-  const float2* group_weights = reinterpret_cast<const float2*>(weights) + group * kGroupQueries * kSlots / 2;
+  // The descriptors of stage 0's key tile and of the warpgroup's two halves of q (kHalfColumns rows,
+  // groups of 8, each), made once: a stage or a k-step of 16 (256 bytes) only moves the start
+  // address, the descriptor's low field in 16-byte units (below 2^14: no carry out of it).
+  const uint64_t keys_descriptor = wgmma_descriptor(shared_address(keys), 128, kGroupBytes);
+  const uint32_t q_address = shared_address(shared) + group * L.q_bytes;
+  const uint64_t q_descriptor[2] = {wgmma_descriptor(q_address, 128, kGroupBytes),
+                                    wgmma_descriptor(q_address + kHalfColumns / 8 * kGroupBytes, 128, kGroupBytes)};
+  const float4* group_weights = reinterpret_cast<const float4*>(weights) + group * kGroupQueries * kSlots / 4;
   // scores^T [64 pools, 4 queries x 32 heads] = K Q^T over head_dim for one half, asynchronous.
   const auto issue = [&](float(&acc)[kHalfColumns / 2], int64_t i, int half) {
-    const uint32_t tile_address = keys_address + (i % kStages) * L.tile_bytes;
+    const uint64_t tile = keys_descriptor + static_cast<uint64_t>(i % kStages) * (L.tile_bytes / 16);
 #pragma unroll
     for (int j = 0; j < kHalfColumns / 2; ++j) wgmma_hold(acc[j]);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KSteps; ++k)
-      wgmma_m64n128k16(acc, wgmma_descriptor(tile_address + k * 256, 128, kGroupBytes),
-                       wgmma_descriptor(q_half[half] + k * 256, 128, kGroupBytes), k > 0);
+    for (int k = 0; k < KSteps; ++k) wgmma_m64n128k16(acc, tile + 16 * k, q_descriptor[half] + 16 * k, k > 0);
     wgmma_commit();
   };
   // The scores of a finished half (tile i): per pool row (16 warp + lane / 4 + 8 h) and query, its
@@ -149,9 +166,14 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 #pragma unroll
     for (int query = 0; query < kHalfQueries; ++query) {
       float s0 = 0.0f, s1 = 0.0f;
+      const float4* lane_weights = group_weights + ((kHalfQueries * half + query) * kSlots + 8 * c) / 4;
+      const float4 w01 = lane_weights[0], w23 = lane_weights[1];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const float2 w = group_weights[(kHalfQueries * half + query) * kSlots / 2 + 4 * jj + c];
+        const float2 w = jj == 0 ? make_float2(w01.x, w01.y)
+                         : jj == 1 ? make_float2(w01.z, w01.w)
+                         : jj == 2 ? make_float2(w23.x, w23.y)
+                                   : make_float2(w23.z, w23.w);
         const float* d = acc + 4 * (4 * query + jj);
         s0 = __fmaf_rn(w.x, fmaxf(d[0], 0.0f), s0);
         s0 = __fmaf_rn(w.y, fmaxf(d[1], 0.0f), s0);
