@@ -18,7 +18,10 @@
 // Why this shape: each 16 KB key tile feeds 2 x 4.2 MFLOP (512 FLOP per byte from L2), and the
 // tensor cores work during half of the epilogues. Measured on the H200 (docs/PERF.md): one
 // m64n256k16 chain per warpgroup, the epilogue after it, 498 TFLOP/s; these halves 543; quarters
-// (m64n64k16) 414; one warpgroup per CTA and two CTAs per multiprocessor 445.
+// (m64n64k16) 414; one warpgroup per CTA and two CTAs per multiprocessor 445. What bounds it is the
+// instructions its 8 warps issue (ncu: 1.4 a cycle), not the tensor cores: making the key loads'
+// offsets and the descriptors once took it from 449 to 512 TFLOP/s (H100), while pipelining the
+// halves across tiles made it slower (docs/PERF.md).
 //
 // Shared memory: q 2 x 256 rows x head_dim bf16 (128 KiB at 128), 4 key tiles of 64 x head_dim
 // (64 KiB) and the head weights [16][32] fp32: 194 KiB at head_dim 128.
