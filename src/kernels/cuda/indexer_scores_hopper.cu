@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
 
   constexpr uint32_t kGroupBytes = kDim * 16;  // between 8-row groups
   // The descriptors of stage 0's key tile and of the warpgroup's two halves of q (kHalfColumns rows,
-  // groups of 8, each), made once: a stage or a k-step of 16 (256 bytes) only moves the start
-  // address, the descriptor's low field in 16-byte units (below 2^14: no carry out of it).
+  // groups of 8, each), made once: a stage or a k-step of 16 (256 bytes) moves them
+  // (wgmma_descriptor_plus).
   const uint64_t keys_descriptor = wgmma_descriptor(shared_address(keys), 128, kGroupBytes);
   const uint32_t q_address = shared_address(shared) + group * L.q_bytes;
   const uint64_t q_descriptor[2] = {wgmma_descriptor(q_address, 128, kGroupBytes),
@@ -148,12 +148,14 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_hopper_kernel(cons
   const float4* group_weights = reinterpret_cast<const float4*>(weights) + group * kGroupQueries * kSlots / 4;
   // scores^T [64 pools, 4 queries x 32 heads] = K Q^T over head_dim for one half, asynchronous.
   const auto issue = [&](float(&acc)[kHalfColumns / 2], int64_t i, int half) {
-    const uint64_t tile = keys_descriptor + static_cast<uint64_t>(i % kStages) * (L.tile_bytes / 16);
+    const uint64_t tile = wgmma_descriptor_plus(keys_descriptor, static_cast<uint32_t>(i % kStages) * L.tile_bytes);
 #pragma unroll
     for (int j = 0; j < kHalfColumns / 2; ++j) wgmma_hold(acc[j]);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KSteps; ++k) wgmma_m64n128k16(acc, tile + 16 * k, q_descriptor[half] + 16 * k, k > 0);
+    for (int k = 0; k < KSteps; ++k)
+      wgmma_m64n128k16(acc, wgmma_descriptor_plus(tile, 256 * k), wgmma_descriptor_plus(q_descriptor[half], 256 * k),
+                       k > 0);
     wgmma_commit();
   };
   // The scores of a finished half (tile i): per pool row (16 warp + lane / 4 + 8 h) and query, its

@@ -236,21 +236,23 @@ __device__ __forceinline__ void tile_bits(const Tiles& t, const uint32_t* words,
 
 // d = A B^T over the 128 values, A and B [64 rows][128] at a and b (K-major). Not committed.
 __device__ __forceinline__ void product_over_values(float (&d)[32], uint32_t a, uint32_t b) {
+  const uint64_t da = wgmma_descriptor_128b(a, 16, 1024), db = wgmma_descriptor_128b(b, 16, 1024);
 #pragma unroll
-  for (int k = 0; k < kDim / 16; ++k)
-    wgmma_m64n64k16(d, wgmma_descriptor_128b(a + k / 4 * kHalfBytes + k % 4 * 32, 16, 1024),
-                    wgmma_descriptor_128b(b + k / 4 * kHalfBytes + k % 4 * 32, 16, 1024), k > 0);
+  for (int k = 0; k < kDim / 16; ++k) {
+    const uint32_t step = k / 4 * kHalfBytes + k % 4 * 32;
+    wgmma_m64n64k16(d, wgmma_descriptor_plus(da, step), wgmma_descriptor_plus(db, step), k > 0);
+  }
 }
 
 // d += P B over 64 rows, P [64 x 64] as A fragments, B [64 rows][128] at b (MN-major): d[half] its
 // 64-value halves. Not committed.
 __device__ __forceinline__ void product_over_rows(float (&d)[2][32], const uint32_t (&p)[4][4], uint32_t b) {
+  const uint64_t db = wgmma_descriptor_128b(b, kHalfBytes, 1024);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k)
-      wgmma_m64n64k16_rs<1>(
-          d[half], p[k], wgmma_descriptor_128b(b + half * kHalfBytes + k * 16 * 128, kHalfBytes, 1024), true);
+      wgmma_m64n64k16_rs<1>(d[half], p[k], wgmma_descriptor_plus(db, half * kHalfBytes + k * 16 * 128), true);
   }
 }
 

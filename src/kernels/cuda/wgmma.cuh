@@ -53,6 +53,15 @@ __device__ __forceinline__ uint64_t wgmma_descriptor_128b(uint32_t shared_addres
   return wgmma_descriptor(shared_address, leading_offset, stride_offset) | uint64_t{1} << 62;
 }
 
+// descriptor's operand moved by byte_offset (a multiple of 16): the start address is the low field,
+// in 16-byte units, and shared addresses stay below 2^18 bytes, so the sum carries out of nothing
+// and equals the descriptor made at the moved address. One add where making the descriptor again
+// takes about five uniform-datapath instructions (a fifth of a wgmma loop's instructions, measured:
+// docs/PERF.md).
+__device__ __forceinline__ uint64_t wgmma_descriptor_plus(uint64_t descriptor, uint32_t byte_offset) {
+  return descriptor + (byte_offset >> 4);
+}
+
 // Before the first wgmma that reads or writes accumulators the threads last touched.
 __device__ __forceinline__ void wgmma_fence() { SPINDLE_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
