@@ -84,13 +84,12 @@ __device__ __forceinline__ constexpr int qdo_row_of_step(int k) {
 template <bool Pair>
 __device__ __forceinline__ void issue_rows_gradient(float (&acc)[64], uint32_t grads_address,
                                                     uint32_t qdo_address, int n0) {
+  const uint64_t grads = wgmma_descriptor(grads_address, kGradsGroupBytes, 128),
+                 qdo = wgmma_descriptor(qdo_address + n0 / 8 * 128, kQdoGroupBytes, 128);
 #pragma unroll
   for (int k = 0; k < (Pair ? kPairRows : kRows) / 16; ++k)
-    wgmma_m64n128k16<1, 1>(
-        acc, wgmma_descriptor(grads_address + k * 2 * kGradsGroupBytes, kGradsGroupBytes, 128),
-        wgmma_descriptor(qdo_address + qdo_row_of_step<Pair>(k) / 8 * kQdoGroupBytes + n0 / 8 * 128,
-                         kQdoGroupBytes, 128),
-        k > 0);
+    wgmma_m64n128k16<1, 1>(acc, wgmma_descriptor_plus(grads, k * 2 * kGradsGroupBytes),
+                           wgmma_descriptor_plus(qdo, qdo_row_of_step<Pair>(k) / 8 * kQdoGroupBytes), k > 0);
 }
 
 // issue_rows_gradient alone, complete on return.
@@ -177,14 +176,14 @@ __device__ __forceinline__ void dq_and_rows_gradient(float (&dq)[4][16 * Queries
   for (int b = 0; b < 4; ++b) wgmma_hold(dq[b]);
   wgmma_hold(acc);
   wgmma_fence();
+  const uint64_t tile = wgmma_descriptor_128b(tile_address, kSwizzleBlockBytes, 1024),
+                 grads = wgmma_descriptor(grads_address, 128, kGradsGroupBytes);
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k) {
-      const uint64_t keys = wgmma_descriptor_128b(
-                         tile_address + (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128,
-                         kSwizzleBlockBytes, 1024),
-                     ds = wgmma_descriptor(grads_address + k * 256, 128, kGradsGroupBytes);
+      const uint64_t keys = wgmma_descriptor_plus(tile, (4 * group + b) * kSwizzleBlockBytes + k * 16 * 128),
+                     ds = wgmma_descriptor_plus(grads, k * 256);
       if constexpr (Queries == 1)
         wgmma_m64n32k16<1>(dq[b], keys, ds, true);
       else

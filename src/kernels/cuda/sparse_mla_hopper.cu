@@ -150,14 +150,14 @@ __device__ __forceinline__ void attend_tile(const Warpgroup& wg, uint32_t tile_a
     }
   }
   wgmma_fence();
+  const uint64_t tile = wgmma_descriptor_128b(tile_address, kSwizzleBlockBytes, 1024),
+                 probabilities = wgmma_descriptor(wg.p_address, 128, kKeys * 16);
 #pragma unroll
   for (int b = 0; b < Blocks; ++b) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k)
-      wgmma_m64n32k16<1>(acc[b],
-                         wgmma_descriptor_128b(tile_address + b * kSwizzleBlockBytes + k * 16 * 128,
-                                               kSwizzleBlockBytes, 1024),
-                         wgmma_descriptor(wg.p_address + k * 256, 128, kKeys * 16), true);
+      wgmma_m64n32k16<1>(acc[b], wgmma_descriptor_plus(tile, b * kSwizzleBlockBytes + k * 16 * 128),
+                         wgmma_descriptor_plus(probabilities, k * 256), true);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -395,6 +395,8 @@ template <int First>
 __device__ __forceinline__ void pair_scores(float (&s)[32], uint32_t q_address, uint32_t tile_address,
                                             uint64_t* halves, uint32_t parity, uint32_t bits, float scale2) {
   wgmma_hold(s);
+  const uint64_t q = wgmma_descriptor(q_address, 128, kLatentDim * 16),
+                 tile = wgmma_descriptor_128b(tile_address, 16, 1024);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int half = h == 0 ? First : 1 - First;
@@ -404,9 +406,8 @@ __device__ __forceinline__ void pair_scores(float (&s)[32], uint32_t q_address, 
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 32; ++kk) {
       const int k = kLatentDim / 32 * half + kk;
-      wgmma_m64n64k16(s, wgmma_descriptor(q_address + k * 256, 128, kLatentDim * 16),
-                      wgmma_descriptor_128b(tile_address + k / 4 * kSwizzleBlockBytes + k % 4 * 32, 16, 1024),
-                      h > 0 || kk > 0);
+      wgmma_m64n64k16(s, wgmma_descriptor_plus(q, k * 256),
+                      wgmma_descriptor_plus(tile, k / 4 * kSwizzleBlockBytes + k % 4 * 32), h > 0 || kk > 0);
     }
   }
   wgmma_commit();
@@ -458,13 +459,12 @@ __device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint
                                              Product product) {
   wgmma_hold(acc);
   wgmma_fence();
+  const uint64_t half = wgmma_descriptor_128b(half_address, kSwizzleBlockBytes, 1024);
 #pragma unroll
   for (int b = 0; b < kHalfBlocks; ++b) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k)
-      product(acc[b], k,
-              wgmma_descriptor_128b(half_address + b * kSwizzleBlockBytes + k * 16 * 128, kSwizzleBlockBytes,
-                                    1024));
+      product(acc[b], k, wgmma_descriptor_plus(half, b * kSwizzleBlockBytes + k * 16 * 128));
   }
   wgmma_commit();
 }
@@ -476,8 +476,9 @@ __device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint
 }
 __device__ __forceinline__ void values_times(float (&acc)[kHalfBlocks][32], uint32_t p_address,
                                              uint32_t half_address) {
+  const uint64_t probabilities = wgmma_descriptor(p_address, 128, kKeys * 16);
   values_times(acc, half_address, [&](float(&d)[32], int k, uint64_t v) {
-    wgmma_m64n64k16<0, 1>(d, wgmma_descriptor(p_address + k * 256, 128, kKeys * 16), v, true);
+    wgmma_m64n64k16<0, 1>(d, wgmma_descriptor_plus(probabilities, k * 256), v, true);
   });
 }
 

@@ -143,13 +143,14 @@ __device__ __forceinline__ void tile_times_rows(float (&s)[Rows / 2], uint32_t t
                                                 uint32_t rows_address, int dk, uint32_t row_group_bytes) {
   static_assert(Rows == 32 || Rows == 64, "wgmma's N here: 32 or 64 rows");
   wgmma_hold(s);  // written before the fence, not sunk past it
+  const uint64_t tile = wgmma_descriptor_128b(tile_address, 16, 1024),
+                 rows = wgmma_descriptor(rows_address, 128, row_group_bytes);
   for (int k = 0; k < dk / 16; k += 4) {
     wgmma_fence();
 #pragma unroll
     for (int kk = k; kk < k + 4; ++kk) {
-      const uint64_t a = wgmma_descriptor_128b(tile_address + kk / 4 * kSwizzleBlockBytes + kk % 4 * 32, 16,
-                                               1024),
-                     b = wgmma_descriptor(rows_address + kk * 256, 128, row_group_bytes);
+      const uint64_t a = wgmma_descriptor_plus(tile, kk / 4 * kSwizzleBlockBytes + kk % 4 * 32),
+                     b = wgmma_descriptor_plus(rows, kk * 256);
       if constexpr (Rows == 32)
         wgmma_m64n32k16<0>(s, a, b, kk > 0);
       else
