@@ -10,11 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__CUDACC__)
-#define SPINDLE_HOST_DEVICE __host__ __device__
-#else
-#define SPINDLE_HOST_DEVICE
-#endif
+#include "kernels/cuda/host_device.h"
 
 namespace spindle::cuda {
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/mma.cuh"  // fence_async_shared
+#include "kernels/cuda/wgmma_descriptor.h"
 
 // wgmma exists only in sm_90a code; the build's portable compute_90 PTX gets a trap instead (the
 // H200 runs the sm_90a machine code).
@@ -32,34 +33,6 @@ namespace spindle::cuda {
 
 __device__ __forceinline__ uint32_t core_offset(int row, int col, int cols) {
   return static_cast<uint32_t>((row / 8) * cols * 16 + (col / 8) * 128 + (row % 8) * 16 + (col % 8) * 2);
-}
-
-// A shared-memory matrix descriptor, no swizzle: start address, leading (K) and stride (M or N)
-// byte offsets, each in 16-byte units.
-__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t shared_address, uint32_t k_offset,
-                                                     uint32_t mn_offset) {
-  return static_cast<uint64_t>((shared_address & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>((k_offset >> 4) & 0x3FFF) << 16 |
-         static_cast<uint64_t>((mn_offset >> 4) & 0x3FFF) << 32;
-}
-
-// The same for an operand in the 128-byte swizzled layout (rows of 128 bytes, 8-row groups of 1024
-// bytes, 1024-byte aligned; the TMA's SWIZZLE_128B): K-major, the stride byte offset is between
-// 8-row groups (1024) and a k-step inside the 64-value row moves the start address 32 bytes;
-// MN-major, the leading byte offset is between 64-value blocks along M, the stride byte offset
-// between 8-row groups along K (probed on the H200, docs/PERF.md).
-__device__ __forceinline__ uint64_t wgmma_descriptor_128b(uint32_t shared_address, uint32_t leading_offset,
-                                                          uint32_t stride_offset) {
-  return wgmma_descriptor(shared_address, leading_offset, stride_offset) | uint64_t{1} << 62;
-}
-
-// descriptor's operand moved by byte_offset (a multiple of 16): the start address is the low field,
-// in 16-byte units, and shared addresses stay below 2^18 bytes, so the sum carries out of nothing
-// and equals the descriptor made at the moved address. One add where making the descriptor again
-// takes about five uniform-datapath instructions (a fifth of a wgmma loop's instructions, measured:
-// docs/PERF.md).
-__device__ __forceinline__ uint64_t wgmma_descriptor_plus(uint64_t descriptor, uint32_t byte_offset) {
-  return descriptor + (byte_offset >> 4);
 }
 
 // Before the first wgmma that reads or writes accumulators the threads last touched.
