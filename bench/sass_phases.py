@@ -1,7 +1,9 @@
 """Where one kernel's stall samples go, phase by phase: reads ncu's SASS source page as CSV (`ncu -i
 REPORT --page source --csv --print-source sass`) and sums the samples and executed instructions
 between barriers (BAR) and exits, the kernel's phases, with each phase's busiest opcodes. Phases
-under 1% of the samples are left out. See bench/kernel_sass.sh.
+under 1% of the samples are left out. First, the executed instructions by opcode over the whole
+kernel (how the scorer's per-tile index arithmetic and the union kernels' wgmma descriptors showed
+up: docs/PERF.md). See bench/kernel_sass.sh.
     python3 bench/sass_phases.py SASS.csv"""
 import collections
 import csv
@@ -23,6 +25,7 @@ def main():
         sys.exit(f"{sys.argv[1]}: no SASS page with stall samples (ncu --set full? see its log)")
     col = {name: i for i, name in enumerate(rows[header])}
     phases, phase = [], None
+    executed = collections.Counter()
     for row in rows[header + 1 :]:
         if len(row) < len(col):
             continue
@@ -34,6 +37,7 @@ def main():
         samples = float(row[col["Warp Stall Sampling (All Samples)"]] or 0)
         phase["samples"] += samples
         phase["instructions"] += float(row[col["Instructions Executed"]] or 0)
+        executed[op] += float(row[col["Instructions Executed"]] or 0)
         phase["ops"][op] += samples
         if op in ("BAR", "EXIT"):
             phase["last"] = row[col["Address"]]
@@ -45,6 +49,7 @@ def main():
     total = sum(p["samples"] for p in phases) or 1.0
     instructions = sum(p["instructions"] for p in phases)
     print(f"{total:.0f} stall samples, {instructions:.4g} warp instructions executed, {len(phases)} phases")
+    print("executed: " + ", ".join(f"{op} {100 * n / (instructions or 1.0):.1f}%" for op, n in executed.most_common(12)))
     for k, p in enumerate(phases):
         if p["samples"] / total < 0.01:
             continue
