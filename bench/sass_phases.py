@@ -35,9 +35,10 @@ def main():
         if phase is None:
             phase = {"first": row[col["Address"]], "samples": 0.0, "instructions": 0.0, "ops": collections.Counter()}
         samples = float(row[col["Warp Stall Sampling (All Samples)"]] or 0)
+        count = float(row[col["Instructions Executed"]] or 0)
         phase["samples"] += samples
-        phase["instructions"] += float(row[col["Instructions Executed"]] or 0)
-        executed[op] += float(row[col["Instructions Executed"]] or 0)
+        phase["instructions"] += count
+        executed[op] += count
         phase["ops"][op] += samples
         if op in ("BAR", "EXIT"):
             phase["last"] = row[col["Address"]]
