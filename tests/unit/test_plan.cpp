@@ -211,10 +211,14 @@ TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   r.options.absorbed = true;
   const Plan fits = make_plan(small, r);
   ASSERT_TRUE(fits.pick.has_value());
-  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, indexer twice, KDA matrices again");
+  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, KDA matrices again");
+  r.machine.gpu_bytes = bytes(138);  // the selections would not leave 16k chunks room
+  const Plan smaller = make_plan(small, r);
+  ASSERT_TRUE(smaller.pick.has_value());
+  EXPECT_EQ(smaller.candidates[*smaller.pick].policy.name(), "stream 16k, indexer twice, KDA matrices again");
 
   const ModelConfig real = load_model_config(kConfigs + "glm53-flash.json");
-  r = request(1 << 20, 178, 1024, 8);
+  r = request(1 << 20, 170, 1024, 8);
   r.options.absorbed = true;
   const Plan tight = make_plan(real, r);
   ASSERT_TRUE(tight.pick.has_value());
@@ -529,16 +533,15 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   EXPECT_EQ(odd.chunk_tokens, 10000);
   EXPECT_EQ(odd.predicted_peak_bytes, 0);
   EXPECT_EQ(plan_execution(c, 131072, h200, {}, int64_t{0}).chunk_tokens, 0);
-  // At 960k (within 912k-1008k, where this holds) with the AdamW state on the device, 16k chunks
-  // fit only without the kept selections and outputs (at 1M, since the head keeps a block's
-  // logits, not even so).
+  // At 960k with the AdamW state on the device of a 137 GiB GPU, 16k chunks fit only without the
+  // kept selections and outputs.
   StepOptions absorbed;
   absorbed.absorbed = true;
-  const Execution tight = plan_execution(c, 983040, h200, absorbed, int64_t{16384}, false);
+  const Execution tight = plan_execution(c, 983040, {1, bytes(137), bytes(128)}, absorbed, int64_t{16384}, false);
   EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice, outputs again");
   EXPECT_FALSE(tight.keep_selections);
   EXPECT_FALSE(tight.keep_outputs);
-  EXPECT_LE(tight.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
+  EXPECT_LE(tight.predicted_peak_bytes, bytes(137) - kDeviceReserveBytes);
   try {
     plan_execution(c, 1048576, {1, bytes(24), bytes(128)}, {}, std::nullopt);
     ADD_FAILURE() << "a 24 GiB GPU cannot hold the 4B model's state";
