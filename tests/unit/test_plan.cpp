@@ -391,8 +391,9 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
   // start, not over the sequence.
   StepOptions kl;
   kl.indexer_kl = true;
-  EXPECT_EQ(streaming_carry_bytes(s, L, C, kl, true), expected - index_rows(C) + index_rows(L) +
-                                                          11 * (4 * (L / 16) * 64) + 11 * (2 * 2 * (C + 15) * 64));
+  EXPECT_EQ(
+      streaming_carry_bytes(s, L, C, kl, true),
+      expected - index_rows(C) + index_rows(L) + 11 * (4 * (L / 16) * 64) + 11 * (2 * 2 * (C + 15) * 64));
 }
 
 // The streamed forward pass takes every chunk but the last, whose recomputation is its forward:
@@ -537,7 +538,8 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   // kept selections and outputs.
   StepOptions absorbed;
   absorbed.absorbed = true;
-  const Execution tight = plan_execution(c, 983040, {1, bytes(137), bytes(128)}, absorbed, int64_t{16384}, false);
+  const Execution tight =
+      plan_execution(c, 983040, {1, bytes(137), bytes(128)}, absorbed, int64_t{16384}, false);
   EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice, outputs again");
   EXPECT_FALSE(tight.keep_selections);
   EXPECT_FALSE(tight.keep_outputs);
