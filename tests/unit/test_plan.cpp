@@ -106,8 +106,9 @@ TEST(Plan, AbsorbedExecutorPeakWithinTenPercentOfTheH200) {
 // computed its output again until the recomputation kept them (outputs_again false), and the
 // KDA backward its intra-chunk matrices until the recomputation kept them too (the entries
 // measured before that say kda_matrices_again). The binaries measured before the DSA caches kept
-// the indexer's rows of the last chunk alone (model/cuda/modules.h, DsaCache) kept every token's:
-// their entries say so, and the prediction they are held to counts those rows back.
+// the indexer's rows of the last chunk alone (model/cuda/modules.h, DsaCache) kept every token's,
+// and those before the KDA backward kept u with the chunk matrices (kernels/cuda/kda.h) kept none:
+// their entries say so, and the prediction they are held to counts those rows back and u out.
 struct MeasuredPolicy {
   int64_t tokens;
   int64_t chunk;  // 0: the whole sequence in one pass
@@ -116,6 +117,7 @@ struct MeasuredPolicy {
   bool kda_matrices_again = false;
   bool ffn_inputs_again = false;
   bool index_rows_of_every_token = true;
+  bool kda_u_kept = false;
 };
 const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {
     {32768, 0, false, false, false, 134445705728},       // 45fcb91
@@ -144,6 +146,15 @@ int64_t four_billion_index_rows(int64_t rows) {
   return indexers * 2 * 2 * rows * s.index_dim;
 }
 
+// The fp32 u [64 tokens x 128 columns] of each 64-token chunk and KDA head that the 4B config's KDA
+// layers keep with their matrices, over a streamed chunk of `chunk` tokens.
+int64_t four_billion_kept_u(int64_t chunk) {
+  static const Shapes s = gpu_shapes(load_model_config(kConfigs + "glm53-flash-4b.json"), {1, 1});
+  int64_t kda_layers = 0;
+  for (const LayerShape& layer : s.layers) kda_layers += layer.attention == AttentionKind::Kda ? 1 : 0;
+  return kda_layers * (chunk + 63) / 64 * 64 * s.kda_heads * 128 * 4;
+}
+
 // Each measured peak against the planner's prediction for its policy, within `fraction`.
 void expect_four_billion_peaks(const std::vector<MeasuredPolicy>& measured, double fraction) {
   for (const MeasuredPolicy& m : measured) {
@@ -157,9 +168,11 @@ void expect_four_billion_peaks(const std::vector<MeasuredPolicy>& measured, doub
     policy.ffn_inputs_again = m.ffn_inputs_again;
     const std::optional<Candidate> it = four_billion_candidate(m.tokens, policy);
     ASSERT_TRUE(it.has_value()) << m.tokens;
+    const bool matrices_kept = m.chunk > 0 && !m.outputs_again && !m.kda_matrices_again;
     const int64_t predicted =
         it->memory.device.peak_total +
-        (m.index_rows_of_every_token && m.chunk > 0 ? four_billion_index_rows(m.tokens - m.chunk) : 0);
+        (m.index_rows_of_every_token && m.chunk > 0 ? four_billion_index_rows(m.tokens - m.chunk) : 0) -
+        (matrices_kept && !m.kda_u_kept ? four_billion_kept_u(m.chunk) : 0);
     const double bytes = static_cast<double>(m.peak_bytes);
     EXPECT_NEAR(static_cast<double>(predicted), bytes, fraction * bytes)
         << m.tokens << " tokens, " << it->policy.name();
