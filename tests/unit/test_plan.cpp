@@ -192,6 +192,17 @@ TEST(Plan, FeedForwardInputsAgainPeaksWithinOnePercentOfTheH100) {
                             0.01);
 }
 
+// The DSA caches' index rows of the last chunk alone and the KDA matrices' kept u (docs/PERF.md,
+// "The index-rows window and kept u, measured"): 32k with the host AdamW on an H100, the binaries of
+// 6e2cc5e (both) and of main 117d240 (neither), one call, 2026-12-06. 16k chunks with the outputs
+// made again keep no KDA matrices: the two binaries differ by the rows alone; 4k chunks keep them.
+TEST(Plan, IndexRowsWindowAndKeptUPeaksWithinOnePercentOfTheH100) {
+  expect_four_billion_peaks({{32768, 16384, true, false, true, 56976920064, false, false, false, true},
+                             {32768, 16384, true, false, true, 57069194752},
+                             {32768, 4096, true, false, false, 42449029120, false, true, false, true}},
+                            0.01);
+}
+
 // The streamed recomputation's kept outputs (docs/PERF.md, "Kept outputs in the streamed backward,
 // and the allocator's pages"): the ledger replays them to within 1% (0.1% measured). 1M at fe244d1
 // (its allocator counted 512-byte granules; the pages add little at 1M, whose AdamW state is on
