@@ -212,7 +212,10 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
     } else {
       bytes += 2 * latent + 4 * latent;
       if (layer.own_indexer) {
-        const int64_t rows = 2 * 2 * tokens * s.index_dim;  // keys and pool gates before pooling, bf16
+        // Keys and pool gates before pooling, bf16: the last chunk's alone where every chunk starts on
+        // a pool and no KL training reads them back (model/cuda/modules.h, DsaCache).
+        const bool chunk_rows = !options.indexer_kl && chunk_tokens % s.kpool == 0;
+        const int64_t rows = 2 * 2 * (chunk_rows ? std::min(tokens, chunk_tokens) : tokens) * s.index_dim;
         // The KL's gradients: fp32 pooled keys, and the rows' over a chunk and one straddling pool.
         const int64_t window = 2 * 2 * std::min(tokens, chunk_tokens + s.kpool - 1) * s.index_dim;
         bytes += 2 * pooled + rows + (options.indexer_kl ? 4 * pooled + window : 0);

@@ -40,7 +40,9 @@ MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, i
 // layer the fp32 state at each later chunk start and the conv window (kernel - 1 rows of q, k,
 // v), and their gradients for one boundary; per DSA layer the bf16 latent cache [tokens,
 // kv_lora_rank + rope] and its fp32 gradient, per indexer the bf16 pooled keys (and their fp32
-// gradient when the indexer trains) and, with kept_selections, the selections as pool lists
+// gradient when the indexer trains), its keys and gates before pooling (the sequence's, or the last
+// chunk's where chunks start on pools and the indexer does not train) and, with kept_selections,
+// the selections as pool lists
 // (int32, topk / kpool per token) of every chunk but the last, which the forward pass leaves to
 // its recomputation.
 int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens,

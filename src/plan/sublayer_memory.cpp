@@ -15,8 +15,9 @@ constexpr int64_t kPermutationTile = 2048;          // kernels/cuda/moe_ops.cu k
 constexpr int64_t kKdaMaxDim = 128;                 // kernels/cuda/kda.h: the blocks' strides
 constexpr int64_t kKdaForwardBlockFloats = kKdaChunk * kKdaChunk + 3 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
-// kernels/cuda/kda.h: A, Aq and Tinv packed by their lower triangles
+// kernels/cuda/kda.h: A, Aq and Tinv packed by their lower triangles; kept, u after them
 constexpr int64_t kKdaMatrixFloats = kKdaChunk * (kKdaChunk - 1) + kKdaChunk * (kKdaChunk + 1) / 2;
+constexpr int64_t kKdaKeptFloats = kKdaMatrixFloats + kKdaChunk * kKdaMaxDim;
 constexpr int64_t kSelectWorkspaceBytes = int64_t{1} << 30;  // model/cuda/dsa.cpp: the indexer's score tile
 constexpr int64_t kIndexerTilePools = 64;  // kernels/cuda/indexer.h: pools per tile of the scores' maxima
 
@@ -59,11 +60,13 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
   Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dv = f32(m, L * w), dg = f32(m, L * w);
   a.push_back(f32(m, L * H));  // dbeta
-  {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats), its matrices kept
+  {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats): its matrices, or Kb dS'
+     // where they are kept
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
-    const Ledger::Block workspace =
-        m.workspace(4 * (segment * H * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
-                         (segment + 2) * H * dh * dh));
+    const Ledger::Block workspace = m.workspace(
+        4 *
+        (segment * H * ((matrices_kept ? kKdaChunk * kKdaMaxDim : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
+         (segment + 2) * H * dh * dh));
   }
   // The gradients into dx side by side: the q, k, v windows', the gate's and f's low-rank, db.
   const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
@@ -289,7 +292,7 @@ std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const Laye
     kept.push_back(bf16(m, L * s.kda_width()));
     kept.push_back(f32(m, kda_chunk_state_floats(s, L)));
     if (pass.keep_kda_matrices)
-      kept.push_back(f32(m, (L + kKdaChunk - 1) / kKdaChunk * s.kda_heads * kKdaMatrixFloats));
+      kept.push_back(f32(m, (L + kKdaChunk - 1) / kKdaChunk * s.kda_heads * kKdaKeptFloats));
   } else {
     kept.push_back(bf16(m, L * s.mla_heads * s.kv_rank));
     kept.push_back(f32(m, L * s.mla_heads));

@@ -75,19 +75,6 @@ std::vector<float> check_against_recurrence(int64_t T, int64_t H, int64_t dk, in
   Stream stream;
   auto qb = device(to_bf16(q)), kb = device(to_bf16(k)), vb = device(to_bf16(v)), dob = device(to_bf16(dout));
   auto gb = device(g), bb = device(beta), initial_b = device(initial), d_final_b = device(d_final);
-  auto out = poisoned<bf16>(T * H * dv);
-  auto states = poisoned<float>((chunks + 1) * H * SS);
-  auto dq = poisoned<float>(T * H * dk), dk_ = poisoned<float>(T * H * dk), dv_ = poisoned<float>(T * H * dv);
-  auto dg = poisoned<float>(T * H * dk), dbeta = poisoned<float>(T * H), d_initial = poisoned<float>(H * SS);
-  auto workspace = poisoned<float>(kda_forward_workspace_floats(T, H));
-  kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(),
-                      workspace.data(), T, H, dk, dv, stream.get(), carried ? initial_b.data() : nullptr);
-  auto bwd_workspace = poisoned<float>(kda_backward_workspace_floats(T, H, dk, dv));
-  kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), states.data(),
-                       dq.data(), dk_.data(), dv_.data(), dg.data(), dbeta.data(), bwd_workspace.data(), T, H,
-                       dk, dv, stream.get(), carried ? d_final_b.data() : nullptr,
-                       carried ? d_initial.data() : nullptr);
-  stream.synchronize();
 
   const auto qd = to_double(q), kd = to_double(k), vd = to_double(v), gd = to_double(g), bd = to_double(beta),
              dod = to_double(dout), initial_d = to_double(initial), d_final_d = to_double(d_final);
@@ -109,21 +96,40 @@ std::vector<float> check_against_recurrence(int64_t T, int64_t H, int64_t dk, in
                                        dod.data(), dq_ref.data(), dk_ref.data(), dv_ref.data(), dg_ref.data(),
                                        dbeta_ref.data(), 64, carry);
 
-  const auto where = [&] {
-    return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv
-                              << " g_min=" << g_min << (carried ? " carried" : "");
-  };
-  if (T > 0) {
-    EXPECT_LT(relative_error(out.download(), out_ref), kBf16Bound) << "out" << where();
-    EXPECT_LT(relative_error(dq.download(), dq_ref), kFp32Bound) << "dq" << where();
-    EXPECT_LT(relative_error(dk_.download(), dk_ref), kFp32Bound) << "dk" << where();
-    EXPECT_LT(relative_error(dv_.download(), dv_ref), kFp32Bound) << "dv" << where();
-    EXPECT_LT(dg_error(dg.download(), dg_ref, q, dq_ref, k, dk_ref), kFp32Bound) << "dg" << where();
-    EXPECT_LT(relative_error(dbeta.download(), dbeta_ref), kFp32Bound) << "dbeta" << where();
-  }
-  EXPECT_LT(relative_error(states.download(), states_ref), kFp32Bound) << "chunk states" << where();
-  if (carried) {
-    EXPECT_LT(relative_error(d_initial.download(), d_initial_ref), kFp32Bound) << "d_initial" << where();
+  // Both paths of the backward: computing the chunks' matrices and u again, and taking them from
+  // the forward (kept_matrices, as the streaming executor does).
+  for (const bool kept : {false, true}) {
+    auto out = poisoned<bf16>(T * H * dv);
+    auto states = poisoned<float>((chunks + 1) * H * SS);
+    auto dq = poisoned<float>(T * H * dk), dk_ = poisoned<float>(T * H * dk), dv_ = poisoned<float>(T * H * dv);
+    auto dg = poisoned<float>(T * H * dk), dbeta = poisoned<float>(T * H), d_initial = poisoned<float>(H * SS);
+    auto workspace = poisoned<float>(kda_forward_workspace_floats(T, H));
+    auto matrices = poisoned<float>(kept ? kda_kept_matrices_floats(T, H) : 0);
+    kda_chunked_forward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), out.data(), states.data(),
+                        workspace.data(), T, H, dk, dv, stream.get(), carried ? initial_b.data() : nullptr,
+                        kept ? matrices.data() : nullptr);
+    auto bwd_workspace = poisoned<float>(kda_backward_workspace_floats(T, H, dk, dv, kept));
+    kda_chunked_backward(qb.data(), kb.data(), vb.data(), gb.data(), bb.data(), dob.data(), states.data(),
+                         dq.data(), dk_.data(), dv_.data(), dg.data(), dbeta.data(), bwd_workspace.data(), T, H,
+                         dk, dv, stream.get(), carried ? d_final_b.data() : nullptr,
+                         carried ? d_initial.data() : nullptr, kept ? matrices.data() : nullptr);
+    stream.synchronize();
+    const auto where = [&] {
+      return testing::Message() << " T=" << T << " H=" << H << " dk=" << dk << " dv=" << dv
+                                << " g_min=" << g_min << (carried ? " carried" : "") << (kept ? " kept" : "");
+    };
+    if (T > 0) {
+      EXPECT_LT(relative_error(out.download(), out_ref), kBf16Bound) << "out" << where();
+      EXPECT_LT(relative_error(dq.download(), dq_ref), kFp32Bound) << "dq" << where();
+      EXPECT_LT(relative_error(dk_.download(), dk_ref), kFp32Bound) << "dk" << where();
+      EXPECT_LT(relative_error(dv_.download(), dv_ref), kFp32Bound) << "dv" << where();
+      EXPECT_LT(dg_error(dg.download(), dg_ref, q, dq_ref, k, dk_ref), kFp32Bound) << "dg" << where();
+      EXPECT_LT(relative_error(dbeta.download(), dbeta_ref), kFp32Bound) << "dbeta" << where();
+    }
+    EXPECT_LT(relative_error(states.download(), states_ref), kFp32Bound) << "chunk states" << where();
+    if (carried) {
+      EXPECT_LT(relative_error(d_initial.download(), d_initial_ref), kFp32Bound) << "d_initial" << where();
+    }
   }
   return g;
 }
@@ -213,10 +219,10 @@ TEST(CudaKda, DiagonalBlocksOnBothPaths) {
   EXPECT_LT(past, all) << "no chunk took the diagonal on the tensor cores";
 }
 
-// The streaming executor keeps a chunk's intra-chunk matrices from its recomputation's forward
-// for its backward (kept_matrices, kernels/cuda/kda.h): the forward that writes them must be the
-// same as one that does not, and the backward that takes them bit for bit the one that computes
-// them again.
+// The streaming executor keeps a chunk's intra-chunk matrices and u from its recomputation's
+// forward for its backward (kept_matrices, kernels/cuda/kda.h): the forward that writes them must be
+// bit for bit the one that does not, and the backward that takes them (summing dbeta and dq's and
+// dk's state products in another order) the one that computes them again within fp32 rounding.
 void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carried, float g_min) {
   auto qf = random_floats(T * H * dk), kf = random_floats(T * H * dk);
   normalise_rows(qf, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
@@ -258,19 +264,25 @@ void check_kept_matrices(int64_t T, int64_t H, int64_t dk, int64_t dv, bool carr
     const auto x = a.download(), y = b.download();
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
   };
+  // Relative to the path that computes them again; 1e-5: a few fp32 roundings, far under kFp32Bound.
+  const auto close = [](const DeviceBuffer<float>& got, const DeviceBuffer<float>& want) {
+    const auto w = want.download();
+    return relative_error(got.download(), std::vector<double>(w.begin(), w.end()));
+  };
+  constexpr double kReordered = 1e-5;
   EXPECT_TRUE(same(computed.out, kept.out)) << "out" << where();
   EXPECT_TRUE(same(computed.states, kept.states)) << "chunk states" << where();
-  EXPECT_TRUE(same(computed.dq, kept.dq)) << "dq" << where();
-  EXPECT_TRUE(same(computed.dk, kept.dk)) << "dk" << where();
-  EXPECT_TRUE(same(computed.dv, kept.dv)) << "dv" << where();
-  EXPECT_TRUE(same(computed.dg, kept.dg)) << "dg" << where();
-  EXPECT_TRUE(same(computed.dbeta, kept.dbeta)) << "dbeta" << where();
+  EXPECT_LT(close(kept.dq, computed.dq), kReordered) << "dq" << where();
+  EXPECT_LT(close(kept.dk, computed.dk), kReordered) << "dk" << where();
+  EXPECT_LT(close(kept.dv, computed.dv), kReordered) << "dv" << where();
+  EXPECT_LT(close(kept.dg, computed.dg), kReordered) << "dg" << where();
+  EXPECT_LT(close(kept.dbeta, computed.dbeta), kReordered) << "dbeta" << where();
   if (carried) {
-    EXPECT_TRUE(same(computed.d_initial, kept.d_initial)) << "d_initial" << where();
+    EXPECT_LT(close(kept.d_initial, computed.d_initial), kReordered) << "d_initial" << where();
   }
 }
 
-TEST(CudaKda, KeptMatricesGiveTheSameBackward) {
+TEST(CudaKda, KeptMatricesGiveTheSameGradients) {
   // A partial last chunk and sub-chunk with dk != dv; 257 chunks, past the forward's segment of
   // 256 and the backward's of 128; head dims that are no multiple of 4 or 8, an odd dk (the kept
   // prep's q and k tiles by plain loads) beside the widest dv (its dO tile copied whole); decays

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   chunk_prep(
       q, k, g, beta, t0, n, h, heads, dk, m, block + kOffKb, block + kOffGlast, false,
       [&](const FwdPrepTiles& tiles) {
-        if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaMatrixFloats);
+        if (kept != nullptr) store_kda_matrices(tiles, kept + chunk_head * kKdaKeptFloats);
       },
       false);  // Tinv diag(beta) as W and U0 read Tinv
   float* vs = smem;
@@ -205,7 +205,8 @@ __device__ __forceinline__ void store_tile_rows(float* dst, int64_t ld, const fl
 }
 
 // Head blockIdx.x, value columns j0 = 16 blockIdx.y ..: chunks [c0, c1) of the segment from
-// `initial` (null: zero), writing chunk_states[c0 .. c1] and replacing each block's U0 tile by u.
+// `initial` (null: zero), writing chunk_states[c0 .. c1] and u: over each block's U0 tile, or where
+// `kept` (the segment's part of kept_matrices) keeps it, if not null.
 // `initial` may be chunk_states[c0] itself (a later segment): each thread reads the elements it
 // writes back. Per chunk, on the tensor cores (kda_state_products.cuh): u = U0 - W S, warp w the
 // tokens 16 (w / 2) .. and columns 8 (w % 2) ..; then S = diag(exp G_last) S + Kb^T u, warp w the
@@ -213,8 +214,8 @@ __device__ __forceinline__ void store_tile_rows(float* dst, int64_t ld, const fl
 // W, Kb, U0 and glast arrive by cp.async while this one computes. u and each entry state also go
 // into fp32 tiles, which the whole CTA stores as 16-byte row pieces after the next barrier.
 __global__ void __launch_bounds__(kThreads)
-    kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, int64_t c0, int64_t c1,
-                        int heads, int dk, int dv) {
+    kda_fwd_scan_kernel(float* blocks, float* chunk_states, const float* initial, float* kept, int64_t c0,
+                        int64_t c1, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
@@ -287,9 +288,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();  // u is in
-    // u over U0 (uf is next written after the next chunk's first barrier).
-    store_tile_rows(blocks + ((c - c0) * heads + h) * kKdaForwardBlockFloats + kOffU + j0, kMaxDim, uf, kC,
-                    kTileV, true);
+    // u over U0 or kept (uf is next written after the next chunk's first barrier).
+    const int64_t chunk_head = (c - c0) * heads + h;
+    store_tile_rows((kept != nullptr ? kept + chunk_head * kKdaKeptFloats + kKdaMatrixFloats
+                                     : blocks + chunk_head * kKdaForwardBlockFloats + kOffU) +
+                        j0,
+                    kMaxDim, uf, kC, kTileV, true);
     // S = diag(exp G_last) S + Kb^T u (zero past dk: Kb and glast are).
     float ku[2][4];
     kda_columns_times_chunk(ku, stage + kOffStageKb, uhi, ulo, i0);
@@ -335,9 +339,9 @@ static_assert(2 * (kOffOutHalf + kMaxDim) * sizeof(float) + 2 * 1024 <= 228 * 10
 // element takes the same products in the same order as one CTA per 64 columns did.
 __global__ void __launch_bounds__(kThreads, 2)
     kda_fwd_output_kernel(const __nv_bfloat16* __restrict__ q, const float* __restrict__ g,
-                          const float* __restrict__ blocks, const float* __restrict__ chunk_states,
-                          __nv_bfloat16* __restrict__ out, int64_t c0, int64_t tokens, int heads, int dk,
-                          int dv) {
+                          const float* __restrict__ blocks, const float* __restrict__ kept,
+                          const float* __restrict__ chunk_states, __nv_bfloat16* __restrict__ out, int64_t c0,
+                          int64_t tokens, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gr = lane / 4, q4 = lane % 4;
@@ -348,14 +352,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* Aq = smem + kOffOutAq;                                           // [C, kAq]
   float* u = smem + kOffOutU;                                             // [C, kUs]
   float* half_sum = smem + kOffOutHalf;                                   // [kMaxDim]: G of token C / 2 - 1
-  const float* block = blocks + (static_cast<int64_t>(blockIdx.x) * heads + h) * kKdaForwardBlockFloats;
+  const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
+  const float* block = blocks + chunk_head * kKdaForwardBlockFloats;
+  const float* u_rows =
+      kept != nullptr ? kept + chunk_head * kKdaKeptFloats + kKdaMatrixFloats : block + kOffU;
   const int64_t rows = (t0 * heads + h) * dk, row_stride = static_cast<int64_t>(heads) * dk;
   stage_rows(qg, kKp, g + rows, row_stride, n, dk);
   stage_chunk_rows(qs, kQs, q, t0, n, h, heads, dk);
   copy_commit();
   // Aq, and u up to the warps' last column; both are zero past the chunk, u past dv.
   stage_rows(Aq, kAq, block, kC, kC, kC);
-  stage_rows(u, kUs, block + kOffU, kMaxDim, kC, min(kMaxDim, (dv + kOutCols - 1) / kOutCols * kOutCols));
+  stage_rows(u, kUs, u_rows, kMaxDim, kC, min(kMaxDim, (dv + kOutCols - 1) / kOutCols * kOutCols));
   copy_commit();
   // The warp's B fragments of S_c[:, j0 ..]: sf[ks][nt][e] is row 8 ks + q4 + 4 e, column j0 + 8 nt +
   // gr, zero past dk (q's zero columns there need finite rows) and past dv.
@@ -479,20 +486,19 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
   do {  // at least once: with no tokens the scan still writes the final (= initial) state
     const int64_t c1 = std::min(chunks, c0 + kKdaSegmentChunks);
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
+    float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaKeptFloats : nullptr;
     if (c1 > c0) {
       launch_kernel(kda_fwd_prep_kernel, chunk_grid, kThreads, prep_smem_bytes(), stream, q, k, v, g, beta,
-                    workspace,
-                    kept_matrices != nullptr ? kept_matrices + c0 * heads * kKdaMatrixFloats : nullptr, c0,
-                    tokens, H, dki, dvi);
+                    workspace, kept, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_prep_kernel");
     }
     const float* initial = c0 == 0 ? initial_state : chunk_states + c0 * heads * SS;
     launch_kernel(kda_fwd_scan_kernel, scan_grid, kThreads, scan_smem_bytes(), stream, workspace,
-                  chunk_states, initial, c0, c1, H, dki, dvi);
+                  chunk_states, initial, kept, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
     if (c1 > c0) {
       launch_kernel(kda_fwd_output_kernel, chunk_grid, kThreads, output_smem_bytes(), stream, q, g, workspace,
-                    chunk_states, out, c0, tokens, H, dki, dvi);
+                    static_cast<const float*>(kept), chunk_states, out, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_output_kernel");
     }
     c0 = c1;

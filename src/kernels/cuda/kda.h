@@ -38,11 +38,14 @@ inline int64_t kda_forward_workspace_floats(int64_t tokens, int64_t heads) {
 // A chunk's intra-chunk matrices (docs/KDA.md), fp32, packed by rows of their lower triangles: A
 // below the diagonal, Aq through it, Tinv below it (its diagonal is one): 24 KB per chunk and head
 // (kda_chunk.cuh has the layout). The streaming executor keeps them from a chunk's recomputation
-// for its backward (kept_matrices below: [chunks, heads, kKdaMatrixFloats]), which then does not
-// compute them a third time.
+// for its backward (kept_matrices below: [chunks, heads, kKdaKeptFloats]), which then does not
+// compute them a third time, and with them the chunk's u = Tinv diag(beta) (v - exp(G) k S), fp32
+// [C, kKdaMaxDim] after the matrices (the forward's state pass writes it there), so that the
+// backward's gradient kernel does not compute it again either.
 constexpr int64_t kKdaMatrixFloats = kKdaChunk * (kKdaChunk - 1) + kKdaChunk * (kKdaChunk + 1) / 2;
+constexpr int64_t kKdaKeptFloats = kKdaMatrixFloats + kKdaChunk * kKdaMaxDim;
 inline int64_t kda_kept_matrices_floats(int64_t tokens, int64_t heads) {
-  return kda_chunks(tokens) * heads * kKdaMatrixFloats;
+  return kda_chunks(tokens) * heads * kKdaKeptFloats;
 }
 
 // Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,
@@ -51,7 +54,7 @@ inline int64_t kda_kept_matrices_floats(int64_t tokens, int64_t heads) {
 // carry), or null for zero. chunk_states: fp32 [chunks + 1, heads, dk, dv], the state entering
 // each chunk (entry 0 the initial state, entry `chunks` the final state), kept for the backward.
 // workspace: kda_forward_workspace_floats(tokens, heads) floats. kept_matrices, if not null,
-// receives every chunk's A, Aq and Tinv (kda_kept_matrices_floats) for kda_chunked_backward.
+// receives every chunk's A, Aq, Tinv and u (kda_kept_matrices_floats) for kda_chunked_backward.
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
                          float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
@@ -64,7 +67,9 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // d_final_state: fp32 [heads, dk, dv], the gradient reaching the final state (from a later chunk
 // of a streamed sequence), or null for none; d_initial_state, if not null, receives the gradient
 // of the initial state. kept_matrices, if not null: what kda_chunked_forward wrote there for the
-// same q, k, g and beta, taken instead of computed again (bit for bit the same). dq, dk: fp32 [tokens, heads,
+// same q, k, v, g, beta and chunk states, taken instead of computed again; the gradient kernel then
+// also takes Kb dS' from the state pass, and dbeta from the terms of X = v - exp(G) k S - A u
+// (docs/KDA.md, "u kept"): the same gradients, summed in another order. dq, dk: fp32 [tokens, heads,
 // dk]; dv: fp32 [tokens, heads, dv]; dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens, heads]; every output
 // is written exactly once (no atomics: equal from run to run). The workspace (kda_backward_workspace_floats)
 // holds one segment's A, Aq and Tinv (kKdaMatrixFloats per chunk and head; not with kept matrices), the state
@@ -72,14 +77,15 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // dv]); segments of this many chunks:
 constexpr int64_t kKdaBackwardSegmentChunks = 128;
 // Per chunk and head, besides A, Aq and Tinv: the state pass's operands W, Kb [C, kKdaMaxDim]
-// and G_last (kda_backward.cu has the layout); one more [heads, dk, dv] carries the state gradient
-// from segment to segment.
+// and G_last (kda_backward.cu has the layout), and with kept matrices its product Kb dS' [C,
+// kKdaMaxDim]; one more [heads, dk, dv] carries the state gradient from segment to segment.
 constexpr int64_t kKdaBackwardOpsFloats = 2 * kKdaChunk * kKdaMaxDim + kKdaMaxDim;
 inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int64_t dk, int64_t dv,
                                              bool matrices_kept = false) {
   const int64_t chunks =
       kda_chunks(tokens) < kKdaBackwardSegmentChunks ? kda_chunks(tokens) : kKdaBackwardSegmentChunks;
-  return chunks * heads * ((matrices_kept ? 0 : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
+  return chunks * heads *
+             ((matrices_kept ? kKdaChunk * kKdaMaxDim : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
          (chunks + 2) * heads * dk * dv;
 }
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,

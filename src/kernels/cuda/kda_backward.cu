@@ -42,8 +42,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kC = static_cast<int>(kKdaChunk);
 constexpr int kMaxDim = static_cast<int>(kKdaMaxDim);
-constexpr int kTileV = 16;                                 // value columns per tile
-constexpr int kMats = static_cast<int>(kKdaMatrixFloats);  // A, Aq, Tinv of one chunk and head
+constexpr int kTileV = 16;                                     // value columns per tile
+constexpr int kMats = static_cast<int>(kKdaMatrixFloats);      // A, Aq, Tinv of one chunk and head
+constexpr int kKeptFloats = static_cast<int>(kKdaKeptFloats);  // and u after them, where kept
 constexpr unsigned kFull = 0xffffffffu;
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kKeptThreads, 2)
   // cp.async, dO too (a group of its own: needed last), while G's prefix sums
   // load into registers.
   const float beta_t = tid < n ? beta[(t0 + tid) * heads + h] : 0.0f;
-  stage_rows(smem + kKeptMats, 0, kept + chunk_head * kMats + kKdaPackedAq, 0, 1, kMats - kKdaPackedAq);
+  stage_rows(smem + kKeptMats, 0, kept + chunk_head * kKeptFloats + kKdaPackedAq, 0, 1, kMats - kKdaPackedAq);
   stage_chunk_rows(qs, kKs, q, t0, n, h, heads, dk);
   stage_chunk_rows(ks, kKs, k, t0, n, h, heads, dk);
   copy_commit();
@@ -295,11 +296,12 @@ static_assert(kThreads == 32 * kMaxDim / 16 && kTileV + 8 == kKdaSplitStride,
 // gradient entering chunk c0 (the next, earlier segment's `initial`: each
 // thread reads the elements of it that it writes), d_initial, if not null,
 // that of chunk 0. The next chunk's W, Kb and G_last arrive by cp.async while
-// this one computes.
+// this one computes. kb_ds, if not null, receives each chunk's X ([segment, heads, C, kMaxDim], the
+// grad kernel's du = Kb dS' + Aq^T dO in part).
 __global__ void __launch_bounds__(kThreads)
     kda_bwd_state_kernel(const float* __restrict__ ops, float* __restrict__ slots, const float* initial,
-                         float* carry, float* __restrict__ d_initial, int64_t c0, int64_t c1, int heads,
-                         int dk, int dv) {
+                         float* carry, float* __restrict__ d_initial, float* __restrict__ kb_ds, int64_t c0,
+                         int64_t c1, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.x, j0 = blockIdx.y * kTileV, tid = threadIdx.x;
@@ -357,6 +359,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         store_tf32_split(Xhi, Xlo, (m0 + g + 8 * (e / 2)) * kKdaSplitStride + n0 + 2 * q4 + e % 2, x[e]);
+      if (kb_ds != nullptr) {  // whole 32-byte row pieces a warp (zero past the chunk and past dv)
+        float* rows = kb_ds + ((c - c0) * heads + h) * (kC * kMaxDim) + j0 + n0 + 2 * q4;
+        *reinterpret_cast<float2*>(rows + (m0 + g) * kMaxDim) = make_float2(x[0], x[1]);
+        *reinterpret_cast<float2*>(rows + (m0 + g + 8) * kMaxDim) = make_float2(x[2], x[3]);
+      }
     }
     __syncthreads();  // X is in
     // dS = diag(exp G_last) dS' - W^T X + Z.
@@ -417,14 +424,23 @@ size_t grad_smem_floats() {
 // token where the decays allow (kKdaHalfDecayBound; the blocks before and after then
 // through the middle token too, their factors still <= 1), else element by element. dq,
 // dk, dG from the registers, and dg by the reverse prefix sum.
+// kKept: mats are the forward's kept matrices (stride kKeptFloats), u after them, and kb_ds the state
+// pass's Kb dS' (otherwise null). Neither X0, u nor X is computed: per tile
+//   1. du = Kb dS' + Aq^T dO | dAq += lower(dO u^T);
+//   2. dR = Tinv^T du, dv = diag(beta) dR | dQg += dO S^T;
+//   3. dA -= strict_lower(diag(beta) dR u^T) | dbeta += rowsum(dR . V); dR S^T, dKb += u dS'^T;
+// and dbeta from X = V - W S - A u by its terms: rowsum(dR . V) - rowsum(W . dR S^T) - rowsum(A .
+// dR u^T), where W S's own product and the A u of step 3 were.
+template <bool kKept>
 __global__ void __launch_bounds__(kGradThreads, 1)
     kda_bwd_grad_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                         const __nv_bfloat16* __restrict__ v, const float* __restrict__ g,
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
-                        const float* __restrict__ mats, const float* __restrict__ chunk_states,
-                        const float* __restrict__ slots, float* __restrict__ dq, float* __restrict__ dk_out,
-                        float* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
-                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+                        const float* __restrict__ mats, const float* __restrict__ kb_ds,
+                        const float* __restrict__ chunk_states, const float* __restrict__ slots,
+                        float* __restrict__ dq, float* __restrict__ dk_out, float* __restrict__ dv_out,
+                        float* __restrict__ dg, float* __restrict__ dbeta, int64_t c0, int64_t tokens,
+                        int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -444,7 +460,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   float* St = dAq + kC * kAp;       // [kMaxDim, kTs]: S, columns of the tile
   float* dSt = St + kMaxDim * kTs;  // [kMaxDim, kTs]: dS'
   float* X = dSt + kMaxDim * kTs;   // [C, kTs]: V, then X0, then X
-  float* Xb = X + kC * kTs;         // [C, kTs]
+  float* Xb = X + kC * kTs;         // [C, kTs] (kKept: Kb dS')
   float* dO = Xb + kC * kTs;        // [C, kTs]
   float* du = dO + kC * kTs;        // [C, kTs]
   float* u = du + kC * kTs;         // [C, kTs]
@@ -459,7 +475,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // The packed matrices by cp.async into dA's and dAq's tiles (zeroed once they are unpacked), in
   // flight while the chunk loads.
   static_assert(kMats <= 2 * kC * kAp, "the packed matrices fit in dA's and dAq's tiles");
-  stage_rows(dA, 0, mats + (static_cast<int64_t>(blockIdx.x) * heads + h) * kMats, 0, 1, kMats);
+  const int64_t chunk_head = static_cast<int64_t>(blockIdx.x) * heads + h;
+  const float* chunk_mats = mats + chunk_head * (kKept ? kKeptFloats : kMats);
+  stage_rows(dA, 0, chunk_mats, 0, 1, kMats);
   copy_commit();
   const float beta_t = tid < n ? beta[(t0 + tid) * heads + h] : 0.0f;  // stored once the loads are in
   for (int t = tid; t < kC; t += kGradThreads) dbeta_acc[t] = 0.0f;
@@ -468,25 +486,34 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   // whole 8-row steps).
   for (int idx = tid; idx < (kMaxDim - dk) * kTs; idx += kGradThreads)
     St[dk * kTs + idx] = dSt[dk * kTs + idx] = 0.0f;
-  load_chunk_batched<kGradParts>(nullptr, k, g, t0, n, h, heads, dk, kQp, nullptr, W, Kb, part, glast);
-  if (tid < kC) bt[tid] = beta_t;
-  for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
-    const int t = idx / kMaxDim, i = idx - t * kMaxDim, x = t * kQp + i;
-    const float G = Kb[x], kv = W[x];
-    W[x] = exp2_ftz(G) * kv;
-    Kb[x] = exp2_ftz(glast[i] - G) * kv;
+  if constexpr (!kKept) {  // the kept path's loop needs neither W nor Kb
+    load_chunk_batched<kGradParts>(nullptr, k, g, t0, n, h, heads, dk, kQp, nullptr, W, Kb, part, glast);
+    for (int idx = tid; idx < kC * kMaxDim; idx += kGradThreads) {
+      const int t = idx / kMaxDim, i = idx - t * kMaxDim, x = t * kQp + i;
+      const float G = Kb[x], kv = W[x];
+      W[x] = exp2_ftz(G) * kv;
+      Kb[x] = exp2_ftz(glast[i] - G) * kv;
+    }
   }
+  if (tid < kC) bt[tid] = beta_t;
   copy_wait_all();
   __syncthreads();
   unpack_kda_matrices(dA, dA + kKdaPackedAq, dA + kKdaPackedTinv, n, A, kAp, Aq, kAp, Tinv, kAp);
   __syncthreads();
-  // The value-tile loop's first barrier orders this before dA and dAq are added to.
+  // The value-tile loop's first barrier orders this before dA and dAq (kKept: and dQg) are added to.
   for (int idx = tid; idx < 2 * kC * kAp; idx += kGradThreads) dA[idx] = 0.0f;  // dA and dAq
+  if constexpr (kKept) {
+    for (int idx = tid; idx < 2 * kC * kQp; idx += kGradThreads) W[idx] = 0.0f;  // dQg and dKb
+  }
 
   // This warp's [16, 32] block of the [C, dk] products: rows 16 bm .., columns
   // bn ...
   const int bm = warp / 4, bn = 32 * (warp % 4);
   float acc_q[4][4] = {}, acc_r[4][4] = {}, acc_kb[4][4] = {};  // dQg, dR S^T, dKb
+  // Element e of n-tile nt of those blocks in a [C, kQp] tile.
+  const auto acc_at = [&](int nt, int e) {
+    return (16 * bm + g4 + 8 * (e / 2)) * kQp + bn + 8 * nt + 2 * c4 + e % 2;
+  };
   // The [C, 16] steps: warp w < 8 the first product, the others the second,
   // m-tile pm and columns pn .. pn + 7 of the tile.
   const int pm = warp % 8 / 2, pn = 8 * (warp % 2);
@@ -506,6 +533,10 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     const int nv = min(kTileV, dv - j0);
     stage_rows(St, kTs, S + j0, dv, dk, nv);
     stage_rows(dSt, kTs, dSn + j0, dv, dk, nv);
+    if constexpr (kKept) {  // whole tiles: zero past the chunk and past dv
+      stage_rows(u, kTs, chunk_mats + kMats + j0, kMaxDim, kC, kTileV);
+      stage_rows(Xb, kTs, kb_ds + chunk_head * (kC * kMaxDim) + j0, kMaxDim, kC, kTileV);
+    }
     copy_commit();
     for (int idx = tid; idx < dk * (kTileV - nv); idx += kGradThreads) {  // columns past dv
       const int i = idx / (kTileV - nv), jj = nv + idx % (kTileV - nv);
@@ -516,40 +547,59 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     if (j0 + kTileV < dv) load_tile(j0 + kTileV);
     copy_wait_all();
     __syncthreads();
-    // 1. X0 = V - W S (each lane reads and writes its own elements) | du = Kb
-    // dS' + Aq^T dO (Aq^T
-    //    is upper: tokens s >= 16 pm).
-    {
-      float acc[1][4] = {};
+    if constexpr (kKept) {
+      // The C x C steps (dAq, dA): warp w - 8 the [16, 32] block (w - 8) / 2, 32 (w % 2) (none above
+      // the diagonal).
+      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
+      const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
+      const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
+      const bool lower_block = dn <= 16 * dm + 15;
+      // 1. du = Kb dS' (the state pass's, in Xb) + Aq^T dO (Aq^T is upper: tokens s >= 16 pm) |
+      //    dAq += lower(dO u^T), in two halves of 16 columns (fewer live registers).
       if (first) {
-        tile_times(acc, W, kQp, St, kTs, 16 * pm, pn, dk8);
+        float acc[1][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x0 = X[pt(e) * kTs + pj(e)] - acc[0][e];
-          X[pt(e) * kTs + pj(e)] = x0;
-          Xb[pt(e) * kTs + pj(e)] = bt[pt(e)] * x0;
-        }
-      } else {
-        tile_times(acc, Kb, kQp, dSt, kTs, 16 * pm, pn, dk8);
+        for (int e = 0; e < 4; ++e) acc[0][e] = Xb[pt(e) * kTs + pj(e)];
         warp_mma<1, kKdaSplitTf32, kKdaBf16Operand, true>(acc, Aq, kAp, dO, kTs, 16 * pm, pn, 16 * pm, kC);
 #pragma unroll
         for (int e = 0; e < 4; ++e) du[pt(e) * kTs + pj(e)] = acc[0][e];
-      }
-    }
-    for (int i = tid; i < dk; i += kGradThreads) {
-      float acc = 0.0f;
-      for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(St[i * kTs + jj], dSt[i * kTs + jj], acc);
-      sdS[i] += acc;
-    }
-    __syncthreads();
-    // 2. u = Tinv Xb (lower) | dR = Tinv^T du (upper), dv = diag(beta) dR.
-    {
-      float acc[1][4] = {};
-      if (first) {
-        lower_times(acc, Tinv, kAp, Xb, kTs, pm, pn);
+      } else if (lower_block) {
+#pragma unroll 1
+        for (int nh = 0; nh < 2; ++nh) {
+          float acc[2][4] = {};
+          warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm,
+                                                                   dn + 16 * nh, 0, kTileV);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) u[pt(e) * kTs + pj(e)] = acc[0][e];
-      } else {
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int t = dt(e), s2 = ds(2 * nh + nt, e);
+              if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
+            }
+        }
+      }
+      for (int i = tid; i < dk; i += kGradThreads) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(St[i * kTs + jj], dSt[i * kTs + jj], acc);
+        sdS[i] += acc;
+      }
+      // dQg += dO S^T, the tile's part added to dQg in W's tile (free here; dKb likewise in Kb's), so
+      // that fewer registers are live through the steps.
+      const auto add_dqg = [&] {
+        float part[4][4] = {};
+#pragma unroll 1
+        for (int k0 = 0; k0 < kTileV; k0 += 8)
+          warp_mma<4, kKdaBf16Operand, kKdaSplitTf32, false, true>(part, dO, kTs, St, kTs, 16 * bm, bn, k0,
+                                                                   k0 + 8);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) W[acc_at(nt, e)] += part[nt][e];
+      };
+      __syncthreads();
+      // 2. dR = Tinv^T du (upper), dv = diag(beta) dR | dQg.
+      if (first) {
+        float acc[1][4] = {};
         warp_mma<1, kKdaSplitTf32, kKdaSplitTf32, true>(acc, Tinv, kAp, du, kTs, 16 * pm, pn, 16 * pm, kC);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -557,71 +607,173 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           dR[t * kTs + jj] = acc[0][e];
           if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
         }
+      } else {
+        add_dqg();
       }
-    }
-    __syncthreads();
-    // 3. X = X0 - A u (A strictly lower) | dAq += lower(dO u^T): warp w - 8 the
-    // [16, 32] block
-    //    (w - 8) / 2, 32 ((w - 8) % 2) of the C x C matrix (none above the
-    //    diagonal).
-    const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
-    const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
-    const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
-    if (first) {
-      float acc[1][4] = {};
-      lower_times(acc, A, kAp, u, kTs, pm, pn);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) X[pt(e) * kTs + pj(e)] -= acc[0][e];
-    } else if (dn <= 16 * dm + 15) {
+      __syncthreads();
+      // 3. dA -= strict_lower(diag(beta) dR u^T) and dbeta -= rowsum(A . dR u^T) (warps 8 ..) |
+      //    dbeta += rowsum(dR . V), dQg; every warp's blocks of dR S^T and dKb += u dS'^T.
+      if (!first && lower_block) {
+        float ap[2] = {};  // the thread's two rows
 #pragma unroll 1
-      for (int nh = 0; nh < 2; ++nh) {  // two halves of 16 columns: fewer live registers
-        float acc[2][4] = {};
-        warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm, dn + 16 * nh,
+        for (int nh = 0; nh < 2; ++nh) {
+          float acc[2][4] = {};
+          warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh,
                                                                  0, kTileV);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+          for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = dt(e), s2 = ds(2 * nh + nt, e);
-            if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
-          }
+            for (int e = 0; e < 4; ++e) {
+              const int t = dt(e), s2 = ds(2 * nh + nt, e);
+              if (t < n && s2 < t) {
+                dA[t * kAp + s2] -= bt[t] * acc[nt][e];
+                ap[e / 2] = fmaf(A[t * kAp + s2], acc[nt][e], ap[e / 2]);
+              }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = ap[r];
+          for (int offset = 1; offset < 4; offset <<= 1) x += __shfl_xor_sync(kFull, x, offset);
+          if (c4 == 0 && dt(2 * r) < n) atomicAdd(dbeta_acc + dt(2 * r), -x);
+        }
+      } else if (tid < n) {  // X holds V; warps 8 .. add to dbeta_acc meanwhile
+        float acc = 0.0f;
+        for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(dR[tid * kTs + jj], X[tid * kTs + jj], acc);
+        atomicAdd(dbeta_acc + tid, acc);
       }
-    }
-    __syncthreads();
-    // 4. dbeta, dA (warps 8 ..), and every warp's blocks of dO S^T, dR S^T, u
-    // dS'^T.
-    if (!first && dn <= 16 * dm + 15) {
+      if (first) add_dqg();
 #pragma unroll 1
-      for (int nh = 0; nh < 2; ++nh) {
-        float acc[2][4] = {};
-        warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0,
-                                                               kTileV);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = dt(e), s2 = ds(2 * nh + nt, e);
-            if (t < n && s2 < t) dA[t * kAp + s2] -= bt[t] * acc[nt][e];
-          }
-      }
-    } else if (tid < n) {
-      float acc = 0.0f;
-      for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(dR[tid * kTs + jj], X[tid * kTs + jj], acc);
-      dbeta_acc[tid] += acc;
-    }
-#pragma unroll 1
-    for (int k0 = 0; k0 < kTileV; k0 += 8) {  // a step at a time: one step's fragments live
-      warp_mma<4, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc_q, dO, kTs, St, kTs, 16 * bm, bn, k0,
+      for (int k0 = 0; k0 < kTileV; k0 += 8)
+        warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0,
                                                                k0 + 8);
-      warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0,
-                                                             k0 + 8);
-      warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0,
-                                                             k0 + 8);
+      float part[4][4] = {};
+#pragma unroll 1
+      for (int k0 = 0; k0 < kTileV; k0 += 8)
+        warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(part, u, kTs, dSt, kTs, 16 * bm, bn, k0,
+                                                               k0 + 8);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Kb[acc_at(nt, e)] += part[nt][e];
+    } else {
+      // 1. X0 = V - W S (each lane reads and writes its own elements) | du = Kb
+      // dS' + Aq^T dO (Aq^T
+      //    is upper: tokens s >= 16 pm).
+      {
+        float acc[1][4] = {};
+        if (first) {
+          tile_times(acc, W, kQp, St, kTs, 16 * pm, pn, dk8);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float x0 = X[pt(e) * kTs + pj(e)] - acc[0][e];
+            X[pt(e) * kTs + pj(e)] = x0;
+            Xb[pt(e) * kTs + pj(e)] = bt[pt(e)] * x0;
+          }
+        } else {
+          tile_times(acc, Kb, kQp, dSt, kTs, 16 * pm, pn, dk8);
+          warp_mma<1, kKdaSplitTf32, kKdaBf16Operand, true>(acc, Aq, kAp, dO, kTs, 16 * pm, pn, 16 * pm, kC);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) du[pt(e) * kTs + pj(e)] = acc[0][e];
+        }
+      }
+      for (int i = tid; i < dk; i += kGradThreads) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(St[i * kTs + jj], dSt[i * kTs + jj], acc);
+        sdS[i] += acc;
+      }
+      __syncthreads();
+      // 2. u = Tinv Xb (lower) | dR = Tinv^T du (upper), dv = diag(beta) dR.
+      {
+        float acc[1][4] = {};
+        if (first) {
+          lower_times(acc, Tinv, kAp, Xb, kTs, pm, pn);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) u[pt(e) * kTs + pj(e)] = acc[0][e];
+        } else {
+          warp_mma<1, kKdaSplitTf32, kKdaSplitTf32, true>(acc, Tinv, kAp, du, kTs, 16 * pm, pn, 16 * pm, kC);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = pt(e), jj = pj(e);
+            dR[t * kTs + jj] = acc[0][e];
+            if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+          }
+        }
+      }
+      __syncthreads();
+      // 3. X = X0 - A u (A strictly lower) | dAq += lower(dO u^T): warp w - 8 the
+      // [16, 32] block
+      //    (w - 8) / 2, 32 ((w - 8) % 2) of the C x C matrix (none above the
+      //    diagonal).
+      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
+      const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
+      const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
+      if (first) {
+        float acc[1][4] = {};
+        lower_times(acc, A, kAp, u, kTs, pm, pn);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) X[pt(e) * kTs + pj(e)] -= acc[0][e];
+      } else if (dn <= 16 * dm + 15) {
+#pragma unroll 1
+        for (int nh = 0; nh < 2; ++nh) {  // two halves of 16 columns: fewer live registers
+          float acc[2][4] = {};
+          warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm,
+                                                                   dn + 16 * nh, 0, kTileV);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int t = dt(e), s2 = ds(2 * nh + nt, e);
+              if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
+            }
+        }
+      }
+      __syncthreads();
+      // 4. dbeta, dA (warps 8 ..), and every warp's blocks of dO S^T, dR S^T, u
+      // dS'^T.
+      if (!first && dn <= 16 * dm + 15) {
+#pragma unroll 1
+        for (int nh = 0; nh < 2; ++nh) {
+          float acc[2][4] = {};
+          warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh,
+                                                                 0, kTileV);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int t = dt(e), s2 = ds(2 * nh + nt, e);
+              if (t < n && s2 < t) dA[t * kAp + s2] -= bt[t] * acc[nt][e];
+            }
+        }
+      } else if (tid < n) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(dR[tid * kTs + jj], X[tid * kTs + jj], acc);
+        dbeta_acc[tid] += acc;
+      }
+#pragma unroll 1
+      for (int k0 = 0; k0 < kTileV; k0 += 8) {  // a step at a time: one step's fragments live
+        warp_mma<4, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc_q, dO, kTs, St, kTs, 16 * bm, bn, k0,
+                                                                 k0 + 8);
+        warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_r, dR, kTs, St, kTs, 16 * bm, bn, k0,
+                                                               k0 + 8);
+        warp_mma<4, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc_kb, u, kTs, dSt, kTs, 16 * bm, bn, k0,
+                                                               k0 + 8);
+      }
     }
     __syncthreads();  // the next tile's loads (and q, k, G after the last)
                       // overwrite what was read
   }
 
+  if constexpr (kKept) {  // the thread's own elements: dKb into registers, dQg into dG's tile (read there)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc_kb[nt][e] = Kb[acc_at(nt, e)];
+        dG[acc_at(nt, e)] = W[acc_at(nt, e)];
+      }
+    __syncthreads();  // before q and k land there
+  }
   // q, k and G again, where W, Kb and the matrices were.
   load_chunk_batched<kGradParts>(q, k, g, t0, n, h, heads, dk, kQp, Qs, Ks, Gs, part, glast);
   // The diagonal blocks (s and t in the same sub-chunk) by mma against the block's middle token m
@@ -633,6 +785,21 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto et = [&](int e) { return 16 * bm + g4 + 8 * (e / 2); };
   const auto ei = [&](int nt, int e) { return bn + 8 * nt + 2 * c4 + e % 2; };
   const int mid = 16 * bm + 8;  // the block's middle token
+  if constexpr (kKept) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // dbeta's last term, rowsum(W . dR S^T), W = exp(G) k: the warp's part
+      float x = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const int idx = et(e) * kQp + ei(nt, e);
+          x = fmaf(exp2_ftz(Gs[idx]) * Ks[idx], acc_r[nt][e], x);
+        }
+      for (int offset = 1; offset < 4; offset <<= 1) x += __shfl_xor_sync(kFull, x, offset);
+      if (c4 == 0 && et(2 * r) < n) atomicAdd(dbeta_acc + et(2 * r), -x);
+    }
+  }
   // Rows: through ref for the sub-chunks before (exp(G_ref - G_s) <= 1, then exp(G_t - G_ref)), ref
   // = mid where the block takes two more mma steps against it, else r = 16 bm and the block element
   // by element (s from r to t).
@@ -684,7 +851,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           ra = fmaf(dA[t * kAp + s2], w, ra);
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
-        const float E = exp2_ftz(Gt), dq_x = fmaf(E, acc_q[2 * nh + nt][e], rq);
+        const float E = exp2_ftz(Gt), dq_x = fmaf(E, kKept ? dG[x] : acc_q[2 * nh + nt][e], rq);
         if (t < n && i < dk) dq[((t0 + t) * heads + h) * dk + i] = dq_x;
         dG[x] = dq_x;  // for dG, below: the register is free from here
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
@@ -803,19 +970,21 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
   const int64_t segment = std::min(chunks, kKdaBackwardSegmentChunks);
   float* mats = workspace;  // with kept matrices, each segment's part of them instead
   float* ops = mats + (kept_matrices != nullptr ? 0 : segment * heads * kMats);
-  float* slots = ops + segment * heads * kKdaBackwardOpsFloats;
+  float* kb_ds = ops + segment * heads * kKdaBackwardOpsFloats;  // with kept matrices only
+  float* slots = kb_ds + (kept_matrices != nullptr ? segment * heads * kC * kMaxDim : 0);
   float* carry = slots + (segment + 1) * heads * SS;
   allow_shared_memory(kda_bwd_prep_kernel, prep_smem_floats() * sizeof(float), "kda_bwd_prep_kernel");
   allow_shared_memory(kda_bwd_kept_prep_kernel, kKeptSmemBytes, "kda_bwd_kept_prep_kernel");
   allow_shared_memory(kda_bwd_state_kernel, state_smem_floats() * sizeof(float), "kda_bwd_state_kernel");
-  allow_shared_memory(kda_bwd_grad_kernel, grad_smem_floats() * sizeof(float), "kda_bwd_grad_kernel");
+  allow_shared_memory(kda_bwd_grad_kernel<false>, grad_smem_floats() * sizeof(float), "kda_bwd_grad_kernel");
+  allow_shared_memory(kda_bwd_grad_kernel<true>, grad_smem_floats() * sizeof(float), "kda_bwd_grad_kernel");
   const int H = static_cast<int>(heads), dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
   // Segments start at multiples of the segment length; the last (first walked)
   // may be shorter.
   for (int64_t c1 = chunks; c1 > 0;) {
     const int64_t c0 = (c1 - 1) / kKdaBackwardSegmentChunks * kKdaBackwardSegmentChunks;
     const dim3 chunk_grid(static_cast<unsigned>(c1 - c0), static_cast<unsigned>(heads));
-    const float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kMats : nullptr;
+    const float* kept = kept_matrices != nullptr ? kept_matrices + c0 * heads * kKeptFloats : nullptr;
     if (kept != nullptr)
       launch_kernel(kda_bwd_kept_prep_kernel, chunk_grid, kKeptThreads, kKeptSmemBytes, stream, q, k, g, beta,
                     dout, kept, ops, slots, c0, tokens, H, dki, dvi);
@@ -827,11 +996,17 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     const float* initial = c1 == chunks ? d_final_state : carry;
     const dim3 state_grid(static_cast<unsigned>(heads), static_cast<unsigned>(value_tiles(dv)));
     launch_kernel(kda_bwd_state_kernel, state_grid, kThreads, state_smem_floats() * sizeof(float), stream,
-                  ops, slots, initial, carry, d_initial_state, c0, c1, H, dki, dvi);
+                  ops, slots, initial, carry, d_initial_state, kept != nullptr ? kb_ds : nullptr, c0, c1, H,
+                  dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_state_kernel");
-    launch_kernel(kda_bwd_grad_kernel, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float), stream,
-                  q, k, v, g, beta, dout, kept != nullptr ? kept : mats, chunk_states, slots, dq, dk_out,
-                  dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
+    if (kept != nullptr)
+      launch_kernel(kda_bwd_grad_kernel<true>, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float),
+                    stream, q, k, v, g, beta, dout, kept, static_cast<const float*>(kb_ds), chunk_states,
+                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
+    else
+      launch_kernel(kda_bwd_grad_kernel<false>, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float),
+                    stream, q, k, v, g, beta, dout, static_cast<const float*>(mats), nullptr, chunk_states,
+                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_grad_kernel");
     c1 = c0;
   }

@@ -58,18 +58,26 @@ IndexerQueries indexer_queries(Context& ctx, const ModelConfig& c, const Indexer
 void append_index_keys(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x, int64_t L,
                        DsaCache& cache) {
   const int64_t D = c.hidden_size, d = c.index_head_dim, kp = c.index_kpool;
-  check(cache.index_keys.size() >= static_cast<size_t>((cache.tokens + L) * d),
+  const int64_t p0 = cache.tokens / kp, p1 = (cache.tokens + L) / kp;
+  // The last chunk's rows alone (DsaCache::index_rows): this chunk's, from its start on a pool.
+  if (cache.index_keys.size() < static_cast<size_t>(cache.capacity * d)) {
+    check(cache.tokens % kp == 0, "DSA cache keeping one chunk's indexer rows: the chunk at token ",
+          cache.tokens, " does not start on a pool of ", kp);
+    cache.index_rows_first = cache.tokens;
+  }
+  check(cache.index_keys.size() >= static_cast<size_t>((cache.tokens + L - cache.index_rows_first) * d),
         "DSA cache without room for the indexer's keys of tokens up to ", cache.tokens + L);
+  const int64_t at = (cache.tokens - cache.index_rows_first) * d,
+                pooled = (p0 * kp - cache.index_rows_first) * d;
   const cudaStream_t s = ctx.stream();
   DeviceBuffer<bf16> raw = activations(L * d);
   ctx.gemm.linear(x, bf16_data(w.wk), raw.data(), L, D, d, s);
   layer_norm_forward(raw.data(), bf16_data(w.k_norm_weight), bf16_data(w.k_norm_bias),
-                     cache.index_keys.data() + cache.tokens * d, L, d, kIndexerNormEps, s);
-  ctx.gemm.linear(x, bf16_data(w.compress_gate), cache.index_gate.data() + cache.tokens * d, L, D, d, s);
-  const int64_t p0 = cache.tokens / kp, p1 = (cache.tokens + L) / kp;
+                     cache.index_keys.data() + at, L, d, kIndexerNormEps, s);
+  ctx.gemm.linear(x, bf16_data(w.compress_gate), cache.index_gate.data() + at, L, D, d, s);
   if (p1 > p0)
-    indexer_pool_keys(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + p0 * kp * d,
-                      cache.index_gate.data() + p0 * kp * d, bf16_data(w.compress_ape),
+    indexer_pool_keys(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + pooled,
+                      cache.index_gate.data() + pooled, bf16_data(w.compress_ape),
                       cache.pool_keys.data() + p0 * d, s);
 }
 
@@ -142,7 +150,8 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
                    IndexerWeights& grad) {
   const int64_t D = c.hidden_size, Hi = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
   const int64_t end = first + L;
-  check(cache.index_keys.size() >= static_cast<size_t>(end * d) && cache_grad.index_keys.size() > 0,
+  check(cache.index_rows_first == 0 && cache.index_keys.size() >= static_cast<size_t>(end * d) &&
+            cache_grad.index_keys.size() > 0,
         "the indexer's KL training needs the sequence's indexer keys and their gradient buffers");
   const cudaStream_t s = ctx.stream();
   const int64_t p0 = first / kp, p1 = end / kp;  // the pools that end inside this chunk
@@ -545,11 +554,13 @@ void IndexerLoss::read(int64_t tokens, LossResult& result) const {
   if (v[1] > 0) result.indexer_closed = v[2] / v[1];
 }
 
-DsaCache::DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_t capacity_tokens)
+DsaCache::DsaCache(const ModelConfig& c, bool absorbed_mla, bool indexer, int64_t capacity_tokens,
+                   int64_t index_rows)
     : capacity(capacity_tokens),
       row(cache_row(c, absorbed_mla)),
       kv(static_cast<size_t>(capacity_tokens * row), MemoryCategory::Activations),
-      index_keys(static_cast<size_t>(indexer ? capacity_tokens * c.index_head_dim : 0),
+      index_keys(static_cast<size_t>(
+                     indexer ? (index_rows > 0 ? index_rows : capacity_tokens) * c.index_head_dim : 0),
                  MemoryCategory::Activations),
       index_gate(index_keys.size(), MemoryCategory::Activations),
       pool_keys(static_cast<size_t>(

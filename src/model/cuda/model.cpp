@@ -37,14 +37,14 @@ void CudaModel::end() {
   if (ctx_.timer) ctx_.timer->end(ctx_.stream());
 }
 
-std::vector<LayerCarry> CudaModel::start_carries(int64_t tokens) {
+std::vector<LayerCarry> CudaModel::start_carries(int64_t tokens, int64_t index_rows) {
   std::vector<LayerCarry> carries(weights_.tensors().layers.size());
   for (size_t i = 0; i < carries.size(); ++i) {
     const LayerWeights& layer = weights_.tensors().layers[i];
     if (layer.attention == AttentionKind::Kda)
       carries[i].kda.emplace(config_, ctx_.stream());
     else
-      carries[i].dsa.emplace(config_, ctx_.absorbed_mla, layer.dsa.has_indexer, tokens);
+      carries[i].dsa.emplace(config_, ctx_.absorbed_mla, layer.dsa.has_indexer, tokens, index_rows);
   }
   return carries;
 }
@@ -149,7 +149,8 @@ std::vector<float> CudaModel::log_probs(const std::vector<int32_t>& tokens, int6
   const DeviceSequence sequence(tokens);
   DeviceBuffer<float> log_prob = activations_f32(L);
   // One chunk needs no carry past each layer (the modules keep their own for the layer's length).
-  std::vector<LayerCarry> carries = chunk < L ? start_carries(L) : std::vector<LayerCarry>(w.layers.size());
+  std::vector<LayerCarry> carries = chunk < L ? start_carries(L, chunk % c.index_kpool == 0 ? chunk : 0)
+                                              : std::vector<LayerCarry>(w.layers.size());
 
   for (int64_t start = 0; start < L; start += chunk) {
     const int64_t n = std::min(chunk, L - start);

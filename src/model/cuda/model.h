@@ -56,8 +56,8 @@ class CudaModel {
   // The streaming executor's loss and gradients (model/cuda/streaming.cpp).
   LossResult streamed_loss_and_gradients(const std::vector<int32_t>& tokens, const LossOptions& options);
   // Each layer's carry for a streamed sequence of `tokens` tokens: zero KDA carries, empty DSA
-  // caches with room for the whole sequence.
-  std::vector<LayerCarry> start_carries(int64_t tokens);
+  // caches with room for the whole sequence (the indexer's rows for index_rows tokens: DsaCache).
+  std::vector<LayerCarry> start_carries(int64_t tokens, int64_t index_rows = 0);
 
   // Tokens start .. start + n of `sequence` forward through all layers, each attention sublayer
   // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer;

@@ -59,7 +59,11 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   // instead of running the indexer again), pool the balance loss's statistics over every chunk.
   // The last chunk only with the balance loss; else its recomputation is its forward.
   const size_t forward_chunks = balance ? chunks : chunks - 1;
-  std::vector<LayerCarry> carries = start_carries(L);
+  // The indexer's rows of the last chunk alone where no pool straddles two chunks and the KL
+  // training does not read them back (DsaCache).
+  const bool indexer_trained = options.indexer_kl_coef > 0;
+  std::vector<LayerCarry> carries =
+      start_carries(L, !indexer_trained && chunk % c.index_kpool == 0 ? chunk : 0);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
   std::vector<std::vector<DeviceBuffer<int32_t>>> kept_pools(chunks);
   Progress progress("streamed step (GPU, chunks queued)");
@@ -101,7 +105,6 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
 
   // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
   // caches' gradients; everything else is per token.
-  const bool indexer_trained = options.indexer_kl_coef > 0;
   std::vector<std::optional<KdaCarry>> kda_grad(layers);
   std::vector<std::optional<DsaCacheGrad>> cache_grad(layers);
   for (size_t i = 0; i < layers; ++i) {
