@@ -138,9 +138,15 @@ std::optional<Candidate> four_billion_candidate(int64_t tokens, const Policy& po
   return std::nullopt;
 }
 
+// The 4B config's shapes on one GPU.
+const Shapes& four_billion_shapes() {
+  static const Shapes s = gpu_shapes(load_model_config(kConfigs + "glm53-flash-4b.json"), {1, 1});
+  return s;
+}
+
 // The bf16 keys and pool gates before pooling of `rows` tokens, over the 4B config's indexers.
 int64_t four_billion_index_rows(int64_t rows) {
-  static const Shapes s = gpu_shapes(load_model_config(kConfigs + "glm53-flash-4b.json"), {1, 1});
+  const Shapes& s = four_billion_shapes();
   int64_t indexers = 0;
   for (const LayerShape& layer : s.layers) indexers += layer.own_indexer ? 1 : 0;
   return indexers * 2 * 2 * rows * s.index_dim;
@@ -149,7 +155,7 @@ int64_t four_billion_index_rows(int64_t rows) {
 // The fp32 u [64 tokens x 128 columns] of each 64-token chunk and KDA head that the 4B config's KDA
 // layers keep with their matrices, over a streamed chunk of `chunk` tokens.
 int64_t four_billion_kept_u(int64_t chunk) {
-  static const Shapes s = gpu_shapes(load_model_config(kConfigs + "glm53-flash-4b.json"), {1, 1});
+  const Shapes& s = four_billion_shapes();
   int64_t kda_layers = 0;
   for (const LayerShape& layer : s.layers) kda_layers += layer.attention == AttentionKind::Kda ? 1 : 0;
   return kda_layers * (chunk + 63) / 64 * 64 * s.kda_heads * 128 * 4;
