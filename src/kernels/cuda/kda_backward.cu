@@ -404,6 +404,24 @@ size_t grad_smem_floats() {
   return kGradMats + 2 * kC * kAp + kGradTiles + 2 * kC + 2 * kMaxDim + kGradParts * kMaxDim;
 }
 
+// The warp's [16, 32] block (rows 16 dm .., columns dn ..) of the C x C product a u^T (a: dO, an
+// exact bf16 operand, or dR) in two halves of 16 columns (fewer live registers), each element handed
+// on as use(e, t, s, value); g4 and c4 are the lane's group and index in it.
+template <bool kSplitA, class Use>
+__device__ inline void block_times_u(const float* a, const float* u, int dm, int dn, int g4, int c4,
+                                     Use use) {
+#pragma unroll 1
+  for (int nh = 0; nh < 2; ++nh) {
+    float acc[2][4] = {};
+    warp_mma<2, kSplitA, kKdaSplitTf32, false, true>(acc, a, kTs, u, kTs, 16 * dm, dn + 16 * nh, 0, kTileV);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        use(e, 16 * dm + g4 + 8 * (e / 2), dn + 8 * (2 * nh + nt) + 2 * c4 + e % 2, acc[nt][e]);
+  }
+}
+
 // Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
 // as 3xTF32 (every gradient is an fp32 output; plain TF32's 2^-11 per operand,
 // through up to four chained products, would use up much of the 1e-3 the tests
@@ -548,12 +566,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     copy_wait_all();
     __syncthreads();
     if constexpr (kKept) {
-      // The C x C steps (dAq, dA): warp w - 8 the [16, 32] block (w - 8) / 2, 32 (w % 2) (none above
-      // the diagonal).
-      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
-      const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
-      const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
-      const bool lower_block = dn <= 16 * dm + 15;
+      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);  // warp w - 8's block: (w - 8) / 2, 32 (w % 2)
+      const bool lower_block = dn <= 16 * dm + 15;          // none above the diagonal
       // 1. du = Kb dS' (the state pass's, in Xb) + Aq^T dO (Aq^T is upper: tokens s >= 16 pm) |
       //    dAq += lower(dO u^T), in two halves of 16 columns (fewer live registers).
       if (first) {
@@ -564,19 +578,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) du[pt(e) * kTs + pj(e)] = acc[0][e];
       } else if (lower_block) {
-#pragma unroll 1
-        for (int nh = 0; nh < 2; ++nh) {
-          float acc[2][4] = {};
-          warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm,
-                                                                   dn + 16 * nh, 0, kTileV);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int t = dt(e), s2 = ds(2 * nh + nt, e);
-              if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
-            }
-        }
+        block_times_u<kKdaBf16Operand>(dO, u, dm, dn, g4, c4, [&](int, int t, int s, float x) {
+          if (t < n && s <= t) dAq[t * kAp + s] += x;
+        });
       }
       for (int i = tid; i < dk; i += kGradThreads) {
         float acc = 0.0f;
@@ -615,27 +619,18 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       //    dbeta += rowsum(dR . V), dQg; every warp's blocks of dR S^T and dKb += u dS'^T.
       if (!first && lower_block) {
         float ap[2] = {};  // the thread's two rows
-#pragma unroll 1
-        for (int nh = 0; nh < 2; ++nh) {
-          float acc[2][4] = {};
-          warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh,
-                                                                 0, kTileV);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int t = dt(e), s2 = ds(2 * nh + nt, e);
-              if (t < n && s2 < t) {
-                dA[t * kAp + s2] -= bt[t] * acc[nt][e];
-                ap[e / 2] = fmaf(A[t * kAp + s2], acc[nt][e], ap[e / 2]);
-              }
-            }
-        }
+        block_times_u<kKdaSplitTf32>(dR, u, dm, dn, g4, c4, [&](int e, int t, int s, float x) {
+          if (t < n && s < t) {
+            dA[t * kAp + s] -= bt[t] * x;
+            ap[e / 2] = fmaf(A[t * kAp + s], x, ap[e / 2]);
+          }
+        });
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float x = ap[r];
           for (int offset = 1; offset < 4; offset <<= 1) x += __shfl_xor_sync(kFull, x, offset);
-          if (c4 == 0 && dt(2 * r) < n) atomicAdd(dbeta_acc + dt(2 * r), -x);
+          const int t = 16 * dm + g4 + 8 * r;
+          if (c4 == 0 && t < n) atomicAdd(dbeta_acc + t, -x);
         }
       } else if (tid < n) {  // X holds V; warps 8 .. add to dbeta_acc meanwhile
         float acc = 0.0f;
@@ -701,50 +696,26 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         }
       }
       __syncthreads();
-      // 3. X = X0 - A u (A strictly lower) | dAq += lower(dO u^T): warp w - 8 the
-      // [16, 32] block
-      //    (w - 8) / 2, 32 ((w - 8) % 2) of the C x C matrix (none above the
-      //    diagonal).
-      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);
-      const auto dt = [&](int e) { return 16 * dm + g4 + 8 * (e / 2); };            // a C x C fragment's row
-      const auto ds = [&](int nt, int e) { return dn + 8 * nt + 2 * c4 + e % 2; };  // and column
+      // 3. X = X0 - A u (A strictly lower) | dAq += lower(dO u^T).
+      const int dm = (warp % 8) / 2, dn = 32 * (warp % 2);  // warp w - 8's block: (w - 8) / 2, 32 (w % 2)
+      const bool lower_block = dn <= 16 * dm + 15;          // none above the diagonal
       if (first) {
         float acc[1][4] = {};
         lower_times(acc, A, kAp, u, kTs, pm, pn);
 #pragma unroll
         for (int e = 0; e < 4; ++e) X[pt(e) * kTs + pj(e)] -= acc[0][e];
-      } else if (dn <= 16 * dm + 15) {
-#pragma unroll 1
-        for (int nh = 0; nh < 2; ++nh) {  // two halves of 16 columns: fewer live registers
-          float acc[2][4] = {};
-          warp_mma<2, kKdaBf16Operand, kKdaSplitTf32, false, true>(acc, dO, kTs, u, kTs, 16 * dm,
-                                                                   dn + 16 * nh, 0, kTileV);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int t = dt(e), s2 = ds(2 * nh + nt, e);
-              if (t < n && s2 <= t) dAq[t * kAp + s2] += acc[nt][e];
-            }
-        }
+      } else if (lower_block) {
+        block_times_u<kKdaBf16Operand>(dO, u, dm, dn, g4, c4, [&](int, int t, int s, float x) {
+          if (t < n && s <= t) dAq[t * kAp + s] += x;
+        });
       }
       __syncthreads();
       // 4. dbeta, dA (warps 8 ..), and every warp's blocks of dO S^T, dR S^T, u
       // dS'^T.
-      if (!first && dn <= 16 * dm + 15) {
-#pragma unroll 1
-        for (int nh = 0; nh < 2; ++nh) {
-          float acc[2][4] = {};
-          warp_mma<2, kKdaSplitTf32, kKdaSplitTf32, false, true>(acc, dR, kTs, u, kTs, 16 * dm, dn + 16 * nh,
-                                                                 0, kTileV);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int t = dt(e), s2 = ds(2 * nh + nt, e);
-              if (t < n && s2 < t) dA[t * kAp + s2] -= bt[t] * acc[nt][e];
-            }
-        }
+      if (!first && lower_block) {
+        block_times_u<kKdaSplitTf32>(dR, u, dm, dn, g4, c4, [&](int, int t, int s, float x) {
+          if (t < n && s < t) dA[t * kAp + s] -= bt[t] * x;
+        });
       } else if (tid < n) {
         float acc = 0.0f;
         for (int jj = 0; jj < kTileV; ++jj) acc = fmaf(dR[tid * kTs + jj], X[tid * kTs + jj], acc);
