@@ -18,7 +18,9 @@
 #                                             # about 150 s), then one 1M step from it per entry
 #                                             # (:kl with the indexers' KL training, :b with
 #                                             # --plan-policy "$POLICY_B": another of the planner's
-#                                             # policies, e.g. POLICY_B="stream 16k + host AdamW")
+#                                             # policies, e.g. POLICY_B="stream 16k + host AdamW"; :cap
+#                                             # with --gpu-mem ${GPU_MEM:-123}: planned for 121 GiB,
+#                                             # 129.9 GB, the issue's 130 GB at 1M)
 #     TRAIN=1                                 # the checkpoint without STEPS1M (for PROFILE alone)
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
@@ -105,6 +107,7 @@ for vk in ${STEPS1M:-}; do
   v=${vk%%:*} name=${vk//:/_} extra=()
   [[ ":$vk:" == *":kl:"* ]] && extra+=(--indexer-kl)
   [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
+  [[ ":$vk:" == *":cap:"* ]] && extra+=(--gpu-mem "${GPU_MEM:-123}")
   window "step1m_$name" start
   "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup 0 --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"

@@ -19,6 +19,8 @@ class Args {
   std::optional<std::string> optional(const std::string& name) const;
   std::string value_or(const std::string& name, const std::string& fallback) const;
   int64_t int_or(const std::string& name, int64_t fallback) const;
+  // A finite number > 0 (`expected` says what, for the error), or the fallback's.
+  double positive_or(const std::string& name, const std::string& fallback, const char* expected) const;
   bool flag(const std::string& name) const { return flags_.count(name) != 0; }
 
  private:

@@ -50,10 +50,12 @@ commands:
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
             [--host-optimizer] [--indexer-kl] [--profile] [--out FILE.json] [--plan-policy NAME]
+            [--gpu-mem GB]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
                                                 time by layer kind, peak memory by category, MFU,
                                                 the memory policy (the planner's pick unless --chunk,
-                                                or --plan-policy: a policy as spindle plan names it)
+                                                or --plan-policy: a policy as spindle plan names it;
+                                                --gpu-mem: planned for that much of the GPU)
   plan      --model DIR|CONFIG.json --seq-len L [--gpus N] [--gpu-mem GB] [--host-mem GB]
             [--mla expanded|absorbed] [--indexer-kl] [--mfu F]
                                                 every memory policy with predicted peak device and

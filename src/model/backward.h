@@ -40,6 +40,11 @@ struct LossOptions {
   // memory that frees keeps each attention sublayer's output (its backward then runs no output
   // projection) and each MoE's [gate | up] products (its backward multiplies no rows again).
   bool rebuild_ffn_inputs = false;
+  // The streaming executor on the GPU, with keep_outputs: this many KDA layers, the last ones,
+  // also keep their input projections (the conv windows and the low-rank gates' inputs: 210 MB per
+  // layer at 16k tokens for the 4B config), so that their backward multiplies x by the stacked
+  // weights no more.
+  int64_t kda_projections_kept = 0;
 };
 
 struct LossResult {

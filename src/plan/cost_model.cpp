@@ -130,6 +130,11 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
     time.compute += kda_layers * static_cast<double>(tokens) *
                     static_cast<double>(gpu_shapes(c, p).kda_heads) * h.kda_matrices_seconds_per_token_head;
   }
+  if (policy.activations == ActivationPolicy::Stream && !policy.outputs_again) {
+    const double width = static_cast<double>(3 * c.linear_qkv_dim() + 2 * c.linear_head_dim);
+    time.compute -= static_cast<double>(policy.kda_projections_kept) * 2 * static_cast<double>(tokens) *
+                    static_cast<double>(c.hidden_size) * width / h.kda_projection_flops_per_s;
+  }
   const double forward = seconds_per_pass + indexer, backward = (passes - 1) * seconds_per_pass;
   const double L = static_cast<double>(tokens);
   const double layers = static_cast<double>(c.num_hidden_layers);

@@ -18,6 +18,8 @@
 //     intra-chunk matrices (unless "KDA matrices again", a measured time per token); with
 //     "feed-forward inputs again" also the attention's output projections and the MoE's [gate | up]
 //     products, for a combine per layer (at HBM speed) that makes each feed-forward site's input;
+//     with KDA projections kept, those layers' input projections in their backward (at the
+//     products' measured rate);
 //   host AdamW: the update on the CPU at host-memory speed, the weights back over PCIe, and the
 //     gradients out over PCIe (once per chunk when streaming) beyond the backward's compute;
 //   tensor parallel t: attention, dense MLP and head work / t, plus all-reduces over NVLink;
@@ -71,6 +73,11 @@ struct Hardware {
   // 2026-12-02, 79f708c: backward 5.56 -> 5.07 ms with the matrices kept, the forward that keeps
   // them 0.04 ms longer.
   double kda_matrices_seconds_per_token_head = 0.45e-3 / (16384.0 * 16);
+  // The KDA layer's input projections (x times q, k, v and the low-rank gates' stacked weights),
+  // which a layer keeping them (Policy::kda_projections_kept) does not compute again in its
+  // backward: build/bench_gemm_shapes' "KDA q, k, v stacked (N 6144)" at 16k rows, H200, 2026-12-04:
+  // 0.537 ms, 767 TFLOP/s.
+  double kda_projection_flops_per_s = 767e12;
 };
 
 struct StepTime {

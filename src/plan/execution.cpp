@@ -32,6 +32,7 @@ Execution from(const Candidate& candidate, const char* forced_by) {
   e.keep_outputs = !candidate.policy.outputs_again;
   e.keep_kda_matrices = e.keep_outputs && !candidate.policy.kda_matrices_again;
   e.rebuild_ffn_inputs = e.keep_kda_matrices && candidate.policy.ffn_inputs_again;
+  e.kda_projections_kept = e.keep_outputs ? candidate.policy.kda_projections_kept : 0;
   e.predicted_peak_bytes = candidate.memory.device.peak_total;
   e.forced = forced_by != nullptr;
   e.summary =
@@ -68,6 +69,7 @@ void set_memory_options(const Execution& execution, LossOptions& options) {
   options.keep_outputs = execution.keep_outputs;
   options.keep_kda_matrices = execution.keep_kda_matrices;
   options.rebuild_ffn_inputs = execution.rebuild_ffn_inputs;
+  options.kda_projections_kept = execution.kda_projections_kept;
 }
 
 Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& machine,

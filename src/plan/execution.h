@@ -30,6 +30,7 @@ struct Execution {
   bool keep_outputs = true;                        // for LossOptions::keep_outputs
   bool keep_kda_matrices = true;                   // for LossOptions::keep_kda_matrices
   bool rebuild_ffn_inputs = false;                 // for LossOptions::rebuild_ffn_inputs
+  int64_t kda_projections_kept = 0;                // for LossOptions::kda_projections_kept
   int64_t predicted_peak_bytes = 0;                // device
   bool forced = false;                             // the user chose the policy
   std::string summary;                             // one line for the log

@@ -72,9 +72,10 @@ class StepReplay {
   // site (the feed-forward's y; attention_kept, after the attention's y with rebuild_ffn_inputs),
   // empty for none; `mix` (freed here): its kept
   // mHC mix, from which the coefficients come without the product; `routing` (freed in the
-  // feed-forward's backward): a MoE's kept routing.
+  // feed-forward's backward): a MoE's kept routing; `projections_kept`: `kept` holds a KDA layer's
+  // input projections.
   void site_backward(const LayerShape& layer, Site site, Block& dstreams, Blocks kept, Blocks mix,
-                     Blocks routing = {}) {
+                     Blocks routing = {}, bool projections_kept = false) {
     const int64_t L = pass_.tokens, H = s_.streams, D = s_.hidden;
     Blocks a = site_activations(m_, s_, L, true, std::move(mix));
     const bool y_kept = !kept.empty() && (site == Site::Ffn || pass_.rebuild_ffn_inputs);
@@ -93,7 +94,7 @@ class StepReplay {
     if (site == Site::Ffn)
       ffn_backward(m_, s_, layer, pass_, std::move(routing));
     else
-      attention_backward(m_, s_, layer, pass_, !kept.empty());
+      attention_backward(m_, s_, layer, pass_, !kept.empty(), projections_kept);
     if (site == Site::Attention) kept.clear();  // the sublayer's backward took and freed them
     a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1 + H)));  // hc_coefficients_backward_workspace
     dstreams = std::move(d_in);
@@ -136,6 +137,8 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
   std::vector<Blocks> mixes(2 * layers);  // likewise, each site's mHC mix
   std::vector<Blocks> routings(layers);   // and each MoE's routing
   std::vector<Blocks> combines(layers);   // rebuild_ffn_inputs: each attention site's post and comb
+  const std::vector<bool> projections =
+      kda_layers_keeping_projections(s, pass.keep_outputs ? pass.kda_projections_kept : 0);
   for (size_t i = 0; i < layers; ++i) {
     const LayerShape& layer = s.layers[i];
     for (const Site site : {Site::Attention, Site::Ffn}) {
@@ -146,7 +149,8 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
       if (pass.keep_outputs && (site == Site::Ffn || pass.rebuild_ffn_inputs))
         kept[index].push_back(m.activations(2 * L * s.hidden));  // y
       if (pass.keep_outputs && site == Site::Attention)
-        for (Block& b : attention_kept(m, s, layer, pass)) kept[index].push_back(std::move(b));
+        for (Block& b : attention_kept(m, s, layer, pass, projections[i]))
+          kept[index].push_back(std::move(b));
       if (pass.rebuild_ffn_inputs && site == Site::Attention) {
         combines[i].push_back(m.activations(4 * L * s.streams));
         combines[i].push_back(m.activations(4 * L * s.streams * s.streams));
@@ -190,7 +194,8 @@ void replay_step(Ledger& m, const Shapes& s, const Pass& pass, ActivationPolicy 
     step.site_backward(layer, Site::Ffn, dstreams, std::move(kept[2 * i + 1]), std::move(mixes[2 * i + 1]),
                        std::move(routings[i]));
     stored[2 * i + 1] = Block();
-    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]), std::move(mixes[2 * i]));
+    step.site_backward(layer, Site::Attention, dstreams, std::move(kept[2 * i]), std::move(mixes[2 * i]), {},
+                       projections[i]);
     stored[2 * i] = Block();
   }
 }
@@ -255,7 +260,8 @@ MemoryPrediction predict_memory(const Shapes& s, const StateBytes& state, int64_
                   options.indexer_kl,
                   keep_outputs,
                   keep_matrices,
-                  keep_matrices && policy.ffn_inputs_again};
+                  keep_matrices && policy.ffn_inputs_again,
+                  keep_outputs ? policy.kda_projections_kept : 0};
   replay_step(m, s, pass, policy.activations);
 
   MemoryPrediction p;

@@ -61,19 +61,44 @@ Plan make_plan(const ModelConfig& c, const PlanRequest& r) {
   const int64_t usable = r.machine.gpu_bytes - kDeviceReserveBytes;
 
   Plan plan;
-  for (const Policy& policy : policies(c, r.tokens, r.machine.gpus)) {
-    const Parallel parallel{r.machine.gpus, policy.tensor_parallel};
+  for (const Policy& base : policies(c, r.tokens, r.machine.gpus)) {
+    const Parallel parallel{r.machine.gpus, base.tensor_parallel};
     const Shapes shapes = gpu_shapes(c, parallel);
     const StateBytes state = state_bytes(c, parallel);
-    Candidate x;
-    x.policy = policy;
-    x.memory = predict_memory(shapes, state, r.tokens, policy, r.options);
-    x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware, r.options.indexer_kl);
-    if (x.memory.device.peak_total > usable)
-      x.infeasible = "device " + gib_text(x.memory.device.peak_total) + " > " + gib_text(usable) + " usable";
-    else if (x.memory.host > r.machine.host_bytes)
-      x.infeasible = "host " + gib_text(x.memory.host) + " > " + gib_text(r.machine.host_bytes);
-    plan.candidates.push_back(x);
+    const auto candidate = [&](const Policy& policy) {
+      Candidate x;
+      x.policy = policy;
+      x.memory = predict_memory(shapes, state, r.tokens, policy, r.options);
+      x.time = step_time(c, parallel, state, r.tokens, policy, r.hardware, r.options.indexer_kl);
+      if (x.memory.device.peak_total > usable)
+        x.infeasible =
+            "device " + gib_text(x.memory.device.peak_total) + " > " + gib_text(usable) + " usable";
+      else if (x.memory.host > r.machine.host_bytes)
+        x.infeasible = "host " + gib_text(x.memory.host) + " > " + gib_text(r.machine.host_bytes);
+      return x;
+    };
+    plan.candidates.push_back(candidate(base));
+    // A streamed policy that keeps outputs and fits: again with the most KDA layers keeping their
+    // input projections that still fit (the peak grows with them).
+    if (!plan.candidates.back().fits() || base.activations != ActivationPolicy::Stream || base.outputs_again)
+      continue;
+    const auto fits_with = [&](int64_t layers) {
+      Policy p = base;
+      p.kda_projections_kept = layers;
+      return predict_memory(shapes, state, r.tokens, p, r.options).device.peak_total <= usable;
+    };
+    int64_t low = 0, high = std::count(c.layer_types.begin(), c.layer_types.end(), AttentionKind::Kda);
+    while (low < high) {  // the most layers that fit: fits_with(low) holds throughout
+      const int64_t mid = (low + high + 1) / 2;
+      if (fits_with(mid))
+        low = mid;
+      else
+        high = mid - 1;
+    }
+    if (low == 0) continue;
+    Policy filled = base;
+    filled.kda_projections_kept = low;
+    plan.candidates.push_back(candidate(filled));
   }
   std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
                    [](const Candidate& a, const Candidate& b) {

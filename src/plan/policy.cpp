@@ -25,6 +25,8 @@ std::string Policy::name() const {
     if (outputs_again) text += ", outputs again";
     if (kda_matrices_again) text += ", KDA matrices again";
     if (ffn_inputs_again) text += ", feed-forward inputs again";
+    if (kda_projections_kept > 0)
+      text += ", KDA projections kept in " + std::to_string(kda_projections_kept) + " layers";
   }
   if (optimizer_on_host) text += gradients_to_host ? " + host AdamW and gradients" : " + host AdamW";
   if (tensor_parallel > 1) text += " tp" + std::to_string(tensor_parallel);

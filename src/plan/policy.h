@@ -41,6 +41,11 @@ struct Policy {
   // chunks for the 4B config, a combine per layer more and an output projection and the experts'
   // first products less).
   bool ffn_inputs_again = false;
+  // Stream with kept outputs only: this many KDA layers, the last ones, keep their input projections
+  // from the recomputation, which their backwards then do not multiply again
+  // (LossOptions::kda_projections_kept; 0.2 GiB a layer at 16k chunks for the 4B config). The
+  // planner gives each streamed policy the most layers that fit (planner.cpp).
+  int64_t kda_projections_kept = 0;
 
   // e.g. "keep", "stream 64k", "stream 16k, indexer twice, outputs again", "stream 16k, KDA
   // matrices again", "offload + host AdamW", with " tp8" when tensor parallel.

@@ -27,6 +27,11 @@ Ledger::Block bf16(Ledger& m, int64_t n) { return m.activations(2 * n); }
 Ledger::Block f32(Ledger& m, int64_t n) { return m.activations(4 * n); }
 Ledger::Block i32(Ledger& m, int64_t n) { return m.activations(4 * n); }
 
+// The KDA input projections side by side (q, k, v and the two low-rank), the conv's carried rows
+// on top: their rows and width.
+int64_t kda_projected_rows(const Shapes& s, int64_t L) { return s.conv_kernel - 1 + L; }
+int64_t kda_projected_width(const Shapes& s) { return 3 * s.kda_width() + 2 * s.kda_dim; }
+
 int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
   return ((L + kKdaChunk - 1) / kKdaChunk + 1) * s.kda_heads * s.kda_dim * s.kda_dim;
 }
@@ -35,12 +40,12 @@ int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
 // too: [3 heads * dim + 2 dim + heads, hidden]), the projections side by side (q, k, v and the two
 // low-rank, the conv's carried rows on top), seven bf16 [L, heads * dim] (convs, normalised q/k,
 // gate, core), fp32 f and g, fp32 beta, the fp32 chunk states; with `kept`, the recurrence's (core,
-// chunk states) are the forward's.
-Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept) {
-  const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads, projected = 3 * w + 2 * dh;
+// chunk states) are the forward's, with `projections_kept` the projections too.
+Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept, bool projections_kept = false) {
+  const int64_t w = s.kda_width(), H = s.kda_heads;
   Blocks a;
-  a.push_back(m.workspace(2 * (projected + H) * s.hidden));
-  a.push_back(bf16(m, (s.conv_kernel - 1 + L) * projected));
+  a.push_back(m.workspace(2 * (kda_projected_width(s) + H) * s.hidden));
+  if (!projections_kept) a.push_back(bf16(m, kda_projected_rows(s, L) * kda_projected_width(s)));
   for (int i = 0; i < (kept ? 6 : 7); ++i) a.push_back(bf16(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
@@ -54,9 +59,10 @@ Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept) {
   return a;
 }
 
-void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrices_kept) {
+void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrices_kept,
+                  bool projections_kept) {
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
-  Blocks a = kda_activations(m, s, L, kept);
+  Blocks a = kda_activations(m, s, L, kept, projections_kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
   Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dv = f32(m, L * w), dg = f32(m, L * w);
   a.push_back(f32(m, L * H));  // dbeta
@@ -272,6 +278,16 @@ void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept, bool produ
 
 int64_t selection_bytes(const Shapes& s, int64_t tokens) { return tokens * s.width * 4; }
 
+std::vector<bool> kda_layers_keeping_projections(const Shapes& s, int64_t kept) {
+  std::vector<bool> keeps(s.layers.size(), false);
+  for (size_t i = s.layers.size(); i-- > 0 && kept > 0;)
+    if (s.layers[i].attention == AttentionKind::Kda) {
+      keeps[i] = true;
+      --kept;
+    }
+  return keeps;
+}
+
 Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
                                 bool select) {
   if (layer.attention == AttentionKind::Kda) {
@@ -285,7 +301,7 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
 }
 
 std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,
-                                          const Pass& pass) {
+                                          const Pass& pass, bool projections) {
   const int64_t L = pass.tokens;
   Blocks kept;
   if (layer.attention == AttentionKind::Kda) {
@@ -293,6 +309,7 @@ std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const Laye
     kept.push_back(f32(m, kda_chunk_state_floats(s, L)));
     if (pass.keep_kda_matrices)
       kept.push_back(f32(m, (L + kKdaChunk - 1) / kKdaChunk * s.kda_heads * kKdaKeptFloats));
+    if (projections) kept.push_back(bf16(m, kda_projected_rows(s, L) * kda_projected_width(s)));
   } else {
     kept.push_back(bf16(m, L * s.mla_heads * s.kv_rank));
     kept.push_back(f32(m, L * s.mla_heads));
@@ -300,9 +317,10 @@ std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const Laye
   return kept;
 }
 
-void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept) {
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept,
+                        bool projections) {
   if (layer.attention == AttentionKind::Kda)
-    kda_backward(m, s, pass.tokens, kept, kept && pass.keep_kda_matrices);
+    kda_backward(m, s, pass.tokens, kept, kept && pass.keep_kda_matrices, kept && projections);
   else
     dsa_backward(m, s, layer, pass, kept);
 }

@@ -30,20 +30,30 @@ struct Pass {
   // With keep_outputs: the feed-forward sites' inputs made again, the attention sublayers' outputs
   // and the MoE's [gate | up] products kept (Policy::ffn_inputs_again).
   bool rebuild_ffn_inputs = false;
+  // With keep_outputs: this many KDA layers, the last ones, keep their input projections too
+  // (Policy::kda_projections_kept).
+  int64_t kda_projections_kept = 0;
 };
+
+// Whether each layer keeps its KDA input projections: the last `kept` KDA layers
+// (LossOptions::kda_projections_kept).
+std::vector<bool> kda_layers_keeping_projections(const Shapes& s, int64_t kept);
 
 // What the streaming executor keeps of an attention sublayer's forward for its backward
 // (AttentionKept, model/cuda/modules.h): KDA, the recurrence's output, fp32 chunk states and
-// intra-chunk matrices; DSA, the absorbed attention's output and log-sum-exp.
+// intra-chunk matrices (and with `projections`, its input projections); DSA, the absorbed
+// attention's output and log-sum-exp.
 std::vector<Ledger::Block> attention_kept(Ledger& m, const Shapes& s, const LayerShape& layer,
-                                          const Pass& pass);
+                                          const Pass& pass, bool projections);
 
 // The forward of a layer's attention sublayer. With `select` (a DSA layer with its own indexer,
 // not a recomputation) it returns the selection, which the caller keeps for the backward pass.
 Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,
                                 bool select);
-// `kept`: the forward's attention_kept blocks are live (the caller frees them) and not recomputed.
-void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept);
+// `kept`: the forward's attention_kept blocks are live (the caller frees them) and not recomputed;
+// `projections`: they hold the KDA input projections too.
+void attention_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass, bool kept,
+                        bool projections);
 // `keep_routing` (if not null, a MoE layer's): takes the routing's blocks that the streaming
 // executor keeps for the backward (MoeRouting, model/cuda/modules.h).
 void ffn_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,

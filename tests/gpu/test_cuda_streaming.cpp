@@ -255,26 +255,19 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
     }
 }
 
-// The feed-forward sites' inputs made again before their backwards (one combine from the attention
-// site's input, its kept output and coefficients) and the kept attention outputs and MoE products
-// (LossOptions::rebuild_ffn_inputs) change no value the step computes: the same loss bit for bit
-// (the head runs on the same recomputation) and the same gradients but for the order of the
-// backward's atomic sums.
-TEST(CudaStreaming, FeedForwardInputsMadeAgainChangeNothing) {
+// Two streamed runs whose options differ only in what the recomputation keeps for the backward: the
+// same loss bit for bit (the head runs on the same recomputation) and the same gradients but for
+// the order of the backward's atomic sums.
+void expect_same_step(const LossOptions& plain, const LossOptions& changed, const char* what) {
   const ModelConfig config = streaming_config(512);
   ModelWeights weights = allocate_weights(config, DType::F32);
   init_weights(config, weights, 11);
   const std::vector<int32_t> tokens = dna(300);
-  LossOptions options;
-  options.chunk_tokens = 64;
-  options.indexer_kl_coef = 0.5;
-  options.aux_loss_coef = 0.01;
   std::vector<LossResult> results;
   std::vector<ModelWeights> grads;
-  for (const bool rebuild : {false, true}) {
-    options.rebuild_ffn_inputs = rebuild;
+  for (const LossOptions* options : {&plain, &changed}) {
     auto device = on_gpu(config, weights, true);
-    results.push_back(device->loss_and_gradients(tokens, options));
+    results.push_back(device->loss_and_gradients(tokens, *options));
     grads.push_back(zero_gradients(config, DType::F32));
     device->download_gradients(grads.back());
   }
@@ -291,13 +284,43 @@ TEST(CudaStreaming, FeedForwardInputsMadeAgainChangeNothing) {
       differing += x != y;
       ++values;
     }
-  std::printf(
-      "feed-forward inputs again: loss %.9f / %.9f, %lld of %lld gradient values differ, relative "
-      "difference %.3g\n",
-      results[1].loss, results[0].loss, static_cast<long long>(differing), static_cast<long long>(values),
-      std::sqrt(diff / norm));
+  std::printf("%s: loss %.9f / %.9f, %lld of %lld gradient values differ, relative difference %.3g\n", what,
+              results[1].loss, results[0].loss, static_cast<long long>(differing),
+              static_cast<long long>(values), std::sqrt(diff / norm));
   EXPECT_GT(norm, 0);
   EXPECT_LT(std::sqrt(diff / norm), 1e-4);
+}
+
+LossOptions streamed_in_64s() {
+  LossOptions options;
+  options.chunk_tokens = 64;
+  options.indexer_kl_coef = 0.5;
+  options.aux_loss_coef = 0.01;
+  return options;
+}
+
+// The feed-forward sites' inputs made again before their backwards (one combine from the attention
+// site's input, its kept output and coefficients) and the kept attention outputs and MoE products
+// (LossOptions::rebuild_ffn_inputs).
+TEST(CudaStreaming, FeedForwardInputsMadeAgainChangeNothing) {
+  LossOptions rebuilt = streamed_in_64s();
+  rebuilt.rebuild_ffn_inputs = true;
+  expect_same_step(streamed_in_64s(), rebuilt, "feed-forward inputs again");
+}
+
+// The last KDA layers' input projections kept from the recomputation for their backwards
+// (LossOptions::kda_projections_kept), with the feed-forward inputs made again as the 1M step runs:
+// one layer kept and the others made again, and every layer kept (more than the model has).
+TEST(CudaStreaming, KeptKdaProjectionsChangeNothing) {
+  LossOptions plain = streamed_in_64s();
+  plain.rebuild_ffn_inputs = true;
+  for (const int64_t layers : {1, 64}) {
+    LossOptions kept = plain;
+    kept.kda_projections_kept = layers;
+    expect_same_step(
+        plain, kept,
+        layers == 1 ? "KDA projections kept in the last layer" : "KDA projections kept in every layer");
+  }
 }
 
 // The union form of the DSA attention (docs/UNION_ATTENTION.md: on by default where its fused

@@ -1,5 +1,7 @@
 #include "cli/args.h"
 
+#include <cmath>
+
 #include "core/error.h"
 
 namespace spindle {
@@ -51,6 +53,20 @@ int64_t Args::int_or(const std::string& name, int64_t fallback) const {
   check(used == v->size() && !v->empty(), "spindle ", command_, ": --", name, " expects an integer, got '",
         *v, "'");
   return parsed;
+}
+
+double Args::positive_or(const std::string& name, const std::string& fallback, const char* expected) const {
+  const std::string text = value_or(name, fallback);
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  check(used == text.size() && std::isfinite(value) && value > 0, "spindle ", command_, ": --", name,
+        " takes ", expected, ", got '", text, "'");
+  return value;
 }
 
 }  // namespace spindle

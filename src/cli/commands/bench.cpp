@@ -6,6 +6,8 @@
 // (model/flops.h; when streamed, the streaming executor's extra forward is not counted). The memory policy
 // per length is the planner's pick among those the executor runs (plan/execution.h), unless --chunk or
 // --policy forces one; the JSON has the policy and its predicted peak next to the measured one.
+// --gpu-mem GIB plans for less device memory than the GPU has (as spindle plan's: 2 GiB of it kept for
+// the CUDA context and libraries), e.g. 123 holds the pick's peak to 121 GiB (129.9 GB).
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -72,10 +74,10 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args(
-      "bench", argv,
-      {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy", "plan-policy"},
-      {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
+  const Args args("bench", argv,
+                  {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy",
+                   "plan-policy", "gpu-mem"},
+                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -123,7 +125,14 @@ int run_bench(const std::vector<std::string>& argv) {
   auto device = open_device_model(Device::CUDA, config, model.weights,
                                   {args.flag("strict-kernels"), mla == "absorbed"});
   end_phase("device");
-  const plan::Machine machine{1, device->memory_capacity(), host_memory_bytes()};
+  const int64_t capacity = device->memory_capacity();
+  const auto gpu_bytes = static_cast<int64_t>(
+      args.positive_or("gpu-mem", std::to_string(static_cast<double>(capacity) / (1 << 30)),
+                       "a size in GiB") *
+      (1 << 30));
+  check(gpu_bytes <= capacity, "--gpu-mem ", static_cast<double>(gpu_bytes) / (1 << 30),
+        " GiB is more than the ", static_cast<double>(capacity) / (1 << 30), " GiB the GPU has");
+  const plan::Machine machine{1, gpu_bytes, host_memory_bytes()};
   plan::StepOptions plan_options;
   plan_options.absorbed = mla == "absorbed";
   // Training the indexers on their KL to the attention, as `spindle train` does by default.

@@ -2,7 +2,6 @@
 // planner knows with its predicted peak device and host memory and step time, and the pick: the
 // fastest that fits (src/plan/planner.h; docs/PLANNER.md).
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -38,20 +37,6 @@ int64_t parse_tokens(const std::string& text) {
             value * scale >= 2,
         "--seq-len takes a length of at least 2 tokens (e.g. 131072, 128k, 1M), got '", text, "'");
   return value * scale;
-}
-
-// A positive number: a size in GiB ("141", "178.5") or a fraction.
-double parse_positive(const std::string& name, const std::string& text, const char* expected) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  check(used == text.size() && std::isfinite(value) && value > 0, "--", name, " takes ", expected, ", got '",
-        text, "'");
-  return value;
 }
 
 int64_t bytes_of_gib(double gib) { return static_cast<int64_t>(gib * static_cast<double>(int64_t{1} << 30)); }
@@ -90,12 +75,12 @@ int run_plan(const std::vector<std::string>& argv) {
   request.machine.gpus = args.int_or("gpus", 1);
   check(request.machine.gpus >= 1, "--gpus must be at least 1, got ", request.machine.gpus);
   const char* size = "a positive size in GB (GiB: nvidia-smi's MiB / 1024)";
-  const double gpu_gib = parse_positive("gpu-mem", args.value_or("gpu-mem", "141"), size);
-  const double host_gib = parse_positive("host-mem", args.value_or("host-mem", "128"), size);
+  const double gpu_gib = args.positive_or("gpu-mem", "141", size);
+  const double host_gib = args.positive_or("host-mem", "128", size);
   request.machine.gpu_bytes = bytes_of_gib(gpu_gib);
   request.machine.host_bytes = bytes_of_gib(host_gib);
   if (const auto mfu = args.optional("mfu"))
-    request.hardware.mfu = parse_positive("mfu", *mfu, "a fraction in (0, 1]");
+    request.hardware.mfu = args.positive_or("mfu", *mfu, "a fraction in (0, 1]");
   const std::string mla = args.value_or("mla", "absorbed");
   check(mla == "expanded" || mla == "absorbed", "--mla must be expanded or absorbed, got '", mla, "'");
   request.options.absorbed = mla == "absorbed";

@@ -86,8 +86,9 @@ void backward_weight_strided(Gemm& gemm, const bf16* dy, int64_t dy_ld, const bf
 }
 
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
-// sequence); the recurrence's output, chunk states and matrices taken from `kept` where it holds
-// them. keep_matrices: the recurrence also writes its intra-chunk matrices into `matrices`.
+// sequence); the recurrence's output, chunk states and matrices, and the projections, taken from
+// `kept` where it holds them. keep_matrices: the recurrence also writes its intra-chunk matrices into
+// `matrices`.
 KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x,
                                int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr,
                                bool keep_matrices = false) {
@@ -106,7 +107,15 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
     copy_device(a.stacked_w.data() + stacked_row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
     stacked_row += t->dim(0);
   }
-  a.projected = activations(rows * ld);
+  // x's projections, kept from the forward (its carried rows too: the same carry) or made here.
+  const bool projections_kept = recurrence_kept && kept->projected.size() > 0;
+  if (projections_kept) {
+    check(kept->projected.size() == static_cast<size_t>(rows * ld), "KDA backward: kept projections of ",
+          kept->projected.size(), " values for ", rows, " rows of ", ld);
+    a.projected = std::move(kept->projected);
+  } else {
+    a.projected = activations(rows * ld);
+  }
   for (auto* b : {&a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
   for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
   if (recurrence_kept) {
@@ -129,15 +138,17 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
 
   // The carried rows: the windows' columns from the carry (the low-rank columns' carried rows stay
   // unused).
-  if (carry != nullptr)
-    SPINDLE_CUDA(cudaMemcpy2DAsync(a.projected.data(), ld * sizeof(bf16), carry->tails.data(),
-                                   3 * qkv * sizeof(bf16), 3 * qkv * sizeof(bf16), carried,
-                                   cudaMemcpyDeviceToDevice, s));
-  else
-    SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
   bf16* chunk_rows = a.projected.data() + carried * ld;  // token 0's row
   const bf16 *gate_low = chunk_rows + cols.gate_low(), *f_low = chunk_rows + cols.forget_low();
-  linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
+  if (!projections_kept) {
+    if (carry != nullptr)
+      SPINDLE_CUDA(cudaMemcpy2DAsync(a.projected.data(), ld * sizeof(bf16), carry->tails.data(),
+                                     3 * qkv * sizeof(bf16), 3 * qkv * sizeof(bf16), carried,
+                                     cudaMemcpyDeviceToDevice, s));
+    else
+      SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
+    linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
+  }
   // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows.
   causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.qcw.data(), a.q.data(), carried, rows,
                       qkv, K, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)), s);
@@ -189,6 +200,7 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
     keep->out = std::move(a.core);
     keep->stats = std::move(a.chunk_states);
     keep->matrices = std::move(a.matrices);
+    if (keep->keep_projections) keep->projected = std::move(a.projected);
   }
 }
 

@@ -44,10 +44,12 @@ struct KdaCarry {
 // for the union form its log-sum-exp). The backward takes them; empty, it recomputes them.
 struct AttentionKept {
   bool keep_matrices = false;
+  bool keep_projections = false;  // KDA: also the input projections (LossOptions::kda_projections_kept)
   bool union_form = false;  // DSA: `out` is the heads' output of the union form (docs/UNION_ATTENTION.md)
   DeviceBuffer<bf16> out;
   DeviceBuffer<float> stats;
   DeviceBuffer<float> matrices;
+  DeviceBuffer<bf16> projected;  // KDA: x's projections and the conv windows' carried rows
   bool empty() const { return out.size() == 0; }
 };
 

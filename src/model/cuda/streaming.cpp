@@ -103,6 +103,15 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
     result.aux_loss = balance_loss_value(stats.data(), stats.data() + E, E, balance_rows);
   }
 
+  // With kept outputs, the last options.kda_projections_kept KDA layers keep their input projections.
+  std::vector<bool> keeps_projections(layers, false);
+  int64_t projections_left = options.keep_outputs ? options.kda_projections_kept : 0;
+  for (size_t i = layers; i-- > 0 && projections_left > 0;)
+    if (w.layers[i].attention == AttentionKind::Kda) {
+      keeps_projections[i] = true;
+      --projections_left;
+    }
+
   // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
   // caches' gradients; everything else is per token.
   std::vector<std::optional<KdaCarry>> kda_grad(layers);
@@ -139,7 +148,10 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
                                bool reuse) {
       const LayerWeights& layer = w.layers[i];
       AttentionKept* keep = options.keep_outputs ? &attention_kept[i] : nullptr;
-      if (keep != nullptr) keep->keep_matrices = options.keep_kda_matrices;
+      if (keep != nullptr) {
+        keep->keep_matrices = options.keep_kda_matrices;
+        keep->keep_projections = keeps_projections[i];
+      }
       if (layer.attention == AttentionKind::Kda) {
         KdaCarry carry(*kda_starts[k][i], s);
         attention_forward(layer, x, n, selection, y, reuse, &carry, nullptr, keep);
