@@ -19,7 +19,7 @@ mkdir -p "$out"
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt"
 extra=()
-if [ "$lengths" = 1048576 ]; then extra=(--host-optimizer); fi
+if [ "$lengths" = 1048576 ]; then extra=(--host-optimizer --gpu-mem 123); fi  # 130 GB at most at 1M
 ./build/spindle bench --model configs/glm53-flash-4b.json --seq-len "$lengths" --steps 2 --warmup 0 \
   --tokens data/hs37chrXtrunc.fa.gz "${extra[@]}" --out "$out/spindle.jsonl" 2> "$out/spindle.log"
 status=$?

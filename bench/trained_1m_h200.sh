@@ -88,6 +88,7 @@ seed = 1"
     model="$out/run/$(cat "$out/run/latest")"
     extra=()
     if [ "$bench_len" -ge 524288 ]; then extra=(--host-optimizer); fi
+    if [ "$bench_len" -ge 1048576 ]; then extra+=(--gpu-mem 123); fi  # the 130 GB the 1M step must stay in
     ./build/spindle bench --model "$model" --seq-len "$bench_len" --steps 1 --warmup 0 --tokens "$tokens" \
       "${extra[@]}" --out "$out/spindle.jsonl" 2> "$out/spindle.log"
     cat "$out/spindle.jsonl"

@@ -30,6 +30,13 @@ MemoryPrediction today(const ModelConfig& c, int64_t tokens, bool absorbed = fal
   return predict_memory(gpu_shapes(c, one), state_bytes(c, one), tokens, Policy{}, options);
 }
 
+// A policy's name without the KDA projections the planner fills the room left with
+// (Policy::kda_projections_kept).
+std::string without_projections(Policy p) {
+  p.kda_projections_kept = 0;
+  return p.name();
+}
+
 PlanRequest request(int64_t tokens, double gpu_gib, double host_gib = 128, int64_t gpus = 1) {
   PlanRequest r;
   r.tokens = tokens;
@@ -236,16 +243,18 @@ TEST(Plan, StreamingKeepsSelectionsWhereTheyFit) {
   r.options.absorbed = true;
   const Plan roomy = make_plan(small, r);
   ASSERT_TRUE(roomy.pick.has_value());
-  EXPECT_EQ(roomy.candidates[*roomy.pick].policy.name(), "stream 16k, feed-forward inputs again");
+  EXPECT_EQ(without_projections(roomy.candidates[*roomy.pick].policy),
+            "stream 16k, feed-forward inputs again");
   r = request(524288, 141, 64);  // too little host memory for the AdamW state there
   r.options.absorbed = true;
   const Plan fits = make_plan(small, r);
   ASSERT_TRUE(fits.pick.has_value());
-  EXPECT_EQ(fits.candidates[*fits.pick].policy.name(), "stream 16k, KDA matrices again");
+  EXPECT_EQ(without_projections(fits.candidates[*fits.pick].policy), "stream 16k, KDA matrices again");
   r.machine.gpu_bytes = bytes(138);  // the selections would not leave 16k chunks room
   const Plan smaller = make_plan(small, r);
   ASSERT_TRUE(smaller.pick.has_value());
-  EXPECT_EQ(smaller.candidates[*smaller.pick].policy.name(), "stream 16k, indexer twice, KDA matrices again");
+  EXPECT_EQ(without_projections(smaller.candidates[*smaller.pick].policy),
+            "stream 16k, indexer twice, KDA matrices again");
 
   const ModelConfig real = load_model_config(kConfigs + "glm53-flash.json");
   r = request(1 << 20, 170, 1024, 8);
@@ -517,13 +526,58 @@ TEST(Plan, KdaMatricesKeptWithTheOutputsWhereTheyFit) {
   }
   EXPECT_GT(pairs, 0);
 
+  // The 1M step planned for 130 GB (the bound: --gpu-mem 123, 121 GiB usable) keeps what
+  // fits of the KDA projections; on the whole H200 all of them.
   const Execution million =
-      plan_execution(c, 1048576, Machine{1, bytes(141), bytes(128)}, r.options, std::nullopt);
-  EXPECT_EQ(million.policy.name(), "stream 16k, feed-forward inputs again + host AdamW");
+      plan_execution(c, 1048576, Machine{1, bytes(123), bytes(128)}, r.options, std::nullopt);
+  EXPECT_EQ(without_projections(million.policy), "stream 16k, feed-forward inputs again + host AdamW");
   EXPECT_TRUE(million.keep_outputs);
   EXPECT_TRUE(million.keep_kda_matrices);
   EXPECT_TRUE(million.rebuild_ffn_inputs);
+  EXPECT_GT(million.kda_projections_kept, 0);
+  EXPECT_LT(million.kda_projections_kept, 34);
   EXPECT_LE(million.predicted_peak_bytes, int64_t{130} * 1000 * 1000 * 1000);
+  const Execution whole =
+      plan_execution(c, 1048576, Machine{1, bytes(141), bytes(128)}, r.options, std::nullopt);
+  EXPECT_EQ(whole.kda_projections_kept, 34);
+  EXPECT_LE(whole.predicted_peak_bytes, bytes(141) - kDeviceReserveBytes);
+}
+
+// Each streamed policy that keeps outputs and fits comes again with the most KDA layers keeping
+// their input projections that still fit: each layer kept costs the same bytes at the peak and
+// saves time, and one layer more would not fit (or every KDA layer keeps them).
+TEST(Plan, KdaProjectionsFillTheRoomLeft) {
+  const ModelConfig c = load_model_config(kConfigs + "glm53-flash-4b.json");
+  for (const int64_t tokens : {int64_t{131072}, int64_t{1048576}}) {
+    PlanRequest r = request(tokens, 123);
+    r.options.absorbed = true;
+    const Plan plan = make_plan(c, r);
+    std::map<std::string, const Candidate*> by_name;
+    for (const Candidate& x : plan.candidates) by_name[x.policy.name()] = &x;
+    const Shapes shapes = gpu_shapes(c, {1, 1});
+    const StateBytes state = state_bytes(c, {1, 1});
+    const int64_t usable = bytes(123) - kDeviceReserveBytes;
+    int filled = 0;
+    for (const Candidate& x : plan.candidates) {
+      if (x.policy.kda_projections_kept == 0) continue;
+      ++filled;
+      ASSERT_TRUE(by_name.count(without_projections(x.policy))) << x.policy.name();
+      const Candidate& base = *by_name[without_projections(x.policy)];
+      EXPECT_TRUE(base.fits() && x.fits()) << x.policy.name();
+      EXPECT_LT(x.time.total(), base.time.total()) << x.policy.name();
+      Policy one_less = x.policy, one_more = x.policy;
+      --one_less.kda_projections_kept;
+      ++one_more.kda_projections_kept;
+      const int64_t at = x.memory.device.peak_total;
+      const int64_t less = predict_memory(shapes, state, tokens, one_less, r.options).device.peak_total;
+      EXPECT_GT(at, less) << x.policy.name();
+      if (x.policy.kda_projections_kept < 34) {
+        EXPECT_GT(predict_memory(shapes, state, tokens, one_more, r.options).device.peak_total, usable)
+            << x.policy.name();
+      }
+    }
+    EXPECT_GT(filled, 0) << tokens;
+  }
 }
 
 TEST(Plan, ExecutionTakesAPolicyByItsName) {
@@ -558,7 +612,7 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   const Execution forced = plan_execution(c, 131072, h200, {}, int64_t{16384});
   EXPECT_TRUE(forced.forced);
   EXPECT_EQ(forced.chunk_tokens, 16384);
-  EXPECT_EQ(forced.policy.name(), "stream 16k, feed-forward inputs again");
+  EXPECT_EQ(without_projections(forced.policy), "stream 16k, feed-forward inputs again");
   EXPECT_GT(forced.predicted_peak_bytes, 0);
   const Execution odd = plan_execution(c, 131072, h200, {}, int64_t{10000});  // no prediction
   EXPECT_EQ(odd.chunk_tokens, 10000);
