@@ -43,8 +43,8 @@ MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, i
 // gradient when the indexer trains), its keys and gates before pooling (the sequence's, or the last
 // chunk's where chunks start on pools and the indexer does not train) and, with kept_selections,
 // the selections as pool lists
-// (int32, topk / kpool per token) of every chunk but the last, which the forward pass leaves to
-// its recomputation.
+// (topk / kpool per token: 16 bits where every pool of the chunk's fits, else int32) of every chunk
+// but the last, which the forward pass leaves to its recomputation.
 int64_t streaming_carry_bytes(const Shapes& shapes, int64_t tokens, int64_t chunk_tokens,
                               const StepOptions& options, bool kept_selections);
 

@@ -485,8 +485,39 @@ TEST(CudaIndexer, SelectionMatchesTheCpuExactly) {
       EXPECT_EQ(back.download(), want)
           << "selection from pool lists, from query " << part.first_query << " of tokens " << L << " kpool "
           << c.kpool << " topk " << c.topk << " tail " << c.tail;
+      // Their 16-bit form, as the streaming executor keeps them where every pool fits.
+      ASSERT_TRUE(pool_lists_fit_16_bits(part));
+      DeviceBuffer<uint16_t> narrow(static_cast<size_t>(std::max<int64_t>(1, rows * per_query)),
+                                    MemoryCategory::Activations);
+      SPINDLE_CUDA(cudaMemsetAsync(narrow.data(), 0x7f, narrow.size() * sizeof(uint16_t), stream.get()));
+      auto narrow_back = filled(rows * s.width());
+      selection_to_pools(part, selected.data(), narrow.data(), stream.get());
+      pools_to_selection(part, narrow.data(), narrow_back.data(), stream.get());
+      stream.synchronize();
+      auto narrow_kept = narrow.download();
+      narrow_kept.resize(want_pools.size());
+      std::vector<int32_t> widened(narrow_kept.size());
+      for (size_t i = 0; i < widened.size(); ++i)
+        widened[i] = narrow_kept[i] == 0xffff ? -1 : static_cast<int32_t>(narrow_kept[i]);
+      EXPECT_EQ(widened, want_pools) << "16-bit pool lists from query " << part.first_query;
+      EXPECT_EQ(narrow_back.download(), want)
+          << "selection from 16-bit pool lists, from query " << part.first_query;
     }
   }
+}
+
+// 16-bit pool lists hold pools 0 .. 65534 (65535 stands for none): sequences of up to 65,535 complete
+// pools, 1,048,560 tokens at kpool 16 (the 1M step's kept chunks, all but the last, have 64,512).
+TEST(CudaIndexer, PoolListsFit16BitsUpTo65535Pools) {
+  cpu::IndexerShape s{65535 * 16, 32, 128, 16, 2048, true};
+  EXPECT_TRUE(pool_lists_fit_16_bits(s));
+  s.tokens += 15;
+  EXPECT_TRUE(pool_lists_fit_16_bits(s));
+  s.tokens += 1;
+  EXPECT_FALSE(pool_lists_fit_16_bits(s));
+  s.tokens = 1048576 - 16384;
+  s.first_query = s.tokens - 16384;
+  EXPECT_TRUE(pool_lists_fit_16_bits(s));
 }
 
 // The top-k alone (indexer_topk) on scores made here, against the selection rule written out: per

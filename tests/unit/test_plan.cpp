@@ -125,6 +125,7 @@ struct MeasuredPolicy {
   bool ffn_inputs_again = false;
   bool index_rows_of_every_token = true;
   bool kda_u_kept = false;
+  bool pool_lists_of_32_bits = true;  // the kept selections' pool lists before they took 16 bits
 };
 const std::vector<MeasuredPolicy> kH200FourBillionPeaks = {
     {32768, 0, false, false, false, 134445705728},       // 45fcb91
@@ -168,6 +169,17 @@ int64_t four_billion_kept_u(int64_t chunk) {
   return kda_layers * (chunk + 63) / 64 * 64 * s.kda_heads * 128 * 4;
 }
 
+// What the 4B config's kept pool lists took more as int32 than they do as 16-bit values: every
+// kept chunk's (all but the last of `tokens` in chunks of `chunk`), where it fits 16 bits.
+int64_t four_billion_pool_lists_narrowed(int64_t tokens, int64_t chunk) {
+  const Shapes& s = four_billion_shapes();
+  int64_t indexers = 0, bytes = 0;
+  for (const LayerShape& layer : s.layers) indexers += layer.own_indexer ? 1 : 0;
+  for (int64_t k = 0; (k + 1) * chunk < tokens; ++k)
+    if ((k + 1) * chunk / s.kpool <= 65535) bytes += 2 * chunk * s.selected_pools * indexers;
+  return bytes;
+}
+
 // Each measured peak against the planner's prediction for its policy, within `fraction`.
 void expect_four_billion_peaks(const std::vector<MeasuredPolicy>& measured, double fraction) {
   for (const MeasuredPolicy& m : measured) {
@@ -185,7 +197,10 @@ void expect_four_billion_peaks(const std::vector<MeasuredPolicy>& measured, doub
     const int64_t predicted =
         it->memory.device.peak_total +
         (m.index_rows_of_every_token && m.chunk > 0 ? four_billion_index_rows(m.tokens - m.chunk) : 0) -
-        (matrices_kept && !m.kda_u_kept ? four_billion_kept_u(m.chunk) : 0);
+        (matrices_kept && !m.kda_u_kept ? four_billion_kept_u(m.chunk) : 0) +
+        (m.chunk > 0 && !m.indexer_again && m.pool_lists_of_32_bits
+             ? four_billion_pool_lists_narrowed(m.tokens, m.chunk)
+             : 0);
     const double bytes = static_cast<double>(m.peak_bytes);
     EXPECT_NEAR(static_cast<double>(predicted), bytes, fraction * bytes)
         << m.tokens << " tokens, " << it->policy.name();
@@ -414,17 +429,22 @@ TEST(Plan, StreamingCarriesAreTheKdaStatesAndDsaCaches) {
   // one state and window gradient (fp32); 11 DSA layers: latent [L, 512] bf16 + fp32 gradient,
   // pooled keys [L / 16, 64] bf16, the indexer's keys and pool gates before pooling, [C, 64]
   // bf16 each (the last chunk's: every chunk starts on a pool), and the selections as pool lists,
-  // [L - C, 2048 / 16] int32 (the forward pass leaves the last chunk to its recomputation).
+  // [L - C, 2048 / 16] of 16 bits (the forward pass leaves the last chunk to its recomputation; every
+  // kept chunk's pools are below 65535).
   const int64_t state = 16 * 64 * 64 * 4, window = 3 * 3 * 1024;
   const auto index_rows = [](int64_t rows) { return 11 * (2 * 2 * rows * 64); };
   const int64_t expected = 34 * (15 * (state + 2 * window) + state + 4 * window) + 11 * (6 * L * 512) +
-                           11 * (2 * (L / 16) * 64) + index_rows(C) + 11 * (4 * (L - C) * 128);
+                           11 * (2 * (L / 16) * 64) + index_rows(C) + 11 * (2 * (L - C) * 128);
   EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, true), expected);
-  EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (4 * (L - C) * 128));
+  EXPECT_EQ(streaming_carry_bytes(s, L, C, {}, false), expected - 11 * (2 * (L - C) * 128));
+  // At 2M the chunks from the 16th on see 65,536 pools or more: their lists take 32 bits.
+  const int64_t two = 2 * L;
+  EXPECT_EQ(streaming_carry_bytes(s, two, C, {}, true) - streaming_carry_bytes(s, two, C, {}, false),
+            11 * 128 * C * (15 * 2 + 16 * 4));
   // A chunk that splits a pool needs the rows before it: every token's are kept.
   const int64_t odd = C + 8;  // 16 chunks still
   EXPECT_EQ(streaming_carry_bytes(s, L, odd, {}, false),
-            expected - 11 * (4 * (L - C) * 128) - index_rows(C) + index_rows(L));
+            expected - 11 * (2 * (L - C) * 128) - index_rows(C) + index_rows(L));
   // The indexer's KL reads every token's rows back and adds the pooled keys' fp32 gradient for the
   // sequence and the keys' and gates' bf16 gradients over one chunk and the pool that straddles its
   // start, not over the sequence.
@@ -618,16 +638,16 @@ TEST(Plan, ExecutionTakesAForcedChunkAndFailsLoudlyWhenNothingFits) {
   EXPECT_EQ(odd.chunk_tokens, 10000);
   EXPECT_EQ(odd.predicted_peak_bytes, 0);
   EXPECT_EQ(plan_execution(c, 131072, h200, {}, int64_t{0}).chunk_tokens, 0);
-  // At 960k with the AdamW state on the device of a 137 GiB GPU, 16k chunks fit only without the
+  // At 960k with the AdamW state on the device of a 135 GiB GPU, 16k chunks fit only without the
   // kept selections and outputs.
   StepOptions absorbed;
   absorbed.absorbed = true;
   const Execution tight =
-      plan_execution(c, 983040, {1, bytes(137), bytes(128)}, absorbed, int64_t{16384}, false);
+      plan_execution(c, 983040, {1, bytes(135), bytes(128)}, absorbed, int64_t{16384}, false);
   EXPECT_EQ(tight.policy.name(), "stream 16k, indexer twice, outputs again");
   EXPECT_FALSE(tight.keep_selections);
   EXPECT_FALSE(tight.keep_outputs);
-  EXPECT_LE(tight.predicted_peak_bytes, bytes(137) - kDeviceReserveBytes);
+  EXPECT_LE(tight.predicted_peak_bytes, bytes(135) - kDeviceReserveBytes);
   try {
     plan_execution(c, 1048576, {1, bytes(24), bytes(128)}, {}, std::nullopt);
     ADD_FAILURE() << "a 24 GiB GPU cannot hold the 4B model's state";

@@ -130,5 +130,6 @@ template class DeviceBuffer<__nv_bfloat16>;
 template class DeviceBuffer<int32_t>;
 template class DeviceBuffer<double>;
 template class DeviceBuffer<uint32_t>;
+template class DeviceBuffer<uint16_t>;
 
 }  // namespace spindle::cuda

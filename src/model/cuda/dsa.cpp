@@ -623,25 +623,36 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   }
 }
 
-DeviceBuffer<int32_t> keep_selection(Context& ctx, const ModelConfig& c,
-                                     const DeviceBuffer<int32_t>& selection, int64_t first, int64_t L) {
+PoolLists keep_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<int32_t>& selection,
+                         int64_t first, int64_t L) {
   const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
   check(selection.size() == static_cast<size_t>(L * shape.width()), "keep_selection: a selection of ",
         selection.size(), " values for ", L, " queries of width ", shape.width());
-  DeviceBuffer<int32_t> pools(static_cast<size_t>(L * selection_pools_per_query(shape)),
-                              MemoryCategory::Activations);
-  selection_to_pools(shape, selection.data(), pools.data(), ctx.stream());
+  const auto values = static_cast<size_t>(L * selection_pools_per_query(shape));
+  PoolLists pools;
+  if (pool_lists_fit_16_bits(shape)) {
+    pools.narrow = DeviceBuffer<uint16_t>(values, MemoryCategory::Activations);
+    selection_to_pools(shape, selection.data(), pools.narrow.data(), ctx.stream());
+  } else {
+    pools.wide = DeviceBuffer<int32_t>(values, MemoryCategory::Activations);
+    selection_to_pools(shape, selection.data(), pools.wide.data(), ctx.stream());
+  }
   return pools;
 }
 
-void restore_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<int32_t>& pools, int64_t first,
-                       int64_t L, DeviceBuffer<int32_t>& selection) {
+void restore_selection(Context& ctx, const ModelConfig& c, const PoolLists& pools, int64_t first, int64_t L,
+                       DeviceBuffer<int32_t>& selection) {
   const cpu::IndexerShape shape = indexer_shape(c, first + L, first);
-  check(pools.size() == static_cast<size_t>(L * selection_pools_per_query(shape)),
-        "restore_selection: ", pools.size(), " kept pools for ", L, " queries");
+  const bool narrow = pool_lists_fit_16_bits(shape);
+  const size_t kept = narrow ? pools.narrow.size() : pools.wide.size();
+  check(kept == static_cast<size_t>(L * selection_pools_per_query(shape)), "restore_selection: ", kept,
+        " kept pools for ", L, " queries");
   if (selection.size() != static_cast<size_t>(L * shape.width()))
     selection = DeviceBuffer<int32_t>(static_cast<size_t>(L * shape.width()), MemoryCategory::Activations);
-  pools_to_selection(shape, pools.data(), selection.data(), ctx.stream());
+  if (narrow)
+    pools_to_selection(shape, pools.narrow.data(), selection.data(), ctx.stream());
+  else
+    pools_to_selection(shape, pools.wide.data(), selection.data(), ctx.stream());
   ctx.record.note("dsa/indexer", "streamed backward: the forward's selection kept as pool lists");
 }
 

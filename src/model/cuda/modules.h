@@ -133,11 +133,16 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
                   IndexerLoss* indexer_loss, bf16* y);
 // The selection of queries first .. first + L as its pool list (kernels/cuda/selection_pools.h),
 // and back: the streaming executor keeps a chunk's from the forward so that the recomputation
-// before its backward runs no indexer (dsa_forward with reuse_selection).
-DeviceBuffer<int32_t> keep_selection(Context& ctx, const ModelConfig& c,
-                                     const DeviceBuffer<int32_t>& selection, int64_t first, int64_t L);
-void restore_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<int32_t>& pools, int64_t first,
-                       int64_t L, DeviceBuffer<int32_t>& selection);
+// before its backward runs no indexer (dsa_forward with reuse_selection). 16 bits a pool where
+// they fit (narrow), else 32 (wide); one of the two is empty.
+struct PoolLists {
+  DeviceBuffer<uint16_t> narrow;
+  DeviceBuffer<int32_t> wide;
+};
+PoolLists keep_selection(Context& ctx, const ModelConfig& c, const DeviceBuffer<int32_t>& selection,
+                         int64_t first, int64_t L);
+void restore_selection(Context& ctx, const ModelConfig& c, const PoolLists& pools, int64_t first, int64_t L,
+                       DeviceBuffer<int32_t>& selection);
 // Backward of the chunk of queries first .. first + L over the forward's final cache. Every
 // chunk adds its keys' and values' gradients (and the indexer's pooled keys') to `cache_grad`;
 // this chunk's own rows are complete when it runs (later chunks ran first) and flow back into dx

@@ -65,7 +65,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   std::vector<LayerCarry> carries =
       start_carries(L, !indexer_trained && chunk % c.index_kpool == 0 ? chunk : 0);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
-  std::vector<std::vector<DeviceBuffer<int32_t>>> kept_pools(chunks);
+  std::vector<std::vector<PoolLists>> kept_pools(chunks);
   Progress progress("streamed step (GPU, chunks queued)");
   for (size_t k = 0; k < chunks; ++k) {
     const int64_t start = first_token(k), n = chunk_length(k);
