@@ -74,6 +74,7 @@ train_toml "$here/data/chr22_256.fa" 64 "$here/configs/tiny.json" > "$work/ok.to
 expect_failure train-host-optimizer-on-cpu "host-optimizer applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --host-optimizer
 expect_failure train-chunk-on-cpu "chunk applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --chunk 16
 expect_failure train-policy-on-cpu "policy applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --policy offload
+expect_failure train-gpu-mem-on-cpu "gpu-mem applies to .*device cuda" "$spindle" train --config "$work/ok.toml" --gpu-mem 100
 [ ! -e "$work/run/latest" ] || { echo "FAIL: a failed run left a checkpoint"; failures=$((failures + 1)); }
 
 expect_failure missing-model-dir "config.json|no such|cannot" "$spindle" info --model "$work/nowhere"
@@ -109,6 +110,7 @@ expect_failure route-negative-chunk "chunk must be" "$spindle" route --model "$w
 expect_failure route-token-out-of-range "token id 99.*vocabulary" "$spindle" route --model "$work/model" --tokens "$work/big.txt"
 expect_failure bench-bad-policy "policy must be keep, recompute or offload" "$spindle" bench --model "$here/configs/tiny.json" --seq-len 8 --policy stream
 expect_failure bench-policy-and-chunk "exclude each other" "$spindle" bench --model "$here/configs/tiny.json" --seq-len 8 --policy offload --chunk 4
+expect_failure bench-negative-gpu-mem "gpu-mem takes a size in GiB" "$spindle" bench --model "$here/configs/tiny.json" --seq-len 8 --gpu-mem -1
 # bench checks its tokens before it initialises a model or looks for a GPU.
 expect_failure bench-tokens-too-short "has 8 tokens, --seq-len 9 needs more" "$spindle" bench --model "$here/configs/tiny.json" --tokens "$work/tokens.txt" --seq-len 9
 expect_failure bench-fasta-too-short "longer than every sequence" "$spindle" bench --model "$here/configs/tiny.json" --tokens "$here/data/chr22_256.fa" --seq-len 300

@@ -45,7 +45,7 @@ commands:
   data      info --input FILE [--format F] [--names A,B] [--vocab N]
                                                 sequences, lengths and N runs of a data file
   train     --config RUN.toml [--resume] [--stop-after N] [--device cpu|cuda] [--strict-kernels] [--chunk N]
-            [--host-optimizer]
+            [--host-optimizer] [--gpu-mem GB]
                                                 train (see README: RUN.toml), checkpoints, metrics
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]

@@ -27,6 +27,8 @@ struct TrainOptions {
   std::optional<bool> optimizer_on_host;
   // cuda: keep every site, recompute or offload the layer inputs (--policy); unset, the planner's.
   std::optional<plan::ActivationPolicy> site_policy;
+  // cuda: plan for this many bytes of the GPU (--gpu-mem, as spindle plan's); unset, all it has.
+  std::optional<int64_t> gpu_bytes;
 };
 
 // Runs the training; returns the directory of the final checkpoint.

@@ -9,7 +9,7 @@
 namespace spindle {
 
 int run_train(const std::vector<std::string>& argv) {
-  const Args args("train", argv, {"config", "stop-after", "device", "chunk", "policy"},
+  const Args args("train", argv, {"config", "stop-after", "device", "chunk", "policy", "gpu-mem"},
                   {"resume", "strict-kernels", "host-optimizer"});
   const RunConfig run = load_run_config(args.required("config"));
   TrainOptions options;
@@ -34,6 +34,10 @@ int run_train(const std::vector<std::string>& argv) {
     check(options.device == Device::CUDA, "--policy applies to --device cuda (the CPU keeps every site)");
     check(!options.chunk_tokens, "--chunk and --policy exclude each other (--chunk N streams)");
     options.site_policy = plan::parse_site_policy(*name);
+  }
+  if (args.optional("gpu-mem")) {
+    check(options.device == Device::CUDA, "--gpu-mem applies to --device cuda");
+    options.gpu_bytes = static_cast<int64_t>(args.positive_or("gpu-mem", "", "a size in GiB") * (1 << 30));
   }
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";
