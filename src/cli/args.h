@@ -21,6 +21,8 @@ class Args {
   int64_t int_or(const std::string& name, int64_t fallback) const;
   // A finite number > 0 (`expected` says what, for the error), or the fallback's.
   double positive_or(const std::string& name, const std::string& fallback, const char* expected) const;
+  // A size given in GiB, in bytes; none when the option is absent.
+  std::optional<int64_t> gib_bytes(const std::string& name) const;
   bool flag(const std::string& name) const { return flags_.count(name) != 0; }
 
  private:

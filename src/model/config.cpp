@@ -671,6 +671,17 @@ json model_config_to_json(const ModelConfig& config) {
   return out;
 }
 
+std::vector<bool> last_layers_of_kind(const std::vector<AttentionKind>& kinds, AttentionKind kind,
+                                      int64_t n) {
+  std::vector<bool> last(kinds.size(), false);
+  for (size_t i = kinds.size(); i-- > 0 && n > 0;)
+    if (kinds[i] == kind) {
+      last[i] = true;
+      --n;
+    }
+  return last;
+}
+
 const char* attention_kind_name(AttentionKind kind) {
   return kind == AttentionKind::Kda ? "linear_attention" : "deepseek_sparse_attention";
 }

@@ -87,6 +87,10 @@ ModelConfig load_model_config(const std::string& path);
 // The nested Hugging Face form that transformers' Glm5NextConfig loads.
 nlohmann::json model_config_to_json(const ModelConfig& config);
 
+// The last `n` layers of `kind` among `kinds`, as a flag per layer: the KDA layers that keep their
+// input projections (LossOptions::kda_projections_kept) in the executor and in the planner.
+std::vector<bool> last_layers_of_kind(const std::vector<AttentionKind>& kinds, AttentionKind kind, int64_t n);
+
 const char* attention_kind_name(AttentionKind kind);
 const char* mlp_kind_name(MlpKind kind);
 const char* indexer_kind_name(IndexerKind kind);

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/host_memory.h"
 
 namespace spindle::plan {
 
@@ -53,6 +54,14 @@ const Candidate* fastest_runnable(const Plan& plan, std::optional<bool> optimize
         (!optimizer_on_host || candidate.policy.optimizer_on_host == *optimizer_on_host))
       return &candidate;
   return nullptr;
+}
+
+Machine this_machine(int64_t gpu_capacity, std::optional<int64_t> planned_gpu_bytes) {
+  const int64_t bytes = planned_gpu_bytes.value_or(gpu_capacity);
+  const auto gib = [](int64_t b) { return static_cast<double>(b) / static_cast<double>(int64_t{1} << 30); };
+  check(bytes <= gpu_capacity, "--gpu-mem ", gib(bytes), " GiB is more than the ", gib(gpu_capacity),
+        " GiB the GPU has");
+  return {1, bytes, host_memory_bytes()};
 }
 
 ActivationPolicy parse_site_policy(const std::string& name) {

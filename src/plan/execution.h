@@ -48,6 +48,10 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
                          std::optional<ActivationPolicy> forced_activations = std::nullopt,
                          const std::optional<std::string>& forced_name = std::nullopt);
 
+// This process's GPU (`gpu_capacity` bytes, or the part of it the user's --gpu-mem gives the planner,
+// which must not be more) and its host's memory.
+Machine this_machine(int64_t gpu_capacity, std::optional<int64_t> planned_gpu_bytes);
+
 // The execution's chunk and what its passes keep, into a run's loss options (the rest untouched).
 void set_memory_options(const Execution& execution, LossOptions& options);
 

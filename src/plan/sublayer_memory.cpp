@@ -279,13 +279,9 @@ void moe_backward(Ledger& m, const Shapes& s, int64_t L, Blocks kept, bool produ
 int64_t selection_bytes(const Shapes& s, int64_t tokens) { return tokens * s.width * 4; }
 
 std::vector<bool> kda_layers_keeping_projections(const Shapes& s, int64_t kept) {
-  std::vector<bool> keeps(s.layers.size(), false);
-  for (size_t i = s.layers.size(); i-- > 0 && kept > 0;)
-    if (s.layers[i].attention == AttentionKind::Kda) {
-      keeps[i] = true;
-      --kept;
-    }
-  return keeps;
+  std::vector<AttentionKind> kinds;
+  for (const LayerShape& layer : s.layers) kinds.push_back(layer.attention);
+  return last_layers_of_kind(kinds, AttentionKind::Kda, kept);
 }
 
 Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& pass,

@@ -35,8 +35,8 @@ struct Pass {
   int64_t kda_projections_kept = 0;
 };
 
-// Whether each layer keeps its KDA input projections: the last `kept` KDA layers
-// (LossOptions::kda_projections_kept).
+// Whether each layer keeps its KDA input projections: the last `kept` KDA layers (last_layers_of_kind,
+// as the executor takes them).
 std::vector<bool> kda_layers_keeping_projections(const Shapes& s, int64_t kept);
 
 // What the streaming executor keeps of an attention sublayer's forward for its backward

@@ -8,7 +8,6 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/device_model.h"
-#include "core/host_memory.h"
 #include "core/log.h"
 #include "data/nucleotide_tokenizer.h"
 #include "data/sequence_range.h"
@@ -228,10 +227,7 @@ std::string run_training(const RunConfig& run, const TrainOptions& options) {
     plan::StepOptions plan_options;
     plan_options.absorbed = true;  // the device model's default form
     plan_options.indexer_kl = !run.indexer.freeze && run.indexer.kl_coef > 0;
-    const int64_t capacity = device->memory_capacity();
-    check(options.gpu_bytes.value_or(capacity) <= capacity, "--gpu-mem: more than the ",
-          static_cast<double>(capacity) / (1 << 30), " GiB the GPU has");
-    const plan::Machine machine{1, options.gpu_bytes.value_or(capacity), host_memory_bytes()};
+    const plan::Machine machine = plan::this_machine(device->memory_capacity(), options.gpu_bytes);
     const plan::Execution execution =
         plan::plan_execution(config, run.train.seq_len, machine, plan_options, options.chunk_tokens,
                              options.optimizer_on_host, options.site_policy);

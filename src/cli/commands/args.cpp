@@ -69,4 +69,9 @@ double Args::positive_or(const std::string& name, const std::string& fallback, c
   return value;
 }
 
+std::optional<int64_t> Args::gib_bytes(const std::string& name) const {
+  if (!optional(name)) return std::nullopt;
+  return static_cast<int64_t>(positive_or(name, "", "a size in GiB") * static_cast<double>(int64_t{1} << 30));
+}
+
 }  // namespace spindle

@@ -93,9 +93,7 @@ int run_bench(const std::vector<std::string>& argv) {
   check(!(forced_policy && forced_chunk), "--chunk and --policy exclude each other (--chunk N streams)");
   // Any policy the executor runs, by the name `spindle plan` prints (to compare two of them).
   const std::optional<std::string> forced_name = args.optional("plan-policy");
-  std::optional<int64_t> planned_gpu_bytes;  // checked against the GPU once it is open
-  if (args.optional("gpu-mem"))
-    planned_gpu_bytes = static_cast<int64_t>(args.positive_or("gpu-mem", "", "a size in GiB") * (1 << 30));
+  const std::optional<int64_t> planned_gpu_bytes = args.gib_bytes("gpu-mem");  // checked once the GPU is open
   // The last step of each length inside a profiler's capture range (bench/step_profile.sh).
   const bool profile = args.flag("profile");
   const bool random_tokens = args.flag("random-tokens");
@@ -128,11 +126,7 @@ int run_bench(const std::vector<std::string>& argv) {
   auto device = open_device_model(Device::CUDA, config, model.weights,
                                   {args.flag("strict-kernels"), mla == "absorbed"});
   end_phase("device");
-  const int64_t capacity = device->memory_capacity();
-  const int64_t gpu_bytes = planned_gpu_bytes.value_or(capacity);
-  check(gpu_bytes <= capacity, "--gpu-mem ", static_cast<double>(gpu_bytes) / (1 << 30),
-        " GiB is more than the ", static_cast<double>(capacity) / (1 << 30), " GiB the GPU has");
-  const plan::Machine machine{1, gpu_bytes, host_memory_bytes()};
+  const plan::Machine machine = plan::this_machine(device->memory_capacity(), planned_gpu_bytes);
   plan::StepOptions plan_options;
   plan_options.absorbed = mla == "absorbed";
   // Training the indexers on their KL to the attention, as `spindle train` does by default.

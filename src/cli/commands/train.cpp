@@ -37,7 +37,7 @@ int run_train(const std::vector<std::string>& argv) {
   }
   if (args.optional("gpu-mem")) {
     check(options.device == Device::CUDA, "--gpu-mem applies to --device cuda");
-    options.gpu_bytes = static_cast<int64_t>(args.positive_or("gpu-mem", "", "a size in GiB") * (1 << 30));
+    options.gpu_bytes = args.gib_bytes("gpu-mem");
   }
   const std::string dir = train(run, options);
   std::cout << "final checkpoint: " << dir << "\n";

@@ -104,13 +104,8 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   }
 
   // With kept outputs, the last options.kda_projections_kept KDA layers keep their input projections.
-  std::vector<bool> keeps_projections(layers, false);
-  int64_t projections_left = options.keep_outputs ? options.kda_projections_kept : 0;
-  for (size_t i = layers; i-- > 0 && projections_left > 0;)
-    if (w.layers[i].attention == AttentionKind::Kda) {
-      keeps_projections[i] = true;
-      --projections_left;
-    }
+  const std::vector<bool> keeps_projections = last_layers_of_kind(
+      c.layer_types, AttentionKind::Kda, options.keep_outputs ? options.kda_projections_kept : 0);
 
   // Backward, last chunk first. Across chunks flow only the KDA carries' gradients and the DSA
   // caches' gradients; everything else is per token.
