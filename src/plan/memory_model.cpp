@@ -16,9 +16,6 @@ namespace {
 using Block = Ledger::Block;
 using Blocks = std::vector<Block>;
 
-// Pools that 16-bit pool lists hold (kernels/cuda/selection_pools.h, pool_lists_fit_16_bits).
-constexpr int64_t kMostNarrowPools = 65535;
-
 // The fused lm_head + loss (kernels/cuda/lm_loss.cpp): the step's forward_backward keeps a token
 // block's logits over the whole vocabulary; its workspace grows to that and stays (a member of
 // the Context), for token blocks of at most 2048 rows and vocabulary chunks of at most 16384 (the
@@ -231,7 +228,7 @@ int64_t streaming_carry_bytes(const Shapes& s, int64_t tokens, int64_t chunk_tok
         // (without the balance loss, the default; the last one's recomputation is its forward); 16
         // bits a pool in the chunks whose pools all fit (kernels/cuda/selection_pools.h), else 32.
         for (int64_t k = 0; kept_selections && k + 1 < chunks; ++k)
-          bytes += ((k + 1) * chunk_tokens / s.kpool <= kMostNarrowPools ? 2 : 4) * chunk_tokens *
+          bytes += ((k + 1) * chunk_tokens / s.kpool <= kPoolsIn16BitLists ? 2 : 4) * chunk_tokens *
                    s.selected_pools;
       }
     }

@@ -36,6 +36,10 @@ struct MemoryPrediction {
 MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, int64_t tokens,
                                 const Policy& policy, const StepOptions& options = {});
 
+// The most pools a 16-bit pool list holds (kernels/cuda/selection_pools.h, pool_lists_fit_16_bits):
+// pools 0 .. 65534, 65535 standing for none.
+constexpr int64_t kPoolsIn16BitLists = 65535;
+
 // Bytes of what the streaming executor keeps for the whole step (docs/STREAMING.md): per KDA
 // layer the fp32 state at each later chunk start and the conv window (kernel - 1 rows of q, k,
 // v), and their gradients for one boundary; per DSA layer the bf16 latent cache [tokens,

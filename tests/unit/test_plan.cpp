@@ -184,7 +184,7 @@ int64_t four_billion_pool_lists_narrowed(int64_t tokens, int64_t chunk) {
   int64_t indexers = 0, bytes = 0;
   for (const LayerShape& layer : s.layers) indexers += layer.own_indexer ? 1 : 0;
   for (int64_t k = 0; (k + 1) * chunk < tokens; ++k)
-    if ((k + 1) * chunk / s.kpool <= 65535) bytes += 2 * chunk * s.selected_pools * indexers;
+    if ((k + 1) * chunk / s.kpool <= kPoolsIn16BitLists) bytes += 2 * chunk * s.selected_pools * indexers;
   return bytes;
 }
 
