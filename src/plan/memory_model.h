@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "core/allocator.h"
 #include "model/config.h"
@@ -37,8 +38,8 @@ MemoryPrediction predict_memory(const Shapes& shapes, const StateBytes& state, i
                                 const Policy& policy, const StepOptions& options = {});
 
 // The most pools a 16-bit pool list holds (kernels/cuda/selection_pools.h, pool_lists_fit_16_bits):
-// pools 0 .. 65534, 65535 standing for none.
-constexpr int64_t kPoolsIn16BitLists = 65535;
+// pools 0 .. 65534, the largest uint16_t standing for none.
+constexpr int64_t kPoolsIn16BitLists = std::numeric_limits<uint16_t>::max();
 
 // Bytes of what the streaming executor keeps for the whole step (docs/STREAMING.md): per KDA
 // layer the fp32 state at each later chunk start and the conv window (kernel - 1 rows of q, k,
