@@ -33,18 +33,13 @@ W weight_from_master(float master) {
     return static_cast<W>(master);
 }
 
-// The update's constants for one step and tensor.
-struct UpdateCoefficients {
-  double beta1, beta2, step_size, bc2_sqrt, eps, decay;
-};
-
 // Entries [begin, end) of one tensor, in fp64 (the CPU reference's arithmetic); the weight is
 // written in the same pass, rounded from the master as write_weights() rounds it: a second pass
 // over billions of values cost as much as the update (host AdamW). Also compiled for AVX2 and
 // picked at run time: on the H200 machine's host the vectorised loop is twice as fast
 // (bench/host_adamw.cpp), with the same IEEE operations in the same order, so the same bits.
 template <class G, class W>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(const UpdateCoefficients& c,
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(const AdamWConstants& c,
                                                                               const G* g, float* p, float* m,
                                                                               float* v, W* w, int64_t begin,
                                                                               int64_t end) {
@@ -121,14 +116,11 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
   }
 
   ++steps_;
-  const double t = static_cast<double>(steps_);
-  const double b1 = options_.beta1, b2 = options_.beta2;
-  const double step_size = lr / (1.0 - std::pow(b1, t)), bc2_sqrt = std::sqrt(1.0 - std::pow(b2, t));
+  const AdamWConstants decaying = constants(true, lr, steps_), plain = constants(false, lr, steps_);
   // Slot i's entries [begin, end).
   const auto update = [&](size_t i, int64_t begin, int64_t end) {
     Slot& s = slots_[i];
-    const UpdateCoefficients c{b1,       b2,           step_size,
-                               bc2_sqrt, options_.eps, s.decays ? 1.0 - lr * options_.weight_decay : 1.0};
+    const AdamWConstants& c = s.decays ? decaying : plain;
     float* p = s.master.data<float>();
     float* m = s.exp_avg.data<float>();
     float* v = s.exp_avg_sq.data<float>();
@@ -142,11 +134,11 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
 
   // Each batch as one range of values over all the cores (slot by slot, small slots would leave
   // most cores idle and start threads hundreds of times a step).
-  for (size_t first = 0; first < slots_.size();) {
+  const size_t slots = std::min(batches.slots, slots_.size());
+  for (size_t first = 0; first < slots;) {
     std::vector<int64_t> offsets{0};  // of the batch's slots in its range; frozen slots are empty
     size_t last = first;
-    while (last < slots_.size() &&
-           (offsets.back() < batches.elements || last == first || batches.elements == 0)) {
+    while (last < slots && (offsets.back() < batches.elements || last == first || batches.elements == 0)) {
       offsets.push_back(offsets.back() + (slots_[last].frozen ? 0 : slots_[last].master.numel()));
       ++last;
     }
@@ -164,6 +156,16 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
     if (batches.after) batches.after(first, last);
     first = last;
   }
+}
+
+AdamWConstants AdamW::constants(bool decays, double lr, int64_t step) const {
+  const double t = static_cast<double>(step), b1 = options_.beta1, b2 = options_.beta2;
+  return {b1,
+          b2,
+          lr / (1.0 - std::pow(b1, t)),
+          std::sqrt(1.0 - std::pow(b2, t)),
+          options_.eps,
+          decays ? 1.0 - lr * options_.weight_decay : 1.0};
 }
 
 void AdamW::write_weights() {
