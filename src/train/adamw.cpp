@@ -71,15 +71,27 @@ bool role_decays(ParamRole role) { return role == ParamRole::Matrix || role == P
 
 bool role_trained(ParamRole role) { return role != ParamRole::RouterBias; }
 
-AdamW::AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options)
+AdamW::AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options,
+             const AdamWStateStorage& storage)
     : config_(config), options_(options) {
   validate_adamw_options(options_);
   for (Param& p : trained(parameter_table(config, weights))) {
     check(p.tensor.is_contiguous(), "AdamW: parameter ", p.name, " is not contiguous");
     Slot slot{p.name, p.role, role_decays(p.role), false, p.tensor, {}, {}, {}};
-    slot.master = p.tensor.to(DType::F32, MemoryCategory::Optimizer);
-    slot.exp_avg = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
-    slot.exp_avg_sq = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    const int64_t n = p.tensor.numel();
+    float* place = storage.at ? storage.at(slots_.size(), n) : nullptr;
+    if (place == nullptr) {
+      slot.master = p.tensor.to(DType::F32, MemoryCategory::Optimizer);
+      slot.exp_avg = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+      slot.exp_avg_sq = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    } else {
+      slot.master = Tensor::borrow(storage.owner, place, p.tensor.shape(), DType::F32);
+      slot.master.copy_from(p.tensor);
+      slot.exp_avg = Tensor::borrow(storage.owner, place + n, p.tensor.shape(), DType::F32);
+      slot.exp_avg.fill_zero();
+      slot.exp_avg_sq = Tensor::borrow(storage.owner, place + 2 * n, p.tensor.shape(), DType::F32);
+      slot.exp_avg_sq.fill_zero();
+    }
     slots_.push_back(std::move(slot));
   }
 }

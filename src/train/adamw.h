@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,14 @@ constexpr int kHostAdamWBatches = 32;
 // finish together at a share of 0.36; the copies also take the host's memory bandwidth.
 constexpr double kHostAdamWHostShare = 0.4;
 
+// Where AdamW keeps a slot's state: at(slot, values) gives room for its master, m and v (3 x values
+// floats, in that order), which `owner` keeps alive, or null for memory of AdamW's own. The host
+// AdamW keeps its device share's in pinned memory so (backend/cuda/host_optimizer.h).
+struct AdamWStateStorage {
+  std::shared_ptr<void> owner;
+  std::function<float*(size_t slot, int64_t values)> at;
+};
+
 class AdamW {
  public:
   // One trained parameter: a view of the model's weight and its fp32 optimizer state.
@@ -85,7 +94,8 @@ class AdamW {
 
   // Takes the trained parameters of `weights` (which must outlive the optimizer: the slots view
   // its storage), copies them to fp32 masters and zeroes the moments.
-  AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options = {});
+  AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options = {},
+        const AdamWStateStorage& storage = {});
 
   // One update with `grads` (allocated for the same config; any floating dtype) at options().lr
   // or at `lr`. Then writes the model weights from the masters.

@@ -348,9 +348,10 @@ TEST(AdamW, VectorisedUpdateGivesTheScalarFormulasBits) {
   }
 }
 
-// The host AdamW's device share (backend/cuda/host_optimizer.h): a step limited to the first slots
-// updates those as a whole step would and leaves the rest as they were, for the device to update
-// with constants() of the same step, which are the step's own (the formulas' in fp64).
+// The host AdamW's device share (backend/cuda/host_optimizer.h): the last slots' state where the
+// caller puts it (built as AdamW's own), and a step limited to the first slots updates those as a
+// whole step would and leaves the rest as they were, for the device to update with constants() of
+// the same step, which are the step's own (the formulas' in fp64).
 TEST(AdamW, FirstSlotsHereTheRestWithTheStepsConstants) {
   const ModelConfig config = tiny_config();
   const AdamWOptions options{3e-3, 0.9, 0.95, 1e-8, 0.1};
@@ -358,13 +359,33 @@ TEST(AdamW, FirstSlotsHereTheRestWithTheStepsConstants) {
                part_weights = allocate_weights(config, DType::F32);
   fill_model(config, whole_weights, 31, 0.5);
   fill_model(config, part_weights, 31, 0.5);
-  AdamW whole(config, whole_weights, options), part(config, part_weights, options);
+  AdamW whole(config, whole_weights, options);
+  // The second half of the slots' state in memory of the caller's (as the device share's is pinned).
+  const size_t here = whole.slots().size() / 2;
+  std::vector<int64_t> offsets(whole.slots().size(), -1);
+  int64_t room_values = 0;
+  for (size_t i = here; i < whole.slots().size(); ++i) {
+    offsets[i] = room_values;
+    room_values += 3 * whole.slots()[i].master.numel();
+  }
+  auto room = std::make_shared<std::vector<float>>(static_cast<size_t>(room_values), -1.0f);
+  AdamWStateStorage storage{
+      room, [&](size_t slot, int64_t) { return offsets[slot] < 0 ? nullptr : room->data() + offsets[slot]; }};
+  AdamW part(config, part_weights, options, storage);
+  for (size_t i = 0; i < part.slots().size(); ++i) {
+    const AdamW::Slot& s = part.slots()[i];
+    if (i >= here) {
+      EXPECT_EQ(s.master.data<float>(), room->data() + offsets[i]) << s.name;
+      EXPECT_EQ(s.exp_avg_sq.data<float>(), room->data() + offsets[i] + 2 * s.master.numel()) << s.name;
+    }
+    EXPECT_EQ(0, std::memcmp(s.master.raw(), whole.slots()[i].master.raw(), s.master.nbytes())) << s.name;
+    EXPECT_EQ(0, std::memcmp(s.exp_avg.raw(), whole.slots()[i].exp_avg.raw(), s.exp_avg.nbytes())) << s.name;
+  }
   ModelWeights grads = allocate_weights(config, DType::F32);
   Random rng(32);
   for (Param& p : parameter_table(config, grads)) fill_normal(p.tensor, rng, 1.0);
   whole.step(grads, options.lr);
   part.step(grads, options.lr);
-  const size_t here = part.slots().size() / 2;
   std::vector<std::vector<float>> masters_before;
   for (const AdamW::Slot& s : part.slots())
     masters_before.emplace_back(s.master.data<float>(), s.master.data<float>() + s.master.numel());

@@ -51,23 +51,29 @@ class HostOptimizer {
     size_t bytes;
   };
 
+  // The device share: slots [first_slot, end) and their state, in pinned memory from the start
+  // (AdamW builds it there).
+  struct DeviceShare {
+    size_t first_slot = 0;
+    int64_t piece_values = 0;  // values a piece of the share's state moves at a time
+    AdamWStateStorage storage;
+  };
+  static DeviceShare device_share(const ModelConfig& config, ModelWeights& weights, double host_share);
+
   CudaModel& model_;
   std::shared_ptr<void> weights_host_, grads_host_;  // pinned, the device arenas' bytes
   ModelWeights weights_, grads_;                     // views of them (bf16 matrices, fp32 gradients)
-  AdamW adam_;                                       // its slots view weights_
+  DeviceShare share_;
+  AdamW adam_;  // its slots view weights_
   // Per AdamW slot: its gradient's copy down and its weight's copy up; then the parameters AdamW
   // does not train (the router biases), uploaded whole after each update as before it.
   std::vector<Copy> gradient_copies_, weight_copies_, untrained_copies_;
   Stream down_, up_;
   std::deque<Event> landed_;  // per slot: its gradient is on the host
 
-  // The device share: slots [host_slots_, end), their state moved into pinned memory (shared_state_).
-  void move_device_share_to_pinned(double host_share);
-  // Queues its update number `step` at `lr` (state up, update, state down), done by state_down_.
+  // Queues the device share's update number `step` at `lr` (state up, update, state down), done by
+  // state_down_.
   void start_device_share(double lr, int64_t step);
-  size_t host_slots_ = 0;
-  int64_t piece_values_ = 0;  // values a piece of the share's state moves at a time
-  std::shared_ptr<void> shared_state_;
   std::vector<Tensor> device_weights_, device_grads_;  // per slot
   Stream state_up_, update_, state_down_;
   std::deque<Event> share_events_;            // loaded, updated and freed, per staging buffer
