@@ -227,6 +227,26 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
   }
 }
 
+// Three AdamW steps of two device models from the same gradients, their optimizers initialised
+// from their weights: the first's backward each step, handed to the second. One backward per step:
+// its fp32 atomics vary from run to run, and AdamW turns a near-zero gradient's noise into a whole
+// step of either sign, which two backward passes would compare instead of the optimizers.
+void three_steps_on_the_same_gradients(const ModelConfig& config, DeviceModel& first, DeviceModel& second) {
+  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
+  tokens.resize(256);
+  first.init_optimizer();
+  second.init_optimizer();
+  ModelWeights grads = zero_gradients(config, DType::F32);
+  for (int64_t step = 1; step <= 3; ++step) {
+    first.zero_gradients();
+    first.loss_and_gradients(tokens, {});
+    first.download_gradients(grads);
+    second.upload_gradients(grads);
+    first.optimizer_step(AdamWOptions{}, 1e-3, step);
+    second.optimizer_step(AdamWOptions{}, 1e-3, step);
+  }
+}
+
 // The optimizer state on the host (backend/cuda/host_optimizer.h) against the device's: three
 // steps from the same weights and gradients give the same weights, but for bf16 rounding of the
 // update (fp32 on the device, double on the host).
@@ -234,24 +254,9 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   const ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
   ModelWeights weights = allocate_weights(config, DType::F32);
   init_weights(config, weights, 9);
-  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
-  tokens.resize(256);
-  // One backward per step, on the device-optimizer model, its gradients handed to both: the
-  // backward's fp32 atomics vary from run to run, and AdamW turns a near-zero gradient's noise into
-  // a whole step of either sign, which two backward passes would compare instead of the optimizers.
   auto device_side_model = on_gpu(config, weights), host_side_model = on_gpu(config, weights);
   host_side_model->set_optimizer_on_host(true);
-  device_side_model->init_optimizer();
-  host_side_model->init_optimizer();
-  ModelWeights grads = zero_gradients(config, DType::F32);
-  for (int64_t step = 1; step <= 3; ++step) {
-    device_side_model->zero_gradients();
-    device_side_model->loss_and_gradients(tokens, {});
-    device_side_model->download_gradients(grads);
-    host_side_model->upload_gradients(grads);
-    device_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
-    host_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
-  }
+  three_steps_on_the_same_gradients(config, *device_side_model, *host_side_model);
   std::vector<ModelWeights> after;
   for (auto* model : {device_side_model.get(), host_side_model.get()}) {
     ModelWeights result = allocate_weights(config, DType::F32);
@@ -314,22 +319,10 @@ TEST(CudaModel, HostOptimizerDeviceShareIsTheHostsUpdateBitForBit) {
   const ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
   ModelWeights weights = allocate_weights(config, DType::F32);
   init_weights(config, weights, 9);
-  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
-  tokens.resize(256);
   auto host_only = on_gpu(config, weights), split = on_gpu(config, weights);
   host_only->set_optimizer_on_host(true, 1.0);
   split->set_optimizer_on_host(true, 0.3);
-  host_only->init_optimizer();
-  split->init_optimizer();
-  ModelWeights grads = zero_gradients(config, DType::F32);
-  for (int64_t step = 1; step <= 3; ++step) {
-    host_only->zero_gradients();
-    host_only->loss_and_gradients(tokens, {});
-    host_only->download_gradients(grads);
-    split->upload_gradients(grads);
-    host_only->optimizer_step(AdamWOptions{}, 1e-3, step);
-    split->optimizer_step(AdamWOptions{}, 1e-3, step);
-  }
+  three_steps_on_the_same_gradients(config, *host_only, *split);
   std::vector<ModelWeights> after, states;
   std::vector<AdamW> optimizers;
   for (auto* model : {host_only.get(), split.get()}) {
