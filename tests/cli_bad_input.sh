@@ -94,7 +94,7 @@ else
 fi
 
 if output=$("$spindle" plan --model "$configs/glm53-flash-1b.json" --seq-len 32k --gpu-mem 32 2>&1) &&
-  grep -q "^runs today: offload + host AdamW " <<<"$output" &&
+  grep -qE "^(pick|runs today): offload \+ host AdamW " <<<"$output" &&
   grep -q "^first step: also pins the 11.2 GiB pool" <<<"$output"; then
   echo "ok   plan-offload-pins: $(grep '^first step:' <<<"$output")"
 else

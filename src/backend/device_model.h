@@ -62,9 +62,10 @@ class DeviceModel {
   // step); step() takes update number `step` (1-based) at `lr`; save() writes the state back
   // into the host slots and the host model weights.
   // Where the next load_optimizer / init_optimizer keeps the AdamW state: the device (the
-  // default) or the host (12 bytes per parameter less on the device; two PCIe copies and a host
-  // update per step).
-  virtual void set_optimizer_on_host(bool on) = 0;
+  // default) or the host (12 bytes per parameter less on the device; PCIe copies and a host
+  // update per step). On the host, the host updates host_share of the values and the device the
+  // rest, their state streamed through it (backend/cuda/host_optimizer.h).
+  virtual void set_optimizer_on_host(bool on, double host_share = kHostAdamWHostShare) = 0;
   virtual void load_optimizer(const AdamW& host) = 0;
   // Takes the frozen flags of `host`'s slots (the parameters load_optimizer took), keeping the
   // state: from the next step on, frozen slots are skipped and the others updated.

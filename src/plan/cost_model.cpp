@@ -172,18 +172,25 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
 
   if (policy.optimizer_on_host) {
     const double params = static_cast<double>(state.parameters);
-    // The update on the host (read grad, master, m, v; write master, m, v; the bf16 weight) with the
-    // copies pipelined under it (backend/cuda/host_optimizer.h): the fp32 gradients out and the
-    // weights back, each batch's while another is updated, the first batch's gradients before it.
-    // Or the gradients out layer by layer during the backward (once per chunk when streaming),
-    // beyond the backward's time.
-    const double update = 28 * params / h.host_adam_bytes_per_s,
-                 gradients_out = 4 * params / h.pcie_bytes_per_s,
-                 weights_back = 2 * params / h.pcie_bytes_per_s;
-    time.optimizer =
-        policy.gradients_to_host
-            ? std::max(0.0, gradients_out * chunks - backward) + std::max(update, weights_back)
-            : gradients_out / kHostAdamWBatches + std::max({update, gradients_out, weights_back});
+    if (policy.gradients_to_host) {
+      // The gradients out layer by layer during the backward (once per chunk when streaming),
+      // beyond the backward's time, then the update on the host (read grad, master, m, v; write
+      // master, m, v; the bf16 weight) and the weights back.
+      const double update = 28 * params / h.host_adam_bytes_per_s,
+                   weights_back = 2 * params / h.pcie_bytes_per_s;
+      time.optimizer =
+          std::max(0.0, 4 * params / h.pcie_bytes_per_s * chunks - backward) + std::max(update, weights_back);
+    } else {
+      // backend/cuda/host_optimizer.h: the host updates its share, with its fp32 gradients out and
+      // its weights back pipelined under the update (the first batch's gradients before it); the
+      // device updates the rest, their masters and moments up and back (12 bytes a value each way)
+      // beside it. Each direction of PCIe carries its part of both.
+      const double host = kHostAdamWHostShare * params, device = params - host;
+      const double update = 28 * host / h.host_adam_bytes_per_s,
+                   down = (4 * host + 12 * device) / h.pcie_bytes_per_s,
+                   up = (2 * host + 12 * device) / h.pcie_bytes_per_s;
+      time.optimizer = 4 * host / h.pcie_bytes_per_s / kHostAdamWBatches + std::max({update, down, up});
+    }
   }
   return time;
 }

@@ -33,18 +33,13 @@ W weight_from_master(float master) {
     return static_cast<W>(master);
 }
 
-// The update's constants for one step and tensor.
-struct UpdateCoefficients {
-  double beta1, beta2, step_size, bc2_sqrt, eps, decay;
-};
-
 // Entries [begin, end) of one tensor, in fp64 (the CPU reference's arithmetic); the weight is
 // written in the same pass, rounded from the master as write_weights() rounds it: a second pass
 // over billions of values cost as much as the update (host AdamW). Also compiled for AVX2 and
 // picked at run time: on the H200 machine's host the vectorised loop is twice as fast
 // (bench/host_adamw.cpp), with the same IEEE operations in the same order, so the same bits.
 template <class G, class W>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(const UpdateCoefficients& c,
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void update_range(const AdamWConstants& c,
                                                                               const G* g, float* p, float* m,
                                                                               float* v, W* w, int64_t begin,
                                                                               int64_t end) {
@@ -76,15 +71,27 @@ bool role_decays(ParamRole role) { return role == ParamRole::Matrix || role == P
 
 bool role_trained(ParamRole role) { return role != ParamRole::RouterBias; }
 
-AdamW::AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options)
+AdamW::AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options,
+             const AdamWStateStorage& storage)
     : config_(config), options_(options) {
   validate_adamw_options(options_);
   for (Param& p : trained(parameter_table(config, weights))) {
     check(p.tensor.is_contiguous(), "AdamW: parameter ", p.name, " is not contiguous");
     Slot slot{p.name, p.role, role_decays(p.role), false, p.tensor, {}, {}, {}};
-    slot.master = p.tensor.to(DType::F32, MemoryCategory::Optimizer);
-    slot.exp_avg = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
-    slot.exp_avg_sq = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    const int64_t n = p.tensor.numel();
+    float* place = storage.at ? storage.at(slots_.size(), n) : nullptr;
+    if (place == nullptr) {
+      slot.master = p.tensor.to(DType::F32, MemoryCategory::Optimizer);
+      slot.exp_avg = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+      slot.exp_avg_sq = Tensor::zeros(p.tensor.shape(), DType::F32, MemoryCategory::Optimizer);
+    } else {
+      slot.master = Tensor::borrow(storage.owner, place, p.tensor.shape(), DType::F32);
+      slot.master.copy_from(p.tensor);
+      slot.exp_avg = Tensor::borrow(storage.owner, place + n, p.tensor.shape(), DType::F32);
+      slot.exp_avg.fill_zero();
+      slot.exp_avg_sq = Tensor::borrow(storage.owner, place + 2 * n, p.tensor.shape(), DType::F32);
+      slot.exp_avg_sq.fill_zero();
+    }
     slots_.push_back(std::move(slot));
   }
 }
@@ -121,14 +128,11 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
   }
 
   ++steps_;
-  const double t = static_cast<double>(steps_);
-  const double b1 = options_.beta1, b2 = options_.beta2;
-  const double step_size = lr / (1.0 - std::pow(b1, t)), bc2_sqrt = std::sqrt(1.0 - std::pow(b2, t));
+  const AdamWConstants decaying = constants(true, lr, steps_), plain = constants(false, lr, steps_);
   // Slot i's entries [begin, end).
   const auto update = [&](size_t i, int64_t begin, int64_t end) {
     Slot& s = slots_[i];
-    const UpdateCoefficients c{b1,       b2,           step_size,
-                               bc2_sqrt, options_.eps, s.decays ? 1.0 - lr * options_.weight_decay : 1.0};
+    const AdamWConstants& c = s.decays ? decaying : plain;
     float* p = s.master.data<float>();
     float* m = s.exp_avg.data<float>();
     float* v = s.exp_avg_sq.data<float>();
@@ -142,11 +146,11 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
 
   // Each batch as one range of values over all the cores (slot by slot, small slots would leave
   // most cores idle and start threads hundreds of times a step).
-  for (size_t first = 0; first < slots_.size();) {
+  const size_t slots = std::min(batches.slots, slots_.size());
+  for (size_t first = 0; first < slots;) {
     std::vector<int64_t> offsets{0};  // of the batch's slots in its range; frozen slots are empty
     size_t last = first;
-    while (last < slots_.size() &&
-           (offsets.back() < batches.elements || last == first || batches.elements == 0)) {
+    while (last < slots && (offsets.back() < batches.elements || last == first || batches.elements == 0)) {
       offsets.push_back(offsets.back() + (slots_[last].frozen ? 0 : slots_[last].master.numel()));
       ++last;
     }
@@ -164,6 +168,16 @@ void AdamW::step(ModelWeights& grads, double lr, const AdamWBatches& batches) {
     if (batches.after) batches.after(first, last);
     first = last;
   }
+}
+
+AdamWConstants AdamW::constants(bool decays, double lr, int64_t step) const {
+  const double t = static_cast<double>(step), b1 = options_.beta1, b2 = options_.beta2;
+  return {b1,
+          b2,
+          lr / (1.0 - std::pow(b1, t)),
+          std::sqrt(1.0 - std::pow(b2, t)),
+          options_.eps,
+          decays ? 1.0 - lr * options_.weight_decay : 1.0};
 }
 
 void AdamW::write_weights() {

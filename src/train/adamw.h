@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,12 +47,36 @@ bool role_trained(ParamRole role);
 struct AdamWBatches {
   int64_t elements = 0;
   std::function<void(size_t first, size_t last)> before, after;
+  // Only slots [0, slots) are updated (the rest elsewhere: the host AdamW's device share, with
+  // constants() for the same step).
+  size_t slots = SIZE_MAX;
+};
+
+// One update's constants for a slot, in the fp64 of the CPU reference: m = beta1 m + (1 - beta1) g,
+// v = beta2 v + (1 - beta2) g g, p = decay p - step_size m / (sqrt(v) / bc2_sqrt + eps), each
+// operation rounded in that order (no fused multiply-adds), so that another implementation
+// following it (kernels/cuda/optim.cu's) gets the same bits.
+struct AdamWConstants {
+  double beta1, beta2, step_size, bc2_sqrt, eps, decay;
 };
 
 // Batches of the host AdamW's pipelined update (backend/cuda/host_optimizer.cpp, and the planner's
 // cost of it): the first waits for a 32nd of the gradients' copy, and the update starts its threads
 // 32 times a step.
 constexpr int kHostAdamWBatches = 32;
+// The host AdamW's share of the values (its first slots); the device updates the rest, their state
+// streamed through it over PCIe: 12 bytes a value each way, both ways at once, where the host's update
+// moves 28. At the planner's rates (65 GB/s for the host's update, 50 GB/s each way) the two would
+// finish together at a share of 0.36; the copies also take the host's memory bandwidth.
+constexpr double kHostAdamWHostShare = 0.4;
+
+// Where AdamW keeps a slot's state: at(slot, values) gives room for its master, m and v (3 x values
+// floats, in that order), which `owner` keeps alive, or null for memory of AdamW's own. The host
+// AdamW keeps its device share's in pinned memory so (backend/cuda/host_optimizer.h).
+struct AdamWStateStorage {
+  std::shared_ptr<void> owner;
+  std::function<float*(size_t slot, int64_t values)> at;
+};
 
 class AdamW {
  public:
@@ -69,12 +94,16 @@ class AdamW {
 
   // Takes the trained parameters of `weights` (which must outlive the optimizer: the slots view
   // its storage), copies them to fp32 masters and zeroes the moments.
-  AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options = {});
+  AdamW(const ModelConfig& config, ModelWeights& weights, const AdamWOptions& options = {},
+        const AdamWStateStorage& storage = {});
 
   // One update with `grads` (allocated for the same config; any floating dtype) at options().lr
   // or at `lr`. Then writes the model weights from the masters.
   void step(ModelWeights& grads);
   void step(ModelWeights& grads, double lr, const AdamWBatches& batches = {});
+
+  // The constants of update number `step` (1-based) at `lr` for a slot that decays or not.
+  AdamWConstants constants(bool decays, double lr, int64_t step) const;
 
   // Writes every slot's master into its model weight, converted to the weight's dtype.
   void write_weights();

@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -226,6 +227,26 @@ TEST(CudaModel, OneTrainingStepMatchesTheCpu) {
   }
 }
 
+// Three AdamW steps of two device models from the same gradients, their optimizers initialised
+// from their weights: the first's backward each step, handed to the second. One backward per step:
+// its fp32 atomics vary from run to run, and AdamW turns a near-zero gradient's noise into a whole
+// step of either sign, which two backward passes would compare instead of the optimizers.
+void three_steps_on_the_same_gradients(const ModelConfig& config, DeviceModel& first, DeviceModel& second) {
+  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
+  tokens.resize(256);
+  first.init_optimizer();
+  second.init_optimizer();
+  ModelWeights grads = zero_gradients(config, DType::F32);
+  for (int64_t step = 1; step <= 3; ++step) {
+    first.zero_gradients();
+    first.loss_and_gradients(tokens, {});
+    first.download_gradients(grads);
+    second.upload_gradients(grads);
+    first.optimizer_step(AdamWOptions{}, 1e-3, step);
+    second.optimizer_step(AdamWOptions{}, 1e-3, step);
+  }
+}
+
 // The optimizer state on the host (backend/cuda/host_optimizer.h) against the device's: three
 // steps from the same weights and gradients give the same weights, but for bf16 rounding of the
 // update (fp32 on the device, double on the host).
@@ -233,24 +254,9 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   const ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
   ModelWeights weights = allocate_weights(config, DType::F32);
   init_weights(config, weights, 9);
-  std::vector<int32_t> tokens = read_token_text(kTests + "/../bench/chr22_70k.tokens");
-  tokens.resize(256);
-  // One backward per step, on the device-optimizer model, its gradients handed to both: the
-  // backward's fp32 atomics vary from run to run, and AdamW turns a near-zero gradient's noise into
-  // a whole step of either sign, which two backward passes would compare instead of the optimizers.
   auto device_side_model = on_gpu(config, weights), host_side_model = on_gpu(config, weights);
   host_side_model->set_optimizer_on_host(true);
-  device_side_model->init_optimizer();
-  host_side_model->init_optimizer();
-  ModelWeights grads = zero_gradients(config, DType::F32);
-  for (int64_t step = 1; step <= 3; ++step) {
-    device_side_model->zero_gradients();
-    device_side_model->loss_and_gradients(tokens, {});
-    device_side_model->download_gradients(grads);
-    host_side_model->upload_gradients(grads);
-    device_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
-    host_side_model->optimizer_step(AdamWOptions{}, 1e-3, step);
-  }
+  three_steps_on_the_same_gradients(config, *device_side_model, *host_side_model);
   std::vector<ModelWeights> after;
   for (auto* model : {device_side_model.get(), host_side_model.get()}) {
     ModelWeights result = allocate_weights(config, DType::F32);
@@ -302,6 +308,51 @@ TEST(CudaModel, HostOptimizerStepsLikeTheDeviceOne) {
   EXPECT_EQ(beyond_one_step, 0) << "weights that differ by more than one bf16 step; the furthest apart: "
                                 << worst;
   EXPECT_LE(differing, weights_total / 1000) << "weights that differ";
+}
+
+// The host AdamW with a device share (its last slots updated on the device, their state streamed
+// through it) against the host updating every value: the device follows the host's fp64
+// arithmetic operation by operation, so the weights, masters and moments agree bit for bit, for
+// bf16 and fp32 weights alike. Both get the same gradients each step; 30% of the values on the host
+// leaves the device both dtypes, and slots of several staging pieces (a sixteenth of its share).
+TEST(CudaModel, HostOptimizerDeviceShareIsTheHostsUpdateBitForBit) {
+  const ModelConfig config = load_model_config(kTests + "/configs/tiny.json");
+  ModelWeights weights = allocate_weights(config, DType::F32);
+  init_weights(config, weights, 9);
+  auto host_only = on_gpu(config, weights), split = on_gpu(config, weights);
+  host_only->set_optimizer_on_host(true, 1.0);
+  split->set_optimizer_on_host(true, 0.3);
+  three_steps_on_the_same_gradients(config, *host_only, *split);
+  std::vector<ModelWeights> after, states;
+  std::vector<AdamW> optimizers;
+  for (auto* model : {host_only.get(), split.get()}) {
+    after.push_back(allocate_weights(config, DType::F32));
+    model->download_weights(after.back());
+  }
+  for (int side = 0; side < 2; ++side) {
+    states.push_back(allocate_weights(config, DType::F32));
+    optimizers.emplace_back(config, states.back());
+  }
+  host_only->save_optimizer(optimizers[0]);
+  split->save_optimizer(optimizers[1]);
+  const auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  const auto host_side = parameter_table(config, after[0]), split_side = parameter_table(config, after[1]),
+             start = parameter_table(config, weights);
+  int64_t moved = 0;
+  for (size_t i = 0; i < host_side.size(); ++i) {
+    EXPECT_TRUE(same_bits(host_side[i].tensor, split_side[i].tensor)) << "weight " << host_side[i].name;
+    moved += !same_bits(host_side[i].tensor, start[i].tensor);
+  }
+  EXPECT_GT(moved, 0) << "the optimizer did not move the weights";
+  ASSERT_EQ(optimizers[0].slots().size(), optimizers[1].slots().size());
+  for (size_t i = 0; i < optimizers[0].slots().size(); ++i) {
+    const AdamW::Slot &a = optimizers[0].slots()[i], &b = optimizers[1].slots()[i];
+    EXPECT_TRUE(same_bits(a.master, b.master)) << "master of " << a.name;
+    EXPECT_TRUE(same_bits(a.exp_avg, b.exp_avg)) << "m of " << a.name;
+    EXPECT_TRUE(same_bits(a.exp_avg_sq, b.exp_avg_sq)) << "v of " << a.name;
+  }
 }
 
 // Recompute and offload (LossOptions::site_memory) against keeping every site, on one device

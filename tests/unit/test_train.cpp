@@ -348,6 +348,71 @@ TEST(AdamW, VectorisedUpdateGivesTheScalarFormulasBits) {
   }
 }
 
+// The host AdamW's device share (backend/cuda/host_optimizer.h): the last slots' state where the
+// caller puts it (built as AdamW's own), and a step limited to the first slots updates those as a
+// whole step would and leaves the rest as they were, for the device to update with constants() of
+// the same step, which are the step's own (the formulas' in fp64).
+TEST(AdamW, FirstSlotsHereTheRestWithTheStepsConstants) {
+  const ModelConfig config = tiny_config();
+  const AdamWOptions options{3e-3, 0.9, 0.95, 1e-8, 0.1};
+  ModelWeights whole_weights = allocate_weights(config, DType::F32),
+               part_weights = allocate_weights(config, DType::F32);
+  fill_model(config, whole_weights, 31, 0.5);
+  fill_model(config, part_weights, 31, 0.5);
+  AdamW whole(config, whole_weights, options);
+  // The second half of the slots' state in memory of the caller's (as the device share's is pinned).
+  const size_t here = whole.slots().size() / 2;
+  std::vector<int64_t> offsets(whole.slots().size(), -1);
+  int64_t room_values = 0;
+  for (size_t i = here; i < whole.slots().size(); ++i) {
+    offsets[i] = room_values;
+    room_values += 3 * whole.slots()[i].master.numel();
+  }
+  auto room = std::make_shared<std::vector<float>>(static_cast<size_t>(room_values), -1.0f);
+  AdamWStateStorage storage{
+      room, [&](size_t slot, int64_t) { return offsets[slot] < 0 ? nullptr : room->data() + offsets[slot]; }};
+  AdamW part(config, part_weights, options, storage);
+  for (size_t i = 0; i < part.slots().size(); ++i) {
+    const AdamW::Slot& s = part.slots()[i];
+    if (i >= here) {
+      EXPECT_EQ(s.master.data<float>(), room->data() + offsets[i]) << s.name;
+      EXPECT_EQ(s.exp_avg_sq.data<float>(), room->data() + offsets[i] + 2 * s.master.numel()) << s.name;
+    }
+    EXPECT_EQ(0, std::memcmp(s.master.raw(), whole.slots()[i].master.raw(), s.master.nbytes())) << s.name;
+    EXPECT_EQ(0, std::memcmp(s.exp_avg.raw(), whole.slots()[i].exp_avg.raw(), s.exp_avg.nbytes())) << s.name;
+  }
+  ModelWeights grads = allocate_weights(config, DType::F32);
+  Random rng(32);
+  for (Param& p : parameter_table(config, grads)) fill_normal(p.tensor, rng, 1.0);
+  whole.step(grads, options.lr);
+  part.step(grads, options.lr);
+  std::vector<std::vector<float>> masters_before;
+  for (const AdamW::Slot& s : part.slots())
+    masters_before.emplace_back(s.master.data<float>(), s.master.data<float>() + s.master.numel());
+  const double lr = 2e-3;
+  whole.step(grads, lr);
+  AdamWBatches batches;
+  batches.slots = here;
+  part.step(grads, lr, batches);
+  for (size_t i = 0; i < part.slots().size(); ++i) {
+    const AdamW::Slot &a = whole.slots()[i], &b = part.slots()[i];
+    if (i < here)
+      EXPECT_EQ(0, std::memcmp(a.master.raw(), b.master.raw(), a.master.nbytes())) << a.name;
+    else
+      EXPECT_EQ(0, std::memcmp(masters_before[i].data(), b.master.raw(), b.master.nbytes())) << b.name;
+  }
+  EXPECT_EQ(part.steps(), 2);
+  for (const bool decays : {false, true}) {
+    const AdamWConstants c = part.constants(decays, lr, 2);
+    EXPECT_EQ(c.beta1, options.beta1);
+    EXPECT_EQ(c.beta2, options.beta2);
+    EXPECT_EQ(c.step_size, lr / (1.0 - std::pow(options.beta1, 2.0)));
+    EXPECT_EQ(c.bc2_sqrt, std::sqrt(1.0 - std::pow(options.beta2, 2.0)));
+    EXPECT_EQ(c.eps, options.eps);
+    EXPECT_EQ(c.decay, decays ? 1.0 - lr * options.weight_decay : 1.0);
+  }
+}
+
 TEST(AdamW, FrozenSlotsAndBadInput) {
   const ModelConfig config = tiny_config();
   ModelWeights weights = allocate_weights(config, DType::F32);

@@ -76,14 +76,17 @@ class CudaDeviceModel final : public DeviceModel {
     model_.weights().download(host);
   }
 
-  void set_optimizer_on_host(bool on) override { optimizer_on_host_ = on; }
+  void set_optimizer_on_host(bool on, double host_share) override {
+    optimizer_on_host_ = on;
+    host_share_ = host_share;
+  }
 
   void load_optimizer(const AdamW& host) override {
     model_.context().synchronize();
     slots_.clear();
     host_optimizer_.reset();
     if (optimizer_on_host_) {
-      host_optimizer_ = std::make_unique<HostOptimizer>(model_);
+      host_optimizer_ = std::make_unique<HostOptimizer>(model_, host_share_);
       host_optimizer_->load(host);
       return;
     }
@@ -176,7 +179,7 @@ class CudaDeviceModel final : public DeviceModel {
     slots_.clear();
     host_optimizer_.reset();
     if (optimizer_on_host_) {
-      host_optimizer_ = std::make_unique<HostOptimizer>(model_);
+      host_optimizer_ = std::make_unique<HostOptimizer>(model_, host_share_);
       return;
     }
     std::vector<Param> grads = parameter_table(model_.config(), model_.grads().tensors());
@@ -282,6 +285,7 @@ class CudaDeviceModel final : public DeviceModel {
   std::vector<Slot> slots_;
   DeviceBuffer<float> state_;  // the slots' arena
   bool optimizer_on_host_ = false;
+  double host_share_ = kHostAdamWHostShare;
   std::unique_ptr<HostOptimizer> host_optimizer_;  // the state on the host, instead of slots_
   KindTimer timer_;
 };

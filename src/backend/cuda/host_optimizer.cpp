@@ -1,5 +1,6 @@
 #include "backend/cuda/host_optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -7,6 +8,7 @@
 #include "backend/cuda/pinned_memory.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "kernels/cuda/ops.h"
 
 namespace spindle::cuda {
 
@@ -34,13 +36,14 @@ CudaModel& HostOptimizer::announced(CudaModel& model) {
   return model;
 }
 
-HostOptimizer::HostOptimizer(CudaModel& model)
+HostOptimizer::HostOptimizer(CudaModel& model, double host_share)
     : model_(announced(model)),
       weights_host_(allocate_pinned(model.weights().bytes(), "the host AdamW's copy of the weights")),
       grads_host_(allocate_pinned(model.grads().bytes(), "the host AdamW's copy of the gradients")),
       weights_(downloaded(model, weights_host_)),
       grads_(model.grads().host_view(grads_host_)),
-      adam_(model.config(), weights_) {
+      share_(device_share(model.config(), weights_, host_share)),
+      adam_(model.config(), weights_, {}, share_.storage) {
   const ModelConfig& config = model.config();
   std::vector<Param> host_weights = parameter_table(config, weights_),
                      host_grads = parameter_table(config, grads_),
@@ -61,9 +64,51 @@ HostOptimizer::HostOptimizer(CudaModel& model)
     gradient_copies_.push_back(
         {host_grads[i].tensor.raw(), device_grads[i].tensor.raw(), host_grads[i].tensor.nbytes()});
     landed_.emplace_back(cudaEventDisableTiming);
+    device_weights_.push_back(device_weights[i].tensor);
+    device_grads_.push_back(device_grads[i].tensor);
+    if (slot > share_.first_slot) {  // the device share's update writes the weight from f32 gradients
+      const DType w = device_weights[i].tensor.dtype(), g = device_grads[i].tensor.dtype();
+      check((w == DType::BF16 || w == DType::F32) && g == DType::F32, "host AdamW: the device's ",
+            host_weights[i].name, " is ", dtype_name(w), " with a ", dtype_name(g),
+            " gradient (the device share takes bf16 or f32 weights, f32 gradients)");
+    }
   }
   check(slot == adam_.slots().size(), "host AdamW: ", slot, " trained parameters for ", adam_.slots().size(),
         " slots");
+  if (share_.storage.owner)
+    for (int e = 0; e < 6; ++e) share_events_.emplace_back(cudaEventDisableTiming);
+}
+
+HostOptimizer::DeviceShare HostOptimizer::device_share(const ModelConfig& config, ModelWeights& weights,
+                                                       double host_share) {
+  check(host_share > 0 && host_share <= 1, "host AdamW: the host's share must be in (0, 1], got ",
+        host_share);
+  std::vector<int64_t> sizes;  // of the AdamW slots: the trained parameters, in order
+  int64_t total = 0;
+  for (const Param& p : parameter_table(config, weights))
+    if (role_trained(p.role)) total += sizes.emplace_back(p.tensor.numel());
+  DeviceShare share;
+  int64_t host_values = 0;
+  while (share.first_slot < sizes.size() &&
+         static_cast<double>(host_values) < host_share * static_cast<double>(total))
+    host_values += sizes[share.first_slot++];
+  const int64_t shared = total - host_values;
+  if (shared == 0) return share;
+  log_info("host AdamW: the device updates ", std::round(static_cast<double>(shared) / 1e7) / 100,
+           " B of the values, their state pinned and streamed through it; the host ",
+           std::round(static_cast<double>(host_values) / 1e7) / 100, " B");
+  // A sixteenth of the share a piece, so that its copies overlap, up to 64 MB an array.
+  share.piece_values = std::clamp<int64_t>(shared / 16, 256, int64_t{1} << 24);
+  share.storage.owner =
+      allocate_pinned(3 * static_cast<size_t>(shared) * sizeof(float), "the device share's AdamW state");
+  std::vector<float*> places(sizes.size(), nullptr);
+  float* next = static_cast<float*>(share.storage.owner.get());
+  for (size_t i = share.first_slot; i < sizes.size(); ++i) {
+    places[i] = next;
+    next += 3 * sizes[i];
+  }
+  share.storage.at = [places](size_t slot, int64_t) { return slot < places.size() ? places[slot] : nullptr; };
+  return share;
 }
 
 void HostOptimizer::load(const AdamW& host) {
@@ -107,16 +152,57 @@ void HostOptimizer::save(AdamW& host) const {
   host.write_weights();
 }
 
+void HostOptimizer::start_device_share(double lr, int64_t step) {
+  // Pieces through two staging buffers (master, m, v each), so that one piece's state comes up
+  // while the one before it is updated and the one before that goes down.
+  staging_.clear();
+  for (int b = 0; b < 2; ++b)
+    staging_.emplace_back(3 * static_cast<size_t>(share_.piece_values), MemoryCategory::Optimizer);
+  Event *loaded = &share_events_[0], *updated = &share_events_[2], *freed = &share_events_[4];
+  int64_t piece = 0;
+  for (size_t i = share_.first_slot; i < adam_.slots().size(); ++i) {
+    AdamW::Slot& s = adam_.slots()[i];
+    if (s.frozen) continue;
+    const AdamWConstants c = adam_.constants(s.decays, lr, step);
+    const AdamWExactStep constants{c.beta1, c.beta2, c.step_size, c.bc2_sqrt, c.eps, c.decay};
+    const bool bf16_weight = device_weights_[i].dtype() == DType::BF16;
+    for (int64_t begin = 0; begin < s.master.numel(); begin += share_.piece_values, ++piece) {
+      const int64_t count = std::min(share_.piece_values, s.master.numel() - begin);
+      const size_t b = static_cast<size_t>(piece % 2), bytes = static_cast<size_t>(count) * sizeof(float);
+      float* state = staging_[b].data();
+      float* host[3] = {s.master.data<float>() + begin, s.exp_avg.data<float>() + begin,
+                        s.exp_avg_sq.data<float>() + begin};
+      if (piece >= 2) freed[b].make_wait(state_up_.get());  // the piece before last has gone down
+      for (int k = 0; k < 3; ++k)
+        enqueue(state + k * share_.piece_values, host[k], bytes, cudaMemcpyHostToDevice, state_up_);
+      loaded[b].record(state_up_);
+      loaded[b].make_wait(update_.get());
+      unsigned char* weight = static_cast<unsigned char*>(device_weights_[i].raw()) +
+                              begin * static_cast<int64_t>(dtype_size(device_weights_[i].dtype()));
+      adamw_update_exact(constants, static_cast<const float*>(device_grads_[i].raw()) + begin, state,
+                         state + share_.piece_values, state + 2 * share_.piece_values, weight, bf16_weight,
+                         count, update_.get());
+      updated[b].record(update_);
+      updated[b].make_wait(state_down_.get());
+      for (int k = 0; k < 3; ++k)
+        enqueue(host[k], state + k * share_.piece_values, bytes, cudaMemcpyDeviceToHost, state_down_);
+      freed[b].record(state_down_);
+    }
+  }
+}
+
 void HostOptimizer::step(const AdamWOptions& options, double lr, int64_t step) {
   model_.context().synchronize();  // the gradients are final
-  for (size_t i = 0; i < gradient_copies_.size(); ++i) {
+  adam_.set_options(options);
+  adam_.set_steps(step - 1);  // the update below is number `step`, as on the device
+  if (share_.storage.owner) start_device_share(lr, step);
+  for (size_t i = 0; i < share_.first_slot; ++i) {
     const Copy& c = gradient_copies_[i];
     enqueue(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, down_);
     landed_[i].record(down_);
   }
-  adam_.set_options(options);
-  adam_.set_steps(step - 1);  // the update below is number `step`, as on the device
-  AdamWBatches batches;       // the new weights into weights_, rounded as the device's
+  AdamWBatches batches;  // the new weights into weights_, rounded as the device's
+  batches.slots = share_.first_slot;
   batches.elements = (static_cast<int64_t>(model_.grads().bytes() / sizeof(float)) + kHostAdamWBatches - 1) /
                      kHostAdamWBatches;
   batches.before = [&](size_t, size_t last) { landed_[last - 1].synchronize(); };  // copies land in order
@@ -128,6 +214,8 @@ void HostOptimizer::step(const AdamWOptions& options, double lr, int64_t step) {
   adam_.step(grads_, lr, batches);
   for (const Copy& c : untrained_copies_) enqueue(c.device, c.host, c.bytes, cudaMemcpyHostToDevice, up_);
   up_.synchronize();
+  state_down_.synchronize();  // and with it the device share's updates (their weights on the device)
+  staging_.clear();
 }
 
 void HostOptimizer::set_router_biases(const ModelWeights& host) {

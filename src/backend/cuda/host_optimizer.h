@@ -6,12 +6,17 @@
 // pinned and laid out as the device's arenas. A step pipelines the copies with the update: the
 // gradients come down parameter by parameter on one stream while the host updates those already
 // there, in batches over all its cores, and each batch's new weights go up on another stream.
+// Meanwhile the device updates the last slots (the device share, 1 - host_share of the values):
+// their masters and moments, pinned on the host, go up piece by piece, the device updates them
+// with its own gradients and weights (the host's arithmetic, bit for bit: adamw_update_exact), and
+// they come back; PCIe carries each way at once what the host's update would have read and written.
 #pragma once
 
 #include <deque>
 #include <memory>
 #include <vector>
 
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/stream.h"
 #include "model/cuda/model.h"
 #include "model/weights.h"
@@ -21,8 +26,9 @@ namespace spindle::cuda {
 
 class HostOptimizer {
  public:
-  // From the device's current weights, with zero moments.
-  explicit HostOptimizer(CudaModel& model);
+  // From the device's current weights, with zero moments; the host updates the first slots, about
+  // host_share of the values (1: all), the device the rest.
+  HostOptimizer(CudaModel& model, double host_share);
 
   // The state of `host` (same config), by parameter name; the device gets its weights.
   void load(const AdamW& host);
@@ -45,15 +51,33 @@ class HostOptimizer {
     size_t bytes;
   };
 
+  // The device share: slots [first_slot, end) and their state, in pinned memory from the start
+  // (AdamW builds it there).
+  struct DeviceShare {
+    size_t first_slot = 0;
+    int64_t piece_values = 0;  // values a piece of the share's state moves at a time
+    AdamWStateStorage storage;
+  };
+  static DeviceShare device_share(const ModelConfig& config, ModelWeights& weights, double host_share);
+
   CudaModel& model_;
   std::shared_ptr<void> weights_host_, grads_host_;  // pinned, the device arenas' bytes
   ModelWeights weights_, grads_;                     // views of them (bf16 matrices, fp32 gradients)
-  AdamW adam_;                                       // its slots view weights_
+  DeviceShare share_;
+  AdamW adam_;  // its slots view weights_
   // Per AdamW slot: its gradient's copy down and its weight's copy up; then the parameters AdamW
   // does not train (the router biases), uploaded whole after each update as before it.
   std::vector<Copy> gradient_copies_, weight_copies_, untrained_copies_;
   Stream down_, up_;
   std::deque<Event> landed_;  // per slot: its gradient is on the host
+
+  // Queues the device share's update number `step` at `lr` (state up, update, state down), done by
+  // state_down_.
+  void start_device_share(double lr, int64_t step);
+  std::vector<Tensor> device_weights_, device_grads_;  // per slot
+  Stream state_up_, update_, state_down_;
+  std::deque<Event> share_events_;            // loaded, updated and freed, per staging buffer
+  std::vector<DeviceBuffer<float>> staging_;  // during a step: two buffers of master, m and v
 };
 
 }  // namespace spindle::cuda

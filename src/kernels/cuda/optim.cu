@@ -29,6 +29,33 @@ __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, c
   }
 }
 
+// The host AdamW's update (train/adamw.cpp's update_range) on the device, for its device share: the
+// same fp64 operations in the same order, each rounded alone (the _rn intrinsics: no contraction into
+// fused multiply-adds), so the same bits. The weight is bf16 (rounded from the master) or fp32.
+__global__ void adamw_exact_kernel(AdamWExactStep c, const float* grad, float* master, float* exp_avg,
+                                   float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n) {
+  wait_for_earlier_kernels();
+  const double b1 = c.beta1, b2 = c.beta2, one_minus_b1 = __dsub_rn(1.0, b1),
+               one_minus_b2 = __dsub_rn(1.0, b2);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double g = grad[i];
+    const double m = __dadd_rn(__dmul_rn(b1, exp_avg[i]), __dmul_rn(one_minus_b1, g));
+    const double v = __dadd_rn(__dmul_rn(b2, exp_avg_sq[i]), __dmul_rn(__dmul_rn(one_minus_b2, g), g));
+    const double denominator = __dadd_rn(__ddiv_rn(__dsqrt_rn(v), c.bc2_sqrt), c.eps);
+    const double p =
+        __dsub_rn(__dmul_rn(c.decay, master[i]), __ddiv_rn(__dmul_rn(c.step_size, m), denominator));
+    exp_avg[i] = __double2float_rn(m);
+    exp_avg_sq[i] = __double2float_rn(v);
+    const float p32 = __double2float_rn(p);
+    master[i] = p32;
+    if (bf16_weight)
+      static_cast<__nv_bfloat16*>(weight)[i] = __float2bfloat16_rn(p32);
+    else
+      static_cast<float*>(weight)[i] = p32;
+  }
+}
+
 // A grid-stride sum per thread, a warp then block reduction, one double atomic per block.
 __global__ void sum_squares_kernel(const float* x, int64_t n, double* sum) {
   wait_for_earlier_kernels();
@@ -85,6 +112,16 @@ void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float*
   launch_kernel(adamw_kernel, static_cast<unsigned>(blocks), threads, 0, stream, master, exp_avg, exp_avg_sq,
                 grad, weight, n, step, step_size, root_correction);
   SPINDLE_LAUNCHED("adamw_kernel");
+}
+
+void adamw_update_exact(const AdamWExactStep& constants, const float* grad, float* master, float* exp_avg,
+                        float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
+  launch_kernel(adamw_exact_kernel, static_cast<unsigned>(blocks), threads, 0, stream, constants, grad,
+                master, exp_avg, exp_avg_sq, weight, bf16_weight, n);
+  SPINDLE_LAUNCHED("adamw_exact_kernel");
 }
 
 }  // namespace spindle::cuda
