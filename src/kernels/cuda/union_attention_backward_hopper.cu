@@ -51,21 +51,23 @@ __global__ void tail_masks_kernel(Tiles t, uint32_t* tail_masks) {
 // S (or S^T) to P (or P^T) and dS, in place (dP's registers hold dS): P = exp2(s scale2 - lse2)
 // where selected, dS = P (dP - D) scale; both as bf16 A fragments. lse2 and D per accumulator index.
 template <typename Selected, typename Lse2, typename Dot>
-__device__ __forceinline__ void probabilities_and_gradient(float (&s)[32], float (&dp)[32],
+__device__ __forceinline__ void probabilities_and_gradient(const float (&s)[32], const float (&dp)[32],
                                                            const BackwardArgs& a, Selected selected,
                                                            Lse2 lse2, Dot dot, uint32_t (&p)[4][4],
                                                            uint32_t (&ds)[4][4]) {
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    s[j] = selected(j) ? exp2_ftz(s[j] * a.scale2 - lse2(j)) : 0.0f;
-    dp[j] = s[j] * (dp[j] - dot(j)) * a.scale;
-  }
+  // Not in place: union_dq_kernel issues the next tile's S and dP into s and dp while this tile's
+  // dQ product still reads ds, and ptxas serialises wgmma whose accumulators other instructions
+  // define inside the pipeline.
+  const auto prob = [&](int j) { return selected(j) ? exp2_ftz(s[j] * a.scale2 - lse2(j)) : 0.0f; };
+  const auto grad = [&](int j, float pj) { return pj * (dp[j] - dot(j)) * a.scale; };
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      p[k][r] = pack_bf16(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
-      ds[k][r] = pack_bf16(dp[8 * k + 2 * r], dp[8 * k + 2 * r + 1]);
+      const int j = 8 * k + 2 * r;
+      const float p0 = prob(j), p1 = prob(j + 1);
+      p[k][r] = pack_bf16(p0, p1);
+      ds[k][r] = pack_bf16(grad(j, p0), grad(j + 1, p1));
     }
   }
 }
@@ -120,34 +122,48 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < 32; ++j) dq[b][j] = 0.0f;
   }
   const uint32_t q_address = shared_address(q_s), do_address = shared_address(do_s);
+  // Tile i - 1's dQ += dS K is issued in tile i's group, right before tile i's S and dP: the tensor
+  // cores take the three back to back and one wait covers them. So tile i - 1's stage is refilled
+  // (tile i + 1's loads) only after that wait.
+  uint32_t ds[4][4] = {};   // tile i - 1's dS, which its dQ product reads until the wait
+  uint32_t previous_k = 0;  // tile i - 1's K
   for (int i = 0; i < count; ++i) {
     unsigned char* stage = stages + (i % kStages) * kTileStageBytes;
-    next_stage(i, count, load_stage, bars);
+    copy_wait<0>();  // this thread's mask words of tile i
+    mbarrier_wait(bars.stage(i), bars.parity(i));
+    __syncthreads();  // everyone's
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
     float s[32], dp[32];
     wgmma_fence();
+    if (i > 0) product_over_rows(dq, ds, previous_k);
     product_over_values(s, q_address, k_address);
     product_over_values(dp, do_address, k_address + kMatrixBytes);
     wgmma_commit();
     wgmma_wait<0>();
+    wgmma_hold(dq);
+    wgmma_hold_fragment(ds);
     wgmma_hold(s);
     wgmma_hold(dp);
+    __syncthreads();  // every warp's dQ product of tile i - 1 done: its stage takes tile i + 1
+    if (i + 1 < count) load_stage(i + 1);
+    copy_commit();
 
     uint32_t bits[2][2];
     tile_bits(t, reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes), tails, tile, bits);
-    uint32_t p[4][4], ds[4][4];
+    uint32_t p[4][4];
     probabilities_and_gradient(
         s, dp, a, [&](int j) { return column_bit(bits, j); }, [&](int j) { return lse2[(j / 2) % 2]; },
         [&](int j) { return dot[(j / 2) % 2]; }, p, ds);
-
+    previous_k = k_address;
+  }
+  if (count > 0) {
     wgmma_fence();
-    product_over_rows(dq, ds, k_address);
+    product_over_rows(dq, ds, previous_k);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dq);
-    __syncthreads();
   }
 
   store_rows(t, dq, {1.0f, 1.0f}, row0, h, a.dq);
@@ -241,37 +257,55 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t k_address = shared_address(k_s), v_address = k_address + kMatrixBytes;
   // This thread's keys (rows) 16 warp + lane / 4 + 8 hh share a mask word: (16 warp) / 32.
   const int word = warp / 2, bit0 = 16 * (warp % 2) + lane / 4;
+  // Block i - 1's dV += P^T dO and dK += dS^T Q are issued in block i's group, right before its S^T
+  // and dP^T (union_dq_kernel's order): one wait covers the four, and only after it is block i - 1's
+  // stage refilled (block i + 1's loads).
+  uint32_t p[4][4] = {}, ds[4][4] = {};  // block i - 1's, which its products read until the wait
+  uint32_t previous_q = 0;               // block i - 1's Q (and dO after it)
+  const auto gradient_products = [&] {
+    product_over_rows(dv, p, previous_q + kMatrixBytes);
+    product_over_rows(dk, ds, previous_q);
+  };
   for (int i = 0; i < count; ++i) {
     unsigned char* stage = stages + (i % kStages) * kDkvStageBytes;
-    next_stage(i, count, load_stage, bars);
+    copy_wait<0>();  // this thread's words, lse and D of block i
+    mbarrier_wait(bars.stage(i), bars.parity(i));
+    __syncthreads();  // everyone's
     const uint32_t q_address = shared_address(stage), do_address = q_address + kMatrixBytes;
 
     float s[32], dp[32];
     wgmma_fence();
+    if (i > 0) gradient_products();
     product_over_values(s, k_address, q_address);
     product_over_values(dp, v_address, do_address);
     wgmma_commit();
     wgmma_wait<0>();
+    wgmma_hold(dk);
+    wgmma_hold(dv);
+    wgmma_hold_fragment(p);
+    wgmma_hold_fragment(ds);
     wgmma_hold(s);
     wgmma_hold(dp);
+    __syncthreads();  // every warp's products of block i - 1 done: its stage takes block i + 1
+    if (i + 1 < count) load_stage(i + 1);
+    copy_commit();
 
     const uint32_t* words = reinterpret_cast<const uint32_t*>(stage + kWordsOffset);
     const float* lse = reinterpret_cast<const float*>(stage + kLseOffset);
     const float* dots = reinterpret_cast<const float*>(stage + kDotOffset);
     const auto column = [&](int j) { return 8 * (j / 4) + 2 * (lane % 4) + j % 2; };  // the query
-    uint32_t p[4][4], ds[4][4];
     probabilities_and_gradient(
         s, dp, a, [&](int j) { return (words[2 * column(j) + word] >> (bit0 + 8 * ((j / 2) % 2))) & 1u; },
         [&](int j) { return lse[column(j)] * kLog2e; }, [&](int j) { return dots[column(j)]; }, p, ds);
-
+    previous_q = q_address;
+  }
+  if (count > 0) {
     wgmma_fence();
-    product_over_rows(dv, p, do_address);
-    product_over_rows(dk, ds, q_address);
+    gradient_products();
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dk);
     wgmma_hold(dv);
-    __syncthreads();
   }
 
   const int64_t kv_row = t.heads * 2 * kDim;
