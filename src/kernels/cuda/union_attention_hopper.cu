@@ -69,15 +69,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < 32; ++j) o[b][j] = 0.0f;
   }
   const uint32_t q_address = shared_address(q_s);
-  // Tile i's S = Q K^T is issued right behind tile i - 1's O += P V, which it does not wait for: the
-  // tensor cores take the two back to back, and one wait covers both. So the stage of tile i - 1 is
-  // refilled (tile i + 1's loads) only after that wait, not before S.
-  uint32_t p[4][4] = {};  // tile i - 1's probabilities, which its P V reads until the next wait
   for (int i = 0; i < count; ++i) {
     unsigned char* stage = stages + (i % kStages) * kTileStageBytes;
-    copy_wait<0>();  // this thread's mask words of tile i
-    mbarrier_wait(bars.stage(i), bars.parity(i));
-    __syncthreads();  // everyone's
+    next_stage(i, count, load_stage, bars);
     const int tile = list[i];
     const uint32_t k_address = shared_address(stage);
 
@@ -87,11 +81,6 @@ __global__ void __launch_bounds__(kThreads, 2)
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(s);
-    wgmma_hold(o);
-    wgmma_hold_fragment(p);
-    __syncthreads();  // every warp's P V of tile i - 1 done: its stage takes tile i + 1
-    if (i + 1 < count) load_stage(i + 1);
-    copy_commit();
 
     uint32_t bits[2][2];
     tile_bits(t, reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes), tails, tile, bits);
@@ -111,15 +100,16 @@ __global__ void __launch_bounds__(kThreads, 2)
           if ((j / 2) % 2 == hh) o[b][j] *= factor;
       }
     }
+    uint32_t p[4][4];
     probabilities(s, m, l, p);
 
     wgmma_fence();
     product_over_rows(o, p, k_address + kMatrixBytes);
     wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(o);
+    __syncthreads();  // every thread done with the stage before it is refilled
   }
-  wgmma_wait<0>();
-  wgmma_hold(o);
-  wgmma_hold_fragment(p);
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
