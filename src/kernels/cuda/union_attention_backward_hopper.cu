@@ -48,8 +48,8 @@ __global__ void tail_masks_kernel(Tiles t, uint32_t* tail_masks) {
   for (int w = 0; w < 4; ++w) tail_masks[query * 4 + w] = bits[w];
 }
 
-// S (or S^T) to P (or P^T) and dS, in place (dP's registers hold dS): P = exp2(s scale2 - lse2)
-// where selected, dS = P (dP - D) scale; both as bf16 A fragments. lse2 and D per accumulator index.
+// S (or S^T) and dP to P (or P^T) and dS as bf16 A fragments: P = exp2(s scale2 - lse2) where
+// selected, dS = P (dP - D) scale. lse2 and D per accumulator index.
 template <typename Selected, typename Lse2, typename Dot>
 __device__ __forceinline__ void probabilities_and_gradient(const float (&s)[32], const float (&dp)[32],
                                                            const BackwardArgs& a, Selected selected,
