@@ -65,7 +65,7 @@ class DeviceModel {
   // default) or the host (12 bytes per parameter less on the device; PCIe copies and a host
   // update per step). On the host, the host updates host_share of the values and the device the
   // rest, their state streamed through it (backend/cuda/host_optimizer.h).
-  virtual void set_optimizer_on_host(bool on, double host_share = kHostAdamWHostShare) = 0;
+  virtual void set_optimizer_on_host(bool on, double host_share = host_adamw_host_share()) = 0;
   virtual void load_optimizer(const AdamW& host) = 0;
   // Takes the frozen flags of `host`'s slots (the parameters load_optimizer took), keeping the
   // state: from the next step on, frozen slots are skipped and the others updated.

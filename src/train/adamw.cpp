@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -11,6 +12,17 @@
 #include "train/float_dispatch.h"
 
 namespace spindle {
+
+double host_adamw_host_share() {
+  const char* text = std::getenv("SPINDLE_HOST_ADAMW_SHARE");
+  if (text == nullptr) return kHostAdamWHostShare;
+  char* end = nullptr;
+  const double share = std::strtod(text, &end);
+  check(end != text && *end == '\0' && share > 0 && share <= 1,
+        "SPINDLE_HOST_ADAMW_SHARE must be a number in (0, 1] (the host AdamW's share of the values), got '",
+        text, "'");
+  return share;
+}
 
 namespace {
 

@@ -69,6 +69,10 @@ constexpr int kHostAdamWBatches = 32;
 // moves 28. At the planner's rates (65 GB/s for the host's update, 50 GB/s each way) the two would
 // finish together at a share of 0.36; the copies also take the host's memory bandwidth.
 constexpr double kHostAdamWHostShare = 0.4;
+// The share a run takes: kHostAdamWHostShare, or SPINDLE_HOST_ADAMW_SHARE from the environment (a
+// number in (0, 1]; 1: the host updates every value), to measure others. The planner prices the
+// default.
+double host_adamw_host_share();
 
 // Where AdamW keeps a slot's state: at(slot, values) gives room for its master, m and v (3 x values
 // floats, in that order), which `owner` keeps alive, or null for memory of AdamW's own. The host

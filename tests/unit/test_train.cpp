@@ -443,6 +443,22 @@ TEST(AdamW, FrozenSlotsAndBadInput) {
   EXPECT_EQ(adamw.steps(), steps);
 }
 
+// The host AdamW's share: the default unless SPINDLE_HOST_ADAMW_SHARE says otherwise, and a clear
+// error for anything but a number in (0, 1].
+TEST(AdamW, HostShareFromTheEnvironment) {
+  unsetenv("SPINDLE_HOST_ADAMW_SHARE");
+  EXPECT_EQ(host_adamw_host_share(), kHostAdamWHostShare);
+  setenv("SPINDLE_HOST_ADAMW_SHARE", "0.65", 1);
+  EXPECT_EQ(host_adamw_host_share(), 0.65);
+  setenv("SPINDLE_HOST_ADAMW_SHARE", "1", 1);
+  EXPECT_EQ(host_adamw_host_share(), 1.0);
+  for (const char* bad : {"0", "1.5", "-0.2", "", "half", "0.5x", "nan"}) {
+    setenv("SPINDLE_HOST_ADAMW_SHARE", bad, 1);
+    EXPECT_ERROR(host_adamw_host_share(), "SPINDLE_HOST_ADAMW_SHARE must be a number in (0, 1]");
+  }
+  unsetenv("SPINDLE_HOST_ADAMW_SHARE");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Clipping and accumulation
 
