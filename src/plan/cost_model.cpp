@@ -187,8 +187,8 @@ StepTime step_time(const ModelConfig& c, const Parallel& p, const StateBytes& st
       // beside it. Each direction of PCIe carries its part of both.
       const double host = kHostAdamWHostShare * params, device = params - host;
       const double update = 28 * host / h.host_adam_bytes_per_s,
-                   down = (4 * host + 12 * device) / h.pcie_bytes_per_s,
-                   up = (2 * host + 12 * device) / h.pcie_bytes_per_s;
+                   down = (4 * host + 12 * device) / h.pcie_both_ways_bytes_per_s,
+                   up = (2 * host + 12 * device) / h.pcie_both_ways_bytes_per_s;
       time.optimizer = 4 * host / h.pcie_bytes_per_s / kHostAdamWBatches + std::max({update, down, up});
     }
   }

@@ -57,6 +57,10 @@ struct Hardware {
   double indexer_mfu = 0.38;
   double indexer_kl_mfu = 0.14;
   double pcie_bytes_per_s = 50e9;
+  // Each way with both ways busy and the host updating beside the copies: the host AdamW's device
+  // share (2.5 B values' state, 30 GB each way, with the host share's gradients and weights) took
+  // about 1.2 s of a 1.22 s optimizer on the H100 machine (the 4B config at 256k, 2026-12-07).
+  double pcie_both_ways_bytes_per_s = 30e9;
   double hbm_bytes_per_s = 4.8e12;
   double nvlink_bytes_per_s = 450e9;  // all-reduce bus bandwidth inside a node
   double network_bytes_per_s = 50e9;  // per GPU across nodes (400 Gb/s)

@@ -104,10 +104,11 @@ int run_plan(const std::vector<std::string>& argv) {
   std::printf(
       "assumes: %s MLA, indexer KL %s; one training step = forward + backward + AdamW (bf16 weights, fp32 "
       "gradients and AdamW state); time at the measured MFU %.2f%% of %.0f TFLOP/s (the indexer's scores, "
-      "once per step, %.0f%%%s), PCIe %.0f GB/s, host AdamW %.0f GB/s\n",
+      "once per step, %.0f%%%s), PCIe %.0f GB/s (%.0f each way with both busy), host AdamW %.0f GB/s\n",
       mla.c_str(), request.options.indexer_kl ? "trained" : "off", 100 * request.hardware.mfu,
       request.hardware.peak_flops / 1e12, 100 * request.hardware.indexer_mfu, kl_rate.c_str(),
-      request.hardware.pcie_bytes_per_s / 1e9, request.hardware.host_adam_bytes_per_s / 1e9);
+      request.hardware.pcie_bytes_per_s / 1e9, request.hardware.pcie_both_ways_bytes_per_s / 1e9,
+      request.hardware.host_adam_bytes_per_s / 1e9);
   std::printf("parallel: %s\n", plan::Parallel{request.machine.gpus, 1}.describe(config).c_str());
   int name_width = 6;
   for (const Candidate& x : result.candidates)
