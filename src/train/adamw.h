@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/adamw_constants.h"
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/weights.h"
@@ -50,14 +51,6 @@ struct AdamWBatches {
   // Only slots [0, slots) are updated (the rest elsewhere: the host AdamW's device share, with
   // constants() for the same step).
   size_t slots = SIZE_MAX;
-};
-
-// One update's constants for a slot, in the fp64 of the CPU reference: m = beta1 m + (1 - beta1) g,
-// v = beta2 v + (1 - beta2) g g, p = decay p - step_size m / (sqrt(v) / bc2_sqrt + eps), each
-// operation rounded in that order (no fused multiply-adds), so that another implementation
-// following it (kernels/cuda/optim.cu's) gets the same bits.
-struct AdamWConstants {
-  double beta1, beta2, step_size, bc2_sqrt, eps, decay;
 };
 
 // Batches of the host AdamW's pipelined update (backend/cuda/host_optimizer.cpp, and the planner's

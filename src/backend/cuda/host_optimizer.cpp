@@ -163,8 +163,7 @@ void HostOptimizer::start_device_share(double lr, int64_t step) {
   for (size_t i = share_.first_slot; i < adam_.slots().size(); ++i) {
     AdamW::Slot& s = adam_.slots()[i];
     if (s.frozen) continue;
-    const AdamWConstants c = adam_.constants(s.decays, lr, step);
-    const AdamWExactStep constants{c.beta1, c.beta2, c.step_size, c.bc2_sqrt, c.eps, c.decay};
+    const AdamWConstants constants = adam_.constants(s.decays, lr, step);
     const bool bf16_weight = device_weights_[i].dtype() == DType::BF16;
     for (int64_t begin = 0; begin < s.master.numel(); begin += share_.piece_values, ++piece) {
       const int64_t count = std::min(share_.piece_values, s.master.numel() - begin);

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "core/adamw_constants.h"
+
 namespace spindle::cuda {
 
 struct AdamWStep {
@@ -20,12 +22,9 @@ struct AdamWStep {
 void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float* grad, __nv_bfloat16* weight,
                   int64_t n, const AdamWStep& step, cudaStream_t stream);
 
-// The host AdamW's update of n values bit for bit, with its constants (train/adamw.h's AdamWConstants):
-// fp32 master and moments (on the device for the call), the weight bf16 or fp32.
-struct AdamWExactStep {
-  double beta1, beta2, step_size, bc2_sqrt, eps, decay;
-};
-void adamw_update_exact(const AdamWExactStep& constants, const float* grad, float* master, float* exp_avg,
+// The host AdamW's update of n values bit for bit, with its constants (train/adamw.h's
+// AdamW::constants): fp32 master and moments (on the device for the call), the weight bf16 or fp32.
+void adamw_update_exact(const AdamWConstants& constants, const float* grad, float* master, float* exp_avg,
                         float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n, cudaStream_t stream);
 
 // *sum (device double) += sum of x[i]^2 over n values: the gradients' global norm.

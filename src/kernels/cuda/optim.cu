@@ -32,7 +32,7 @@ __global__ void adamw_kernel(float* master, float* exp_avg, float* exp_avg_sq, c
 // The host AdamW's update (train/adamw.cpp's update_range) on the device, for its device share: the
 // same fp64 operations in the same order, each rounded alone (the _rn intrinsics: no contraction into
 // fused multiply-adds), so the same bits. The weight is bf16 (rounded from the master) or fp32.
-__global__ void adamw_exact_kernel(AdamWExactStep c, const float* grad, float* master, float* exp_avg,
+__global__ void adamw_exact_kernel(AdamWConstants c, const float* grad, float* master, float* exp_avg,
                                    float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n) {
   wait_for_earlier_kernels();
   const double b1 = c.beta1, b2 = c.beta2, one_minus_b1 = __dsub_rn(1.0, b1),
@@ -114,7 +114,7 @@ void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float*
   SPINDLE_LAUNCHED("adamw_kernel");
 }
 
-void adamw_update_exact(const AdamWExactStep& constants, const float* grad, float* master, float* exp_avg,
+void adamw_update_exact(const AdamWConstants& constants, const float* grad, float* master, float* exp_avg,
                         float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   const int threads = 256;
