@@ -20,7 +20,9 @@
 #                                             # --plan-policy "$POLICY_B": another of the planner's
 #                                             # policies, e.g. POLICY_B="stream 16k + host AdamW"; :cap
 #                                             # with --gpu-mem ${GPU_MEM:-123}: planned for 121 GiB,
-#                                             # 129.9 GB, the 130 GB at 1M)
+#                                             # 129.9 GB, the 130 GB at 1M; :warm timing the
+#                                             # second step, after one untimed: no first-step
+#                                             # allocations, about 80 s more)
 #     TRAIN=1                                 # the checkpoint without STEPS1M (for PROFILE alone)
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
@@ -103,13 +105,15 @@ elif [ -n "${STEPS1M:-}${TRAIN:-}" ]; then
   model=/tmp/tf/run/$(cat /tmp/tf/run/latest)
 fi
 for vk in ${STEPS1M:-}; do
-  [ "$(left)" -lt 145 ] && { echo "skip the 1M step of $vk: $(left) s left"; continue; }
+  warmup=0 needs=145
+  [[ ":$vk:" == *":warm:"* ]] && warmup=1 needs=230
+  [ "$(left)" -lt "$needs" ] && { echo "skip the 1M step of $vk: $(left) s left"; continue; }
   v=${vk%%:*} name=${vk//:/_} extra=()
   [[ ":$vk:" == *":kl:"* ]] && extra+=(--indexer-kl)
   [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
   [[ ":$vk:" == *":cap:"* ]] && extra+=(--gpu-mem "${GPU_MEM:-123}")
   window "step1m_$name" start
-  "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup 0 --tokens "$tokens" \
+  "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup "$warmup" --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
   window "step1m_$name" end
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
