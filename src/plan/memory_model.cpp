@@ -96,7 +96,9 @@ class StepReplay {
     else
       attention_backward(m_, s_, layer, pass_, !kept.empty(), projections_kept);
     if (site == Site::Attention) kept.clear();  // the sublayer's backward took and freed them
-    a.push_back(m_.activations(4 * L * (2 * (2 + H) * H + 1 + H)));  // hc_coefficients_backward_workspace
+    // hc_coefficients_backward_workspace: a row of whole float4s a token (w, corr, pre), then w^T split
+    const int64_t mixes = (2 + H) * H, row = ((mixes + 3) / 4 * 4 + 1 + H + 3) / 4 * 4;
+    a.push_back(m_.activations(4 * L * (row + mixes)));
     dstreams = std::move(d_in);
   }
 

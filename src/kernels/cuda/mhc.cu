@@ -119,13 +119,11 @@ struct Tile {
 };
 
 // What hc_coefficients_backward_kernel leaves in its workspace for hc_stream_gradient_kernel and
-// hc_dfn_kernel: a row of kStreamInputs floats a token, [w = dm inv (M), corr = inv^3 (dm . raw) / K,
-// pre (H)] (one contiguous copy a stage for the stream pass), then w^T as bf16 hi and lo [M, tokens]
-// each (the dfn product's A operand, split once rather than in each of its column blocks);
-// hc_coefficients_backward_workspace sizes it.
-template <int H>
-constexpr int kStreamInputs = (2 + H) * H + 1 + H;
-// The stream pass's shared copy of a row: w padded to whole float4s (zeros), then corr and pre.
+// hc_dfn_kernel: a row of kInputStride floats a token, [w = dm inv (M), zeros up to kWStride,
+// corr = inv^3 (dm . raw) / K, pre (H), unused up to whole float4s] (the stream pass's shared copy of
+// it, taken by 16-byte copies), then w^T as bf16 hi and lo [M, tokens] each (the dfn product's A
+// operand, split once rather than in each of its column blocks); hc_coefficients_backward_workspace
+// sizes it.
 template <int H>
 constexpr int kWStride = ((2 + H) * H + 3) / 4 * 4;
 template <int H>
@@ -134,7 +132,7 @@ constexpr int kInputStride = (kWStride<H> + 1 + H + 3) / 4 * 4;
 template <int H, class F,
           class B = std::conditional_t<std::is_const_v<F>, const __nv_bfloat16, __nv_bfloat16>>
 __device__ __forceinline__ B* split_w_transposed(F* workspace, int64_t tokens) {
-  return reinterpret_cast<B*>(workspace + tokens * (Tile<H>::M + 1 + H));
+  return reinterpret_cast<B*>(workspace + tokens * kInputStride<H>);
 }
 
 // fn split once per call into bf16 hi + lo (hi + lo = fn to about 2^-16), a 32-bit word per value:
@@ -795,7 +793,7 @@ struct StreamStage {
 };
 
 // Stages rows [r0, r0 + kStreamRows) of the run of `count` tokens from t0: g's, x's and dcol's
-// columns [d0, d0 + C) of every stream, each token's row of w, corr and pre (kStreamInputs, from
+// columns [d0, d0 + C) of every stream, each token's row of w, corr and pre (kInputStride, from
 // `workspace`), and its comb when given, into buf: zeros past the run and past D, as one commit
 // group. `vec` (D % 8 == 0, 16-byte aligned rows): g, x and dcol by cp.async of 8 columns; else by
 // plain loads. The kernel's own pointers and t0, not the run's: pointers of the run's would each
@@ -805,7 +803,7 @@ __device__ void stage_stream_rows(const __nv_bfloat16* g, const __nv_bfloat16* x
                                   const float* comb, const float* workspace, int64_t t0, int count, int D,
                                   int d0, int r0, bool vec, unsigned char* buf) {
   using S = StreamStage<H, V>;
-  constexpr int C = S::C, M = Tile<H>::M, MP = kWStride<H>;
+  constexpr int C = S::C;
   const int K = H * D;
   // The stage's first rows; offsets from them are ints (8 rows of at most 2^24 elements).
   const int64_t first = t0 + r0;
@@ -840,19 +838,25 @@ __device__ void stage_stream_rows(const __nv_bfloat16* g, const __nv_bfloat16* x
       cs[e] = r0 + r < count && d < D ? col_rows[r * D + d] : __float2bfloat16(0.0f);
     }
   }
-  // Row element p: w[p] below M, zeros up to MP, then corr and pre (the workspace row's M ..).
+  // The workspace's rows as they are (16-byte aligned: hc_coefficients_backward checks).
+  constexpr int kRowCopies = kInputStride<H> / 4;
   float* ws = reinterpret_cast<float*>(buf + S::kWOffset);
-  const float* w_rows = workspace + first * kStreamInputs<H>;
-  for (int e = threadIdx.x; e < kStreamRows * kInputStride<H>; e += kThreads) {
-    const int r = e / kInputStride<H>, p = e % kInputStride<H>, j = p < M ? p : p - MP + M;
-    const bool valid = r0 + r < count && (p < M || (p >= MP && j < kStreamInputs<H>));
-    copy4(ws + e, valid ? w_rows + (r * kStreamInputs<H> + j) : workspace, valid);
+  const float* w_rows = workspace + first * kInputStride<H>;
+  for (int e = threadIdx.x; e < kStreamRows * kRowCopies; e += kThreads) {
+    const bool valid = r0 + e / kRowCopies < count;
+    copy16(ws + 4 * e, valid ? w_rows + 4 * e : workspace, valid);
   }
   if (comb != nullptr) {
+    // A stage's comb rows are contiguous and start 16-byte aligned (first is a multiple of
+    // kStreamRows, comb checked); float4s of them where none straddles two rows.
+    constexpr int kWidth = H * H % 4 == 0 ? 4 : 1;
     float* ms = reinterpret_cast<float*>(buf + S::kCombOffset);
-    for (int e = threadIdx.x; e < kStreamRows * H * H; e += kThreads) {
+    for (int e = threadIdx.x * kWidth; e < kStreamRows * H * H; e += kThreads * kWidth) {
       const bool valid = r0 + e / (H * H) < count;
-      copy4(ms + e, valid ? comb + first * H * H + e : comb, valid);
+      if constexpr (kWidth == 4)
+        copy16(ms + e, valid ? comb + first * H * H + e : comb, valid);
+      else
+        copy4(ms + e, valid ? comb + first * H * H + e : comb, valid);
     }
   }
   copy_commit();  // every call commits a group, so that the ring's wait counts stay fixed
@@ -953,7 +957,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
 // Per tile: the mix (kept by hc_coefficients), the dots dpre[h] = sum_d dcol[d] x[h, d], the Sinkhorn passes
 // forward and back (threads 0 .. sinkhorn_threads - 1, one token each at a time), d_pre/d_post/d_comb (and
 // the collapse) back to the mix gradient dm. Adds the tile's dbase and dscale, and leaves w = dm inv, corr =
-// inv^3 (dm . raw) / (H D) and pre in the workspace (kStreamInputs) for hc_dfn_kernel and
+// inv^3 (dm . raw) / (H D) and pre in the workspace (kInputStride) for hc_dfn_kernel and
 // hc_stream_gradient_kernel: dstreams += w fn - x corr + pre[h] dcol, the RMS-norm and collapse paths.
 // The Sinkhorn warps take the comb's and post's gradients (all but dpre's part) while the other warps
 // stream the dots, which all warps then finish, claiming tokens one at a time: the DRAM keeps working
@@ -1094,7 +1098,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
       for (int h = 0; h < H; ++h) {
         const float sp = sigmoid(r[h] * inv * scale[0] + base[h]);
         g[h] = live ? dpre_s[tt * H + h] * sp * (1.0f - sp) : 0.0f;
-        if (live) workspace[t * kStreamInputs<H> + M + 1 + h] = sp + hc_eps;
+        if (live) workspace[t * kInputStride<H> + kWStride<H> + 1 + h] = sp + hc_eps;
       }
 #pragma unroll
       for (int o = H; o < M; ++o) g[o] = live ? g_s[tt * M + o] : 0.0f;
@@ -1107,7 +1111,7 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         ds[group_of<H>(o)] += g[o] * r[o] * inv;
         if (live) {
           const float w = dm * inv;
-          workspace[t * kStreamInputs<H> + o] = w;
+          workspace[t * kInputStride<H> + o] = w;
           const Bf16Split split = split_bf16(w);
           w_hi_t[o * tokens + t] = split.hi;
           w_hi_t[(M + o) * tokens + t] = split.lo;
@@ -1120,7 +1124,10 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
         const float sum = warp_sum(ds[k]);
         if (lane == 0) atomicAdd(dscale_s + k, sum);
       }
-      if (live) workspace[t * kStreamInputs<H> + M] = inv * inv * inv * dot / static_cast<float>(K);
+      if (live) {
+        for (int o = M; o < kWStride<H>; ++o) workspace[t * kInputStride<H> + o] = 0.0f;
+        workspace[t * kInputStride<H> + kWStride<H>] = inv * inv * inv * dot / static_cast<float>(K);
+      }
     }
   }
   __syncthreads();
@@ -1461,7 +1468,8 @@ void hc_post_gradient(const cpu::HcShape& s, const __nv_bfloat16* y, const __nv_
 }
 
 int64_t hc_coefficients_backward_workspace(const cpu::HcShape& s) {
-  return s.tokens * (2 * (2 + s.streams) * s.streams + 1 + s.streams);
+  const int64_t M = (2 + s.streams) * s.streams, row = ((M + 3) / 4 * 4 + 1 + s.streams + 3) / 4 * 4;
+  return s.tokens * (row + M);  // kInputStride's rows, then w^T's hi and lo (bf16, M floats a token)
 }
 
 void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
@@ -1472,6 +1480,9 @@ void hc_coefficients_backward(const cpu::HcShape& s, const __nv_bfloat16* stream
                               cudaStream_t stream) {
   check_shape(s, "hc_coefficients_backward");
   check((comb == nullptr) == (dout == nullptr), "hc_coefficients_backward: comb and dout come together");
+  check(
+      reinterpret_cast<uintptr_t>(workspace) % 16 == 0 && reinterpret_cast<uintptr_t>(comb) % 16 == 0,
+      "hc_coefficients_backward: workspace and comb 16-byte aligned (the stream pass copies their rows so)");
   if (s.tokens == 0) return;
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), passes = 2 * iters - 1,
