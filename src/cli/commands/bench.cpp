@@ -23,6 +23,7 @@
 #include "cli/commands.h"
 #include "core/host_memory.h"
 #include "core/log.h"
+#include "core/median.h"
 #include "data/token_source.h"
 #include "model/checkpoint.h"
 #include "model/flops.h"
@@ -193,9 +194,8 @@ int run_bench(const std::vector<std::string>& argv) {
                elapsed, " s, loss ", loss);
     }
     kind_ms = device->collect_timing();
-    std::vector<double> sorted = seconds;  // the JSON keeps the steps in order: the first pays one-time costs
-    std::sort(sorted.begin(), sorted.end());
-    const double median = sorted[sorted.size() / 2];
+    // The JSON keeps the steps in order too: the first pays one-time costs (--warmup leaves it out).
+    const double median_seconds = median(seconds);
     const ModelFlops flops = model_flops(config, L);
     nlohmann::json by_kind;
     for (const auto& [kind, ms] : kind_ms) by_kind[kind] = ms / 1000.0 / static_cast<double>(steps);
@@ -214,14 +214,14 @@ int run_bench(const std::vector<std::string>& argv) {
         {"tokens", random_tokens ? "random ids (--random-tokens)" : "real DNA (" + token_file + ")"},
         {"steps", steps},
         {"warmup", warmup},
-        {"step_seconds_median", median},
+        {"step_seconds_median", median_seconds},
         {"step_seconds", seconds},
         // Per step: blocks the device allocator took from the driver, and its cache flushes (an
         // allocation that did not fit beside the cached blocks: a synchronisation, then the driver
         // again for every size).
         {"step_driver_allocations", allocations},
         {"step_cache_flushes", flushes},
-        {"tokens_per_second", static_cast<double>(L) / median},
+        {"tokens_per_second", static_cast<double>(L) / median_seconds},
         {"seconds_by_layer_kind", by_kind},
         {"peak_memory", memory_json(device->memory())},
         // After the steps: the driver's total, and what is in use outside Spindle's allocator
@@ -231,7 +231,7 @@ int run_bench(const std::vector<std::string>& argv) {
         // The process's most resident host memory so far (all lengths of this run).
         {"peak_host_bytes", host_peak_resident_bytes()},
         {"model_tflops_per_step", flops.training() / 1e12},
-        {"mfu", flops.training() / median / kH200PeakBf16},
+        {"mfu", flops.training() / median_seconds / kH200PeakBf16},
         {"final_loss", loss},
         // Once per run, before the first length's first step (reading tokens, initialising or
         // loading weights, opening the device model, the optimizer's state).
