@@ -59,9 +59,8 @@ struct AdamWBatches {
 constexpr int kHostAdamWBatches = 32;
 // The host AdamW's share of the values (its first slots); the device updates the rest, their state
 // streamed through it over PCIe: 12 bytes a value each way, both ways at once, where the host's update
-// moves 28. At 65 GB/s for the host's update and 50 GB/s each way the two would finish together at a
-// share of 0.36; measured (docs/PERF.md, 2026-12-07), the copies ran at about 30 GB/s each way,
-// where about 0.65 would balance: to be measured before the default changes.
+// moves 28. Measured at 256k on an H100 (docs/PERF.md, 2026-12-07): the optimizer took 1.41, 1.24
+// and 1.33 s at shares of 0.2, 0.4 and 0.7 (the copies and the host's update share host memory).
 constexpr double kHostAdamWHostShare = 0.4;
 // The share a run takes: kHostAdamWHostShare, or SPINDLE_HOST_ADAMW_SHARE from the environment (a
 // number in (0, 1]; 1: the host updates every value), to measure others. The planner prices the

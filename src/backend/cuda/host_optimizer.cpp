@@ -59,14 +59,14 @@ HostOptimizer::HostOptimizer(CudaModel& model, double host_share)
     }
     check(slot < adam_.slots().size() && adam_.slots()[slot].name == host_weights[i].name,
           "host AdamW: parameter ", host_weights[i].name, " is not slot ", slot, " of the update");
-    ++slot;
+    const bool on_device = slot++ >= share_.first_slot;  // in the device share
     weight_copies_.push_back(weight);
     gradient_copies_.push_back(
         {host_grads[i].tensor.raw(), device_grads[i].tensor.raw(), host_grads[i].tensor.nbytes()});
     landed_.emplace_back(cudaEventDisableTiming);
     device_weights_.push_back(device_weights[i].tensor);
     device_grads_.push_back(device_grads[i].tensor);
-    if (slot > share_.first_slot) {  // the device share's update writes the weight from f32 gradients
+    if (on_device) {  // the device share's update writes the weight from f32 gradients
       const DType w = device_weights[i].tensor.dtype(), g = device_grads[i].tensor.dtype();
       check((w == DType::BF16 || w == DType::F32) && g == DType::F32, "host AdamW: the device's ",
             host_weights[i].name, " is ", dtype_name(w), " with a ", dtype_name(g),

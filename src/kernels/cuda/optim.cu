@@ -82,8 +82,9 @@ __global__ void scale_kernel(float* x, int64_t n, float factor) {
     x[i] *= factor;
 }
 
-int64_t grid_for(int64_t n, int threads) {
-  return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 132 * 8));
+// A grid-stride loop's blocks: one a `threads` values, at most `waves` blocks an SM (132 SMs).
+int64_t grid_for(int64_t n, int threads, int waves = 8) {
+  return std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, int64_t{132} * waves));
 }
 
 }  // namespace
@@ -107,20 +108,16 @@ void adamw_update(float* master, float* exp_avg, float* exp_avg_sq, const float*
   const float step_size = static_cast<float>(step.lr / (1.0 - std::pow(static_cast<double>(step.beta1), t)));
   const float root_correction =
       static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step.beta2), t)));
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
-  launch_kernel(adamw_kernel, static_cast<unsigned>(blocks), threads, 0, stream, master, exp_avg, exp_avg_sq,
-                grad, weight, n, step, step_size, root_correction);
+  launch_kernel(adamw_kernel, static_cast<unsigned>(grid_for(n, 256, 16)), 256, 0, stream, master, exp_avg,
+                exp_avg_sq, grad, weight, n, step, step_size, root_correction);
   SPINDLE_LAUNCHED("adamw_kernel");
 }
 
 void adamw_update_exact(const AdamWConstants& constants, const float* grad, float* master, float* exp_avg,
                         float* exp_avg_sq, void* weight, bool bf16_weight, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 16);
-  launch_kernel(adamw_exact_kernel, static_cast<unsigned>(blocks), threads, 0, stream, constants, grad,
-                master, exp_avg, exp_avg_sq, weight, bf16_weight, n);
+  launch_kernel(adamw_exact_kernel, static_cast<unsigned>(grid_for(n, 256, 16)), 256, 0, stream, constants,
+                grad, master, exp_avg, exp_avg_sq, weight, bf16_weight, n);
   SPINDLE_LAUNCHED("adamw_exact_kernel");
 }
 
