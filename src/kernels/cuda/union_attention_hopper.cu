@@ -20,8 +20,17 @@ namespace {
 
 using namespace union_tile;
 
+// Three CTAs an SM (the kernel is paced by each warpgroup's chain of products, softmax and waits,
+// not by the L2: docs/PERF.md, "The union kernels are not paced by the L2"), so a CTA holds Q and
+// three 64 x 128 slots, not two stages of a whole tile: the tiles' matrices K0, V0, K1, V1, ..
+// (matrix m) rotate through the slots (m % 3), each loaded as soon as the matrix three before it is
+// used: K of tile i + 1 while tile i runs, V of tile i + 1 from tile i's softmax on. The mask words
+// are double-buffered (cp.async).
+constexpr int kSlots = 3;
+constexpr int kMaskBytes = kRows * 2 * sizeof(uint32_t);
+
 size_t forward_shared_bytes(int64_t union_tiles) {
-  return 1024 + kMatrixBytes + kStages * kTileStageBytes +
+  return 1024 + (1 + kSlots) * kMatrixBytes + 2 * kMaskBytes +
          static_cast<size_t>(union_tiles + kTailTiles) * sizeof(int32_t);
 }
 
@@ -33,15 +42,31 @@ struct ForwardArgs {
   float scale2;
 };
 
-__global__ void __launch_bounds__(kThreads, 2)
+// The forward's mbarriers: each slot's, then the CTA's Q's.
+struct SlotBarriers {
+  uint64_t bars[kSlots + 1];
+  __device__ void init() {
+    if (threadIdx.x == 0) {
+      for (uint64_t& b : bars) mbarrier_init(&b, 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+  }
+  __device__ uint64_t* slot(int m) { return &bars[m % kSlots]; }
+  __device__ uint32_t parity(int m) const { return (m / kSlots) % 2; }
+  __device__ uint64_t* own() { return &bars[kSlots]; }
+};
+
+__global__ void __launch_bounds__(kThreads, 3)
     union_forward_kernel(ForwardArgs a, const __grid_constant__ Maps maps) {
   wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
-  __shared__ Barriers bars;
+  __shared__ SlotBarriers bars;
   unsigned char* q_s = align_1024(raw);
-  unsigned char* stages = q_s + kMatrixBytes;
-  int32_t* list = reinterpret_cast<int32_t*>(stages + kStages * kTileStageBytes);
+  unsigned char* slots = q_s + kMatrixBytes;
+  unsigned char* masks = slots + kSlots * kMatrixBytes;  // two buffers of kMaskBytes
+  int32_t* list = reinterpret_cast<int32_t*>(masks + 2 * kMaskBytes);
   const Tiles& t = a.t;
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q0 = t.q_begin + static_cast<int64_t>(blockIdx.x) * kRows, window = t.first + q0 - kTailReach;
@@ -55,11 +80,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   tail_bits(t, row0, window, tails[0]);
   tail_bits(t, row0 + 8, window, tails[1]);
   const int count = live_tiles(t, q0, tails, list, &count_s);
-  const auto load_stage = [&](int i) {
-    load_tile_stage(t, maps, stages + (i % kStages) * kTileStageBytes, list[i], window, h, q0, bars.stage(i));
+  // Matrix m (thread 0): K (even m) or V of tile m / 2 into slot m % 3.
+  const auto load_matrix_of = [&](int m) {
+    if (threadIdx.x != 0 || m >= 2 * count) return;
+    const TileRows r = tile_rows(t, maps, list[m / 2], window);
+    mbarrier_arrive_expect(bars.slot(m), kMatrixBytes);
+    load_matrix(slots + (m % kSlots) * kMatrixBytes, r.map, h * 2 * kDim + (m % 2) * kDim, r.y, bars.slot(m));
   };
-  if (count > 0) load_stage(0);
-  copy_commit();
+  // Tile i's mask words (a union tile's) into buffer i % 2, as one commit group.
+  const auto load_masks = [&](int i) {
+    if (i < count && list[i] < t.union_tiles)
+      load_mask_words(t, reinterpret_cast<uint32_t*>(masks + (i % 2) * kMaskBytes), list[i], q0);
+    copy_commit();
+  };
+  load_matrix_of(0);
+  load_matrix_of(1);
+  load_masks(0);
   mbarrier_wait(bars.own(), 0);
 
   float o[2][32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -70,20 +106,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const uint32_t q_address = shared_address(q_s);
   for (int i = 0; i < count; ++i) {
-    unsigned char* stage = stages + (i % kStages) * kTileStageBytes;
-    next_stage(i, count, load_stage, bars);
+    const int mk = 2 * i, mv = 2 * i + 1;
+    copy_wait<0>();  // this thread's mask words of tile i
+    mbarrier_wait(bars.slot(mk), bars.parity(mk));
+    __syncthreads();         // everyone's words; everyone done with tile i - 1 (V's slot, the other buffer)
+    load_matrix_of(mk + 2);  // K of tile i + 1, into tile i - 1's V slot
+    load_masks(i + 1);
     const int tile = list[i];
-    const uint32_t k_address = shared_address(stage);
 
     float s[32];
     wgmma_fence();
-    product_over_values(s, q_address, k_address);
+    product_over_values(s, q_address, shared_address(slots + (mk % kSlots) * kMatrixBytes));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(s);
+    __syncthreads();  // every warp's S done: K's slot takes V of tile i + 1
+    load_matrix_of(mk + 3);
 
     uint32_t bits[2][2];
-    tile_bits(t, reinterpret_cast<const uint32_t*>(stage + 2 * kMatrixBytes), tails, tile, bits);
+    tile_bits(t, reinterpret_cast<const uint32_t*>(masks + (i % 2) * kMaskBytes), tails, tile, bits);
 #pragma unroll
     for (int j = 0; j < 32; ++j) s[j] = column_bit(bits, j) ? s[j] * a.scale2 : -INFINITY;
     float m_new[2];
@@ -103,13 +144,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     uint32_t p[4][4];
     probabilities(s, m, l, p);
 
+    mbarrier_wait(bars.slot(mv), bars.parity(mv));
     wgmma_fence();
-    product_over_rows(o, p, k_address + kMatrixBytes);
+    product_over_rows(o, p, shared_address(slots + (mv % kSlots) * kMatrixBytes));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(o);
-    __syncthreads();  // every thread done with the stage before it is refilled
   }
+  copy_wait<0>();  // only empty groups are left
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

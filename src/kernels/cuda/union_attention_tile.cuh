@@ -160,22 +160,7 @@ struct Barriers {
   __device__ uint64_t* own() { return &bars[kStages]; }
 };
 
-// Before a CTA's step i of count: step i + 1's loads issued (load(i + 1)), step i's landed (every
-// thread's cp.async words, and the TMA's bytes on the stage's barrier).
-template <typename Load>
-__device__ __forceinline__ void next_stage(int i, int count, Load load, Barriers& bars) {
-  if (i + 1 < count) {
-    load(i + 1);
-    copy_commit();
-    copy_wait<1>();
-  } else {
-    copy_wait<0>();
-  }
-  mbarrier_wait(bars.stage(i), bars.parity(i));
-  __syncthreads();
-}
-
-// A stage of the forward's and dq's loop: a tile's K, V, then its mask words (512 bytes); 1024-aligned.
+// A stage of dq's loop: a tile's K, V, then its mask words (512 bytes); 1024-aligned.
 constexpr int kTileStageBytes = 2 * kMatrixBytes + 1024;
 
 // Tile `tile` into a stage: its keys and values by the TMA (thread 0, counted on bar), a union
