@@ -1,6 +1,6 @@
-// The union form's forward, fused; see union_attention_hopper.h. Shared memory: the CTA's Q, then two
-// stages of a tile's K, V (by the TMA, on the stage's barrier) and mask words (cp.async), then its
-// tile list (union_attention_tile.cuh's layout).
+// The union form's forward, fused; see union_attention_hopper.h. Shared memory: the CTA's Q, three
+// slots for the tiles' K and V (by the TMA, on the slot's barrier), two buffers of mask words
+// (cp.async), then its tile list (union_attention_tile.cuh's layouts).
 #include <algorithm>
 #include <cmath>
 
@@ -42,27 +42,12 @@ struct ForwardArgs {
   float scale2;
 };
 
-// The forward's mbarriers: each slot's, then the CTA's Q's.
-struct SlotBarriers {
-  uint64_t bars[kSlots + 1];
-  __device__ void init() {
-    if (threadIdx.x == 0) {
-      for (uint64_t& b : bars) mbarrier_init(&b, 1);
-      mbarrier_init_fence();
-    }
-    __syncthreads();
-  }
-  __device__ uint64_t* slot(int m) { return &bars[m % kSlots]; }
-  __device__ uint32_t parity(int m) const { return (m / kSlots) % 2; }
-  __device__ uint64_t* own() { return &bars[kSlots]; }
-};
-
 __global__ void __launch_bounds__(kThreads, 3)
     union_forward_kernel(ForwardArgs a, const __grid_constant__ Maps maps) {
   wait_for_earlier_kernels();
   extern __shared__ unsigned char raw[];
   __shared__ int count_s;
-  __shared__ SlotBarriers bars;
+  __shared__ StageBarriers<kSlots> bars;  // a slot's is stage(m) for its matrices m
   unsigned char* q_s = align_1024(raw);
   unsigned char* slots = q_s + kMatrixBytes;
   unsigned char* masks = slots + kSlots * kMatrixBytes;  // two buffers of kMaskBytes
@@ -84,8 +69,9 @@ __global__ void __launch_bounds__(kThreads, 3)
   const auto load_matrix_of = [&](int m) {
     if (threadIdx.x != 0 || m >= 2 * count) return;
     const TileRows r = tile_rows(t, maps, list[m / 2], window);
-    mbarrier_arrive_expect(bars.slot(m), kMatrixBytes);
-    load_matrix(slots + (m % kSlots) * kMatrixBytes, r.map, h * 2 * kDim + (m % 2) * kDim, r.y, bars.slot(m));
+    mbarrier_arrive_expect(bars.stage(m), kMatrixBytes);
+    load_matrix(slots + (m % kSlots) * kMatrixBytes, r.map, h * 2 * kDim + (m % 2) * kDim, r.y,
+                bars.stage(m));
   };
   // Tile i's mask words (a union tile's) into buffer i % 2, as one commit group.
   const auto load_masks = [&](int i) {
@@ -108,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   for (int i = 0; i < count; ++i) {
     const int mk = 2 * i, mv = 2 * i + 1;
     copy_wait<0>();  // this thread's mask words of tile i
-    mbarrier_wait(bars.slot(mk), bars.parity(mk));
+    mbarrier_wait(bars.stage(mk), bars.parity(mk));
     __syncthreads();         // everyone's words; everyone done with tile i - 1 (V's slot, the other buffer)
     load_matrix_of(mk + 2);  // K of tile i + 1, into tile i - 1's V slot
     load_masks(i + 1);
@@ -144,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     uint32_t p[4][4];
     probabilities(s, m, l, p);
 
-    mbarrier_wait(bars.slot(mv), bars.parity(mv));
+    mbarrier_wait(bars.stage(mv), bars.parity(mv));
     wgmma_fence();
     product_over_rows(o, p, shared_address(slots + (mv % kSlots) * kMatrixBytes));
     wgmma_commit();

@@ -145,8 +145,10 @@ __device__ __forceinline__ int compact_flags(int32_t* list, int64_t n) {
 
 constexpr int kStages = 2;  // the tiles' (or blocks') buffers in flight
 
-// A CTA's mbarriers for the TMA's loads: each stage's, then the CTA's own rows'.
-struct Barriers {
+// A CTA's mbarriers for the TMA's loads: each of its S stages' (or slots'), then the CTA's own rows'.
+template <int S>
+struct StageBarriers {
+  static constexpr int kStages = S;
   uint64_t bars[kStages + 1];
   __device__ void init() {
     if (threadIdx.x == 0) {
@@ -159,6 +161,7 @@ struct Barriers {
   __device__ uint32_t parity(int i) const { return (i / kStages) % 2; }
   __device__ uint64_t* own() { return &bars[kStages]; }
 };
+using Barriers = StageBarriers<kStages>;
 
 // A stage of dq's loop: a tile's K, V, then its mask words (512 bytes); 1024-aligned.
 constexpr int kTileStageBytes = 2 * kMatrixBytes + 1024;
