@@ -21,7 +21,7 @@ namespace {
 using namespace union_tile;
 
 // Three CTAs an SM (the kernel is paced by each warpgroup's chain of products, softmax and waits,
-// not by the L2: docs/PERF.md, "The union kernels are not paced by the L2"), so a CTA holds Q and
+// not by the L2: docs/PERF.md, "The union forward on three slots"), so a CTA holds Q and
 // three 64 x 128 slots, not two stages of a whole tile: the tiles' matrices K0, V0, K1, V1, ..
 // (matrix m) rotate through the slots (m % 3), each loaded as soon as the matrix three before it is
 // used: K of tile i + 1 while tile i runs, V of tile i + 1 from tile i's softmax on. The mask words
