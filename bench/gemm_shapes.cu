@@ -100,7 +100,7 @@ void run_shape(cublasLtHandle_t handle, const Shape& s, void* workspace) {
 }  // namespace
 
 int main() {
-  const int64_t L = 16384;
+  const int64_t L = 16384, R = 4096;
   const cudaDataType_t f32 = CUDA_R_32F, bf16 = CUDA_R_16BF;
   const std::vector<Shape> shapes = {
       {"KDA f_b (K 128, f32 out)", true, false, 2048, L, 128, 1, f32, 0},
@@ -121,6 +121,23 @@ int main() {
       {"DSA dW 2048 x 1024", false, true, 2048, 1024, L, 1, f32, 1},
       {"MLA absorb (per head)", false, false, 512, L, 128, 32, bf16, 0},
       {"MLA absorb dW (per head)", false, true, 512, 128, L, 32, f32, 1},
+      // The MoE's products (hidden 2048, intermediate 576): a routed expert's rows at 16k tokens,
+      // top-4 of 16 (about 4,096), and the shared expert's 16k rows.
+      {"expert [gate | up] (R 4096)", true, false, 1152, R, 2048, 1, bf16, 0},
+      {"expert down (R 4096)", true, false, 2048, R, 576, 1, bf16, 0},
+      {"expert dhidden (R 4096)", false, false, 576, R, 2048, 1, bf16, 0},
+      {"expert dW down (R 4096)", false, true, 576, 2048, R, 1, f32, 1},
+      {"expert dW [gate | up] (R 4096)", false, true, 2048, 1152, R, 1, f32, 1},
+      {"expert drows (R 4096)", false, false, 2048, R, 1152, 1, bf16, 0},
+      {"shared [gate | up]", true, false, 1152, L, 2048, 1, bf16, 0},
+      {"shared down", true, false, 2048, L, 576, 1, bf16, 0},
+      {"shared dhidden", false, false, 576, L, 2048, 1, bf16, 0},
+      {"shared dW down", false, true, 576, 2048, L, 1, f32, 1},
+      {"shared dW [gate | up]", false, true, 2048, 1152, L, 1, f32, 1},
+      {"shared dx (f32)", false, false, 2048, L, 1152, 1, f32, 0},
+      {"dense MLP [gate | up] (I 6144)", true, false, 12288, L, 2048, 1, bf16, 0},
+      {"dense MLP down", true, false, 2048, L, 6144, 1, bf16, 0},
+      {"dense MLP dW [gate | up]", false, true, 2048, 12288, L, 1, f32, 1},
   };
   cublasLtHandle_t handle = nullptr;
   SPINDLE_CUBLAS(cublasLtCreate(&handle));

@@ -118,6 +118,38 @@ TEST(CudaKernels, GemmMatchesTheCpuProduct) {
     EXPECT_LT(relative_error(dw32.download(), ref_dw), 1e-4) << M << "x" << K << "x" << N;
   }
   EXPECT_GT(gemm.plan_stats().bucket_reuses, 0);
+  // The 2048 x 1024 x 1536 products were large enough to be timed: the fp32 ones, accumulated onto
+  // prior values, checked above, ran their timing into a scratch output.
+  EXPECT_GT(gemm.plan_stats().timed, 0);
+}
+
+// A timed plan's algorithm is the process's: a second Gemm takes the first's choice untimed, and
+// so computes the same bits (an expert's weight gradient, the shape whose heuristic choice was
+// slowest, at a row count of its own).
+TEST(CudaKernels, GemmTimedChoicesAreEveryGemmsChoices) {
+  const int64_t M = 3001, K = 576, N = 2048;
+  const auto dy = rounded(random_floats(M * N)), h = rounded(random_floats(M * K));
+  const auto prior = random_floats(N * K);
+  Stream stream;
+  auto ddy = device(to_bf16(dy)), dh = device(to_bf16(h));
+  std::vector<std::vector<float>> results;
+  std::vector<int64_t> timed;
+  for (int instance = 0; instance < 2; ++instance) {
+    Gemm gemm;
+    auto dw = device(prior, MemoryCategory::Gradients);
+    gemm.linear_backward_weight(ddy.data(), dh.data(), dw.data(), M, K, N, stream.get());
+    stream.synchronize();
+    results.push_back(dw.download());
+    timed.push_back(gemm.plan_stats().timed);
+  }
+  EXPECT_EQ(timed[0], 1);
+  EXPECT_EQ(timed[1], 0);
+  EXPECT_EQ(results[0], results[1]);
+  std::vector<double> hd(h.begin(), h.end()), dyd(dy.begin(), dy.end()), ref_dx(M * K, 0.0),
+      ref_dw(N * K, 0.0), wd(N * K, 0.0);
+  cpu::linear_backward(hd.data(), wd.data(), dyd.data(), ref_dx.data(), ref_dw.data(), M, K, N);
+  for (int64_t i = 0; i < N * K; ++i) ref_dw[i] += prior[i];
+  EXPECT_LT(relative_error(results[0], ref_dw), 1e-4);
 }
 
 // The attention's per-head products in one launch: heads interleaved in the activations' rows

@@ -215,8 +215,10 @@ class CudaDeviceModel final : public DeviceModel {
     for (const auto& [site, e] : const_cast<CudaModel&>(model_).context().record.entries())
       out << site << ": " << e.implementation << (e.fallback ? " (FALLBACK)" : "") << " x" << e.calls << '\n';
     const Gemm::PlanStats& gemm = const_cast<CudaModel&>(model_).context().gemm.plan_stats();
-    out << "gemm: " << gemm.plans << " plans in " << gemm.seconds << " s of host time; " << gemm.bucket_reuses
-        << " products took a bucket's plan, " << gemm.exact_fallbacks << " refused it\n";
+    out << "gemm: " << gemm.plans << " plans in " << gemm.seconds << " s of host time, " << gemm.timed
+        << " of them timed (" << gemm.retimed_faster << " faster than the heuristic's first); "
+        << gemm.bucket_reuses << " products took a bucket's plan, " << gemm.exact_fallbacks
+        << " refused it\n";
     return out.str();
   }
   bool any_fallback() const override {

@@ -1,7 +1,10 @@
 #include "kernels/cuda/gemm.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <mutex>
+#include <string_view>
 
 #include "backend/cuda/check.h"
 #include "kernels/cuda/gemm_profile.h"
@@ -21,6 +24,23 @@ uint32_t alignment_of(const void* pointer, int64_t stride_bytes = 0) {
 }
 
 size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
+
+// Products of fewer FLOPs take the heuristic's first algorithm untimed: the timing's device
+// synchronisation and runs would cost more than the choice could save.
+constexpr double kTunedFlops = 1e9;
+// The heuristic's first algorithms timed, and the runs each is timed over (after one untimed).
+constexpr int kTimedAlgos = 8, kTimedRuns = 3;
+// Accumulating products (beta != 0) are timed into a scratch output of at most this many bytes
+// (larger ones take the heuristic's first), allocated outside the allocator for the timing only.
+constexpr size_t kScratchBytes = size_t{256} << 20;
+
+bool tuning_on() {
+  static const bool on = [] {
+    const char* value = std::getenv("SPINDLE_GEMM_TUNE");
+    return value == nullptr || std::string_view(value) != "0";
+  }();
+  return on;
+}
 
 }  // namespace
 
@@ -60,7 +80,65 @@ int64_t bucket(int64_t v) { return v >= 1024 && v % 64 != 0 ? -((v + 127) / 128)
 
 }  // namespace
 
-Gemm::Plan Gemm::make_plan(const PlanKey& key) {
+struct Gemm::TimedChoices {
+  std::mutex mutex;
+  std::map<PlanKey, cublasLtMatmulAlgo_t> algos;
+};
+
+Gemm::TimedChoices& Gemm::timed_choices() {
+  static TimedChoices choices;
+  return choices;
+}
+
+size_t Gemm::fastest(const Plan& p, const std::vector<cublasLtMatmulAlgo_t>& algos, const PlanKey& key,
+                     const Product& product) {
+  const auto [transpose_a, transpose_b, m, n, k, lda, ldb, ldc, c_type, align_a, align_b, align_c, batch,
+              stride_a, stride_b, stride_c] = key;
+  // An accumulating product runs into a scratch output, so that the timing adds nothing to c; the
+  // others write c as the product itself will.
+  void* c = product.c;
+  void* scratch = nullptr;
+  if (product.beta != 0.0f) {
+    const size_t bytes = element_bytes(static_cast<cudaDataType_t>(c_type)) *
+                         static_cast<size_t>(stride_c * (batch - 1) + ldc * n);
+    if (bytes > kScratchBytes || cudaMalloc(&scratch, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed allocation: the heuristic's first, untimed
+      return 0;
+    }
+    c = scratch;
+  }
+  // Timed on a quiet GPU: products on other streams would slow some algorithms' runs and not others'.
+  SPINDLE_CUDA(cudaDeviceSynchronize());
+  void* const space = workspace(product.stream);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  SPINDLE_CUDA(cudaEventCreate(&start));
+  SPINDLE_CUDA(cudaEventCreate(&stop));
+  const auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle_, p.op, &product.alpha, product.a, p.a, product.b, p.b, &product.beta, c,
+                          p.c, c, p.c, &algo, space, workspace_bytes_, product.stream);
+  };
+  size_t pick = 0;
+  float first_ms = INFINITY, best_ms = INFINITY;
+  for (size_t i = 0; i < algos.size(); ++i) {
+    if (run(algos[i]) != CUBLAS_STATUS_SUCCESS) continue;  // refused before it ran: not a candidate
+    SPINDLE_CUDA(cudaEventRecord(start, product.stream));
+    for (int r = 0; r < kTimedRuns; ++r) SPINDLE_CUBLAS(run(algos[i]));
+    SPINDLE_CUDA(cudaEventRecord(stop, product.stream));
+    SPINDLE_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    SPINDLE_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (i == 0) first_ms = best_ms = ms;
+    if (i > 0 && ms < best_ms && ms < 0.98f * first_ms) pick = i, best_ms = ms;
+  }
+  SPINDLE_CUDA(cudaEventDestroy(start));
+  SPINDLE_CUDA(cudaEventDestroy(stop));
+  if (scratch != nullptr) SPINDLE_CUDA(cudaFree(scratch));
+  ++plan_stats_.timed;
+  if (pick != 0) ++plan_stats_.retimed_faster;
+  return pick;
+}
+
+Gemm::Plan Gemm::make_plan(const PlanKey& key, const Product& product, const PlanKey* remembered_as) {
   const auto started = std::chrono::steady_clock::now();
   const auto [transpose_a, transpose_b, m, n, k, lda, ldb, ldc, c_type, align_a, align_b, align_c, batch,
               stride_a, stride_b, stride_c] = key;
@@ -99,13 +177,26 @@ Gemm::Plan Gemm::make_plan(const PlanKey& key) {
   for (int i = 0; i < 4; ++i)
     SPINDLE_CUBLAS(
         cublasLtMatmulPreferenceSetAttribute(preference, alignments[i], &values[i], sizeof values[i]));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found_count = 0;
-  SPINDLE_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference, 1, &heuristic,
-                                                &found_count));
+  TimedChoices& choices = timed_choices();
+  const std::lock_guard<std::mutex> lock(choices.mutex);
+  const auto earlier = remembered_as != nullptr ? choices.algos.find(*remembered_as) : choices.algos.end();
+  if (earlier != choices.algos.end()) {
+    p.algo = earlier->second;
+  } else {
+    const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) *
+                         static_cast<double>(batch);
+    const bool timed = tuning_on() && flops >= kTunedFlops;
+    cublasLtMatmulHeuristicResult_t results[kTimedAlgos] = {};
+    int found_count = 0;
+    SPINDLE_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference,
+                                                  timed ? kTimedAlgos : 1, results, &found_count));
+    check(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product");
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    for (int i = 0; i < found_count; ++i) algos.push_back(results[i].algo);
+    p.algo = algos[algos.size() > 1 ? fastest(p, algos, key, product) : 0];
+    if (timed && remembered_as != nullptr) choices.algos.emplace(*remembered_as, p.algo);
+  }
   cublasLtMatmulPreferenceDestroy(preference);
-  check(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, "x", n, " bf16 product");
-  p.algo = heuristic.algo;
   ++plan_stats_.plans;
   plan_stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return p;
@@ -114,13 +205,14 @@ Gemm::Plan Gemm::make_plan(const PlanKey& key) {
 // A product whose row count shares a bucket with an earlier one takes that one's plan, its layouts
 // resized (cheap host-side attributes) instead of new descriptors and a check: about 9 us a product
 // fewer, where the MoE's expert products come in bursts after the host waits for the routing.
-const Gemm::Plan& Gemm::plan(const PlanKey& key) {
+const Gemm::Plan& Gemm::plan(const PlanKey& key, const Product& product) {
   auto bucket_key = key;
   std::get<2>(bucket_key) = bucket(std::get<2>(key));
   std::get<3>(bucket_key) = bucket(std::get<3>(key));
   std::get<4>(bucket_key) = bucket(std::get<4>(key));
   auto found = plans_.find(bucket_key);
-  if (found == plans_.end()) return plans_.emplace(bucket_key, make_plan(key)).first->second;
+  if (found == plans_.end())
+    return plans_.emplace(bucket_key, make_plan(key, product, &bucket_key)).first->second;
   if (bucket_key != key) {
     const bool transpose_a = std::get<0>(key), transpose_b = std::get<1>(key);
     const int64_t m = std::get<2>(key), n = std::get<3>(key), k = std::get<4>(key);
@@ -167,7 +259,8 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
                     alignment_of(a, 2 * stride_a), alignment_of(b, 2 * stride_b),
                     alignment_of(c, c_bytes * stride_c), batch, stride_a, stride_b, stride_c);
   auto exact = exact_plans_.find(key);
-  const Plan& p = exact != exact_plans_.end() ? exact->second : plan(key);
+  const Product product{a, b, c, alpha, beta, stream};
+  const Plan& p = exact != exact_plans_.end() ? exact->second : plan(key, product);
   if (profile_) profile_->begin(stream);
   void* const space = workspace(stream);
   cublasStatus_t status = cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c,
@@ -176,7 +269,7 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
     // Refused before anything ran: the bucket's algorithm does not fit this exact shape (or needs
     // more workspace here); the heuristic's own choice for it from now on.
     check(exact == exact_plans_.end(), "cuBLASLt refused a ", m, "x", k, "x", n, " product's own plan");
-    exact = exact_plans_.emplace(key, make_plan(key)).first;
+    exact = exact_plans_.emplace(key, make_plan(key, product, nullptr)).first;
     ++plan_stats_.exact_fallbacks;
     const Plan& e = exact->second;
     status = cublasLtMatmul(handle_, e.op, &alpha, a, e.a, b, e.b, &beta, c, e.c, c, e.c, &e.algo, space,

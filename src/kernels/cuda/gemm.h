@@ -5,9 +5,14 @@
 //   linear_backward_input:  dx[M, K] = dy w + beta dx        (beta 1 accumulates several branches)
 //   linear_backward_weight: dw[N, K] += alpha dy^T x         (fp32 gradients)
 // matmul is the general column-major product they reduce to (cuBLAS's view of row-major data is
-// the transpose). Plans (descriptors and the heuristic's algorithm) are cached per shape,
-// leading dimensions, output type and operand alignment; row counts within 128 of each other
-// (the MoE's change with every routing) share one plan, its layouts resized for each product.
+// the transpose). Plans (descriptors and an algorithm) are cached per shape, leading dimensions,
+// output type and operand alignment; row counts within 128 of each other (the MoE's change with
+// every routing) share one plan, its layouts resized for each product. A plan's algorithm is the
+// fastest of the heuristic's first few, timed on the plan's first product where it is large enough
+// (kTunedFlops): the heuristic's first was up to 30% slower on the step's shapes (an expert's
+// weight gradient; docs/PERF.md, "cuBLASLt's algorithms timed"). Timed choices are kept for the
+// process, so that every Gemm takes the same algorithm for a shape. SPINDLE_GEMM_TUNE=0 in the
+// environment takes the heuristic's first, untimed.
 // matmul_batched runs many products of one shape at fixed element strides in one launch (the
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
@@ -63,11 +68,12 @@ class Gemm {
                       cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch, float alpha,
                       float beta, cudaStream_t stream);
 
-  // Plans made (each asks the heuristic) and the host time they took, during which a GPU waiting on
-  // the host idles; products run on a bucket's plan resized to their shape; shapes whose bucket's
-  // algorithm cuBLASLt refused, which got their own plan.
+  // Plans made (each asks the heuristic, and times its algorithms where large enough) and the host
+  // time they took, during which a GPU waiting on the host idles; plans timed, and of them those
+  // whose fastest was not the heuristic's first; products run on a bucket's plan resized to their
+  // shape; shapes whose bucket's algorithm cuBLASLt refused, which got their own plan.
   struct PlanStats {
-    int64_t plans = 0, bucket_reuses = 0, exact_fallbacks = 0;
+    int64_t plans = 0, timed = 0, retimed_faster = 0, bucket_reuses = 0, exact_fallbacks = 0;
     double seconds = 0;
   };
   const PlanStats& plan_stats() const { return plan_stats_; }
@@ -81,10 +87,25 @@ class Gemm {
   // transposes, m, n, k, leading dimensions, c's type, alignments, then batch and strides.
   using PlanKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t,
                              uint32_t, uint32_t, int64_t, int64_t, int64_t, int64_t>;
+  // What a product computes, for timing a new plan's algorithms on it.
+  struct Product {
+    const void *a, *b;
+    void* c;
+    float alpha, beta;
+    cudaStream_t stream;
+  };
   // The plan of key's bucket (row counts by bucket of 128), its layouts set to key's shape.
-  const Plan& plan(const PlanKey& key);
-  // Descriptors and the heuristic's algorithm for key's exact shape.
-  Plan make_plan(const PlanKey& key);
+  const Plan& plan(const PlanKey& key, const Product& product);
+  // Descriptors and an algorithm for key's exact shape: the process's earlier choice remembered as
+  // *remembered_as (a bucket's key), else the fastest of the heuristic's first few on `product`
+  // (or the heuristic's first), remembered so where given.
+  Plan make_plan(const PlanKey& key, const Product& product, const PlanKey* remembered_as);
+  struct TimedChoices;  // the algorithms timed so far in this process, by bucket key
+  static TimedChoices& timed_choices();
+  // The index of the fastest of `algos` for plan p on `product` (0 where none beats the first by
+  // 2%, or an algorithm cannot run).
+  size_t fastest(const Plan& p, const std::vector<cublasLtMatmulAlgo_t>& algos, const PlanKey& key,
+                 const Product& product);
 
   // The workspace of `stream`, allocated on its first product.
   void* workspace(cudaStream_t stream);
