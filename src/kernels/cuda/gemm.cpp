@@ -78,6 +78,13 @@ namespace {
 // model size) counts by its bucket of 128 (a negative id).
 int64_t bucket(int64_t v) { return v >= 1024 && v % 64 != 0 ? -((v + 127) / 128) : v; }
 
+// A timed choice serves the row counts of its class of 1024 (a dimension the caller says counts rows,
+// or one that looks like it: see bucket): with every routing the MoE meets new row counts, and
+// timing each (a device synchronisation and 32 runs) cost more than it saved, in every step.
+int64_t timing_class(int64_t v, bool rows) {
+  return rows || (v >= 1024 && v % 64 != 0) ? -((v + 1023) / 1024) : v;
+}
+
 }  // namespace
 
 struct Gemm::TimedChoices {
@@ -205,14 +212,19 @@ Gemm::Plan Gemm::make_plan(const PlanKey& key, const Product& product, const Pla
 // A product whose row count shares a bucket with an earlier one takes that one's plan, its layouts
 // resized (cheap host-side attributes) instead of new descriptors and a check: about 9 us a product
 // fewer, where the MoE's expert products come in bursts after the host waits for the routing.
-const Gemm::Plan& Gemm::plan(const PlanKey& key, const Product& product) {
+const Gemm::Plan& Gemm::plan(const PlanKey& key, const Product& product, Rows rows) {
   auto bucket_key = key;
   std::get<2>(bucket_key) = bucket(std::get<2>(key));
   std::get<3>(bucket_key) = bucket(std::get<3>(key));
   std::get<4>(bucket_key) = bucket(std::get<4>(key));
   auto found = plans_.find(bucket_key);
-  if (found == plans_.end())
-    return plans_.emplace(bucket_key, make_plan(key, product, &bucket_key)).first->second;
+  if (found == plans_.end()) {
+    auto class_key = key;
+    std::get<2>(class_key) = timing_class(std::get<2>(key), false);
+    std::get<3>(class_key) = timing_class(std::get<3>(key), rows == Rows::N);
+    std::get<4>(class_key) = timing_class(std::get<4>(key), rows == Rows::K);
+    return plans_.emplace(bucket_key, make_plan(key, product, &class_key)).first->second;
+  }
   if (bucket_key != key) {
     const bool transpose_a = std::get<0>(key), transpose_b = std::get<1>(key);
     const int64_t m = std::get<2>(key), n = std::get<3>(key), k = std::get<4>(key);
@@ -232,7 +244,7 @@ const Gemm::Plan& Gemm::plan(const PlanKey& key, const Product& product) {
 
 void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
                   int64_t lda, const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc,
-                  float alpha, float beta, cudaStream_t stream) {
+                  float alpha, float beta, cudaStream_t stream, Rows rows) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // an empty sum: cuBLASLt refuses k = 0, the answer is beta * c
     check(beta == 1.0f || beta == 0.0f, "Gemm: k = 0 with beta ", beta);
@@ -244,13 +256,13 @@ void Gemm::matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int6
     return;
   }
   matmul_batched(transpose_a, transpose_b, m, n, k, a, lda, 0, b, ldb, 0, c, c_type, ldc, 0, 1, alpha, beta,
-                 stream);
+                 stream, rows);
 }
 
 void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
                           int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b,
                           void* c, cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch,
-                          float alpha, float beta, cudaStream_t stream) {
+                          float alpha, float beta, cudaStream_t stream, Rows rows) {
   if (m == 0 || n == 0 || batch == 0) return;
   check(k > 0, "Gemm: a batched product with k = 0");
   if (batch == 1) stride_a = stride_b = stride_c = 0;
@@ -260,7 +272,7 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
                     alignment_of(c, c_bytes * stride_c), batch, stride_a, stride_b, stride_c);
   auto exact = exact_plans_.find(key);
   const Product product{a, b, c, alpha, beta, stream};
-  const Plan& p = exact != exact_plans_.end() ? exact->second : plan(key, product);
+  const Plan& p = exact != exact_plans_.end() ? exact->second : plan(key, product, rows);
   if (profile_) profile_->begin(stream);
   void* const space = workspace(stream);
   cublasStatus_t status = cublasLtMatmul(handle_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c,
@@ -289,29 +301,29 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
 // y^T[N, M] = w^T (w stored [K, N] column-major, op T) x^T ([K, M], op N).
 void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t M, int64_t K,
                   int64_t N, cudaStream_t stream, float alpha) {
-  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_16BF, N, alpha, 0.0f, stream);
+  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_16BF, N, alpha, 0.0f, stream, Rows::N);
 }
 
 void Gemm::linear(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int64_t M, int64_t K, int64_t N,
                   cudaStream_t stream, float alpha, float beta) {
-  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_32F, N, alpha, beta, stream);
+  matmul(true, false, N, M, K, w, K, x, K, y, CUDA_R_32F, N, alpha, beta, stream, Rows::N);
 }
 
 // dx^T[K, M] = w ([K, N] column-major, op N) dy^T ([N, M], op N).
 void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, __nv_bfloat16* dx,
                                  int64_t M, int64_t K, int64_t N, cudaStream_t stream) {
-  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, K, 1.0f, 0.0f, stream);
+  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, K, 1.0f, 0.0f, stream, Rows::N);
 }
 
 void Gemm::linear_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* w, float* dx, int64_t M,
                                  int64_t K, int64_t N, float beta, cudaStream_t stream) {
-  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_32F, K, 1.0f, beta, stream);
+  matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_32F, K, 1.0f, beta, stream, Rows::N);
 }
 
 // dw^T[K, N] += x^T ([K, M], op N) dy ([N, M] stored, op T).
 void Gemm::linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M,
                                   int64_t K, int64_t N, cudaStream_t stream, float alpha) {
-  matmul(false, true, K, N, M, x, K, dy, N, dw, CUDA_R_32F, K, alpha, 1.0f, stream);
+  matmul(false, true, K, N, M, x, K, dy, N, dw, CUDA_R_32F, K, alpha, 1.0f, stream, Rows::K);
 }
 
 }  // namespace spindle::cuda

@@ -11,8 +11,9 @@
 // fastest of the heuristic's first few, timed on the plan's first product where it is large enough
 // (kTunedFlops): the heuristic's first was up to 30% slower on the step's shapes (an expert's
 // weight gradient; docs/PERF.md, "cuBLASLt's algorithms timed"). Timed choices are kept for the
-// process, so that every Gemm takes the same algorithm for a shape. SPINDLE_GEMM_TUNE=0 in the
-// environment takes the heuristic's first, untimed.
+// process by shape, row counts by classes of 1024, so that every Gemm takes the same algorithm for
+// a shape and the MoE's new row counts are rarely timed. SPINDLE_GEMM_TUNE=0 in
+// the environment takes the heuristic's first, untimed.
 // matmul_batched runs many products of one shape at fixed element strides in one launch (the
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
@@ -56,17 +57,21 @@ class Gemm {
   void linear_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, float* dw, int64_t M,
                               int64_t K, int64_t N, cudaStream_t stream, float alpha = 1.0f);
 
+  // Which of a product's dimensions counts rows (tokens, an expert's share of them), where known:
+  // a timed choice then serves every row count of its class (make_plan).
+  enum class Rows { Unknown, N, K };
+
   // Column-major c[m, n] (ldc) = alpha op(a) op(b) + beta c; a is m x k (stored k x m when
   // transposed, ld lda), b is k x n (stored n x k when transposed, ld ldb); a and b bf16.
   void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
               const void* b, int64_t ldb, void* c, cudaDataType_t c_type, int64_t ldc, float alpha,
-              float beta, cudaStream_t stream);
+              float beta, cudaStream_t stream, Rows rows = Rows::Unknown);
   // `batch` products c_i = alpha op(a_i) op(b_i) + beta c_i with a_i = a + i stride_a, b_i = b + i
   // stride_b, c_i = c + i stride_c (strides in elements; the c_i must not overlap).
   void matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const void* a,
                       int64_t lda, int64_t stride_a, const void* b, int64_t ldb, int64_t stride_b, void* c,
                       cudaDataType_t c_type, int64_t ldc, int64_t stride_c, int64_t batch, float alpha,
-                      float beta, cudaStream_t stream);
+                      float beta, cudaStream_t stream, Rows rows = Rows::Unknown);
 
   // Plans made (each asks the heuristic, and times its algorithms where large enough) and the host
   // time they took, during which a GPU waiting on the host idles; plans timed, and of them those
@@ -95,12 +100,12 @@ class Gemm {
     cudaStream_t stream;
   };
   // The plan of key's bucket (row counts by bucket of 128), its layouts set to key's shape.
-  const Plan& plan(const PlanKey& key, const Product& product);
+  const Plan& plan(const PlanKey& key, const Product& product, Rows rows);
   // Descriptors and an algorithm for key's exact shape: the process's earlier choice remembered as
-  // *remembered_as (a bucket's key), else the fastest of the heuristic's first few on `product`
-  // (or the heuristic's first), remembered so where given.
+  // *remembered_as (key with row counts by class), else the fastest of the heuristic's first few
+  // on `product` (or the heuristic's first), remembered so where given.
   Plan make_plan(const PlanKey& key, const Product& product, const PlanKey* remembered_as);
-  struct TimedChoices;  // the algorithms timed so far in this process, by bucket key
+  struct TimedChoices;  // the algorithms timed so far in this process, by class key
   static TimedChoices& timed_choices();
   // The index of the fastest of `algos` for plan p on `product` (0 where none beats the first by
   // 2%, or an algorithm cannot run).
