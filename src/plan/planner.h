@@ -16,8 +16,9 @@
 namespace spindle::plan {
 
 // Device memory the allocator's counters never see: the CUDA context, cuBLASLt's workspaces
-// (32 MiB per stream a Gemm serves: the model's, the head's, the four expert lanes') and the
-// caching allocator's exact-size blocks held between uses.
+// (32 MiB per stream a Gemm serves: the model's, the head's, the four expert lanes'), the scratch
+// output a Gemm times an accumulating product's algorithms into (at most 256 MiB, while it times a
+// new plan's) and the caching allocator's exact-size blocks held between uses.
 constexpr int64_t kDeviceReserveBytes = int64_t{2} << 30;
 
 struct Machine {

@@ -216,7 +216,7 @@ class CudaDeviceModel final : public DeviceModel {
       out << site << ": " << e.implementation << (e.fallback ? " (FALLBACK)" : "") << " x" << e.calls << '\n';
     const Gemm::PlanStats& gemm = const_cast<CudaModel&>(model_).context().gemm.plan_stats();
     out << "gemm: " << gemm.plans << " plans in " << gemm.seconds << " s of host time, " << gemm.timed
-        << " of them timed (" << gemm.retimed_faster << " faster than the heuristic's first); "
+        << " of them timed (" << gemm.switched << " faster than the heuristic's first); "
         << gemm.bucket_reuses << " products took a bucket's plan, " << gemm.exact_fallbacks
         << " refused it\n";
     return out.str();

@@ -141,7 +141,7 @@ size_t Gemm::fastest(const Plan& p, const std::vector<cublasLtMatmulAlgo_t>& alg
   SPINDLE_CUDA(cudaEventDestroy(stop));
   if (scratch != nullptr) SPINDLE_CUDA(cudaFree(scratch));
   ++plan_stats_.timed;
-  if (pick != 0) ++plan_stats_.retimed_faster;
+  if (pick != 0) ++plan_stats_.switched;
   return pick;
 }
 

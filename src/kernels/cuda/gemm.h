@@ -8,12 +8,12 @@
 // the transpose). Plans (descriptors and an algorithm) are cached per shape, leading dimensions,
 // output type and operand alignment; row counts within 128 of each other (the MoE's change with
 // every routing) share one plan, its layouts resized for each product. A plan's algorithm is the
-// fastest of the heuristic's first few, timed on the plan's first product where it is large enough
-// (kTunedFlops): the heuristic's first was up to 30% slower on the step's shapes (an expert's
-// weight gradient; docs/PERF.md, "cuBLASLt's algorithms timed"). Timed choices are kept for the
-// process by shape, row counts by classes of 1024, so that every Gemm takes the same algorithm for
-// a shape and the MoE's new row counts are rarely timed. SPINDLE_GEMM_TUNE=0 in
-// the environment takes the heuristic's first, untimed.
+// fastest of the heuristic's first eight, timed on the plan's first product where it is large
+// enough (kTunedFlops): the heuristic's first was up to 31% slower on the step's shapes (an
+// expert's down-projection weight gradient; docs/PERF.md, "cuBLASLt's algorithms timed"). Timed
+// choices are kept for the process by shape, row counts by classes of 1024, so that every Gemm
+// takes the same algorithm for a shape and the MoE's new row counts are rarely timed.
+// SPINDLE_GEMM_TUNE=0 in the environment takes the heuristic's first, untimed.
 // matmul_batched runs many products of one shape at fixed element strides in one launch (the
 // attention's per-head products: 32 launches of a few microseconds each become one). One Gemm
 // serves any number of streams: each stream has its own cuBLASLt workspace (32 MiB), so that
@@ -75,10 +75,10 @@ class Gemm {
 
   // Plans made (each asks the heuristic, and times its algorithms where large enough) and the host
   // time they took, during which a GPU waiting on the host idles; plans timed, and of them those
-  // whose fastest was not the heuristic's first; products run on a bucket's plan resized to their
-  // shape; shapes whose bucket's algorithm cuBLASLt refused, which got their own plan.
+  // switched from the heuristic's first to a faster one; products run on a bucket's plan resized to
+  // their shape; shapes whose bucket's algorithm cuBLASLt refused, which got their own plan.
   struct PlanStats {
-    int64_t plans = 0, timed = 0, retimed_faster = 0, bucket_reuses = 0, exact_fallbacks = 0;
+    int64_t plans = 0, timed = 0, switched = 0, bucket_reuses = 0, exact_fallbacks = 0;
     double seconds = 0;
   };
   const PlanStats& plan_stats() const { return plan_stats_; }
