@@ -74,7 +74,7 @@ void LmHeadLoss::fold_block(const __nv_bfloat16* hidden_block, const __nv_bfloat
     // logits[Lb, C] row-major (ld C_max) = h W_c^T; column-major: [C, Lb] = W_c^T(op T on [D, C]) * h^T([D,
     // Lb]).
     gemm_.matmul(true, false, C, Lb, D, weight + c0 * D, D, hidden_block, D, chunk_logits, CUDA_R_32F, C_max,
-                 1.0f, 0.0f, stream);
+                 1.0f, 0.0f, stream, Gemm::Rows::N);
     lm_loss_detail::fold_chunk(chunk_logits, C_max, target_block, Lb, c0, C, run_max, run_sum, target_logit,
                                c0 == 0, c0 + C >= V, logprob_block, lse_block, stream);
   }
@@ -131,11 +131,11 @@ void LmHeadLoss::forward_backward(const __nv_bfloat16* hidden, const __nv_bfloat
       // dh[Lb, D] (+)= dl[Lb, C] W_c[C, D]; column-major: [D, Lb] = W_c^T([D, C], op N) * dl^T([C, Lb],
       // op N).
       gemm_.matmul(false, false, D, Lb, C, weight + c0 * D, D, dlogits, C_max, dh, CUDA_R_32F, D, 1.0f,
-                   c0 == 0 ? 0.0f : 1.0f, stream);
+                   c0 == 0 ? 0.0f : 1.0f, stream, Gemm::Rows::N);
       // dW_c[C, D] += dl^T h; column-major: [D, C] = h^T([D, Lb], op N) * dl([C, Lb] stored, op T).
       if (dweight)
         gemm_.matmul(false, true, D, C, Lb, hidden + r0 * D, D, dlogits, C_max, dweight + c0 * D, CUDA_R_32F,
-                     D, 1.0f, 1.0f, stream);
+                     D, 1.0f, 1.0f, stream, Gemm::Rows::K);
     }
     f32_to_bf16(dh, dhidden + r0 * D, Lb * D, stream);
   }

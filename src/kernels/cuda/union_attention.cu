@@ -95,7 +95,7 @@ __global__ void add_rows_kernel(const float* d_rows, const int32_t* keys, int64_
 void expand(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64_t stride, int64_t n, int64_t kv_row,
             bf16* kv, cudaStream_t stream) {
   gemm.matmul(true, false, kv_row, n, lat.rank, lat.kv_b_proj, lat.rank, rows, stride, kv, CUDA_R_16BF,
-              kv_row, 1.0f, 0.0f, stream);
+              kv_row, 1.0f, 0.0f, stream, Gemm::Rows::N);
 }
 
 // The gradient [n, heads (qk + v)] of n rows' keys and values back through kv_b_proj: the rows'
@@ -105,7 +105,7 @@ void expand_backward(Gemm& gemm, const UnionLatent& lat, const bf16* rows, int64
                      cudaStream_t stream) {
   gemm.linear_backward_input(dkv, lat.kv_b_proj, d_rows, n, lat.rank, kv_row, 0.0f, stream);
   gemm.matmul(false, true, lat.rank, kv_row, n, rows, stride, dkv, kv_row, d_kv_b_proj, CUDA_R_32F, lat.rank,
-              1.0f, 1.0f, stream);
+              1.0f, 1.0f, stream, Gemm::Rows::K);
 }
 
 // The most tail rows of a group of the fused kernels' queries.

@@ -287,7 +287,7 @@ void absorb_queries(Context& ctx, const ModelConfig& c, const DsaWeights& w, int
   a.q_lat = activations(L * H * kr);
   ctx.gemm.matmul_batched(false, false, kr, L, dqk, bf16_data(w.kv_b_proj) + key_rows(c, 0) * kr, kr,
                           head_weight_stride(c), a.q.data(), H * dqk, dqk, a.q_lat.data(), CUDA_R_16BF,
-                          H * kr, kr, H, 1.0f, 0.0f, ctx.stream());
+                          H * kr, kr, H, 1.0f, 0.0f, ctx.stream(), Gemm::Rows::N);
 }
 
 // This chunk's keys and values join the cache at rows cache.tokens .. + L.
@@ -311,7 +311,7 @@ void project_attended(Context& ctx, const ModelConfig& c, const DsaWeights& w, i
   const bf16* wkv = bf16_data(w.kv_b_proj);
   ctx.gemm.matmul_batched(true, false, dv, L, kr, wkv + value_rows(c, 0) * kr, kr, head_weight_stride(c),
                           a.o_lat.data(), H * kr, kr, a.attended.data(), CUDA_R_16BF, H * dv, dv, H, 1.0f,
-                          0.0f, ctx.stream());
+                          0.0f, ctx.stream(), Gemm::Rows::N);
 }
 
 // What the forward's attention left in `kept` back into `a` (the form's output, and the
@@ -439,9 +439,9 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
   const int64_t ws = head_weight_stride(c);
   // For every head h at once: d_o_lat_h = d_attended_h W_v,h; dW_v,h += d_attended_h^T o_lat_h.
   ctx.gemm.matmul_batched(false, false, kr, L, dv, wkv + value_rows(c, 0) * kr, kr, ws, d_attended, H * dv,
-                          dv, d_o_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f, s);
+                          dv, d_o_lat.data(), CUDA_R_16BF, H * kr, kr, H, 1.0f, 0.0f, s, Gemm::Rows::N);
   ctx.gemm.matmul_batched(false, true, kr, dv, L, a.o_lat.data(), H * kr, kr, d_attended, H * dv, dv,
-                          gkv + value_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s);
+                          gkv + value_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s, Gemm::Rows::K);
   if (tensor_cores) {  // the latent's gradient lands in the cache gradient's rows
     if (mass != nullptr) SPINDLE_CUDA(cudaMemsetAsync(mass, 0, L * shape.width * sizeof(float), s));
     const SparseMlaShape mla = mla_shape(c, L, cache_row(c, true));
@@ -458,9 +458,9 @@ void attention_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w,
     sparse_attention_backward(shape, a.q_lat.data(), kv, selection, d_o_lat.data(), dq_lat.data(), dkv, s);
   // For every head h at once: dq_h = dq_lat_h W_k,h^T; dW_k,h += q_h^T dq_lat_h.
   ctx.gemm.matmul_batched(true, false, dqk, L, kr, wkv + key_rows(c, 0) * kr, kr, ws, dq_lat.data(), H * kr,
-                          kr, dq, CUDA_R_16BF, H * dqk, dqk, H, 1.0f, 0.0f, s);
+                          kr, dq, CUDA_R_16BF, H * dqk, dqk, H, 1.0f, 0.0f, s, Gemm::Rows::N);
   ctx.gemm.matmul_batched(false, true, kr, dqk, L, dq_lat.data(), H * kr, kr, a.q.data(), H * dqk, dqk,
-                          gkv + key_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s);
+                          gkv + key_rows(c, 0) * kr, CUDA_R_32F, kr, ws, H, 1.0f, 1.0f, s, Gemm::Rows::K);
 }
 
 // The chunk's own rows of the keys' and values' gradient (fp32 [L, row], complete) to the

@@ -64,25 +64,25 @@ void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
 // y = x w^T (bf16 or fp32 y, [M, N]).
 void linear_strided(Gemm& gemm, const bf16* x, int64_t x_ld, const bf16* w, void* y, cudaDataType_t y_type,
                     int64_t y_ld, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(true, false, N, M, K, w, K, x, x_ld, y, y_type, y_ld, 1.0f, 0.0f, s);
+  gemm.matmul(true, false, N, M, K, w, K, x, x_ld, y, y_type, y_ld, 1.0f, 0.0f, s, Gemm::Rows::N);
 }
 
 // dx = dy w (bf16 dx, [M, K]).
 void backward_input_into_columns(Gemm& gemm, const bf16* dy, const bf16* w, bf16* dx, int64_t ld, int64_t M,
                                  int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s);
+  gemm.matmul(false, false, K, M, N, w, K, dy, N, dx, CUDA_R_16BF, ld, 1.0f, 0.0f, s, Gemm::Rows::N);
 }
 
 // dx = dy w (fp32 dx, [M, K], its rows K apart).
 void backward_input_from_columns(Gemm& gemm, const bf16* dy, int64_t ld, const bf16* w, float* dx, int64_t M,
                                  int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 0.0f, s);
+  gemm.matmul(false, false, K, M, N, w, K, dy, ld, dx, CUDA_R_32F, K, 1.0f, 0.0f, s, Gemm::Rows::N);
 }
 
 // dw += dy^T x (fp32 dw, [N, K]).
 void backward_weight_strided(Gemm& gemm, const bf16* dy, int64_t dy_ld, const bf16* x, int64_t x_ld,
                              float* dw, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
-  gemm.matmul(false, true, K, N, M, x, x_ld, dy, dy_ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s);
+  gemm.matmul(false, true, K, N, M, x, x_ld, dy, dy_ld, dw, CUDA_R_32F, K, 1.0f, 1.0f, s, Gemm::Rows::K);
 }
 
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
