@@ -22,7 +22,9 @@
 #                                             # with --gpu-mem ${GPU_MEM:-123}: planned for 121 GiB,
 #                                             # 129.9 GB, the 130 GB at 1M; :warm timing the
 #                                             # second step, after one untimed: no first-step
-#                                             # allocations, about 80 s more)
+#                                             # allocations, about 80 s more; :untimed with
+#                                             # SPINDLE_GEMM_TUNE=0: cuBLASLt's first algorithm
+#                                             # for every product, as before the timed plans)
 #     TRAIN=1                                 # the checkpoint without STEPS1M (for PROFILE alone)
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
@@ -108,12 +110,13 @@ for vk in ${STEPS1M:-}; do
   warmup=0 needs=145
   [[ ":$vk:" == *":warm:"* ]] && warmup=1 needs=230
   [ "$(left)" -lt "$needs" ] && { echo "skip the 1M step of $vk: $(left) s left"; continue; }
-  v=${vk%%:*} name=${vk//:/_} extra=()
+  v=${vk%%:*} name=${vk//:/_} extra=() tune=1
   [[ ":$vk:" == *":kl:"* ]] && extra+=(--indexer-kl)
   [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
   [[ ":$vk:" == *":cap:"* ]] && extra+=(--gpu-mem "${GPU_MEM:-123}")
+  [[ ":$vk:" == *":untimed:"* ]] && tune=0
   window "step1m_$name" start
-  "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup "$warmup" --tokens "$tokens" \
+  SPINDLE_GEMM_TUNE=$tune "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup "$warmup" --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"
   window "step1m_$name" end
   echo "$vk rc=$? $(at)"; head -c 2500 "$OUT/step1m_$name.jsonl"; echo
