@@ -1,6 +1,7 @@
 // The step's dense product shapes (from SPINDLE_GEMM_PROFILE, kernels/cuda/gemm.h) through cuBLASLt:
-// the heuristic's first algorithm, which Gemm uses, against the fastest of its first 16, each the
-// median of a few timed runs. Which shapes the heuristic serves badly, and by how much.
+// the heuristic's first algorithm (Gemm's with SPINDLE_GEMM_TUNE=0) against the fastest of its first
+// 16 (Gemm times the first 8), each the median of a few timed runs. Which shapes the heuristic serves
+// badly, and by how much.
 //     build/bench_gemm_shapes
 #include <cublasLt.h>
 
