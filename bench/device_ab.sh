@@ -24,7 +24,9 @@
 #                                             # second step, after one untimed: no first-step
 #                                             # allocations, about 80 s more; :untimed with
 #                                             # SPINDLE_GEMM_TUNE=0: cuBLASLt's first algorithm
-#                                             # for every product, as before the timed plans)
+#                                             # for every product, as before the timed plans;
+#                                             # :nokinds with --no-kind-times: no time by kind,
+#                                             # the step as training runs it)
 #     TRAIN=1                                 # the checkpoint without STEPS1M (for PROFILE alone)
 #     REUSE_CHECKPOINT=1                      # the checkpoint an earlier call left on this machine
 #                                             # (still warm: called within 30 s), not trained again;
@@ -115,6 +117,7 @@ for vk in ${STEPS1M:-}; do
   [[ ":$vk:" == *":b:"* ]] && extra+=(--plan-policy "$POLICY_B")
   [[ ":$vk:" == *":cap:"* ]] && extra+=(--gpu-mem "${GPU_MEM:-123}")
   [[ ":$vk:" == *":untimed:"* ]] && tune=0
+  [[ ":$vk:" == *":nokinds:"* ]] && extra+=(--no-kind-times)
   window "step1m_$name" start
   SPINDLE_GEMM_TUNE=$tune "build/a/$v/spindle" bench --model "$model" --seq-len 1048576 --steps 1 --warmup "$warmup" --tokens "$tokens" \
     --host-optimizer "${extra[@]}" --out "$OUT/step1m_$name.jsonl" 2> "$OUT/step1m_$name.log"

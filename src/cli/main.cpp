@@ -50,9 +50,10 @@ commands:
   bench     --model DIR|CONFIG.json --seq-len L [--steps N] [--warmup N] [--data FASTA]
             [--random-tokens] [--strict-kernels] [--mla expanded|absorbed] [--chunk N]
             [--host-optimizer] [--indexer-kl] [--profile] [--out FILE.json] [--plan-policy NAME]
-            [--gpu-mem GB]
+            [--gpu-mem GB] [--no-kind-times]
                                                 GPU forward+backward+AdamW steps: JSON with tokens/s,
-                                                time by layer kind, peak memory by category, MFU,
+                                                time by layer kind (none with --no-kind-times, as
+                                                training runs), peak memory by category, MFU,
                                                 the memory policy (the planner's pick unless --chunk,
                                                 or --plan-policy: a policy as spindle plan names it;
                                                 --gpu-mem: planned for that much of the GPU)

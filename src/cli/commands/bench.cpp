@@ -75,10 +75,11 @@ nlohmann::json memory_json(const MemoryStats& stats) {
 }  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
-  const Args args("bench", argv,
-                  {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy",
-                   "plan-policy", "gpu-mem"},
-                  {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile"});
+  const Args args(
+      "bench", argv,
+      {"model", "seq-len", "steps", "warmup", "tokens", "out", "mla", "chunk", "policy", "plan-policy",
+       "gpu-mem"},
+      {"random-tokens", "strict-kernels", "host-optimizer", "indexer-kl", "profile", "no-kind-times"});
   const std::string source = args.required("model");
   const std::vector<int64_t> lengths = parse_lengths(args.required("seq-len"));
   const int64_t steps = args.int_or("steps", 3), warmup = args.int_or("warmup", 1);
@@ -97,6 +98,11 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::optional<int64_t> planned_gpu_bytes = args.gib_bytes("gpu-mem");  // checked once the GPU is open
   // The last step of each length inside a profiler's capture range (bench/step_profile.sh).
   const bool profile = args.flag("profile");
+  // The timed steps without the GPU time by layer kind, as `spindle train` runs them: the timer's
+  // events at each part's start and end sit between kernels that would otherwise launch as
+  // programmatic dependents of each other (kernels/cuda/launch.cuh). What that costs is what a run
+  // with and one without measure.
+  const bool kind_times = !args.flag("no-kind-times");
   const bool random_tokens = args.flag("random-tokens");
   const std::string token_file = args.value_or("tokens", "bench/chr22_70k.tokens");
   check(!(random_tokens && args.optional("tokens")), "--random-tokens and --tokens exclude each other");
@@ -173,7 +179,7 @@ int run_bench(const std::vector<std::string>& argv) {
     double loss = 0;
     for (int64_t step = 0; step < warmup + steps; ++step) {
       const bool timed = step >= warmup, profiled = profile && step + 1 == warmup + steps;
-      device->set_timing(timed);
+      device->set_timing(timed && kind_times);
       if (profiled) device->profile_range(true);
       const DeviceModel::AllocatorCounts before = device->allocator_counts();
       const auto start = std::chrono::steady_clock::now();
@@ -222,7 +228,8 @@ int run_bench(const std::vector<std::string>& argv) {
         {"step_driver_allocations", allocations},
         {"step_cache_flushes", flushes},
         {"tokens_per_second", static_cast<double>(L) / median_seconds},
-        {"seconds_by_layer_kind", by_kind},
+        {"seconds_by_layer_kind", by_kind},  // empty with --no-kind-times
+        {"kind_times", kind_times},
         {"peak_memory", memory_json(device->memory())},
         // After the steps: the driver's total, and what is in use outside Spindle's allocator
         // (the CUDA context, the kernels' local memory, libraries), which the planner reserves.
