@@ -203,7 +203,7 @@ int run_bench(const std::vector<std::string>& argv) {
     // The JSON keeps the steps in order too: the first pays one-time costs (--warmup leaves it out).
     const double median_seconds = median(seconds);
     const ModelFlops flops = model_flops(config, L);
-    nlohmann::json by_kind;
+    nlohmann::json by_kind = nlohmann::json::object();
     for (const auto& [kind, ms] : kind_ms) by_kind[kind] = ms / 1000.0 / static_cast<double>(steps);
     const nlohmann::json result = {
         {"engine", "spindle"},
