@@ -25,6 +25,12 @@ uint32_t alignment_of(const void* pointer, int64_t stride_bytes = 0) {
 
 size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 
+// A product's floating-point operations, a multiply-add counting 2.
+double product_flops(int64_t m, int64_t n, int64_t k, int64_t batch) {
+  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) *
+         static_cast<double>(batch);
+}
+
 // Products of fewer FLOPs take the heuristic's first algorithm untimed: the timing's device
 // synchronisation and runs would cost more than the choice could save.
 constexpr double kTunedFlops = 1e9;
@@ -190,9 +196,7 @@ Gemm::Plan Gemm::make_plan(const PlanKey& key, const Product& product, const Pla
   if (earlier != choices.algos.end()) {
     p.algo = earlier->second;
   } else {
-    const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) *
-                         static_cast<double>(batch);
-    const bool timed = tuning_on() && flops >= kTunedFlops;
+    const bool timed = tuning_on() && product_flops(m, n, k, batch) >= kTunedFlops;
     cublasLtMatmulHeuristicResult_t results[kTimedAlgos] = {};
     int found_count = 0;
     SPINDLE_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, preference,
@@ -292,9 +296,7 @@ void Gemm::matmul_batched(bool transpose_a, bool transpose_b, int64_t m, int64_t
     const auto shown = [](int64_t v) { return v % 64 == 0 ? v : -1; };  // the MoE's row counts as one
     profile_->end({transpose_a, transpose_b, shown(m), shown(n), shown(k), batch, static_cast<int>(c_type),
                    beta != 0.0f},
-                  2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) *
-                      static_cast<double>(batch),
-                  stream);
+                  product_flops(m, n, k, batch), stream);
   }
 }
 
