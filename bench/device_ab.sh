@@ -13,6 +13,10 @@
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
 #     BENCH="bench_indexer_layer 1048576"     # a kernel bench's command line, each variant's binary
 #                                             # in turn (BENCH_VARIANTS, default VARIANTS), twice, ABAB
+#     SLICE="main new"                        # the 4B config's four layers (bench/glm53-flash-4b-4layers.json),
+#                                             # 64k tokens in 16k chunks (the 1M step's chunk), 8 timed
+#                                             # steps after 3, each variant in turn, twice (ABAB): the
+#                                             # median step and its time by kind
 #     STEPS=262144 STEP_VARIANTS="main new"   # two steps from random weights (configs/glm53-flash-4b.json)
 #     STEPS1M="main new new:kl main:b"        # a trained checkpoint (bench/trained_1m_h200.sh train,
 #                                             # about 150 s), then one 1M step from it per entry
@@ -91,6 +95,23 @@ if [ -n "${BENCH:-}" ]; then
     done
   done
 fi
+for round in 1 2; do
+  for v in ${SLICE:-}; do
+    window "slice_${v}_$round" start
+    timeout 100 "build/a/$v/spindle" bench --model bench/glm53-flash-4b-4layers.json --seq-len 65536 \
+      --chunk 16384 --steps 8 --warmup 3 --tokens "$tokens" --out "$OUT/slice_${v}_$round.jsonl" \
+      > /dev/null 2> "$OUT/slice_${v}_$round.log"
+    echo "slice $v round $round rc=$? $(at)"; window "slice_${v}_$round" end
+    python3 - "$OUT/slice_${v}_$round.jsonl" << 'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith('{'):
+        d = json.loads(line)
+        kinds = d.get('seconds_by_layer_kind') or {}
+        print(f"  median {d['step_seconds_median']:.4f} s ", ' '.join(f'{k}={v:.4f}' for k, v in sorted(kinds.items())))
+EOF
+  done
+done
 for v in ${STEP_VARIANTS:-}; do
   [ "$(left)" -lt 150 ] && { echo "skip the ${STEPS:-262144} step of $v: $(left) s left"; continue; }
   window "step_$v" start
