@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Bad input to the spindle CLI: each case must fail with a non-zero exit and a message that
 # names what is wrong.
-set -u
-spindle=$1
-here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
+source "$(dirname "$0")/cli_checks_common.sh"
 
 expect_failure() {  # expect_failure NAME PATTERN command...
   local name=$1 pattern=$2

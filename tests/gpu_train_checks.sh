@@ -4,43 +4,14 @@
 #             20 steps (as the CPU check in train_checks.sh);
 #   resume:   a GPU checkpoint resumes (on the GPU) and the loss keeps falling;
 #   bench:    `spindle bench` prints its JSON with every field, on real DNA tokens.
-set -u
-spindle=$1
-here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL $*"; failures=$((failures + 1)); }
+source "$(dirname "$0")/cli_checks_common.sh"
 
-cat > "$work/overfit.toml" <<TOML
-[model]
-config = "$here/configs/overfit-dna.json"
-seed = 1
-[data]
-train = "$here/data/chr22_256.fa"
-[train]
-seq_len = 256
-steps = 20
-[optim]
-lr = 3e-3
-min_lr = 3e-3
-warmup = 1
-weight_decay = 0.0
-[checkpoint]
-dir = "$work/overfit"
-TOML
+write_overfit_toml "$work/overfit.toml"
 "$spindle" train --device cuda --strict-kernels --config "$work/overfit.toml" --stop-after 12 > "$work/a.log" 2>&1 ||
   { cat "$work/a.log"; fail "overfit run"; }
 "$spindle" train --device cuda --strict-kernels --config "$work/overfit.toml" --resume > "$work/b.log" 2>&1 ||
   { cat "$work/b.log"; fail "overfit resume"; }
-python3 - "$work/overfit/metrics.jsonl" <<'PY' || failures=$((failures + 1))
-import json, sys
-losses = [json.loads(line)["loss"] for line in open(sys.argv[1])]
-first, last = losses[0], losses[-1]
-fall = 1 - last / first
-print(f"gpu overfit: loss {first:.4f} -> {last:.4f} in {len(losses)} steps ({100 * fall:.1f}% fall, need >= 85%)")
-sys.exit(0 if len(losses) == 20 and fall >= 0.85 else 1)
-PY
+check_overfit "gpu overfit"
 
 "$spindle" bench --model "$here/configs/tiny.json" --seq-len 300,1000 --steps 2 --warmup 1 \
   --tokens "$here/../bench/chr22_70k.tokens" --strict-kernels --out "$work/bench.jsonl" > "$work/bench.log" 2>&1 ||

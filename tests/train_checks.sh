@@ -6,41 +6,12 @@
 #   refusal:  an existing checkpoint directory is never overwritten without --resume;
 #   frozen first: [indexer] freeze_steps = 4 trains the model of freeze = true for 4 steps, then
 #             the indexers too (their KL logged from step 5), and resumes across the switch.
-set -u
-spindle=$1
-here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
-fail() { echo "FAIL $*"; failures=$((failures + 1)); }
+source "$(dirname "$0")/cli_checks_common.sh"
 
 # --- overfit
-cat > "$work/overfit.toml" <<TOML
-[model]
-config = "$here/configs/overfit-dna.json"
-seed = 1
-[data]
-train = "$here/data/chr22_256.fa"
-[train]
-seq_len = 256
-steps = 20
-[optim]
-lr = 3e-3
-min_lr = 3e-3
-warmup = 1
-weight_decay = 0.0
-[checkpoint]
-dir = "$work/overfit"
-TOML
+write_overfit_toml "$work/overfit.toml"
 "$spindle" train --config "$work/overfit.toml" > "$work/overfit.log" 2>&1 || { cat "$work/overfit.log"; fail "overfit run"; }
-python3 - "$work/overfit/metrics.jsonl" <<'PY' || failures=$((failures + 1))
-import json, sys
-losses = [json.loads(line)["loss"] for line in open(sys.argv[1])]
-first, last = losses[0], losses[-1]
-fall = 1 - last / first
-print(f"overfit: loss {first:.4f} -> {last:.4f} in {len(losses)} steps ({100 * fall:.1f}% fall, need >= 85%)")
-sys.exit(0 if len(losses) == 20 and fall >= 0.85 else 1)
-PY
+check_overfit overfit
 
 # --- resume
 run_toml() {  # run_toml NAME
