@@ -17,6 +17,7 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_timing.cuh"
 #include "kernels/cuda/mhc.h"
+#include "kernels/cuda/norms.h"
 
 using namespace spindle;
 using namespace spindle::cuda;
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   const int64_t H = 4, D = 2048, K = H * D, M = (2 + H) * H;
   const cpu::HcShape s{T, H, D, 1e-6, 1e-6, 20};
   auto streams = random_bf16(T * K, 1), y = random_bf16(T * D, 2), d_collapsed = random_bf16(T * D, 3);
+  auto norm_weight = random_bf16(D, 18);
   const float fn_scale = 1.0f / std::sqrt(static_cast<float>(K));
   auto fn = random_f32(M * K, 4, -fn_scale, fn_scale), base = random_f32(M, 5, -0.5f, 0.5f),
        scale = random_f32(3, 6, 0.5f, 1.5f);
@@ -37,6 +39,7 @@ int main(int argc, char** argv) {
   auto dfn = random_f32(M * K, 15, -1, 1), dbase = random_f32(M, 16, -1, 1),
        dscale = random_f32(3, 17, -1, 1);
   DeviceBuffer<__nv_bfloat16> collapsed(static_cast<size_t>(T * D), MemoryCategory::Activations),
+      normed(static_cast<size_t>(T * D), MemoryCategory::Activations),
       out(static_cast<size_t>(T * K), MemoryCategory::Activations),
       dy(static_cast<size_t>(T * D), MemoryCategory::Activations);
   DeviceBuffer<float> workspace(static_cast<size_t>(hc_coefficients_backward_workspace(s)),
@@ -54,7 +57,7 @@ int main(int argc, char** argv) {
          median_ms(
              [&] {
                hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
-                               post.data(), comb.data(), collapsed.data(), nullptr);
+                               post.data(), comb.data(), collapsed.data(), {}, nullptr);
              },
              5));
   // As a recomputation or a site's backward runs it: the mix written out.
@@ -62,7 +65,7 @@ int main(int argc, char** argv) {
          median_ms(
              [&] {
                hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
-                               post.data(), comb.data(), collapsed.data(), nullptr, mix.data());
+                               post.data(), comb.data(), collapsed.data(), {}, nullptr, mix.data());
              },
              5));
   // As a site's backward runs it from the mix the recomputation kept.
@@ -70,7 +73,39 @@ int main(int argc, char** argv) {
          median_ms(
              [&] {
                hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
-                                        post.data(), comb.data(), collapsed.data(), nullptr);
+                                        post.data(), comb.data(), collapsed.data(), {}, nullptr);
+             },
+             5));
+  // With the site's norm, as the model runs it (HcNorm): in the collapse, against a pass of its own.
+  const HcNorm norm{norm_weight.data(), normed.data(), 1e-6f};
+  report("from_mix + rms_norm_forward", bf16_streams + 3 * row,
+         median_ms(
+             [&] {
+               hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
+                                        post.data(), comb.data(), collapsed.data(), {}, nullptr);
+               rms_norm_forward(collapsed.data(), norm.weight, norm.normed, T, D, norm.eps, nullptr);
+             },
+             5));
+  report("from_mix, normed in the collapse", bf16_streams + 2 * row,
+         median_ms(
+             [&] {
+               hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
+                                        post.data(), comb.data(), collapsed.data(), norm, nullptr);
+             },
+             5));
+  report("mix + rms_norm_forward", bf16_streams + 3 * row,
+         median_ms(
+             [&] {
+               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
+                               post.data(), comb.data(), collapsed.data(), {}, nullptr, mix.data());
+               rms_norm_forward(collapsed.data(), norm.weight, norm.normed, T, D, norm.eps, nullptr);
+             },
+             5));
+  report("mix, normed in the collapse", bf16_streams + 2 * row,
+         median_ms(
+             [&] {
+               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
+                               post.data(), comb.data(), collapsed.data(), norm, nullptr, mix.data());
              },
              5));
   report("hc_combine", 2 * bf16_streams + row,

@@ -164,11 +164,12 @@ struct HcCase {
 // 16-byte path; 1100 x 2 x 200: dfn's last 128-column block partial, two 1024-token blocks.
 // Three are wider: 70 x 4 x 2048, the model's width; 40 x 3 x 1400 and 33 x 5 x 1000, wide
 // rows on the two-column and one-column paths. 40 x 4 x 32: hc_combine_mix's one slice, fewer than
-// its ring loads ahead.
-const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},  {19, 8, 40},
-                           {1, 4, 12},    {2100, 4, 96}, {200, 4, 512}, {1100, 2, 200},
-                           {70, 1, 24},   {150, 3, 64},  {65, 6, 32},   {90, 3, 13},
-                           {70, 4, 2048}, {40, 3, 1400}, {33, 5, 1000}, {40, 4, 32}};
+// its ring loads ahead. The collapse's norm (hidden a multiple of 256): 2048 a token a round of the
+// collapse, 256 and 512 several, 768 tokens across rounds, 4096 (the full model's) two rounds a token.
+const HcCase kHcCases[] = {{130, 4, 256}, {77, 4, 1000}, {333, 2, 61},   {19, 8, 40},   {1, 4, 12},
+                           {2100, 4, 96}, {200, 4, 512}, {1100, 2, 200}, {70, 1, 24},   {150, 3, 64},
+                           {65, 6, 32},   {90, 3, 13},   {70, 4, 2048},  {40, 3, 1400}, {33, 5, 1000},
+                           {40, 4, 32},   {75, 4, 768},  {20, 2, 4096}};
 
 cpu::HcShape shape_of(const HcCase& c) { return cpu::HcShape{c.tokens, c.H, c.D, 1e-6, 1e-6, 20}; }
 
@@ -193,15 +194,21 @@ TEST(CudaConvMhc, HcCoefficientsForward) {
     auto fn = device(p.fn, MemoryCategory::Weights);
     auto base = device(p.base, MemoryCategory::Weights), scale = device(p.scale, MemoryCategory::Weights);
     auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
-    auto collapsed = poisoned<bf16>(T * D);
+    auto collapsed = poisoned<bf16>(T * D), normed = poisoned<bf16>(T * D);
+    const auto norm_weight = rounded(random_uniform(D, 0.5f, 1.5f));
+    auto weight = device(to_bf16(norm_weight), MemoryCategory::Weights);
+    const HcNorm norm{weight.data(), normed.data(), 1e-5f};
+    EXPECT_EQ(hc_norm_fused(s, xb.data(), collapsed.data(), norm), D % 256 == 0 && D <= 4096)
+        << "T=" << T << " H=" << H << " D=" << D;
     auto mix = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
     hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(), comb.data(),
-                    collapsed.data(), stream.get(), mix.data());
+                    collapsed.data(), norm, stream.get(), mix.data());
     // Everything again from the kept mix, as a site's backward does: the very same values.
     auto pre2 = poisoned<float>(T * H), post2 = poisoned<float>(T * H), comb2 = poisoned<float>(T * H * H);
-    auto collapsed2 = poisoned<bf16>(T * D);
+    auto collapsed2 = poisoned<bf16>(T * D), normed2 = poisoned<bf16>(T * D);
     hc_coefficients_from_mix(s, xb.data(), mix.data(), base.data(), scale.data(), pre2.data(), post2.data(),
-                             comb2.data(), collapsed2.data(), stream.get());
+                             comb2.data(), collapsed2.data(), {weight.data(), normed2.data(), 1e-5f},
+                             stream.get());
     stream.synchronize();
     const auto same = [](const auto& a, const auto& b) {
       return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
@@ -212,6 +219,14 @@ TEST(CudaConvMhc, HcCoefficientsForward) {
     EXPECT_TRUE(same(post.download(), post2.download())) << "post from the mix" << case_name;
     EXPECT_TRUE(same(comb.download(), comb2.download())) << "comb from the mix" << case_name;
     EXPECT_TRUE(same(collapsed.download(), collapsed2.download())) << "collapsed from the mix" << case_name;
+    EXPECT_TRUE(same(normed.download(), normed2.download())) << "normed from the mix" << case_name;
+    // The norm of the collapsed values as stored, against the CPU's in double.
+    const auto stored = collapsed.download();
+    std::vector<double> stored_d(stored.size()), normed_ref(stored.size());
+    for (size_t i = 0; i < stored.size(); ++i) stored_d[i] = __bfloat162float(stored[i]);
+    const auto weight_d = to_double(norm_weight);
+    cpu::rms_norm(stored_d.data(), weight_d.data(), normed_ref.data(), T, D, 1e-5);
+    EXPECT_LT(relative_error(normed.download(), normed_ref), kBf16Bound) << "normed" << case_name;
     const auto xd = to_double(x), fnd = to_double(p.fn), based = to_double(p.base),
                scaled = to_double(p.scale);
     std::vector<double> pre_ref(T * H), post_ref(T * H), comb_ref(T * H * H), col_ref(T * D);
@@ -305,12 +320,12 @@ TEST(CudaConvMhc, HcCombineMixEqualsTheCombineThenTheNextMix) {
     auto collapsed = poisoned<bf16>(T * D);
     hc_combine(s, xb.data(), yb.data(), postb.data(), combb.data(), out_ref.data(), stream.get());
     hc_coefficients(s, out_ref.data(), fn.data(), base.data(), scale.data(), pre.data(), post2.data(),
-                    comb2.data(), collapsed.data(), stream.get(), mix_ref.data());
+                    comb2.data(), collapsed.data(), {}, stream.get(), mix_ref.data());
     // The next site's coefficients from the handed mix, as residual_site_forward takes them.
     auto pre_m = poisoned<float>(T * H), post_m = poisoned<float>(T * H), comb_m = poisoned<float>(T * H * H);
     auto collapsed_m = poisoned<bf16>(T * D);
     hc_coefficients_from_mix(s, out.data(), mix.data(), base.data(), scale.data(), pre_m.data(),
-                             post_m.data(), comb_m.data(), collapsed_m.data(), stream.get());
+                             post_m.data(), comb_m.data(), collapsed_m.data(), {}, stream.get());
     stream.synchronize();
     const std::string where =
         " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
@@ -357,7 +372,7 @@ TEST(CudaConvMhc, HcCoefficientsBackward) {
       auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
       auto collapsed = poisoned<bf16>(T * D);
       hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
-                      comb.data(), collapsed.data(), stream.get(), mix.data());
+                      comb.data(), collapsed.data(), {}, stream.get(), mix.data());
       stream.synchronize();  // before the scratch buffers go
     }
     hc_coefficients_backward(s, xb.data(), mix.data(), fn.data(), base.data(), scale.data(), d_preb.data(),

@@ -42,6 +42,7 @@
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/mhc.h"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/norms.h"
 #include "kernels/cuda/shared_memory_limit.h"
 
 namespace spindle::cuda {
@@ -93,6 +94,13 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
 // thread: four in flight while one is summed.
 constexpr int kCollapseSlots = 5;
 
+// The collapse's norm (HcNorm) sums each warp's squares of a round (kThreads items of 8 columns) into
+// a slot of its own, and a token's sum of squares is its warps' slots in order (the same bits in every
+// thread and every call, unlike atomics). A token spans at most two rounds (hidden <= kMaxNormHidden),
+// read after the second's barrier while the next round writes a third: slots for three rounds.
+constexpr int kMaxNormHidden = 4096;
+constexpr int kNormPartials = 3 * kWarps;
+
 // What comes before raw in a coefficient kernel's shared memory: the mix's ring (the kernel multiplies
 // the mix; the collapse's ring takes its place after the mix), the collapse's ring alone (it loads a
 // mix kept since), or nothing (the backward).
@@ -107,11 +115,14 @@ struct Tile {
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
   static constexpr size_t kCollapseBytes = size_t{kCollapseSlots} * H * kThreads * 16;
-  // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
+  // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], the collapse's norm partials
+  // (the forward), then per-kernel data.
   static constexpr size_t kRawOffset =
       kRing == Ring::kMix ? kStages * kStageBytes : (kRing == Ring::kCollapse ? kCollapseBytes : 0);
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
-  static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
+  static constexpr size_t kPartialsOffset = kPreOffset + kTileTokens * H * sizeof(float);
+  static constexpr size_t kCommonBytes =
+      kPartialsOffset + (kRing == Ring::kNone ? 0 : kNormPartials * sizeof(float));
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
   static_assert(kCollapseBytes <= kStages * kStageBytes, "the collapse's ring in the mix's");
   static_assert(H > 4 || 2 * (kCommonBytes + 1024) <= 228 * 1024,
@@ -383,14 +394,36 @@ __device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, in
   copy_commit();
 }
 
+// One item of the collapse (8 columns d of token tt of the tile), rounded as stored, until its
+// token's sum of squares is complete.
+struct CollapsedItem {
+  float v[8];
+  int tt = -1, d = 0;
+};
+
+// The item's normed columns (HcNorm) from its token's partial sums of squares (see kNormPartials).
+__device__ __forceinline__ void store_normed(const CollapsedItem& item, const float* partials, int D,
+                                             const HcNorm& norm, __nv_bfloat16* normed_tile) {
+  const int chunks = D / 256, c0 = item.tt * chunks;  // a warp's 32 items are 256 columns
+  float sum = 0.0f;
+  for (int c = c0; c < c0 + chunks; ++c) sum += partials[c % kNormPartials];
+  const float inv = rsqrtf(sum / static_cast<float>(D) + norm.eps);
+  float w[8], out[8];
+  load<8>(norm.weight + item.d, w);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = w[j] * (item.v[j] * inv);
+  store<8>(normed_tile + static_cast<int64_t>(item.tt) * D + item.d, out);
+}
+
 // kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
 // and written to `mix_out` where given. Everything after the mix is the same code either way.
+// norm.normed null: no norm here (the host runs rms_norm_forward after, see hc_norm_fused).
 template <int H, bool kFromMix>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* kept_mix,
                            float* mix_out, const float* base, const float* scale, float* pre, float* post,
-                           float* comb, __nv_bfloat16* collapsed, int64_t tokens, int D, float rms_eps,
-                           float hc_eps, int iters, bool vec) {
+                           float* comb, __nv_bfloat16* collapsed, HcNorm norm, int64_t tokens, int D,
+                           float rms_eps, float hc_eps, int iters, bool vec) {
   wait_for_earlier_kernels();
   using T = Tile<H, kFromMix ? Ring::kCollapse : Ring::kMix>;
   constexpr int M = T::M;
@@ -457,19 +490,46 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   __syncthreads();
   if (vec) {
     // The thread's items through its ring (stage_collapse), kCollapseSlots - 1 in flight (the tile's
-    // x is no longer in L2 by now).
-    const int per_token = D / 8;
-    for (int k = 0; static_cast<int>(threadIdx.x) + k * kThreads < n; ++k) {
+    // x is no longer in L2 by now). Rounds of kThreads items, the same count for every thread: the
+    // norm's barriers.
+    const int per_token = D / 8, rounds = (n + kThreads - 1) / kThreads;
+    float* partials = reinterpret_cast<float*>(smem + T::kPartialsOffset);
+    CollapsedItem held;  // the round before's item, its token's squares complete in this round
+    for (int k = 0; k < rounds; ++k) {
       copy_wait<kCollapseSlots - 2>();  // item k has landed
       // Into the slot of item k - 1, whose values this thread has summed and stored already.
       stage_collapse<H>(x, D, n, k + kCollapseSlots - 1, ring);
-      const int e = threadIdx.x + k * kThreads, tt = e / per_token, d = e % per_token * 8;
-      const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
-      float v[H][8], acc[8];
+      const int e = threadIdx.x + k * kThreads;
+      CollapsedItem item;
+      float squares = 0.0f;
+      if (e < n) {
+        item.tt = e / per_token;
+        item.d = e % per_token * 8;
+        const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
+        float v[H][8];
 #pragma unroll
-      for (int h = 0; h < H; ++h) load<8>(reinterpret_cast<const __nv_bfloat16*>(slot + h * kThreads), v[h]);
-      collapse_columns<H, 8>(v, pre_s + tt * H, acc);
-      store<8>(collapsed + (t0 + tt) * D + d, acc);
+        for (int h = 0; h < H; ++h)
+          load<8>(reinterpret_cast<const __nv_bfloat16*>(slot + h * kThreads), v[h]);
+        collapse_columns<H, 8>(v, pre_s + item.tt * H, item.v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          item.v[j] = __bfloat162float(__float2bfloat16(item.v[j]));  // the norm reads the stored value
+          squares = fmaf(item.v[j], item.v[j], squares);
+        }
+        store<8>(collapsed + (t0 + item.tt) * D + item.d, item.v);
+      }
+      if (norm.normed == nullptr) continue;
+      squares = warp_sum(squares);
+      if (lane == 0) partials[(e / 32) % kNormPartials] = squares;
+      __syncthreads();
+      __nv_bfloat16* normed_tile = norm.normed + t0 * D;
+      if (held.tt >= 0) store_normed(held, partials, D, norm, normed_tile);
+      held.tt = -1;
+      if (item.tt < 0) continue;
+      if ((item.tt + 1) * per_token <= (k + 1) * kThreads)
+        store_normed(item, partials, D, norm, normed_tile);
+      else
+        held = item;
     }
     copy_wait<0>();  // only empty groups are left
     return;
@@ -1351,14 +1411,17 @@ namespace {
 // `kept_mix` (the mix loaded); `mix_out` written where given.
 void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const uint32_t* fn,
                          const float* kept_mix, float* mix_out, const float* base, const float* scale,
-                         float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
+                         float* pre, float* post, float* comb, __nv_bfloat16* collapsed, const HcNorm& norm,
                          cudaStream_t stream) {
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
   const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
+  const bool fused = hc_norm_fused(s, streams, collapsed, norm);
+  HcNorm in_kernel = norm;
+  if (!fused) in_kernel.normed = nullptr;
   const auto launch = [&](auto kernel, size_t bytes) {
     launch_tiled(kernel, s, bytes, stream, "hc_coefficients_kernel", streams, fn, kept_mix, mix_out, base,
-                 scale, pre, post, comb, collapsed, s.tokens, D, rms_eps, hc_eps, iters, vec);
+                 scale, pre, post, comb, collapsed, in_kernel, s.tokens, D, rms_eps, hc_eps, iters, vec);
   };
   SPINDLE_HC_DISPATCH({
     if (fn != nullptr)
@@ -1366,26 +1429,35 @@ void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, co
     else
       launch(hc_coefficients_kernel<H, true>, Tile<H, Ring::kCollapse>::kCommonBytes);
   })
+  if (!fused && norm.normed != nullptr)
+    rms_norm_forward(collapsed, norm.weight, norm.normed, s.tokens, s.hidden, norm.eps, stream);
 }
 
 }  // namespace
 
+bool hc_norm_fused(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* collapsed,
+                   const HcNorm& norm) {
+  return norm.normed != nullptr && s.hidden % 256 == 0 && s.hidden <= kMaxNormHidden &&
+         vector_rows(s, {{streams, 2}, {collapsed, 2}, {norm.weight, 2}, {norm.normed, 2}});
+}
+
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                     cudaStream_t stream, float* mix) {
+                     const HcNorm& norm, cudaStream_t stream, float* mix) {
   check_shape(s, "hc_coefficients");
   if (s.tokens == 0) return;
   const DeviceBuffer<uint32_t> split = split_fn(s, fn, stream);
-  launch_coefficients(s, streams, split.data(), nullptr, mix, base, scale, pre, post, comb, collapsed,
+  launch_coefficients(s, streams, split.data(), nullptr, mix, base, scale, pre, post, comb, collapsed, norm,
                       stream);
 }
 
 void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
                               const float* base, const float* scale, float* pre, float* post, float* comb,
-                              __nv_bfloat16* collapsed, cudaStream_t stream) {
+                              __nv_bfloat16* collapsed, const HcNorm& norm, cudaStream_t stream) {
   check_shape(s, "hc_coefficients_from_mix");
   if (s.tokens == 0) return;
-  launch_coefficients(s, streams, nullptr, mix, nullptr, base, scale, pre, post, comb, collapsed, stream);
+  launch_coefficients(s, streams, nullptr, mix, nullptr, base, scale, pre, post, comb, collapsed, norm,
+                      stream);
 }
 
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,

@@ -25,17 +25,30 @@ namespace spindle::cuda {
 // sum of squares, all the coefficients are computed from.
 int64_t hc_mix_floats(const cpu::HcShape& s);
 
-// pre, post, comb (exact Sinkhorn of cpu::hc_coefficients) and collapsed = sum_h pre[h] streams[h]
-// (bf16 [tokens, D]); all written, and the mix (hc_mix_floats) where `mix` is given.
+// The site's RMS norm of its collapsed input: normed = rms_norm(collapsed, eps) * weight (bf16 [tokens,
+// D]), the arithmetic of kernels/cuda/norms.h's rms_norm_forward but for the order of the sum of
+// squares. The coefficient kernels apply it as they write collapsed, where hidden is a multiple of 256
+// up to 4096 on 16-byte aligned rows (hc_norm_fused); elsewhere rms_norm_forward runs after them.
+// HcNorm{} (normed null): no norm.
+struct HcNorm {
+  const __nv_bfloat16* weight = nullptr;
+  __nv_bfloat16* normed = nullptr;
+  float eps = 0.0f;
+};
+bool hc_norm_fused(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* collapsed,
+                   const HcNorm& norm);
+
+// pre, post, comb (exact Sinkhorn of cpu::hc_coefficients), collapsed = sum_h pre[h] streams[h]
+// (bf16 [tokens, D]) and its norm; all written, and the mix (hc_mix_floats) where `mix` is given.
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
                      const float* scale, float* pre, float* post, float* comb, __nv_bfloat16* collapsed,
-                     cudaStream_t stream, float* mix = nullptr);
+                     const HcNorm& norm, cudaStream_t stream, float* mix = nullptr);
 
-// hc_coefficients from the mix it wrote for these streams (kept since): the same pre, post, comb
-// and collapsed, bit for bit, without the product.
+// hc_coefficients from the mix it wrote for these streams (kept since): the same pre, post, comb,
+// collapsed and normed, bit for bit, without the product.
 void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
                               const float* base, const float* scale, float* pre, float* post, float* comb,
-                              __nv_bfloat16* collapsed, cudaStream_t stream);
+                              __nv_bfloat16* collapsed, const HcNorm& norm, cudaStream_t stream);
 
 // out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :] (bf16, written).
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,

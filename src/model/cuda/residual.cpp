@@ -45,17 +45,21 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   a.comb = activations_f32(L * H * H);
   a.collapsed = activations(L * D);
   a.normed = activations(L * D);
+  const HcNorm site_norm{bf16_data(norm), a.normed.data(), static_cast<float>(c.rms_norm_eps)};
   if (from_mix) {
     hc_coefficients_from_mix(shape, streams, a.mix.data(), f32_data(hc.base), f32_data(hc.scale),
-                             a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream());
+                             a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), site_norm,
+                             ctx.stream());
   } else {
     hc_coefficients(shape, streams, f32_data(hc.fn), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
-                    a.post.data(), a.comb.data(), a.collapsed.data(), ctx.stream(),
+                    a.post.data(), a.comb.data(), a.collapsed.data(), site_norm, ctx.stream(),
                     with_mix ? a.mix.data() : nullptr);
   }
-  rms_norm_forward(a.collapsed.data(), bf16_data(norm), a.normed.data(), L, D,
-                   static_cast<float>(c.rms_norm_eps), ctx.stream());
   ctx.record.note("mhc", "cuda 64-token tiles (Sinkhorn in fp32)");
+  ctx.record.note("mhc/norm", hc_norm_fused(shape, streams, a.collapsed.data(), site_norm)
+                                  ? "cuda in the collapse"
+                                  : "cuda rms_norm_forward after the collapse (hidden not a multiple of 256 "
+                                    "up to 4096, or rows not 16-byte aligned)");
   return a;
 }
 
