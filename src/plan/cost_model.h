@@ -40,21 +40,22 @@ namespace spindle::plan {
 struct Hardware {
   double peak_flops = 989e12;  // dense bf16 FLOP/s of an H100/H200 SXM
   // Measured speeds of today's executor, fitted to the 4B config's 1M step on the H200 (docs/PLANNER.md
-  // "Step time"): model FLOPs without the indexer's scores at 20.35% of peak (counted as 5 passes,
+  // "Step time"): model FLOPs without the indexer's scores at 21.05% of peak (counted as 5 passes,
   // see kCalibrationPasses), the indexer's quadratic scores with their selection, which run once
-  // per step, at 38% since the scorer's wave-filling splits (1b89334: the indexer 9.37 -> 8.21 s in
-  // one call, the step 82.79 -> 81.17 s; 2026-12-06), 33.3% before. Fitted to stream 16k,
-  // feed-forward inputs again + host AdamW: 81.50 s from a trained checkpoint at 025590b, its
-  // indexer 9.37 s (2026-12-05). In the same call stream 16k + host AdamW took 83.52 s, predicted
-  // 85.7: the kept products saved 2.0 s, not the 4.2 predicted, as the MoE's products run faster
-  // than the average rate. Earlier fits: 20.6% at a265920 (84.99 s), 20.4% and 30.6% at f4bf5af
-  // (86.19 s, the indexer 10.22 s), 11.5% and 34% from random weights at cac0719, before the union
-  // form (139.05 s, the indexer 9.3 s). The indexer's KL training
+  // per step, at 40%. Fitted to stream 16k, feed-forward inputs again, KDA projections kept in 30
+  // layers + host AdamW: 76.09 s, a warm step from a trained checkpoint at 1af4691, its indexer
+  // 7.73 s (2026-12-07; 78.7 s predicted at the rates before). Earlier fits: 20.35% and 38% at
+  // 1b89334 (81.17 s, the indexer 8.21 s; 33.3% before the scorer's wave-filling splits), fitted
+  // to 025590b's 81.50 s, where stream 16k + host AdamW took 83.52 s, predicted 85.7: the kept
+  // products saved 2.0 s, not the 4.2 predicted, as the MoE's products run faster than the average
+  // rate; 20.6% at a265920 (84.99 s), 20.4% and 30.6% at f4bf5af (86.19 s, the indexer 10.22 s),
+  // 11.5% and 34% from random weights at cac0719, before the union form (139.05 s, the indexer 9.3
+  // s). The indexer's KL training
   // (`--indexer-kl`) adds the attention's mass over the selection and the KL's gradient, counted as
   // the sparse attention's forward FLOPs in the layers with their own indexer at 14%: 88.96 s with
   // it at f4bf5af (89.2 predicted), 85.38 s at 025590b (84.3 predicted).
-  double mfu = 0.2035;
-  double indexer_mfu = 0.38;
+  double mfu = 0.2105;
+  double indexer_mfu = 0.40;
   double indexer_kl_mfu = 0.14;
   double pcie_bytes_per_s = 50e9;
   // Each way with both ways busy and the host updating beside the copies: the host AdamW's device
