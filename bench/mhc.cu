@@ -78,36 +78,34 @@ int main(int argc, char** argv) {
              5));
   // With the site's norm, as the model runs it (HcNorm): in the collapse, against a pass of its own.
   const HcNorm norm{norm_weight.data(), normed.data(), 1e-6f};
+  // Each coefficient kernel with the norm's own pass after it (HcNorm{}), and with the norm fused.
+  const auto from_mix = [&](const HcNorm& n) {
+    hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
+                             post.data(), comb.data(), collapsed.data(), n, nullptr);
+  };
+  const auto mixing = [&](const HcNorm& n) {
+    hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                    comb.data(), collapsed.data(), n, nullptr, mix.data());
+  };
+  const auto norm_pass = [&] {
+    rms_norm_forward(collapsed.data(), norm.weight, norm.normed, T, D, norm.eps, nullptr);
+  };
   report("from_mix + rms_norm_forward", bf16_streams + 3 * row,
          median_ms(
              [&] {
-               hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
-                                        post.data(), comb.data(), collapsed.data(), {}, nullptr);
-               rms_norm_forward(collapsed.data(), norm.weight, norm.normed, T, D, norm.eps, nullptr);
+               from_mix({});
+               norm_pass();
              },
              5));
-  report("from_mix, normed in the collapse", bf16_streams + 2 * row,
-         median_ms(
-             [&] {
-               hc_coefficients_from_mix(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
-                                        post.data(), comb.data(), collapsed.data(), norm, nullptr);
-             },
-             5));
+  report("from_mix, normed in the collapse", bf16_streams + 2 * row, median_ms([&] { from_mix(norm); }, 5));
   report("mix + rms_norm_forward", bf16_streams + 3 * row,
          median_ms(
              [&] {
-               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
-                               post.data(), comb.data(), collapsed.data(), {}, nullptr, mix.data());
-               rms_norm_forward(collapsed.data(), norm.weight, norm.normed, T, D, norm.eps, nullptr);
+               mixing({});
+               norm_pass();
              },
              5));
-  report("mix, normed in the collapse", bf16_streams + 2 * row,
-         median_ms(
-             [&] {
-               hc_coefficients(s, streams.data(), fn.data(), base.data(), scale.data(), pre.data(),
-                               post.data(), comb.data(), collapsed.data(), norm, nullptr, mix.data());
-             },
-             5));
+  report("mix, normed in the collapse", bf16_streams + 2 * row, median_ms([&] { mixing(norm); }, 5));
   report("hc_combine", 2 * bf16_streams + row,
          median_ms(
              [&] { hc_combine(s, streams.data(), y.data(), post.data(), comb.data(), out.data(), nullptr); },
