@@ -11,6 +11,7 @@
 #include "kernels/cuda/balance_loss.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -21,30 +22,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int64_t kMaxExperts = 2048;
 constexpr int64_t kStatisticsBlocks = 1024;
 constexpr int64_t kBackwardBlocks = 4096;
-
-__device__ float warp_max(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
-template <class T>
-__device__ T warp_sum(T value) {
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-
-// Warp arg-max over (value, index) pairs: larger value wins, ties to the lower index.
-__device__ void warp_argmax(float& value, int& index) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int i = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (v > value || (v == value && i < index)) {
-      value = v;
-      index = i;
-    }
-  }
-}
 
 // Copies the token's logits into `row` (each lane its own experts) and returns the softmax's
 // maximum and denominator.

@@ -44,6 +44,7 @@
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/norms.h"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -70,11 +71,6 @@ __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-
 template <int H>
 __device__ __forceinline__ int group_of(int o) {
   return o < H ? 0 : (o < 2 * H ? 1 : 2);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 // The collapse of one token's V columns: acc = sum_h pre[h] v[h], h in order.

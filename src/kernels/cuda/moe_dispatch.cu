@@ -11,6 +11,7 @@
 #include "backend/cuda/check.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe_dispatch.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -72,11 +73,6 @@ __device__ void store(float* p, const float (&in)[N]) {
 __device__ int64_t warp_index() { return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; }
 
 __device__ int64_t warp_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x / 32; }
-
-__device__ float warp_sum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
 
 // A warp per token: its row read once (kUnroll pieces a lane in flight), then written to each of
 // its topk sorted rows. By sorted row instead, a token's row was read topk times, scattered in time.

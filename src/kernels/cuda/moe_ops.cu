@@ -12,6 +12,7 @@
 #include "kernels/cuda/memory_bound.cuh"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -86,18 +87,6 @@ __global__ void swiglu_halves_backward_kernel(__nv_bfloat16* gate_up, const __nv
 // The widest vectors that the SwiGLU kernels' pointers and columns allow.
 int swiglu_width(const void* gate_up, const void* other, int64_t cols) {
   return vector_width({Access{gate_up, sizeof(__nv_bfloat16)}, Access{other, sizeof(__nv_bfloat16)}}, cols);
-}
-
-// Warp arg-max over (value, index) pairs: larger value wins, ties to the lower index.
-__device__ void warp_argmax(float& value, int& index) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int i = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (v > value || (v == value && i < index)) {
-      value = v;
-      index = i;
-    }
-  }
 }
 
 // Shared memory per warp: score[E], choice[E], group_score[G], taken flags[max(E, G)] (ints).

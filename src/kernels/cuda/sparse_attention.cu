@@ -25,6 +25,7 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
 #include "kernels/cuda/sparse_attention.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -32,11 +33,6 @@ namespace {
 
 constexpr int kMaxWarps = 4;
 constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float warp_sum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(kFull, value, offset);
-  return value;
-}
 
 __global__ void __launch_bounds__(kMaxWarps * 32)
     sparse_attention_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv,

@@ -1,0 +1,33 @@
+// Reductions over a warp's 32 lanes by xor butterflies: every lane ends with the same bits (the
+// partners combine in the same order), so a branch on the result keeps the warp converged.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace spindle::cuda {
+
+template <class T>
+__device__ __forceinline__ T warp_sum(T value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// Over (value, index) pairs: the larger value wins, a tie goes to the lower index.
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
+    const int i = __shfl_xor_sync(0xffffffffu, index, offset);
+    if (v > value || (v == value && i < index)) {
+      value = v;
+      index = i;
+    }
+  }
+}
+
+}  // namespace spindle::cuda
