@@ -11,6 +11,8 @@
 #     SUITE=1                                 # main's whole GPU suite and tests/gpu_train_checks.sh
 #                                             # (SUITE=NAME: that variant's)
 #     TESTS="new=CudaKda*:CudaModel.*"        # a variant's GPU tests by gtest filter
+#     TESTS_GATE=1                            # a failed TESTS run skips every later part (no 1M
+#                                             # step for a variant that is wrong)
 #     BENCH="bench_indexer_layer 1048576"     # a kernel bench's command line, each variant's binary
 #                                             # in turn (BENCH_VARIANTS, default VARIANTS), twice, ABAB
 #     SLICE="main new"                        # the 4B config's four layers (bench/glm53-flash-4b-4layers.json),
@@ -80,11 +82,18 @@ if [ -n "${SUITE:-}" ]; then
   timeout 120 bash tests/gpu_train_checks.sh "build/a/$sv/spindle" > "$OUT/train_checks.log" 2>&1
   echo "train_checks rc=$? $(at)"; tail -3 "$OUT/train_checks.log"
 fi
+tests_failed=0
 for vf in ${TESTS:-}; do
   v=${vf%%=*}
   timeout 200 "build/a/$v/spindle_gpu_tests" --gtest_filter="${vf#*=}" > "$OUT/tests_$v.log" 2>&1
-  echo "tests $v rc=$? $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/tests_$v.log" | head
+  rc=$?
+  [ "$rc" -ne 0 ] && tests_failed=1
+  echo "tests $v rc=$rc $(at)"; grep -E '^\[  PASSED|^\[  FAILED|tests ran' "$OUT/tests_$v.log" | head
 done
+if [ -n "${TESTS_GATE:-}" ] && [ "$tests_failed" = 1 ]; then
+  echo "TESTS failed: every later part skipped (TESTS_GATE)"
+  BENCH='' SLICE='' STEP_VARIANTS='' STEPS1M='' TRAIN='' PROFILE=''
+fi
 if [ -n "${BENCH:-}" ]; then
   set -- $BENCH
   for round in 1 2; do
