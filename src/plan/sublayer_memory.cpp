@@ -64,8 +64,9 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept, projections_kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dv = f32(m, L * w), dg = f32(m, L * w);
-  a.push_back(f32(m, L * H));  // dbeta
+  Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dg = f32(m, L * w);
+  a.push_back(f32(m, L * H));                               // dbeta
+  Ledger::Block dv = bf16(m, (s.conv_kernel - 1 + L) * w);  // over v's conv window
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats): its matrices, or Kb dS'
      // where they are kept
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
@@ -81,9 +82,9 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   a.push_back(bf16(m, L * w));     // df
   dg = {};                         // after the decay's backward
   a.push_back(bf16(m, rows * w));  // dconv
-  dq = {};                         // each branch's gradient after its conv input's
+  dq = {};                         // q's and k's gradients after their conv inputs'
   dk = {};
-  dv = {};
+  dv = {};  // after v's conv
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and

@@ -456,9 +456,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
                         const float* __restrict__ mats, const float* __restrict__ kb_ds,
                         const float* __restrict__ chunk_states, const float* __restrict__ slots,
-                        float* __restrict__ dq, float* __restrict__ dk_out, float* __restrict__ dv_out,
-                        float* __restrict__ dg, float* __restrict__ dbeta, int64_t c0, int64_t tokens,
-                        int heads, int dk, int dv) {
+                        float* __restrict__ dq, float* __restrict__ dk_out,
+                        __nv_bfloat16* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
+                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -609,7 +609,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int t = pt(e), jj = pj(e);
           dR[t * kTs + jj] = acc[0][e];
-          if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+          if (t < n && jj < nv)
+            dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = __float2bfloat16(bt[t] * acc[0][e]);
         }
       } else {
         add_dqg();
@@ -691,7 +692,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           for (int e = 0; e < 4; ++e) {
             const int t = pt(e), jj = pj(e);
             dR[t * kTs + jj] = acc[0][e];
-            if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+            if (t < n && jj < nv)
+              dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = __float2bfloat16(bt[t] * acc[0][e]);
           }
         }
       }
@@ -917,10 +919,10 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,
-                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
-                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
-                          int64_t dv, cudaStream_t stream, const float* d_final_state, float* d_initial_state,
-                          const float* kept_matrices) {
+                          const float* chunk_states, float* dq, float* dk_out, __nv_bfloat16* dv_out,
+                          float* dg, float* dbeta, float* workspace, int64_t tokens, int64_t heads,
+                          int64_t dk, int64_t dv, cudaStream_t stream, const float* d_final_state,
+                          float* d_initial_state, const float* kept_matrices) {
   check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward: dk ", dk, ", dv ",
         dv, " (expected 1 to ", kKdaMaxDim, ")");
   check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward: ", tokens, " tokens x ", heads,

@@ -231,20 +231,22 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
   DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
-                      dv = activations_f32(L * qkv), dg = activations_f32(L * qkv),
-                      dbeta = activations_f32(L * H),
+                      dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
                       d_initial = activations_f32(carry_grad ? state_size(c) : 0);
+  // dv in bf16 as v's conv window takes it: the carried rows (zero gradient), then the chunk's.
+  DeviceBuffer<bf16> dv_window = activations(rows * qkv);
+  SPINDLE_CUDA(cudaMemsetAsync(dv_window.data(), 0, tail * sizeof(bf16), s));
   {
     const TimedScope timed = ctx.timed("kda.recurrence_backward");
     const bool matrices_kept = a.matrices.size() > 0;
     DeviceBuffer<float> workspace(
         static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh, matrices_kept)),
         MemoryCategory::Workspace);
-    kda_chunked_backward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
-                         a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
-                         workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
-                         carry_grad ? d_initial.data() : nullptr,
-                         matrices_kept ? a.matrices.data() : nullptr);
+    kda_chunked_backward(
+        a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
+        a.chunk_states.data(), dq.data(), dk.data(), dv_window.data() + tail, dg.data(), dbeta.data(),
+        workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
+        carry_grad ? d_initial.data() : nullptr, matrices_kept ? a.matrices.data() : nullptr);
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
@@ -278,33 +280,31 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   // l2 norms (the query scale inside), convs, projections' weights, each branch over its window:
   // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
   // handed on also get the gradient the next chunk sent back; the carried rows' gradient goes to
-  // carry_grad.
+  // carry_grad. q's and k's windows share a buffer, v's is the recurrence's dv.
   DeviceBuffer<bf16> dconv = activations(rows * qkv);
   SPINDLE_CUDA(cudaMemsetAsync(dconv.data(), 0, tail * sizeof(bf16), s));
   struct Branch {
     const bf16* window;
-    DeviceBuffer<float>& d_out;  // the recurrence's gradient of the branch's input, freed once read
+    DeviceBuffer<float>* d_out;  // the recurrence's fp32 gradient of q or k, freed once normed
+    const bf16* dconv;           // the conv's output gradient over the window
     const Tensor& conv;
     Tensor& dconv_w;
     Tensor& dproj_w;
   };
   const std::array<Branch, 3> branches{
-      Branch{a.projected.data(), dq, w.q_conv, grad.q_conv, grad.q_proj},
-      Branch{a.projected.data() + qkv, dk, w.k_conv, grad.k_conv, grad.k_proj},
-      Branch{a.projected.data() + 2 * qkv, dv, w.v_conv, grad.v_conv, grad.v_proj}};
+      Branch{a.projected.data(), &dq, dconv.data(), w.q_conv, grad.q_conv, grad.q_proj},
+      Branch{a.projected.data() + qkv, &dk, dconv.data(), w.k_conv, grad.k_conv, grad.k_proj},
+      Branch{a.projected.data() + 2 * qkv, nullptr, dv_window.data(), w.v_conv, grad.v_conv, grad.v_proj}};
   for (size_t b = 0; b < 3; ++b) {
     const Branch& br = branches[b];
-    bf16* dconv_rows = dconv.data() + tail;
-    if (b == 0)
-      l2_normalize_backward(a.qcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f,
-                            1.0f / std::sqrt(static_cast<float>(dh)), s);
-    else if (b == 1)
-      l2_normalize_backward(a.kcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f, 1.0f, s);
-    else
-      f32_to_bf16(br.d_out.data(), dconv_rows, L * qkv, s);
-    br.d_out = {};
+    if (br.d_out != nullptr) {
+      const bf16* normed = (b == 0 ? a.qcw : a.kcw).data() + tail;
+      const float scale = b == 0 ? 1.0f / std::sqrt(static_cast<float>(dh)) : 1.0f;
+      l2_normalize_backward(normed, br.d_out->data(), dconv.data() + tail, L * H, dh, 1e-6f, scale, s);
+      *br.d_out = {};
+    }
     bf16* dwindow = stacked.data() + b * qkv;
-    causal_conv_silu_backward(br.window, cols.projected(), f32_data(br.conv), dconv.data(), dwindow, ld,
+    causal_conv_silu_backward(br.window, cols.projected(), f32_data(br.conv), br.dconv, dwindow, ld,
                               f32_data(br.dconv_w), rows, qkv, K, s);
     if (carry_grad) {  // the tails: [kernel - 1, 3 qkv], the branch's columns
       bf16* tails = carry_grad->tails.data() + b * qkv;
@@ -314,6 +314,7 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     }
     backward_weight_strided(gemm, dwindow + carried * ld, ld, x, D, f32_data(br.dproj_w), L, D, qkv, s);
   }
+  dv_window = {};
   backward_input_from_columns(gemm, chunk_rows, ld, a.stacked_w.data(), dx, L, D, ld, s);
 }
 
