@@ -36,15 +36,13 @@ int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
   return ((L + kKdaChunk - 1) / kKdaChunk + 1) * s.kda_heads * s.kda_dim * s.kda_dim;
 }
 
-// KdaActivations of model/cuda/kda.cpp: the projections' weights stacked (a copy, the backward's
-// too: [3 heads * dim + 2 dim + heads, hidden]), the projections side by side (q, k, v and the two
+// KdaActivations of model/cuda/kda.cpp: the projections side by side (q, k, v and the two
 // low-rank, the conv's carried rows on top), seven bf16 [L, heads * dim] (convs, normalised q/k,
 // gate, core), fp32 f and g, fp32 beta, the fp32 chunk states; with `kept`, the recurrence's (core,
 // chunk states) are the forward's, with `projections_kept` the projections too.
 Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept, bool projections_kept = false) {
   const int64_t w = s.kda_width(), H = s.kda_heads;
   Blocks a;
-  a.push_back(m.workspace(2 * (kda_projected_width(s) + H) * s.hidden));
   if (!projections_kept) a.push_back(bf16(m, kda_projected_rows(s, L) * kda_projected_width(s)));
   for (int i = 0; i < (kept ? 6 : 7); ++i) a.push_back(bf16(m, L * w));
   a.push_back(f32(m, L * w));

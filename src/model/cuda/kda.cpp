@@ -22,10 +22,10 @@ namespace {
 // k and v windows, then the gate's and the forget gate's low-rank. A window holds the carried rows
 // (zeros at the start of a sequence), then this chunk's; the conv runs over the whole window and the
 // chunk's outputs are its rows from kernel - 1 on. The low-rank columns use the chunk's rows only.
-// stacked_w: the weights stacked alike, then b_proj's (beta keeps its own fp32 product), so that
-// the backward's one product into dx reuses them.
+// The weights are stacked alike in KdaWeights::in_proj, then b_proj's (beta keeps its own fp32
+// product), so that the backward's one product into dx, and one into their gradients, take them.
 struct KdaActivations {
-  DeviceBuffer<bf16> stacked_w, projected, qcw, kcw, vcw, q, k, gate, core;
+  DeviceBuffer<bf16> projected, qcw, kcw, vcw, q, k, gate, core;
   DeviceBuffer<float> f, g, beta, chunk_states, matrices;  // matrices: kept ones, or empty
 };
 
@@ -100,13 +100,6 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   const cudaStream_t s = ctx.stream();
   const bool recurrence_kept = kept != nullptr && !kept->empty();
   KdaActivations a;
-  // A copy (2 (ld + H) D bytes, about 26 MB for the 4B model) that backward() reuses for dx.
-  a.stacked_w = DeviceBuffer<bf16>(static_cast<size_t>(cols.stacked() * D), MemoryCategory::Workspace);
-  int64_t stacked_row = 0;
-  for (const Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.g_a_proj, &w.f_a_proj, &w.b_proj}) {
-    copy_device(a.stacked_w.data() + stacked_row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
-    stacked_row += t->dim(0);
-  }
   // x's projections, kept from the forward (its carried rows too: the same carry) or made here.
   const bool projections_kept = recurrence_kept && kept->projected.size() > 0;
   if (projections_kept) {
@@ -147,7 +140,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
                                      cudaMemcpyDeviceToDevice, s));
     else
       SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
-    linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
+    linear_strided(ctx.gemm, x, D, bf16_data(w.in_proj), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
   }
   // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows.
   causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.qcw.data(), a.q.data(), carried, rows,
@@ -253,31 +246,29 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   // Every gradient that reaches dx through a weight, side by side in one [rows, ld] buffer: the q,
   // k and v windows' (rows of the conv's window), then the gate's and the forget gate's low-rank and
   // db (the chunk's rows), so that dx takes them all in one product against the stacked weights
-  // (kda_columns' order), which writes dx. Each product adding into dx would read and write all of
-  // the fp32 dx: six of them cost about a third more than the one.
+  // (kda_columns' order, KdaWeights::in_proj), which writes dx, and their weights' gradients come
+  // from one product into in_proj's. Each product adding into dx would read and write all of the
+  // fp32 dx: six of them cost about a third more than the one.
   const int64_t ld = cols.stacked();
   DeviceBuffer<bf16> stacked = activations(rows * ld);
   bf16* chunk_rows = stacked.data() + carried * ld;  // token 0's row
   bf16 *d_low_g = chunk_rows + cols.gate_low(), *d_low_f = chunk_rows + cols.forget_low(),
        *db_cols = chunk_rows + cols.projected();
   backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, ld, L, dh, qkv, s);
-  backward_weight_strided(gemm, d_low_g, ld, x, D, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
   sigmoid_backward(a.beta.data(), dbeta.data(), db.data(), L * H, s);
   SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, ld * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16), L,
                                  cudaMemcpyDeviceToDevice, s));
-  gemm.linear_backward_weight(db.data(), x, f32_data(grad.b_proj), L, D, H, s);
   kda_decay_backward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), dg.data(),
                      df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
   dg = {};
   backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, ld, L, dh, qkv, s);
   backward_weight_strided(gemm, df.data(), qkv, projected_rows + cols.forget_low(), cols.projected(),
                           f32_data(grad.f_b_proj), L, dh, qkv, s);
-  backward_weight_strided(gemm, d_low_f, ld, x, D, f32_data(grad.f_a_proj), L, D, dh, s);
 
-  // l2 norms (the query scale inside), convs, projections' weights, each branch over its window:
+  // l2 norms (the query scale inside) and convs, each branch over its window:
   // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
   // handed on also get the gradient the next chunk sent back; the carried rows' gradient goes to
   // carry_grad. q's and k's windows share a buffer, v's is the recurrence's dv.
@@ -289,12 +280,11 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     const bf16* dconv;           // the conv's output gradient over the window
     const Tensor& conv;
     Tensor& dconv_w;
-    Tensor& dproj_w;
   };
   const std::array<Branch, 3> branches{
-      Branch{a.projected.data(), &dq, dconv.data(), w.q_conv, grad.q_conv, grad.q_proj},
-      Branch{a.projected.data() + qkv, &dk, dconv.data(), w.k_conv, grad.k_conv, grad.k_proj},
-      Branch{a.projected.data() + 2 * qkv, nullptr, dv_window.data(), w.v_conv, grad.v_conv, grad.v_proj}};
+      Branch{a.projected.data(), &dq, dconv.data(), w.q_conv, grad.q_conv},
+      Branch{a.projected.data() + qkv, &dk, dconv.data(), w.k_conv, grad.k_conv},
+      Branch{a.projected.data() + 2 * qkv, nullptr, dv_window.data(), w.v_conv, grad.v_conv}};
   for (size_t b = 0; b < 3; ++b) {
     const Branch& br = branches[b];
     if (br.d_out != nullptr) {
@@ -312,10 +302,10 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
       SPINDLE_CUDA(cudaMemcpy2DAsync(tails, 3 * qkv * sizeof(bf16), dwindow, ld * sizeof(bf16),
                                      qkv * sizeof(bf16), carried, cudaMemcpyDeviceToDevice, s));
     }
-    backward_weight_strided(gemm, dwindow + carried * ld, ld, x, D, f32_data(br.dproj_w), L, D, qkv, s);
   }
   dv_window = {};
-  backward_input_from_columns(gemm, chunk_rows, ld, a.stacked_w.data(), dx, L, D, ld, s);
+  backward_input_from_columns(gemm, chunk_rows, ld, bf16_data(w.in_proj), dx, L, D, ld, s);
+  backward_weight_strided(gemm, chunk_rows, ld, x, D, f32_data(grad.in_proj), L, D, ld, s);
 }
 
 }  // namespace
