@@ -288,9 +288,9 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   for (size_t b = 0; b < 3; ++b) {
     const Branch& br = branches[b];
     if (br.d_out != nullptr) {
-      const bf16* normed = (b == 0 ? a.qcw : a.kcw).data() + tail;
+      const bf16* conv_out = (b == 0 ? a.qcw : a.kcw).data() + tail;  // the l2 norm's input
       const float scale = b == 0 ? 1.0f / std::sqrt(static_cast<float>(dh)) : 1.0f;
-      l2_normalize_backward(normed, br.d_out->data(), dconv.data() + tail, L * H, dh, 1e-6f, scale, s);
+      l2_normalize_backward(conv_out, br.d_out->data(), dconv.data() + tail, L * H, dh, 1e-6f, scale, s);
       *br.d_out = {};
     }
     bf16* dwindow = stacked.data() + b * qkv;
