@@ -106,7 +106,7 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
                 ctx_.stream());
   DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
   SiteChain chain;
-  const size_t last = carries_only ? last_carry_layer(carries) : w.layers.size();
+  const size_t last = carries_only ? w.layers.size() - 1 : w.layers.size();
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& layer = w.layers[i];
     LayerCarry& carry = carries[i];
@@ -129,12 +129,6 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
     std::swap(streams, next);
   }
   return streams;
-}
-
-size_t CudaModel::last_carry_layer(const std::vector<LayerCarry>& carries) {
-  for (size_t i = carries.size(); i-- > 0;)
-    if (carries[i].kda || carries[i].dsa) return i;
-  return carries.empty() ? 0 : carries.size() - 1;
 }
 
 void CudaModel::head_input(const bf16* streams, int64_t n, bf16* mean, bf16* hidden) {

@@ -8,7 +8,7 @@
 // DSA caches' gradients to the chunks before. The forward leaves the last chunk to that
 // recomputation, the backward's first step: no chunk after it reads what its forward would leave
 // (unless the balance loss needs every chunk's statistics before any backward); likewise each
-// chunk's forward stops at the last attention sublayer that moves a carry on. Device memory grows
+// chunk's forward stops after the last layer's attention sublayer. Device memory grows
 // with the sequence only through those carries, caches and pool lists.
 #include <algorithm>
 #include <memory>
@@ -59,15 +59,14 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   // each chunk's selections as pool lists (the recomputation before its backward reuses them
   // instead of running the indexer again), pool the balance loss's statistics over every chunk.
   // The last chunk only with the balance loss; else its recomputation is its forward. Without it,
-  // each chunk's forward also stops at the last layer's attention sublayer that moves a carry on,
-  // and the feed-forward sublayers from that layer on count their loads in the recomputation.
+  // each chunk's forward also stops after the last layer's attention sublayer (nothing later moves
+  // a carry on), and the last layer's feed-forward counts its loads in the recomputation.
   const size_t forward_chunks = balance ? chunks : chunks - 1;
   // The indexer's rows of the last chunk alone where no pool straddles two chunks and the KL
   // training does not read them back (DsaCache).
   const bool indexer_trained = options.indexer_kl_coef > 0;
   std::vector<LayerCarry> carries =
       start_carries(L, !indexer_trained && chunk % c.index_kpool == 0 ? chunk : 0);
-  const size_t first_ffn_not_forwarded = balance ? layers : last_carry_layer(carries);
   std::vector<std::vector<std::optional<KdaCarry>>> kda_starts(chunks);
   std::vector<std::vector<PoolLists>> kept_pools(chunks);
   Progress progress("streamed step (GPU, chunks queued)");
@@ -199,7 +198,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
           [&](const bf16* x, bf16* y) {
             // Counted here only where the chunk's forward did not run this sublayer.
-            const bool count = forward_here || i >= first_ffn_not_forwarded;
+            const bool count = forward_here || (!balance && i + 1 == layers);
             std::vector<int64_t> load;
             routing_kept[i].keep_products = rebuild;
             ffn_forward(layer, x, n, y, count ? &load : nullptr, nullptr,
