@@ -37,14 +37,14 @@ int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
 }
 
 // KdaActivations of model/cuda/kda.cpp: the projections side by side (q, k, v and the two
-// low-rank, the conv's carried rows on top), seven bf16 [L, heads * dim] (convs, normalised q/k,
+// low-rank, the conv's carried rows on top), five bf16 [L, heads * dim] (v's conv, normalised q/k,
 // gate, core), fp32 f and g, fp32 beta, the fp32 chunk states; with `kept`, the recurrence's (core,
 // chunk states) are the forward's, with `projections_kept` the projections too.
 Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept, bool projections_kept = false) {
   const int64_t w = s.kda_width(), H = s.kda_heads;
   Blocks a;
   if (!projections_kept) a.push_back(bf16(m, kda_projected_rows(s, L) * kda_projected_width(s)));
-  for (int i = 0; i < (kept ? 6 : 7); ++i) a.push_back(bf16(m, L * w));
+  for (int i = 0; i < (kept ? 4 : 5); ++i) a.push_back(bf16(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
@@ -76,11 +76,10 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   // The gradients into dx side by side: the q, k, v windows', the gate's and f's low-rank, db.
   const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
   a.push_back(bf16(m, rows * stacked_width));
-  a.push_back(bf16(m, L * H));     // db
-  a.push_back(bf16(m, L * w));     // df
-  dg = {};                         // after the decay's backward
-  a.push_back(bf16(m, rows * w));  // dconv
-  dq = {};                         // q's and k's gradients after their conv inputs'
+  a.push_back(bf16(m, L * H));  // db
+  a.push_back(bf16(m, L * w));  // df
+  dg = {};                      // after the decay's backward
+  dq = {};                      // q's and k's gradients after their conv inputs'
   dk = {};
   dv = {};  // after v's conv
 }

@@ -2,7 +2,6 @@
 // activations, fp32 gates, decays and recurrent state.
 #include "kernels/cuda/kda.h"
 
-#include <array>
 #include <cmath>
 #include <utility>
 
@@ -25,7 +24,7 @@ namespace {
 // The weights are stacked alike in KdaWeights::in_proj, then b_proj's (beta keeps its own fp32
 // product), so that the backward's one product into dx, and one into their gradients, take them.
 struct KdaActivations {
-  DeviceBuffer<bf16> projected, qcw, kcw, vcw, q, k, gate, core;
+  DeviceBuffer<bf16> projected, vcw, q, k, gate, core;     // vcw: v's conv output over its window
   DeviceBuffer<float> f, g, beta, chunk_states, matrices;  // matrices: kept ones, or empty
 };
 
@@ -50,6 +49,9 @@ KdaDecayShape decay_shape(const ModelConfig& c, int64_t L) {
 
 // Values in the carried rows of one projection's window: (kernel - 1) * qkv.
 int64_t tail_size(const ModelConfig& c) { return (c.linear_conv_kernel_dim - 1) * c.linear_qkv_dim(); }
+
+// q's l2 norm also scales it by 1 / sqrt(head_dim).
+float query_scale(const ModelConfig& c) { return 1.0f / std::sqrt(static_cast<float>(c.linear_head_dim)); }
 
 int64_t state_size(const ModelConfig& c) {
   return c.linear_num_heads * c.linear_head_dim * c.linear_head_dim;
@@ -109,7 +111,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   } else {
     a.projected = activations(rows * ld);
   }
-  for (auto* b : {&a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
+  a.vcw = activations(rows * qkv);
   for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
   if (recurrence_kept) {
     check(kept->out.size() == static_cast<size_t>(L * qkv), "KDA backward: a kept output of ",
@@ -142,11 +144,12 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
       SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
     linear_strided(ctx.gemm, x, D, bf16_data(w.in_proj), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
   }
-  // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows.
-  causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.qcw.data(), a.q.data(), carried, rows,
-                      qkv, K, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)), s);
-  causal_conv_silu_l2(a.projected.data() + qkv, ld, f32_data(w.k_conv), a.kcw.data(), a.k.data(), carried,
-                      rows, qkv, K, dh, 1e-6f, 1.0f, s);
+  // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows; the
+  // convs' outputs themselves are not stored (the backward forms their gradient in its conv's pass).
+  const bool q_fused = causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.q.data(), carried,
+                                           rows, qkv, K, dh, 1e-6f, query_scale(c), s);
+  const bool k_fused = causal_conv_silu_l2(a.projected.data() + qkv, ld, f32_data(w.k_conv), a.k.data(),
+                                           carried, rows, qkv, K, dh, 1e-6f, 1.0f, s);
   causal_conv_silu(a.projected.data() + 2 * qkv, ld, f32_data(w.v_conv), a.vcw.data(), rows, qkv, K, s);
 
   linear_strided(ctx.gemm, f_low, ld, bf16_data(w.f_b_proj), a.f.data(), CUDA_R_32F, qkv, L, dh, qkv, s);
@@ -166,7 +169,10 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
                  s);
   ctx.record.note("kda/projections", "cublaslt bf16");
-  ctx.record.note("kda/conv", "cuda causal_conv_silu, q and k with their l2 norms");
+  ctx.record.note("kda/conv",
+                  q_fused && k_fused ? "cuda causal_conv_silu, q and k with their l2 norms"
+                                     : "cuda causal_conv_silu, then q's and k's l2 norms (two passes)",
+                  !(q_fused && k_fused));
   ctx.record.note("kda/recurrence", "cuda chunked (C=64, fp32 state)");
   return a;
 }
@@ -184,11 +190,10 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
                                    ld * sizeof(bf16), 3 * qkv * sizeof(bf16), c.linear_conv_kernel_dim - 1,
                                    cudaMemcpyDeviceToDevice, s));
   }
-  // The gated norm's output reuses qcw (free once the l2 norm has read it; the backward's recomputation
-  // keeps it).
-  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qcw.data(), L * H, dh,
+  // The gated norm's output reuses q (free once the recurrence has read it).
+  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.q.data(), L * H, dh,
                          static_cast<float>(c.rms_norm_eps), s);
-  ctx.gemm.linear(a.qcw.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
+  ctx.gemm.linear(a.q.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
   if (keep != nullptr) {
     keep->out = std::move(a.core);
     keep->stats = std::move(a.chunk_states);
@@ -268,34 +273,26 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   backward_weight_strided(gemm, df.data(), qkv, projected_rows + cols.forget_low(), cols.projected(),
                           f32_data(grad.f_b_proj), L, dh, qkv, s);
 
-  // l2 norms (the query scale inside) and convs, each branch over its window:
-  // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
-  // handed on also get the gradient the next chunk sent back; the carried rows' gradient goes to
-  // carry_grad. q's and k's windows share a buffer, v's is the recurrence's dv.
-  DeviceBuffer<bf16> dconv = activations(rows * qkv);
-  SPINDLE_CUDA(cudaMemsetAsync(dconv.data(), 0, tail * sizeof(bf16), s));
-  struct Branch {
-    const bf16* window;
-    DeviceBuffer<float>* d_out;  // the recurrence's fp32 gradient of q or k, freed once normed
-    const bf16* dconv;           // the conv's output gradient over the window
-    const Tensor& conv;
-    Tensor& dconv_w;
-  };
-  const std::array<Branch, 3> branches{
-      Branch{a.projected.data(), &dq, dconv.data(), w.q_conv, grad.q_conv},
-      Branch{a.projected.data() + qkv, &dk, dconv.data(), w.k_conv, grad.k_conv},
-      Branch{a.projected.data() + 2 * qkv, nullptr, dv_window.data(), w.v_conv, grad.v_conv}};
-  for (size_t b = 0; b < 3; ++b) {
-    const Branch& br = branches[b];
-    if (br.d_out != nullptr) {
-      const bf16* conv_out = (b == 0 ? a.qcw : a.kcw).data() + tail;  // the l2 norm's input
-      const float scale = b == 0 ? 1.0f / std::sqrt(static_cast<float>(dh)) : 1.0f;
-      l2_normalize_backward(conv_out, br.d_out->data(), dconv.data() + tail, L * H, dh, 1e-6f, scale, s);
-      *br.d_out = {};
-    }
+  // Convs, each branch over its window, q's and k's through their l2 norms (the query scale inside):
+  // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk handed
+  // on also get the gradient the next chunk sent back; the carried rows' gradient goes to carry_grad.
+  bool fused = true;
+  for (int64_t b = 0; b < 3; ++b) {
+    const bf16* window = a.projected.data() + b * qkv;
     bf16* dwindow = stacked.data() + b * qkv;
-    causal_conv_silu_backward(br.window, cols.projected(), f32_data(br.conv), br.dconv, dwindow, ld,
-                              f32_data(br.dconv_w), rows, qkv, K, s);
+    const Tensor& conv = b == 0 ? w.q_conv : b == 1 ? w.k_conv : w.v_conv;
+    Tensor& dconv = b == 0 ? grad.q_conv : b == 1 ? grad.k_conv : grad.v_conv;
+    if (b < 2) {
+      DeviceBuffer<float>& d_normed = b == 0 ? dq : dk;  // the recurrence's fp32 gradient, freed once read
+      fused = causal_conv_silu_l2_backward(window, cols.projected(), f32_data(conv), d_normed.data(), carried,
+                                           dwindow, ld, f32_data(dconv), rows, qkv, K, dh, 1e-6f,
+                                           b == 0 ? query_scale(c) : 1.0f, s) &&
+              fused;
+      d_normed = {};
+    } else {
+      causal_conv_silu_backward(window, cols.projected(), f32_data(conv), dv_window.data(), dwindow, ld,
+                                f32_data(dconv), rows, qkv, K, s);
+    }
     if (carry_grad) {  // the tails: [kernel - 1, 3 qkv], the branch's columns
       bf16* tails = carry_grad->tails.data() + b * qkv;
       add_bf16_rows(tails, 3 * qkv, dwindow + L * ld, ld, carried, qkv, s);
@@ -303,6 +300,10 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
                                      qkv * sizeof(bf16), carried, cudaMemcpyDeviceToDevice, s));
     }
   }
+  ctx.record.note("kda/conv_backward",
+                  fused ? "cuda causal_conv_silu_backward, q and k through their l2 norms"
+                        : "cuda causal_conv_silu_backward after q's and k's l2 norm backward (more passes)",
+                  !fused);
   dv_window = {};
   backward_input_from_columns(gemm, chunk_rows, ld, bf16_data(w.in_proj), dx, L, D, ld, s);
   backward_weight_strided(gemm, chunk_rows, ld, x, D, f32_data(grad.in_proj), L, D, ld, s);
