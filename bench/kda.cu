@@ -32,12 +32,14 @@ int main(int argc, char** argv) {
     return DeviceBuffer<float>(static_cast<size_t>(n), MemoryCategory::Activations);
   };
   DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(T * H * dv), MemoryCategory::Activations),
-      dvv(static_cast<size_t>(T * H * dv), MemoryCategory::Activations);
+      dvv(static_cast<size_t>(T * H * dv), MemoryCategory::Activations),
+      dq(static_cast<size_t>(T * H * dk), MemoryCategory::Activations),
+      dkk(static_cast<size_t>(T * H * dk), MemoryCategory::Activations);
   DeviceBuffer<float> states = floats((kda_chunks(T) + 1) * H * dk * dv),
                       forward_workspace = floats(kda_forward_workspace_floats(T, H)),
                       backward_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv)),
-                      dq = floats(T * H * dk), dkk = floats(T * H * dk), dg = floats(T * H * dk),
-                      dbeta = floats(T * H), matrices = floats(kda_kept_matrices_floats(T, H)),
+                      dg = floats(T * H * dk), dbeta = floats(T * H),
+                      matrices = floats(kda_kept_matrices_floats(T, H)),
                       kept_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv, true));
   SPINDLE_CUDA(cudaDeviceSynchronize());
   const double forward = median_ms(

@@ -91,12 +91,12 @@ int main(int argc, char** argv) {
              causal_conv_silu_backward(projected.data() + D, x_ld, taps.data(), dy.data(), stacked.data() + D,
                                        ld, dtaps.data(), T, D, conv, nullptr);
            }));
-    // Their backward: the norm's on its own (fp32 dz in), then inside the conv's backward's pass.
-    report("l2_normalize_backward, rows of 128", 2.0 * T * D * 4, time([&] {
-             l2_normalize_backward(y.data(), dy32.data(), dx.data(), T * heads, head_dim, eps, 1.0f, nullptr);
+    // Their backward: the norm's on its own, then inside the conv's backward's pass.
+    report("l2_normalize_backward, rows of 128", 2.0 * T * D * 3, time([&] {
+             l2_normalize_backward(y.data(), dy.data(), dx.data(), T * heads, head_dim, eps, 1.0f, nullptr);
            }));
-    report("causal_conv_silu_l2_backward, x, dx strided", 2.0 * T * D * 4, time([&] {
-             causal_conv_silu_l2_backward(projected.data() + D, x_ld, taps.data(), dy32.data(), conv - 1,
+    report("causal_conv_silu_l2_backward, x, dx strided", 2.0 * T * D * 3, time([&] {
+             causal_conv_silu_l2_backward(projected.data() + D, x_ld, taps.data(), dy.data(), conv - 1,
                                           stacked.data() + D, ld, dtaps.data(), T, D, conv, head_dim, eps,
                                           1.0f, nullptr);
            }));

@@ -62,7 +62,7 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept, projections_kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dg = f32(m, L * w);
+  Ledger::Block dq = bf16(m, L * w), dk = bf16(m, L * w), dg = f32(m, L * w);
   a.push_back(f32(m, L * H));                               // dbeta
   Ledger::Block dv = bf16(m, (s.conv_kernel - 1 + L) * w);  // over v's conv window
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats): its matrices, or Kb dS'

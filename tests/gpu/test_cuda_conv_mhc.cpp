@@ -133,14 +133,14 @@ TEST(CudaConvMhc, CausalConvSiluWithL2NormsEqualsTheConvThenTheNorms) {
         {90, 96, 4, 48, 96, 3, false}}) {
     const auto x = rounded(random_floats(T * C));
     const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
-    const auto dz = random_floats((T - skip) * C);
+    const auto dz = rounded(random_floats((T - skip) * C));
     std::vector<float> x_rows(T * x_ld, NAN);
     for (int64_t t = 0; t < T; ++t) std::copy_n(x.begin() + t * C, C, x_rows.begin() + t * x_ld);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim)), eps = 1e-6f;
     const int64_t dx_ld = C + 8;
     Stream stream;
     auto xb = device(to_bf16(x_rows));
-    auto dzb = device(dz);
+    auto dzb = device(to_bf16(dz));
     auto wb = device(w, MemoryCategory::Weights);
     auto dwb = device(dw0, MemoryCategory::Gradients);
     auto z = poisoned<bf16>((T - skip) * C), dx = poisoned<bf16>(T * dx_ld);

@@ -116,41 +116,16 @@ __device__ __forceinline__ float preactivation(const float (&wr)[K], const float
   return a;
 }
 
-// V fp32 values read in one access (the l2 backward's gradient of z).
-template <int V>
-using Floats = std::conditional_t<V == 4, float4, std::conditional_t<V == 2, float2, float>>;
-
-template <int V>
-__device__ __forceinline__ void unpack(const Floats<V>& in, float (&out)[V]) {
-  if constexpr (V == 4) {
-    out[0] = in.x;
-    out[1] = in.y;
-    out[2] = in.z;
-    out[3] = in.w;
-  } else if constexpr (V == 2) {
-    out[0] = in.x;
-    out[1] = in.y;
-  } else {
-    out[0] = in;
-  }
-}
-
-// A head of the l2 forms: `lanes` consecutive lanes (a power of two, at most 32) of V channels each,
-// so that a warp holds whole heads; `mask`, the warp's lanes that have channels (whole heads).
-struct HeadLanes {
-  int lanes;
-  unsigned mask;
-};
-
-// Both sums over the head's lanes; every lane of the head gets them. Every lane takes every step's
-// shuffle (a shuffle under a branch costs the warp a convergence barrier), and keeps a partner's
-// value only where the partner is of its head.
-__device__ __forceinline__ void sum_over_head(float (&sums)[2], const HeadLanes head) {
+// Both sums over a head of the l2 forms, `lanes` consecutive lanes (a power of two, at most 32) of V
+// channels each, so that a warp holds whole heads; every lane of the head gets them. Every lane of
+// the warp takes every shuffle (those past the channels too: the kernels keep them), and keeps a
+// partner's value only where the partner is of its head.
+__device__ __forceinline__ void sum_over_head(float (&sums)[2], int lanes) {
 #pragma unroll
   for (int lane_bit = 16; lane_bit > 0; lane_bit /= 2) {
-    const float a = __shfl_xor_sync(head.mask, sums[0], lane_bit);
-    const float b = __shfl_xor_sync(head.mask, sums[1], lane_bit);
-    if (lane_bit < head.lanes) {
+    const float a = __shfl_xor_sync(0xffffffffu, sums[0], lane_bit);
+    const float b = __shfl_xor_sync(0xffffffffu, sums[1], lane_bit);
+    if (lane_bit < lanes) {
       sums[0] += a;
       sums[1] += b;
     }
@@ -168,24 +143,23 @@ struct L2Output {
 // v (a token's V channels of y, as y's bf16 holds them) times scale / sqrt(sum of squares + eps),
 // the sum over the head's lanes.
 template <int V>
-__device__ __forceinline__ void l2_normalize_head(float (&v)[V], float eps, float scale,
-                                                  const HeadLanes head) {
+__device__ __forceinline__ void l2_normalize_head(float (&v)[V], float eps, float scale, int lanes) {
   float sums[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     v[i] = __bfloat162float(__float2bfloat16(v[i]));
     sums[0] = fmaf(v[i], v[i], sums[0]);
   }
-  sum_over_head(sums, head);
+  sum_over_head(sums, lanes);
   const float factor = scale * rsqrtf(sums[0] + eps);
 #pragma unroll
   for (int i = 0; i < V; ++i) v[i] *= factor;
 }
 
-// The gradient through the norm of causal_conv_silu_l2 (causal_conv_silu_l2_backward): dz, fp32
-// [tokens - skip, channels], the gradient of z.
+// The gradient through the norm of causal_conv_silu_l2 (causal_conv_silu_l2_backward): dz [tokens -
+// skip, channels], the gradient of z.
 struct L2Gradient {
-  const float* dz;
+  const __nv_bfloat16* dz;
   int skip;
   float eps, scale;
   int lanes;
@@ -196,14 +170,14 @@ struct L2Gradient {
 // n^2), n^2 = y.y + eps over the head).
 template <int V>
 __device__ __forceinline__ void l2_backward_head(float (&g)[V], const float (&y)[V], float eps, float scale,
-                                                 const HeadLanes head) {
+                                                 int lanes) {
   float sums[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     sums[0] = fmaf(y[i], y[i], sums[0]);
     sums[1] = fmaf(y[i], g[i], sums[1]);
   }
-  sum_over_head(sums, head);
+  sum_over_head(sums, lanes);
   const float inv = rsqrtf(sums[0] + eps), coef = inv * inv * sums[1];
 #pragma unroll
   for (int i = 0; i < V; ++i) g[i] = scale * inv * fmaf(-y[i], coef, g[i]);
@@ -221,10 +195,12 @@ __global__ void __launch_bounds__(kThreads)
                             __nv_bfloat16* __restrict__ y, const L2Output l2, int tokens, int64_t channels,
                             int run) {
   wait_for_earlier_kernels();
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  const HeadLanes head =
-      kNormalize ? HeadLanes{l2.lanes, __ballot_sync(0xffffffffu, c < channels)} : HeadLanes{};
-  if (c >= channels) return;
+  // The l2 forms keep a warp's lanes past the channels (whole heads of them) for its shuffles: they
+  // walk channel 0 and store nothing.
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  const bool active = first < channels;
+  if (!kNormalize && !active) return;
+  const int64_t c = active ? first : 0;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
   __nv_bfloat16* normalized = nullptr;  // the next z row to write
   if constexpr (kNormalize) normalized = l2.z + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c;
@@ -265,8 +241,8 @@ __global__ void __launch_bounds__(kThreads)
           out += channels;
         } else {
           if (u + b >= l2.skip) {
-            l2_normalize_head<V>(out_values, l2.eps, l2.scale, head);
-            store_global<V>(normalized, out_values);
+            l2_normalize_head<V>(out_values, l2.eps, l2.scale, l2.lanes);
+            if (active) store_global<V>(normalized, out_values);
             normalized += channels;
           }
         }
@@ -295,10 +271,12 @@ __global__ void __launch_bounds__(kThreads)
                                      const L2Gradient l2, __nv_bfloat16* __restrict__ dx, int64_t dx_ld,
                                      float* __restrict__ dw, int tokens, int64_t channels, int run) {
   wait_for_earlier_kernels();
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  const HeadLanes head =
-      kNormalize ? HeadLanes{l2.lanes, __ballot_sync(0xffffffffu, c < channels)} : HeadLanes{};
-  if (c >= channels) return;
+  // The l2 forms keep a warp's lanes past the channels (whole heads of them) for its shuffles: they
+  // walk channel 0 and store nothing.
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  const bool active = first < channels;
+  if (!kNormalize && !active) return;
+  const int64_t c = active ? first : 0;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
   const int end = t1 + K - 1;         // steps u in [t0, end)
   const int rows = min(end, tokens);  // the x and dy rows that the steps read
@@ -308,31 +286,22 @@ __global__ void __launch_bounds__(kThreads)
   load_halo<K, V>(x, x_ld, c, t0, win);
   // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
   const __nv_bfloat16* x_next = x + static_cast<int64_t>(t0) * x_ld + c;  // the next rows to read
-  const __nv_bfloat16* dy_next = nullptr;
-  const float* dz_next = nullptr;  // dz's first row at or after the next step's
-  if constexpr (kNormalize)
-    dz_next = l2.dz + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c;
-  else
-    dy_next = dy + static_cast<int64_t>(t0) * channels + c;
+  // dy's (or dz's) next row to read: with kNormalize, dz's first row at or after the next step's.
+  const __nv_bfloat16* dy_next = kNormalize
+                                     ? l2.dz + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c
+                                     : dy + static_cast<int64_t>(t0) * channels + c;
   __nv_bfloat16* dx_out = dx + static_cast<int64_t>(t0) * dx_ld + c;  // the next dx row to write
-  using GradientRow = std::conditional_t<kNormalize, Floats<V>, Bf16s<V>>;
   // The gradient's row for step `row`, in order (zero before l2.skip: z has no row there).
   const auto load_gradient = [&](int row) {
-    if constexpr (kNormalize) {
-      GradientRow g{};
-      if (row >= l2.skip) {
-        g = *reinterpret_cast<const GradientRow*>(dz_next);
-        dz_next += channels;
-      }
-      return g;
-    } else {
-      const GradientRow g = load_row<V>(dy_next);
+    Bf16s<V> g{};
+    if (!kNormalize || row >= l2.skip) {
+      g = load_row<V>(dy_next);
       dy_next += channels;
-      return g;
     }
+    return g;
   };
-  Bf16s<V> xb[kBatch] = {};     // x rows u + b of the batch at u (zero past `rows`)
-  GradientRow db[kBatch] = {};  // and their gradient rows
+  Bf16s<V> xb[kBatch] = {},
+           db[kBatch] = {};  // x and gradient rows u + b of the batch at u (zero past `rows`)
 #pragma unroll
   for (int b = 0; b < kBatch; ++b) {
     if (t0 + b < rows) {
@@ -355,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
         x_next += x_ld;
       } else {
         xb[b] = Bf16s<V>{};
-        db[b] = GradientRow{};
+        db[b] = Bf16s<V>{};
       }
       shift_in<K, V>(win, xin);
       const bool own = !kChecked || step < t1;  // da[step] is this run's: it adds to dw
@@ -369,7 +338,7 @@ __global__ void __launch_bounds__(kThreads)
         float y[V];
 #pragma unroll
         for (int v = 0; v < V; ++v) y[v] = __bfloat162float(__float2bfloat16(a[v] * sg[v]));
-        l2_backward_head<V>(dyin, y, l2.eps, l2.scale, head);
+        l2_backward_head<V>(dyin, y, l2.eps, l2.scale, l2.lanes);
       }
       float g[V];
 #pragma unroll
@@ -389,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
       }
       if (!kChecked || (step >= t0 + K - 1 && step < end)) {  // dx[step - (K - 1)]
-        store_global<V>(dx_out, g);
+        if (active) store_global<V>(dx_out, g);
         dx_out += dx_ld;
       }
     }
@@ -401,6 +370,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 1
   for (; u < end; u += kBatch) batch(u, std::true_type{});
   // One atomic per tap for the run (its sums are already in registers); four taps in one where aligned.
+  if (!active) return;
   float* sums = dw + c * K;
   const float* acc = &dwacc[0][0];
   if constexpr (V * K % 4 == 0) {
@@ -600,10 +570,10 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }
 
-bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const float* dz,
-                                  int64_t skip, __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens,
-                                  int64_t channels, int64_t kernel, int64_t head_dim, float eps, float scale,
-                                  cudaStream_t stream) {
+bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w,
+                                  const __nv_bfloat16* dz, int64_t skip, __nv_bfloat16* dx, int64_t dx_ld,
+                                  float* dw, int64_t tokens, int64_t channels, int64_t kernel,
+                                  int64_t head_dim, float eps, float scale, cudaStream_t stream) {
   check(x_ld >= channels && dx_ld >= channels, "causal_conv_silu_l2_backward: x's rows ", x_ld, " and dx's ",
         dx_ld, " apart for ", channels, " channels");
   check(head_dim > 0 && channels % head_dim == 0 && skip >= 0 && skip <= tokens,
@@ -611,9 +581,7 @@ bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const fl
         tokens, " rows skipped");
   check_shape("causal_conv_silu_l2_backward", tokens, kernel);
   if (tokens == 0 || channels == 0) return true;
-  int allowed = values_per_thread({channels, x_ld, dx_ld}, {x, dx});
-  while (allowed > 1 && reinterpret_cast<uintptr_t>(dz) % (4 * allowed) != 0) allowed /= 2;
-  const int values = head_values(head_dim, allowed);
+  const int values = head_values(head_dim, values_per_thread({channels, x_ld, dx_ld}, {x, dz, dx}));
   if (values == 0) {  // the conv's output made again, the norm's backward, then the conv's
     DeviceBuffer<__nv_bfloat16> y(static_cast<size_t>(tokens * channels), MemoryCategory::Workspace);
     DeviceBuffer<__nv_bfloat16> dy(static_cast<size_t>(tokens * channels), MemoryCategory::Workspace);

@@ -33,15 +33,15 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float
                                __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
                                int64_t kernel, cudaStream_t stream);
 
-// causal_conv_silu_l2's backward, given dz (fp32 [tokens - skip, channels]), the gradient of z (y
-// unused): the gradient of y, zero in its first skip rows, is formed token by token inside the conv's
-// backward, from y made again as the forward rounded it (l2_normalize_backward in fp32), and never
-// stored. dx and dw as causal_conv_silu_backward's. One pass where causal_conv_silu_l2's would be
-// one (dz aligned to its accesses too); else the conv's output, the norm's backward and the conv's
-// backward in turn, through workspace, and false is returned.
-bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const float* dz,
-                                  int64_t skip, __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens,
-                                  int64_t channels, int64_t kernel, int64_t head_dim, float eps, float scale,
-                                  cudaStream_t stream);
+// causal_conv_silu_l2's backward, given dz [tokens - skip, channels], the gradient of z: the gradient
+// of y, zero in its first skip rows, is formed token by token inside the conv's backward, from y made
+// again as the forward rounded it (l2_normalize_backward in fp32), and never stored. dx and dw as
+// causal_conv_silu_backward's. One pass where causal_conv_silu_l2's would be one (dz aligned to its
+// accesses too); else the conv's output, the norm's backward and the conv's backward in turn, through
+// workspace, and false is returned.
+bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w,
+                                  const __nv_bfloat16* dz, int64_t skip, __nv_bfloat16* dx, int64_t dx_ld,
+                                  float* dw, int64_t tokens, int64_t channels, int64_t kernel,
+                                  int64_t head_dim, float eps, float scale, cudaStream_t stream);
 
 }  // namespace spindle::cuda

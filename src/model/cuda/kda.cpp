@@ -228,8 +228,8 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
-  DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
-                      dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
+  DeviceBuffer<bf16> dq = activations(L * qkv), dk = activations(L * qkv);
+  DeviceBuffer<float> dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
                       d_initial = activations_f32(carry_grad ? state_size(c) : 0);
   // dv in bf16 as v's conv window takes it: the carried rows (zero gradient), then the chunk's.
   DeviceBuffer<bf16> dv_window = activations(rows * qkv);
@@ -283,7 +283,7 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     const Tensor& conv = b == 0 ? w.q_conv : b == 1 ? w.k_conv : w.v_conv;
     Tensor& dconv = b == 0 ? grad.q_conv : b == 1 ? grad.k_conv : grad.v_conv;
     if (b < 2) {
-      DeviceBuffer<float>& d_normed = b == 0 ? dq : dk;  // the recurrence's fp32 gradient, freed once read
+      DeviceBuffer<bf16>& d_normed = b == 0 ? dq : dk;  // the recurrence's gradient, freed once read
       fused = causal_conv_silu_l2_backward(window, cols.projected(), f32_data(conv), d_normed.data(), carried,
                                            dwindow, ld, f32_data(dconv), rows, qkv, K, dh, 1e-6f,
                                            b == 0 ? query_scale(c) : 1.0f, s) &&
