@@ -54,6 +54,22 @@ double row_error(const std::vector<bf16>& got, const std::vector<double>& want, 
   return worst;
 }
 
+// The first C values of each of T rows ld apart; `gaps_written` counts the values between the rows
+// that are not NaN (written where they should have kept their poison).
+std::vector<bf16> packed_rows(const std::vector<bf16>& rows, int64_t T, int64_t C, int64_t ld,
+                              int64_t& gaps_written) {
+  std::vector<bf16> packed(T * C);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < ld; ++c) {
+      const bf16 v = rows[t * ld + c];
+      if (c < C)
+        packed[t * C + c] = v;
+      else
+        gaps_written += !std::isnan(__bfloat162float(v));
+    }
+  return packed;
+}
+
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
@@ -93,17 +109,8 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
     cpu::causal_conv_silu_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), T, C, K);
     EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound)
         << "y, T=" << T << " C=" << C << " K=" << K << " x_ld=" << x_ld;
-    const auto dx_rows = dx.download();
-    std::vector<bf16> dx_got(T * C);
     int64_t gaps_written = 0;  // the values between dx's rows keep their poison
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < dx_ld; ++c) {
-        const bf16 v = dx_rows[t * dx_ld + c];
-        if (c < C)
-          dx_got[t * C + c] = v;
-        else
-          gaps_written += !std::isnan(__bfloat162float(v));
-      }
+    const std::vector<bf16> dx_got = packed_rows(dx.download(), T, C, dx_ld, gaps_written);
     EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound)
         << "dx, T=" << T << " C=" << C << " K=" << K << " dx_ld=" << dx_ld << " x_ld=" << x_ld;
     EXPECT_EQ(gaps_written, 0) << "dx_ld=" << dx_ld;
@@ -170,17 +177,8 @@ TEST(CudaConvMhc, CausalConvSiluWithL2NormsEqualsTheConvThenTheNorms) {
     EXPECT_EQ(forward_fused, fused) << shape;
     EXPECT_EQ(backward_fused, fused) << shape;
     EXPECT_LT(relative_error(z.download(), z_ref), kBf16Bound) << "z, " << shape;
-    const auto dx_rows = dx.download();
-    std::vector<bf16> dx_got(T * C);
     int64_t gaps_written = 0;  // the values between dx's rows keep their poison
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < dx_ld; ++c) {
-        const bf16 v = dx_rows[t * dx_ld + c];
-        if (c < C)
-          dx_got[t * C + c] = v;
-        else
-          gaps_written += !std::isnan(__bfloat162float(v));
-      }
+    const std::vector<bf16> dx_got = packed_rows(dx.download(), T, C, dx_ld, gaps_written);
     EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound) << "dx, " << shape;
     EXPECT_EQ(gaps_written, 0) << shape;
     EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kBf16Bound) << "dw, " << shape;

@@ -505,6 +505,16 @@ int head_values(int64_t head_dim, int allowed) {
       break;                                  \
   }
 
+// Calls LAUNCH<K, V>(args...) for the runtime kernel size and `values` (4, 2 or 1).
+#define SPINDLE_CONV_DISPATCH_VALUES(LAUNCH, ...) \
+  if (values == 4) {                              \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 4, __VA_ARGS__) \
+  } else if (values == 2) {                       \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 2, __VA_ARGS__) \
+  } else {                                        \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 1, __VA_ARGS__) \
+  }
+
 }  // namespace
 
 void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
@@ -513,13 +523,7 @@ void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv
   check_shape("causal_conv_silu", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
   const int values = values_per_thread({channels, x_ld}, {x, y});
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 4, x, x_ld, w, y, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 2, x, x_ld, w, y, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_forward, 1, x, x_ld, w, y, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_forward, x, x_ld, w, y, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
 
@@ -541,13 +545,7 @@ bool causal_conv_silu_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, _
     return false;
   }
   const L2Output l2{z, static_cast<int>(skip), eps, scale, static_cast<int>(head_dim / values)};
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 4, x, x_ld, w, l2, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 2, x, x_ld, w, l2, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 1, x, x_ld, w, l2, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_forward_l2, x, x_ld, w, l2, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_kernel (l2)");
   return true;
 }
@@ -560,13 +558,7 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float
   check_shape("causal_conv_silu_backward", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
   const int values = values_per_thread({channels, x_ld, dx_ld}, {x, dy, dx});
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_plain_backward, 4, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_plain_backward, 2, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_plain_backward, 1, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_plain_backward, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }
 
@@ -593,17 +585,12 @@ bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const fl
     return false;
   }
   const L2Gradient l2{dz, static_cast<int>(skip), eps, scale, static_cast<int>(head_dim / values)};
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_l2_backward, 4, x, x_ld, w, l2, dx, dx_ld, dw, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_l2_backward, 2, x, x_ld, w, l2, dx, dx_ld, dw, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_l2_backward, 1, x, x_ld, w, l2, dx, dx_ld, dw, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_l2_backward, x, x_ld, w, l2, dx, dx_ld, dw, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel (l2)");
   return true;
 }
 
+#undef SPINDLE_CONV_DISPATCH_VALUES
 #undef SPINDLE_CONV_DISPATCH
 
 }  // namespace spindle::cuda
