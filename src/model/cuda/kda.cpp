@@ -281,17 +281,17 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     const bf16* window = a.projected.data() + b * qkv;
     bf16* dwindow = stacked.data() + b * qkv;
     const Tensor& conv = b == 0 ? w.q_conv : b == 1 ? w.k_conv : w.v_conv;
-    Tensor& dconv = b == 0 ? grad.q_conv : b == 1 ? grad.k_conv : grad.v_conv;
+    Tensor& conv_grad = b == 0 ? grad.q_conv : b == 1 ? grad.k_conv : grad.v_conv;
     if (b < 2) {
       DeviceBuffer<bf16>& d_normed = b == 0 ? dq : dk;  // the recurrence's gradient, freed once read
       fused = causal_conv_silu_l2_backward(window, cols.projected(), f32_data(conv), d_normed.data(), carried,
-                                           dwindow, ld, f32_data(dconv), rows, qkv, K, dh, 1e-6f,
+                                           dwindow, ld, f32_data(conv_grad), rows, qkv, K, dh, 1e-6f,
                                            b == 0 ? query_scale(c) : 1.0f, s) &&
               fused;
       d_normed = {};
     } else {
       causal_conv_silu_backward(window, cols.projected(), f32_data(conv), dv_window.data(), dwindow, ld,
-                                f32_data(dconv), rows, qkv, K, s);
+                                f32_data(conv_grad), rows, qkv, K, s);
     }
     if (carry_grad) {  // the tails: [kernel - 1, 3 qkv], the branch's columns
       bf16* tails = carry_grad->tails.data() + b * qkv;
