@@ -424,35 +424,7 @@ __device__ inline void block_times_u(const float* a, const float* u, int dm, int
   }
 }
 
-// Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
-// as 3xTF32 (every gradient is an fp32 output; plain TF32's 2^-11 per operand,
-// through up to four chained products, would use up much of the 1e-3 the tests
-// allow). Per value tile of 16 columns, one barrier between the steps, 8 warps
-// per product of [C, 16] (an m-tile and 8 columns each):
-//   1. X0 = V - W S | du = Kb dS' + Aq^T dO;
-//   2. u = Tinv Xb, Xb = diag(beta) X0 | dR = Tinv^T du, dv = diag(beta) dR;
-//   3. X = X0 - A u | dAq += lower(dO u^T);
-//   4. dbeta += rowsum(dR . X), dA -= strict_lower(diag(beta) dR u^T); every
-//   warp: its [16, 32]
-//      blocks of dQg += dO S^T, dR S^T and dKb += u dS'^T, held in registers
-//      over all the tiles (dW = -diag(beta) dR S^T at the end).
-// Then the decay products of dA and dAq by 16-token sub-chunks, in the same
-// warp blocks: the rows (t the later token) below t's sub-chunk through its
-// first token r, exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), the columns (t
-// the earlier token) past it through its last, both factors
-// <= 1, so each is one mma; within the sub-chunk two more mma against its middle
-// token where the decays allow (kKdaHalfDecayBound; the blocks before and after then
-// through the middle token too, their factors still <= 1), else element by element. dq,
-// dk, dG from the registers, and dg by the reverse prefix sum (and from it df, with the decay's
-// backward).
-// kKept: mats are the forward's kept matrices (stride kKeptFloats), u after them, and kb_ds the state
-// pass's Kb dS' (otherwise null). Neither X0, u nor X is computed: per tile
-//   1. du = Kb dS' + Aq^T dO | dAq += lower(dO u^T);
-//   2. dR = Tinv^T du, dv = diag(beta) dR | dQg += dO S^T;
-//   3. dA -= strict_lower(diag(beta) dR u^T) | dbeta += rowsum(dR . V); dR S^T, dKb += u dS'^T;
-// and dbeta from X = V - W S - A u by its terms: rowsum(dR . V) - rowsum(W . dR S^T) - rowsum(A .
-// dR u^T), where W S's own product and the A u of step 3 were.
-// The grad kernel's last loop with the decay's backward: dg_t = sum_{r>=t} dG_r as there, each
+// Kernel 3's last loop with the decay's backward (below): dg_t = sum_{r>=t} dG_r as there, each
 // value taken on to df_t (f's loads a batch of tokens ahead of the chain of sums), d_dt_bias added
 // a channel a thread, and d_A_log a warp's sum at a time. Not inlined: its registers then do not
 // count in the grad kernel's, which has none to spare.
@@ -490,6 +462,34 @@ __device__ __noinline__ void decay_backward_epilogue(const KdaDecayGrad& decay, 
   if (tid % 32 == 0 && tid < dk) atomicAdd(decay.d_A_log + h, drate);
 }
 
+// Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
+// as 3xTF32 (every gradient is an fp32 output; plain TF32's 2^-11 per operand,
+// through up to four chained products, would use up much of the 1e-3 the tests
+// allow). Per value tile of 16 columns, one barrier between the steps, 8 warps
+// per product of [C, 16] (an m-tile and 8 columns each):
+//   1. X0 = V - W S | du = Kb dS' + Aq^T dO;
+//   2. u = Tinv Xb, Xb = diag(beta) X0 | dR = Tinv^T du, dv = diag(beta) dR;
+//   3. X = X0 - A u | dAq += lower(dO u^T);
+//   4. dbeta += rowsum(dR . X), dA -= strict_lower(diag(beta) dR u^T); every
+//   warp: its [16, 32]
+//      blocks of dQg += dO S^T, dR S^T and dKb += u dS'^T, held in registers
+//      over all the tiles (dW = -diag(beta) dR S^T at the end).
+// Then the decay products of dA and dAq by 16-token sub-chunks, in the same
+// warp blocks: the rows (t the later token) below t's sub-chunk through its
+// first token r, exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), the columns (t
+// the earlier token) past it through its last, both factors
+// <= 1, so each is one mma; within the sub-chunk two more mma against its middle
+// token where the decays allow (kKdaHalfDecayBound; the blocks before and after then
+// through the middle token too, their factors still <= 1), else element by element. dq,
+// dk, dG from the registers, and dg by the reverse prefix sum (and from it df, with the decay's
+// backward).
+// kKept: mats are the forward's kept matrices (stride kKeptFloats), u after them, and kb_ds the state
+// pass's Kb dS' (otherwise null). Neither X0, u nor X is computed: per tile
+//   1. du = Kb dS' + Aq^T dO | dAq += lower(dO u^T);
+//   2. dR = Tinv^T du, dv = diag(beta) dR | dQg += dO S^T;
+//   3. dA -= strict_lower(diag(beta) dR u^T) | dbeta += rowsum(dR . V); dR S^T, dKb += u dS'^T;
+// and dbeta from X = V - W S - A u by its terms: rowsum(dR . V) - rowsum(W . dR S^T) - rowsum(A .
+// dR u^T), where W S's own product and the A u of step 3 were.
 template <bool kKept>
 __global__ void __launch_bounds__(kGradThreads, 1)
     kda_bwd_grad_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
