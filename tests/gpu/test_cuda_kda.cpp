@@ -307,10 +307,10 @@ TEST(CudaKda, KeptMatricesGiveTheSameGradients) {
 }
 
 // The decay's backward in the backward's last pass (KdaDecayGrad) against its own pass
-// (kda_decay_backward) on the dg the backward writes without it: the same fp32 value of each dg
-// through the same math, so df equal to 1e-6 (one bf16 rounding of values that may straddle a
-// rounding boundary differently is 2^-8, far above what is expected: nothing), and the parameter
-// gradients summed in another order (1e-5). Both forms of the decay, both backward paths (the
+// (kda_decay_backward) on the dg the backward writes without it: the same fp32 dg through the same
+// math, so df is expected to be equal, and the parameter gradients are its sums in another order
+// (thousands of terms each). 1e-4: far above a few bf16 ulps or reordered fp32 sums, far below what
+// a wrong token, channel or head would give. Both forms of the decay, both backward paths (the
 // matrices computed again and kept), a partial last chunk, head dims no multiple of 32.
 TEST(CudaKda, DecayBackwardInTheLastPassEqualsItsOwnPass) {
   for (auto [T, H, dk, bounded, kept] :
@@ -376,9 +376,10 @@ TEST(CudaKda, DecayBackwardInTheLastPassEqualsItsOwnPass) {
     const std::string where = " T=" + std::to_string(T) + " H=" + std::to_string(H) +
                               " dk=" + std::to_string(dk) + (bounded ? " bounded" : "") +
                               (kept ? " kept" : "");
-    EXPECT_LT(close(fused.df, own.df, {}), 1e-6) << "df" << where;
-    EXPECT_LT(close(fused.d_bias, own.d_bias, d_bias0), 1e-5) << "d_dt_bias" << where;
-    EXPECT_LT(close(fused.d_a_log, own.d_a_log, d_a_log0), 1e-5) << "d_A_log" << where;
+    constexpr double kSameMath = 1e-4;
+    EXPECT_LT(close(fused.df, own.df, {}), kSameMath) << "df" << where;
+    EXPECT_LT(close(fused.d_bias, own.d_bias, d_bias0), kSameMath) << "d_dt_bias" << where;
+    EXPECT_LT(close(fused.d_a_log, own.d_a_log, d_a_log0), kSameMath) << "d_A_log" << where;
   }
 }
 
