@@ -5,9 +5,7 @@
 // the forward twice per chunk and layer (the forward pass and the recomputation; the backward
 // takes the recomputation's output and chunk states) and the backward once. Then the two as the
 // streamed step runs them with kept outputs: the recomputation's forward also writes the chunk
-// matrices (kept_matrices), the backward takes them. Last, the kept backward followed by the decay's
-// own backward pass (kda_decay_backward, from the dg it writes), against the decay's backward in
-// the kept backward's last pass (KdaDecayGrad), as the model runs it.
+// matrices (kept_matrices), the backward takes them.
 //     build/bench_kda [tokens]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -20,7 +18,6 @@
 #include "backend/cuda/device_memory.h"
 #include "cuda_timing.cuh"
 #include "kernels/cuda/kda.h"
-#include "kernels/cuda/kda_gates.h"
 
 using namespace spindle;
 using namespace spindle::cuda;
@@ -71,30 +68,6 @@ int main(int argc, char** argv) {
                              kept_workspace.data(), T, H, dk, dv, nullptr, nullptr, nullptr, matrices.data());
       },
       5);
-  // The decay's backward after the kept backward, then in its last pass (the 4B config's form).
-  auto f = random_f32(T * H * dk, 7, -4.0f, 4.0f), dt_bias = random_f32(H * dk, 8, -1.0f, 1.0f),
-       a_log = random_f32(H, 9, -1.0f, 0.5f), d_dt_bias = random_f32(H * dk, 10, 0.0f, 0.0f),
-       d_a_log = random_f32(H, 11, 0.0f, 0.0f);
-  DeviceBuffer<__nv_bfloat16> df(static_cast<size_t>(T * H * dk), MemoryCategory::Activations);
-  const KdaDecayShape decay_shape{T, H, dk, false, 0.0f};
-  const double decay_after = median_ms(
-      [&] {
-        kda_chunked_backward(q.data(), k.data(), v.data(), g.data(), beta.data(), dout.data(), states.data(),
-                             dq.data(), dkk.data(), dvv.data(), dg.data(), dbeta.data(),
-                             kept_workspace.data(), T, H, dk, dv, nullptr, nullptr, nullptr, matrices.data());
-        kda_decay_backward(decay_shape, f.data(), dt_bias.data(), a_log.data(), dg.data(), df.data(),
-                           d_dt_bias.data(), d_a_log.data(), nullptr);
-      },
-      5);
-  const KdaDecayGrad decay{f.data(),         dt_bias.data(), a_log.data(), df.data(),
-                           d_dt_bias.data(), d_a_log.data(), false,        0.0f};
-  const double decay_inside = median_ms(
-      [&] {
-        kda_chunked_backward(q.data(), k.data(), v.data(), g.data(), beta.data(), dout.data(), states.data(),
-                             dq.data(), dkk.data(), dvv.data(), nullptr, dbeta.data(), kept_workspace.data(),
-                             T, H, dk, dv, nullptr, nullptr, nullptr, matrices.data(), &decay);
-      },
-      5);
   // The last launches' outputs (the forward keeping its matrices, the backward taking them).
   uint64_t forward_digest = bits_digest(out.data(), T * H * dv);
   forward_digest = bits_digest(states.data(), (kda_chunks(T) + 1) * H * dk * dv, forward_digest);
@@ -110,8 +83,6 @@ int main(int argc, char** argv) {
   std::printf("  forward  %8.3f ms (%.1f model TFLOP/s)\n", forward, flops / forward / 1e9);
   std::printf("  backward %8.3f ms (%.2fx the forward)\n", backward, backward / forward);
   std::printf("  with kept matrices: forward %.3f ms, backward %.3f ms\n", forward_keeping, backward_kept);
-  std::printf("  the kept backward and the decay's: its own pass after %.3f ms, in the last pass %.3f ms\n",
-              decay_after, decay_inside);
   std::printf("  output digests: forward %016llx, backward %016llx\n",
               static_cast<unsigned long long>(forward_digest),
               static_cast<unsigned long long>(backward_digest));

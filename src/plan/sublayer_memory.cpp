@@ -62,9 +62,8 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept, projections_kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  Ledger::Block dq = bf16(m, L * w), dk = bf16(m, L * w);
-  a.push_back(bf16(m, L * w));  // df, from the recurrence's backward (the decay's in its last pass)
-  a.push_back(f32(m, L * H));   // dbeta
+  Ledger::Block dq = bf16(m, L * w), dk = bf16(m, L * w), dg = f32(m, L * w);
+  a.push_back(f32(m, L * H));                               // dbeta
   Ledger::Block dv = bf16(m, (s.conv_kernel - 1 + L) * w);  // over v's conv window
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats): its matrices, or Kb dS'
      // where they are kept
@@ -78,6 +77,8 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
   a.push_back(bf16(m, rows * stacked_width));
   a.push_back(bf16(m, L * H));  // db
+  a.push_back(bf16(m, L * w));  // df
+  dg = {};                      // after the decay's backward
   dq = {};                      // q's and k's gradients after their conv inputs'
   dk = {};
   dv = {};  // after v's conv

@@ -89,23 +89,12 @@ inline int64_t kda_backward_workspace_floats(int64_t tokens, int64_t heads, int6
              ((matrices_kept ? kKdaChunk * kKdaMaxDim : kKdaMatrixFloats) + kKdaBackwardOpsFloats) +
          (chunks + 2) * heads * dk * dv;
 }
-// The decay's backward (kda_decay_backward, kda_gates.h, the same math) taken into
-// kda_chunked_backward's last pass: f, dt_bias, A_log, bounded and lower_bound as there; df
-// written in place of dg, d_dt_bias and d_A_log accumulated.
-struct KdaDecayGrad {
-  const float *f = nullptr, *dt_bias = nullptr, *A_log = nullptr;
-  __nv_bfloat16* df = nullptr;
-  float *d_dt_bias = nullptr, *d_A_log = nullptr;
-  bool bounded = false;
-  float lower_bound = 0.0f;
-};
-// With decay, dg is not written (it may be null): its values go on to df as they are summed.
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,
                           const float* chunk_states, __nv_bfloat16* dq, __nv_bfloat16* dk_out,
                           __nv_bfloat16* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
                           int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
                           const float* d_final_state = nullptr, float* d_initial_state = nullptr,
-                          const float* kept_matrices = nullptr, const KdaDecayGrad* decay = nullptr);
+                          const float* kept_matrices = nullptr);
 
 }  // namespace spindle::cuda

@@ -30,7 +30,6 @@
 #include "core/error.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_chunk.cuh"
-#include "kernels/cuda/kda_decay.cuh"
 #include "kernels/cuda/kda_state_products.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
@@ -47,7 +46,6 @@ constexpr int kTileV = 16;                                     // value columns 
 constexpr int kMats = static_cast<int>(kKdaMatrixFloats);      // A, Aq, Tinv of one chunk and head
 constexpr int kKeptFloats = static_cast<int>(kKdaKeptFloats);  // and u after them, where kept
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kDecayBatch = 8;  // tokens whose f the grad kernel loads ahead, with the decay's backward
 
 int value_tiles(int64_t dv) { return static_cast<int>((dv + kTileV - 1) / kTileV); }
 
@@ -424,44 +422,6 @@ __device__ inline void block_times_u(const float* a, const float* u, int dm, int
   }
 }
 
-// Kernel 3's last loop with the decay's backward (below): dg_t = sum_{r>=t} dG_r as there, each
-// value taken on to df_t (f's loads a batch of tokens ahead of the chain of sums), d_dt_bias added
-// a channel a thread, and d_A_log a warp's sum at a time. Not inlined: its registers then do not
-// count in the grad kernel's, which has none to spare.
-__device__ __noinline__ void decay_backward_epilogue(const KdaDecayGrad& decay, const float* glast,
-                                                     const float* sdS, const float* part, const float* dG,
-                                                     int64_t t0, int n, int heads, int h, int dk) {
-  const int tid = threadIdx.x;
-  float drate = 0.0f;  // summed times the head's rate: the thread's share of d_A_log
-  for (int i = tid; i < dk; i += kGradThreads) {
-    float acc = exp2_ftz(glast[i]) * sdS[i];
-    for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
-    const float bias = decay.dt_bias[h * dk + i], rate = expf(decay.A_log[h]);
-    float dbias = 0.0f, drate_i = 0.0f;
-    for (int top = n - 1; top >= 0; top -= kDecayBatch) {
-      float pre[kDecayBatch];
-#pragma unroll
-      for (int u = 0; u < kDecayBatch; ++u)
-        pre[u] = top - u >= 0 ? decay.f[((t0 + top - u) * heads + h) * dk + i] + bias : 0.0f;
-#pragma unroll
-      for (int u = 0; u < kDecayBatch; ++u) {
-        const int t = top - u;
-        if (t < 0) break;
-        acc += dG[t * kQp + i];
-        const float dpre = decay.bounded
-                               ? decay_pre_gradient<true>(decay.lower_bound, rate, pre[u], acc, drate_i)
-                               : decay_pre_gradient<false>(decay.lower_bound, rate, pre[u], acc, drate_i);
-        decay.df[((t0 + t) * heads + h) * dk + i] = __float2bfloat16(dpre);
-        dbias += dpre;
-      }
-    }
-    atomicAdd(decay.d_dt_bias + h * dk + i, dbias);
-    drate += drate_i * rate;
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) drate += __shfl_xor_sync(kFull, drate, offset);
-  if (tid % 32 == 0 && tid < dk) atomicAdd(decay.d_A_log + h, drate);
-}
-
 // Kernel 3, chunk c = c0 + blockIdx.x of head blockIdx.y, on the tensor cores
 // as 3xTF32 (every gradient is an fp32 output; plain TF32's 2^-11 per operand,
 // through up to four chained products, would use up much of the 1e-3 the tests
@@ -481,8 +441,7 @@ __device__ __noinline__ void decay_backward_epilogue(const KdaDecayGrad& decay, 
 // <= 1, so each is one mma; within the sub-chunk two more mma against its middle
 // token where the decays allow (kKdaHalfDecayBound; the blocks before and after then
 // through the middle token too, their factors still <= 1), else element by element. dq,
-// dk, dG from the registers, and dg by the reverse prefix sum (and from it df, with the decay's
-// backward).
+// dk, dG from the registers, and dg by the reverse prefix sum.
 // kKept: mats are the forward's kept matrices (stride kKeptFloats), u after them, and kb_ds the state
 // pass's Kb dS' (otherwise null). Neither X0, u nor X is computed: per tile
 //   1. du = Kb dS' + Aq^T dO | dAq += lower(dO u^T);
@@ -499,7 +458,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                         const float* __restrict__ chunk_states, const float* __restrict__ slots,
                         __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk_out,
                         __nv_bfloat16* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
-                        const KdaDecayGrad decay, int64_t c0, int64_t tokens, int heads, int dk, int dv) {
+                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -944,12 +903,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   __syncthreads();  // dG and part are written
   static_assert(kGradParts == kC / 16, "part holds one row per m-tile of 16");
   // dg_t = sum_{r>=t} dG_r, G_last's direct terms (Kb and exp(G_last) S) in
-  // every row (with the decay's backward, on to df_t: decay_backward_epilogue).
-  if (decay.df != nullptr) {
-    for (int t = tid; t < n; t += kGradThreads) dbeta[(t0 + t) * heads + h] = dbeta_acc[t];
-    decay_backward_epilogue(decay, glast, sdS, part, dG, t0, n, heads, h, dk);
-    return;
-  }
+  // every row.
   for (int i = tid; i < dk; i += kGradThreads) {
     float acc = exp2_ftz(glast[i]) * sdS[i];
     for (int b = 0; b < kGradParts; ++b) acc += part[b * kMaxDim + i];
@@ -968,10 +922,7 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
                           const float* chunk_states, __nv_bfloat16* dq, __nv_bfloat16* dk_out,
                           __nv_bfloat16* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
                           int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
-                          const float* d_final_state, float* d_initial_state, const float* kept_matrices,
-                          const KdaDecayGrad* decay) {
-  check(decay != nullptr || dg != nullptr, "kda_chunked_backward: neither dg nor the decay's backward");
-  const KdaDecayGrad decay_grad = decay != nullptr ? *decay : KdaDecayGrad{};
+                          const float* d_final_state, float* d_initial_state, const float* kept_matrices) {
   check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward: dk ", dk, ", dv ",
         dv, " (expected 1 to ", kKdaMaxDim, ")");
   check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward: ", tokens, " tokens x ", heads,
@@ -1024,13 +975,11 @@ void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const 
     if (kept != nullptr)
       launch_kernel(kda_bwd_grad_kernel<true>, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float),
                     stream, q, k, v, g, beta, dout, kept, static_cast<const float*>(kb_ds), chunk_states,
-                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, decay_grad, c0, tokens,
-                    H, dki, dvi);
+                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
     else
       launch_kernel(kda_bwd_grad_kernel<false>, chunk_grid, kGradThreads, grad_smem_floats() * sizeof(float),
                     stream, q, k, v, g, beta, dout, static_cast<const float*>(mats), nullptr, chunk_states,
-                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, decay_grad, c0, tokens,
-                    H, dki, dvi);
+                    static_cast<const float*>(slots), dq, dk_out, dv_out, dg, dbeta, c0, tokens, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_bwd_grad_kernel");
     c1 = c0;
   }

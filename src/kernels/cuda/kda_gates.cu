@@ -14,7 +14,6 @@
 
 #include "backend/cuda/check.h"
 #include "core/error.h"
-#include "kernels/cuda/kda_decay.cuh"
 #include "kernels/cuda/kda_gates.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/memory_bound.cuh"
@@ -29,6 +28,14 @@ constexpr int64_t kMinTile = 16;
 // Tokens a thread loads at once: 64 bytes of each fp32 input in flight.
 template <int V>
 constexpr int kTokens = 16 / V;
+
+__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// softplus, passing a through above 20.
+__device__ __forceinline__ float softplus_thresholded(float a) {
+  const float smooth = log1pf(expf(a));
+  return a > 20.0f ? a : smooth;
+}
 
 // The thread's first channel c (of `channels`; V of them from c, all in one head) and its block's
 // tokens [t0, t1).
@@ -97,14 +104,16 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         const float p = pre[u][v] + bias[v];
-        out[v] = kBounded ? s.lower_bound * decay_sigmoid(rate * p) : -rate * softplus_thresholded(p);
+        out[v] = kBounded ? s.lower_bound * sigmoid(rate * p) : -rate * softplus_thresholded(p);
       }
       store_global<V>(g + at + u * b.channels, out);
     }
   }
 }
 
-// As kda_backward (decay_pre_gradient). d_A_log = sum drate rate (rate = exp(A_log), one per head).
+// As kda_backward: bounded, with u = rate pre and sg = sigmoid(u): du = dg lb sg (1 - sg),
+// dpre = du rate, drate = du pre; else dpre = -rate sigmoid(pre) dg (slope 1 above 20),
+// drate = -softplus(pre) dg. d_A_log = sum drate rate (rate = exp(A_log), one per head).
 template <int V, bool kBounded>
 __global__ void __launch_bounds__(kThreads)
     kda_decay_backward_kernel(KdaDecayShape s, const float* __restrict__ f, const float* __restrict__ dt_bias,
@@ -134,7 +143,17 @@ __global__ void __launch_bounds__(kThreads)
         float dpre[V];
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          dpre[v] = decay_pre_gradient<kBounded>(s.lower_bound, rate, pre[u][v] + bias[v], grad[u][v], drate);
+          const float p = pre[u][v] + bias[v];
+          if constexpr (kBounded) {
+            const float sg = sigmoid(rate * p);
+            const float du = grad[u][v] * s.lower_bound * sg * (1.0f - sg);
+            dpre[v] = du * rate;
+            drate += du * p;
+          } else {
+            const float slope = sigmoid(p);
+            dpre[v] = -rate * (p > 20.0f ? 1.0f : slope) * grad[u][v];
+            drate -= softplus_thresholded(p) * grad[u][v];
+          }
           dbias[v] += dpre[v];
         }
         store_global<V>(df + at + u * b.channels, dpre);
@@ -202,7 +221,7 @@ void with_form(const KdaDecayShape& s, int values, Launch&& launch) {
 }
 
 struct Sigmoid {
-  __device__ float operator()(float x) const { return decay_sigmoid(x); }
+  __device__ float operator()(float x) const { return sigmoid(x); }
 };
 
 struct SigmoidGrad {

@@ -227,10 +227,9 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
                           f32_data(grad.g_b_proj), L, dh, qkv, s);
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
-  // this chunk's initial state receives. The decay's backward in its last pass: g's gradient goes
-  // on to df (f's, so f_b_proj's and dt_bias's) there.
-  DeviceBuffer<bf16> dq = activations(L * qkv), dk = activations(L * qkv), df = activations(L * qkv);
-  DeviceBuffer<float> dbeta = activations_f32(L * H),
+  // this chunk's initial state receives.
+  DeviceBuffer<bf16> dq = activations(L * qkv), dk = activations(L * qkv);
+  DeviceBuffer<float> dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
                       d_initial = activations_f32(carry_grad ? state_size(c) : 0);
   // dv in bf16 as v's conv window takes it: the carried rows (zero gradient), then the chunk's.
   DeviceBuffer<bf16> dv_window = activations(rows * qkv);
@@ -241,15 +240,11 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
     DeviceBuffer<float> workspace(
         static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh, matrices_kept)),
         MemoryCategory::Workspace);
-    const KdaDecayShape decay = decay_shape(c, L);
-    const KdaDecayGrad decay_grad{a.f.data(),    f32_data(w.dt_bias),    f32_data(w.A_log),
-                                  df.data(),     f32_data(grad.dt_bias), f32_data(grad.A_log),
-                                  decay.bounded, decay.lower_bound};
     kda_chunked_backward(
         a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
-        a.chunk_states.data(), dq.data(), dk.data(), dv_window.data() + tail, nullptr, dbeta.data(),
+        a.chunk_states.data(), dq.data(), dk.data(), dv_window.data() + tail, dg.data(), dbeta.data(),
         workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
-        carry_grad ? d_initial.data() : nullptr, matrices_kept ? a.matrices.data() : nullptr, &decay_grad);
+        carry_grad ? d_initial.data() : nullptr, matrices_kept ? a.matrices.data() : nullptr);
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
@@ -267,10 +262,13 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
   backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, ld, L, dh, qkv, s);
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
-  DeviceBuffer<bf16> db = activations(L * H);
+  DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
   sigmoid_backward(a.beta.data(), dbeta.data(), db.data(), L * H, s);
   SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, ld * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16), L,
                                  cudaMemcpyDeviceToDevice, s));
+  kda_decay_backward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), dg.data(),
+                     df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
+  dg = {};
   backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, ld, L, dh, qkv, s);
   backward_weight_strided(gemm, df.data(), qkv, projected_rows + cols.forget_low(), cols.projected(),
                           f32_data(grad.f_b_proj), L, dh, qkv, s);
