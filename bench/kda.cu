@@ -31,11 +31,13 @@ int main(int argc, char** argv) {
   const auto floats = [](int64_t n) {
     return DeviceBuffer<float>(static_cast<size_t>(n), MemoryCategory::Activations);
   };
-  DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(T * H * dv), MemoryCategory::Activations);
+  DeviceBuffer<__nv_bfloat16> out(static_cast<size_t>(T * H * dv), MemoryCategory::Activations),
+      dvv(static_cast<size_t>(T * H * dv), MemoryCategory::Activations),
+      dq(static_cast<size_t>(T * H * dk), MemoryCategory::Activations),
+      dkk(static_cast<size_t>(T * H * dk), MemoryCategory::Activations);
   DeviceBuffer<float> states = floats((kda_chunks(T) + 1) * H * dk * dv),
                       forward_workspace = floats(kda_forward_workspace_floats(T, H)),
                       backward_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv)),
-                      dq = floats(T * H * dk), dkk = floats(T * H * dk), dvv = floats(T * H * dv),
                       dg = floats(T * H * dk), dbeta = floats(T * H),
                       matrices = floats(kda_kept_matrices_floats(T, H)),
                       kept_workspace = floats(kda_backward_workspace_floats(T, H, dk, dv, true));
@@ -71,7 +73,9 @@ int main(int argc, char** argv) {
   forward_digest = bits_digest(states.data(), (kda_chunks(T) + 1) * H * dk * dv, forward_digest);
   forward_digest = bits_digest(matrices.data(), kda_kept_matrices_floats(T, H), forward_digest);
   uint64_t backward_digest = bits_digest(dq.data(), T * H * dk);
-  for (const DeviceBuffer<float>* d : {&dkk, &dvv, &dg, &dbeta})
+  backward_digest = bits_digest(dkk.data(), T * H * dk, backward_digest);
+  backward_digest = bits_digest(dvv.data(), T * H * dv, backward_digest);
+  for (const DeviceBuffer<float>* d : {&dg, &dbeta})
     backward_digest = bits_digest(d->data(), static_cast<int64_t>(d->size()), backward_digest);
   const double flops = 6.0 * static_cast<double>(dk * dv) * static_cast<double>(T * H);
   std::printf("KDA recurrence at %lld tokens, %lld heads, dk = dv = %lld (model FLOPs %.1f G):\n",

@@ -83,13 +83,22 @@ int main(int argc, char** argv) {
     // carried rows skipped).
     report("l2_normalize_forward, rows of 128", 2.0 * T * D * 2,
            time([&] { l2_normalize_forward(y.data(), dx.data(), T * heads, head_dim, eps, 1.0f, nullptr); }));
-    report("causal_conv_silu_l2, x rows 6400 apart", 2.0 * T * D * 3, time([&] {
-             causal_conv_silu_l2(projected.data(), x_ld, taps.data(), y.data(), dx.data(), conv - 1, T, D,
-                                 conv, head_dim, eps, 1.0f, nullptr);
+    report("causal_conv_silu_l2, x rows 6400 apart", 2.0 * T * D * 2, time([&] {
+             causal_conv_silu_l2(projected.data(), x_ld, taps.data(), dx.data(), conv - 1, T, D, conv,
+                                 head_dim, eps, 1.0f, nullptr);
            }));
     report("causal_conv_silu_backward, x, dx strided", 2.0 * T * D * 3, time([&] {
              causal_conv_silu_backward(projected.data() + D, x_ld, taps.data(), dy.data(), stacked.data() + D,
                                        ld, dtaps.data(), T, D, conv, nullptr);
+           }));
+    // Their backward: the norm's on its own, then inside the conv's backward's pass.
+    report("l2_normalize_backward, rows of 128", 2.0 * T * D * 3, time([&] {
+             l2_normalize_backward(y.data(), dy.data(), dx.data(), T * heads, head_dim, eps, 1.0f, nullptr);
+           }));
+    report("causal_conv_silu_l2_backward, x, dx strided", 2.0 * T * D * 3, time([&] {
+             causal_conv_silu_l2_backward(projected.data() + D, x_ld, taps.data(), dy.data(), conv - 1,
+                                          stacked.data() + D, ld, dtaps.data(), T, D, conv, head_dim, eps,
+                                          1.0f, nullptr);
            }));
   }
   // The decay over fp32 [T, 2048] (the 4B config: no lower bound, the softplus form; with one, the

@@ -49,18 +49,25 @@ ModelWeights build_weights(const ModelConfig& c, DType dtype, const WeightFactor
     if (l.attention == AttentionKind::Kda) {
       const int64_t qkv = c.linear_qkv_dim(), hd = c.linear_head_dim, K = c.linear_conv_kernel_dim;
       KdaWeights& k = l.kda;
-      k.q_proj = make({qkv, D});
-      k.k_proj = make({qkv, D});
-      k.v_proj = make({qkv, D});
+      k.in_proj = make({3 * qkv + 2 * hd + c.linear_num_heads, D});
+      int64_t row = 0;
+      const auto rows = [&](int64_t n) {
+        const Tensor t = k.in_proj.block(row * D, {n, D});
+        row += n;
+        return t;
+      };
+      k.q_proj = rows(qkv);
+      k.k_proj = rows(qkv);
+      k.v_proj = rows(qkv);
+      k.g_a_proj = rows(hd);
+      k.f_a_proj = rows(hd);
+      k.b_proj = rows(c.linear_num_heads);
       k.q_conv = make_tensor({qkv, 1, K}, kFp32);
       k.k_conv = make_tensor({qkv, 1, K}, kFp32);
       k.v_conv = make_tensor({qkv, 1, K}, kFp32);
-      k.f_a_proj = make({hd, D});
       k.f_b_proj = make({qkv, hd});
       k.dt_bias = make_tensor({qkv}, kFp32);
       k.A_log = make_tensor({c.linear_num_heads}, kFp32);
-      k.b_proj = make({c.linear_num_heads, D});
-      k.g_a_proj = make({hd, D});
       k.g_b_proj = make({qkv, hd});
       k.o_norm = make({hd});
       k.o_proj = make({D, qkv});

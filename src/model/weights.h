@@ -18,6 +18,10 @@ struct HyperConnectionWeights {
 };
 
 struct KdaWeights {
+  // [3 heads * head_dim + 2 head_dim + heads, hidden]: the rows of q_proj, k_proj, v_proj, g_a_proj,
+  // f_a_proj and b_proj in that order, so that the GPU takes x's projections in one product and
+  // their weights' gradients in another (the table names them apart, as checkpoints do).
+  Tensor in_proj;
   Tensor q_proj, k_proj, v_proj;  // [heads * head_dim, hidden]
   Tensor q_conv, k_conv, v_conv;  // [heads * head_dim, 1, kernel]
   Tensor f_a_proj;                // [head_dim, hidden]

@@ -36,17 +36,15 @@ int64_t kda_chunk_state_floats(const Shapes& s, int64_t L) {
   return ((L + kKdaChunk - 1) / kKdaChunk + 1) * s.kda_heads * s.kda_dim * s.kda_dim;
 }
 
-// KdaActivations of model/cuda/kda.cpp: the projections' weights stacked (a copy, the backward's
-// too: [3 heads * dim + 2 dim + heads, hidden]), the projections side by side (q, k, v and the two
-// low-rank, the conv's carried rows on top), seven bf16 [L, heads * dim] (convs, normalised q/k,
+// KdaActivations of model/cuda/kda.cpp: the projections side by side (q, k, v and the two
+// low-rank, the conv's carried rows on top), five bf16 [L, heads * dim] (v's conv, normalised q/k,
 // gate, core), fp32 f and g, fp32 beta, the fp32 chunk states; with `kept`, the recurrence's (core,
 // chunk states) are the forward's, with `projections_kept` the projections too.
 Blocks kda_activations(Ledger& m, const Shapes& s, int64_t L, bool kept, bool projections_kept = false) {
   const int64_t w = s.kda_width(), H = s.kda_heads;
   Blocks a;
-  a.push_back(m.workspace(2 * (kda_projected_width(s) + H) * s.hidden));
   if (!projections_kept) a.push_back(bf16(m, kda_projected_rows(s, L) * kda_projected_width(s)));
-  for (int i = 0; i < (kept ? 6 : 7); ++i) a.push_back(bf16(m, L * w));
+  for (int i = 0; i < (kept ? 4 : 5); ++i) a.push_back(bf16(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * w));
   a.push_back(f32(m, L * H));
@@ -64,8 +62,9 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   const int64_t w = s.kda_width(), dh = s.kda_dim, H = s.kda_heads;
   Blocks a = kda_activations(m, s, L, kept, projections_kept);
   for (int i = 0; i < 4; ++i) a.push_back(bf16(m, L * w));  // z, dz, dcore, dgate
-  Ledger::Block dq = f32(m, L * w), dk = f32(m, L * w), dv = f32(m, L * w), dg = f32(m, L * w);
-  a.push_back(f32(m, L * H));  // dbeta
+  Ledger::Block dq = bf16(m, L * w), dk = bf16(m, L * w), dg = f32(m, L * w);
+  a.push_back(f32(m, L * H));                               // dbeta
+  Ledger::Block dv = bf16(m, (s.conv_kernel - 1 + L) * w);  // over v's conv window
   {  // the chunk-parallel backward's workspace (kda_backward_workspace_floats): its matrices, or Kb dS'
      // where they are kept
     const int64_t segment = std::min<int64_t>((L + kKdaChunk - 1) / kKdaChunk, kKdaBackwardSegmentChunks);
@@ -77,13 +76,12 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   // The gradients into dx side by side: the q, k, v windows', the gate's and f's low-rank, db.
   const int64_t rows = s.conv_kernel - 1 + L, stacked_width = 3 * w + 2 * dh + H;
   a.push_back(bf16(m, rows * stacked_width));
-  a.push_back(bf16(m, L * H));     // db
-  a.push_back(bf16(m, L * w));     // df
-  dg = {};                         // after the decay's backward
-  a.push_back(bf16(m, rows * w));  // dconv
-  dq = {};                         // each branch's gradient after its conv input's
+  a.push_back(bf16(m, L * H));  // db
+  a.push_back(bf16(m, L * w));  // df
+  dg = {};                      // after the decay's backward
+  dq = {};                      // q's and k's gradients after their conv inputs'
   dk = {};
-  dv = {};
+  dv = {};  // after v's conv
 }
 
 // MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and

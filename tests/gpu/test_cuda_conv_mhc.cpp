@@ -54,6 +54,22 @@ double row_error(const std::vector<bf16>& got, const std::vector<double>& want, 
   return worst;
 }
 
+// The first C values of each of T rows ld apart; `gaps_written` counts the values between the rows
+// that are not NaN (written where they should have kept their poison).
+std::vector<bf16> packed_rows(const std::vector<bf16>& rows, int64_t T, int64_t C, int64_t ld,
+                              int64_t& gaps_written) {
+  std::vector<bf16> packed(T * C);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < ld; ++c) {
+      const bf16 v = rows[t * ld + c];
+      if (c < C)
+        packed[t * C + c] = v;
+      else
+        gaps_written += !std::isnan(__bfloat162float(v));
+    }
+  return packed;
+}
+
 TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
   // (tokens, channels, K): tokens not a multiple of the 64-token tile or of the 8-token load batch,
   // channels not a multiple of 128 (or of 8), odd channels (one per thread) and even (two), fewer
@@ -93,17 +109,8 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
     cpu::causal_conv_silu_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), T, C, K);
     EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound)
         << "y, T=" << T << " C=" << C << " K=" << K << " x_ld=" << x_ld;
-    const auto dx_rows = dx.download();
-    std::vector<bf16> dx_got(T * C);
     int64_t gaps_written = 0;  // the values between dx's rows keep their poison
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < dx_ld; ++c) {
-        const bf16 v = dx_rows[t * dx_ld + c];
-        if (c < C)
-          dx_got[t * C + c] = v;
-        else
-          gaps_written += !std::isnan(__bfloat162float(v));
-      }
+    const std::vector<bf16> dx_got = packed_rows(dx.download(), T, C, dx_ld, gaps_written);
     EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound)
         << "dx, T=" << T << " C=" << C << " K=" << K << " dx_ld=" << dx_ld << " x_ld=" << x_ld;
     EXPECT_EQ(gaps_written, 0) << "dx_ld=" << dx_ld;
@@ -113,30 +120,42 @@ TEST(CudaConvMhc, CausalConvSiluForwardAndBackward) {
 }
 
 TEST(CudaConvMhc, CausalConvSiluWithL2NormsEqualsTheConvThenTheNorms) {
-  // (tokens, channels, K, head_dim, x_ld, skip): fused with heads of 128 (four channels a thread: the
-  // KDA's q and k, x in the projections' columns, many runs that start past `skip`), 64 (two) and 32
-  // (one, x's rows an odd number of values apart); skip 0; fewer tokens than a load batch; the norm's
-  // own pass where x's alignment allows two channels a thread for heads of 128 or a head is 8
-  // channels (the tests' tiny models).
-  for (auto [T, C, K, head_dim, x_ld, skip] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{1029, 2048, 4, 128, 6400, 3},
-        {2000, 512, 4, 128, 512, 0},
-        {333, 256, 4, 64, 256, 3},
-        {130, 96, 3, 32, 101, 2},
-        {5, 128, 4, 128, 128, 3},
-        {300, 256, 4, 128, 258, 3},
-        {70, 64, 4, 8, 64, 3}}) {
+  // (tokens, channels, K, head_dim, x_ld, skip, fused): in one pass with heads of 128 (four channels a
+  // thread, a warp a head: the KDA's q and k, x in the projections' columns, many runs that start past
+  // `skip`), 64 (four, half a warp a head), 32 (one, x's rows an odd number of values apart), 16 and 8
+  // (four, a head of four and two lanes: the tests' tiny models; 64 channels leave half of a warp's
+  // lanes without channels); skip 0; fewer tokens than a load batch. In more passes where x's alignment
+  // allows two channels a thread for heads of 128 (64 lanes a head) and for heads of 48 (no power of
+  // two of lanes). The backward: dx into columns of a wider buffer (the KDA's stacked gradients).
+  for (auto [T, C, K, head_dim, x_ld, skip, fused] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>{1029, 2048, 4, 128, 6400, 3,
+                                                                               true},
+        {2000, 512, 4, 128, 512, 0, true},
+        {333, 256, 4, 64, 256, 3, true},
+        {130, 96, 3, 32, 101, 2, true},
+        {5, 128, 4, 128, 128, 3, true},
+        {70, 64, 4, 8, 64, 3, true},
+        {150, 96, 4, 16, 96, 3, true},
+        {300, 256, 4, 128, 258, 3, false},
+        {90, 96, 4, 48, 96, 3, false}}) {
     const auto x = rounded(random_floats(T * C));
-    const auto w = random_floats(C * K, 0.5f);
+    const auto w = random_floats(C * K, 0.5f), dw0 = random_floats(C * K);
+    const auto dz = rounded(random_floats((T - skip) * C));
     std::vector<float> x_rows(T * x_ld, NAN);
     for (int64_t t = 0; t < T; ++t) std::copy_n(x.begin() + t * C, C, x_rows.begin() + t * x_ld);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim)), eps = 1e-6f;
+    const int64_t dx_ld = C + 8;
     Stream stream;
     auto xb = device(to_bf16(x_rows));
+    auto dzb = device(to_bf16(dz));
     auto wb = device(w, MemoryCategory::Weights);
-    auto y = poisoned<bf16>(T * C), z = poisoned<bf16>((T - skip) * C);
-    causal_conv_silu_l2(xb.data(), x_ld, wb.data(), y.data(), z.data(), skip, T, C, K, head_dim, eps, scale,
-                        stream.get());
+    auto dwb = device(dw0, MemoryCategory::Gradients);
+    auto z = poisoned<bf16>((T - skip) * C), dx = poisoned<bf16>(T * dx_ld);
+    const bool forward_fused = causal_conv_silu_l2(xb.data(), x_ld, wb.data(), z.data(), skip, T, C, K,
+                                                   head_dim, eps, scale, stream.get());
+    const bool backward_fused =
+        causal_conv_silu_l2_backward(xb.data(), x_ld, wb.data(), dzb.data(), skip, dx.data(), dx_ld,
+                                     dwb.data(), T, C, K, head_dim, eps, scale, stream.get());
     stream.synchronize();
     const auto xd = to_double(x), wd = to_double(w);
     std::vector<double> y_ref(T * C);
@@ -144,11 +163,25 @@ TEST(CudaConvMhc, CausalConvSiluWithL2NormsEqualsTheConvThenTheNorms) {
     std::vector<double> z_ref(y_ref.begin() + skip * C, y_ref.end());
     cpu::l2_normalize(z_ref.data(), (T - skip) * C / head_dim, head_dim, double{eps});
     for (double& v : z_ref) v *= scale;
+    // The conv output's gradient: zero in the skipped rows, then the norm's backward (scaled).
+    std::vector<double> dy_ref(T * C, 0.0), dx_ref(T * C), dw_ref(C * K, 0.0);
+    std::vector<double> dzd = to_double(dz);
+    for (double& v : dzd) v *= scale;
+    cpu::l2_normalize_backward(y_ref.data() + skip * C, dzd.data(), dy_ref.data() + skip * C,
+                               (T - skip) * C / head_dim, head_dim, double{eps});
+    cpu::causal_conv_silu_backward(xd.data(), wd.data(), dy_ref.data(), dx_ref.data(), dw_ref.data(), T, C,
+                                   K);
     const std::string shape = "T=" + std::to_string(T) + " C=" + std::to_string(C) +
                               " K=" + std::to_string(K) + " head_dim=" + std::to_string(head_dim) +
                               " x_ld=" + std::to_string(x_ld) + " skip=" + std::to_string(skip);
-    EXPECT_LT(relative_error(y.download(), y_ref), kBf16Bound) << "y, " << shape;
+    EXPECT_EQ(forward_fused, fused) << shape;
+    EXPECT_EQ(backward_fused, fused) << shape;
     EXPECT_LT(relative_error(z.download(), z_ref), kBf16Bound) << "z, " << shape;
+    int64_t gaps_written = 0;  // the values between dx's rows keep their poison
+    const std::vector<bf16> dx_got = packed_rows(dx.download(), T, C, dx_ld, gaps_written);
+    EXPECT_LT(relative_error(dx_got, dx_ref), kBf16Bound) << "dx, " << shape;
+    EXPECT_EQ(gaps_written, 0) << shape;
+    EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kBf16Bound) << "dw, " << shape;
   }
 }
 

@@ -168,10 +168,9 @@ TEST(CudaNormsGates, L2NormalizeForwardAndBackward) {
   for (const NormCase& c : kNormCases) {
     const int64_t R = c.rows, D = c.D, n = R * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    const auto x = rounded(random_floats(n)), dy = random_floats(n);
+    const auto x = rounded(random_floats(n)), dy = rounded(random_floats(n));
     Stream stream;
-    Placed<bf16> xb(to_bf16(x), c.offset);
-    Placed<float> dyb(dy, c.offset);
+    Placed<bf16> xb(to_bf16(x), c.offset), dyb(to_bf16(dy), c.offset);
     auto y = Placed<bf16>::poisoned(n, c.offset), dx = Placed<bf16>::poisoned(n, c.offset);
     l2_normalize_forward(xb.get(), y.get(), R, D, 1e-6f, scale, stream.get());
     l2_normalize_backward(xb.get(), dyb.get(), dx.get(), R, D, 1e-6f, scale, stream.get());

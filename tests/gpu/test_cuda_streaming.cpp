@@ -174,7 +174,9 @@ int compare_gradients(const ModelConfig& config, ModelWeights& want, ModelWeight
 // covers the sequence here, so that both passes attend to the same keys (a near-tie of two pools'
 // scores could otherwise fall either way; selection in chunks is checked by the test above and
 // exactly by the kernel tests), and the KL trains every indexer. With the balance loss the forward
-// takes every chunk; without it, all but the last, whose recomputation is then its only forward.
+// takes every chunk; without it, all but the last, whose recomputation is then its only forward, and
+// each stops at the last layer's attention sublayer (the later feed-forward sublayers count their
+// loads in the recomputation).
 TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
   const ModelConfig config = streaming_config(512);
   ModelWeights weights = allocate_weights(config, DType::F32);

@@ -6,7 +6,9 @@
 // (about one wave of blocks in all), so that the halo and the backward's dw atomics (one set per
 // run) are few. A thread's token loop would otherwise be a chain of dependent loads: each token's
 // loads are issued kBatch tokens ahead of its arithmetic, into registers (no shared memory, so
-// registers alone bound the blocks per SM).
+// registers alone bound the blocks per SM). The l2 forms (the KDA's q and k) normalise each head
+// of the conv's output in the same pass, and take its gradient back through the norm in the
+// backward's pass: a head is a run of lanes of one warp, which sum over it by shuffles.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_memory.h"
 #include "core/error.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/launch.cuh"
@@ -113,44 +116,91 @@ __device__ __forceinline__ float preactivation(const float (&wr)[K], const float
   return a;
 }
 
+// Both sums over a head of the l2 forms, `lanes` consecutive lanes (a power of two, at most 32) of V
+// channels each, so that a warp holds whole heads; every lane of the head gets them. Every lane of
+// the warp takes every shuffle (those past the channels too: the kernels keep them), and keeps a
+// partner's value only where the partner is of its head.
+__device__ __forceinline__ void sum_over_head(float (&sums)[2], int lanes) {
+#pragma unroll
+  for (int lane_bit = 16; lane_bit > 0; lane_bit /= 2) {
+    const float a = __shfl_xor_sync(0xffffffffu, sums[0], lane_bit);
+    const float b = __shfl_xor_sync(0xffffffffu, sums[1], lane_bit);
+    if (lane_bit < lanes) {
+      sums[0] += a;
+      sums[1] += b;
+    }
+  }
+}
+
 // The l2-normalised copy of the conv's output (causal_conv_silu_l2); unused by the plain conv.
 struct L2Output {
   __nv_bfloat16* z;
   int skip;
   float eps, scale;
+  int lanes;
 };
 
 // v (a token's V channels of y, as y's bf16 holds them) times scale / sqrt(sum of squares + eps),
-// the sum over the warp's 32 V channels (one head).
+// the sum over the head's lanes.
 template <int V>
-__device__ __forceinline__ void l2_normalize_head(float (&v)[V], float eps, float scale) {
-  float sum = 0.0f;
+__device__ __forceinline__ void l2_normalize_head(float (&v)[V], float eps, float scale, int lanes) {
+  float sums[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     v[i] = __bfloat162float(__float2bfloat16(v[i]));
-    sum = fmaf(v[i], v[i], sum);
+    sums[0] = fmaf(v[i], v[i], sums[0]);
   }
-#pragma unroll
-  for (int lanes = 16; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
-  const float factor = scale * rsqrtf(sum + eps);
+  sum_over_head(sums, lanes);
+  const float factor = scale * rsqrtf(sums[0] + eps);
 #pragma unroll
   for (int i = 0; i < V; ++i) v[i] *= factor;
+}
+
+// The gradient through the norm of causal_conv_silu_l2 (causal_conv_silu_l2_backward): dz [tokens -
+// skip, channels], the gradient of z.
+struct L2Gradient {
+  const __nv_bfloat16* dz;
+  int skip;
+  float eps, scale;
+  int lanes;
+};
+
+// g: a token's V channels of dz on entry, of dy (the conv output's gradient) on return, for y = the
+// conv's output as the forward rounded it (l2_normalize_backward in fp32: scale / n (g - y (y.g) /
+// n^2), n^2 = y.y + eps over the head).
+template <int V>
+__device__ __forceinline__ void l2_backward_head(float (&g)[V], const float (&y)[V], float eps, float scale,
+                                                 int lanes) {
+  float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    sums[0] = fmaf(y[i], y[i], sums[0]);
+    sums[1] = fmaf(y[i], g[i], sums[1]);
+  }
+  sum_over_head(sums, lanes);
+  const float inv = rsqrtf(sums[0] + eps), coef = inv * inv * sums[1];
+#pragma unroll
+  for (int i = 0; i < V; ++i) g[i] = scale * inv * fmaf(-y[i], coef, g[i]);
 }
 
 // Each thread walks tokens [t0, t1) of its run, t0 = blockIdx.y * run. The loop is in batches of
 // kBatch tokens; batch(u, checked) takes tokens [u, u + kBatch), reading each token's x row from the
 // buffer and refilling it with the row kBatch tokens later. Unchecked batches (all but the last one or
-// two) know that every row they refill exists. kNormalize: a warp's 32 V channels are one head, and
-// y's rows t >= l2.skip also go to z's row t - l2.skip, l2-normalised per head (the whole warp takes
-// the same tokens, so that every lane joins each row's sum).
+// two) know that every row they refill exists. kNormalize: y's rows t >= l2.skip go to z's row
+// t - l2.skip, l2-normalised per head (the whole warp takes the same tokens, so that every lane joins
+// each row's sum), and y itself is not stored.
 template <int K, int V, bool kNormalize>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld, const float* __restrict__ w,
                             __nv_bfloat16* __restrict__ y, const L2Output l2, int tokens, int64_t channels,
                             int run) {
   wait_for_earlier_kernels();
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= channels) return;
+  // The l2 forms keep a warp's lanes past the channels (whole heads of them) for its shuffles: they
+  // walk channel 0 and store nothing.
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  const bool active = first < channels;
+  if (!kNormalize && !active) return;
+  const int64_t c = active ? first : 0;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
   __nv_bfloat16* normalized = nullptr;  // the next z row to write
   if constexpr (kNormalize) normalized = l2.z + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c;
@@ -159,8 +209,8 @@ __global__ void __launch_bounds__(kThreads)
   load_halo<K, V>(x, x_ld, c, t0, win);
   // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
   const __nv_bfloat16* next = x + static_cast<int64_t>(t0) * x_ld + c;  // the next x row to read
-  __nv_bfloat16* out = y + static_cast<int64_t>(t0) * channels + c;     // the next y row to write
-  Bf16s<V> xb[kBatch] = {};                                             // x rows u + b of the batch at u
+  __nv_bfloat16* out = kNormalize ? nullptr : y + static_cast<int64_t>(t0) * channels + c;  // next y row
+  Bf16s<V> xb[kBatch] = {};  // x rows u + b of the batch at u
 #pragma unroll
   for (int b = 0; b < kBatch; ++b) {
     if (t0 + b < t1) {
@@ -186,12 +236,13 @@ __global__ void __launch_bounds__(kThreads)
         out_values[v] = a * sigmoid(a);
       }
       if (!kChecked || u + b < t1) {
-        store_global<V>(out, out_values);
-        out += channels;
-        if constexpr (kNormalize) {
+        if constexpr (!kNormalize) {
+          store_global<V>(out, out_values);
+          out += channels;
+        } else {
           if (u + b >= l2.skip) {
-            l2_normalize_head<V>(out_values, l2.eps, l2.scale);
-            store_global<V>(normalized, out_values);
+            l2_normalize_head<V>(out_values, l2.eps, l2.scale, l2.lanes);
+            if (active) store_global<V>(normalized, out_values);
             normalized += channels;
           }
         }
@@ -210,16 +261,22 @@ __global__ void __launch_bounds__(kThreads)
 // u - (K - 1) >= t0: the rows before belong to the run before). Batches as the forward's, refilling
 // both x and dy; unchecked batches (all but the first and the last one or two) also store every dx
 // row and add every da to dw. The run's dw sums go out once, by atomics: every run adds into the same
-// channels K values.
-template <int K, int V>
+// channels K values. kNormalize: dy is not read but formed at each step, from dz's row u - l2.skip
+// (zero before l2.skip) and y[u] = silu(a[u]) as the forward rounded it, through the head's norm (the
+// whole warp takes the same steps, so that every lane joins each row's sums).
+template <int K, int V, bool kNormalize>
 __global__ void __launch_bounds__(kThreads)
     causal_conv_silu_backward_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld,
                                      const float* __restrict__ w, const __nv_bfloat16* __restrict__ dy,
-                                     __nv_bfloat16* __restrict__ dx, int64_t dx_ld, float* __restrict__ dw,
-                                     int tokens, int64_t channels, int run) {
+                                     const L2Gradient l2, __nv_bfloat16* __restrict__ dx, int64_t dx_ld,
+                                     float* __restrict__ dw, int tokens, int64_t channels, int run) {
   wait_for_earlier_kernels();
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
-  if (c >= channels) return;
+  // The l2 forms keep a warp's lanes past the channels (whole heads of them) for its shuffles: they
+  // walk channel 0 and store nothing.
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  const bool active = first < channels;
+  if (!kNormalize && !active) return;
+  const int64_t c = active ? first : 0;
   const int t0 = static_cast<int>(blockIdx.y) * run, t1 = min(t0 + run, tokens);
   const int end = t1 + K - 1;         // steps u in [t0, end)
   const int rows = min(end, tokens);  // the x and dy rows that the steps read
@@ -229,16 +286,28 @@ __global__ void __launch_bounds__(kThreads)
   load_halo<K, V>(x, x_ld, c, t0, win);
   // Stepped pointers: 64-bit index arithmetic per token would be a good part of the instructions.
   const __nv_bfloat16* x_next = x + static_cast<int64_t>(t0) * x_ld + c;  // the next rows to read
-  const __nv_bfloat16* dy_next = dy + static_cast<int64_t>(t0) * channels + c;
+  // dy's (or dz's) next row to read: with kNormalize, dz's first row at or after the next step's.
+  const __nv_bfloat16* dy_next = kNormalize
+                                     ? l2.dz + static_cast<int64_t>(max(t0 - l2.skip, 0)) * channels + c
+                                     : dy + static_cast<int64_t>(t0) * channels + c;
   __nv_bfloat16* dx_out = dx + static_cast<int64_t>(t0) * dx_ld + c;  // the next dx row to write
-  Bf16s<V> xb[kBatch] = {}, db[kBatch] = {};  // x and dy rows u + b of the batch at u (zero past `rows`)
+  // The gradient's row for step `row`, in order (zero before l2.skip: z has no row there).
+  const auto load_gradient = [&](int row) {
+    Bf16s<V> g{};
+    if (!kNormalize || row >= l2.skip) {
+      g = load_row<V>(dy_next);
+      dy_next += channels;
+    }
+    return g;
+  };
+  Bf16s<V> xb[kBatch] = {},
+           db[kBatch] = {};  // x and gradient rows u + b of the batch at u (zero past `rows`)
 #pragma unroll
   for (int b = 0; b < kBatch; ++b) {
     if (t0 + b < rows) {
       xb[b] = load_row<V>(x_next);
-      db[b] = load_row<V>(dy_next);
+      db[b] = load_gradient(t0 + b);
       x_next += x_ld;
-      dy_next += channels;
     }
   }
   const auto batch = [&](int u, auto checked) {
@@ -251,21 +320,32 @@ __global__ void __launch_bounds__(kThreads)
       unpack<V>(db[b], dyin);
       if (!kChecked || step + kBatch < rows) {
         xb[b] = load_row<V>(x_next);
-        db[b] = load_row<V>(dy_next);
+        db[b] = load_gradient(step + kBatch);
         x_next += x_ld;
-        dy_next += channels;
       } else {
-        xb[b] = db[b] = Bf16s<V>{};
+        xb[b] = Bf16s<V>{};
+        db[b] = Bf16s<V>{};
       }
       shift_in<K, V>(win, xin);
       const bool own = !kChecked || step < t1;  // da[step] is this run's: it adds to dw
+      float a[V], sg[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        a[v] = preactivation<K>(wr[v], win[v]);
+        sg[v] = sigmoid(a[v]);
+      }
+      if constexpr (kNormalize) {
+        float y[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) y[v] = __bfloat162float(__float2bfloat16(a[v] * sg[v]));
+        l2_backward_head<V>(dyin, y, l2.eps, l2.scale, l2.lanes);
+      }
       float g[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const float a = preactivation<K>(wr[v], win[v]);
         // da = dy silu'(a) = dy sg (1 + a (1 - sg)), as p + p a (1 - sg) with p = dy sg.
-        const float sg = sigmoid(a), p = dyin[v] * sg;
-        const float da = fmaf(p, fmaf(-a, sg, a), p);
+        const float p = dyin[v] * sg[v];
+        const float da = fmaf(p, fmaf(-a[v], sg[v], a[v]), p);
 #pragma unroll
         for (int j = 0; j + 1 < K; ++j) dh[v][j] = dh[v][j + 1];
         dh[v][K - 1] = da;
@@ -278,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < K; ++j) g[v] = fmaf(dh[v][K - 1 - j], wr[v][j], g[v]);
       }
       if (!kChecked || (step >= t0 + K - 1 && step < end)) {  // dx[step - (K - 1)]
-        store_global<V>(dx_out, g);
+        if (active) store_global<V>(dx_out, g);
         dx_out += dx_ld;
       }
     }
@@ -290,6 +370,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 1
   for (; u < end; u += kBatch) batch(u, std::true_type{});
   // One atomic per tap for the run (its sums are already in registers); four taps in one where aligned.
+  if (!active) return;
   float* sums = dw + c * K;
   const float* acc = &dwacc[0][0];
   if constexpr (V * K % 4 == 0) {
@@ -356,19 +437,43 @@ void launch_forward(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_b
 }
 
 template <int K, int V>
-void launch_forward_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y,
-                       const L2Output& l2, int64_t tokens, int64_t channels, cudaStream_t stream) {
-  launch_conv<K, V, true>(x, x_ld, w, y, l2, tokens, channels, stream);
+void launch_forward_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, const L2Output& l2,
+                       int64_t tokens, int64_t channels, cudaStream_t stream) {
+  launch_conv<K, V, true>(x, x_ld, w, nullptr, l2, tokens, channels, stream);
+}
+
+template <int K, int V, bool kNormalize>
+void launch_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
+                     const L2Gradient& l2, __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens,
+                     int64_t channels, cudaStream_t stream) {
+  const auto kernel = causal_conv_silu_backward_kernel<K, V, kNormalize>;
+  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
+  launch_kernel(kernel, grid.blocks, kThreads, 0, stream, x, x_ld, w, dy, l2, dx, dx_ld, dw,
+                static_cast<int>(tokens), channels, grid.run);
 }
 
 template <int K, int V>
-void launch_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
-                     __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
-                     cudaStream_t stream) {
-  const auto kernel = causal_conv_silu_backward_kernel<K, V>;
-  const ConvGrid grid = conv_grid(reinterpret_cast<const void*>(kernel), tokens, channels, V);
-  launch_kernel(kernel, grid.blocks, kThreads, 0, stream, x, x_ld, w, dy, dx, dx_ld, dw,
-                static_cast<int>(tokens), channels, grid.run);
+void launch_plain_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
+                           __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
+                           cudaStream_t stream) {
+  launch_backward<K, V, false>(x, x_ld, w, dy, L2Gradient{}, dx, dx_ld, dw, tokens, channels, stream);
+}
+
+template <int K, int V>
+void launch_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const L2Gradient& l2,
+                        __nv_bfloat16* dx, int64_t dx_ld, float* dw, int64_t tokens, int64_t channels,
+                        cudaStream_t stream) {
+  launch_backward<K, V, true>(x, x_ld, w, nullptr, l2, dx, dx_ld, dw, tokens, channels, stream);
+}
+
+// The values a thread of the l2 forms takes: the widest V in {4, 2, 1}, at most `allowed` (what the
+// alignment allows), for which a head is a power of two of lanes within a warp; 0 if none is.
+int head_values(int64_t head_dim, int allowed) {
+  for (int v = allowed; v >= 1; v /= 2) {
+    const int64_t lanes = head_dim / v;
+    if (head_dim % v == 0 && lanes <= 32 && 32 % lanes == 0) return v;
+  }
+  return 0;
 }
 
 // Calls LAUNCH<K, V>(args...) for the runtime kernel size (1 to kMaxKernel).
@@ -400,6 +505,16 @@ void launch_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const
       break;                                  \
   }
 
+// Calls LAUNCH<K, V>(args...) for the runtime kernel size and `values` (4, 2 or 1).
+#define SPINDLE_CONV_DISPATCH_VALUES(LAUNCH, ...) \
+  if (values == 4) {                              \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 4, __VA_ARGS__) \
+  } else if (values == 2) {                       \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 2, __VA_ARGS__) \
+  } else {                                        \
+    SPINDLE_CONV_DISPATCH(LAUNCH, 1, __VA_ARGS__) \
+  }
+
 }  // namespace
 
 void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y, int64_t tokens,
@@ -408,45 +523,31 @@ void causal_conv_silu(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv
   check_shape("causal_conv_silu", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
   const int values = values_per_thread({channels, x_ld}, {x, y});
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 4, x, x_ld, w, y, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_forward, 2, x, x_ld, w, y, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_forward, 1, x, x_ld, w, y, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_forward, x, x_ld, w, y, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_kernel");
 }
 
-void causal_conv_silu_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* y,
-                         __nv_bfloat16* z, int64_t skip, int64_t tokens, int64_t channels, int64_t kernel,
-                         int64_t head_dim, float eps, float scale, cudaStream_t stream) {
+bool causal_conv_silu_l2(const __nv_bfloat16* x, int64_t x_ld, const float* w, __nv_bfloat16* z, int64_t skip,
+                         int64_t tokens, int64_t channels, int64_t kernel, int64_t head_dim, float eps,
+                         float scale, cudaStream_t stream) {
   check(x_ld >= channels, "causal_conv_silu_l2: x's rows ", x_ld, " apart for ", channels, " channels");
   check(head_dim > 0 && channels % head_dim == 0 && skip >= 0 && skip <= tokens,
         "causal_conv_silu_l2: ", channels, " channels in heads of ", head_dim, ", ", skip, " of ", tokens,
         " rows skipped");
-  // Fused where a warp's 32 V channels can be one head (V within what the alignment allows); else
-  // the conv, then the norm's own pass.
-  const int64_t values = head_dim / 32;
-  const bool fused = head_dim % 32 == 0 && (values == 1 || values == 2 || values == 4) &&
-                     values <= values_per_thread({channels, x_ld}, {x, y, z});
-  if (!fused) {
-    causal_conv_silu(x, x_ld, w, y, tokens, channels, kernel, stream);
-    l2_normalize_forward(y + skip * channels, z, (tokens - skip) * channels / head_dim, head_dim, eps, scale,
-                         stream);
-    return;
-  }
   check_shape("causal_conv_silu_l2", tokens, kernel);
-  if (tokens == 0 || channels == 0) return;
-  const L2Output l2{z, static_cast<int>(skip), eps, scale};
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 4, x, x_ld, w, y, l2, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 2, x, x_ld, w, y, l2, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_forward_l2, 1, x, x_ld, w, y, l2, tokens, channels, stream)
+  if (tokens == 0 || channels == 0) return true;
+  const int values = head_values(head_dim, values_per_thread({channels, x_ld}, {x, z}));
+  if (values == 0) {  // the conv, then the norm's own pass
+    DeviceBuffer<__nv_bfloat16> y(static_cast<size_t>(tokens * channels), MemoryCategory::Workspace);
+    causal_conv_silu(x, x_ld, w, y.data(), tokens, channels, kernel, stream);
+    l2_normalize_forward(y.data() + skip * channels, z, (tokens - skip) * channels / head_dim, head_dim, eps,
+                         scale, stream);
+    return false;
   }
+  const L2Output l2{z, static_cast<int>(skip), eps, scale, static_cast<int>(head_dim / values)};
+  SPINDLE_CONV_DISPATCH_VALUES(launch_forward_l2, x, x_ld, w, l2, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_kernel (l2)");
+  return true;
 }
 
 void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w, const __nv_bfloat16* dy,
@@ -457,16 +558,39 @@ void causal_conv_silu_backward(const __nv_bfloat16* x, int64_t x_ld, const float
   check_shape("causal_conv_silu_backward", tokens, kernel);
   if (tokens == 0 || channels == 0) return;
   const int values = values_per_thread({channels, x_ld, dx_ld}, {x, dy, dx});
-  if (values == 4) {
-    SPINDLE_CONV_DISPATCH(launch_backward, 4, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  } else if (values == 2) {
-    SPINDLE_CONV_DISPATCH(launch_backward, 2, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  } else {
-    SPINDLE_CONV_DISPATCH(launch_backward, 1, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
-  }
+  SPINDLE_CONV_DISPATCH_VALUES(launch_plain_backward, x, x_ld, w, dy, dx, dx_ld, dw, tokens, channels, stream)
   SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel");
 }
 
+bool causal_conv_silu_l2_backward(const __nv_bfloat16* x, int64_t x_ld, const float* w,
+                                  const __nv_bfloat16* dz, int64_t skip, __nv_bfloat16* dx, int64_t dx_ld,
+                                  float* dw, int64_t tokens, int64_t channels, int64_t kernel,
+                                  int64_t head_dim, float eps, float scale, cudaStream_t stream) {
+  check(x_ld >= channels && dx_ld >= channels, "causal_conv_silu_l2_backward: x's rows ", x_ld, " and dx's ",
+        dx_ld, " apart for ", channels, " channels");
+  check(head_dim > 0 && channels % head_dim == 0 && skip >= 0 && skip <= tokens,
+        "causal_conv_silu_l2_backward: ", channels, " channels in heads of ", head_dim, ", ", skip, " of ",
+        tokens, " rows skipped");
+  check_shape("causal_conv_silu_l2_backward", tokens, kernel);
+  if (tokens == 0 || channels == 0) return true;
+  const int values = head_values(head_dim, values_per_thread({channels, x_ld, dx_ld}, {x, dz, dx}));
+  if (values == 0) {  // the conv's output made again, the norm's backward, then the conv's
+    DeviceBuffer<__nv_bfloat16> y(static_cast<size_t>(tokens * channels), MemoryCategory::Workspace);
+    DeviceBuffer<__nv_bfloat16> dy(static_cast<size_t>(tokens * channels), MemoryCategory::Workspace);
+    causal_conv_silu(x, x_ld, w, y.data(), tokens, channels, kernel, stream);
+    SPINDLE_CUDA(cudaMemsetAsync(dy.data(), 0, skip * channels * sizeof(__nv_bfloat16), stream));
+    l2_normalize_backward(y.data() + skip * channels, dz, dy.data() + skip * channels,
+                          (tokens - skip) * channels / head_dim, head_dim, eps, scale, stream);
+    causal_conv_silu_backward(x, x_ld, w, dy.data(), dx, dx_ld, dw, tokens, channels, kernel, stream);
+    return false;
+  }
+  const L2Gradient l2{dz, static_cast<int>(skip), eps, scale, static_cast<int>(head_dim / values)};
+  SPINDLE_CONV_DISPATCH_VALUES(launch_l2_backward, x, x_ld, w, l2, dx, dx_ld, dw, tokens, channels, stream)
+  SPINDLE_LAUNCHED("causal_conv_silu_backward_kernel (l2)");
+  return true;
+}
+
+#undef SPINDLE_CONV_DISPATCH_VALUES
 #undef SPINDLE_CONV_DISPATCH
 
 }  // namespace spindle::cuda

@@ -456,9 +456,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                         const float* __restrict__ beta, const __nv_bfloat16* __restrict__ dout,
                         const float* __restrict__ mats, const float* __restrict__ kb_ds,
                         const float* __restrict__ chunk_states, const float* __restrict__ slots,
-                        float* __restrict__ dq, float* __restrict__ dk_out, float* __restrict__ dv_out,
-                        float* __restrict__ dg, float* __restrict__ dbeta, int64_t c0, int64_t tokens,
-                        int heads, int dk, int dv) {
+                        __nv_bfloat16* __restrict__ dq, __nv_bfloat16* __restrict__ dk_out,
+                        __nv_bfloat16* __restrict__ dv_out, float* __restrict__ dg, float* __restrict__ dbeta,
+                        int64_t c0, int64_t tokens, int heads, int dk, int dv) {
   wait_for_earlier_kernels();
   extern __shared__ __align__(16) float smem[];
   const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g4 = lane / 4, c4 = lane % 4;
@@ -609,7 +609,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int t = pt(e), jj = pj(e);
           dR[t * kTs + jj] = acc[0][e];
-          if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+          if (t < n && jj < nv)
+            dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = __float2bfloat16(bt[t] * acc[0][e]);
         }
       } else {
         add_dqg();
@@ -691,7 +692,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           for (int e = 0; e < 4; ++e) {
             const int t = pt(e), jj = pj(e);
             dR[t * kTs + jj] = acc[0][e];
-            if (t < n && jj < nv) dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = bt[t] * acc[0][e];
+            if (t < n && jj < nv)
+              dv_out[((t0 + t) * heads + h) * dv + j0 + jj] = __float2bfloat16(bt[t] * acc[0][e]);
           }
         }
       }
@@ -823,7 +825,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           rq = fmaf(dAq[t * kAp + s2], w, rq);
         }
         const float E = exp2_ftz(Gt), dq_x = fmaf(E, kKept ? dG[x] : acc_q[2 * nh + nt][e], rq);
-        if (t < n && i < dk) dq[((t0 + t) * heads + h) * dk + i] = dq_x;
+        if (t < n && i < dk) dq[((t0 + t) * heads + h) * dk + i] = __float2bfloat16(dq_x);
         dG[x] = dq_x;  // for dG, below: the register is free from here
         acc_r[2 * nh + nt][e] = fmaf(-E * bt[t], acc_r[2 * nh + nt][e],
                                      ra);  // later = exp(G) dW + rowA
@@ -882,7 +884,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         }
         const float kb_part = exp2_ftz(glast[i] - Gt) * acc_kb[2 * nh + nt][e];
         const float earlier = kb_part + ca + cq, later = acc_r[2 * nh + nt][e], dq_x = dG[x];
-        if (t < n && i < dk) dk_out[((t0 + t) * heads + h) * dk + i] = later + earlier;
+        if (t < n && i < dk) dk_out[((t0 + t) * heads + h) * dk + i] = __float2bfloat16(later + earlier);
         dG[x] = Qs[x] * dq_x + Ks[x] * (later - earlier);
         gpart[nt][e % 2] += Ks[x] * kb_part;  // zero past the chunk: k is
       }
@@ -917,10 +919,10 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 
 void kda_chunked_backward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                           const float* g, const float* beta, const __nv_bfloat16* dout,
-                          const float* chunk_states, float* dq, float* dk_out, float* dv_out, float* dg,
-                          float* dbeta, float* workspace, int64_t tokens, int64_t heads, int64_t dk,
-                          int64_t dv, cudaStream_t stream, const float* d_final_state, float* d_initial_state,
-                          const float* kept_matrices) {
+                          const float* chunk_states, __nv_bfloat16* dq, __nv_bfloat16* dk_out,
+                          __nv_bfloat16* dv_out, float* dg, float* dbeta, float* workspace, int64_t tokens,
+                          int64_t heads, int64_t dk, int64_t dv, cudaStream_t stream,
+                          const float* d_final_state, float* d_initial_state, const float* kept_matrices) {
   check(dk >= 1 && dk <= kKdaMaxDim && dv >= 1 && dv <= kKdaMaxDim, "kda_chunked_backward: dk ", dk, ", dv ",
         dv, " (expected 1 to ", kKdaMaxDim, ")");
   check(tokens >= 0 && heads >= 0 && heads <= 0xffff, "kda_chunked_backward: ", tokens, " tokens x ", heads,

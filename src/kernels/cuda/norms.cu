@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kMaxBlock)
 // With inv = 1 / sqrt(sum x^2 + eps): dx = scale inv (dy - x inv^2 sum(x dy)).
 template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
-    l2_normalize_backward_kernel(const bf16* x, const float* dy, bf16* dx, int64_t rows, int D, float eps,
+    l2_normalize_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int64_t rows, int D, float eps,
                                  float scale) {
   wait_for_earlier_kernels();
   constexpr int E = C * V;
@@ -500,7 +500,7 @@ void with_plan(const RowPlan& p, Launch&& launch) {
   });
 }
 
-constexpr size_t kB = sizeof(bf16), kF = sizeof(float);
+constexpr size_t kB = sizeof(bf16);
 
 template <bool kGated>
 void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight, const bf16* gate, bf16* y,
@@ -600,9 +600,9 @@ void l2_normalize_forward(const bf16* x, bf16* y, int64_t rows, int64_t D, float
   SPINDLE_LAUNCHED("l2_normalize_forward");
 }
 
-void l2_normalize_backward(const bf16* x, const float* dy, bf16* dx, int64_t rows, int64_t D, float eps,
+void l2_normalize_backward(const bf16* x, const bf16* dy, bf16* dx, int64_t rows, int64_t D, float eps,
                            float scale, cudaStream_t stream) {
-  const RowPlan p = plan_rows("l2_normalize_backward", rows, D, {{x, kB}, {dy, kF}, {dx, kB}});
+  const RowPlan p = plan_rows("l2_normalize_backward", rows, D, {{x, kB}, {dy, kB}, {dx, kB}});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel =

@@ -48,8 +48,8 @@ void gated_rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight
 void l2_normalize_forward(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t rows, int64_t D, float eps,
                           float scale, cudaStream_t stream);
 
-// dx (written) from x, the input before normalising, and dy (fp32), the gradient of y.
-void l2_normalize_backward(const __nv_bfloat16* x, const float* dy, __nv_bfloat16* dx, int64_t rows,
+// dx (written) from x, the input before normalising, and dy, the gradient of y.
+void l2_normalize_backward(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, int64_t rows,
                            int64_t D, float eps, float scale, cudaStream_t stream);
 
 }  // namespace spindle::cuda

@@ -2,7 +2,6 @@
 // activations, fp32 gates, decays and recurrent state.
 #include "kernels/cuda/kda.h"
 
-#include <array>
 #include <cmath>
 #include <utility>
 
@@ -22,10 +21,10 @@ namespace {
 // k and v windows, then the gate's and the forget gate's low-rank. A window holds the carried rows
 // (zeros at the start of a sequence), then this chunk's; the conv runs over the whole window and the
 // chunk's outputs are its rows from kernel - 1 on. The low-rank columns use the chunk's rows only.
-// stacked_w: the weights stacked alike, then b_proj's (beta keeps its own fp32 product), so that
-// the backward's one product into dx reuses them.
+// The weights are stacked alike in KdaWeights::in_proj, then b_proj's (beta keeps its own fp32
+// product), so that the backward's one product into dx, and one into their gradients, take them.
 struct KdaActivations {
-  DeviceBuffer<bf16> stacked_w, projected, qcw, kcw, vcw, q, k, gate, core;
+  DeviceBuffer<bf16> projected, vcw, q, k, gate, core;     // vcw: v's conv output over its window
   DeviceBuffer<float> f, g, beta, chunk_states, matrices;  // matrices: kept ones, or empty
 };
 
@@ -50,6 +49,9 @@ KdaDecayShape decay_shape(const ModelConfig& c, int64_t L) {
 
 // Values in the carried rows of one projection's window: (kernel - 1) * qkv.
 int64_t tail_size(const ModelConfig& c) { return (c.linear_conv_kernel_dim - 1) * c.linear_qkv_dim(); }
+
+// q's l2 norm also scales it by 1 / sqrt(head_dim).
+float query_scale(const ModelConfig& c) { return 1.0f / std::sqrt(static_cast<float>(c.linear_head_dim)); }
 
 int64_t state_size(const ModelConfig& c) {
   return c.linear_num_heads * c.linear_head_dim * c.linear_head_dim;
@@ -100,13 +102,6 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   const cudaStream_t s = ctx.stream();
   const bool recurrence_kept = kept != nullptr && !kept->empty();
   KdaActivations a;
-  // A copy (2 (ld + H) D bytes, about 26 MB for the 4B model) that backward() reuses for dx.
-  a.stacked_w = DeviceBuffer<bf16>(static_cast<size_t>(cols.stacked() * D), MemoryCategory::Workspace);
-  int64_t stacked_row = 0;
-  for (const Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.g_a_proj, &w.f_a_proj, &w.b_proj}) {
-    copy_device(a.stacked_w.data() + stacked_row * D, bf16_data(*t), t->dim(0) * D * sizeof(bf16), s);
-    stacked_row += t->dim(0);
-  }
   // x's projections, kept from the forward (its carried rows too: the same carry) or made here.
   const bool projections_kept = recurrence_kept && kept->projected.size() > 0;
   if (projections_kept) {
@@ -116,7 +111,7 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   } else {
     a.projected = activations(rows * ld);
   }
-  for (auto* b : {&a.qcw, &a.kcw, &a.vcw}) *b = activations(rows * qkv);
+  a.vcw = activations(rows * qkv);
   for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
   if (recurrence_kept) {
     check(kept->out.size() == static_cast<size_t>(L * qkv), "KDA backward: a kept output of ",
@@ -147,13 +142,14 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
                                      cudaMemcpyDeviceToDevice, s));
     else
       SPINDLE_CUDA(cudaMemsetAsync(a.projected.data(), 0, carried * ld * sizeof(bf16), s));
-    linear_strided(ctx.gemm, x, D, a.stacked_w.data(), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
+    linear_strided(ctx.gemm, x, D, bf16_data(w.in_proj), chunk_rows, CUDA_R_16BF, ld, L, D, ld, s);
   }
-  // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows.
-  causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.qcw.data(), a.q.data(), carried, rows,
-                      qkv, K, dh, 1e-6f, 1.0f / std::sqrt(static_cast<float>(dh)), s);
-  causal_conv_silu_l2(a.projected.data() + qkv, ld, f32_data(w.k_conv), a.kcw.data(), a.k.data(), carried,
-                      rows, qkv, K, dh, 1e-6f, 1.0f, s);
+  // q and k are l2-normalised per head (q's scale inside) in their conv's pass, the chunk's rows; the
+  // convs' outputs themselves are not stored (the backward forms their gradient in its conv's pass).
+  const bool q_fused = causal_conv_silu_l2(a.projected.data(), ld, f32_data(w.q_conv), a.q.data(), carried,
+                                           rows, qkv, K, dh, 1e-6f, query_scale(c), s);
+  const bool k_fused = causal_conv_silu_l2(a.projected.data() + qkv, ld, f32_data(w.k_conv), a.k.data(),
+                                           carried, rows, qkv, K, dh, 1e-6f, 1.0f, s);
   causal_conv_silu(a.projected.data() + 2 * qkv, ld, f32_data(w.v_conv), a.vcw.data(), rows, qkv, K, s);
 
   linear_strided(ctx.gemm, f_low, ld, bf16_data(w.f_b_proj), a.f.data(), CUDA_R_32F, qkv, L, dh, qkv, s);
@@ -173,7 +169,10 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
   linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
                  s);
   ctx.record.note("kda/projections", "cublaslt bf16");
-  ctx.record.note("kda/conv", "cuda causal_conv_silu, q and k with their l2 norms");
+  ctx.record.note("kda/conv",
+                  q_fused && k_fused ? "cuda causal_conv_silu, q and k with their l2 norms"
+                                     : "cuda causal_conv_silu, then q's and k's l2 norms (two passes)",
+                  !(q_fused && k_fused));
   ctx.record.note("kda/recurrence", "cuda chunked (C=64, fp32 state)");
   return a;
 }
@@ -191,11 +190,10 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
                                    ld * sizeof(bf16), 3 * qkv * sizeof(bf16), c.linear_conv_kernel_dim - 1,
                                    cudaMemcpyDeviceToDevice, s));
   }
-  // The gated norm's output reuses qcw (free once the l2 norm has read it; the backward's recomputation
-  // keeps it).
-  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.qcw.data(), L * H, dh,
+  // The gated norm's output reuses q (free once the recurrence has read it).
+  gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.q.data(), L * H, dh,
                          static_cast<float>(c.rms_norm_eps), s);
-  ctx.gemm.linear(a.qcw.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
+  ctx.gemm.linear(a.q.data(), bf16_data(w.o_proj), y, L, qkv, D, s);
   if (keep != nullptr) {
     keep->out = std::move(a.core);
     keep->stats = std::move(a.chunk_states);
@@ -230,91 +228,85 @@ void backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf1
 
   // The delta rule; with a carry, from the state gradient the next chunk handed back to the one
   // this chunk's initial state receives.
-  DeviceBuffer<float> dq = activations_f32(L * qkv), dk = activations_f32(L * qkv),
-                      dv = activations_f32(L * qkv), dg = activations_f32(L * qkv),
-                      dbeta = activations_f32(L * H),
+  DeviceBuffer<bf16> dq = activations(L * qkv), dk = activations(L * qkv);
+  DeviceBuffer<float> dg = activations_f32(L * qkv), dbeta = activations_f32(L * H),
                       d_initial = activations_f32(carry_grad ? state_size(c) : 0);
+  // dv in bf16 as v's conv window takes it: the carried rows (zero gradient), then the chunk's.
+  DeviceBuffer<bf16> dv_window = activations(rows * qkv);
+  SPINDLE_CUDA(cudaMemsetAsync(dv_window.data(), 0, tail * sizeof(bf16), s));
   {
     const TimedScope timed = ctx.timed("kda.recurrence_backward");
     const bool matrices_kept = a.matrices.size() > 0;
     DeviceBuffer<float> workspace(
         static_cast<size_t>(kda_backward_workspace_floats(L, H, dh, dh, matrices_kept)),
         MemoryCategory::Workspace);
-    kda_chunked_backward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
-                         a.chunk_states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
-                         workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
-                         carry_grad ? d_initial.data() : nullptr,
-                         matrices_kept ? a.matrices.data() : nullptr);
+    kda_chunked_backward(
+        a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), dcore.data(),
+        a.chunk_states.data(), dq.data(), dk.data(), dv_window.data() + tail, dg.data(), dbeta.data(),
+        workspace.data(), L, H, dh, dh, s, carry_grad ? carry_grad->state.data() : nullptr,
+        carry_grad ? d_initial.data() : nullptr, matrices_kept ? a.matrices.data() : nullptr);
   }
   if (carry_grad) copy_device(carry_grad->state.data(), d_initial.data(), state_size(c) * sizeof(float), s);
 
   // Every gradient that reaches dx through a weight, side by side in one [rows, ld] buffer: the q,
   // k and v windows' (rows of the conv's window), then the gate's and the forget gate's low-rank and
   // db (the chunk's rows), so that dx takes them all in one product against the stacked weights
-  // (kda_columns' order), which writes dx. Each product adding into dx would read and write all of
-  // the fp32 dx: six of them cost about a third more than the one.
+  // (kda_columns' order, KdaWeights::in_proj), which writes dx, and their weights' gradients come
+  // from one product into in_proj's. Each product adding into dx would read and write all of the
+  // fp32 dx: six of them cost about a third more than the one.
   const int64_t ld = cols.stacked();
   DeviceBuffer<bf16> stacked = activations(rows * ld);
   bf16* chunk_rows = stacked.data() + carried * ld;  // token 0's row
   bf16 *d_low_g = chunk_rows + cols.gate_low(), *d_low_f = chunk_rows + cols.forget_low(),
        *db_cols = chunk_rows + cols.projected();
   backward_input_into_columns(gemm, dgate.data(), bf16_data(w.g_b_proj), d_low_g, ld, L, dh, qkv, s);
-  backward_weight_strided(gemm, d_low_g, ld, x, D, f32_data(grad.g_a_proj), L, D, dh, s);
 
   // beta = sigmoid(b_proj x); g from the forget gate's low-rank branch.
   DeviceBuffer<bf16> db = activations(L * H), df = activations(L * qkv);
   sigmoid_backward(a.beta.data(), dbeta.data(), db.data(), L * H, s);
   SPINDLE_CUDA(cudaMemcpy2DAsync(db_cols, ld * sizeof(bf16), db.data(), H * sizeof(bf16), H * sizeof(bf16), L,
                                  cudaMemcpyDeviceToDevice, s));
-  gemm.linear_backward_weight(db.data(), x, f32_data(grad.b_proj), L, D, H, s);
   kda_decay_backward(decay_shape(c, L), a.f.data(), f32_data(w.dt_bias), f32_data(w.A_log), dg.data(),
                      df.data(), f32_data(grad.dt_bias), f32_data(grad.A_log), s);
   dg = {};
   backward_input_into_columns(gemm, df.data(), bf16_data(w.f_b_proj), d_low_f, ld, L, dh, qkv, s);
   backward_weight_strided(gemm, df.data(), qkv, projected_rows + cols.forget_low(), cols.projected(),
                           f32_data(grad.f_b_proj), L, dh, qkv, s);
-  backward_weight_strided(gemm, d_low_f, ld, x, D, f32_data(grad.f_a_proj), L, D, dh, s);
 
-  // l2 norms (the query scale inside), convs, projections' weights, each branch over its window:
-  // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk
-  // handed on also get the gradient the next chunk sent back; the carried rows' gradient goes to
-  // carry_grad.
-  DeviceBuffer<bf16> dconv = activations(rows * qkv);
-  SPINDLE_CUDA(cudaMemsetAsync(dconv.data(), 0, tail * sizeof(bf16), s));
-  struct Branch {
-    const bf16* window;
-    DeviceBuffer<float>& d_out;  // the recurrence's gradient of the branch's input, freed once read
-    const Tensor& conv;
-    Tensor& dconv_w;
-    Tensor& dproj_w;
-  };
-  const std::array<Branch, 3> branches{
-      Branch{a.projected.data(), dq, w.q_conv, grad.q_conv, grad.q_proj},
-      Branch{a.projected.data() + qkv, dk, w.k_conv, grad.k_conv, grad.k_proj},
-      Branch{a.projected.data() + 2 * qkv, dv, w.v_conv, grad.v_conv, grad.v_proj}};
-  for (size_t b = 0; b < 3; ++b) {
-    const Branch& br = branches[b];
-    bf16* dconv_rows = dconv.data() + tail;
-    if (b == 0)
-      l2_normalize_backward(a.qcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f,
-                            1.0f / std::sqrt(static_cast<float>(dh)), s);
-    else if (b == 1)
-      l2_normalize_backward(a.kcw.data() + tail, br.d_out.data(), dconv_rows, L * H, dh, 1e-6f, 1.0f, s);
-    else
-      f32_to_bf16(br.d_out.data(), dconv_rows, L * qkv, s);
-    br.d_out = {};
+  // Convs, each branch over its window, q's and k's through their l2 norms (the query scale inside):
+  // the conv's outputs of the carried rows were not used (zero gradient); the rows this chunk handed
+  // on also get the gradient the next chunk sent back; the carried rows' gradient goes to carry_grad.
+  bool fused = true;
+  for (int64_t b = 0; b < 3; ++b) {
+    const bf16* window = a.projected.data() + b * qkv;
     bf16* dwindow = stacked.data() + b * qkv;
-    causal_conv_silu_backward(br.window, cols.projected(), f32_data(br.conv), dconv.data(), dwindow, ld,
-                              f32_data(br.dconv_w), rows, qkv, K, s);
+    const Tensor& conv = b == 0 ? w.q_conv : b == 1 ? w.k_conv : w.v_conv;
+    Tensor& conv_grad = b == 0 ? grad.q_conv : b == 1 ? grad.k_conv : grad.v_conv;
+    if (b < 2) {
+      DeviceBuffer<bf16>& d_normed = b == 0 ? dq : dk;  // the recurrence's gradient, freed once read
+      fused = causal_conv_silu_l2_backward(window, cols.projected(), f32_data(conv), d_normed.data(), carried,
+                                           dwindow, ld, f32_data(conv_grad), rows, qkv, K, dh, 1e-6f,
+                                           b == 0 ? query_scale(c) : 1.0f, s) &&
+              fused;
+      d_normed = {};
+    } else {
+      causal_conv_silu_backward(window, cols.projected(), f32_data(conv), dv_window.data(), dwindow, ld,
+                                f32_data(conv_grad), rows, qkv, K, s);
+    }
     if (carry_grad) {  // the tails: [kernel - 1, 3 qkv], the branch's columns
       bf16* tails = carry_grad->tails.data() + b * qkv;
       add_bf16_rows(tails, 3 * qkv, dwindow + L * ld, ld, carried, qkv, s);
       SPINDLE_CUDA(cudaMemcpy2DAsync(tails, 3 * qkv * sizeof(bf16), dwindow, ld * sizeof(bf16),
                                      qkv * sizeof(bf16), carried, cudaMemcpyDeviceToDevice, s));
     }
-    backward_weight_strided(gemm, dwindow + carried * ld, ld, x, D, f32_data(br.dproj_w), L, D, qkv, s);
   }
-  backward_input_from_columns(gemm, chunk_rows, ld, a.stacked_w.data(), dx, L, D, ld, s);
+  ctx.record.note("kda/conv_backward",
+                  fused ? "cuda causal_conv_silu_backward, q and k through their l2 norms"
+                        : "cuda causal_conv_silu_backward after q's and k's l2 norm backward (more passes)",
+                  !fused);
+  dv_window = {};
+  backward_input_from_columns(gemm, chunk_rows, ld, bf16_data(w.in_proj), dx, L, D, ld, s);
+  backward_weight_strided(gemm, chunk_rows, ld, x, D, f32_data(grad.in_proj), L, D, ld, s);
 }
 
 }  // namespace

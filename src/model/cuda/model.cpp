@@ -97,7 +97,7 @@ void CudaModel::ffn_site_backward(const LayerWeights& layer, LayerWeights& grad,
 
 DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
                                             std::vector<LayerCarry>& carries, const FfnForward& ffn,
-                                            const SelectionSeen& selected) {
+                                            const SelectionSeen& selected, bool carries_only) {
   const ModelConfig& c = config_;
   const ModelWeights& w = weights_.tensors();
   const int64_t H = c.hc_mult, D = c.hidden_size;
@@ -106,12 +106,13 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
                 ctx_.stream());
   DeviceBuffer<int32_t> selection;  // the last DSA selection, for a following shared layer
   SiteChain chain;
+  const size_t last = carries_only ? w.layers.size() - 1 : w.layers.size();
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& layer = w.layers[i];
     LayerCarry& carry = carries[i];
     chain.next = &layer.ffn_hc;
     residual_site_forward(
-        ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), next.data(),
+        ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), i == last ? nullptr : next.data(),
         [&](const bf16* x, bf16* y) {
           attention_forward(layer, x, n, selection, y, false, carry.kda ? &*carry.kda : nullptr,
                             carry.dsa ? &*carry.dsa : nullptr);
@@ -119,6 +120,7 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
         nullptr, nullptr, &chain);
     if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer)
       selected(i, start, selection);
+    if (i == last) return {};
     std::swap(streams, next);
     chain.next = i + 1 < w.layers.size() ? &w.layers[i + 1].attn_hc : nullptr;
     residual_site_forward(

@@ -62,11 +62,13 @@ class CudaModel {
   // Tokens start .. start + n of `sequence` forward through all layers, each attention sublayer
   // continuing from its carry (if any); ffn(i, x, y) runs layer i's feed-forward sublayer;
   // selected(i, start, selection), where set, sees the selection of each DSA layer i with its own
-  // indexer. Returns the last layer's output streams [n, hc_mult, hidden].
+  // indexer. Returns the last layer's output streams [n, hc_mult, hidden]; with carries_only, nothing:
+  // it stops after the last layer's attention sublayer, since nothing after it moves a carry on
+  // (every layer's attention carries one: start_carries).
   using FfnForward = std::function<void(size_t layer, const __nv_bfloat16* x, __nv_bfloat16* y)>;
   DeviceBuffer<__nv_bfloat16> forward_chunk(const DeviceSequence& sequence, int64_t start, int64_t n,
                                             std::vector<LayerCarry>& carries, const FfnForward& ffn,
-                                            const SelectionSeen& selected = {});
+                                            const SelectionSeen& selected = {}, bool carries_only = false);
   // The head's input for n rows: the mean over the residual streams (kept for the backward), then
   // the final norm.
   void head_input(const __nv_bfloat16* streams, int64_t n, __nv_bfloat16* mean, __nv_bfloat16* hidden);

@@ -75,7 +75,10 @@ void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnec
   sublayer(a.normed.data(), a.collapsed.data());  // the sublayer output reuses `collapsed`
   const TimedScope timed = ctx.timed("mhc");
   const bf16* y = a.collapsed.data();
-  if (chain != nullptr && chain->next != nullptr && hc_combine_mix_supported(shape, streams, y, next)) {
+  if (next == nullptr) {
+    if (chain != nullptr) chain->mix = SiteMix();
+  } else if (chain != nullptr && chain->next != nullptr &&
+             hc_combine_mix_supported(shape, streams, y, next)) {
     chain->mix.mix = activations_f32(hc_mix_floats(shape));
     hc_combine_mix(shape, streams, y, a.post.data(), a.comb.data(), next, f32_data(chain->next->fn),
                    chain->mix.mix.data(), ctx.stream());

@@ -42,7 +42,8 @@ struct SiteChain {
 
 // streams (input) -> next (output), both [tokens, H, D]; the sublayer's output [tokens, D] goes
 // to `keep_y`, the mix to `keep_mix` and the combine's coefficients to `keep_combine`, each if
-// given; `chain` as SiteChain says, if given.
+// given; `chain` as SiteChain says, if given. With `next` null there is no combine: the sublayer
+// runs for what it leaves behind (a streamed forward's carries), and the chain ends there.
 void residual_site_forward(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                            const Tensor& norm, int64_t L, const __nv_bfloat16* streams, __nv_bfloat16* next,
                            const SublayerForward& sublayer, DeviceBuffer<__nv_bfloat16>* keep_y = nullptr,

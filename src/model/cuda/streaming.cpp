@@ -7,7 +7,8 @@
 // the head on its rows and backpropagates, handing the KDA carries' gradients and the
 // DSA caches' gradients to the chunks before. The forward leaves the last chunk to that
 // recomputation, the backward's first step: no chunk after it reads what its forward would leave
-// (unless the balance loss needs every chunk's statistics before any backward). Device memory grows
+// (unless the balance loss needs every chunk's statistics before any backward); likewise each
+// chunk's forward stops after the last layer's attention sublayer. Device memory grows
 // with the sequence only through those carries, caches and pool lists.
 #include <algorithm>
 #include <memory>
@@ -57,7 +58,9 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
   // Forward, chunk by chunk: keep the KDA carries at each chunk's start, grow the DSA caches, keep
   // each chunk's selections as pool lists (the recomputation before its backward reuses them
   // instead of running the indexer again), pool the balance loss's statistics over every chunk.
-  // The last chunk only with the balance loss; else its recomputation is its forward.
+  // The last chunk only with the balance loss; else its recomputation is its forward. Without it,
+  // each chunk's forward also stops after the last layer's attention sublayer (nothing later moves
+  // a carry on), and the last layer's feed-forward counts its loads in the recomputation.
   const size_t forward_chunks = balance ? chunks : chunks - 1;
   // The indexer's rows of the last chunk alone where no pool straddles two chunks and the KL
   // training does not read them back (DsaCache).
@@ -95,7 +98,7 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       }
       add_load(i, load);
     };
-    forward_chunk(sequence, start, n, carries, ffn, seen);
+    forward_chunk(sequence, start, n, carries, ffn, seen, !balance);
   }
   BalanceLoss balance_loss{options.aux_loss_coef * options.scale, balance_stats.data(), balance_rows};
   if (balance) {
@@ -194,11 +197,13 @@ LossResult CudaModel::streamed_loss_and_gradients(const std::vector<int32_t>& to
       run_site(
           2 * i + 1, layer.ffn_hc, layer.post_attention_layernorm,
           [&](const bf16* x, bf16* y) {
-            std::vector<int64_t> load;  // counted here only where this is the chunk's only forward
+            // Counted here only where the chunk's forward did not run this sublayer.
+            const bool count = forward_here || (!balance && i + 1 == layers);
+            std::vector<int64_t> load;
             routing_kept[i].keep_products = rebuild;
-            ffn_forward(layer, x, n, y, forward_here ? &load : nullptr, nullptr,
+            ffn_forward(layer, x, n, y, count ? &load : nullptr, nullptr,
                         options.keep_outputs ? &routing_kept[i] : nullptr);
-            if (forward_here) add_load(i, load);
+            if (count) add_load(i, load);
           },
           options.keep_outputs ? &ffn_kept[i] : nullptr, nullptr);
     }
