@@ -69,13 +69,13 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // of the initial state. kept_matrices, if not null: what kda_chunked_forward wrote there for the
 // same q, k, v, g, beta and chunk states, taken instead of computed again; the gradient kernel then
 // also takes Kb dS' from the state pass, and dbeta from the terms of X = v - exp(G) k S - A u
-// (docs/KDA.md, "u kept"): the same gradients, summed in another order. dq, dk: bf16 [tokens, heads,
-// dk] and dv: bf16 [tokens, heads, dv] (each rounded once: the convs' backward takes them in bf16, q's
-// and k's through their l2 norms); dg: fp32 [tokens,
-// heads, dk]; dbeta: fp32 [tokens, heads]; every output is written exactly once (no atomics: equal from run
-// to run). The workspace (kda_backward_workspace_floats) holds one segment's A, Aq and Tinv (kKdaMatrixFloats
-// per chunk and head; not with kept matrices), the state pass's operands, and the state gradients at its
-// chunks' boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this many chunks:
+// (docs/KDA.md, "u kept"): the same gradients, summed in another order. dq, dk: bf16 [tokens,
+// heads, dk] and dv: bf16 [tokens, heads, dv] (each rounded once: the convs' backward takes them in
+// bf16, q's and k's through their l2 norms); dg: fp32 [tokens, heads, dk]; dbeta: fp32 [tokens,
+// heads]; every output is written exactly once (no atomics: equal from run to run). The workspace
+// (kda_backward_workspace_floats) holds one segment's A, Aq and Tinv (kKdaMatrixFloats per chunk and
+// head; not with kept matrices), the state pass's operands, and the state gradients at its chunks'
+// boundaries (fp32 [segment + 1, heads, dk, dv]); segments of this many chunks:
 constexpr int64_t kKdaBackwardSegmentChunks = 128;
 // Per chunk and head, besides A, Aq and Tinv: the state pass's operands W, Kb [C, kKdaMaxDim]
 // and G_last (kda_backward.cu has the layout), and with kept matrices its product Kb dS' [C,
