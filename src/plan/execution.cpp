@@ -22,8 +22,9 @@ SiteMemory site_memory(ActivationPolicy policy) {
   return SiteMemory::KeepSites;
 }
 
-// forced_by: the option that forced it, or null for the planner's pick.
-Execution from(const Candidate& candidate, const char* forced_by) {
+// forced_by: the option that forced it, or null for the planner's pick; host_bytes: the host memory
+// the process may use (host_memory_bytes), next to the candidate's host peak.
+Execution from(const Candidate& candidate, const char* forced_by, int64_t host_bytes) {
   Execution e;
   e.policy = candidate.policy;
   e.chunk_tokens =
@@ -39,7 +40,8 @@ Execution from(const Candidate& candidate, const char* forced_by) {
   e.summary =
       "policy " + candidate.policy.name() +
       (e.forced ? std::string(" (forced by ") + forced_by + ")" : std::string(" (the planner's pick)")) +
-      ": predicted peak " + gib_text(e.predicted_peak_bytes) + " on the device" +
+      ": predicted peak " + gib_text(e.predicted_peak_bytes) + " on the device, " +
+      gib_text(candidate.memory.host) + " on the host (of " + gib_text(host_bytes) + ")" +
       (candidate.fits() ? "" : "; it does not fit: " + candidate.infeasible);
   return e;
 }
@@ -105,7 +107,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
       check(!optimizer_on_host || candidate.policy.optimizer_on_host == *optimizer_on_host, "--plan-policy '",
             *forced_name, "': the AdamW state is ", *optimizer_on_host ? "on the host" : "on the device",
             " for this run");
-      return from(candidate, "--plan-policy");
+      return from(candidate, "--plan-policy", machine.host_bytes);
     }
     fail("the planner has no policy '", *forced_name, "' for ", tokens, " tokens (spindle plan lists them)");
   }
@@ -115,7 +117,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     wanted.activations = *forced_activations;
     wanted.optimizer_on_host = optimizer_on_host.value_or(false);
     for (const Candidate& candidate : plan.candidates)
-      if (candidate.policy.name() == wanted.name()) return from(candidate, "--policy");
+      if (candidate.policy.name() == wanted.name()) return from(candidate, "--policy", machine.host_bytes);
     fail("the planner has no policy '", wanted.name(), "' for ", tokens, " tokens");
   }
   if (forced_chunk) {
@@ -133,7 +135,7 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
       const Policy& p = candidate.policy;
       if (p.activations == wanted.activations && p.chunk_tokens == wanted.chunk_tokens &&
           p.optimizer_on_host == wanted.optimizer_on_host && executor_runs(p))
-        return from(candidate, "--chunk");
+        return from(candidate, "--chunk", machine.host_bytes);
     }
     Execution e;
     e.policy = wanted;
@@ -142,7 +144,8 @@ Execution plan_execution(const ModelConfig& c, int64_t tokens, const Machine& ma
     e.summary = "policy " + wanted.name() + " (forced by --chunk; no prediction for this chunk length)";
     return e;
   }
-  if (const Candidate* pick = fastest_runnable(plan, optimizer_on_host)) return from(*pick, nullptr);
+  if (const Candidate* pick = fastest_runnable(plan, optimizer_on_host))
+    return from(*pick, nullptr, machine.host_bytes);
   std::ostringstream why;
   for (const Candidate& candidate : plan.candidates)
     if (runs(candidate.policy))
