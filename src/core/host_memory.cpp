@@ -25,7 +25,7 @@ std::vector<std::string> limit_files() {
   std::ifstream groups("/proc/self/cgroup");
   std::string line;
   while (std::getline(groups, line))
-    if (line.rfind("0::", 0) == 0 && line.size() > 3)
+    if (line.rfind("0::", 0) == 0 && line != "0::/")  // the root group's is the root file below
       files.push_back("/sys/fs/cgroup" + line.substr(3) + "/memory.max");
   files.push_back("/sys/fs/cgroup/memory.max");
   files.push_back("/sys/fs/cgroup/memory/memory.limit_in_bytes");

@@ -10,6 +10,7 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/shared_memory_limit.h"
+#include "kernels/cuda/warp_reduce.cuh"
 
 namespace spindle::cuda {
 
@@ -27,14 +28,6 @@ struct Sum {
 struct Max {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
-
-// Xor butterfly: every lane ends with the bit-identical result (fp addition commutes), so
-// branching on it keeps the warp converged.
-template <class Op>
-__device__ __forceinline__ float warp_reduce(float value, Op op) {
-  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(kFull, value, offset));
-  return value;
-}
 
 // Over the whole CTA, the same value to every thread (warps combined in a fixed order). Holds
 // barriers: every thread calls it. scratch: one float per warp.

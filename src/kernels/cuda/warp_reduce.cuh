@@ -6,16 +6,21 @@
 
 namespace spindle::cuda {
 
-template <class T>
-__device__ __forceinline__ T warp_sum(T value) {
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+// op over the warp's values, op(a, b) == op(b, a) bit for bit (a sum, a maximum).
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T value, Op op) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   return value;
 }
 
+template <class T>
+__device__ __forceinline__ T warp_sum(T value) {
+  return warp_reduce(value, [](T a, T b) { return a + b; });
+}
+
 __device__ __forceinline__ float warp_max(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
+  return warp_reduce(value, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // Over (value, index) pairs: the larger value wins, a tie goes to the lower index.
