@@ -6,6 +6,21 @@ namespace {
 
 constexpr WeightPrecision kFp32 = WeightPrecision::Fp32;
 
+// Consecutive blocks of rows of a stacked [rows, width] weight, as views.
+class StackedRows {
+ public:
+  explicit StackedRows(const Tensor& stacked) : stacked_(stacked), width_(stacked.dim(1)) {}
+  Tensor next(int64_t rows) {
+    const Tensor t = stacked_.block(row_ * width_, {rows, width_});
+    row_ += rows;
+    return t;
+  }
+
+ private:
+  Tensor stacked_;
+  int64_t width_, row_ = 0;
+};
+
 HyperConnectionWeights make_hc(const ModelConfig& c, const WeightFactory& make_tensor) {
   const int64_t mix = (2 + c.hc_mult) * c.hc_mult;
   return {make_tensor({mix, c.hc_mult * c.hidden_size}, kFp32), make_tensor({mix}, kFp32),
@@ -16,8 +31,9 @@ MlpWeights make_mlp(int64_t hidden, int64_t intermediate, const WeightFactory& m
   const auto make = [&](const Shape& shape) { return make_tensor(shape, WeightPrecision::Compute); };
   MlpWeights m;
   m.gate_up = make({2 * intermediate, hidden});
-  m.gate_proj = m.gate_up.block(0, {intermediate, hidden});
-  m.up_proj = m.gate_up.block(intermediate * hidden, {intermediate, hidden});
+  StackedRows rows(m.gate_up);
+  m.gate_proj = rows.next(intermediate);
+  m.up_proj = rows.next(intermediate);
   m.down_proj = make({hidden, intermediate});
   return m;
 }
@@ -50,18 +66,13 @@ ModelWeights build_weights(const ModelConfig& c, DType dtype, const WeightFactor
       const int64_t qkv = c.linear_qkv_dim(), hd = c.linear_head_dim, K = c.linear_conv_kernel_dim;
       KdaWeights& k = l.kda;
       k.in_proj = make({3 * qkv + 2 * hd + c.linear_num_heads, D});
-      int64_t row = 0;
-      const auto rows = [&](int64_t n) {
-        const Tensor t = k.in_proj.block(row * D, {n, D});
-        row += n;
-        return t;
-      };
-      k.q_proj = rows(qkv);
-      k.k_proj = rows(qkv);
-      k.v_proj = rows(qkv);
-      k.g_a_proj = rows(hd);
-      k.f_a_proj = rows(hd);
-      k.b_proj = rows(c.linear_num_heads);
+      StackedRows rows(k.in_proj);
+      k.q_proj = rows.next(qkv);
+      k.k_proj = rows.next(qkv);
+      k.v_proj = rows.next(qkv);
+      k.g_a_proj = rows.next(hd);
+      k.f_a_proj = rows.next(hd);
+      k.b_proj = rows.next(c.linear_num_heads);
       k.q_conv = make_tensor({qkv, 1, K}, kFp32);
       k.k_conv = make_tensor({qkv, 1, K}, kFp32);
       k.v_conv = make_tensor({qkv, 1, K}, kFp32);
@@ -74,24 +85,26 @@ ModelWeights build_weights(const ModelConfig& c, DType dtype, const WeightFactor
     } else {
       DsaWeights& a = l.dsa;
       const int64_t H = c.num_attention_heads;
-      a.q_a_proj = make({c.q_lora_rank, D});
+      const int64_t id = c.index_head_dim, kv_rows = c.kv_lora_rank + c.qk_rope_head_dim;
+      a.has_indexer = c.indexer_types[static_cast<size_t>(i)] == IndexerKind::Full;
+      a.x_proj = make({c.q_lora_rank + kv_rows + (a.has_indexer ? 2 * id : 0), D});
+      StackedRows rows(a.x_proj);
+      a.q_a_proj = rows.next(c.q_lora_rank);
       a.q_a_layernorm = make({c.q_lora_rank});
       a.q_b_proj = make({H * c.qk_head_dim(), c.q_lora_rank});
-      a.kv_a_proj = make({c.kv_lora_rank + c.qk_rope_head_dim, D});
+      a.kv_a_proj = rows.next(kv_rows);
       a.kv_a_layernorm = make({c.kv_lora_rank});
       a.kv_b_proj = make({H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
       a.o_proj = make({D, H * c.v_head_dim});
-      a.has_indexer = c.indexer_types[static_cast<size_t>(i)] == IndexerKind::Full;
       if (a.has_indexer) {
         IndexerWeights& x = a.indexer;
-        const int64_t id = c.index_head_dim;
         x.wq_b = make({c.index_n_heads * id, c.q_lora_rank});
-        x.wk = make({id, D});
+        x.wk = rows.next(id);
         x.k_norm_weight = make({id});
         x.k_norm_bias = make({id});
         x.weights_proj = make({c.index_n_heads, D});
         x.compress_ape = make({c.index_kpool, id});
-        x.compress_gate = make({id, D});
+        x.compress_gate = rows.next(id);
       }
     }
     if (l.mlp == MlpKind::Dense) {

@@ -46,6 +46,11 @@ struct IndexerWeights {
 };
 
 struct DsaWeights {
+  // [q_lora_rank + kv_lora_rank + rope_dim (+ 2 index_dim), hidden]: the rows of q_a_proj,
+  // kv_a_proj and, with an indexer of its own, the indexer's wk and compress_gate, in that order,
+  // so that the GPU takes x's low-rank projections in one product and their weights' gradients in
+  // another (the table names them apart, as checkpoints do).
+  Tensor x_proj;
   Tensor q_a_proj;        // [q_lora_rank, hidden]
   Tensor q_a_layernorm;   // [q_lora_rank]
   Tensor q_b_proj;        // [heads * qk_head_dim, q_lora_rank]

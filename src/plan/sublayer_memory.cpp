@@ -84,15 +84,15 @@ void kda_backward(Ledger& m, const Shapes& s, int64_t L, bool kept, bool matrice
   dv = {};  // after v's conv
 }
 
-// MlaActivations of model/cuda/dsa.cpp (mla_projections); with `kept`, the attention's output and
-// log-sum-exp are the forward's.
-Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool kept) {
+// MlaActivations of model/cuda/dsa.cpp (mla_projections); with `indexer`, x's product has the
+// indexer's raw keys and gates too; with `kept`, the attention's output and log-sum-exp are the
+// forward's.
+Blocks mla_projections(Ledger& m, const Shapes& s, const Pass& p, bool indexer, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
   Blocks a;
-  a.push_back(bf16(m, L * s.q_rank));  // q_low
-  a.push_back(bf16(m, L * s.q_rank));  // q_resid
+  a.push_back(bf16(m, L * (s.q_rank + s.kv_rank + (indexer ? 2 * s.index_dim : 0))));  // low
+  a.push_back(bf16(m, L * s.q_rank));                                                  // q_resid
   a.push_back(bf16(m, L * H * s.qk_dim));
-  a.push_back(bf16(m, L * s.kv_rank));    // kv_low
   a.push_back(bf16(m, L * s.kv_rank));    // kv_normed
   a.push_back(bf16(m, L * H * s.v_dim));  // attended
   if (p.streamed || p.absorbed) {
@@ -172,24 +172,24 @@ void attention_gradients(Ledger& m, const Shapes& s, const Pass& p) {
 
 void dsa_backward(Ledger& m, const Shapes& s, const LayerShape& layer, const Pass& p, bool kept) {
   const int64_t L = p.tokens, H = s.mla_heads;
-  Blocks a = mla_projections(m, s, p, kept);
+  const bool kl = p.indexer_kl && layer.own_indexer;
+  Blocks a = mla_projections(m, s, p, kl && !p.streamed, kept);  // the one-chunk pass appends the index keys
   if (!kept) {  // the attention runs again: its union lists for the call
     const Ledger::Block unions = m.workspace(pair_list_bytes(s, p, false));
   }
   a.push_back(bf16(m, L * H * s.v_dim));   // d_attended
   a.push_back(bf16(m, L * H * s.qk_dim));  // dq
-  a.push_back(bf16(m, L * s.kv_rank));     // d_normed
-  a.push_back(bf16(m, L * s.kv_rank));     // d_low
+  Ledger::Block d_normed = bf16(m, L * s.kv_rank);
   {
     // The attention mass, summed by the attention's backward, then the indexer's KL on it.
-    const bool kl = p.indexer_kl && layer.own_indexer;
     Blocks mass;
     if (kl) mass.push_back(f32(m, L * s.width));
     attention_gradients(m, s, p);
     if (kl) train_indexer(m, s, p);
   }
+  a.push_back(bf16(m, L * (s.q_rank + s.kv_rank)));  // d_low: the gradients into x's low-rank projections
+  d_normed = {};
   a.push_back(bf16(m, L * s.q_rank));  // d_resid
-  a.push_back(bf16(m, L * s.q_rank));  // dq_low
 }
 
 // `keep_gate_up`: takes the [gate | up] product.
@@ -288,8 +288,9 @@ Ledger::Block attention_forward(Ledger& m, const Shapes& s, const LayerShape& la
     Blocks a = kda_activations(m, s, pass.tokens, false);
     return {};
   }
-  Blocks a = mla_projections(m, s, pass, false);
-  Ledger::Block selection = select && layer.own_indexer ? run_indexer(m, s, pass) : Ledger::Block{};
+  const bool indexer = select && layer.own_indexer;
+  Blocks a = mla_projections(m, s, pass, indexer, false);
+  Ledger::Block selection = indexer ? run_indexer(m, s, pass) : Ledger::Block{};
   const Ledger::Block unions = m.workspace(pair_list_bytes(s, pass, false));  // for the attention's call
   return selection;
 }

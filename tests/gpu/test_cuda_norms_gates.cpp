@@ -164,6 +164,85 @@ TEST(CudaNormsGates, RmsNormPlainAndGatedForwardAndBackward) {
   }
 }
 
+// Rows that are columns of wider buffers (model/cuda/dsa.cpp's projections side by side): x's rows
+// `ld` apart from column `col` on, the outputs' `out_ld` apart from `out_col` on.
+struct StridedCase {
+  int64_t rows, D, ld, col, out_ld, out_col;
+};
+
+// The DSA projections' shapes (a warp per row, vectors of 8), an ld that only single elements
+// divide, a column start that misaligns the rows, and block rows.
+const StridedCase kStridedCases[] = {{3001, 1024, 1792, 0, 1536, 0},  {3001, 512, 1792, 1024, 1536, 1024},
+                                     {2003, 128, 1792, 1536, 128, 0}, {501, 500, 1001, 1, 777, 3},
+                                     {77, 4100, 4104, 4, 8300, 4200}, {129, 64, 96, 32, 64, 0}};
+
+// The columns [col, col + D) of every row of a [rows, ld] buffer.
+std::vector<float> columns(const std::vector<float>& all, const StridedCase& c, int64_t ld, int64_t col) {
+  std::vector<float> out(static_cast<size_t>(c.rows * c.D));
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t j = 0; j < c.D; ++j) out[r * c.D + j] = all[r * ld + col + j];
+  return out;
+}
+
+// Every element of `all` outside the columns [col, col + D) still holds `fill`.
+bool untouched_outside(const std::vector<bf16>& all, const StridedCase& c, int64_t ld, int64_t col,
+                       float fill) {
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t j = 0; j < ld; ++j)
+      if ((j < col || j >= col + c.D) && __bfloat162float(all[r * ld + j]) != fill) return false;
+  return true;
+}
+
+std::string where(const StridedCase& c) {
+  return " rows=" + std::to_string(c.rows) + " D=" + std::to_string(c.D) + " ld=" + std::to_string(c.ld) +
+         " col=" + std::to_string(c.col) + " out_ld=" + std::to_string(c.out_ld) +
+         " out_col=" + std::to_string(c.out_col);
+}
+
+TEST(CudaNormsGates, RmsAndLayerNormsOverColumnsOfWiderRows) {
+  constexpr float kFill = 7.0f;  // the outputs' other columns, which no norm may write
+  for (const StridedCase& c : kStridedCases) {
+    const int64_t R = c.rows, D = c.D, n = R * D;
+    const auto x_all = rounded(random_floats(static_cast<size_t>(R * c.ld)));
+    const auto x = columns(x_all, c, c.ld, c.col);
+    const auto w = rounded(random_floats(D, 0.5f)), b = rounded(random_floats(D, 0.5f));
+    const auto dy = rounded(random_floats(n));
+    const auto dw0 = random_floats(D);
+    const std::vector<float> filled(static_cast<size_t>(R * c.out_ld), kFill);
+    Stream stream;
+    auto xb = device(to_bf16(x_all)), wb = device(to_bf16(w)), bb = device(to_bf16(b)),
+         dyb = device(to_bf16(dy));
+    auto y = device(to_bf16(filled)), dx = device(to_bf16(filled));
+    auto ln = poisoned<bf16>(n);
+    auto dwb = device(dw0, MemoryCategory::Gradients);
+    rms_norm_forward(xb.data() + c.col, c.ld, wb.data(), y.data() + c.out_col, c.out_ld, R, D, 1e-6f,
+                     stream.get());
+    rms_norm_backward(xb.data() + c.col, c.ld, wb.data(), dyb.data(), dx.data() + c.out_col, c.out_ld,
+                      dwb.data(), R, D, 1e-6f, stream.get());
+    layer_norm_forward(xb.data() + c.col, c.ld, wb.data(), bb.data(), ln.data(), R, D, 1e-5f, stream.get());
+    stream.synchronize();
+    const auto xd = to_double(x), wd = to_double(w), bd = to_double(b), dyd = to_double(dy);
+    std::vector<double> y_ref(n), dx_ref(n), dw_ref(D, 0.0), ln_ref(n);
+    cpu::rms_norm(xd.data(), wd.data(), y_ref.data(), R, D, 1e-6);
+    cpu::rms_norm_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), R, D, 1e-6);
+    cpu::layer_norm(xd.data(), wd.data(), bd.data(), ln_ref.data(), R, D, 1e-5);
+    const auto to_floats = [](const std::vector<bf16>& v) {
+      std::vector<float> f(v.size());
+      for (size_t i = 0; i < v.size(); ++i) f[i] = __bfloat162float(v[i]);
+      return f;
+    };
+    const std::vector<bf16> y_all = y.download(), dx_all = dx.download();
+    EXPECT_LT(relative_error(columns(to_floats(y_all), c, c.out_ld, c.out_col), y_ref), kBf16Bound)
+        << "rms y" << where(c);
+    EXPECT_LT(relative_error(columns(to_floats(dx_all), c, c.out_ld, c.out_col), dx_ref), kBf16Bound)
+        << "rms dx" << where(c);
+    EXPECT_TRUE(untouched_outside(y_all, c, c.out_ld, c.out_col, kFill)) << "rms y" << where(c);
+    EXPECT_TRUE(untouched_outside(dx_all, c, c.out_ld, c.out_col, kFill)) << "rms dx" << where(c);
+    EXPECT_LT(increment_error(dwb.download(), dw0, dw_ref), kFp32Bound) << "rms dweight" << where(c);
+    EXPECT_LT(relative_error(ln.download(), ln_ref), kBf16Bound) << "layer norm y" << where(c);
+  }
+}
+
 TEST(CudaNormsGates, L2NormalizeForwardAndBackward) {
   for (const NormCase& c : kNormCases) {
     const int64_t R = c.rows, D = c.D, n = R * D;

@@ -87,6 +87,7 @@ template <class T, int V, int C>
 struct RowReader {
   static constexpr bool kEarly = C == 1 && V > 1;
   const T* data;
+  int64_t ld;  // elements from one row to the next
   Packed<T, V> next[C];
 
   __device__ void start(const RowSlot& s, int64_t count, int D) {
@@ -104,7 +105,7 @@ struct RowReader {
       }
       if (r + s.stride < count) fetch(r + s.stride, s, D);
     } else {
-      load_row<V, C>(data + r * D, s, D, out);
+      load_row<V, C>(data + r * ld, s, D, out);
     }
   }
 
@@ -113,7 +114,7 @@ struct RowReader {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int e = element(s, c, V);
-      if (e < D) next[c] = *reinterpret_cast<const Packed<T, V>*>(data + r * D + e);
+      if (e < D) next[c] = *reinterpret_cast<const Packed<T, V>*>(data + r * ld + e);
     }
   }
 };
@@ -239,13 +240,14 @@ __device__ __forceinline__ float sigmoid(float a) {
 // RMSNorm, gated by sigmoid(gate) when kGated.
 template <int V, int C, int kGroup, bool kGated>
 __global__ void __launch_bounds__(kMaxBlock)
-    rms_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* gate, bf16* y, int64_t rows, int D,
-                            float eps) {
+    rms_norm_forward_kernel(const bf16* x, int64_t x_ld, const bf16* weight, const bf16* gate, bf16* y,
+                            int64_t y_ld, int64_t rows, int D, float eps) {
   wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
-  RowReader<bf16, V, C> x_rows{x}, gate_rows{gate};
+  if constexpr (kGated) x_ld = y_ld = D;  // as in the backward
+  RowReader<bf16, V, C> x_rows{x, x_ld}, gate_rows{gate, D};
   x_rows.start(s, rows, D);
   if constexpr (kGated) gate_rows.start(s, rows, D);
   for (int64_t r = s.row; r < rows; r += s.stride) {
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kMaxBlock)
 #pragma unroll
       for (int i = 0; i < E; ++i) v[i] *= sigmoid<V>(sg[i]);
     }
-    store_row<V, C>(y + r * D, s, D, v);
+    store_row<V, C>(y + r * y_ld, s, D, v);
   }
 }
 
@@ -272,15 +274,18 @@ __global__ void __launch_bounds__(kMaxBlock)
 // sum(w dn x) / D, dweight += dn x inv, dgate = dn (1 - sigmoid(gate)) w x inv. dy bf16 or fp32 (DY).
 template <int V, int C, int kGroup, bool kGated, class DY>
 __global__ void __launch_bounds__(kMaxBlock)
-    rms_norm_backward_kernel(const bf16* x, const bf16* weight, const bf16* gate, const DY* dy, bf16* dx,
-                             bf16* dgate, float* dweight, int64_t rows, int D, float eps) {
+    rms_norm_backward_kernel(const bf16* x, int64_t x_ld, const bf16* weight, const bf16* gate, const DY* dy,
+                             bf16* dx, int64_t dx_ld, bf16* dgate, float* dweight, int64_t rows, int D,
+                             float eps) {
   wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[64];
   __shared__ __align__(16) float combine[kMaxWarpD];
   const RowSlot s = row_slot<kGroup>();
-  RowReader<bf16, V, C> x_rows{x}, gate_rows{gate};
-  RowReader<DY, V, C> dy_rows{dy};
+  // The gated norm's rows are whole (its misaligned form is at the register limit): no strides there.
+  if constexpr (kGated) x_ld = dx_ld = D;
+  RowReader<bf16, V, C> x_rows{x, x_ld}, gate_rows{gate, D};
+  RowReader<DY, V, C> dy_rows{dy, D};
   x_rows.start(s, rows, D);
   dy_rows.start(s, rows, D);
   if constexpr (kGated) gate_rows.start(s, rows, D);
@@ -317,22 +322,22 @@ __global__ void __launch_bounds__(kMaxBlock)
       dw[i] += dn[i] * v[i] * inv;
       v[i] = inv * w[i] * dn[i] - v[i] * coef;
     }
-    store_row<V, C>(dx + r * D, s, D, v);
+    store_row<V, C>(dx + r * dx_ld, s, D, v);
   }
   add_gradient<V, C>(dw, dweight, s, D, combine);
 }
 
 template <int V, int C, int kGroup>
 __global__ void __launch_bounds__(kMaxBlock)
-    layer_norm_forward_kernel(const bf16* x, const bf16* weight, const bf16* bias, bf16* y, int64_t rows,
-                              int D, float eps) {
+    layer_norm_forward_kernel(const bf16* x, int64_t x_ld, const bf16* weight, const bf16* bias, bf16* y,
+                              int64_t rows, int D, float eps) {
   wait_for_earlier_kernels();
   constexpr int E = C * V;
   __shared__ float shared[32];
   const RowSlot s = row_slot<kGroup>();
   for (int64_t r = s.row; r < rows; r += s.stride) {
     float v[E], w[E];
-    load_row<V, C>(x + r * D, s, D, v);
+    load_row<V, C>(x + r * x_ld, s, D, v);
     const float inv = center_and_inv_std<V, C>(v, s, D, eps, shared);
     load_row<V, C>(weight, s, D, w);
 #pragma unroll
@@ -440,12 +445,16 @@ struct RowPlan {
 
 // half_warps: rows of at most 16 vectors take half a warp each (the gated norm's rows of one head,
 // 128 elements: 8 a thread instead of 4, so half the row sums, index arithmetic and load and store
-// instructions per element, and twice the bytes in flight per fetched row).
+// instructions per element, and twice the bytes in flight per fetched row). lds: the strides of
+// rows that are columns of wider buffers (a vector must not straddle two rows' starts).
 RowPlan plan_rows(const char* name, int64_t rows, int64_t D, std::initializer_list<Access> accesses,
-                  bool half_warps = false) {
+                  bool half_warps = false, std::initializer_list<int64_t> lds = {}) {
   check(D >= 1 && D <= kMaxNormD, name, ": row length ", D, " (expected 1 to ", kMaxNormD, ")");
+  for (const int64_t ld : lds) check(ld >= D, name, ": rows ", ld, " apart hold ", D, " values");
   RowPlan p{};
   p.vec = vector_width(accesses, D, half_warps ? 16 : 32);
+  for (const int64_t ld : lds)
+    while (ld % p.vec != 0) p.vec /= 2;
   const int64_t vectors = D / p.vec, most = kPerThread / p.vec;
   if (half_warps && vectors <= 16) {
     // Half a warp per row, 8 rows per block: blocks of 4 warps, as the gated backward's registers
@@ -503,31 +512,34 @@ void with_plan(const RowPlan& p, Launch&& launch) {
 constexpr size_t kB = sizeof(bf16);
 
 template <bool kGated>
-void launch_rms_norm_forward(const char* name, const bf16* x, const bf16* weight, const bf16* gate, bf16* y,
-                             int64_t rows, int64_t D, float eps, cudaStream_t stream) {
-  const RowPlan p = plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}}, kGated);
+void launch_rms_norm_forward(const char* name, const bf16* x, int64_t x_ld, const bf16* weight,
+                             const bf16* gate, bf16* y, int64_t y_ld, int64_t rows, int64_t D, float eps,
+                             cudaStream_t stream) {
+  const RowPlan p =
+      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {y, kB}}, kGated, {x_ld, y_ld});
   if (rows == 0) return;
   with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated>;
-    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, gate, y, rows,
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, x_ld, weight, gate, y, y_ld, rows,
                   static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
 
 template <bool kGated, class DY>
-void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weight, const bf16* gate,
-                              const DY* dy, bf16* dx, bf16* dgate, float* dweight, int64_t rows, int64_t D,
-                              float eps, cudaStream_t stream) {
-  const RowPlan p = plan_rows(
-      name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}}, kGated);
+void launch_rms_norm_backward(const char* name, const bf16* x, int64_t x_ld, const bf16* weight,
+                              const bf16* gate, const DY* dy, bf16* dx, int64_t dx_ld, bf16* dgate,
+                              float* dweight, int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  const RowPlan p =
+      plan_rows(name, rows, D, {{x, kB}, {weight, kB}, {gate, kB}, {dy, sizeof(DY)}, {dx, kB}, {dgate, kB}},
+                kGated, {x_ld, dx_ld});
   if (rows == 0) return;
   with_plan<kGated>(p, [&](auto V, auto C, auto G) {
     const auto kernel =
         rms_norm_backward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value, kGated, DY>;
-    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, gate, dy, dx, dgate, dweight,
-                  rows, static_cast<int>(D), eps);
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, x_ld, weight, gate, dy, dx, dx_ld, dgate,
+                  dweight, rows, static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED(name);
 }
@@ -536,40 +548,57 @@ void launch_rms_norm_backward(const char* name, const bf16* x, const bf16* weigh
 
 void rms_norm_forward(const bf16* x, const bf16* weight, bf16* y, int64_t rows, int64_t D, float eps,
                       cudaStream_t stream) {
-  launch_rms_norm_forward<false>("rms_norm_forward", x, weight, nullptr, y, rows, D, eps, stream);
+  rms_norm_forward(x, D, weight, y, D, rows, D, eps, stream);
+}
+
+void rms_norm_forward(const bf16* x, int64_t x_ld, const bf16* weight, bf16* y, int64_t y_ld, int64_t rows,
+                      int64_t D, float eps, cudaStream_t stream) {
+  launch_rms_norm_forward<false>("rms_norm_forward", x, x_ld, weight, nullptr, y, y_ld, rows, D, eps, stream);
 }
 
 void rms_norm_backward(const bf16* x, const bf16* weight, const bf16* dy, bf16* dx, float* dweight,
                        int64_t rows, int64_t D, float eps, cudaStream_t stream) {
-  launch_rms_norm_backward<false>("rms_norm_backward", x, weight, nullptr, dy, dx, nullptr, dweight, rows, D,
-                                  eps, stream);
+  rms_norm_backward(x, D, weight, dy, dx, D, dweight, rows, D, eps, stream);
+}
+
+void rms_norm_backward(const bf16* x, int64_t x_ld, const bf16* weight, const bf16* dy, bf16* dx,
+                       int64_t dx_ld, float* dweight, int64_t rows, int64_t D, float eps,
+                       cudaStream_t stream) {
+  launch_rms_norm_backward<false>("rms_norm_backward", x, x_ld, weight, nullptr, dy, dx, dx_ld, nullptr,
+                                  dweight, rows, D, eps, stream);
 }
 
 void rms_norm_backward(const bf16* x, const bf16* weight, const float* dy, bf16* dx, float* dweight,
                        int64_t rows, int64_t D, float eps, cudaStream_t stream) {
-  launch_rms_norm_backward<false>("rms_norm_backward", x, weight, nullptr, dy, dx, nullptr, dweight, rows, D,
-                                  eps, stream);
+  launch_rms_norm_backward<false>("rms_norm_backward", x, D, weight, nullptr, dy, dx, D, nullptr, dweight,
+                                  rows, D, eps, stream);
 }
 
 void gated_rms_norm_forward(const bf16* x, const bf16* weight, const bf16* gate, bf16* y, int64_t rows,
                             int64_t D, float eps, cudaStream_t stream) {
-  launch_rms_norm_forward<true>("gated_rms_norm_forward", x, weight, gate, y, rows, D, eps, stream);
+  launch_rms_norm_forward<true>("gated_rms_norm_forward", x, D, weight, gate, y, D, rows, D, eps, stream);
 }
 
 void gated_rms_norm_backward(const bf16* x, const bf16* weight, const bf16* gate, const bf16* dy, bf16* dx,
                              bf16* dgate, float* dweight, int64_t rows, int64_t D, float eps,
                              cudaStream_t stream) {
-  launch_rms_norm_backward<true>("gated_rms_norm_backward", x, weight, gate, dy, dx, dgate, dweight, rows, D,
-                                 eps, stream);
+  launch_rms_norm_backward<true>("gated_rms_norm_backward", x, D, weight, gate, dy, dx, D, dgate, dweight,
+                                 rows, D, eps, stream);
 }
 
 void layer_norm_forward(const bf16* x, const bf16* weight, const bf16* bias, bf16* y, int64_t rows, int64_t D,
                         float eps, cudaStream_t stream) {
-  const RowPlan p = plan_rows("layer_norm_forward", rows, D, {{x, kB}, {weight, kB}, {bias, kB}, {y, kB}});
+  layer_norm_forward(x, D, weight, bias, y, rows, D, eps, stream);
+}
+
+void layer_norm_forward(const bf16* x, int64_t x_ld, const bf16* weight, const bf16* bias, bf16* y,
+                        int64_t rows, int64_t D, float eps, cudaStream_t stream) {
+  const RowPlan p =
+      plan_rows("layer_norm_forward", rows, D, {{x, kB}, {weight, kB}, {bias, kB}, {y, kB}}, false, {x_ld});
   if (rows == 0) return;
   with_plan(p, [&](auto V, auto C, auto G) {
     const auto kernel = layer_norm_forward_kernel<decltype(V)::value, decltype(C)::value, decltype(G)::value>;
-    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, weight, bias, y, rows,
+    launch_kernel(kernel, grid(p, kernel), p.threads, 0, stream, x, x_ld, weight, bias, y, rows,
                   static_cast<int>(D), eps);
   });
   SPINDLE_LAUNCHED("layer_norm_forward");

@@ -16,11 +16,18 @@ constexpr int64_t kMaxNormD = 8192;
 // y = weight * x / sqrt(mean(x^2) + eps).
 void rms_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int64_t rows,
                       int64_t D, float eps, cudaStream_t stream);
+// The same where x's and y's rows are columns of wider buffers, x_ld and y_ld values apart.
+void rms_norm_forward(const __nv_bfloat16* x, int64_t x_ld, const __nv_bfloat16* weight, __nv_bfloat16* y,
+                      int64_t y_ld, int64_t rows, int64_t D, float eps, cudaStream_t stream);
 
 // dx (bf16, written) and dweight (fp32, accumulated) of rms_norm_forward.
 void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,
                        __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
                        cudaStream_t stream);
+// The same where x's and dx's rows are columns of wider buffers, x_ld and dx_ld values apart.
+void rms_norm_backward(const __nv_bfloat16* x, int64_t x_ld, const __nv_bfloat16* weight,
+                       const __nv_bfloat16* dy, __nv_bfloat16* dx, int64_t dx_ld, float* dweight,
+                       int64_t rows, int64_t D, float eps, cudaStream_t stream);
 // The same from an fp32 dy (a gradient summed in fp32, used as it is rather than rounded first).
 void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const float* dy,
                        __nv_bfloat16* dx, float* dweight, int64_t rows, int64_t D, float eps,
@@ -29,6 +36,10 @@ void rms_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, cons
 // y = (x - mean) / sqrt(var + eps) * weight + bias, biased variance (cpu::layer_norm).
 void layer_norm_forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias,
                         __nv_bfloat16* y, int64_t rows, int64_t D, float eps, cudaStream_t stream);
+// The same where x's rows are columns of a wider buffer, x_ld values apart.
+void layer_norm_forward(const __nv_bfloat16* x, int64_t x_ld, const __nv_bfloat16* weight,
+                        const __nv_bfloat16* bias, __nv_bfloat16* y, int64_t rows, int64_t D, float eps,
+                        cudaStream_t stream);
 
 // dx written; dweight, dbias accumulated.
 void layer_norm_backward(const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* dy,

@@ -29,6 +29,34 @@ namespace {
 constexpr float kIndexerNormEps = 1e-6f;
 constexpr size_t kSelectWorkspaceBytes = size_t{1} << 30;  // the score tile of a query block
 
+// Columns of a row of MlaActivations::low and of the backward's gradients into x: q_a's, kv_a's
+// and, where the pass runs the layer's indexer, its raw keys and its pool gates (the rows of
+// DsaWeights::x_proj, so that a prefix of them is the product's weight).
+struct XProjColumns {
+  int64_t q, kv, index;  // q_lora_rank, kv_lora_rank, index_head_dim or 0
+  int64_t width() const { return q + kv + 2 * index; }
+  int64_t raw_keys() const { return q + kv; }
+  int64_t gates() const { return q + kv + index; }
+};
+
+XProjColumns x_proj_columns(const ModelConfig& c, bool indexer) {
+  check(c.qk_rope_head_dim == 0, "DSA on the GPU: kv_a_proj's RoPE rows (the layers use NoPE)");
+  return {c.q_lora_rank, c.kv_lora_rank, indexer ? c.index_head_dim : 0};
+}
+
+// MLA's activations. In the absorbed form every head attends over the 512-wide
+// latent c itself: the query is absorbed into it (q_lat_h = q_h W_k,h), keys and values are c
+// (the cache holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In
+// the expanded form kv_b_proj expands c into per-head keys and values first. Same function.
+struct MlaActivations {
+  DeviceBuffer<bf16> low, q_resid, q, kv_normed, q_lat, o_lat, attended;  // low: x's low-rank projections
+  XProjColumns cols;                                                      // low's columns
+  DeviceBuffer<float> lse;  // absorbed form on the tensor cores or union form: each query head's log-sum-exp
+  bool union_form = false;  // the attention ran in the union form: `attended` and `lse` are its output
+  std::optional<ChunkUnion> chunk_union;  // the union form's, where this pass made it (the backward's then)
+  const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
+};
+
 // The indexer over `tokens` keys, for the queries from `first` on.
 cpu::IndexerShape indexer_shape(const ModelConfig& c, int64_t tokens, int64_t first = 0) {
   return {tokens,        c.index_n_heads, c.index_head_dim,
@@ -54,10 +82,11 @@ IndexerQueries indexer_queries(Context& ctx, const ModelConfig& c, const Indexer
 }
 
 // This chunk's indexer keys (normalised) and pool gates join the cache at rows cache.tokens ..
-// + L, and the pools they complete are pooled.
-void append_index_keys(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const bf16* x, int64_t L,
-                       DsaCache& cache) {
-  const int64_t D = c.hidden_size, d = c.index_head_dim, kp = c.index_kpool;
+// + L, and the pools they complete are pooled: from the raw keys (x wk^T) and gates (x
+// compress_gate^T) among the projections' columns.
+void append_index_keys(Context& ctx, const ModelConfig& c, const IndexerWeights& w, const MlaActivations& a,
+                       int64_t L, DsaCache& cache) {
+  const int64_t d = c.index_head_dim, kp = c.index_kpool;
   const int64_t p0 = cache.tokens / kp, p1 = (cache.tokens + L) / kp;
   // The last chunk's rows alone (DsaCache::index_rows): this chunk's, from its start on a pool.
   if (cache.index_keys.size() < static_cast<size_t>(cache.capacity * d)) {
@@ -70,11 +99,13 @@ void append_index_keys(Context& ctx, const ModelConfig& c, const IndexerWeights&
   const int64_t at = (cache.tokens - cache.index_rows_first) * d,
                 pooled = (p0 * kp - cache.index_rows_first) * d;
   const cudaStream_t s = ctx.stream();
-  DeviceBuffer<bf16> raw = activations(L * d);
-  ctx.gemm.linear(x, bf16_data(w.wk), raw.data(), L, D, d, s);
-  layer_norm_forward(raw.data(), bf16_data(w.k_norm_weight), bf16_data(w.k_norm_bias),
-                     cache.index_keys.data() + at, L, d, kIndexerNormEps, s);
-  ctx.gemm.linear(x, bf16_data(w.compress_gate), cache.index_gate.data() + at, L, D, d, s);
+  const int64_t ld = a.cols.width();
+  check(a.cols.index == d, "DSA projections without the indexer's columns");
+  layer_norm_forward(a.low.data() + a.cols.raw_keys(), ld, bf16_data(w.k_norm_weight),
+                     bf16_data(w.k_norm_bias), cache.index_keys.data() + at, L, d, kIndexerNormEps, s);
+  SPINDLE_CUDA(cudaMemcpy2DAsync(cache.index_gate.data() + at, d * sizeof(bf16),
+                                 a.low.data() + a.cols.gates(), ld * sizeof(bf16), d * sizeof(bf16),
+                                 static_cast<size_t>(L), cudaMemcpyDeviceToDevice, s));
   if (p1 > p0)
     indexer_pool_keys(indexer_shape(c, (p1 - p0) * kp), cache.index_keys.data() + pooled,
                       cache.index_gate.data() + pooled, bf16_data(w.compress_ape),
@@ -183,18 +214,6 @@ void train_indexer(Context& ctx, const ModelConfig& c, const IndexerWeights& w, 
   ctx.record.note("dsa/indexer_kl", "cuda KL backward on the attention mass");
 }
 
-// MLA's activations. In the absorbed form every head attends over the 512-wide
-// latent c itself: the query is absorbed into it (q_lat_h = q_h W_k,h), keys and values are c
-// (the cache holds [c | c] per token, one key head), and the head's output is o_lat_h W_v,h^T. In
-// the expanded form kv_b_proj expands c into per-head keys and values first. Same function.
-struct MlaActivations {
-  DeviceBuffer<bf16> q_low, q_resid, q, kv_low, kv_normed, q_lat, o_lat, attended;
-  DeviceBuffer<float> lse;  // absorbed form on the tensor cores or union form: each query head's log-sum-exp
-  bool union_form = false;  // the attention ran in the union form: `attended` and `lse` are its output
-  std::optional<ChunkUnion> chunk_union;  // the union form's, where this pass made it (the backward's then)
-  const bf16* attention_query() const { return q_lat.size() ? q_lat.data() : q.data(); }
-};
-
 cpu::SparseAttentionShape attention_shape(const ModelConfig& c, int64_t L, bool absorbed) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_head_dim()));
   if (absorbed)
@@ -252,27 +271,31 @@ std::optional<ChunkUnion> union_within_limit(Context& ctx, const UnionAttentionS
   return u;
 }
 
-// Projections up to the (latent) queries and the normalised latent c; `output_kept`: the
-// attention's output comes from an AttentionKept (not allocated here).
+// Projections up to the (latent) queries and the normalised latent c, all of x's low-rank ones in one
+// product; `indexer`: with the indexer's raw keys and pool gates (the layer's own indexer runs);
+// `output_kept`: the attention's output comes from an AttentionKept (not allocated here).
 MlaActivations mla_projections(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x,
-                               int64_t L, bool output_kept = false) {
+                               int64_t L, bool indexer, bool output_kept = false) {
   const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_head_dim(), dv = c.v_head_dim;
   const int64_t qr = c.q_lora_rank, kr = c.kv_lora_rank;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const cudaStream_t s = ctx.stream();
+  const XProjColumns cols = x_proj_columns(c, indexer);
+  check(!indexer || w.has_indexer, "DSA projections: the indexer's columns of a layer without an indexer");
   MlaActivations a;
-  a.q_low = activations(L * qr);
+  a.cols = cols;
+  a.low = activations(L * cols.width());
   a.q_resid = activations(L * qr);
   a.q = activations(L * H * dqk);
-  a.kv_low = activations(L * kr);
   a.kv_normed = activations(L * kr);
   const bool attended_kept = output_kept && !ctx.absorbed_mla;  // the expanded form keeps the heads' output
   if (!attended_kept) a.attended = activations(L * H * dv);
-  ctx.gemm.linear(x, bf16_data(w.q_a_proj), a.q_low.data(), L, D, qr, s);
-  rms_norm_forward(a.q_low.data(), bf16_data(w.q_a_layernorm), a.q_resid.data(), L, qr, eps, s);
+  ctx.gemm.linear(x, bf16_data(w.x_proj), a.low.data(), L, D, cols.width(), s);
+  rms_norm_forward(a.low.data(), cols.width(), bf16_data(w.q_a_layernorm), a.q_resid.data(), qr, L, qr, eps,
+                   s);
   ctx.gemm.linear(a.q_resid.data(), bf16_data(w.q_b_proj), a.q.data(), L, qr, H * dqk, s);
-  ctx.gemm.linear(x, bf16_data(w.kv_a_proj), a.kv_low.data(), L, D, kr, s);
-  rms_norm_forward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), a.kv_normed.data(), L, kr, eps, s);
+  rms_norm_forward(a.low.data() + cols.q, cols.width(), bf16_data(w.kv_a_layernorm), a.kv_normed.data(), kr,
+                   L, kr, eps, s);
   ctx.record.note("dsa/projections",
                   ctx.absorbed_mla ? "cublaslt bf16 (queries absorbed into the latent where the absorbed "
                                      "kernels run)"
@@ -508,7 +531,7 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
   DeviceBuffer<bf16> d_attended = activations(L * H * dv), dq = activations(L * H * dqk);
   gemm.linear_backward_input(dy, bf16_data(w.o_proj), d_attended.data(), L, H * dv, D, s);
   gemm.linear_backward_weight(dy, a.attended.data(), f32_data(grad.o_proj), L, H * dv, D, s);
-  DeviceBuffer<bf16> d_normed = activations(L * kr), d_low = activations(L * kr);
+  DeviceBuffer<bf16> d_normed = activations(L * kr);
   {
     // The indexer learns from the attention's mass, which the attention's backward sums as it goes.
     const bool kl = indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0;
@@ -527,18 +550,21 @@ void backward_over_cache(Context& ctx, const ModelConfig& c, const DsaWeights& w
                     cache_grad, *indexer_loss, grad.indexer);
     }
   }
-  rms_norm_backward(a.kv_low.data(), bf16_data(w.kv_a_layernorm), d_normed.data(), d_low.data(),
-                    f32_data(grad.kv_a_layernorm), L, kr, eps, s);
-  gemm.linear_backward_input(d_low.data(), bf16_data(w.kv_a_proj), dx, L, D, kr, 0.0f, s);  // writes dx
-  gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.kv_a_proj), L, D, kr, s);
-
-  DeviceBuffer<bf16> d_resid = activations(L * qr), dq_low = activations(L * qr);
+  // The low-rank projections' gradients side by side, as x_proj's first rows: dx in one product (each
+  // product adding into the fp32 dx would read and write all of it), their weights' in another.
+  const XProjColumns dcols = x_proj_columns(c, false);
+  const int64_t ld = dcols.width(), low_ld = a.cols.width();
+  DeviceBuffer<bf16> d_low = activations(L * ld);
+  rms_norm_backward(a.low.data() + a.cols.q, low_ld, bf16_data(w.kv_a_layernorm), d_normed.data(),
+                    d_low.data() + dcols.q, ld, f32_data(grad.kv_a_layernorm), L, kr, eps, s);
+  d_normed = {};
+  DeviceBuffer<bf16> d_resid = activations(L * qr);
   gemm.linear_backward_input(dq.data(), bf16_data(w.q_b_proj), d_resid.data(), L, qr, H * dqk, s);
   gemm.linear_backward_weight(dq.data(), a.q_resid.data(), f32_data(grad.q_b_proj), L, qr, H * dqk, s);
-  rms_norm_backward(a.q_low.data(), bf16_data(w.q_a_layernorm), d_resid.data(), dq_low.data(),
+  rms_norm_backward(a.low.data(), low_ld, bf16_data(w.q_a_layernorm), d_resid.data(), d_low.data(), ld,
                     f32_data(grad.q_a_layernorm), L, qr, eps, s);
-  gemm.linear_backward_input(dq_low.data(), bf16_data(w.q_a_proj), dx, L, D, qr, 1.0f, s);
-  gemm.linear_backward_weight(dq_low.data(), x, f32_data(grad.q_a_proj), L, D, qr, s);
+  gemm.linear_backward_input(d_low.data(), bf16_data(w.x_proj), dx, L, D, ld, 0.0f, s);  // writes dx
+  gemm.linear_backward_weight(d_low.data(), x, f32_data(grad.x_proj), L, D, ld, s);
 }
 
 }  // namespace
@@ -597,11 +623,12 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   check(cache.row == cache_row(c, ctx.absorbed_mla) && cache.tokens + L <= cache.capacity, "DSA cache of ",
         cache.capacity, " tokens (", cache.row, " values each) cannot take tokens ", cache.tokens, " .. ",
         cache.tokens + L, " of this form of MLA");
-  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  const bool select = w.has_indexer && !reuse_selection;
+  MlaActivations a = mla_projections(ctx, c, w, x, L, select);
   append_kv(ctx, c, w, L, a.kv_normed.data(), cache);
-  if (w.has_indexer && !reuse_selection) {
+  if (select) {
     const TimedScope timed = ctx.timed("dsa.indexer");
-    append_index_keys(ctx, c, w.indexer, x, L, cache);
+    append_index_keys(ctx, c, w.indexer, a, L, cache);
     run_indexer(ctx, c, w.indexer, x, a.q_resid.data(), L, cache, cache.tokens, selection);
   }
   check(selection.size() == static_cast<size_t>(L * selection_width(c)),
@@ -661,10 +688,10 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
                   IndexerLoss* indexer_loss, bf16* y) {
   // The whole sequence is one chunk over its own cache.
   const bool trained = indexer_loss != nullptr && w.has_indexer && indexer_loss->coef > 0;
-  MlaActivations a = mla_projections(ctx, c, w, x, L);
+  MlaActivations a = mla_projections(ctx, c, w, x, L, trained);
   DsaCache cache(c, ctx.absorbed_mla, trained, L);
   append_kv(ctx, c, w, L, a.kv_normed.data(), cache);
-  if (trained) append_index_keys(ctx, c, w.indexer, x, L, cache);
+  if (trained) append_index_keys(ctx, c, w.indexer, a, L, cache);
   cache.tokens = L;
   DsaCacheGrad cache_grad(c, cache, L, L, trained, ctx.stream());
   backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, 0, cache_grad, y,
@@ -675,7 +702,7 @@ void dsa_backward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const
                   const int32_t* selection, const bf16* dy, float* dx, DsaWeights& grad,
                   IndexerLoss* indexer_loss, const DsaCache& cache, int64_t first, DsaCacheGrad& cache_grad,
                   bf16* y, AttentionKept* kept) {
-  MlaActivations a = mla_projections(ctx, c, w, x, L, kept != nullptr && !kept->empty());
+  MlaActivations a = mla_projections(ctx, c, w, x, L, false, kept != nullptr && !kept->empty());
   backward_over_cache(ctx, c, w, x, L, a, selection, dy, dx, grad, indexer_loss, cache, first, cache_grad, y,
                       kept);
 }
