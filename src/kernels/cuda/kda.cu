@@ -496,7 +496,7 @@ void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
     launch_kernel(kda_fwd_scan_kernel, scan_grid, kThreads, scan_smem_bytes(), stream, workspace,
                   chunk_states, initial, kept, c0, c1, H, dki, dvi);
     SPINDLE_LAUNCHED("kda_fwd_scan_kernel");
-    if (c1 > c0) {
+    if (c1 > c0 && out != nullptr) {
       launch_kernel(kda_fwd_output_kernel, chunk_grid, kThreads, output_smem_bytes(), stream, q, g, workspace,
                     static_cast<const float*>(kept), chunk_states, out, c0, tokens, H, dki, dvi);
       SPINDLE_LAUNCHED("kda_fwd_output_kernel");

@@ -50,11 +50,11 @@ inline int64_t kda_kept_matrices_floats(int64_t tokens, int64_t heads) {
 
 // Forward. q, k: [tokens, heads, dk] (q l2-normalised and scaled, k l2-normalised); v: [tokens,
 // heads, dv]; g: [tokens, heads, dk] log decay (<= 0); beta: [tokens, heads]; out: [tokens, heads,
-// dv]. initial_state: fp32 [heads, dk, dv], the state before the first token (a streamed chunk's
-// carry), or null for zero. chunk_states: fp32 [chunks + 1, heads, dk, dv], the state entering
-// each chunk (entry 0 the initial state, entry `chunks` the final state), kept for the backward.
-// workspace: kda_forward_workspace_floats(tokens, heads) floats. kept_matrices, if not null,
-// receives every chunk's A, Aq, Tinv and u (kda_kept_matrices_floats) for kda_chunked_backward.
+// dv], or null for the states alone (a streamed chunk's carry). initial_state: fp32 [heads, dk, dv], the
+// state before the first token (a streamed chunk's carry), or null for zero. chunk_states: fp32 [chunks + 1,
+// heads, dk, dv], the state entering each chunk (entry 0 the initial state, entry `chunks` the final state),
+// kept for the backward. workspace: kda_forward_workspace_floats(tokens, heads) floats. kept_matrices, if not
+// null, receives every chunk's A, Aq, Tinv and u (kda_kept_matrices_floats) for kda_chunked_backward.
 void kda_chunked_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const float* g, const float* beta, __nv_bfloat16* out, float* chunk_states,
                          float* workspace, int64_t tokens, int64_t heads, int64_t dk, int64_t dv,

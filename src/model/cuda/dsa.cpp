@@ -633,6 +633,11 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
   }
   check(selection.size() == static_cast<size_t>(L * selection_width(c)),
         "DSA layer without a selection to share");
+  if (y == nullptr) {  // the cache's rows and the selection alone
+    check(keep == nullptr, "DSA forward without an output keeps nothing");
+    cache.tokens += L;
+    return;
+  }
   {
     const TimedScope timed = ctx.timed("dsa.attention");
     attend(ctx, c, w, L, a, cache.kv.data(), selection.data(), cache.tokens + L);

@@ -90,10 +90,10 @@ void backward_weight_strided(Gemm& gemm, const bf16* dy, int64_t dy_ld, const bf
 // The forward's intermediates from x and the carry the chunk starts from (null: the start of a
 // sequence); the recurrence's output, chunk states and matrices, and the projections, taken from
 // `kept` where it holds them. keep_matrices: the recurrence also writes its intra-chunk matrices into
-// `matrices`.
+// `matrices`. Without `output`, the chunk states alone (no recurrence output, no output gate).
 KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x,
                                int64_t L, const KdaCarry* carry, AttentionKept* kept = nullptr,
-                               bool keep_matrices = false) {
+                               bool keep_matrices = false, bool output = true) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const int64_t K = c.linear_conv_kernel_dim, tail = tail_size(c), rows = K - 1 + L, carried = K - 1;
   const KdaColumns cols = kda_columns(c);
@@ -112,12 +112,13 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
     a.projected = activations(rows * ld);
   }
   a.vcw = activations(rows * qkv);
-  for (auto* b : {&a.q, &a.k, &a.gate}) *b = activations(L * qkv);
+  for (auto* b : {&a.q, &a.k}) *b = activations(L * qkv);
+  if (output) a.gate = activations(L * qkv);
   if (recurrence_kept) {
     check(kept->out.size() == static_cast<size_t>(L * qkv), "KDA backward: a kept output of ",
           kept->out.size(), " values for ", L, " tokens");
     a.core = std::move(kept->out);
-  } else {
+  } else if (output) {
     a.core = activations(L * qkv);
   }
   a.f = activations_f32(L * qkv);
@@ -161,13 +162,14 @@ KdaActivations kda_activations(Context& ctx, const ModelConfig& c, const KdaWeig
     const TimedScope timed = ctx.timed("kda.recurrence");
     DeviceBuffer<float> workspace(static_cast<size_t>(kda_forward_workspace_floats(L, H)),
                                   MemoryCategory::Workspace);
-    kda_chunked_forward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(), a.core.data(),
-                        a.chunk_states.data(), workspace.data(), L, H, dh, dh, s,
-                        carry != nullptr ? carry->state.data() : nullptr,
+    kda_chunked_forward(a.q.data(), a.k.data(), a.vcw.data() + tail, a.g.data(), a.beta.data(),
+                        output ? a.core.data() : nullptr, a.chunk_states.data(), workspace.data(), L, H, dh,
+                        dh, s, carry != nullptr ? carry->state.data() : nullptr,
                         keep_matrices ? a.matrices.data() : nullptr);
   }
-  linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
-                 s);
+  if (output)
+    linear_strided(ctx.gemm, gate_low, ld, bf16_data(w.g_b_proj), a.gate.data(), CUDA_R_16BF, qkv, L, dh, qkv,
+                   s);
   ctx.record.note("kda/projections", "cublaslt bf16");
   ctx.record.note("kda/conv",
                   q_fused && k_fused ? "cuda causal_conv_silu, q and k with their l2 norms"
@@ -181,7 +183,10 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
              KdaCarry* carry, AttentionKept* keep) {
   const int64_t D = c.hidden_size, H = c.linear_num_heads, dh = c.linear_head_dim, qkv = c.linear_qkv_dim();
   const cudaStream_t s = ctx.stream();
-  KdaActivations a = kda_activations(ctx, c, w, x, L, carry, nullptr, keep != nullptr && keep->keep_matrices);
+  check(y != nullptr || (carry != nullptr && keep == nullptr),
+        "KDA forward without an output: the carry alone");
+  KdaActivations a =
+      kda_activations(ctx, c, w, x, L, carry, nullptr, keep != nullptr && keep->keep_matrices, y != nullptr);
   if (carry != nullptr) {  // the final state and the windows' last kernel - 1 rows move on
     const int64_t ld = kda_columns(c).projected();
     copy_device(carry->state.data(), a.chunk_states.data() + kda_chunks(L) * state_size(c),
@@ -190,6 +195,7 @@ void forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16
                                    ld * sizeof(bf16), 3 * qkv * sizeof(bf16), c.linear_conv_kernel_dim - 1,
                                    cudaMemcpyDeviceToDevice, s));
   }
+  if (y == nullptr) return;
   // The gated norm's output reuses q (free once the recurrence has read it).
   gated_rms_norm_forward(a.core.data(), bf16_data(w.o_norm), a.gate.data(), a.q.data(), L * H, dh,
                          static_cast<float>(c.rms_norm_eps), s);

@@ -113,9 +113,9 @@ DeviceBuffer<bf16> CudaModel::forward_chunk(const DeviceSequence& sequence, int6
     chain.next = &layer.ffn_hc;
     residual_site_forward(
         ctx_, c, layer.attn_hc, layer.input_layernorm, n, streams.data(), i == last ? nullptr : next.data(),
-        [&](const bf16* x, bf16* y) {
-          attention_forward(layer, x, n, selection, y, false, carry.kda ? &*carry.kda : nullptr,
-                            carry.dsa ? &*carry.dsa : nullptr);
+        [&](const bf16* x, bf16* y) {  // the last layer's output: read by nothing, not made
+          attention_forward(layer, x, n, selection, i == last ? nullptr : y, false,
+                            carry.kda ? &*carry.kda : nullptr, carry.dsa ? &*carry.dsa : nullptr);
         },
         nullptr, nullptr, &chain);
     if (selected && layer.attention == AttentionKind::Dsa && layer.dsa.has_indexer)

@@ -55,6 +55,7 @@ struct AttentionKept {
 
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y);
 // Continues a sequence whose earlier tokens left `carry`, and updates it; fills `keep` if given.
+// With y null it only updates the carry (the streamed forward's last layer: nothing reads its output).
 void kda_forward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L, bf16* y,
                  KdaCarry& carry, AttentionKept* keep = nullptr);
 void kda_backward(Context& ctx, const ModelConfig& c, const KdaWeights& w, const bf16* x, int64_t L,
@@ -124,7 +125,8 @@ void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const 
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection = false);
 // Continues a sequence whose first cache.tokens tokens are in `cache`, and appends this chunk's
 // rows to it (with reuse_selection, the indexer's rows are taken to be there already); fills
-// `keep` if given.
+// `keep` if given. With y null it only appends the rows and selects (no attention: the streamed
+// forward's last layer).
 void dsa_forward(Context& ctx, const ModelConfig& c, const DsaWeights& w, const bf16* x, int64_t L,
                  DeviceBuffer<int32_t>& selection, bf16* y, bool reuse_selection, DsaCache& cache,
                  AttentionKept* keep = nullptr);
