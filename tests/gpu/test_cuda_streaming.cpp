@@ -36,7 +36,8 @@ namespace {
 
 const std::string kTests = SPINDLE_TEST_DATA;
 
-ModelConfig streaming_config(int64_t index_topk) {
+// last_kda: the last layer a KDA layer instead of a DSA one.
+ModelConfig streaming_config(int64_t index_topk, bool last_kda = false) {
   nlohmann::json j = nlohmann::json::parse(R"({
     "model_type": "glm5_next_text", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 48,
     "moe_intermediate_size": 16, "num_hidden_layers": 5, "num_attention_heads": 2,
@@ -49,7 +50,8 @@ ModelConfig streaming_config(int64_t index_topk) {
     "indexer_types": ["full", "full", "shared", "full", "full"],
     "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]})");
   j["index_topk"] = index_topk;
-  ModelConfig config = parse_model_config(j, "tiny, 3 DSA layers");
+  if (last_kda) j["layer_types"][4] = "linear_attention";
+  ModelConfig config = parse_model_config(j, last_kda ? "tiny, 2 DSA layers" : "tiny, 3 DSA layers");
   config.initializer_range = 0.1;  // predictions far from uniform: differences show
   return config;
 }
@@ -255,6 +257,33 @@ TEST(CudaStreaming, LossAndGradientsInChunksEqualTheWholeSequence) {
         EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
       }
     }
+}
+
+// Without the balance loss each chunk's forward stops at the last layer's attention, which makes
+// its carry alone (no output: nothing reads it). With that layer a DSA layer and a KDA layer,
+// chunks of 64 (the last layer's carry crosses six chunk boundaries) against the whole sequence.
+TEST(CudaStreaming, LastLayerOfEitherKindMakesItsCarryAlone) {
+  for (const bool last_kda : {false, true}) {
+    SCOPED_TRACE(last_kda ? "the last layer a KDA layer" : "the last layer a DSA layer");
+    const ModelConfig config = streaming_config(512, last_kda);
+    ModelWeights weights = allocate_weights(config, DType::F32);
+    init_weights(config, weights, 13);
+    const std::vector<int32_t> tokens = dna(400);
+    LossOptions options;
+    options.aux_loss_coef = 0.0;
+    auto plain = on_gpu(config, weights, true);
+    const LossResult whole = plain->loss_and_gradients(tokens, options);
+    ModelWeights whole_grads = zero_gradients(config, DType::F32);
+    plain->download_gradients(whole_grads);
+    options.chunk_tokens = 64;
+    auto device = on_gpu(config, weights, true);
+    const LossResult streamed = device->loss_and_gradients(tokens, options);
+    ModelWeights grads = zero_gradients(config, DType::F32);
+    device->download_gradients(grads);
+    std::printf("%s last: loss %.6f / %.6f\n", last_kda ? "KDA" : "DSA", streamed.loss, whole.loss);
+    EXPECT_NEAR(streamed.loss, whole.loss, 1e-3 * whole.loss);
+    EXPECT_GT(compare_gradients(config, whole_grads, grads), 30);
+  }
 }
 
 // Two streamed runs whose options differ only in what the recomputation keeps for the backward: the
