@@ -90,6 +90,40 @@ TEST(Model, SaveLoadRoundTrip) {
   fs::remove_all(dir);
 }
 
+// The GPU multiplies by stacked weights as wholes or by their leading rows (DSA's x_proj: q_a's and
+// kv_a's rows first, the indexer's wk and compress gate after them): each stack must be its named
+// row blocks, in order, and nothing else. Layers: KDA, DSA with its indexer, DSA sharing it.
+TEST(Model, StackedWeightsAreTheirNamedBlocksInOrder) {
+  nlohmann::json j;
+  std::ifstream(kTiny) >> j;
+  j["layer_types"] = {"linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention"};
+  j["indexer_types"] = {"full", "full", "shared"};
+  j["mlp_layer_types"] = {"dense", "sparse", "sparse"};
+  j["num_hidden_layers"] = 3;
+  const ModelConfig config = parse_model_config(j, "tiny, one of each attention");
+  const ModelWeights w = allocate_weights(config, DType::F32);
+  const auto expect_blocks = [](const Tensor& stack, std::initializer_list<const Tensor*> blocks,
+                                const std::string& what) {
+    const auto* at = static_cast<const char*>(stack.raw());
+    for (const Tensor* b : blocks) {
+      EXPECT_EQ(b->raw(), at) << what;
+      EXPECT_EQ(b->dim(1), stack.dim(1)) << what;
+      at += b->nbytes();
+    }
+    EXPECT_EQ(at, static_cast<const char*>(stack.raw()) + stack.nbytes()) << what;
+  };
+  const KdaWeights& k = w.layers[0].kda;
+  expect_blocks(k.in_proj, {&k.q_proj, &k.k_proj, &k.v_proj, &k.g_a_proj, &k.f_a_proj, &k.b_proj}, "in_proj");
+  const DsaWeights &own = w.layers[1].dsa, &shared = w.layers[2].dsa;
+  ASSERT_TRUE(own.has_indexer);
+  ASSERT_FALSE(shared.has_indexer);
+  expect_blocks(own.x_proj, {&own.q_a_proj, &own.kv_a_proj, &own.indexer.wk, &own.indexer.compress_gate},
+                "x_proj, own indexer");
+  expect_blocks(shared.x_proj, {&shared.q_a_proj, &shared.kv_a_proj}, "x_proj, shared indexer");
+  const MlpWeights& dense = w.layers[0].dense;
+  expect_blocks(dense.gate_up, {&dense.gate_proj, &dense.up_proj}, "gate_up");
+}
+
 // transformers' in-memory names (fused experts, fused conv, attn_hc.fn, forget_gate.*) and the
 // short "model." prefix load to the same weights as the on-disk names.
 TEST(Model, InMemoryNamesLoadLikeOnDiskNames) {
