@@ -90,13 +90,6 @@ __device__ __forceinline__ void collapse_columns(const float (&v)[H][V], const f
 // thread: four in flight while one is summed.
 constexpr int kCollapseSlots = 5;
 
-// The collapse's norm (HcNorm) sums each warp's squares of a round (kThreads items of 8 columns) into
-// a slot of its own, and a token's sum of squares is its warps' slots in order (the same bits in every
-// thread and every call, unlike atomics). A token spans at most two rounds (hidden <= kMaxNormHidden),
-// read after the second's barrier while the next round writes a third: slots for three rounds.
-constexpr int kMaxNormHidden = 4096;
-constexpr int kNormPartials = 3 * kWarps;
-
 // What comes before raw in a coefficient kernel's shared memory: the mix's ring (the kernel multiplies
 // the mix; the collapse's ring takes its place after the mix), the collapse's ring alone (it loads a
 // mix kept since), or nothing (the backward).
@@ -111,14 +104,11 @@ struct Tile {
   static constexpr size_t kXBytes = kTileTokens * kXStride * sizeof(__nv_bfloat16);
   static constexpr size_t kStageBytes = kXBytes + NT * 8 * kFStride * sizeof(float);
   static constexpr size_t kCollapseBytes = size_t{kCollapseSlots} * H * kThreads * 16;
-  // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], the collapse's norm partials
-  // (the forward), then per-kernel data.
+  // The ring, then raw [64, M + 1] (sum of squares last), pre [64, H], then per-kernel data.
   static constexpr size_t kRawOffset =
       kRing == Ring::kMix ? kStages * kStageBytes : (kRing == Ring::kCollapse ? kCollapseBytes : 0);
   static constexpr size_t kPreOffset = kRawOffset + kTileTokens * (M + 1) * sizeof(float);
-  static constexpr size_t kPartialsOffset = kPreOffset + kTileTokens * H * sizeof(float);
-  static constexpr size_t kCommonBytes =
-      kPartialsOffset + (kRing == Ring::kNone ? 0 : kNormPartials * sizeof(float));
+  static constexpr size_t kCommonBytes = kPreOffset + kTileTokens * H * sizeof(float);
   static_assert(kXBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must be 16-byte aligned");
   static_assert(kCollapseBytes <= kStages * kStageBytes, "the collapse's ring in the mix's");
   static_assert(H > 4 || 2 * (kCommonBytes + 1024) <= 228 * 1024,
@@ -375,14 +365,27 @@ __device__ void load_mix(const float* mix, int64_t t0, int count, float* raw, in
 
 // Item k of the calling thread in the forward's collapse (vec: D % 8 == 0, 16-byte aligned rows):
 // token e / (D / 8), 8 columns e % (D / 8) 8, e = threadIdx.x + k kThreads; its vector of each of the
-// H streams of x (the tile's rows [count, H D]) into slot k % kCollapseSlots of the thread's own ring,
-// as one commit group (empty past the n = count D / 8 items). The thread reads back only what it
-// copied: no barriers, and the loads are in flight without holding registers.
+// The order a thread takes the collapse's items (8 columns of a token) in: warp w takes the tile's
+// tokens w, w + kWarps, ..., and in each its lane l the items l, l + 32, ... (per_lane of them; the
+// last ones past D where D / 8 is not a multiple of 32). A token is one warp's, so its norm needs the
+// warp's sum of squares alone: no barrier in the collapse.
+struct CollapsePlan {
+  int per_lane, rounds;
+  __device__ explicit CollapsePlan(int D)
+      : per_lane((D / 8 + 31) / 32), rounds(kTileTokens / kWarps * per_lane) {}
+  __device__ int token(int k) const { return static_cast<int>(threadIdx.x) / 32 + kWarps * (k / per_lane); }
+  __device__ int column(int k) const { return (k % per_lane * 32 + static_cast<int>(threadIdx.x) % 32) * 8; }
+};
+
+// The thread's item k: H streams of x (the tile's rows [count, H D]) into slot k % kCollapseSlots of
+// its own ring, as one commit group (empty past the tile's items). The thread reads back only what
+// it copied: no barriers, and the loads are in flight without holding registers.
 template <int H>
-__device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, int n, int k, uint4* ring) {
-  const int e = threadIdx.x + k * kThreads, per_token = D / 8;
-  if (e < n) {
-    const __nv_bfloat16* src = x + static_cast<int64_t>(e / per_token) * H * D + e % per_token * 8;
+__device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, int count,
+                                               const CollapsePlan& plan, int k, uint4* ring) {
+  const int token = plan.token(k), d = plan.column(k);
+  if (token < count && d < D) {
+    const __nv_bfloat16* src = x + static_cast<int64_t>(token) * H * D + d;
     uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;  // [slot, h, thread]
 #pragma unroll
     for (int h = 0; h < H; ++h) copy16(slot + h * kThreads, src + h * D, true);
@@ -390,25 +393,22 @@ __device__ __forceinline__ void stage_collapse(const __nv_bfloat16* x, int D, in
   copy_commit();
 }
 
-// One item of the collapse (8 columns d of token tt of the tile), rounded as stored, until its
-// token's sum of squares is complete.
-struct CollapsedItem {
-  float v[8];
-  int tt = -1, d = 0;
-};
-
-// The item's normed columns (HcNorm) from its token's partial sums of squares (see kNormPartials).
-__device__ __forceinline__ void store_normed(const CollapsedItem& item, const float* partials, int D,
-                                             const HcNorm& norm, __nv_bfloat16* normed_tile) {
-  const int chunks = D / 256, c0 = item.tt * chunks;  // a warp's 32 items are 256 columns
-  float sum = 0.0f;
-  for (int c = c0; c < c0 + chunks; ++c) sum += partials[c % kNormPartials];
+// A token's normed row (HcNorm) from its collapsed row as stored (the lane's own items, read back)
+// and the warp's sum of their squares.
+__device__ __forceinline__ void store_normed(const __nv_bfloat16* collapsed_row, float sum, int D,
+                                             const CollapsePlan& plan, const HcNorm& norm,
+                                             __nv_bfloat16* normed_row) {
   const float inv = rsqrtf(sum / static_cast<float>(D) + norm.eps);
-  float w[8], out[8];
-  load<8>(norm.weight + item.d, w);
+  for (int j = 0; j < plan.per_lane; ++j) {
+    const int d = (j * 32 + static_cast<int>(threadIdx.x) % 32) * 8;
+    if (d >= D) break;
+    float v[8], w[8], out[8];
+    load<8>(collapsed_row + d, v);
+    load<8>(norm.weight + d, w);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) out[j] = w[j] * (item.v[j] * inv);
-  store<8>(normed_tile + static_cast<int64_t>(item.tt) * D + item.d, out);
+    for (int i = 0; i < 8; ++i) out[i] = w[i] * (v[i] * inv);
+    store<8>(normed_row + d, out);
+  }
 }
 
 // kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
@@ -434,10 +434,11 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   const __nv_bfloat16* x = streams + t0 * K;
   // The collapse's first items start loading as soon as the ring is free, so that the DRAM is busy
   // during the Sinkhorn passes too (they need nothing but the mix).
-  const int n = vec ? count * (D / 8) : 0;
+  const CollapsePlan plan(D);
+  const int staged = vec ? count : 0;  // tokens the ring loads
   const auto start_collapse = [&] {
 #pragma unroll
-    for (int k = 0; k < kCollapseSlots - 1; ++k) stage_collapse<H>(x, D, n, k, ring);
+    for (int k = 0; k < kCollapseSlots - 1; ++k) stage_collapse<H>(x, D, staged, plan, k, ring);
   };
   if constexpr (kFromMix) {
     load_mix<H>(kept_mix, t0, count, raw);
@@ -486,46 +487,32 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   __syncthreads();
   if (vec) {
     // The thread's items through its ring (stage_collapse), kCollapseSlots - 1 in flight (the tile's
-    // x is no longer in L2 by now). Rounds of kThreads items, the same count for every thread: the
-    // norm's barriers.
-    const int per_token = D / 8, rounds = (n + kThreads - 1) / kThreads;
-    float* partials = reinterpret_cast<float*>(smem + T::kPartialsOffset);
-    CollapsedItem held;  // the round before's item, its token's squares complete in this round
-    for (int k = 0; k < rounds; ++k) {
+    // x is no longer in L2 by now).
+    float squares = 0.0f;  // of the lane's items of its warp's current token
+    for (int k = 0; k < plan.rounds; ++k) {
       copy_wait<kCollapseSlots - 2>();  // item k has landed
       // Into the slot of item k - 1, whose values this thread has summed and stored already.
-      stage_collapse<H>(x, D, n, k + kCollapseSlots - 1, ring);
-      const int e = threadIdx.x + k * kThreads;
-      CollapsedItem item;
-      float squares = 0.0f;
-      if (e < n) {
-        item.tt = e / per_token;
-        item.d = e % per_token * 8;
+      stage_collapse<H>(x, D, staged, plan, k + kCollapseSlots - 1, ring);
+      const int token = plan.token(k), d = plan.column(k);
+      if (token < count && d < D) {
         const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
-        float v[H][8];
+        float v[H][8], out[8];
 #pragma unroll
         for (int h = 0; h < H; ++h)
           load<8>(reinterpret_cast<const __nv_bfloat16*>(slot + h * kThreads), v[h]);
-        collapse_columns<H, 8>(v, pre_s + item.tt * H, item.v);
+        collapse_columns<H, 8>(v, pre_s + token * H, out);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          item.v[j] = __bfloat162float(__float2bfloat16(item.v[j]));  // the norm reads the stored value
-          squares = fmaf(item.v[j], item.v[j], squares);
+          out[j] = __bfloat162float(__float2bfloat16(out[j]));  // the norm reads the stored value
+          squares = fmaf(out[j], out[j], squares);
         }
-        store<8>(collapsed + (t0 + item.tt) * D + item.d, item.v);
+        store<8>(collapsed + (t0 + token) * D + d, out);
       }
-      if (norm.normed == nullptr) continue;
-      squares = warp_sum(squares);
-      if (lane == 0) partials[(e / 32) % kNormPartials] = squares;
-      __syncthreads();
-      __nv_bfloat16* normed_tile = norm.normed + t0 * D;
-      if (held.tt >= 0) store_normed(held, partials, D, norm, normed_tile);
-      held.tt = -1;
-      if (item.tt < 0) continue;
-      if ((item.tt + 1) * per_token <= (k + 1) * kThreads)
-        store_normed(item, partials, D, norm, normed_tile);
-      else
-        held = item;
+      if (norm.normed == nullptr || k % plan.per_lane != plan.per_lane - 1) continue;
+      const float sum = warp_sum(squares);  // the warp's token is complete
+      squares = 0.0f;
+      if (token < count)
+        store_normed(collapsed + (t0 + token) * D, sum, D, plan, norm, norm.normed + (t0 + token) * D);
     }
     copy_wait<0>();  // only empty groups are left
     return;
@@ -1433,7 +1420,7 @@ void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, co
 
 bool hc_norm_fused(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* collapsed,
                    const HcNorm& norm) {
-  return norm.normed != nullptr && s.hidden % 256 == 0 && s.hidden <= kMaxNormHidden &&
+  return norm.normed != nullptr &&
          vector_rows(s, {{streams, 2}, {collapsed, 2}, {norm.weight, 2}, {norm.normed, 2}});
 }
 

@@ -27,8 +27,8 @@ int64_t hc_mix_floats(const cpu::HcShape& s);
 
 // The site's RMS norm of its collapsed input: normed = rms_norm(collapsed, eps) * weight (bf16 [tokens,
 // D]), the arithmetic of kernels/cuda/norms.h's rms_norm_forward but for the order of the sum of
-// squares. The coefficient kernels apply it as they write collapsed, where hidden is a multiple of 256
-// up to 4096 on 16-byte aligned rows (hc_norm_fused); elsewhere rms_norm_forward runs after them.
+// squares. The coefficient kernels apply it as they write collapsed, where hidden is a multiple of 8 on
+// 16-byte aligned rows (hc_norm_fused); elsewhere rms_norm_forward runs after them.
 // HcNorm{} (normed null): no norm.
 struct HcNorm {
   const __nv_bfloat16* weight = nullptr;

@@ -58,8 +58,8 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   ctx.record.note("mhc", "cuda 64-token tiles (Sinkhorn in fp32)");
   ctx.record.note("mhc/norm", hc_norm_fused(shape, streams, a.collapsed.data(), site_norm)
                                   ? "cuda in the collapse"
-                                  : "cuda rms_norm_forward after the collapse (hidden not a multiple of 256 "
-                                    "up to 4096, or rows not 16-byte aligned)");
+                                  : "cuda rms_norm_forward after the collapse (hidden not a multiple of 8, "
+                                    "or rows not 16-byte aligned)");
   return a;
 }
 
