@@ -23,6 +23,7 @@
 
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/stream.h"
+#include "core/error.h"
 #include "gpu_test_util.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/mhc.h"
@@ -320,6 +321,80 @@ TEST(CudaConvMhc, HcCombineForwardAndBackward) {
         << "d_post with the combine" << where;
     EXPECT_LT(relative_error(d_comb2.download(), dcomb_ref), kFp32Bound) << "d_comb with d_post" << where;
   }
+}
+
+// A site's backward inputs in one pass (hc_site_backward_inputs) against the two calls it stands for:
+// hc_coefficients_from_mix and hc_combine_backward with y, without dstreams. The same bits for every
+// output, on every case whose rows are in 16-byte vectors; the others it must refuse.
+TEST(CudaConvMhc, SiteBackwardInputsInOnePassEqualTheTwoCalls) {
+  int taken = 0;
+  for (const HcCase& c : kHcCases) {
+    const cpu::HcShape s = shape_of(c);
+    const int64_t T = c.tokens, H = c.H, D = c.D;
+    const std::string where =
+        " T=" + std::to_string(T) + " H=" + std::to_string(H) + " D=" + std::to_string(D);
+    const HcParams p(c);
+    const auto x = rounded(random_floats(T * H * D)), y = rounded(random_floats(T * D));
+    const auto dout = rounded(random_floats(T * H * D));
+    Stream stream;
+    auto xb = device(to_bf16(x)), yb = device(to_bf16(y)), doutb = device(to_bf16(dout));
+    auto fn = device(p.fn, MemoryCategory::Weights);
+    auto base = device(p.base, MemoryCategory::Weights), scale = device(p.scale, MemoryCategory::Weights);
+    auto weight = device(to_bf16(rounded(random_uniform(D, 0.5f, 1.5f))), MemoryCategory::Weights);
+    auto mix = poisoned<float>(static_cast<size_t>(hc_mix_floats(s)));
+    {
+      auto pre = poisoned<float>(T * H), post = poisoned<float>(T * H), comb = poisoned<float>(T * H * H);
+      auto collapsed = poisoned<bf16>(T * D), normed = poisoned<bf16>(T * D);
+      hc_coefficients(s, xb.data(), fn.data(), base.data(), scale.data(), pre.data(), post.data(),
+                      comb.data(), collapsed.data(), {weight.data(), normed.data(), 1e-5f}, stream.get(),
+                      mix.data());
+    }
+    // [0]: the two calls; [1]: the one pass.
+    std::vector<DeviceBuffer<float>> pre, post, comb, d_post, d_comb;
+    std::vector<DeviceBuffer<bf16>> collapsed, normed, dy;
+    for (int i = 0; i < 2; ++i) {
+      pre.push_back(poisoned<float>(T * H));
+      post.push_back(poisoned<float>(T * H));
+      comb.push_back(poisoned<float>(T * H * H));
+      d_post.push_back(poisoned<float>(T * H));
+      d_comb.push_back(poisoned<float>(T * H * H));
+      collapsed.push_back(poisoned<bf16>(T * D));
+      normed.push_back(poisoned<bf16>(T * D));
+      dy.push_back(poisoned<bf16>(T * D));
+    }
+    const auto norm = [&](int i) { return HcNorm{weight.data(), normed[i].data(), 1e-5f}; };
+    const HcCombineGrad grad{doutb.data(), yb.data(), dy[1].data(), d_comb[1].data(), d_post[1].data()};
+    const bool fused = hc_site_backward_fused(s, xb.data(), collapsed[1].data(), norm(1), grad);
+    EXPECT_EQ(fused, D % 8 == 0) << where;
+    if (!fused) {
+      EXPECT_THROW(hc_site_backward_inputs(s, xb.data(), mix.data(), base.data(), scale.data(), pre[1].data(),
+                                           post[1].data(), comb[1].data(), collapsed[1].data(), norm(1), grad,
+                                           stream.get()),
+                   Error)
+          << where;
+      continue;
+    }
+    ++taken;
+    hc_coefficients_from_mix(s, xb.data(), mix.data(), base.data(), scale.data(), pre[0].data(),
+                             post[0].data(), comb[0].data(), collapsed[0].data(), norm(0), stream.get());
+    hc_combine_backward(s, xb.data(), post[0].data(), comb[0].data(), doutb.data(), nullptr, dy[0].data(),
+                        d_comb[0].data(), stream.get(), yb.data(), d_post[0].data());
+    hc_site_backward_inputs(s, xb.data(), mix.data(), base.data(), scale.data(), pre[1].data(),
+                            post[1].data(), comb[1].data(), collapsed[1].data(), norm(1), grad, stream.get());
+    stream.synchronize();
+    const auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    };
+    EXPECT_TRUE(same(pre[0].download(), pre[1].download())) << "pre" << where;
+    EXPECT_TRUE(same(post[0].download(), post[1].download())) << "post" << where;
+    EXPECT_TRUE(same(comb[0].download(), comb[1].download())) << "comb" << where;
+    EXPECT_TRUE(same(collapsed[0].download(), collapsed[1].download())) << "collapsed" << where;
+    EXPECT_TRUE(same(normed[0].download(), normed[1].download())) << "normed" << where;
+    EXPECT_TRUE(same(dy[0].download(), dy[1].download())) << "dy" << where;
+    EXPECT_TRUE(same(d_comb[0].download(), d_comb[1].download())) << "d_comb" << where;
+    EXPECT_TRUE(same(d_post[0].download(), d_post[1].download())) << "d_post" << where;
+  }
+  EXPECT_GE(taken, 10);
 }
 
 // hc_combine_mix against hc_combine and then hc_coefficients on its output with the next site's fn:

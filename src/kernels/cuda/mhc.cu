@@ -414,12 +414,14 @@ __device__ __forceinline__ void store_normed(const __nv_bfloat16* collapsed_row,
 // kFromMix: the mix comes from `kept_mix` (written by an earlier call), else it is multiplied here
 // and written to `mix_out` where given. Everything after the mix is the same code either way.
 // norm.normed null: no norm here (the host runs rms_norm_forward after, see hc_norm_fused).
-template <int H, bool kFromMix>
+// kCombine (from the mix, vec): hc_combine_backward's dy, d_comb and d_post too (`grad`), item by
+// item in the collapse's pass over the streams, each sum in that kernel's order (the same bits).
+template <int H, bool kFromMix, bool kCombine = false>
 __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
     hc_coefficients_kernel(const __nv_bfloat16* streams, const uint32_t* fn, const float* kept_mix,
                            float* mix_out, const float* base, const float* scale, float* pre, float* post,
-                           float* comb, __nv_bfloat16* collapsed, HcNorm norm, int64_t tokens, int D,
-                           float rms_eps, float hc_eps, int iters, bool vec) {
+                           float* comb, __nv_bfloat16* collapsed, HcNorm norm, HcCombineGrad grad,
+                           int64_t tokens, int D, float rms_eps, float hc_eps, int iters, bool vec) {
   wait_for_earlier_kernels();
   using T = Tile<H, kFromMix ? Ring::kCollapse : Ring::kMix>;
   constexpr int M = T::M;
@@ -487,13 +489,40 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
   __syncthreads();
   if (vec) {
     // The thread's items through its ring (stage_collapse), kCollapseSlots - 1 in flight (the tile's
-    // x is no longer in L2 by now).
+    // x is no longer in L2 by now); with kCombine, the item's rows of dout and y one item ahead.
     float squares = 0.0f;  // of the lane's items of its warp's current token
+    // kCombine's sums over the lane's items of the token (d_comb [j * H + h]), the token's post, and
+    // the next item's rows of dout (H) and y.
+    [[maybe_unused]] float d_comb[kCombine ? H * H : 1] = {}, d_post[kCombine ? H : 1] = {},
+                                                     po[kCombine ? H : 1] = {};
+    [[maybe_unused]] uint4 grad_rows[kCombine ? H + 1 : 1];
+    const auto load_grad_rows = [&](int k) {
+      if constexpr (kCombine) {
+        const int token = plan.token(k), d = plan.column(k);
+        if (token >= count || d >= D) return;
+        const int64_t t = t0 + token;
+#pragma unroll
+        for (int h = 0; h < H; ++h)
+          grad_rows[h] = *reinterpret_cast<const uint4*>(grad.dout + (t * H + h) * D + d);
+        grad_rows[H] = *reinterpret_cast<const uint4*>(grad.y + t * D + d);
+      }
+    };
+    load_grad_rows(0);
     for (int k = 0; k < plan.rounds; ++k) {
       copy_wait<kCollapseSlots - 2>();  // item k has landed
       // Into the slot of item k - 1, whose values this thread has summed and stored already.
       stage_collapse<H>(x, D, staged, plan, k + kCollapseSlots - 1, ring);
       const int token = plan.token(k), d = plan.column(k);
+      const int64_t t = t0 + token;
+      [[maybe_unused]] uint4 rows[kCombine ? H + 1 : 1];
+      if constexpr (kCombine) {
+        if (k % plan.per_lane == 0 && token < count)
+#pragma unroll
+          for (int h = 0; h < H; ++h) po[h] = post[t * H + h];  // written before the barrier above
+#pragma unroll
+        for (int i = 0; i <= H; ++i) rows[i] = grad_rows[i];
+        load_grad_rows(k + 1);
+      }
       if (token < count && d < D) {
         const uint4* slot = ring + k % kCollapseSlots * H * kThreads + threadIdx.x;
         float v[H][8], out[8];
@@ -506,13 +535,47 @@ __global__ void __launch_bounds__(kThreads, H <= 4 ? 2 : 1)
           out[j] = __bfloat162float(__float2bfloat16(out[j]));  // the norm reads the stored value
           squares = fmaf(out[j], out[j], squares);
         }
-        store<8>(collapsed + (t0 + token) * D + d, out);
+        store<8>(collapsed + t * D + d, out);
+        if constexpr (kCombine) {
+          float yv[8], dyv[8] = {};
+          load<8>(reinterpret_cast<const __nv_bfloat16*>(&rows[H]), yv);
+#pragma unroll
+          for (int h = 0; h < H; ++h) {
+            float g[8];
+            load<8>(reinterpret_cast<const __nv_bfloat16*>(&rows[h]), g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dyv[e] = fmaf(po[h], g[e], dyv[e]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d_post[h] = fmaf(g[e], yv[e], d_post[h]);
+#pragma unroll
+            for (int j = 0; j < H; ++j)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) d_comb[j * H + h] = fmaf(g[e], v[j][e], d_comb[j * H + h]);
+          }
+          store<8>(grad.dy + t * D + d, dyv);
+        }
       }
-      if (norm.normed == nullptr || k % plan.per_lane != plan.per_lane - 1) continue;
-      const float sum = warp_sum(squares);  // the warp's token is complete
+      if (k % plan.per_lane != plan.per_lane - 1) continue;
+      // The warp's token is complete (the same token and branch for every lane).
+      if (norm.normed != nullptr) {
+        const float sum = warp_sum(squares);
+        if (token < count) store_normed(collapsed + t * D, sum, D, plan, norm, norm.normed + t * D);
+      }
       squares = 0.0f;
-      if (token < count)
-        store_normed(collapsed + (t0 + token) * D, sum, D, plan, norm, norm.normed + (t0 + token) * D);
+      if constexpr (kCombine) {
+#pragma unroll
+        for (int i = 0; i < H * H; ++i) {
+          const float sum = warp_sum(d_comb[i]);
+          if (lane == 0 && token < count) grad.d_comb[t * H * H + i] = sum;
+          d_comb[i] = 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const float sum = warp_sum(d_post[h]);
+          if (lane == 0 && token < count) grad.d_post[t * H + h] = sum;
+          d_post[h] = 0.0f;
+        }
+      }
     }
     copy_wait<0>();  // only empty groups are left
     return;
@@ -1390,12 +1453,13 @@ int64_t hc_mix_floats(const cpu::HcShape& s) { return s.tokens * ((2 + s.streams
 
 namespace {
 
-// hc_coefficients_kernel for both entry points: `fn` split (the mix multiplied here) or null with
-// `kept_mix` (the mix loaded); `mix_out` written where given.
+// hc_coefficients_kernel for every entry point: `fn` split (the mix multiplied here) or null with
+// `kept_mix` (the mix loaded); `mix_out` written where given; with grad.dout, the combine's backward
+// too (from the mix, hc_site_backward_fused).
 void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const uint32_t* fn,
                          const float* kept_mix, float* mix_out, const float* base, const float* scale,
                          float* pre, float* post, float* comb, __nv_bfloat16* collapsed, const HcNorm& norm,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const HcCombineGrad& grad = {}) {
   const float rms_eps = static_cast<float>(s.rms_eps), hc_eps = static_cast<float>(s.hc_eps);
   const int iters = static_cast<int>(s.sinkhorn_iters), D = static_cast<int>(s.hidden);
   const bool vec = vector_rows(s, {{streams, 2}, {collapsed, 2}});  // the split fn is a fresh buffer
@@ -1404,11 +1468,14 @@ void launch_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, co
   if (!fused) in_kernel.normed = nullptr;
   const auto launch = [&](auto kernel, size_t bytes) {
     launch_tiled(kernel, s, bytes, stream, "hc_coefficients_kernel", streams, fn, kept_mix, mix_out, base,
-                 scale, pre, post, comb, collapsed, in_kernel, s.tokens, D, rms_eps, hc_eps, iters, vec);
+                 scale, pre, post, comb, collapsed, in_kernel, grad, s.tokens, D, rms_eps, hc_eps, iters,
+                 vec);
   };
   SPINDLE_HC_DISPATCH({
     if (fn != nullptr)
       launch(hc_coefficients_kernel<H, false>, Tile<H>::kCommonBytes);
+    else if (grad.dout != nullptr)
+      launch(hc_coefficients_kernel<H, true, true>, Tile<H, Ring::kCollapse>::kCommonBytes);
     else
       launch(hc_coefficients_kernel<H, true>, Tile<H, Ring::kCollapse>::kCommonBytes);
   })
@@ -1422,6 +1489,25 @@ bool hc_norm_fused(const cpu::HcShape& s, const __nv_bfloat16* streams, const __
                    const HcNorm& norm) {
   return norm.normed != nullptr &&
          vector_rows(s, {{streams, 2}, {collapsed, 2}, {norm.weight, 2}, {norm.normed, 2}});
+}
+
+bool hc_site_backward_fused(const cpu::HcShape& s, const __nv_bfloat16* streams,
+                            const __nv_bfloat16* collapsed, const HcNorm& norm, const HcCombineGrad& grad) {
+  return hc_norm_fused(s, streams, collapsed, norm) && grad.dout != nullptr && grad.y != nullptr &&
+         grad.dy != nullptr && grad.d_comb != nullptr && grad.d_post != nullptr &&
+         vector_rows(s, {{grad.dout, 2}, {grad.y, 2}, {grad.dy, 2}});
+}
+
+void hc_site_backward_inputs(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                             const float* base, const float* scale, float* pre, float* post, float* comb,
+                             __nv_bfloat16* collapsed, const HcNorm& norm, const HcCombineGrad& grad,
+                             cudaStream_t stream) {
+  check_shape(s, "hc_site_backward_inputs");
+  check(hc_site_backward_fused(s, streams, collapsed, norm, grad),
+        "hc_site_backward_inputs: rows not in 16-byte vectors (hc_site_backward_fused)");
+  if (s.tokens == 0) return;
+  launch_coefficients(s, streams, nullptr, mix, nullptr, base, scale, pre, post, comb, collapsed, norm,
+                      stream, grad);
 }
 
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,

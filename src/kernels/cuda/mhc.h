@@ -38,6 +38,16 @@ struct HcNorm {
 bool hc_norm_fused(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* collapsed,
                    const HcNorm& norm);
 
+// What hc_combine_backward writes given y and no dstreams, for hc_site_backward_inputs: dout [tokens,
+// H, D] and y [tokens, D] in; dy (bf16), d_comb and d_post (fp32) out.
+struct HcCombineGrad {
+  const __nv_bfloat16* dout = nullptr;
+  const __nv_bfloat16* y = nullptr;
+  __nv_bfloat16* dy = nullptr;
+  float* d_comb = nullptr;
+  float* d_post = nullptr;
+};
+
 // pre, post, comb (exact Sinkhorn of cpu::hc_coefficients), collapsed = sum_h pre[h] streams[h]
 // (bf16 [tokens, D]) and its norm; all written, and the mix (hc_mix_floats) where `mix` is given.
 void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* fn, const float* base,
@@ -49,6 +59,16 @@ void hc_coefficients(const cpu::HcShape& s, const __nv_bfloat16* streams, const 
 void hc_coefficients_from_mix(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
                               const float* base, const float* scale, float* pre, float* post, float* comb,
                               __nv_bfloat16* collapsed, const HcNorm& norm, cudaStream_t stream);
+
+// A site's backward inputs in one pass over its streams: hc_coefficients_from_mix (the norm in the
+// collapse) and hc_combine_backward's dy, d_comb and d_post from `grad`, the same bits as the two
+// calls. Where hc_site_backward_fused: rows in 16-byte vectors.
+bool hc_site_backward_fused(const cpu::HcShape& s, const __nv_bfloat16* streams,
+                            const __nv_bfloat16* collapsed, const HcNorm& norm, const HcCombineGrad& grad);
+void hc_site_backward_inputs(const cpu::HcShape& s, const __nv_bfloat16* streams, const float* mix,
+                             const float* base, const float* scale, float* pre, float* post, float* comb,
+                             __nv_bfloat16* collapsed, const HcNorm& norm, const HcCombineGrad& grad,
+                             cudaStream_t stream);
 
 // out[t, h, :] = post[t, h] * y[t, :] + sum_j comb[t, j, h] * streams[t, j, :] (bf16, written).
 void hc_combine(const cpu::HcShape& s, const __nv_bfloat16* streams, const __nv_bfloat16* y,

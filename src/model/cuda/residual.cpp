@@ -24,10 +24,12 @@ struct SiteActivations {
 };
 
 // With `kept` holding a site's mix (taken), the coefficients come from it; else from the product,
-// which writes the mix out where `with_mix`.
+// which writes the mix out where `with_mix`. `combine_grad`: the backward's, computed in the same pass
+// where the coefficients come from the kept mix and hc_site_backward_fused; returns whether it was.
 SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams, bool with_mix,
-                            SiteMix* kept = nullptr) {
+                            SiteMix* kept = nullptr, const HcCombineGrad* combine_grad = nullptr,
+                            bool* combined = nullptr) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const TimedScope timed = ctx.timed("mhc");
@@ -46,7 +48,14 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   a.collapsed = activations(L * D);
   a.normed = activations(L * D);
   const HcNorm site_norm{bf16_data(norm), a.normed.data(), static_cast<float>(c.rms_norm_eps)};
-  if (from_mix) {
+  const bool combine = from_mix && combine_grad != nullptr &&
+                       hc_site_backward_fused(shape, streams, a.collapsed.data(), site_norm, *combine_grad);
+  if (combined != nullptr) *combined = combine;
+  if (combine) {
+    hc_site_backward_inputs(shape, streams, a.mix.data(), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
+                            a.post.data(), a.comb.data(), a.collapsed.data(), site_norm, *combine_grad,
+                            ctx.stream());
+  } else if (from_mix) {
     hc_coefficients_from_mix(shape, streams, a.mix.data(), f32_data(hc.base), f32_data(hc.scale),
                              a.pre.data(), a.post.data(), a.comb.data(), a.collapsed.data(), site_norm,
                              ctx.stream());
@@ -111,19 +120,34 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const cudaStream_t s = ctx.stream();
-  SiteActivations a = site_inputs(ctx, c, hc, norm, L, streams, true, kept_mix);
   const bool y_kept = kept_y != nullptr && kept_y->size() != 0;
   check(!y_kept || kept_y->size() == static_cast<size_t>(L * D), "residual site backward: a kept output of ",
         y_kept ? kept_y->size() : 0, " values for ", L, " tokens");
   DeviceBuffer<bf16> y = y_kept ? std::move(*kept_y) : activations(L * D);
+  // The combine's backward: with y kept, in the site inputs' pass over the streams where it can
+  // (its outputs allocated first), else a pass of its own once the sublayer has made y again.
+  DeviceBuffer<bf16> dy;
+  DeviceBuffer<float> d_post, d_comb;
+  const auto combine_outputs = [&] {
+    dy = activations(L * D);
+    d_post = activations_f32(L * H);
+    d_comb = activations_f32(L * H * H);
+  };
+  if (y_kept) combine_outputs();
+  const HcCombineGrad combine_grad{dstreams.data(), y.data(), dy.data(), d_comb.data(), d_post.data()};
+  bool combined = false;
+  SiteActivations a =
+      site_inputs(ctx, c, hc, norm, L, streams, true, kept_mix, y_kept ? &combine_grad : nullptr, &combined);
   if (sublayer && !y_kept) sublayer(a.normed.data(), y.data());
   const bool y_before = sublayer || y_kept;  // else the sublayer's backward recomputes it
 
   DeviceBuffer<bf16> d_in = activations(L * H * D);
-  DeviceBuffer<float> d_post = activations_f32(L * H), d_comb = activations_f32(L * H * H),
-                      d_normed = activations_f32(L * D);
-  DeviceBuffer<bf16> dy = activations(L * D);
-  {
+  DeviceBuffer<float> d_normed = activations_f32(L * D);
+  if (!y_kept) combine_outputs();
+  ctx.record.note("mhc/combine_backward",
+                  combined ? "cuda in the site inputs' pass over the streams (hc_site_backward_inputs)"
+                           : "cuda hc_combine_backward, a pass of its own");
+  if (!combined) {
     const TimedScope timed = ctx.timed("mhc");
     // d_post comes here, while dout is read anyway, when y is known already (kept, or recomputed above).
     // The combine's part of the streams' gradient comes with the coefficients' below (d_in written once).
