@@ -142,6 +142,24 @@ int main(int argc, char** argv) {
                                    dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
              },
              5));
+  // A site's backward inputs as the model runs them where y is kept: the two calls, and one pass.
+  report("from_mix normed + combine bwd", 3 * bf16_streams + 4 * row,
+         median_ms(
+             [&] {
+               from_mix(norm);
+               hc_combine_backward(s, streams.data(), post.data(), comb.data(), dout.data(), nullptr,
+                                   dy.data(), d_comb.data(), nullptr, y.data(), d_post.data());
+             },
+             5));
+  report("hc_site_backward_inputs", 2 * bf16_streams + 4 * row,
+         median_ms(
+             [&] {
+               hc_site_backward_inputs(s, streams.data(), mix.data(), base.data(), scale.data(), pre.data(),
+                                       post.data(), comb.data(), collapsed.data(), norm,
+                                       {dout.data(), y.data(), dy.data(), d_comb.data(), d_post.data()},
+                                       nullptr);
+             },
+             5));
   report("hc_post_gradient", bf16_streams + row,
          median_ms([&] { hc_post_gradient(s, y.data(), dout.data(), d_post.data(), nullptr); }, 5));
   report("hc_coefficients_backward", 3 * bf16_streams + row,
