@@ -363,12 +363,10 @@ __device__ void load_mix(const float* mix, int64_t t0, int count, float* raw, in
   copy_commit();
 }
 
-// Item k of the calling thread in the forward's collapse (vec: D % 8 == 0, 16-byte aligned rows):
-// token e / (D / 8), 8 columns e % (D / 8) 8, e = threadIdx.x + k kThreads; its vector of each of the
-// The order a thread takes the collapse's items (8 columns of a token) in: warp w takes the tile's
-// tokens w, w + kWarps, ..., and in each its lane l the items l, l + 32, ... (per_lane of them; the
-// last ones past D where D / 8 is not a multiple of 32). A token is one warp's, so its norm needs the
-// warp's sum of squares alone: no barrier in the collapse.
+// The order a thread takes the collapse's items in (vec: D % 8 == 0, 16-byte aligned rows; an item is
+// 8 columns of a token): warp w takes the tile's tokens w, w + kWarps, ..., and in each its lane l the
+// items l, l + 32, ... (per_lane of them; the last ones past D where D / 8 is not a multiple of 32). A
+// token is one warp's, so its norm needs the warp's sum of squares alone: no barrier in the collapse.
 struct CollapsePlan {
   int per_lane, rounds;
   __device__ explicit CollapsePlan(int D)
