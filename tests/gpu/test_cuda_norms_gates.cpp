@@ -177,8 +177,9 @@ const StridedCase kStridedCases[] = {{3001, 1024, 1792, 0, 1536, 0},  {3001, 512
                                      {77, 4100, 4104, 4, 8300, 4200}, {129, 64, 96, 32, 64, 0}};
 
 // The columns [col, col + D) of every row of a [rows, ld] buffer.
-std::vector<float> columns(const std::vector<float>& all, const StridedCase& c, int64_t ld, int64_t col) {
-  std::vector<float> out(static_cast<size_t>(c.rows * c.D));
+template <class T>
+std::vector<T> columns(const std::vector<T>& all, const StridedCase& c, int64_t ld, int64_t col) {
+  std::vector<T> out(static_cast<size_t>(c.rows * c.D));
   for (int64_t r = 0; r < c.rows; ++r)
     for (int64_t j = 0; j < c.D; ++j) out[r * c.D + j] = all[r * ld + col + j];
   return out;
@@ -226,15 +227,10 @@ TEST(CudaNormsGates, RmsAndLayerNormsOverColumnsOfWiderRows) {
     cpu::rms_norm(xd.data(), wd.data(), y_ref.data(), R, D, 1e-6);
     cpu::rms_norm_backward(xd.data(), wd.data(), dyd.data(), dx_ref.data(), dw_ref.data(), R, D, 1e-6);
     cpu::layer_norm(xd.data(), wd.data(), bd.data(), ln_ref.data(), R, D, 1e-5);
-    const auto to_floats = [](const std::vector<bf16>& v) {
-      std::vector<float> f(v.size());
-      for (size_t i = 0; i < v.size(); ++i) f[i] = __bfloat162float(v[i]);
-      return f;
-    };
     const std::vector<bf16> y_all = y.download(), dx_all = dx.download();
-    EXPECT_LT(relative_error(columns(to_floats(y_all), c, c.out_ld, c.out_col), y_ref), kBf16Bound)
+    EXPECT_LT(relative_error(columns(y_all, c, c.out_ld, c.out_col), y_ref), kBf16Bound)
         << "rms y" << where(c);
-    EXPECT_LT(relative_error(columns(to_floats(dx_all), c, c.out_ld, c.out_col), dx_ref), kBf16Bound)
+    EXPECT_LT(relative_error(columns(dx_all, c, c.out_ld, c.out_col), dx_ref), kBf16Bound)
         << "rms dx" << where(c);
     EXPECT_TRUE(untouched_outside(y_all, c, c.out_ld, c.out_col, kFill)) << "rms y" << where(c);
     EXPECT_TRUE(untouched_outside(dx_all, c, c.out_ld, c.out_col, kFill)) << "rms dx" << where(c);

@@ -17,19 +17,19 @@ cpu::HcShape hc_shape(const ModelConfig& c, int64_t L) {
 }
 
 // The site's mix (where asked for or kept), coefficients, collapsed input and normalised sublayer
-// input.
+// input; combined: the combine's backward came in the same pass (site_inputs' combine_grad).
 struct SiteActivations {
   DeviceBuffer<float> mix, pre, post, comb;
   DeviceBuffer<bf16> collapsed, normed;
+  bool combined = false;
 };
 
 // With `kept` holding a site's mix (taken), the coefficients come from it; else from the product,
 // which writes the mix out where `with_mix`. `combine_grad`: the backward's, computed in the same pass
-// where the coefficients come from the kept mix and hc_site_backward_fused; returns whether it was.
+// where the coefficients come from the kept mix and hc_site_backward_fused.
 SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConnectionWeights& hc,
                             const Tensor& norm, int64_t L, const bf16* streams, bool with_mix,
-                            SiteMix* kept = nullptr, const HcCombineGrad* combine_grad = nullptr,
-                            bool* combined = nullptr) {
+                            SiteMix* kept = nullptr, const HcCombineGrad* combine_grad = nullptr) {
   const int64_t H = c.hc_mult, D = c.hidden_size;
   const cpu::HcShape shape = hc_shape(c, L);
   const TimedScope timed = ctx.timed("mhc");
@@ -48,10 +48,9 @@ SiteActivations site_inputs(Context& ctx, const ModelConfig& c, const HyperConne
   a.collapsed = activations(L * D);
   a.normed = activations(L * D);
   const HcNorm site_norm{bf16_data(norm), a.normed.data(), static_cast<float>(c.rms_norm_eps)};
-  const bool combine = from_mix && combine_grad != nullptr &&
-                       hc_site_backward_fused(shape, streams, a.collapsed.data(), site_norm, *combine_grad);
-  if (combined != nullptr) *combined = combine;
-  if (combine) {
+  a.combined = from_mix && combine_grad != nullptr &&
+               hc_site_backward_fused(shape, streams, a.collapsed.data(), site_norm, *combine_grad);
+  if (a.combined) {
     hc_site_backward_inputs(shape, streams, a.mix.data(), f32_data(hc.base), f32_data(hc.scale), a.pre.data(),
                             a.post.data(), a.comb.data(), a.collapsed.data(), site_norm, *combine_grad,
                             ctx.stream());
@@ -135,9 +134,8 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   };
   if (y_kept) combine_outputs();
   const HcCombineGrad combine_grad{dstreams.data(), y.data(), dy.data(), d_comb.data(), d_post.data()};
-  bool combined = false;
   SiteActivations a =
-      site_inputs(ctx, c, hc, norm, L, streams, true, kept_mix, y_kept ? &combine_grad : nullptr, &combined);
+      site_inputs(ctx, c, hc, norm, L, streams, true, kept_mix, y_kept ? &combine_grad : nullptr);
   if (sublayer && !y_kept) sublayer(a.normed.data(), y.data());
   const bool y_before = sublayer || y_kept;  // else the sublayer's backward recomputes it
 
@@ -145,9 +143,9 @@ void residual_site_backward(Context& ctx, const ModelConfig& c, const HyperConne
   DeviceBuffer<float> d_normed = activations_f32(L * D);
   if (!y_kept) combine_outputs();
   ctx.record.note("mhc/combine_backward",
-                  combined ? "cuda in the site inputs' pass over the streams (hc_site_backward_inputs)"
-                           : "cuda hc_combine_backward, a pass of its own");
-  if (!combined) {
+                  a.combined ? "cuda in the site inputs' pass over the streams (hc_site_backward_inputs)"
+                             : "cuda hc_combine_backward, a pass of its own");
+  if (!a.combined) {
     const TimedScope timed = ctx.timed("mhc");
     // d_post comes here, while dout is read anyway, when y is known already (kept, or recomputed above).
     // The combine's part of the streams' gradient comes with the coefficients' below (d_in written once).
